@@ -1,0 +1,83 @@
+// Model geometry: layer kinds, head shapes, window and context, validation
+// with errors that name the field, and a stable fingerprint.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvring/status.h"
+
+namespace kvring {
+
+// The numeric values are part of the kvpack format; never reuse one.
+enum class LayerKind : std::uint8_t {
+  kSlidingRope = 0,  // sliding-window attention with RoPE: a fixed ring
+  kFullNope = 1,     // full attention without RoPE: a growing plane
+};
+
+const char* layer_kind_name(LayerKind kind);
+
+// Bounds that keep every derived size far inside 64-bit arithmetic and stop
+// absurd configs before they size an allocation.
+inline constexpr std::int64_t kMaxLayers = 1024;
+inline constexpr std::int64_t kMaxHeads = 1024;
+inline constexpr std::int64_t kMaxHeadDim = 1024;
+inline constexpr std::int64_t kMaxContext = std::int64_t{1} << 24;
+// Every plane holds at least this many rows (DESIGN.md: max(32, ...)).
+inline constexpr std::int64_t kMinPlaneRows = 32;
+
+struct ModelConfig {
+  std::string name;
+  std::int64_t n_layers = 0;
+  std::int64_t n_heads = 0;     // query heads
+  std::int64_t n_kv_heads = 0;  // key/value heads (GQA groups)
+  std::int64_t head_dim = 0;
+  std::int64_t sliding_window = 0;
+  std::int64_t max_context = 0;
+  std::vector<LayerKind> layer_kinds;  // one per layer
+  double rope_theta = 10000.0;         // used by the reference model only
+
+  std::int64_t kv_dim() const { return n_kv_heads * head_dim; }
+  std::int64_t gqa_group() const { return n_heads / n_kv_heads; }
+  std::int64_t count(LayerKind kind) const;
+  LayerKind kind(std::int64_t layer) const { return layer_kinds[static_cast<std::size_t>(layer)]; }
+
+  // Rows of the plane for `layer` in a cache sized for `context` tokens
+  // (context <= max_context): sliding max(32, min(context, W)), full
+  // max(32, context).
+  std::int64_t plane_capacity(std::int64_t layer, std::int64_t context) const;
+  std::int64_t plane_capacity(LayerKind kind, std::int64_t context) const;
+
+  // Checks every field; the error names the field.
+  Status validate() const;
+
+  // SHA-256 over a canonical encoding of the geometry (not the name, not
+  // rope_theta): equal fingerprints mean caches are interchangeable.
+  std::array<std::uint8_t, 32> fingerprint() const;
+  std::string fingerprint_hex() const;
+};
+
+// Presets by name; "muse-glimmer" is the reference geometry.
+Result<ModelConfig> preset_config(std::string_view name);
+std::vector<std::string> preset_names();
+
+// A hybrid geometry where layer l is full when l % full_every == full_every-1.
+ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
+                               std::int64_t full_every, std::int64_t n_heads,
+                               std::int64_t n_kv_heads, std::int64_t head_dim,
+                               std::int64_t sliding_window,
+                               std::int64_t max_context);
+
+// Hugging Face style config.json (Gemma 3, Cohere 2, gpt-oss shapes).
+Result<ModelConfig> parse_hf_config(std::string_view json_text,
+                                    std::string name = "config");
+Result<ModelConfig> load_hf_config(const std::string& path);
+
+// `--model NAME` or `--config PATH`: exactly one of them non-empty.
+Result<ModelConfig> resolve_config(const std::string& model_name,
+                                   const std::string& config_path);
+
+}  // namespace kvring

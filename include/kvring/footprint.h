@@ -1,0 +1,35 @@
+// Memory footprint of a model's KV cache, from the config alone. Equal to
+// what the backends allocate (KvCache::allocated_bytes).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kvring/config.h"
+#include "kvring/status.h"
+
+namespace kvring {
+
+struct Footprint {
+  std::int64_t context = 0;
+  std::int64_t slots = 0;
+  std::int64_t n_sliding = 0;
+  std::int64_t n_full = 0;
+  std::int64_t bytes_per_token = 0;  // K + V, f16, all layers
+  std::int64_t sliding_rows = 0;     // rows per sliding plane
+  std::int64_t full_rows = 0;        // rows per full plane
+  std::int64_t sliding_bytes = 0;    // all sliding planes of one slot
+  std::int64_t full_bytes = 0;       // all full planes of one slot
+  std::int64_t slot_bytes = 0;
+  std::int64_t total_bytes = 0;      // slots * slot_bytes
+};
+
+// Errors: context outside [1, max_context], slots < 1 or absurd.
+Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t context,
+                                    std::int64_t slots);
+
+// "1,826,619,392 B (1.70 GiB, 1.83 GB)"
+std::string format_bytes(std::int64_t bytes);
+std::string with_commas(std::int64_t value);
+
+}  // namespace kvring

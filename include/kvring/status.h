@@ -1,0 +1,107 @@
+// Value-or-error results for the host side of kvring.
+//
+// Every fallible host operation returns Status or Result<T>. Errors carry a
+// code, a message that names what failed and where, and, for continuity
+// errors, the layer and the expected and received positions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace kvring {
+
+enum class ErrorCode {
+  kInvalidArgument,     // bad input from the caller (sizes, names, options)
+  kCacheDiscontinuity,  // a skipped or replayed logical position
+  kCapacityExceeded,    // a full-attention plane asked past its capacity
+  kConfig,              // a model config that is missing or inconsistent
+  kCorruption,          // bytes that do not decode (packs, chunks)
+  kMismatch,            // data for another geometry or model
+  kNotFound,            // a chunk, file or key that is absent
+  kIOError,             // the operating system or a store refused
+  kUnsupported,         // a valid request this build cannot serve
+  kCuda,                // a CUDA runtime call failed
+  kInternal,            // an invariant of kvring itself broke
+};
+
+const char* error_code_name(ErrorCode code);
+
+struct Error {
+  ErrorCode code = ErrorCode::kInternal;
+  std::string message;
+  // Set for kCacheDiscontinuity; -1 otherwise.
+  std::int64_t layer = -1;
+  std::int64_t expected = -1;
+  std::int64_t got = -1;
+
+  // "<code name>: <message>"
+  std::string to_string() const;
+};
+
+Error make_error(ErrorCode code, std::string message);
+Error invalid_argument(std::string message);
+Error config_error(std::string message);
+Error corruption(std::string message);
+Error io_error(std::string message);
+Error cache_discontinuity(std::int64_t layer, std::int64_t expected,
+                          std::int64_t got);
+
+// Status: ok, or an Error.
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(Error error) : error_(std::move(error)), ok_(false) {}  // NOLINT
+
+  static Status Ok() { return Status(); }
+  bool ok() const { return ok_; }
+  explicit operator bool() const { return ok_; }
+  const Error& error() const { return error_; }
+  std::string to_string() const { return ok_ ? "ok" : error_.to_string(); }
+
+ private:
+  Error error_;
+  bool ok_ = true;
+};
+
+// Result<T>: a T, or an Error.
+template <class T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : v_(std::move(value)) {}      // NOLINT
+  Result(Error error) : v_(std::move(error)) {}  // NOLINT
+  Result(Status status) : v_(status.error()) {}  // NOLINT: only from a failed Status
+
+  bool ok() const { return v_.index() == 0; }
+  explicit operator bool() const { return ok(); }
+  T& value() & { return std::get<0>(v_); }
+  const T& value() const& { return std::get<0>(v_); }
+  T&& value() && { return std::get<0>(std::move(v_)); }
+  T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+  T* operator->() { return &value(); }
+  const T* operator->() const { return &value(); }
+  const Error& error() const { return std::get<1>(v_); }
+  Status status() const { return ok() ? Status() : Status(error()); }
+
+ private:
+  std::variant<T, Error> v_;
+};
+
+inline const Error& error_of(const Status& s) { return s.error(); }
+template <class T>
+const Error& error_of(const Result<T>& r) {
+  return r.error();
+}
+
+}  // namespace kvring
+
+// Propagate a failed Status or Result from the enclosing function, which
+// returns Status or Result<U>.
+#define KVRING_RETURN_IF_ERROR(expr)                      \
+  do {                                                    \
+    const auto& kvring_status_ = (expr);                  \
+    if (!kvring_status_.ok())                             \
+      return ::kvring::Status(::kvring::error_of(kvring_status_)); \
+  } while (0)

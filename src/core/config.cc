@@ -1,0 +1,265 @@
+#include "kvring/config.h"
+
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kvring/sha256.h"
+
+namespace kvring {
+
+const char* layer_kind_name(LayerKind kind) {
+  switch (kind) {
+    case LayerKind::kSlidingRope: return "SlidingRope";
+    case LayerKind::kFullNope: return "FullNope";
+  }
+  return "Unknown";
+}
+
+std::int64_t ModelConfig::count(LayerKind k) const {
+  std::int64_t n = 0;
+  for (LayerKind x : layer_kinds) n += (x == k);
+  return n;
+}
+
+std::int64_t ModelConfig::plane_capacity(LayerKind k, std::int64_t context) const {
+  if (k == LayerKind::kSlidingRope)
+    return std::max(kMinPlaneRows, std::min(context, sliding_window));
+  return std::max(kMinPlaneRows, context);
+}
+
+std::int64_t ModelConfig::plane_capacity(std::int64_t layer, std::int64_t context) const {
+  return plane_capacity(kind(layer), context);
+}
+
+namespace {
+
+Status check_range(const char* field, std::int64_t value, std::int64_t lo,
+                   std::int64_t hi) {
+  if (value < lo || value > hi)
+    return config_error(std::string(field) + " = " + std::to_string(value) +
+                        " is out of range [" + std::to_string(lo) + ", " +
+                        std::to_string(hi) + "]");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ModelConfig::validate() const {
+  KVRING_RETURN_IF_ERROR(check_range("num_hidden_layers", n_layers, 1, kMaxLayers));
+  KVRING_RETURN_IF_ERROR(check_range("num_attention_heads", n_heads, 1, kMaxHeads));
+  KVRING_RETURN_IF_ERROR(check_range("num_key_value_heads", n_kv_heads, 1, kMaxHeads));
+  KVRING_RETURN_IF_ERROR(check_range("head_dim", head_dim, 1, kMaxHeadDim));
+  KVRING_RETURN_IF_ERROR(check_range("max_position_embeddings", max_context, 1, kMaxContext));
+  if (n_heads % n_kv_heads != 0)
+    return config_error("num_attention_heads = " + std::to_string(n_heads) +
+                        " is not a multiple of num_key_value_heads = " +
+                        std::to_string(n_kv_heads));
+  if (static_cast<std::int64_t>(layer_kinds.size()) != n_layers)
+    return config_error("layer_types has " + std::to_string(layer_kinds.size()) +
+                        " entries but num_hidden_layers = " + std::to_string(n_layers));
+  for (std::size_t i = 0; i < layer_kinds.size(); ++i) {
+    if (layer_kinds[i] != LayerKind::kSlidingRope && layer_kinds[i] != LayerKind::kFullNope)
+      return config_error("layer_types[" + std::to_string(i) + "] is not a known layer kind");
+  }
+  if (count(LayerKind::kSlidingRope) > 0)
+    KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 1, kMaxContext));
+  else if (sliding_window < 0)
+    return config_error("sliding_window = " + std::to_string(sliding_window) + " is negative");
+  return Status::Ok();
+}
+
+std::array<std::uint8_t, 32> ModelConfig::fingerprint() const {
+  // Canonical text: field order and spelling are frozen (version 1).
+  std::ostringstream s;
+  s << "kvring-geometry-v1;layers=" << n_layers << ";heads=" << n_heads
+    << ";kv_heads=" << n_kv_heads << ";head_dim=" << head_dim
+    << ";window=" << sliding_window << ";max_context=" << max_context << ";kinds=";
+  for (LayerKind k : layer_kinds) s << static_cast<int>(k);
+  const std::string text = s.str();
+  return sha256(text.data(), text.size());
+}
+
+std::string ModelConfig::fingerprint_hex() const { return to_hex(fingerprint()); }
+
+ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
+                               std::int64_t full_every, std::int64_t n_heads,
+                               std::int64_t n_kv_heads, std::int64_t head_dim,
+                               std::int64_t sliding_window,
+                               std::int64_t max_context) {
+  ModelConfig c;
+  c.name = std::move(name);
+  c.n_layers = n_layers;
+  c.n_heads = n_heads;
+  c.n_kv_heads = n_kv_heads;
+  c.head_dim = head_dim;
+  c.sliding_window = sliding_window;
+  c.max_context = max_context;
+  for (std::int64_t l = 0; l < n_layers; ++l)
+    c.layer_kinds.push_back(full_every > 0 && l % full_every == full_every - 1
+                                ? LayerKind::kFullNope
+                                : LayerKind::kSlidingRope);
+  return c;
+}
+
+std::vector<std::string> preset_names() { return {"muse-glimmer"}; }
+
+Result<ModelConfig> preset_config(std::string_view name) {
+  if (name == "muse-glimmer")
+    return make_hybrid_config("muse-glimmer", 52, 4, 16, 2, 128, 2048, 131072);
+  std::string known;
+  for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+  return invalid_argument("unknown model '" + std::string(name) +
+                          "' (known presets: " + known + "; or pass --config FILE)");
+}
+
+namespace {
+
+using nlohmann::json;
+
+// Reads an integer field; absent -> `fallback` (or an error when required).
+Result<std::int64_t> int_field(const json& j, const char* field, bool required,
+                               std::int64_t fallback = 0) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) {
+    if (required) return config_error("missing field '" + std::string(field) + "'");
+    return fallback;
+  }
+  if (it->is_number_integer()) return it->get<std::int64_t>();
+  if (it->is_number_unsigned()) {
+    auto u = it->get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      return config_error("field '" + std::string(field) + "' is too large");
+    return static_cast<std::int64_t>(u);
+  }
+  if (it->is_number_float()) {
+    double d = it->get<double>();
+    if (d == static_cast<double>(static_cast<std::int64_t>(d)) && d >= -1e15 && d <= 1e15)
+      return static_cast<std::int64_t>(d);
+  }
+  return config_error("field '" + std::string(field) + "' must be an integer, got " +
+                      it->dump());
+}
+
+}  // namespace
+
+Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
+  json root;
+  try {
+    root = json::parse(json_text.begin(), json_text.end());
+  } catch (const json::parse_error& e) {
+    return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + e.what());
+  }
+  if (!root.is_object()) return config_error("config is not a JSON object");
+  // Multimodal Gemma 3 configs nest the language model under text_config.
+  const json& j = (root.contains("text_config") && root["text_config"].is_object())
+                      ? root["text_config"]
+                      : root;
+
+  ModelConfig c;
+  c.name = std::move(name);
+  auto layers = int_field(j, "num_hidden_layers", true);
+  if (!layers) return layers.error();
+  c.n_layers = *layers;
+  auto heads = int_field(j, "num_attention_heads", true);
+  if (!heads) return heads.error();
+  c.n_heads = *heads;
+  KVRING_RETURN_IF_ERROR(check_range("num_hidden_layers", c.n_layers, 1, kMaxLayers));
+  KVRING_RETURN_IF_ERROR(check_range("num_attention_heads", c.n_heads, 1, kMaxHeads));
+  auto kv_heads = int_field(j, "num_key_value_heads", false, c.n_heads);
+  if (!kv_heads) return kv_heads.error();
+  c.n_kv_heads = *kv_heads;
+
+  auto head_dim = int_field(j, "head_dim", false, -1);
+  if (!head_dim) return head_dim.error();
+  if (*head_dim == -1 && !(j.contains("head_dim") && !j["head_dim"].is_null())) {
+    auto hidden = int_field(j, "hidden_size", false, -1);
+    if (!hidden) return hidden.error();
+    if (*hidden == -1)
+      return config_error("missing field 'head_dim' (and no 'hidden_size' to derive it from)");
+    if (*hidden <= 0)
+      return config_error("hidden_size = " + std::to_string(*hidden) + " must be positive");
+    if (*hidden % c.n_heads != 0)
+      return config_error("hidden_size = " + std::to_string(*hidden) +
+                          " is not divisible by num_attention_heads = " +
+                          std::to_string(c.n_heads) + " (set head_dim explicitly)");
+    c.head_dim = *hidden / c.n_heads;
+  } else {
+    c.head_dim = *head_dim;
+  }
+
+  auto max_pos = int_field(j, "max_position_embeddings", true);
+  if (!max_pos) return max_pos.error();
+  c.max_context = *max_pos;
+
+  auto window = int_field(j, "sliding_window", false, 0);
+  if (!window) return window.error();
+  c.sliding_window = *window;
+
+  if (j.contains("rope_theta") && j["rope_theta"].is_number())
+    c.rope_theta = j["rope_theta"].get<double>();
+
+  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+    const json& types = j["layer_types"];
+    if (!types.is_array()) return config_error("field 'layer_types' must be an array");
+    for (std::size_t i = 0; i < types.size(); ++i) {
+      const json& t = types[i];
+      std::string s = t.is_string() ? t.get<std::string>() : t.dump();
+      if (s == "sliding_attention" || s == "sliding" || s == "local")
+        c.layer_kinds.push_back(LayerKind::kSlidingRope);
+      else if (s == "full_attention" || s == "full" || s == "global")
+        c.layer_kinds.push_back(LayerKind::kFullNope);
+      else
+        return config_error("layer_types[" + std::to_string(i) + "] = " + t.dump() +
+                            " is not a known layer type (sliding_attention, full_attention)");
+    }
+  } else if (j.contains("sliding_window_pattern") && !j["sliding_window_pattern"].is_null()) {
+    auto pattern = int_field(j, "sliding_window_pattern", true);
+    if (!pattern) return pattern.error();
+    if (*pattern < 1 || *pattern > kMaxLayers)
+      return config_error("sliding_window_pattern = " + std::to_string(*pattern) +
+                          " must be in [1, " + std::to_string(kMaxLayers) + "]");
+    // Every pattern-th layer is global (Gemma 3, Cohere 2): layer l is full
+    // when (l + 1) % pattern == 0.
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      c.layer_kinds.push_back((l + 1) % *pattern == 0 ? LayerKind::kFullNope
+                                                      : LayerKind::kSlidingRope);
+  } else if (c.sliding_window > 0) {
+    return config_error(
+        "sliding_window is set but neither 'layer_types' nor 'sliding_window_pattern' "
+        "says which layers slide");
+  } else {
+    c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
+  }
+  if (c.count(LayerKind::kSlidingRope) > 0 && !(j.contains("sliding_window") &&
+                                                !j["sliding_window"].is_null()))
+    return config_error("missing field 'sliding_window' (the config has sliding layers)");
+  KVRING_RETURN_IF_ERROR(c.validate());
+  return c;
+}
+
+Result<ModelConfig> load_hf_config(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return config_error("cannot read config file '" + path + "'");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return config_error("error reading config file '" + path + "'");
+  auto r = parse_hf_config(ss.str(), path);
+  if (!r) {
+    Error e = r.error();
+    e.message = path + ": " + e.message;
+    return e;
+  }
+  return r;
+}
+
+Result<ModelConfig> resolve_config(const std::string& model_name,
+                                   const std::string& config_path) {
+  if (!model_name.empty() && !config_path.empty())
+    return invalid_argument("give either --model or --config, not both");
+  if (!config_path.empty()) return load_hf_config(config_path);
+  return preset_config(model_name.empty() ? "muse-glimmer" : model_name);
+}
+
+}  // namespace kvring

@@ -1,0 +1,150 @@
+#include "kvring/ring.h"
+
+#include <string>
+
+namespace kvring {
+
+namespace {
+
+Error capacity_exceeded(std::int64_t layer, std::int64_t capacity, std::int64_t last) {
+  return make_error(ErrorCode::kCapacityExceeded,
+                    "layer " + std::to_string(layer) + ": full-attention plane holds " +
+                        std::to_string(capacity) + " positions, asked for position " +
+                        std::to_string(last));
+}
+
+}  // namespace
+
+Result<RingState> RingState::from_parts(std::int64_t capacity, bool wraps, std::int64_t len,
+                                        std::int64_t origin_logical,
+                                        std::int64_t origin_physical) {
+  if (capacity < 1) return invalid_argument("ring capacity " + std::to_string(capacity) + " < 1");
+  if (len < 0 || len > capacity)
+    return invalid_argument("ring len " + std::to_string(len) + " outside [0, " +
+                            std::to_string(capacity) + "]");
+  if (origin_logical < 0)
+    return invalid_argument("ring origin_logical " + std::to_string(origin_logical) + " < 0");
+  if (origin_physical < 0 || origin_physical >= capacity)
+    return invalid_argument("ring origin_physical " + std::to_string(origin_physical) +
+                            " outside [0, " + std::to_string(capacity) + ")");
+  // A ring only moves its origin once it is full; a full plane never does.
+  if (origin_logical > 0 && (len != capacity || !wraps))
+    return invalid_argument("ring origin_logical " + std::to_string(origin_logical) +
+                            " > 0 on a ring that is not a full sliding ring");
+  if (origin_logical == 0 && origin_physical != 0)
+    return invalid_argument("ring origin_physical " + std::to_string(origin_physical) +
+                            " with origin_logical 0");
+  RingState r(capacity, wraps);
+  r.len_ = len;
+  r.origin_logical_ = origin_logical;
+  r.origin_physical_ = origin_physical;
+  return r;
+}
+
+Result<std::int64_t> RingState::append(std::int64_t layer, std::int64_t position) {
+  const std::int64_t expected = next_position();
+  if (position != expected) return cache_discontinuity(layer, expected, position);
+  if (len_ < capacity_) {
+    std::int64_t write = origin_physical_ + len_;
+    if (write >= capacity_) write -= capacity_;
+    ++len_;
+    return write;
+  }
+  if (!wraps_) return capacity_exceeded(layer, capacity_, position);
+  const std::int64_t write = origin_physical_;
+  ++origin_logical_;
+  origin_physical_ = origin_physical_ + 1 == capacity_ ? 0 : origin_physical_ + 1;
+  return write;
+}
+
+Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t start,
+                                             std::int64_t count) const {
+  if (count < 1)
+    return invalid_argument("layer " + std::to_string(layer) + ": batch of " +
+                            std::to_string(count) + " rows");
+  const std::int64_t expected = next_position();
+  if (start != expected) return cache_discontinuity(layer, expected, start);
+  const std::int64_t total = len_ + count;
+  if (!wraps_ && total > capacity_)
+    return capacity_exceeded(layer, capacity_, start + count - 1);
+
+  // State after the batch.
+  const std::int64_t overflow = total > capacity_ ? total - capacity_ : 0;
+  const std::int64_t new_origin_logical = origin_logical_ + overflow;
+  const std::int64_t new_origin_physical = (origin_physical_ + overflow) % capacity_;
+
+  BatchPlacement p;
+  p.first_live = count > capacity_ ? count - capacity_ : 0;
+  p.live_rows = count - p.first_live;
+  // The first live source row's logical position, and its physical slot by
+  // the explicit-origin translation against the post-batch origins.
+  const std::int64_t first_logical = start + p.first_live;
+  std::int64_t phys = (new_origin_physical + (first_logical - new_origin_logical)) % capacity_;
+  std::int64_t remaining = p.live_rows;
+  std::int64_t source = p.first_live;
+  while (remaining > 0) {
+    const std::int64_t run = std::min(remaining, capacity_ - phys);
+    p.spans[static_cast<std::size_t>(p.n_spans++)] = PhysicalSpan{phys, source, run};
+    remaining -= run;
+    source += run;
+    phys = 0;
+  }
+  return p;
+}
+
+void RingState::commit_batch(std::int64_t count) {
+  const std::int64_t total = len_ + count;
+  if (total <= capacity_) {
+    len_ = total;
+    return;
+  }
+  const std::int64_t overflow = total - capacity_;
+  origin_logical_ += overflow;
+  origin_physical_ = (origin_physical_ + overflow) % capacity_;
+  len_ = capacity_;
+}
+
+Result<BatchPlacement> RingState::append_batch(std::int64_t layer, std::int64_t start,
+                                               std::int64_t count) {
+  auto p = plan_batch(layer, start, count);
+  if (p) commit_batch(count);
+  return p;
+}
+
+LiveSpans RingState::spans(std::int64_t first, std::int64_t count) const {
+  LiveSpans s;
+  if (count <= 0) return s;
+  std::int64_t phys = physical(first);
+  std::int64_t remaining = count;
+  std::int64_t offset = first - origin_logical_;
+  while (remaining > 0) {
+    const std::int64_t run = std::min(remaining, capacity_ - phys);
+    s.spans[static_cast<std::size_t>(s.n_spans++)] = PhysicalSpan{phys, offset, run};
+    remaining -= run;
+    offset += run;
+    phys = 0;
+  }
+  return s;
+}
+
+Result<RingState> RingState::sequential(std::int64_t capacity, bool wraps, std::int64_t next) {
+  if (capacity < 1) return invalid_argument("ring capacity " + std::to_string(capacity) + " < 1");
+  if (next < 0) return invalid_argument("ring position " + std::to_string(next) + " < 0");
+  if (!wraps && next > capacity)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "full-attention plane holds " + std::to_string(capacity) +
+                          " positions, asked for " + std::to_string(next));
+  RingState r(capacity, wraps);
+  if (next <= capacity) {
+    r.len_ = next;
+    return r;
+  }
+  r.len_ = capacity;
+  r.origin_logical_ = next - capacity;
+  // Rotation of a sequentially built ring: the slot position origin_logical
+  // received when it was appended. This is the restore rotation of DESIGN.md.
+  r.origin_physical_ = r.origin_logical_ % capacity;
+  return r;
+}
+
+}  // namespace kvring

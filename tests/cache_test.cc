@@ -1,0 +1,187 @@
+// CPU planes: store one token and store a batch, both layouts, read back by
+// logical position across wraps; failures leave the cache unchanged.
+#include "kvring/cache.h"
+
+#include <gtest/gtest.h>
+
+#include "kvring/f16.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+using testing::random_floats;
+using testing::small_config;
+
+struct PlaneBytes {
+  std::vector<std::uint16_t> k, v;
+  bool operator==(const PlaneBytes&) const = default;
+};
+
+PlaneBytes raw(const KvCache& c, std::int64_t layer) {
+  const auto n = static_cast<std::size_t>(c.ring(layer).capacity() * c.config().kv_dim());
+  PlaneBytes b{std::vector<std::uint16_t>(n), std::vector<std::uint16_t>(n)};
+  EXPECT_TRUE(c.read_plane(layer, b.k.data(), b.v.data()).ok());
+  return b;
+}
+
+// Data for logical position p: row p of a long random stream.
+struct Stream {
+  std::int64_t kv_dim;
+  std::vector<float> k, v;
+  Stream(std::int64_t kv, std::int64_t n, std::uint64_t seed)
+      : kv_dim(kv),
+        k(random_floats(static_cast<std::size_t>(kv * n), seed, 4.0f)),
+        v(random_floats(static_cast<std::size_t>(kv * n), seed + 1, 4.0f)) {}
+  const float* krow(std::int64_t p) const { return k.data() + p * kv_dim; }
+  const float* vrow(std::int64_t p) const { return v.data() + p * kv_dim; }
+};
+
+// Every live row, read by logical position, equals what was written; and the
+// raw plane holds it where the layout formula (written out here) says.
+void check_live_rows(const KvCache& c, std::int64_t layer, const Stream& s) {
+  const RingState& r = c.ring(layer);
+  const std::int64_t kv = c.config().kv_dim(), hd = c.config().head_dim;
+  std::vector<std::uint16_t> k(static_cast<std::size_t>(r.len() * kv)), v(k.size());
+  ASSERT_TRUE(c.read_rows(layer, r.origin_logical(), r.len(), k.data(), v.data()).ok());
+  const PlaneBytes plane = raw(c, layer);
+  for (std::int64_t i = 0; i < r.len(); ++i) {
+    const std::int64_t p = r.origin_logical() + i;
+    const std::int64_t phys = r.physical(p);
+    for (std::int64_t e = 0; e < kv; ++e) {
+      const std::uint16_t want_k = f32_to_f16(s.krow(p)[e]);
+      const std::uint16_t want_v = f32_to_f16(s.vrow(p)[e]);
+      ASSERT_EQ(k[static_cast<std::size_t>(i * kv + e)], want_k) << "layer " << layer << " pos " << p;
+      ASSERT_EQ(v[static_cast<std::size_t>(i * kv + e)], want_v);
+      const std::int64_t at = c.layout(layer) == Layout::kTokenMajor
+                                  ? phys * kv + e
+                                  : ((e / hd) * r.capacity() + phys) * hd + e % hd;
+      ASSERT_EQ(plane.k[static_cast<std::size_t>(at)], want_k);
+      ASSERT_EQ(plane.v[static_cast<std::size_t>(at)], want_v);
+    }
+  }
+}
+
+TEST(CpuCache, PlanesHaveTheDesignedShapes) {
+  auto c = make_cpu_cache(*preset_config("muse-glimmer"), {.context = 4096});
+  ASSERT_TRUE(c.ok());
+  for (std::int64_t l = 0; l < 52; ++l) {
+    const bool full = l % 4 == 3;
+    EXPECT_EQ((*c)->layout(l), full ? Layout::kHeadMajor : Layout::kTokenMajor);
+    EXPECT_EQ((*c)->ring(l).capacity(), full ? 4096 : 2048);
+    EXPECT_EQ((*c)->ring(l).wraps(), !full);
+  }
+  auto tiny = make_cpu_cache(small_config(8, 20));
+  ASSERT_TRUE(tiny.ok());
+  EXPECT_EQ((*tiny)->ring(0).capacity(), 32);  // max(32, min(20, 8))
+  EXPECT_EQ((*tiny)->ring(3).capacity(), 32);  // max(32, 20)
+}
+
+TEST(CpuCache, ZeroFilledAtAllocation) {
+  auto c = make_cpu_cache(small_config());
+  ASSERT_TRUE(c.ok());
+  for (std::int64_t l = 0; l < 4; ++l) {
+    PlaneBytes b = raw(**c, l);
+    for (auto x : b.k) ASSERT_EQ(x, 0);
+    for (auto x : b.v) ASSERT_EQ(x, 0);
+  }
+}
+
+// One token at a time and batches of many sizes, across several wraps; the
+// two store paths leave identical plane bytes.
+TEST(CpuCache, StorePathsAgreeAndReadBackAcrossWraps) {
+  const ModelConfig cfg = small_config(32, 200, 4, 4, 2, 16);
+  const std::int64_t n = 200;
+  Stream s(cfg.kv_dim(), n, 42);
+  auto one = make_cpu_cache(cfg);
+  ASSERT_TRUE(one.ok());
+  for (std::int64_t chunk : {1, 3, 7, 32, 33, 64, 199}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    auto batched = make_cpu_cache(cfg);
+    ASSERT_TRUE(batched.ok());
+    for (std::int64_t p = 0; p < n;) {
+      const std::int64_t count = std::min(chunk, n - p);
+      for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+        ASSERT_TRUE((*batched)->store_batch(l, p, count, s.krow(p), s.vrow(p)).ok());
+      if (chunk == 1) {
+        for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+          ASSERT_TRUE((*one)->store_token(l, p, s.krow(p), s.vrow(p)).ok());
+      }
+      p += count;
+      for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+        check_live_rows(**batched, l, s);
+        if (HasFatalFailure()) return;
+      }
+    }
+    for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+      EXPECT_EQ((*batched)->ring(l), (*one)->ring(l));
+      EXPECT_TRUE(raw(**batched, l) == raw(**one, l)) << "layer " << l;
+    }
+  }
+}
+
+TEST(CpuCache, FailuresLeaveTheCacheUnchanged) {
+  const ModelConfig cfg = small_config(32, 64);
+  Stream s(cfg.kv_dim(), 128, 7);
+  auto c = make_cpu_cache(cfg);
+  ASSERT_TRUE(c.ok());
+  KvCache& cache = **c;
+  for (std::int64_t l = 0; l < 4; ++l)
+    ASSERT_TRUE(cache.store_batch(l, 0, 40, s.krow(0), s.vrow(0)).ok());
+  std::vector<PlaneBytes> before;
+  for (std::int64_t l = 0; l < 4; ++l) before.push_back(raw(cache, l));
+  auto unchanged = [&] {
+    for (std::int64_t l = 0; l < 4; ++l) {
+      EXPECT_EQ(cache.ring(l).next_position(), 40);
+      EXPECT_TRUE(raw(cache, l) == before[static_cast<std::size_t>(l)]);
+    }
+  };
+  // Skipped and replayed positions.
+  for (std::int64_t bad : {41, 39, 0}) {
+    Status st = cache.store_token(1, bad, s.krow(0), s.vrow(0));
+    ASSERT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
+    EXPECT_EQ(st.error().layer, 1);
+    EXPECT_EQ(st.error().expected, 40);
+    EXPECT_EQ(st.error().got, bad);
+    EXPECT_EQ(cache.store_batch(2, bad, 5, s.krow(0), s.vrow(0)).error().code,
+              ErrorCode::kCacheDiscontinuity);
+  }
+  unchanged();
+  // A full plane asked past its capacity (64 positions).
+  EXPECT_EQ(cache.store_batch(3, 40, 25, s.krow(40), s.vrow(40)).error().code,
+            ErrorCode::kCapacityExceeded);
+  // Bad layers, null buffers, empty batches, rows that are not live.
+  EXPECT_EQ(cache.store_token(4, 40, s.krow(0), s.vrow(0)).error().code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(cache.store_token(-1, 40, s.krow(0), s.vrow(0)).error().code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(cache.store_token(0, 40, nullptr, s.vrow(0)).error().code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(cache.store_batch(0, 40, 0, s.krow(0), s.vrow(0)).error().code, ErrorCode::kInvalidArgument);
+  std::vector<std::uint16_t> k(64 * 64), v(64 * 64);
+  EXPECT_FALSE(cache.read_rows(0, 0, 1, k.data(), v.data()).ok());   // overwritten (ring of 32)
+  EXPECT_FALSE(cache.read_rows(0, 39, 2, k.data(), v.data()).ok());  // not yet written
+  EXPECT_TRUE(cache.read_rows(3, 0, 40, k.data(), v.data()).ok());
+  unchanged();
+}
+
+TEST(CpuCache, ResetEmptiesAndZeroFills) {
+  const ModelConfig cfg = small_config();
+  Stream s(cfg.kv_dim(), 50, 3);
+  auto c = make_cpu_cache(cfg);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->store_batch(0, 0, 50, s.krow(0), s.vrow(0)).ok());
+  ASSERT_TRUE((*c)->reset().ok());
+  EXPECT_EQ((*c)->ring(0).len(), 0);
+  EXPECT_EQ((*c)->ring(0).next_position(), 0);
+  for (auto x : raw(**c, 0).k) ASSERT_EQ(x, 0);
+}
+
+TEST(CpuCache, ContextOutsideTheModelIsRefused) {
+  const ModelConfig cfg = small_config(32, 256);
+  EXPECT_FALSE(make_cpu_cache(cfg, {.context = 257}).ok());
+  EXPECT_FALSE(make_cpu_cache(cfg, {.context = -1}).ok());
+  ModelConfig broken = cfg;
+  broken.n_kv_heads = 3;
+  EXPECT_EQ(make_cpu_cache(broken).error().code, ErrorCode::kConfig);
+}
+
+}  // namespace
+}  // namespace kvring

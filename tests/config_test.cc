@@ -1,0 +1,163 @@
+#include "kvring/config.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+namespace kvring {
+namespace {
+
+TEST(Config, MuseGlimmerPreset) {
+  auto c = preset_config("muse-glimmer");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->n_layers, 52);
+  EXPECT_EQ(c->n_heads, 16);
+  EXPECT_EQ(c->n_kv_heads, 2);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->kv_dim(), 256);
+  EXPECT_EQ(c->sliding_window, 2048);
+  EXPECT_EQ(c->max_context, 131072);
+  EXPECT_EQ(c->count(LayerKind::kFullNope), 13);
+  EXPECT_EQ(c->count(LayerKind::kSlidingRope), 39);
+  for (std::int64_t l = 0; l < 52; ++l)
+    EXPECT_EQ(c->kind(l), l % 4 == 3 ? LayerKind::kFullNope : LayerKind::kSlidingRope);
+  EXPECT_TRUE(c->validate().ok());
+  EXPECT_EQ(preset_config("nope").error().code, ErrorCode::kInvalidArgument);
+}
+
+TEST(Config, FingerprintIsStableAndSensitive) {
+  const ModelConfig c = *preset_config("muse-glimmer");
+  // Pinned: a change here breaks every stored pack of this geometry.
+  EXPECT_EQ(c.fingerprint_hex(), c.fingerprint_hex());
+  EXPECT_EQ(c.fingerprint_hex(),
+            "dda7e3c27b75c5cde043119aac207390b9613d6694af5f9e66d0b415a0096b45");
+  ModelConfig renamed = c;
+  renamed.name = "other";
+  EXPECT_EQ(renamed.fingerprint(), c.fingerprint());
+  auto differs = [&](auto mutate) {
+    ModelConfig d = c;
+    mutate(d);
+    return d.fingerprint() != c.fingerprint();
+  };
+  EXPECT_TRUE(differs([](ModelConfig& d) { d.n_layers = 51; d.layer_kinds.pop_back(); }));
+  EXPECT_TRUE(differs([](ModelConfig& d) { d.n_heads = 8; }));
+  EXPECT_TRUE(differs([](ModelConfig& d) { d.n_kv_heads = 4; }));
+  EXPECT_TRUE(differs([](ModelConfig& d) { d.head_dim = 64; }));
+  EXPECT_TRUE(differs([](ModelConfig& d) { d.sliding_window = 4096; }));
+  EXPECT_TRUE(differs([](ModelConfig& d) { d.max_context = 65536; }));
+  EXPECT_TRUE(differs([](ModelConfig& d) { d.layer_kinds[0] = LayerKind::kFullNope; }));
+}
+
+TEST(HfConfig, Gemma3WithPattern) {
+  // Gemma 3 27B's text config: 5 local : 1 global.
+  auto c = parse_hf_config(R"({
+    "model_type": "gemma3", "text_config": {
+      "hidden_size": 5376, "num_hidden_layers": 62, "num_attention_heads": 32,
+      "num_key_value_heads": 16, "head_dim": 128, "sliding_window": 1024,
+      "sliding_window_pattern": 6, "max_position_embeddings": 131072,
+      "rope_theta": 1000000.0}})");
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  EXPECT_EQ(c->n_layers, 62);
+  EXPECT_EQ(c->kv_dim(), 2048);
+  EXPECT_EQ(c->sliding_window, 1024);
+  EXPECT_EQ(c->count(LayerKind::kFullNope), 10);  // layers 5, 11, ..., 59
+  EXPECT_EQ(c->kind(5), LayerKind::kFullNope);
+  EXPECT_EQ(c->kind(4), LayerKind::kSlidingRope);
+  EXPECT_EQ(c->rope_theta, 1000000.0);
+}
+
+TEST(HfConfig, Gemma3WithLayerTypes) {
+  auto c = parse_hf_config(R"({"hidden_size": 1152, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "sliding_window": 512, "max_position_embeddings": 32768,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]})");
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  EXPECT_EQ(c->kind(3), LayerKind::kFullNope);
+  EXPECT_EQ(c->count(LayerKind::kSlidingRope), 3);
+}
+
+TEST(HfConfig, Cohere2) {
+  auto c = parse_hf_config(R"({"model_type": "cohere2", "hidden_size": 4096,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "sliding_window": 4096, "sliding_window_pattern": 4, "max_position_embeddings": 8192})");
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  EXPECT_EQ(c->head_dim, 128);  // hidden_size / num_attention_heads
+  EXPECT_EQ(c->count(LayerKind::kFullNope), 8);
+  EXPECT_EQ(c->kind(3), LayerKind::kFullNope);
+}
+
+TEST(HfConfig, GptOss) {
+  std::string types;
+  for (int i = 0; i < 24; ++i)
+    types += std::string(i ? "," : "") + (i % 2 ? "\"full_attention\"" : "\"sliding_attention\"");
+  auto c = parse_hf_config(R"({"model_type": "gpt_oss", "hidden_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072,
+    "layer_types": [)" + types + "]}");
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  EXPECT_EQ(c->count(LayerKind::kFullNope), 12);
+  EXPECT_EQ(c->kind(0), LayerKind::kSlidingRope);
+  EXPECT_EQ(c->kind(1), LayerKind::kFullNope);
+  EXPECT_EQ(c->kv_dim(), 512);
+}
+
+void expect_error(const std::string& json, const std::string& names) {
+  auto c = parse_hf_config(json);
+  ASSERT_FALSE(c.ok()) << json;
+  EXPECT_EQ(c.error().code, ErrorCode::kConfig);
+  EXPECT_NE(c.error().message.find(names), std::string::npos)
+      << "message '" << c.error().message << "' does not name '" << names << "'";
+}
+
+TEST(HfConfig, ErrorsNameTheField) {
+  const std::string base = R"("num_hidden_layers": 4, "num_attention_heads": 8,
+    "head_dim": 64, "max_position_embeddings": 4096, "sliding_window_pattern": 2)";
+  expect_error("{" + base + R"(, "num_key_value_heads": 3, "sliding_window": 128})",
+               "num_key_value_heads");
+  expect_error("{" + base + R"(, "sliding_window": 0})", "sliding_window");
+  expect_error("{" + base + R"(, "sliding_window": -5})", "sliding_window");
+  expect_error("{" + base + "}", "sliding_window");
+  expect_error(R"({"num_hidden_layers": -4, "num_attention_heads": 8, "head_dim": 64})",
+               "num_hidden_layers");
+  expect_error(R"({"num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": -64,
+    "max_position_embeddings": 4096})", "head_dim");
+  expect_error(R"({"num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 0})", "max_position_embeddings");
+  expect_error(R"({"num_attention_heads": 8, "head_dim": 64, "max_position_embeddings": 9})",
+               "num_hidden_layers");
+  expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 100,
+    "max_position_embeddings": 9})", "hidden_size");
+  expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8,
+    "max_position_embeddings": 9})", "head_dim");
+  expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": "8", "head_dim": 4,
+    "max_position_embeddings": 9})", "num_attention_heads");
+  expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,
+    "max_position_embeddings": 9, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "chunked_attention"]})", "layer_types[1]");
+  expect_error(R"({"num_hidden_layers": 3, "num_attention_heads": 8, "head_dim": 4,
+    "max_position_embeddings": 9, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"]})", "layer_types");
+  expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,)", "malformed JSON");
+  expect_error("[1, 2]", "not a JSON object");
+}
+
+TEST(HfConfig, LoadFromFile) {
+  const std::string path = ::testing::TempDir() + "/kvring_config_test.json";
+  {
+    std::ofstream f(path);
+    f << R"({"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 2,
+      "head_dim": 128, "sliding_window": 2048, "sliding_window_pattern": 4,
+      "max_position_embeddings": 131072})";
+  }
+  auto c = load_hf_config(path);
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  EXPECT_EQ(c->kind(3), LayerKind::kFullNope);
+  auto missing = load_hf_config(path + ".absent");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.error().message.find("cannot read"), std::string::npos);
+  EXPECT_FALSE(resolve_config("muse-glimmer", path).ok());
+  EXPECT_EQ(resolve_config("", "")->name, "muse-glimmer");
+}
+
+}  // namespace
+}  // namespace kvring

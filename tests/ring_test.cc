@@ -1,0 +1,269 @@
+// Ring arithmetic against an independent naive model.
+#include "kvring/ring.h"
+
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <random>
+#include <vector>
+
+namespace kvring {
+namespace {
+
+// The naive model: a deque of (logical, physical) pairs. It fills physical
+// slots 0, 1, 2, ... in order and, once full, reuses the slot of the oldest
+// live row. It never uses the explicit-origin formula.
+struct NaiveRing {
+  std::int64_t capacity;
+  bool wraps;
+  std::int64_t next = 0;
+  std::deque<std::pair<std::int64_t, std::int64_t>> live;
+
+  // Physical slot, or -1 for a capacity error.
+  std::int64_t append() {
+    std::int64_t slot;
+    if (static_cast<std::int64_t>(live.size()) < capacity) {
+      // Before the first wrap the slots fill in order.
+      slot = static_cast<std::int64_t>(live.size());
+    } else {
+      if (!wraps) return -1;
+      slot = live.front().second;
+      live.pop_front();
+    }
+    live.emplace_back(next++, slot);
+    return slot;
+  }
+};
+
+void expect_same(const RingState& r, const NaiveRing& n) {
+  ASSERT_EQ(r.len(), static_cast<std::int64_t>(n.live.size()));
+  ASSERT_EQ(r.next_position(), n.next);
+  if (n.live.empty()) return;
+  ASSERT_EQ(r.origin_logical(), n.live.front().first);
+  ASSERT_EQ(r.origin_physical(), n.live.front().second);
+  for (auto [logical, physical] : n.live) {
+    ASSERT_TRUE(r.holds(logical));
+    ASSERT_EQ(r.physical(logical), physical) << "logical " << logical;
+  }
+  // The live spans enumerate the rows in logical order.
+  LiveSpans s = r.live_spans();
+  std::size_t k = 0;
+  for (int i = 0; i < s.n_spans; ++i)
+    for (std::int64_t j = 0; j < s.spans[i].rows; ++j, ++k) {
+      ASSERT_LT(k, n.live.size());
+      ASSERT_EQ(s.spans[i].physical_first + j, n.live[k].second);
+      ASSERT_EQ(s.spans[i].source_first + j, static_cast<std::int64_t>(k));
+    }
+  ASSERT_EQ(k, n.live.size());
+}
+
+TEST(Ring, WalkthroughAtTheBoundary) {
+  RingState r = RingState::sliding(2048);
+  for (std::int64_t p = 0; p < 2048; ++p) ASSERT_EQ(*r.append(0, p), p);
+  EXPECT_EQ(r.len(), 2048);
+  EXPECT_EQ(r.origin_logical(), 0);
+  EXPECT_EQ(r.origin_physical(), 0);
+  EXPECT_EQ(*r.append(0, 2048), 0);  // first wrap overwrites slot 0
+  EXPECT_EQ(r.origin_logical(), 1);
+  EXPECT_EQ(r.origin_physical(), 1);
+  EXPECT_EQ(*r.append(0, 2049), 1);
+  EXPECT_EQ(r.origin_logical(), 2);
+  EXPECT_EQ(r.origin_physical(), 2);
+}
+
+TEST(Ring, SkippedAndReplayedPositionsFailClosed) {
+  RingState r = RingState::sliding(32);
+  for (std::int64_t p = 0; p < 40; ++p) ASSERT_TRUE(r.append(3, p).ok());
+  const RingState before = r;
+  for (std::int64_t bad : {41, 39, 0, 38, 1000, -1}) {
+    auto res = r.append(3, bad);
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.error().code, ErrorCode::kCacheDiscontinuity);
+    EXPECT_EQ(res.error().layer, 3);
+    EXPECT_EQ(res.error().expected, 40);
+    EXPECT_EQ(res.error().got, bad);
+    EXPECT_EQ(r, before);
+    auto batch = r.append_batch(3, bad, 5);
+    ASSERT_FALSE(batch.ok());
+    EXPECT_EQ(batch.error().code, ErrorCode::kCacheDiscontinuity);
+    EXPECT_EQ(r, before);
+  }
+  EXPECT_FALSE(r.append_batch(3, 40, 0).ok());
+  EXPECT_FALSE(r.append_batch(3, 40, -4).ok());
+  EXPECT_EQ(r, before);
+  EXPECT_EQ(*r.append(3, 40), 40 % 32);
+}
+
+TEST(Ring, FullPlaneRefusesToWrap) {
+  RingState r = RingState::full(32);
+  for (std::int64_t p = 0; p < 32; ++p) ASSERT_EQ(*r.append(0, p), p);
+  const RingState before = r;
+  auto res = r.append(7, 32);
+  ASSERT_FALSE(res.ok());
+  EXPECT_EQ(res.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_NE(res.error().message.find("layer 7"), std::string::npos);
+  EXPECT_EQ(r, before);
+
+  RingState g = RingState::full(100);
+  ASSERT_TRUE(g.append_batch(0, 0, 60).ok());
+  const RingState mid = g;
+  auto big = g.append_batch(0, 60, 41);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(g, mid);
+  auto exact = g.append_batch(0, 60, 40);
+  ASSERT_TRUE(exact.ok());
+  EXPECT_EQ(exact->n_spans, 1);
+  EXPECT_EQ(exact->spans[0].physical_first, 60);
+  EXPECT_EQ(g.origin_logical(), 0);
+  EXPECT_EQ(g.len(), 100);
+}
+
+TEST(Ring, BatchLongerThanCapacityKeepsTheTail) {
+  RingState r = RingState::sliding(32);
+  ASSERT_TRUE(r.append_batch(0, 0, 10).ok());
+  auto p = r.append_batch(0, 10, 100);  // positions 10..109
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->first_live, 68);  // rows 78..109 stay
+  EXPECT_EQ(p->live_rows, 32);
+  EXPECT_EQ(r.origin_logical(), 78);
+  EXPECT_EQ(r.len(), 32);
+  std::int64_t rows = 0;
+  for (int i = 0; i < p->n_spans; ++i) {
+    for (std::int64_t j = 0; j < p->spans[i].rows; ++j)
+      EXPECT_EQ(p->spans[i].physical_first + j, r.physical(10 + p->spans[i].source_first + j));
+    rows += p->spans[i].rows;
+  }
+  EXPECT_EQ(rows, 32);
+}
+
+TEST(Ring, FromPartsChecksInvariants) {
+  EXPECT_TRUE(RingState::from_parts(32, true, 32, 40, 8).ok());
+  EXPECT_FALSE(RingState::from_parts(0, true, 0, 0, 0).ok());
+  EXPECT_FALSE(RingState::from_parts(32, true, 33, 0, 0).ok());
+  EXPECT_FALSE(RingState::from_parts(32, true, 31, 5, 5).ok());   // moved before full
+  EXPECT_FALSE(RingState::from_parts(32, false, 32, 5, 5).ok());  // full planes never move
+  EXPECT_FALSE(RingState::from_parts(32, true, 32, 5, 32).ok());
+  EXPECT_FALSE(RingState::from_parts(32, true, 10, 0, 3).ok());
+  EXPECT_FALSE(RingState::from_parts(32, true, -1, 0, 0).ok());
+}
+
+TEST(Ring, SequentialMatchesAppends) {
+  for (std::int64_t cap : {1, 7, 32, 33}) {
+    RingState r = RingState::sliding(cap);
+    for (std::int64_t p = 0; p < 5 * cap + 3; ++p) {
+      ASSERT_EQ(*RingState::sequential(cap, true, p), r) << cap << " " << p;
+      ASSERT_TRUE(r.append(0, p).ok());
+    }
+  }
+  EXPECT_FALSE(RingState::sequential(32, false, 33).ok());
+  EXPECT_FALSE(RingState::sequential(32, true, -1).ok());
+}
+
+// Long random sequences of appends and batches against the naive model.
+void run_property(std::int64_t capacity, bool wraps, std::uint64_t seed, std::int64_t steps) {
+  std::mt19937_64 rng(seed);
+  RingState r = wraps ? RingState::sliding(capacity) : RingState::full(capacity);
+  NaiveRing n{capacity, wraps, 0, {}};
+  const std::int64_t sizes[] = {1, 7, 512, capacity, capacity + 1, 2 * capacity + 5};
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const int op = static_cast<int>(rng() % 8);
+    const std::int64_t start = r.next_position();
+    if (op == 0) {  // a bad position, refused without change
+      const RingState before = r;
+      const std::int64_t bad = start + (rng() % 2 ? 1 + static_cast<std::int64_t>(rng() % 5)
+                                                  : -1 - static_cast<std::int64_t>(rng() % 3));
+      auto res = rng() % 2 ? r.append(1, bad).status() : r.append_batch(1, bad, 3).status();
+      ASSERT_FALSE(res.ok());
+      ASSERT_EQ(res.error().code, ErrorCode::kCacheDiscontinuity);
+      ASSERT_EQ(res.error().expected, start);
+      ASSERT_EQ(res.error().got, bad);
+      ASSERT_EQ(r, before);
+    } else if (op <= 3) {  // one token
+      const std::int64_t want = n.append();
+      auto got = r.append(0, start);
+      if (want < 0) {
+        ASSERT_FALSE(got.ok());
+        ASSERT_EQ(got.error().code, ErrorCode::kCapacityExceeded);
+        return;  // a full plane ends its session here
+      }
+      ASSERT_TRUE(got.ok());
+      ASSERT_EQ(*got, want);
+    } else {  // a batch
+      const std::int64_t count =
+          op == 4 ? 1 + static_cast<std::int64_t>(rng() % (3 * capacity)) : sizes[rng() % 6];
+      if (!wraps && start + count > capacity) {
+        const RingState before = r;
+        auto res = r.append_batch(0, start, count);
+        ASSERT_FALSE(res.ok());
+        ASSERT_EQ(res.error().code, ErrorCode::kCapacityExceeded);
+        ASSERT_EQ(r, before);
+        continue;
+      }
+      std::vector<std::int64_t> slot(static_cast<std::size_t>(count));
+      for (std::int64_t i = 0; i < count; ++i) slot[static_cast<std::size_t>(i)] = n.append();
+      auto p = r.append_batch(0, start, count);
+      ASSERT_TRUE(p.ok());
+      ASSERT_EQ(p->first_live, std::max<std::int64_t>(0, count - capacity));
+      std::int64_t covered = 0;
+      for (int s = 0; s < p->n_spans; ++s) {
+        const PhysicalSpan& span = p->spans[s];
+        ASSERT_EQ(span.source_first, p->first_live + covered);
+        for (std::int64_t j = 0; j < span.rows; ++j)
+          ASSERT_EQ(span.physical_first + j,
+                    slot[static_cast<std::size_t>(span.source_first + j)]);
+        covered += span.rows;
+      }
+      ASSERT_EQ(covered, p->live_rows);
+      ASSERT_EQ(covered, count - p->first_live);
+    }
+    expect_same(r, n);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(RingProperty, SlidingRingsOfManyCapacities) {
+  std::uint64_t seed = 1234;
+  for (std::int64_t cap : {1, 2, 7, 31, 32, 33, 100, 2048})
+    for (int rep = 0; rep < 3; ++rep) {
+      SCOPED_TRACE("capacity " + std::to_string(cap) + " rep " + std::to_string(rep));
+      run_property(cap, true, seed++, cap >= 2048 ? 400 : 2000);
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(RingProperty, FullPlanesGrowThenRefuse) {
+  std::uint64_t seed = 99;
+  for (std::int64_t cap : {32, 33, 1000, 4096})
+    for (int rep = 0; rep < 4; ++rep) {
+      SCOPED_TRACE("capacity " + std::to_string(cap));
+      run_property(cap, false, seed++, 3000);
+      if (HasFatalFailure()) return;
+    }
+}
+
+// The gate positions: the state around 0, 1, 31, 32, 33 and W-1, W, W+1
+// matches the naive model for one-token and batched arrival alike.
+TEST(RingProperty, GatePositionsUnderEveryChunking) {
+  for (std::int64_t cap : {32, 2048}) {
+    const std::vector<std::int64_t> gates = {0, 1, 31, 32, 33, cap - 1, cap, cap + 1};
+    for (std::int64_t chunk : std::vector<std::int64_t>{1, 7, 512, cap + 3}) {
+      RingState r = RingState::sliding(cap);
+      NaiveRing n{cap, true, 0, {}};
+      for (std::int64_t target : gates) {
+        while (r.next_position() <= target) {
+          const std::int64_t count = std::min(chunk, target + 1 - r.next_position());
+          for (std::int64_t i = 0; i < count; ++i) n.append();
+          ASSERT_TRUE(r.append_batch(0, r.next_position(), count).ok());
+        }
+        SCOPED_TRACE("cap " + std::to_string(cap) + " chunk " + std::to_string(chunk) +
+                     " position " + std::to_string(target));
+        expect_same(r, n);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvring

@@ -1,0 +1,43 @@
+#include "kvring/status.h"
+
+#include <gtest/gtest.h>
+
+namespace kvring {
+namespace {
+
+Result<int> half_of(int x) {
+  if (x % 2 != 0) return invalid_argument("odd " + std::to_string(x));
+  return x / 2;
+}
+
+Status quarter(int x, int* out) {
+  auto h = half_of(x);
+  KVRING_RETURN_IF_ERROR(h);
+  auto q = half_of(*h);
+  KVRING_RETURN_IF_ERROR(q);
+  *out = *q;
+  return Status::Ok();
+}
+
+TEST(Status, PropagatesTheFirstError) {
+  int out = -1;
+  EXPECT_TRUE(quarter(8, &out).ok());
+  EXPECT_EQ(out, 2);
+  Status s = quarter(6, &out);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s.error().message, "odd 3");
+  EXPECT_EQ(s.to_string(), "InvalidArgument: odd 3");
+}
+
+TEST(Status, DiscontinuityCarriesItsFields) {
+  Error e = cache_discontinuity(5, 10, 12);
+  EXPECT_EQ(e.code, ErrorCode::kCacheDiscontinuity);
+  EXPECT_EQ(e.layer, 5);
+  EXPECT_EQ(e.expected, 10);
+  EXPECT_EQ(e.got, 12);
+  EXPECT_NE(e.to_string().find("expected position 10, got 12"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvring

@@ -1,0 +1,80 @@
+// A small command-line option parser: --name VALUE, --name=VALUE and flags,
+// with strict integer parsing and errors that name the option.
+#pragma once
+
+#include <charconv>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kvring/status.h"
+
+namespace kvring::cli {
+
+class Args {
+ public:
+  // `flags` take no value; `options` take one.
+  static Result<Args> parse(const std::vector<std::string>& argv, const std::set<std::string>& flags,
+                            const std::set<std::string>& options) {
+    Args a;
+    for (std::size_t i = 0; i < argv.size(); ++i) {
+      const std::string& s = argv[i];
+      if (s.rfind("--", 0) != 0) {
+        a.positional_.push_back(s);
+        continue;
+      }
+      std::string name = s.substr(2), value;
+      bool has_value = false;
+      if (auto eq = name.find('='); eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+        has_value = true;
+      }
+      if (flags.count(name)) {
+        if (has_value) return invalid_argument("--" + name + " takes no value");
+        a.flags_.insert(name);
+      } else if (options.count(name)) {
+        if (!has_value) {
+          if (i + 1 >= argv.size()) return invalid_argument("--" + name + " needs a value");
+          value = argv[++i];
+        }
+        a.values_[name] = value;
+      } else {
+        return invalid_argument("unknown option --" + name);
+      }
+    }
+    return a;
+  }
+
+  bool flag(const std::string& name) const { return flags_.count(name) > 0; }
+  bool has(const std::string& name) const { return values_.count(name) > 0; }
+  std::string str(const std::string& name, const std::string& fallback = "") const {
+    auto it = values_.find(name);
+    return it == values_.end() ? fallback : it->second;
+  }
+  // A decimal integer in [lo, hi]; absent -> fallback.
+  Result<std::int64_t> integer(const std::string& name, std::int64_t fallback, std::int64_t lo,
+                               std::int64_t hi) const {
+    auto it = values_.find(name);
+    if (it == values_.end()) return fallback;
+    const std::string& s = it->second;
+    std::int64_t v = 0;
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (s.empty() || ec != std::errc() || end != s.data() + s.size())
+      return invalid_argument("--" + name + " must be an integer, got '" + s + "'");
+    if (v < lo || v > hi)
+      return invalid_argument("--" + name + " = " + s + " is outside [" + std::to_string(lo) +
+                              ", " + std::to_string(hi) + "]");
+    return v;
+  }
+  const std::vector<std::string>& positional() const { return positional_; }
+
+ private:
+  std::set<std::string> flags_;
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> positional_;
+};
+
+}  // namespace kvring::cli

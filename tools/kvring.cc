@@ -1,0 +1,145 @@
+// kvring: the command-line tool.
+#include <cstdio>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "args.h"
+#include "kvring/config.h"
+#include "kvring/footprint.h"
+
+namespace kvring::cli {
+namespace {
+
+constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
+
+const char* kUsage = R"(usage: kvring COMMAND [options]
+
+commands:
+  footprint  [--model NAME | --config FILE] [--context N] [--slots N]
+             KV-cache bytes per token, per plane class, per slot and for N
+             slots; without --context, a table for 2048, 32768 and 131072
+  config     [--model NAME | --config FILE]
+             the geometry, layer kinds and fingerprint of a model
+  help       this text
+
+models: muse-glimmer (default), or --config path/to/config.json (Hugging Face
+style: Gemma 3, Cohere 2, gpt-oss)
+)";
+
+int fail(const std::string& message) {
+  std::cerr << "kvring: " << message << "\n";
+  return 2;
+}
+int fail(const Error& e) { return fail(e.to_string()); }
+
+void print_footprint(const ModelConfig& c, const Footprint& f) {
+  std::printf("model %s: %lld layers (%lld sliding, %lld full), kv_dim %lld, window %lld\n",
+              c.name.c_str(), static_cast<long long>(c.n_layers),
+              static_cast<long long>(f.n_sliding), static_cast<long long>(f.n_full),
+              static_cast<long long>(c.kv_dim()), static_cast<long long>(c.sliding_window));
+  std::printf("context %s tokens, %lld slot%s\n", with_commas(f.context).c_str(),
+              static_cast<long long>(f.slots), f.slots == 1 ? "" : "s");
+  std::printf("  bytes per token      %s\n", format_bytes(f.bytes_per_token).c_str());
+  std::printf("  sliding planes       %s  (%lld x %s rows)\n", format_bytes(f.sliding_bytes).c_str(),
+              static_cast<long long>(f.n_sliding), with_commas(f.sliding_rows).c_str());
+  std::printf("  full planes          %s  (%lld x %s rows)\n", format_bytes(f.full_bytes).c_str(),
+              static_cast<long long>(f.n_full), with_commas(f.full_rows).c_str());
+  std::printf("  one slot             %s\n", format_bytes(f.slot_bytes).c_str());
+  std::printf("  %lld slot%s%*s%s\n", static_cast<long long>(f.slots), f.slots == 1 ? " " : "s",
+              static_cast<int>(15 - std::to_string(f.slots).size()), "",
+              format_bytes(f.total_bytes).c_str());
+}
+
+int cmd_footprint(const std::vector<std::string>& argv) {
+  auto args = Args::parse(argv, {}, {"model", "config", "context", "slots"});
+  if (!args) return fail(args.error());
+  if (!args->positional().empty()) return fail("footprint: unexpected argument '" + args->positional()[0] + "'");
+  auto config = resolve_config(args->str("model"), args->str("config"));
+  if (!config) return fail(config.error());
+  auto slots = args->integer("slots", 1, 1, kInt64Max);
+  if (!slots) return fail(slots.error());
+  std::vector<std::int64_t> contexts;
+  if (args->has("context")) {
+    auto ctx = args->integer("context", 0, 1, config->max_context);
+    if (!ctx) return fail(ctx.error().message + " (model '" + config->name + "' holds at most " +
+                          std::to_string(config->max_context) + " positions)");
+    contexts.push_back(*ctx);
+  } else {
+    for (std::int64_t c : {2048, 32768, 131072})
+      if (c <= config->max_context) contexts.push_back(c);
+    if (contexts.empty() || contexts.back() != config->max_context)
+      if (config->max_context < 131072) contexts.push_back(config->max_context);
+  }
+  if (contexts.size() == 1) {
+    auto f = compute_footprint(*config, contexts[0], *slots);
+    if (!f) return fail(f.error());
+    print_footprint(*config, *f);
+    return 0;
+  }
+  std::printf("model %s: %lld layers, %s B per token; %lld slot%s\n", config->name.c_str(),
+              static_cast<long long>(config->n_layers),
+              with_commas(config->n_layers * config->kv_dim() * 4).c_str(),
+              static_cast<long long>(*slots), *slots == 1 ? "" : "s");
+  std::printf("%10s %18s %18s %18s %18s\n", "context", "sliding B", "full B", "slot B", "all slots B");
+  for (std::int64_t ctx : contexts) {
+    auto f = compute_footprint(*config, ctx, *slots);
+    if (!f) return fail(f.error());
+    std::printf("%10s %18s %18s %18s %18s\n", with_commas(ctx).c_str(),
+                with_commas(f->sliding_bytes).c_str(), with_commas(f->full_bytes).c_str(),
+                with_commas(f->slot_bytes).c_str(), with_commas(f->total_bytes).c_str());
+  }
+  for (std::int64_t ctx : contexts) {
+    auto f = compute_footprint(*config, ctx, *slots);
+    std::printf("%10s: slot %s; all slots %s\n", with_commas(ctx).c_str(),
+                format_bytes(f->slot_bytes).c_str(), format_bytes(f->total_bytes).c_str());
+  }
+  return 0;
+}
+
+int cmd_config(const std::vector<std::string>& argv) {
+  auto args = Args::parse(argv, {}, {"model", "config"});
+  if (!args) return fail(args.error());
+  auto c = resolve_config(args->str("model"), args->str("config"));
+  if (!c) return fail(c.error());
+  std::printf("model        %s\n", c->name.c_str());
+  std::printf("layers       %lld (%lld sliding RoPE, %lld full NoPE)\n",
+              static_cast<long long>(c->n_layers),
+              static_cast<long long>(c->count(LayerKind::kSlidingRope)),
+              static_cast<long long>(c->count(LayerKind::kFullNope)));
+  std::printf("heads        %lld query, %lld kv x %lld (kv_dim %lld)\n",
+              static_cast<long long>(c->n_heads), static_cast<long long>(c->n_kv_heads),
+              static_cast<long long>(c->head_dim), static_cast<long long>(c->kv_dim()));
+  std::printf("window       %lld\nmax context  %lld\n", static_cast<long long>(c->sliding_window),
+              static_cast<long long>(c->max_context));
+  std::string kinds;
+  for (LayerKind k : c->layer_kinds) kinds += k == LayerKind::kFullNope ? 'F' : 's';
+  std::printf("kinds        %s\nfingerprint  %s\n", kinds.c_str(), c->fingerprint_hex().c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvring::cli
+
+int main(int argc, char** argv) {
+  using namespace kvring::cli;
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const std::string cmd = argv[1];
+  std::vector<std::string> rest(argv + 2, argv + argc);
+  try {
+    if (cmd == "footprint") return cmd_footprint(rest);
+    if (cmd == "config") return cmd_config(rest);
+    if (cmd == "help" || cmd == "--help" || cmd == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+  } catch (const std::exception& e) {
+    return fail(std::string("internal error: ") + e.what());
+  }
+  std::fputs(kUsage, stderr);
+  return fail("unknown command '" + cmd + "'");
+}
