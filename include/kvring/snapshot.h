@@ -1,0 +1,78 @@
+// Snapshot and restore of a KV cache.
+//
+// A snapshot holds each plane's live rows in logical order (f16 bits) and its
+// ring state. Restore installs them at the rotation a sequentially built ring
+// holds (RingState::sequential), which is the rotation every live ring has,
+// so a restored cache is byte-identical to the live one (seed §15.6: the
+// rotation travels with the cache).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvring/cache.h"
+#include "kvring/config.h"
+#include "kvring/layout.h"
+#include "kvring/ring.h"
+#include "kvring/status.h"
+
+namespace kvring {
+
+// The layout every plane of a layer kind has (sliding: token-major, full:
+// head-major).
+Layout layout_for(LayerKind kind);
+
+struct PlaneSnapshot {
+  LayerKind kind = LayerKind::kSlidingRope;
+  Layout layout = Layout::kTokenMajor;
+  RingState ring;  // as in the source cache
+  // Live rows origin_logical .. origin_logical + len - 1, f16 bits
+  // [ring.len(), kv_dim] each; empty in a header-only snapshot.
+  std::vector<std::uint16_t> k, v;
+};
+
+struct Snapshot {
+  ModelConfig config;               // the geometry (its name is not significant)
+  std::int64_t context = 0;         // positions the source cache was sized for
+  std::int64_t token_count = 0;     // the next position of every plane
+  std::vector<std::int32_t> token_ids;  // empty, or the token_count ids
+  std::string metadata;             // application blob, opaque to kvring
+  std::vector<PlaneSnapshot> planes;    // one per layer, in layer order
+
+  // f16 bytes of K and V over all planes.
+  std::int64_t row_bytes() const;
+};
+
+// Copies every plane's live rows and ring state out of `cache` (token_ids and
+// metadata are left for the caller to fill).
+Result<Snapshot> take_snapshot(const KvCache& cache);
+
+// Checks that a snapshot is self-consistent: geometry, one plane per layer of
+// the right kind, layout and capacity, rings ending at token_count, token ids,
+// and (unless header_only) row buffers of len * kv_dim values.
+Status validate_snapshot(const Snapshot& snapshot, bool header_only = false);
+
+// Checks, without touching `target`, that `header` can be restored into it:
+// the same geometry (a kMismatch naming the first differing field), and for
+// every plane a target ring that the snapshot's rows fill. The target may
+// have a larger context: full planes keep every row; a sliding plane needs
+// the snapshot to hold every row its ring would hold.
+Status check_restorable(const Snapshot& header, const KvCache& target);
+
+// Replaces every plane of `target` with the snapshot's rows. Everything is
+// checked first; on an error in the input the target is left exactly as it
+// was. Should the backend itself fail part-way (a device error), the target
+// is reset to empty and the error says so: it never holds a mix.
+Status restore(const Snapshot& snapshot, KvCache& target);
+
+// The detached install path: a new cache on `backend` (context: the
+// snapshot's, or `context` when non-zero) allocated without the zero-fill,
+// since the install overwrites every row a reader can see and clears the
+// planes it does not fill.
+Result<std::unique_ptr<KvCache>> restore_detached(const Snapshot& snapshot,
+                                                  BackendKind backend = BackendKind::kCpu,
+                                                  std::int64_t context = 0);
+
+}  // namespace kvring

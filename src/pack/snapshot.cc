@@ -1,0 +1,225 @@
+#include "kvring/snapshot.h"
+
+#include <new>
+#include <string>
+
+#include "cpu/parallel.h"
+#include "kvring/backend.h"
+
+namespace kvring {
+
+Layout layout_for(LayerKind kind) {
+  return kind == LayerKind::kSlidingRope ? Layout::kTokenMajor : Layout::kHeadMajor;
+}
+
+std::int64_t Snapshot::row_bytes() const {
+  std::int64_t n = 0;
+  for (const PlaneSnapshot& p : planes) n += p.ring.len() * config.kv_dim() * 2 * 2;
+  return n;
+}
+
+namespace {
+
+std::string layer_str(std::int64_t layer) { return "layer " + std::to_string(layer); }
+
+// Runs fn(layer) for every layer; on the CPU backend the planes are
+// independent, so layers run on all cores. The first failure in layer order
+// is returned.
+template <class Fn>
+Status for_each_layer(BackendKind backend, std::int64_t n_layers, std::int64_t work, Fn&& fn) {
+  std::vector<Status> status(static_cast<std::size_t>(n_layers));
+  auto body = [&](std::int64_t l) { status[static_cast<std::size_t>(l)] = fn(l); };
+  if (backend == BackendKind::kCpu)
+    cpu::parallel_for(n_layers, work, body);
+  else
+    for (std::int64_t l = 0; l < n_layers; ++l) body(l);
+  for (const Status& s : status) KVRING_RETURN_IF_ERROR(s);
+  return Status::Ok();
+}
+
+// The first geometry field that differs, named as config.json names it.
+Status compare_geometry(const ModelConfig& pack, const ModelConfig& model) {
+  if (pack.fingerprint() == model.fingerprint()) return Status::Ok();
+  auto differ = [&](const char* field, std::int64_t a, std::int64_t b) {
+    return make_error(ErrorCode::kMismatch,
+                      "the snapshot is of another model geometry: " + std::string(field) + " " +
+                          std::to_string(a) + " in the snapshot, " + std::to_string(b) +
+                          " in model '" + model.name + "' (fingerprints " +
+                          pack.fingerprint_hex().substr(0, 16) + " vs " +
+                          model.fingerprint_hex().substr(0, 16) + ")");
+  };
+  if (pack.n_layers != model.n_layers) return differ("num_hidden_layers", pack.n_layers, model.n_layers);
+  if (pack.n_heads != model.n_heads) return differ("num_attention_heads", pack.n_heads, model.n_heads);
+  if (pack.n_kv_heads != model.n_kv_heads)
+    return differ("num_key_value_heads", pack.n_kv_heads, model.n_kv_heads);
+  if (pack.head_dim != model.head_dim) return differ("head_dim", pack.head_dim, model.head_dim);
+  if (pack.sliding_window != model.sliding_window)
+    return differ("sliding_window", pack.sliding_window, model.sliding_window);
+  if (pack.max_context != model.max_context)
+    return differ("max_position_embeddings", pack.max_context, model.max_context);
+  for (std::int64_t l = 0; l < pack.n_layers; ++l)
+    if (pack.kind(l) != model.kind(l))
+      return make_error(ErrorCode::kMismatch,
+                        "the snapshot is of another model geometry: " + layer_str(l) + " is " +
+                            layer_kind_name(pack.kind(l)) + " in the snapshot, " +
+                            layer_kind_name(model.kind(l)) + " in model '" + model.name + "'");
+  return make_error(ErrorCode::kMismatch, "the snapshot's geometry fingerprint differs from model '" +
+                                              model.name + "'");
+}
+
+// The ring `target` plane `layer` gets, and the first snapshot row it takes.
+struct Placement {
+  RingState ring;
+  std::int64_t skip_rows = 0;
+};
+
+Result<Placement> place(const Snapshot& s, std::int64_t layer, const KvCache& target) {
+  const PlaneSnapshot& p = s.planes[static_cast<std::size_t>(layer)];
+  const RingState& cur = target.ring(layer);
+  auto ring = RingState::sequential(cur.capacity(), cur.wraps(), s.token_count);
+  if (!ring)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      layer_str(layer) + ": the snapshot holds " + std::to_string(s.token_count) +
+                          " positions; the target's full plane holds " +
+                          std::to_string(cur.capacity()) + " (cache context " +
+                          std::to_string(target.context()) + ")");
+  if (ring->len() > p.ring.len())
+    return make_error(ErrorCode::kMismatch,
+                      layer_str(layer) + ": the target ring of capacity " +
+                          std::to_string(cur.capacity()) + " holds positions [" +
+                          std::to_string(ring->origin_logical()) + ", " +
+                          std::to_string(s.token_count) + "), the snapshot only [" +
+                          std::to_string(p.ring.origin_logical()) + ", " +
+                          std::to_string(s.token_count) + ")");
+  return Placement{*ring, p.ring.len() - ring->len()};
+}
+
+}  // namespace
+
+Status validate_snapshot(const Snapshot& s, bool header_only) {
+  KVRING_RETURN_IF_ERROR(s.config.validate());
+  const ModelConfig& c = s.config;
+  if (s.context < 1 || s.context > c.max_context)
+    return invalid_argument("snapshot context " + std::to_string(s.context) + " outside [1, " +
+                            std::to_string(c.max_context) + "]");
+  if (s.token_count < 0)
+    return invalid_argument("snapshot token_count " + std::to_string(s.token_count) + " < 0");
+  if (!s.token_ids.empty() && static_cast<std::int64_t>(s.token_ids.size()) != s.token_count)
+    return invalid_argument("snapshot has " + std::to_string(s.token_ids.size()) +
+                            " token ids for " + std::to_string(s.token_count) + " tokens");
+  if (static_cast<std::int64_t>(s.planes.size()) != c.n_layers)
+    return invalid_argument("snapshot has " + std::to_string(s.planes.size()) + " planes for " +
+                            std::to_string(c.n_layers) + " layers");
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
+    const std::string where = layer_str(l) + ": ";
+    if (p.kind != c.kind(l))
+      return invalid_argument(where + "plane kind " + layer_kind_name(p.kind) + ", the geometry says " +
+                              layer_kind_name(c.kind(l)));
+    if (p.layout != layout_for(p.kind))
+      return invalid_argument(where + "layout " + std::to_string(static_cast<int>(p.layout)) +
+                              " is not the layout of a " + layer_kind_name(p.kind) + " plane");
+    const std::int64_t capacity = c.plane_capacity(l, s.context);
+    if (p.ring.capacity() != capacity || p.ring.wraps() != (p.kind == LayerKind::kSlidingRope))
+      return invalid_argument(where + "ring capacity " + std::to_string(p.ring.capacity()) +
+                              ", a plane at context " + std::to_string(s.context) + " has " +
+                              std::to_string(capacity));
+    if (p.ring.next_position() != s.token_count)
+      return invalid_argument(where + "ring ends at position " +
+                              std::to_string(p.ring.next_position()) + ", the snapshot at " +
+                              std::to_string(s.token_count));
+    // Live rings are built sequentially (KvCache accepts no other), so a
+    // snapshot's ring state follows from token_count and capacity.
+    auto sequential = RingState::sequential(p.ring.capacity(), p.ring.wraps(), s.token_count);
+    if (!sequential || !(*sequential == p.ring))
+      return invalid_argument(where + "ring origin_physical " +
+                              std::to_string(p.ring.origin_physical()) +
+                              " is not the rotation of a sequentially built ring");
+    if (header_only) continue;
+    const auto values = static_cast<std::size_t>(p.ring.len() * c.kv_dim());
+    if (p.k.size() != values || p.v.size() != values)
+      return invalid_argument(where + "row buffers hold " + std::to_string(p.k.size()) + " and " +
+                              std::to_string(p.v.size()) + " values, the ring needs " +
+                              std::to_string(values));
+  }
+  return Status::Ok();
+}
+
+Result<Snapshot> take_snapshot(const KvCache& cache) {
+  Snapshot s;
+  s.config = cache.config();
+  s.context = cache.context();
+  auto next = cache.next_position();
+  if (!next) return next.error();
+  s.token_count = *next;
+  s.planes.resize(static_cast<std::size_t>(cache.n_layers()));
+  const std::int64_t kv_dim = s.config.kv_dim();
+  try {
+    for (std::int64_t l = 0; l < cache.n_layers(); ++l) {
+      PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
+      p.kind = s.config.kind(l);
+      p.layout = cache.layout(l);
+      p.ring = cache.ring(l);
+      p.k.resize(static_cast<std::size_t>(p.ring.len() * kv_dim));
+      p.v.resize(p.k.size());
+    }
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, "out of host memory for a snapshot of " +
+                                               std::to_string(cache.allocated_bytes()) +
+                                               " bytes of planes");
+  }
+  KVRING_RETURN_IF_ERROR(for_each_layer(cache.backend(), cache.n_layers(), s.row_bytes(),
+                                        [&](std::int64_t l) {
+    PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
+    return cache.read_rows(l, p.ring.origin_logical(), p.ring.len(), p.k.data(), p.v.data());
+  }));
+  return s;
+}
+
+Status check_restorable(const Snapshot& header, const KvCache& target) {
+  KVRING_RETURN_IF_ERROR(validate_snapshot(header, /*header_only=*/true));
+  KVRING_RETURN_IF_ERROR(compare_geometry(header.config, target.config()));
+  for (std::int64_t l = 0; l < target.n_layers(); ++l) {
+    // Same geometry, so kinds and layouts agree; the context may differ.
+    auto placement = place(header, l, target);
+    if (!placement) return placement.error();
+  }
+  return Status::Ok();
+}
+
+Status restore(const Snapshot& snapshot, KvCache& target) {
+  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
+  KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
+  // Nothing below can fail for a reason in the input: install() accepts
+  // exactly the sequential rings place() computes and buffers of their size.
+  const std::int64_t kv_dim = snapshot.config.kv_dim();
+  const Status s = for_each_layer(target.backend(), target.n_layers(), snapshot.row_bytes(),
+                                  [&](std::int64_t l) -> Status {
+    auto placement = place(snapshot, l, target);
+    if (!placement) return placement.error();
+    const PlaneSnapshot& p = snapshot.planes[static_cast<std::size_t>(l)];
+    const std::size_t skip = static_cast<std::size_t>(placement->skip_rows * kv_dim);
+    return target.install(l, placement->ring, p.k.data() + skip, p.v.data() + skip);
+  });
+  if (s.ok()) return s;
+  Error e = s.error();
+  const Status reset = target.reset();
+  e.message += reset.ok() ? " (restore failed part-way; the cache was reset to empty)"
+                          : " (restore failed part-way and the reset failed too: " +
+                                reset.to_string() + ")";
+  return e;
+}
+
+Result<std::unique_ptr<KvCache>> restore_detached(const Snapshot& snapshot, BackendKind backend,
+                                                  std::int64_t context) {
+  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
+  // Every plane is either filled completely by install() or cleared by it
+  // first (a ring that is not full), so no uninitialized row is ever visible.
+  auto cache = make_cache(backend, snapshot.config,
+                          {.context = context == 0 ? snapshot.context : context, .zero_fill = false});
+  if (!cache) return cache.error();
+  KVRING_RETURN_IF_ERROR(restore(snapshot, **cache));
+  return std::move(*cache);
+}
+
+}  // namespace kvring

@@ -1,0 +1,48 @@
+// Helpers for the snapshot and kvpack tests: caches filled with seeded rows
+// and whole-cache images for before/after comparisons.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvring/cache.h"
+#include "kvring/config.h"
+#include "kvring/snapshot.h"
+
+namespace kvring::testing {
+
+// K and V rows of (layer, position) drawn from a generator seeded by
+// (seed, layer, position) alone: two sessions with the same seed hold the
+// same rows for the same positions, like two sessions sharing a prompt.
+void seeded_rows(std::uint64_t seed, std::int64_t layer, std::int64_t position,
+                 std::int64_t count, std::int64_t kv_dim, float* k, float* v);
+
+// Stores positions [from, to) in every layer through store_batch in batches
+// of `batch`; rows from `seed`, or from `seed_after` at positions >= split.
+void fill(KvCache& cache, std::int64_t from, std::int64_t to, std::uint64_t seed,
+          std::int64_t batch = 13, std::int64_t split = -1, std::uint64_t seed_after = 0);
+
+std::unique_ptr<KvCache> filled_cache(const ModelConfig& config, std::int64_t context,
+                                      std::int64_t tokens, std::uint64_t seed);
+
+// Every ring state and every physical byte of a cache.
+struct CacheImage {
+  std::vector<RingState> rings;
+  std::vector<std::vector<std::uint16_t>> k, v;
+  bool operator==(const CacheImage&) const = default;
+};
+CacheImage image(const KvCache& cache);
+
+bool same_rows(const Snapshot& a, const Snapshot& b);
+
+// A snapshot with token ids and metadata, as the run command writes them.
+Snapshot snapshot_with_extras(const KvCache& cache, std::uint64_t seed);
+
+std::string make_temp_dir(const std::string& tag);
+void remove_tree(const std::string& path);
+// Names in a directory, "." and ".." excluded.
+std::vector<std::string> list_dir(const std::string& path);
+
+}  // namespace kvring::testing

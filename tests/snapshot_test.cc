@@ -1,0 +1,188 @@
+// Snapshot and restore: restored planes are byte-identical to the live ones
+// (also after sliding rings wrapped, and through the detached path), and a
+// restore that cannot succeed leaves the target exactly as it was.
+#include "kvring/snapshot.h"
+
+#include <gtest/gtest.h>
+
+#include "pack_test_util.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+using testing::filled_cache;
+using testing::image;
+using testing::small_config;
+
+std::unique_ptr<KvCache> fresh(const ModelConfig& cfg, std::int64_t context) {
+  auto c = make_cpu_cache(cfg, {.context = context});
+  EXPECT_TRUE(c.ok());
+  return std::move(*c);
+}
+
+// Positions around the 32-row minimum ring and a 48-row window, and far past
+// several wraps.
+TEST(Snapshot, RestoreIsByteIdenticalAtEveryBoundary) {
+  for (std::int64_t window : {32, 48}) {
+    const ModelConfig cfg = small_config(window, 256, 8);
+    for (std::int64_t tokens : {0, 1, 31, 32, 33, 47, 48, 49, 64, 65, 100, 256}) {
+      SCOPED_TRACE("window " + std::to_string(window) + ", tokens " + std::to_string(tokens));
+      auto live = filled_cache(cfg, 256, tokens, 11);
+      auto snap = take_snapshot(*live);
+      ASSERT_TRUE(snap.ok()) << snap.error().to_string();
+      EXPECT_EQ(snap->token_count, tokens);
+      ASSERT_TRUE(validate_snapshot(*snap).ok());
+
+      auto target = fresh(cfg, 256);
+      ASSERT_TRUE(restore(*snap, *target).ok());
+      EXPECT_TRUE(image(*target) == image(*live));
+
+      auto detached = restore_detached(*snap);
+      ASSERT_TRUE(detached.ok()) << detached.error().to_string();
+      EXPECT_TRUE(image(**detached) == image(*live));
+    }
+  }
+}
+
+// A wrapped ring's rotation is reproduced: the restored origin_physical is the
+// live one, not 0.
+TEST(Snapshot, WrappedRingKeepsItsRotation) {
+  const ModelConfig cfg = small_config(48, 256, 4);
+  auto live = filled_cache(cfg, 256, 100, 3);
+  ASSERT_EQ(live->ring(0).origin_logical(), 52);
+  ASSERT_EQ(live->ring(0).origin_physical(), 4);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto target = fresh(cfg, 256);
+  ASSERT_TRUE(restore(*snap, *target).ok());
+  EXPECT_EQ(target->ring(0), live->ring(0));
+  EXPECT_EQ(target->ring(3), live->ring(3));
+}
+
+// Restore replaces a target that holds another session, rows and zero tail.
+TEST(Snapshot, RestoreReplacesAnOccupiedTarget) {
+  const ModelConfig cfg = small_config(32, 128, 4);
+  auto live = filled_cache(cfg, 128, 20, 5);
+  auto target = filled_cache(cfg, 128, 120, 6);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  ASSERT_TRUE(restore(*snap, *target).ok());
+  EXPECT_TRUE(image(*target) == image(*live));
+}
+
+// The restored cache continues like the live one.
+TEST(Snapshot, RestoredCacheContinuesIdentically) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto live = filled_cache(cfg, 256, 77, 8);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto target = fresh(cfg, 256);
+  ASSERT_TRUE(restore(*snap, *target).ok());
+  testing::fill(*live, 77, 150, 8, 5);
+  testing::fill(*target, 77, 150, 8, 11);
+  EXPECT_TRUE(image(*target) == image(*live));
+}
+
+// A target with a larger context: full planes keep every row, sliding planes
+// of the same capacity keep theirs.
+TEST(Snapshot, RestoresIntoALargerContext) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto live = filled_cache(cfg, 64, 60, 9);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto target = fresh(cfg, 256);
+  ASSERT_TRUE(restore(*snap, *target).ok());
+  auto back = take_snapshot(*target);
+  ASSERT_TRUE(back.ok());
+  for (std::int64_t l = 0; l < 4; ++l) {
+    EXPECT_EQ(back->planes[static_cast<std::size_t>(l)].k, snap->planes[static_cast<std::size_t>(l)].k);
+    EXPECT_EQ(back->planes[static_cast<std::size_t>(l)].v, snap->planes[static_cast<std::size_t>(l)].v);
+  }
+  EXPECT_EQ(target->ring(3).capacity(), 256);
+  EXPECT_EQ(target->ring(3).len(), 60);
+}
+
+class RestoreRefusal : public ::testing::Test {
+ protected:
+  // The target holds a session of its own; every refusal must leave it so.
+  void expect_refused(const Snapshot& snap, KvCache& target, ErrorCode code, const std::string& words) {
+    const testing::CacheImage before = image(target);
+    const Status s = restore(snap, target);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, code) << s.to_string();
+    EXPECT_NE(s.error().message.find(words), std::string::npos) << s.to_string();
+    EXPECT_TRUE(image(target) == before);
+  }
+};
+
+TEST_F(RestoreRefusal, AnotherGeometry) {
+  auto live = filled_cache(small_config(32, 256, 8), 256, 50, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto fewer_layers = filled_cache(small_config(32, 256, 4), 256, 10, 2);
+  expect_refused(*snap, *fewer_layers, ErrorCode::kMismatch, "num_hidden_layers 8 in the snapshot, 4");
+  auto other_window = filled_cache(small_config(64, 256, 8), 256, 10, 2);
+  expect_refused(*snap, *other_window, ErrorCode::kMismatch, "sliding_window 32 in the snapshot, 64");
+  auto other_heads = filled_cache(small_config(32, 256, 8, 4, 1, 32), 256, 10, 2);
+  expect_refused(*snap, *other_heads, ErrorCode::kMismatch, "num_key_value_heads");
+}
+
+TEST_F(RestoreRefusal, TargetTooSmall) {
+  const ModelConfig cfg = small_config(64, 256, 4);
+  // Full planes: 100 positions do not fit a 64-position cache.
+  auto live = filled_cache(cfg, 256, 100, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto small = filled_cache(cfg, 64, 10, 2);
+  expect_refused(*snap, *small, ErrorCode::kCapacityExceeded, "layer 3: the snapshot holds 100 positions");
+}
+
+TEST_F(RestoreRefusal, SlidingRingLacksRows) {
+  // Only sliding layers, so the narrow cache can run past its context.
+  ModelConfig cfg = small_config(64, 256, 4);
+  cfg.layer_kinds.assign(4, LayerKind::kSlidingRope);
+  auto narrow = filled_cache(cfg, 40, 90, 3);  // ring of 40 rows, wrapped
+  auto snap = take_snapshot(*narrow);
+  ASSERT_TRUE(snap.ok());
+  auto wide = filled_cache(cfg, 256, 5, 4);  // ring of 64 rows
+  expect_refused(*snap, *wide, ErrorCode::kMismatch, "layer 0: the target ring of capacity 64");
+}
+
+TEST_F(RestoreRefusal, InconsistentSnapshot) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto live = filled_cache(cfg, 256, 50, 1);
+  auto target = filled_cache(cfg, 256, 7, 2);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  {
+    Snapshot s = *snap;
+    s.planes[2].k.pop_back();
+    expect_refused(s, *target, ErrorCode::kInvalidArgument, "layer 2: row buffers hold");
+  }
+  {
+    Snapshot s = *snap;
+    s.token_ids = {1, 2, 3};
+    expect_refused(s, *target, ErrorCode::kInvalidArgument, "3 token ids for 50 tokens");
+  }
+  {
+    Snapshot s = *snap;
+    s.planes.pop_back();
+    expect_refused(s, *target, ErrorCode::kInvalidArgument, "3 planes for 4 layers");
+  }
+  {
+    Snapshot s = *snap;
+    auto rotated = RingState::from_parts(32, true, 32, 18, 5);  // sequential would be slot 18
+    ASSERT_TRUE(rotated.ok());
+    s.planes[0].ring = *rotated;
+    expect_refused(s, *target, ErrorCode::kInvalidArgument, "layer 0: ring origin_physical 5");
+  }
+  {
+    Snapshot s = *snap;
+    s.token_count = 49;
+    expect_refused(s, *target, ErrorCode::kInvalidArgument, "ring ends at position 50");
+  }
+}
+
+}  // namespace
+}  // namespace kvring
