@@ -1,15 +1,27 @@
 #include "pack_test_util.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <thread>
 
+#include "kvring/chunk_store.h"
+#include "kvring/sha256.h"
+#include "pack/coding.h"
 
 namespace kvring::testing {
 
@@ -89,6 +101,133 @@ Snapshot snapshot_with_extras(const KvCache& cache, std::uint64_t seed) {
     s->token_ids.push_back(static_cast<std::int32_t>(rng() % 50000));
   s->metadata = R"({"run":{"seed":)" + std::to_string(seed) + R"(,"hidden":64}})";
   return std::move(*s);
+}
+
+std::vector<std::int64_t> section_boundaries(const Manifest& m) {
+  const std::int64_t n_layers = m.header.config.n_layers;
+  std::vector<std::int64_t> b;
+  std::int64_t at = 0;
+  auto add = [&](std::int64_t width) {
+    b.push_back(at);
+    at += width;
+  };
+  add(8);  // magic
+  add(2);  // version
+  add(2);  // flags
+  add(4);  // manifest_len
+  add(24 + n_layers + kDigestBytes);  // geometry
+  add(16);                            // cache
+  add(8 + 4 * static_cast<std::int64_t>(m.header.token_ids.size()));  // tokens
+  add(4 + static_cast<std::int64_t>(m.header.metadata.size()));       // metadata
+  add(4 + n_layers * kPlaneRecordBytes);                              // plane table
+  add(4 + static_cast<std::int64_t>(m.chunks.size()) * kChunkRecordBytes);  // chunk table
+  add(kDigestBytes);
+  if (!m.thin)
+    for (const PackChunk& c : m.chunks) add(c.byte_length);
+  b.push_back(at);  // the end
+  return b;
+}
+
+void reseal(std::string* pack) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(pack->data());
+  const std::int64_t len = coding::decode_fixed32(p + 12);
+  const Digest d = sha256(pack->data(), static_cast<std::size_t>(kPreambleBytes + len));
+  std::memcpy(pack->data() + kPreambleBytes + len, d.data(), d.size());
+}
+
+namespace {
+
+std::string find_redis_server() {
+  std::string path = std::getenv("PATH") ? std::getenv("PATH") : "";
+  path += ":/usr/bin:/usr/sbin:/usr/local/bin";
+  std::size_t start = 0;
+  while (start <= path.size()) {
+    const std::size_t end = std::min(path.find(':', start), path.size());
+    const std::string dir = path.substr(start, end - start);
+    const std::string candidate = (dir.empty() ? "." : dir) + "/redis-server";
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  return "";
+}
+
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+}  // namespace
+
+std::unique_ptr<RedisServer> RedisServer::start(std::string* why) {
+  const std::string exe = find_redis_server();
+  if (exe.empty()) {
+    *why = "redis-server is not installed (scripts/setup.sh installs it)";
+    return nullptr;
+  }
+  if (!redis_store_compiled()) {
+    *why = "this build has no Redis store (hiredis was not found)";
+    return nullptr;
+  }
+  // A port taken between the probe and the server's bind makes the server
+  // exit; try a few.
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    std::unique_ptr<RedisServer> s(new RedisServer());
+    s->dir_ = make_temp_dir("redis");
+    s->port_ = free_loopback_port();
+    const std::string port = std::to_string(s->port_);
+    const std::string log = s->dir_ + "/redis.log";
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      // The server must not outlive a test process that dies.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+      }
+      ::execl(exe.c_str(), exe.c_str(), "--port", port.c_str(), "--bind", "127.0.0.1", "--save", "",
+              "--appendonly", "no", "--dir", s->dir_.c_str(), "--daemonize", "no",
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    if (pid < 0) {
+      *why = "fork failed";
+      return nullptr;
+    }
+    s->pid_ = pid;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        s->pid_ = -1;
+        break;
+      }
+      if (open_redis_store("127.0.0.1", s->port_).ok()) return s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  *why = "redis-server did not start";
+  return nullptr;
+}
+
+RedisServer::~RedisServer() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+  }
+  if (!dir_.empty()) remove_tree(dir_);
 }
 
 std::string make_temp_dir(const std::string& tag) {

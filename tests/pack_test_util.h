@@ -1,5 +1,6 @@
-// Helpers for the snapshot and kvpack tests: caches filled with seeded rows
-// and whole-cache images for before/after comparisons.
+// Helpers for the snapshot and kvpack tests: caches filled with seeded rows,
+// whole-cache images for before/after comparisons, and a Redis server started
+// on loopback for the store tests.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 
 #include "kvring/cache.h"
 #include "kvring/config.h"
+#include "kvring/pack.h"
 #include "kvring/snapshot.h"
 
 namespace kvring::testing {
@@ -39,6 +41,31 @@ bool same_rows(const Snapshot& a, const Snapshot& b);
 
 // A snapshot with token ids and metadata, as the run command writes them.
 Snapshot snapshot_with_extras(const KvCache& cache, std::uint64_t seed);
+
+// Byte offsets where the sections of a pack start, in file order (for
+// truncation tests): preamble fields, each manifest section, the digest, and
+// each chunk of the payload.
+std::vector<std::int64_t> section_boundaries(const Manifest& m);
+
+// Recomputes the manifest digest after a test edited the header, so that the
+// reader's field checks (not the digest) meet the edit.
+void reseal(std::string* pack);
+
+// A redis-server child on 127.0.0.1 with a temporary directory, stopped on
+// destruction. start() returns null when redis-server is not installed.
+class RedisServer {
+ public:
+  static std::unique_ptr<RedisServer> start(std::string* why);
+  ~RedisServer();
+  int port() const { return port_; }
+  std::string spec() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  RedisServer() = default;
+  int pid_ = -1;
+  int port_ = 0;
+  std::string dir_;
+};
 
 std::string make_temp_dir(const std::string& tag);
 void remove_tree(const std::string& path);

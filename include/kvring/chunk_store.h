@@ -1,0 +1,88 @@
+// Content-addressed chunk stores: the home of a thin pack's payload.
+//
+// A chunk is named by the SHA-256 of its bytes. Every read verifies that the
+// bytes match the name, so a damaged or planted chunk is an error, never an
+// input. Two stores: a local directory (the embedded default) and Redis
+// (shared across machines). docs/kvpack-format.md gives their on-disk and
+// key layouts.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "kvring/sha256.h"
+#include "kvring/status.h"
+
+namespace kvring {
+
+// The durable steps of writing a file (or a chunk) atomically.
+enum class IoStep { kOpen, kWrite, kFsync, kRename, kFsyncDir };
+const char* io_step_name(IoStep step);
+
+// Fault injection for tests (leveldb's FaultInjectionTestEnv in miniature):
+// called before each step with the path it acts on; an error it returns is
+// reported as that step's failure. Empty in production.
+struct IoOptions {
+  std::function<Status(IoStep step, const std::string& path)> fault;
+};
+
+// One chunk to store: its name and its bytes, given as up to two spans that
+// are stored back to back (the K rows and the V rows of a plane need no copy).
+struct ChunkData {
+  Digest name{};
+  std::span<const std::uint8_t> part1, part2;
+  std::size_t size() const { return part1.size() + part2.size(); }
+};
+
+struct StoreStats {
+  std::int64_t chunks = 0;
+  std::int64_t bytes = 0;
+};
+
+class ChunkStore {
+ public:
+  virtual ~ChunkStore() = default;
+
+  // "dir:/path" or "redis://host:port", as open_chunk_store accepts it.
+  virtual std::string spec() const = 0;
+
+  // Stores every chunk under its name. Precondition: each name is the SHA-256
+  // of the chunk's bytes (the pack writer computes it). A chunk already
+  // present is not written again. When this returns ok, every chunk is
+  // durable (as durable as the store: fsync for a directory, the server's
+  // persistence settings for Redis).
+  virtual Status put(std::span<const ChunkData> chunks) = 0;
+
+  // Reads the chunk `name` into `dst` and verifies it: kNotFound when it is
+  // absent, kCorruption when it holds other than dst.size() bytes or bytes
+  // whose SHA-256 is not `name`. Safe to call from several threads at once.
+  Status get(const Digest& name, std::span<std::uint8_t> dst) const;
+
+  virtual Result<bool> contains(const Digest& name) const = 0;
+  // Removes a chunk (absent: nothing to do). Packs that name it stop reading.
+  virtual Status erase(const Digest& name) = 0;
+  // Chunks and bytes held (what prefix sharing saves shows up here).
+  virtual Result<StoreStats> stats() const = 0;
+
+ protected:
+  // get without the hash check. Thread-safe.
+  virtual Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const = 0;
+};
+
+// A directory store rooted at `path` (created if absent, parent must exist).
+Result<std::unique_ptr<ChunkStore>> open_dir_store(const std::string& path,
+                                                   IoOptions io = {});
+// A Redis store at host:port (connects now, to fail early).
+Result<std::unique_ptr<ChunkStore>> open_redis_store(const std::string& host, int port);
+// "dir:PATH" or "redis://HOST:PORT" (port 6379 when omitted).
+Result<std::unique_ptr<ChunkStore>> open_chunk_store(std::string_view spec, IoOptions io = {});
+
+// True when this build has the Redis store (hiredis was found).
+bool redis_store_compiled();
+
+}  // namespace kvring

@@ -1,0 +1,132 @@
+// kvpack: the portable, content-addressed format of a snapshot.
+// docs/kvpack-format.md is the specification; this is its codec.
+//
+// A pack is self-contained (one file) or thin (the manifest in a file, the
+// chunks in a ChunkStore). Writers are atomic: a failed or interrupted write
+// never leaves a file that reads as a valid pack. Readers verify the
+// manifest digest and every chunk's hash, check every field before it sizes
+// anything, and name what is wrong and where (section, plane, chunk, offset).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvring/chunk_store.h"
+#include "kvring/sha256.h"
+#include "kvring/snapshot.h"
+#include "kvring/status.h"
+
+namespace kvring {
+
+// The numeric values are part of the format; never reuse one.
+enum class Encoding : std::uint8_t {
+  kF16Le = 0,  // the planes' f16 bits (default, bitwise)
+  kF32Le = 1,  // widened to f32 (interchange)
+};
+const char* encoding_name(Encoding encoding);
+
+inline constexpr std::uint16_t kPackVersion = 1;
+inline constexpr std::uint8_t kPackMagic[8] = {0x89, 'k', 'v', 'p', 'a', 'c', 'k', '\n'};
+inline constexpr std::int64_t kPreambleBytes = 16;  // magic + version + flags + manifest_len
+inline constexpr std::int64_t kDigestBytes = 32;    // SHA-256
+inline constexpr std::int64_t kPlaneRecordBytes = 31;
+inline constexpr std::int64_t kChunkRecordBytes = 48;  // position 8 + rows 4 + length 4 + name 32
+inline constexpr std::uint16_t kFlagThin = 1;
+inline constexpr std::int64_t kMaxManifestBytes = std::int64_t{256} << 20;
+inline constexpr std::int64_t kMaxChunkBytes = std::int64_t{1} << 30;
+inline constexpr std::int64_t kMaxChunkTokens = 65536;
+inline constexpr std::int64_t kDefaultChunkTokens = 256;
+inline constexpr std::int64_t kMaxTokenCount = std::int64_t{1} << 62;
+
+struct WriteOptions {
+  Encoding encoding = Encoding::kF16Le;
+  std::int64_t chunk_tokens = kDefaultChunkTokens;
+  // Set: a thin pack whose chunks go to this store. Null: self-contained.
+  ChunkStore* store = nullptr;
+  IoOptions io{};  // fault injection for the pack file (tests)
+};
+
+struct ReadOptions {
+  // The store of a thin pack's chunks (required for thin packs).
+  const ChunkStore* store = nullptr;
+  // Refuse packs whose rows would take more memory than this.
+  std::int64_t max_row_bytes = std::numeric_limits<std::int64_t>::max();
+};
+
+// One chunk record of the manifest.
+struct PackChunk {
+  std::int64_t layer = 0;
+  std::int64_t first_position = 0;
+  std::int64_t rows = 0;
+  std::int64_t byte_length = 0;
+  std::int64_t offset = 0;  // of its bytes in a self-contained pack, else 0
+  Digest name{};
+};
+
+struct PackPlane {
+  Encoding encoding = Encoding::kF16Le;
+  std::int64_t first_chunk = 0;  // index into Manifest::chunks
+  std::int64_t n_chunks = 0;
+};
+
+// Everything before the payload, decoded and checked.
+struct Manifest {
+  std::uint16_t version = kPackVersion;
+  bool thin = false;
+  Snapshot header;  // geometry, tokens, metadata, ring states; no rows
+  std::int64_t chunk_tokens = 0;
+  std::vector<PackPlane> planes;
+  std::vector<PackChunk> chunks;
+  Digest digest{};                  // SHA-256(preamble || manifest)
+  std::int64_t manifest_bytes = 0;  // manifest_len
+  std::int64_t payload_offset = 0;  // first payload byte (self-contained)
+  std::int64_t payload_bytes = 0;   // sum of byte_length
+};
+
+// The bytes of a pack: a file (read with pread, safe from several threads)
+// or a buffer.
+class PackSource {
+ public:
+  virtual ~PackSource() = default;
+  virtual const std::string& name() const = 0;  // for error messages
+  virtual std::int64_t size() const = 0;
+  // Reads exactly n bytes at offset (within size()).
+  virtual Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const = 0;
+};
+Result<std::unique_ptr<PackSource>> open_pack_file(const std::string& path);
+// A view of `size` bytes at `data` (not copied; must outlive the source).
+std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t size,
+                                               std::string name = "<memory>");
+
+// Writing. Every path validates the snapshot first.
+// The pack as bytes (thin when options.store is set: the chunks go there).
+Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& options = {});
+// The pack as a file, written atomically (temporary file, fsync, rename,
+// fsync of the directory). A thin pack's chunks are durable in the store
+// before its manifest file appears.
+Status write_pack(const Snapshot& snapshot, const std::string& path,
+                  const WriteOptions& options = {});
+
+// Reading.
+Result<Manifest> read_manifest(const PackSource& source);
+// The whole snapshot, every chunk verified.
+Result<Snapshot> read_pack(const PackSource& source, const ReadOptions& options = {});
+Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& options = {});
+// Reads a pack into `target`: the manifest is checked against the target
+// before any payload is read, every chunk is verified before the target is
+// touched, and on any error the target is left as it was.
+Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target);
+
+struct VerifyReport {
+  std::int64_t chunks = 0;      // checked
+  std::int64_t bytes = 0;       // payload bytes hashed
+  std::int64_t bad_chunks = 0;  // missing or not matching their names
+  Status first_error;           // the first bad chunk in table order, or ok
+};
+// Checks the manifest (an error when it is bad) and every chunk's hash.
+Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* store = nullptr);
+
+}  // namespace kvring

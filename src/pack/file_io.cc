@@ -1,0 +1,137 @@
+#include "file_io.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+namespace kvring::pack_internal {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+Status inject(const IoOptions& io, IoStep step, const std::string& path) {
+  if (!io.fault) return Status::Ok();
+  const Status s = io.fault(step, path);
+  if (s.ok()) return s;
+  Error e = s.error();
+  e.message = std::string(io_step_name(step)) + " of " + path + " failed: " + e.message;
+  return e;
+}
+
+Status pread_all(int fd, std::uint8_t* dst, std::int64_t n, std::int64_t offset,
+                 const std::string& path) {
+  std::int64_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, dst + done, static_cast<std::size_t>(n - done), offset + done);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return io_error("reading " + path + " at byte " + std::to_string(offset + done) + ": " +
+                      errno_text(errno));
+    }
+    if (r == 0)
+      return corruption(path + ": ends at byte " + std::to_string(offset + done) + ", needed " +
+                        std::to_string(n - done) + " more bytes");
+    done += r;
+  }
+  return Status::Ok();
+}
+
+Status pwrite_all(int fd, const std::uint8_t* src, std::int64_t n, std::int64_t offset,
+                  const std::string& path) {
+  std::int64_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pwrite(fd, src + done, static_cast<std::size_t>(n - done), offset + done);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return io_error("writing " + path + ": " + errno_text(errno) + " (wrote " +
+                      std::to_string(done) + " of " + std::to_string(n) + " bytes at offset " +
+                      std::to_string(offset) + ")");
+    }
+    // A zero-byte write of a non-empty range would loop forever; treat it as
+    // the device refusing more data.
+    if (r == 0)
+      return io_error("writing " + path + ": no progress (wrote " + std::to_string(done) +
+                      " of " + std::to_string(n) + " bytes at offset " + std::to_string(offset) +
+                      ")");
+    done += r;
+  }
+  return Status::Ok();
+}
+
+Status fsync_dir(const std::string& dir, const IoOptions& io) {
+  KVRING_RETURN_IF_ERROR(inject(io, IoStep::kFsyncDir, dir));
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return io_error("opening directory " + dir + " to sync it: " + errno_text(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return io_error("syncing directory " + dir + ": " + errno_text(err));
+  return Status::Ok();
+}
+
+namespace {
+
+// A temporary name no other writer (thread or process) uses at the same time.
+std::string temp_name_for(const std::string& path) {
+  static std::atomic<std::uint64_t> counter{0};
+  const auto slash = path.find_last_of('/');
+  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  const std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+  const auto ticks = static_cast<std::uint64_t>(
+      std::chrono::steady_clock::now().time_since_epoch().count());
+  return dir + ".tmp-" + base + "-" + std::to_string(::getpid()) + "-" +
+         std::to_string(counter.fetch_add(1)) + "-" + std::to_string(ticks % 1000000007u);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
+                                                       const IoOptions& io) {
+  // Renaming over a device or a directory would replace it (and /dev is
+  // writable by root): only a regular file, or nothing, may be replaced.
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    return invalid_argument("refusing to write " + path + ": it exists and is not a regular file");
+  const std::string temp = temp_name_for(path);
+  KVRING_RETURN_IF_ERROR(inject(io, IoStep::kOpen, temp));
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return io_error("creating " + temp + " (for " + path + "): " + errno_text(errno));
+  return std::unique_ptr<AtomicFile>(new AtomicFile(path, temp, fd, io));
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(temp_.c_str());
+}
+
+Status AtomicFile::write_at(std::int64_t offset, std::span<const std::uint8_t> bytes) const {
+  KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kWrite, temp_));
+  return pwrite_all(fd_, bytes.data(), static_cast<std::int64_t>(bytes.size()), offset, temp_);
+}
+
+Status AtomicFile::commit(bool sync_dir) {
+  KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kFsync, temp_));
+  if (::fsync(fd_) != 0) return io_error("syncing " + temp_ + ": " + errno_text(errno));
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) return io_error("closing " + temp_ + ": " + errno_text(errno));
+  KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kRename, path_));
+  if (::rename(temp_.c_str(), path_.c_str()) != 0)
+    return io_error("renaming " + temp_ + " to " + path_ + ": " + errno_text(errno));
+  committed_ = true;
+  if (sync_dir) return fsync_dir(parent_dir(path_), io_);
+  return Status::Ok();
+}
+
+}  // namespace kvring::pack_internal

@@ -1,0 +1,61 @@
+// POSIX file helpers for packs and the directory store: full reads and
+// writes (looping over short transfers and EINTR) and the atomic
+// write-then-rename protocol.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "kvring/chunk_store.h"
+#include "kvring/status.h"
+
+namespace kvring::pack_internal {
+
+std::string errno_text(int err);
+// The directory part of a path ("." for a bare file name).
+std::string parent_dir(const std::string& path);
+
+// Runs the fault hook of `io` for a step, if there is one.
+Status inject(const IoOptions& io, IoStep step, const std::string& path);
+
+// Exactly n bytes at `offset`; a short read (end of file) is kCorruption.
+Status pread_all(int fd, std::uint8_t* dst, std::int64_t n, std::int64_t offset,
+                 const std::string& path);
+// Exactly n bytes at `offset`; a write that stops short (a full disk, a file
+// size limit) is kIOError naming how far it got.
+Status pwrite_all(int fd, const std::uint8_t* src, std::int64_t n, std::int64_t offset,
+                  const std::string& path);
+Status fsync_dir(const std::string& dir, const IoOptions& io);
+
+// A file written under a temporary name beside its destination and renamed
+// over it on commit, so a crash or a failure never leaves a partial file at
+// the destination. The temporary name starts with ".tmp-". Destroying an
+// uncommitted file removes the temporary.
+class AtomicFile {
+ public:
+  static Result<std::unique_ptr<AtomicFile>> create(const std::string& path, const IoOptions& io);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::string& temp_path() const { return temp_; }
+  // Thread-safe: concurrent writes to disjoint ranges.
+  Status write_at(std::int64_t offset, std::span<const std::uint8_t> bytes) const;
+  // fsync, close, rename over the destination, then (when sync_dir) fsync the
+  // directory. A directory store renames many chunks and syncs once.
+  Status commit(bool sync_dir = true);
+
+ private:
+  AtomicFile(std::string path, std::string temp, int fd, const IoOptions& io)
+      : path_(std::move(path)), temp_(std::move(temp)), fd_(fd), io_(io) {}
+
+  std::string path_, temp_;
+  int fd_ = -1;
+  bool committed_ = false;
+  IoOptions io_;
+};
+
+}  // namespace kvring::pack_internal

@@ -1,0 +1,79 @@
+#include "pack_common.h"
+
+#include <algorithm>
+
+#include "coding.h"
+#include "kvring/f16.h"
+
+namespace kvring {
+
+const char* encoding_name(Encoding encoding) {
+  switch (encoding) {
+    case Encoding::kF16Le: return "F16Le";
+    case Encoding::kF32Le: return "F32Le";
+  }
+  return "Unknown";
+}
+
+namespace pack_internal {
+
+std::int64_t count_chunks(std::int64_t origin, std::int64_t len, std::int64_t chunk_tokens) {
+  if (len <= 0) return 0;
+  return (origin + len - 1) / chunk_tokens - origin / chunk_tokens + 1;
+}
+
+ChunkRange chunk_range(std::int64_t origin, std::int64_t len, std::int64_t chunk_tokens,
+                       std::int64_t j) {
+  const std::int64_t c = origin / chunk_tokens + j;
+  const std::int64_t first = std::max(origin, c * chunk_tokens);
+  const std::int64_t end = std::min(origin + len, (c + 1) * chunk_tokens);
+  return ChunkRange{first, end - first};
+}
+
+std::int64_t element_size(Encoding encoding) { return encoding == Encoding::kF32Le ? 4 : 2; }
+
+std::int64_t chunk_byte_length(std::int64_t rows, std::int64_t kv_dim, Encoding encoding) {
+  return 2 * rows * kv_dim * element_size(encoding);
+}
+
+std::int64_t max_chunk_tokens(std::int64_t kv_dim) {
+  // 2 (K and V) * 4 (the widest element) bytes per value.
+  return std::min(kMaxChunkTokens, kMaxChunkBytes / (kv_dim * 2 * 4));
+}
+
+std::uint16_t narrow_f32_bits(std::uint32_t bits) {
+  const std::uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) {  // NaN
+    const std::uint32_t top = (abs >> 13) & 0x3ffu;
+    if ((abs & 0x1fffu) == 0 && top != 0)
+      return static_cast<std::uint16_t>(((bits >> 16) & 0x8000u) | 0x7c00u | top);
+  }
+  return f32_to_f16(f32_from_bits(bits));
+}
+
+void encode_values(Encoding encoding, const std::uint16_t* src, std::int64_t n, std::uint8_t* dst) {
+  if (encoding == Encoding::kF16Le) {
+    for (std::int64_t i = 0; i < n; ++i) coding::encode_fixed16(dst + 2 * i, src[i]);
+    return;
+  }
+  for (std::int64_t i = 0; i < n; ++i)
+    coding::encode_fixed32(dst + 4 * i, f32_bits(f16_to_f32(src[i])));
+}
+
+void decode_values(Encoding encoding, const std::uint8_t* src, std::int64_t n, std::uint16_t* dst) {
+  if (encoding == Encoding::kF16Le) {
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = coding::decode_fixed16(src + 2 * i);
+    return;
+  }
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = narrow_f32_bits(coding::decode_fixed32(src + 4 * i));
+}
+
+std::string short_name(const Digest& name) { return to_hex(name.data(), 8); }
+
+Status first_error(const std::vector<Status>& statuses) {
+  for (const Status& s : statuses) KVRING_RETURN_IF_ERROR(s);
+  return Status::Ok();
+}
+
+}  // namespace pack_internal
+}  // namespace kvring

@@ -1,0 +1,48 @@
+// Pieces of the kvpack codec shared by the writer and the reader: chunk
+// boundaries, element encodings, and the first-error-in-order collection of
+// parallel results.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvring/pack.h"
+
+namespace kvring::pack_internal {
+
+inline constexpr bool kHostLittleEndian = std::endian::native == std::endian::little;
+
+// Chunk j of a plane whose live rows are [origin, origin + len): boundaries
+// at multiples of chunk_tokens in logical position (docs/kvpack-format.md).
+struct ChunkRange {
+  std::int64_t first_position = 0;
+  std::int64_t rows = 0;
+};
+std::int64_t count_chunks(std::int64_t origin, std::int64_t len, std::int64_t chunk_tokens);
+ChunkRange chunk_range(std::int64_t origin, std::int64_t len, std::int64_t chunk_tokens,
+                       std::int64_t j);
+
+std::int64_t element_size(Encoding encoding);
+// K rows then V rows: 2 * rows * kv_dim elements.
+std::int64_t chunk_byte_length(std::int64_t rows, std::int64_t kv_dim, Encoding encoding);
+// The largest chunk_tokens for which any chunk of this kv_dim stays within
+// kMaxChunkBytes in every encoding.
+std::int64_t max_chunk_tokens(std::int64_t kv_dim);
+
+// f16 bits -> the encoding's little-endian bytes, and back. Narrowing from
+// F32Le rounds to nearest even and keeps a NaN's top 10 mantissa bits when
+// its low 13 are zero, so f16 -> F32Le -> f16 is the identity on all bits.
+void encode_values(Encoding encoding, const std::uint16_t* src, std::int64_t n, std::uint8_t* dst);
+void decode_values(Encoding encoding, const std::uint8_t* src, std::int64_t n, std::uint16_t* dst);
+std::uint16_t narrow_f32_bits(std::uint32_t bits);
+
+// "1dc0b8211f55ab66": enough of a name to find it in a listing.
+std::string short_name(const Digest& name);
+
+// Statuses of independent tasks; the first failure in task order is the one
+// reported, whichever thread finished first.
+Status first_error(const std::vector<Status>& statuses);
+
+}  // namespace kvring::pack_internal

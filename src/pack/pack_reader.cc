@@ -1,0 +1,571 @@
+// The kvpack reader. Order of checks: preamble (magic, version, flags,
+// manifest_len against the limit and the file size), the manifest digest,
+// then every manifest field against the geometry and the bytes that remain,
+// the file size against the chunk table, and each chunk's hash as it is
+// read. No allocation is sized by a field before that field is checked.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+#include "coding.h"
+#include "cpu/parallel.h"
+#include "file_io.h"
+#include "kvring/pack.h"
+#include "pack_common.h"
+
+namespace kvring {
+
+namespace {
+
+using namespace pack_internal;
+
+// Fuzzing builds skip the digest comparisons so that the fuzzer reaches the
+// field checks behind them; everything else is checked as in production.
+#if defined(FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION)
+constexpr bool kCheckDigests = false;
+#else
+constexpr bool kCheckDigests = true;
+#endif
+
+class FileSource final : public PackSource {
+ public:
+  FileSource(std::string name, int fd, std::int64_t size)
+      : name_(std::move(name)), fd_(fd), size_(size) {}
+  ~FileSource() override { ::close(fd_); }
+  const std::string& name() const override { return name_; }
+  std::int64_t size() const override { return size_; }
+  Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const override {
+    return pread_all(fd_, dst, n, offset, name_);
+  }
+
+ private:
+  std::string name_;
+  int fd_;
+  std::int64_t size_;
+};
+
+class MemorySource final : public PackSource {
+ public:
+  MemorySource(const void* data, std::int64_t size, std::string name)
+      : name_(std::move(name)), data_(static_cast<const std::uint8_t*>(data)), size_(size) {}
+  const std::string& name() const override { return name_; }
+  std::int64_t size() const override { return size_; }
+  Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const override {
+    if (offset < 0 || n < 0 || offset > size_ || n > size_ - offset)
+      return corruption(name_ + ": ends at byte " + std::to_string(size_) + ", needed bytes [" +
+                        std::to_string(offset) + ", " + std::to_string(offset + n) + ")");
+    if (n > 0) std::memcpy(dst, data_ + offset, static_cast<std::size_t>(n));
+    return Status::Ok();
+  }
+
+ private:
+  std::string name_;
+  const std::uint8_t* data_;
+  std::int64_t size_;
+};
+
+// Reads fixed-width fields from the manifest bytes [p, limit); every error
+// names the source, the section, the item (plane or chunk), the field and
+// its byte offset in the file.
+class Cursor {
+ public:
+  Cursor(std::string source, const std::uint8_t* p, const std::uint8_t* limit,
+         std::int64_t file_offset)
+      : source_(std::move(source)), start_(p), p_(p), limit_(limit), file_offset_(file_offset) {}
+
+  void section(std::string name) {
+    section_ = std::move(name);
+    item_.clear();
+  }
+  void item(std::string item) { item_ = std::move(item); }
+  std::int64_t offset() const { return file_offset_ + (p_ - start_); }
+  std::int64_t left() const { return static_cast<std::int64_t>(coding::remaining(p_, limit_)); }
+
+  Status u8(const char* field, std::uint8_t* v) { return get(field, 1, coding::get_fixed8(p_, limit_, v)); }
+  Status u16(const char* field, std::uint16_t* v) { return get(field, 2, coding::get_fixed16(p_, limit_, v)); }
+  Status u32(const char* field, std::uint32_t* v) { return get(field, 4, coding::get_fixed32(p_, limit_, v)); }
+  Status u64(const char* field, std::uint64_t* v) { return get(field, 8, coding::get_fixed64(p_, limit_, v)); }
+  Status bytes(const char* field, std::int64_t n, const std::uint8_t** out) {
+    if (n < 0 || n > left()) return truncated(field, n);
+    return get(field, n, coding::get_bytes(p_, limit_, static_cast<std::size_t>(n), out));
+  }
+
+  // An error about the field read last.
+  Error bad(const char* field, const std::string& what) const { return bad_at(field, field_offset_, what); }
+  Error bad_at(const char* field, std::int64_t offset, const std::string& what) const {
+    return corruption(where() + field + " at byte " + std::to_string(offset) + ": " + what);
+  }
+  Error truncated(const char* field, std::int64_t need) const {
+    return corruption(where() + field + " at byte " + std::to_string(offset()) +
+                      ": truncated: needs " + std::to_string(need) + " bytes, the manifest has " +
+                      std::to_string(left()) + " left");
+  }
+
+ private:
+  std::string where() const {
+    return source_ + ": " + section_ + (item_.empty() ? "" : ", " + item_) + ": ";
+  }
+  Status get(const char* field, std::int64_t width, const std::uint8_t* next) {
+    if (next == nullptr) return truncated(field, width);
+    field_offset_ = offset();
+    p_ = next;
+    return Status::Ok();
+  }
+
+  std::string source_, section_, item_;
+  const std::uint8_t* start_;
+  const std::uint8_t* p_;
+  const std::uint8_t* limit_;
+  std::int64_t file_offset_;
+  std::int64_t field_offset_ = 0;
+};
+
+std::string num(std::int64_t v) { return std::to_string(v); }
+std::string num(std::uint64_t v) { return std::to_string(v); }
+
+Status parse_geometry(Cursor& c, ModelConfig* config) {
+  c.section("geometry");
+  std::uint32_t f[6];
+  const char* names[6] = {"n_layers", "n_heads", "n_kv_heads", "head_dim", "sliding_window",
+                          "max_context"};
+  for (int i = 0; i < 6; ++i) KVRING_RETURN_IF_ERROR(c.u32(names[i], &f[i]));
+  const std::int64_t geometry_at = c.offset() - 24;
+  if (f[0] < 1 || f[0] > kMaxLayers)
+    return c.bad_at("n_layers", geometry_at, num(std::uint64_t{f[0]}) + " outside [1, " + num(kMaxLayers) + "]");
+  config->name = "kvpack";
+  config->n_layers = f[0];
+  config->n_heads = f[1];
+  config->n_kv_heads = f[2];
+  config->head_dim = f[3];
+  config->sliding_window = f[4];
+  config->max_context = f[5];
+  const std::uint8_t* kinds = nullptr;
+  KVRING_RETURN_IF_ERROR(c.bytes("layer_kind", config->n_layers, &kinds));
+  for (std::int64_t l = 0; l < config->n_layers; ++l) {
+    if (kinds[l] > static_cast<std::uint8_t>(LayerKind::kFullNope))
+      return c.bad_at("layer_kind", c.offset() - config->n_layers + l,
+                      "layer " + num(l) + " has kind " + num(std::uint64_t{kinds[l]}) +
+                          ", not a known layer kind");
+    config->layer_kinds.push_back(static_cast<LayerKind>(kinds[l]));
+  }
+  if (Status s = config->validate(); !s.ok())
+    return c.bad_at("fields", geometry_at, "not a valid geometry: " + s.error().message);
+  const std::uint8_t* fp = nullptr;
+  KVRING_RETURN_IF_ERROR(c.bytes("fingerprint", kDigestBytes, &fp));
+  const Digest want = config->fingerprint();
+  if (std::memcmp(fp, want.data(), want.size()) != 0)
+    return c.bad("fingerprint", to_hex(fp, 8) + "... does not match the geometry fields, which hash to " +
+                                    short_name(want) + "...");
+  return Status::Ok();
+}
+
+Status parse_cache(Cursor& c, Manifest* m) {
+  c.section("cache");
+  Snapshot& h = m->header;
+  std::uint32_t context = 0, chunk_tokens = 0;
+  std::uint64_t token_count = 0;
+  KVRING_RETURN_IF_ERROR(c.u32("context", &context));
+  if (context < 1 || context > h.config.max_context)
+    return c.bad("context", num(std::uint64_t{context}) + " outside [1, max_context " +
+                                num(h.config.max_context) + "]");
+  KVRING_RETURN_IF_ERROR(c.u32("chunk_tokens", &chunk_tokens));
+  const std::int64_t max_tokens = max_chunk_tokens(h.config.kv_dim());
+  if (chunk_tokens < 1 || chunk_tokens > max_tokens)
+    return c.bad("chunk_tokens", num(std::uint64_t{chunk_tokens}) + " outside [1, " +
+                                     num(max_tokens) + "] for kv_dim " + num(h.config.kv_dim()));
+  KVRING_RETURN_IF_ERROR(c.u64("token_count", &token_count));
+  if (token_count > static_cast<std::uint64_t>(kMaxTokenCount))
+    return c.bad("token_count", num(token_count) + " exceeds 2^62");
+  h.context = context;
+  m->chunk_tokens = chunk_tokens;
+  h.token_count = static_cast<std::int64_t>(token_count);
+
+  c.section("tokens");
+  std::uint64_t n_ids = 0;
+  KVRING_RETURN_IF_ERROR(c.u64("n_token_ids", &n_ids));
+  if (n_ids != 0 && n_ids != token_count)
+    return c.bad("n_token_ids", num(n_ids) + " ids for " + num(token_count) + " tokens (must be 0 or equal)");
+  if (n_ids > static_cast<std::uint64_t>(c.left() / 4)) return c.truncated("token_id", static_cast<std::int64_t>(std::min<std::uint64_t>(n_ids, kMaxTokenCount)) * 4);
+  const std::uint8_t* ids = nullptr;
+  KVRING_RETURN_IF_ERROR(c.bytes("token_id", static_cast<std::int64_t>(n_ids) * 4, &ids));
+  h.token_ids.resize(static_cast<std::size_t>(n_ids));
+  for (std::size_t i = 0; i < h.token_ids.size(); ++i)
+    h.token_ids[i] = static_cast<std::int32_t>(coding::decode_fixed32(ids + 4 * i));
+
+  c.section("metadata");
+  std::uint32_t meta_len = 0;
+  KVRING_RETURN_IF_ERROR(c.u32("metadata_len", &meta_len));
+  const std::uint8_t* meta = nullptr;
+  KVRING_RETURN_IF_ERROR(c.bytes("metadata", meta_len, &meta));
+  h.metadata.assign(reinterpret_cast<const char*>(meta), meta_len);
+  return Status::Ok();
+}
+
+Status parse_planes(Cursor& c, Manifest* m, std::int64_t* total_chunks) {
+  c.section("plane table");
+  Snapshot& h = m->header;
+  const ModelConfig& cfg = h.config;
+  std::uint32_t n_planes = 0;
+  KVRING_RETURN_IF_ERROR(c.u32("n_planes", &n_planes));
+  if (n_planes != cfg.n_layers)
+    return c.bad("n_planes", num(std::uint64_t{n_planes}) + " planes for " + num(cfg.n_layers) + " layers");
+  *total_chunks = 0;
+  for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+    c.item("plane " + num(l));
+    std::uint32_t layer = 0, capacity = 0, len = 0, origin_physical = 0, n_chunks = 0;
+    std::uint8_t kind = 0, layout = 0, encoding = 0;
+    std::uint64_t origin_logical = 0;
+    KVRING_RETURN_IF_ERROR(c.u32("layer", &layer));
+    if (layer != l) return c.bad("layer", num(std::uint64_t{layer}) + ", planes must be listed in layer order");
+    KVRING_RETURN_IF_ERROR(c.u8("kind", &kind));
+    if (kind != static_cast<std::uint8_t>(cfg.kind(l)))
+      return c.bad("kind", num(std::uint64_t{kind}) + ", the geometry says " + layer_kind_name(cfg.kind(l)));
+    KVRING_RETURN_IF_ERROR(c.u8("layout", &layout));
+    if (layout != static_cast<std::uint8_t>(layout_for(cfg.kind(l))))
+      return c.bad("layout", num(std::uint64_t{layout}) + " is not the layout of a " +
+                                 layer_kind_name(cfg.kind(l)) + " plane");
+    KVRING_RETURN_IF_ERROR(c.u8("encoding", &encoding));
+    if (encoding > static_cast<std::uint8_t>(Encoding::kF32Le))
+      return c.bad("encoding", num(std::uint64_t{encoding}) + " is not a known encoding");
+    KVRING_RETURN_IF_ERROR(c.u32("capacity", &capacity));
+    const std::int64_t want_capacity = cfg.plane_capacity(l, h.context);
+    if (capacity != want_capacity)
+      return c.bad("capacity", num(std::uint64_t{capacity}) + ", a " + layer_kind_name(cfg.kind(l)) +
+                                   " plane at context " + num(h.context) + " has " + num(want_capacity));
+    KVRING_RETURN_IF_ERROR(c.u32("len", &len));
+    KVRING_RETURN_IF_ERROR(c.u64("origin_logical", &origin_logical));
+    if (origin_logical > static_cast<std::uint64_t>(kMaxTokenCount))
+      return c.bad("origin_logical", num(origin_logical) + " exceeds 2^62");
+    KVRING_RETURN_IF_ERROR(c.u32("origin_physical", &origin_physical));
+    auto ring = RingState::from_parts(capacity, cfg.kind(l) == LayerKind::kSlidingRope, len,
+                                      static_cast<std::int64_t>(origin_logical), origin_physical);
+    if (!ring) return c.bad("ring state", ring.error().message);
+    // Every kvring ring is built sequentially from position 0, so its state
+    // follows from token_count and capacity; anything else is damage.
+    auto want = RingState::sequential(capacity, ring->wraps(), h.token_count);
+    if (!want || !(*want == *ring))
+      return c.bad("ring state", "len " + num(ring->len()) + ", origin_logical " +
+                                     num(ring->origin_logical()) + ", origin_physical " +
+                                     num(ring->origin_physical()) +
+                                     " is not the ring a session of token_count " +
+                                     num(h.token_count) + " holds" +
+                                     (want ? " (len " + num(want->len()) + ", origin_logical " +
+                                                 num(want->origin_logical()) + ", origin_physical " +
+                                                 num(want->origin_physical()) + ")"
+                                           : ": " + want.error().message));
+    KVRING_RETURN_IF_ERROR(c.u32("n_chunks", &n_chunks));
+    const std::int64_t want_chunks = count_chunks(ring->origin_logical(), ring->len(), m->chunk_tokens);
+    if (n_chunks != want_chunks)
+      return c.bad("n_chunks", num(std::uint64_t{n_chunks}) + ", the live rows [" +
+                                   num(ring->origin_logical()) + ", " + num(h.token_count) + ") cut at every " +
+                                   num(m->chunk_tokens) + " positions make " + num(want_chunks));
+    h.planes.push_back(PlaneSnapshot{cfg.kind(l), layout_for(cfg.kind(l)), *ring, {}, {}});
+    m->planes.push_back(PackPlane{static_cast<Encoding>(encoding), *total_chunks, n_chunks});
+    *total_chunks += n_chunks;
+  }
+  return Status::Ok();
+}
+
+Status parse_chunks(Cursor& c, Manifest* m, std::int64_t total_chunks) {
+  c.section("chunk table");
+  std::uint32_t n = 0;
+  KVRING_RETURN_IF_ERROR(c.u32("n_chunk_records", &n));
+  if (n != total_chunks)
+    return c.bad("n_chunk_records", num(std::uint64_t{n}) + ", the planes list " + num(total_chunks));
+  if (n > c.left() / kChunkRecordBytes) return c.truncated("chunk records", std::int64_t{n} * kChunkRecordBytes);
+  m->chunks.reserve(n);
+  const std::int64_t kv_dim = m->header.config.kv_dim();
+  std::int64_t offset = m->payload_offset;
+  for (std::size_t l = 0; l < m->planes.size(); ++l) {
+    const RingState& ring = m->header.planes[l].ring;
+    const PackPlane& plane = m->planes[l];
+    for (std::int64_t j = 0; j < plane.n_chunks; ++j) {
+      const std::int64_t index = plane.first_chunk + j;
+      c.item("chunk " + num(index) + " (layer " + num(static_cast<std::int64_t>(l)) + ")");
+      const ChunkRange want = chunk_range(ring.origin_logical(), ring.len(), m->chunk_tokens, j);
+      std::uint64_t first = 0;
+      std::uint32_t rows = 0, length = 0;
+      KVRING_RETURN_IF_ERROR(c.u64("first_position", &first));
+      if (first != static_cast<std::uint64_t>(want.first_position))
+        return c.bad("first_position", num(first) + ", expected " + num(want.first_position));
+      KVRING_RETURN_IF_ERROR(c.u32("rows", &rows));
+      if (rows != want.rows) return c.bad("rows", num(std::uint64_t{rows}) + ", expected " + num(want.rows));
+      KVRING_RETURN_IF_ERROR(c.u32("byte_length", &length));
+      const std::int64_t want_length = chunk_byte_length(rows, kv_dim, plane.encoding);
+      if (length != want_length)
+        return c.bad("byte_length", num(std::uint64_t{length}) + ", " + num(std::uint64_t{rows}) +
+                                        " rows of kv_dim " + num(kv_dim) + " in " +
+                                        encoding_name(plane.encoding) + " take " + num(want_length));
+      const std::uint8_t* name = nullptr;
+      KVRING_RETURN_IF_ERROR(c.bytes("name", kDigestBytes, &name));
+      PackChunk ch;
+      ch.layer = static_cast<std::int64_t>(l);
+      ch.first_position = want.first_position;
+      ch.rows = rows;
+      ch.byte_length = length;
+      ch.offset = m->thin ? 0 : offset;
+      std::memcpy(ch.name.data(), name, kDigestBytes);
+      offset += length;
+      m->payload_bytes += length;
+      m->chunks.push_back(ch);
+    }
+  }
+  if (c.left() != 0) {
+    c.section("manifest");
+    return c.bad_at("end of the chunk table", c.offset(),
+                    num(c.left()) + " unparsed bytes before the manifest digest");
+  }
+  return Status::Ok();
+}
+
+std::string chunk_where(const PackSource& src, const Manifest& m, std::int64_t i) {
+  const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+  std::string s = src.name() + ": chunk " + num(i) + " (layer " + num(ch.layer) + ", positions [" +
+                  num(ch.first_position) + ", " + num(ch.first_position + ch.rows) + "), " +
+                  short_name(ch.name) + "...";
+  if (!m.thin) s += ", bytes [" + num(ch.offset) + ", " + num(ch.offset + ch.byte_length) + ")";
+  return s + ")";
+}
+
+Status check_file_size(const PackSource& src, const Manifest& m) {
+  const std::int64_t size = src.size();
+  if (m.thin) {
+    if (size != m.payload_offset)
+      return corruption(src.name() + ": payload: a thin pack ends at byte " + num(m.payload_offset) +
+                        "; this file has " + num(size - m.payload_offset) + " more bytes");
+    return Status::Ok();
+  }
+  const std::int64_t end = m.payload_offset + m.payload_bytes;
+  if (size < end) {
+    for (std::size_t i = 0; i < m.chunks.size(); ++i)
+      if (m.chunks[i].offset + m.chunks[i].byte_length > size)
+        return corruption(chunk_where(src, m, static_cast<std::int64_t>(i)) +
+                          ": truncated: the file ends at byte " + num(size));
+  }
+  if (size > end)
+    return corruption(src.name() + ": payload: " + num(size - end) +
+                      " trailing bytes after the last chunk (which ends at byte " + num(end) + ")");
+  return Status::Ok();
+}
+
+Status check_name(const PackSource& src, const Manifest& m, std::int64_t i, const Digest& got) {
+  const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+  if (!kCheckDigests || got == ch.name) return Status::Ok();
+  return corruption(chunk_where(src, m, i) + ": its bytes hash to " + short_name(got) +
+                    "..., not to its name " + to_hex(ch.name));
+}
+
+// Reads and verifies chunk i. With `out`, decodes it into the snapshot's
+// rows (F16Le from a file on a little-endian host straight into place).
+Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* store,
+                  std::int64_t i, Snapshot* out) {
+  const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+  const Encoding enc = m.planes[static_cast<std::size_t>(ch.layer)].encoding;
+  const std::int64_t half = ch.byte_length / 2;
+  std::uint16_t* k = nullptr;
+  std::uint16_t* v = nullptr;
+  if (out != nullptr) {
+    PlaneSnapshot& p = out->planes[static_cast<std::size_t>(ch.layer)];
+    const std::int64_t first = (ch.first_position - p.ring.origin_logical()) * out->config.kv_dim();
+    k = p.k.data() + first;
+    v = p.v.data() + first;
+  }
+  auto wrap = [&](const Status& s) -> Status {
+    if (s.ok()) return s;
+    Error e = s.error();
+    e.message = chunk_where(src, m, i) + ": " + e.message;
+    return e;
+  };
+  if (out != nullptr && !m.thin && enc == Encoding::kF16Le && kHostLittleEndian) {
+    KVRING_RETURN_IF_ERROR(wrap(src.read_at(ch.offset, half, reinterpret_cast<std::uint8_t*>(k))));
+    KVRING_RETURN_IF_ERROR(wrap(src.read_at(ch.offset + half, half, reinterpret_cast<std::uint8_t*>(v))));
+    Sha256 h;
+    h.update(k, static_cast<std::size_t>(half));
+    h.update(v, static_cast<std::size_t>(half));
+    return check_name(src, m, i, h.finish());
+  }
+  std::vector<std::uint8_t> bytes;
+  try {
+    bytes.resize(static_cast<std::size_t>(ch.byte_length));
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, chunk_where(src, m, i) + ": out of memory");
+  }
+  if (m.thin) {
+    // The store verifies the name itself.
+    KVRING_RETURN_IF_ERROR(wrap(store->get(ch.name, bytes)));
+  } else {
+    KVRING_RETURN_IF_ERROR(wrap(src.read_at(ch.offset, ch.byte_length, bytes.data())));
+    KVRING_RETURN_IF_ERROR(check_name(src, m, i, sha256(bytes.data(), bytes.size())));
+  }
+  if (out != nullptr) {
+    const std::int64_t values = half / element_size(enc);
+    decode_values(enc, bytes.data(), values, k);
+    decode_values(enc, bytes.data() + half, values, v);
+  }
+  return Status::Ok();
+}
+
+Status need_store(const PackSource& src, const Manifest& m, const ChunkStore* store) {
+  if (m.thin && store == nullptr)
+    return invalid_argument(src.name() + " is a thin pack: its " + num(static_cast<std::int64_t>(m.chunks.size())) +
+                            " chunks live in a chunk store; name the store (--store dir:PATH or "
+                            "--store redis://HOST:PORT)");
+  return Status::Ok();
+}
+
+std::int64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return std::numeric_limits<std::int64_t>::max();
+  return static_cast<std::int64_t>(pages) * page;
+}
+
+Result<Snapshot> read_rows(const PackSource& src, const Manifest& m, const ReadOptions& options) {
+  KVRING_RETURN_IF_ERROR(need_store(src, m, options.store));
+  Snapshot s = m.header;
+  // The rows are sized by checked fields (geometry, rings, file size for a
+  // self-contained pack); a thin pack's claim is also held against memory.
+  const std::int64_t need = s.row_bytes();
+  const std::int64_t limit = std::min(options.max_row_bytes, physical_memory_bytes());
+  if (need > limit)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      src.name() + ": the pack's rows need " + num(need) + " bytes of memory, over the limit of " +
+                          num(limit));
+  try {
+    for (PlaneSnapshot& p : s.planes) {
+      p.k.resize(static_cast<std::size_t>(p.ring.len() * s.config.kv_dim()));
+      p.v.resize(p.k.size());
+    }
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, src.name() + ": out of memory for " + num(need) + " bytes of rows");
+  }
+  std::vector<Status> status(m.chunks.size());
+  cpu::parallel_for(static_cast<std::int64_t>(m.chunks.size()), m.payload_bytes, [&](std::int64_t i) {
+    status[static_cast<std::size_t>(i)] = read_chunk(src, m, options.store, i, &s);
+  });
+  KVRING_RETURN_IF_ERROR(first_error(status));
+  return s;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<PackSource>> open_pack_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    return make_error(err == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIOError,
+                      "cannot open pack " + path + ": " + errno_text(err));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return invalid_argument(path + " is not a regular file");
+  }
+  return std::unique_ptr<PackSource>(new FileSource(path, fd, st.st_size));
+}
+
+std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t size, std::string name) {
+  return std::make_unique<MemorySource>(data, size, std::move(name));
+}
+
+Result<Manifest> read_manifest(const PackSource& src) {
+  const std::string& name = src.name();
+  const std::int64_t size = src.size();
+  if (size < kPreambleBytes)
+    return corruption(name + ": preamble: truncated: the file has " + num(size) +
+                      " bytes, a pack starts with a " + num(kPreambleBytes) + "-byte preamble");
+  std::uint8_t pre[kPreambleBytes];
+  KVRING_RETURN_IF_ERROR(src.read_at(0, kPreambleBytes, pre));
+  if (std::memcmp(pre, kPackMagic, sizeof kPackMagic) != 0)
+    return corruption(name + ": preamble: magic at byte 0: " + to_hex(pre, 8) +
+                      " is not the kvpack magic " + to_hex(kPackMagic, 8) + " (not a kvpack file)");
+  Manifest m;
+  m.version = coding::decode_fixed16(pre + 8);
+  if (m.version == 0) return corruption(name + ": preamble: version at byte 8: 0 is not a kvpack version");
+  if (m.version > kPackVersion)
+    return make_error(ErrorCode::kUnsupported,
+                      name + ": preamble: version at byte 8: pack version " + num(std::uint64_t{m.version}) +
+                          " is newer than this build reads (" + num(std::uint64_t{kPackVersion}) + ")");
+  const std::uint16_t flags = coding::decode_fixed16(pre + 10);
+  if ((flags & ~kFlagThin) != 0)
+    return make_error(ErrorCode::kUnsupported, name + ": preamble: flags at byte 10: 0x" + to_hex(pre + 10, 2) +
+                                                   " has bits this build does not know");
+  m.thin = (flags & kFlagThin) != 0;
+  const std::uint32_t manifest_len = coding::decode_fixed32(pre + 12);
+  if (manifest_len > kMaxManifestBytes)
+    return corruption(name + ": preamble: manifest_len at byte 12: " + num(std::uint64_t{manifest_len}) +
+                      " exceeds the format's limit of " + num(kMaxManifestBytes));
+  m.manifest_bytes = manifest_len;
+  m.payload_offset = kPreambleBytes + m.manifest_bytes + kDigestBytes;
+  if (size < m.payload_offset)
+    return corruption(name + ": manifest: truncated: the preamble announces a " + num(m.manifest_bytes) +
+                      "-byte manifest and its digest, through byte " + num(m.payload_offset) +
+                      "; the file has " + num(size) + " bytes");
+  std::vector<std::uint8_t> head(static_cast<std::size_t>(m.payload_offset));
+  KVRING_RETURN_IF_ERROR(src.read_at(0, m.payload_offset, head.data()));
+  const std::int64_t digest_at = kPreambleBytes + m.manifest_bytes;
+  m.digest = sha256(head.data(), static_cast<std::size_t>(digest_at));
+  if (kCheckDigests && std::memcmp(m.digest.data(), head.data() + digest_at, kDigestBytes) != 0)
+    return corruption(name + ": manifest digest at byte " + num(digest_at) + ": bytes [0, " + num(digest_at) +
+                      ") hash to " + short_name(m.digest) + "..., the pack records " +
+                      to_hex(head.data() + digest_at, 8) + "...: the preamble or manifest is damaged");
+
+  Cursor c(name, head.data() + kPreambleBytes, head.data() + digest_at, kPreambleBytes);
+  KVRING_RETURN_IF_ERROR(parse_geometry(c, &m.header.config));
+  KVRING_RETURN_IF_ERROR(parse_cache(c, &m));
+  std::int64_t total_chunks = 0;
+  KVRING_RETURN_IF_ERROR(parse_planes(c, &m, &total_chunks));
+  KVRING_RETURN_IF_ERROR(parse_chunks(c, &m, total_chunks));
+  KVRING_RETURN_IF_ERROR(check_file_size(src, m));
+  return m;
+}
+
+Result<Snapshot> read_pack(const PackSource& source, const ReadOptions& options) {
+  auto m = read_manifest(source);
+  if (!m) return m.error();
+  return read_rows(source, *m, options);
+}
+
+Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& options) {
+  auto src = open_pack_file(path);
+  if (!src) return src.error();
+  return read_pack(**src, options);
+}
+
+Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target) {
+  auto m = read_manifest(source);
+  if (!m) return m.error();
+  // Another model's pack is refused before any payload is read.
+  if (Status s = check_restorable(m->header, target); !s.ok()) {
+    Error e = s.error();
+    e.message = source.name() + ": " + e.message;
+    return e;
+  }
+  auto snapshot = read_rows(source, *m, options);
+  if (!snapshot) return snapshot.error();
+  return restore(*snapshot, target);
+}
+
+Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* store) {
+  auto m = read_manifest(source);
+  if (!m) return m.error();
+  KVRING_RETURN_IF_ERROR(need_store(source, *m, store));
+  std::vector<Status> status(m->chunks.size());
+  cpu::parallel_for(static_cast<std::int64_t>(m->chunks.size()), m->payload_bytes, [&](std::int64_t i) {
+    status[static_cast<std::size_t>(i)] = read_chunk(source, *m, store, i, nullptr);
+  });
+  VerifyReport r;
+  r.chunks = static_cast<std::int64_t>(m->chunks.size());
+  r.bytes = m->payload_bytes;
+  for (const Status& s : status) {
+    if (s.ok()) continue;
+    if (r.bad_chunks++ == 0) r.first_error = s;
+  }
+  return r;
+}
+
+}  // namespace kvring
