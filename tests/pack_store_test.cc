@@ -1,0 +1,371 @@
+// Chunk stores (a directory, and Redis started on loopback by the test):
+// reads verify names, thin packs round-trip, a missing or planted chunk is an
+// error naming it, prefix sharing stores shared chunks once, and a crash
+// mid-write never leaves a chunk or a pack that reads as valid.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <set>
+
+#include "kvring/chunk_store.h"
+#include "kvring/pack.h"
+#include "pack_test_util.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+using testing::filled_cache;
+using testing::image;
+using testing::small_config;
+
+std::span<const std::uint8_t> bytes_of(const std::string& s) {
+  return {reinterpret_cast<const std::uint8_t*>(s.data()), s.size()};
+}
+ChunkData chunk_of(const std::string& bytes) {
+  return ChunkData{sha256(bytes.data(), bytes.size()), bytes_of(bytes), {}};
+}
+
+// The same tests for both stores.
+class StoreTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "dir") {
+      dir_ = testing::make_temp_dir("store");
+      spec_ = "dir:" + dir_;
+    } else {
+      std::string why;
+      redis_ = testing::RedisServer::start(&why);
+      if (!redis_) {
+        if (why.find("not installed") != std::string::npos || why.find("no Redis store") != std::string::npos)
+          GTEST_SKIP() << why;
+        FAIL() << why;
+      }
+      spec_ = redis_->spec();
+    }
+    auto s = open_chunk_store(spec_);
+    ASSERT_TRUE(s.ok()) << s.error().to_string();
+    store_ = std::move(*s);
+  }
+  void TearDown() override {
+    store_.reset();
+    redis_.reset();
+    if (!dir_.empty()) testing::remove_tree(dir_);
+  }
+
+  std::string dir_, spec_;
+  std::unique_ptr<testing::RedisServer> redis_;
+  std::unique_ptr<ChunkStore> store_;
+};
+
+TEST_P(StoreTest, PutGetContainsStats) {
+  const std::string a = "the K and V rows of a chunk", b(100000, 'q');
+  const ChunkData ca = chunk_of(a), cb = chunk_of(b);
+  const std::vector<ChunkData> chunks = {ca, cb, ca};  // a duplicate is stored once
+  ASSERT_TRUE(store_->put(chunks).ok());
+  ASSERT_TRUE(store_->put(chunks).ok());  // and again: nothing changes
+  auto stats = store_->stats();
+  ASSERT_TRUE(stats.ok()) << stats.error().to_string();
+  EXPECT_EQ(stats->chunks, 2);
+  EXPECT_EQ(stats->bytes, static_cast<std::int64_t>(a.size() + b.size()));
+  std::string got(b.size(), '\0');
+  ASSERT_TRUE(store_->get(cb.name, {reinterpret_cast<std::uint8_t*>(got.data()), got.size()}).ok());
+  EXPECT_EQ(got, b);
+  EXPECT_TRUE(*store_->contains(ca.name));
+  ASSERT_TRUE(store_->erase(ca.name).ok());
+  EXPECT_FALSE(*store_->contains(ca.name));
+}
+
+TEST_P(StoreTest, ReadsVerifyTheName) {
+  const std::string real = "what the writer stored", fake = "what an attacker stored";
+  std::string buf(real.size(), '\0');
+  std::span<std::uint8_t> dst(reinterpret_cast<std::uint8_t*>(buf.data()), buf.size());
+  const Digest name = sha256(real.data(), real.size());
+  const Status missing = store_->get(name, dst);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.error().code, ErrorCode::kNotFound);
+  EXPECT_NE(missing.error().message.find(to_hex(name) + " is missing"), std::string::npos);
+  // Planted: other bytes of another size, then of the same size.
+  const std::vector<ChunkData> planted = {{name, bytes_of(fake), {}}};
+  ASSERT_TRUE(store_->put(planted).ok());
+  const Status size = store_->get(name, dst);
+  ASSERT_FALSE(size.ok());
+  EXPECT_EQ(size.error().code, ErrorCode::kCorruption);
+  EXPECT_NE(size.error().message.find("holds 23 bytes, the pack expects 22"), std::string::npos) << size.to_string();
+  const std::string same_size = "what an attacker wrote";
+  ASSERT_TRUE(store_->erase(name).ok());
+  const std::vector<ChunkData> planted2 = {{name, bytes_of(same_size), {}}};
+  ASSERT_TRUE(store_->put(planted2).ok());
+  const Status hash = store_->get(name, dst);
+  ASSERT_FALSE(hash.ok());
+  EXPECT_EQ(hash.error().code, ErrorCode::kCorruption);
+  EXPECT_NE(hash.error().message.find("damaged or planted"), std::string::npos) << hash.to_string();
+}
+
+class ThinPackTest : public StoreTest {
+ protected:
+  void SetUp() override {
+    StoreTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    pack_dir_ = testing::make_temp_dir("thin");
+    path_ = pack_dir_ + "/s.kvpack";
+    cfg_ = small_config(32, 256, 8);
+    live_ = filled_cache(cfg_, 256, 90, 31);
+    snap_ = testing::snapshot_with_extras(*live_, 2);
+    ASSERT_TRUE(write_pack(snap_, path_, {.chunk_tokens = 16, .store = store_.get()}).ok());
+    auto src = open_pack_file(path_);
+    ASSERT_TRUE(src.ok());
+    src_ = std::move(*src);
+    auto m = read_manifest(*src_);
+    ASSERT_TRUE(m.ok());
+    manifest_ = *m;
+    target_ = filled_cache(cfg_, 256, 12, 77);
+    before_ = image(*target_);
+  }
+  void TearDown() override {
+    src_.reset();
+    if (!pack_dir_.empty()) testing::remove_tree(pack_dir_);
+    StoreTest::TearDown();
+  }
+  void expect_restore_fails(ErrorCode code, const std::string& words) {
+    const Status s = restore_pack(*src_, {.store = store_.get()}, *target_);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, code) << s.to_string();
+    EXPECT_NE(s.error().message.find(words), std::string::npos) << s.to_string();
+    EXPECT_TRUE(image(*target_) == before_);
+  }
+
+  std::string pack_dir_, path_;
+  ModelConfig cfg_;
+  std::unique_ptr<KvCache> live_, target_;
+  Snapshot snap_;
+  std::unique_ptr<PackSource> src_;
+  Manifest manifest_;
+  testing::CacheImage before_;
+};
+
+TEST_P(ThinPackTest, RoundTrips) {
+  EXPECT_TRUE(manifest_.thin);
+  EXPECT_EQ(src_->size(), manifest_.payload_offset);
+  auto back = read_pack(*src_, {.store = store_.get()});
+  ASSERT_TRUE(back.ok()) << back.error().to_string();
+  EXPECT_TRUE(testing::same_rows(*back, snap_));
+  ASSERT_TRUE(restore_pack(*src_, {.store = store_.get()}, *target_).ok());
+  EXPECT_TRUE(image(*target_) == image(*live_));
+  auto v = verify_pack(*src_, store_.get());
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->bad_chunks, 0);
+  EXPECT_EQ(v->chunks, static_cast<std::int64_t>(manifest_.chunks.size()));
+}
+
+TEST_P(ThinPackTest, MissingChunkIsNamed) {
+  const PackChunk& victim = manifest_.chunks[5];
+  ASSERT_TRUE(store_->erase(victim.name).ok());
+  expect_restore_fails(ErrorCode::kNotFound, "s.kvpack: chunk 5 (layer " + std::to_string(victim.layer) +
+                                                 ", positions [" + std::to_string(victim.first_position));
+  auto v = verify_pack(*src_, store_.get());
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->bad_chunks, 1);
+  EXPECT_NE(v->first_error.error().message.find("chunk 5 "), std::string::npos);
+}
+
+TEST_P(ThinPackTest, PlantedChunkIsNamed) {
+  const PackChunk& victim = manifest_.chunks[9];
+  ASSERT_TRUE(store_->erase(victim.name).ok());
+  const std::string junk(static_cast<std::size_t>(victim.byte_length), '\x5a');
+  const std::vector<ChunkData> planted = {{victim.name, bytes_of(junk), {}}};
+  ASSERT_TRUE(store_->put(planted).ok());
+  expect_restore_fails(ErrorCode::kCorruption, "s.kvpack: chunk 9 (layer ");
+}
+
+// Two sessions share their first 150 tokens. The full planes' chunks that lie
+// inside the prefix are identical and stored once; nothing else is shared
+// (the sliding rings have moved past the prefix).
+TEST_P(ThinPackTest, SharedPrefixChunksAreStoredOnce) {
+  ASSERT_TRUE(store_->stats().ok());
+  std::vector<ChunkData> none;
+  const std::int64_t t = 16, split = 150;
+  auto a = make_cpu_cache(cfg_, {.context = 256});
+  auto b = make_cpu_cache(cfg_, {.context = 256});
+  ASSERT_TRUE(a.ok() && b.ok());
+  testing::fill(**a, 0, 200, 40, 9, split, 41);
+  testing::fill(**b, 0, 230, 40, 23, split, 42);
+  std::set<Digest> names;
+  std::int64_t union_bytes = 0, sum_bytes = 0, shared = 0;
+  std::set<Digest> in_a;
+  for (auto* cache : {a->get(), b->get()}) {
+    auto snap = take_snapshot(*cache);
+    ASSERT_TRUE(snap.ok());
+    const std::string path = pack_dir_ + (cache == a->get() ? "/a.kvpack" : "/b.kvpack");
+    ASSERT_TRUE(write_pack(*snap, path, {.chunk_tokens = t, .store = store_.get()}).ok());
+    auto m = read_manifest(**open_pack_file(path));
+    ASSERT_TRUE(m.ok());
+    for (const PackChunk& c : m->chunks) {
+      sum_bytes += c.byte_length;
+      if (names.insert(c.name).second) union_bytes += c.byte_length;
+      if (cache == a->get()) {
+        in_a.insert(c.name);
+      } else if (in_a.count(c.name)) {
+        ++shared;
+        // Only full-plane chunks wholly inside the prefix are shared.
+        EXPECT_EQ(cfg_.kind(c.layer), LayerKind::kFullNope);
+        EXPECT_LE(c.first_position + c.rows, split);
+        EXPECT_EQ(c.rows, t);
+      }
+    }
+  }
+  const std::int64_t full_layers = cfg_.count(LayerKind::kFullNope);
+  EXPECT_EQ(shared, full_layers * (split / t));  // 2 x 9
+  const std::int64_t chunk_bytes = 2 * t * cfg_.kv_dim() * 2;
+  // The store held the first pack's chunks already (SetUp); count afresh.
+  auto stats = store_->stats();
+  ASSERT_TRUE(stats.ok());
+  std::set<Digest> all = names;
+  for (const PackChunk& c : manifest_.chunks) all.insert(c.name);
+  EXPECT_EQ(stats->chunks, static_cast<std::int64_t>(all.size()));
+  std::int64_t setup_only = 0;
+  std::set<Digest> seen = names;
+  for (const PackChunk& c : manifest_.chunks)
+    if (seen.insert(c.name).second) setup_only += c.byte_length;
+  EXPECT_EQ(stats->bytes, union_bytes + setup_only);
+  EXPECT_EQ(union_bytes, sum_bytes - shared * chunk_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stores, StoreTest, ::testing::Values("dir", "redis"));
+INSTANTIATE_TEST_SUITE_P(Stores, ThinPackTest, ::testing::Values("dir", "redis"));
+
+// --- Directory store: crashes and failures ------------------------------
+
+class DirStoreFaults : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::make_temp_dir("dirfaults");
+    root_ = dir_ + "/chunks";
+    live_ = filled_cache(small_config(32, 256, 4), 256, 60, 3);
+    auto s = take_snapshot(*live_);
+    ASSERT_TRUE(s.ok());
+    snap_ = *s;
+  }
+  void TearDown() override { testing::remove_tree(dir_); }
+
+  // Every file named like a chunk holds bytes with that name, and nothing is
+  // named like the pack.
+  void expect_only_valid_chunks() {
+    auto store = open_dir_store(root_);
+    ASSERT_TRUE(store.ok());
+    for (const std::string& n : testing::list_dir(root_)) {
+      if (n.rfind(".tmp-", 0) == 0) continue;
+      std::ifstream in(root_ + "/" + n, std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+      EXPECT_EQ(to_hex(sha256(bytes.data(), bytes.size())), n);
+    }
+    EXPECT_EQ(::access((dir_ + "/p.kvpack").c_str(), F_OK), -1);
+  }
+
+  std::string dir_, root_;
+  std::unique_ptr<KvCache> live_;
+  Snapshot snap_;
+};
+
+// A process killed between writing a chunk and renaming it (simulated by
+// _exit in the fault hook, so no destructor cleans up) leaves only a
+// temporary file: no chunk under the name, no pack; a later write succeeds.
+TEST_F(DirStoreFaults, CrashBeforeRenameLeavesNoChunk) {
+  for (IoStep crash_at : {IoStep::kWrite, IoStep::kFsync, IoStep::kRename}) {
+    SCOPED_TRACE(io_step_name(crash_at));
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      IoOptions io;
+      int seen = 0;
+      io.fault = [&](IoStep s, const std::string&) {
+        if (s == crash_at && ++seen == 3) ::_exit(0);
+        return Status::Ok();
+      };
+      auto store = open_dir_store(root_, io);
+      if (!store.ok()) ::_exit(2);
+      WriteOptions o{.chunk_tokens = 8, .store = store->get()};
+      o.io = io;
+      (void)write_pack(snap_, dir_ + "/p.kvpack", o);
+      ::_exit(1);  // the crash did not happen
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    expect_only_valid_chunks();
+  }
+  auto store = open_dir_store(root_);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE(write_pack(snap_, dir_ + "/p.kvpack", {.chunk_tokens = 8, .store = store->get()}).ok());
+  auto back = read_pack_file(dir_ + "/p.kvpack", {.store = store->get()});
+  ASSERT_TRUE(back.ok()) << back.error().to_string();
+  EXPECT_TRUE(testing::same_rows(*back, snap_));
+  auto stats = (*store)->stats();
+  ASSERT_TRUE(stats.ok());
+  auto m = read_manifest(**open_pack_file(dir_ + "/p.kvpack"));
+  EXPECT_EQ(stats->chunks, static_cast<std::int64_t>(m->chunks.size()));  // temporaries not counted
+}
+
+TEST_F(DirStoreFaults, FailedStepsAreNamedAndLeaveNoPack) {
+  for (IoStep step : {IoStep::kOpen, IoStep::kWrite, IoStep::kFsync, IoStep::kRename, IoStep::kFsyncDir}) {
+    SCOPED_TRACE(io_step_name(step));
+    IoOptions io;
+    io.fault = [step](IoStep s, const std::string& path) {
+      return s == step && path.find(".kvpack") == std::string::npos ? Status(io_error("injected"))
+                                                                     : Status::Ok();
+    };
+    testing::remove_tree(root_);
+    auto store = open_dir_store(root_, io);
+    ASSERT_TRUE(store.ok());
+    const Status s = write_pack(snap_, dir_ + "/p.kvpack", {.chunk_tokens = 8, .store = store->get()});
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.error().message.find(std::string(io_step_name(step)) + " of " + root_), std::string::npos)
+        << s.to_string();
+    expect_only_valid_chunks();
+    for (const std::string& n : testing::list_dir(root_)) EXPECT_NE(n.rfind(".tmp-", 0), 0u) << n;
+  }
+}
+
+// A store on a full device: the file size limit cuts every chunk write
+// short. Runs in a death-test child so the limit does not outlive it.
+void put_under_size_limit(const std::string& root, const std::string& pack, const Snapshot& snap) {
+  ::signal(SIGXFSZ, SIG_IGN);
+  rlimit limit{1000, 1000};
+  ::setrlimit(RLIMIT_FSIZE, &limit);
+  auto store = open_dir_store(root);
+  const Status s = write_pack(snap, pack, {.chunk_tokens = 8, .store = store->get()});
+  std::_Exit(!s.ok() && s.error().message.find("File too large") != std::string::npos ? 0 : 1);
+}
+
+TEST_F(DirStoreFaults, FullDevice) {
+  EXPECT_EXIT(put_under_size_limit(root_, dir_ + "/p.kvpack", snap_), ::testing::ExitedWithCode(0), "");
+  expect_only_valid_chunks();
+}
+
+TEST(ChunkStoreSpec, BadSpecsAndLocations) {
+  const std::string dir = testing::make_temp_dir("spec");
+  const std::string file = dir + "/plain-file";
+  std::ofstream(file) << "x";
+  for (const std::string& spec : {std::string("dir:"), std::string("ftp://host"), std::string("redis://:6379"),
+                                  std::string("redis://host:0"), std::string("redis://host:99999"),
+                                  std::string("redis://host:12x"), "dir:" + file, "dir:" + file + "/sub"}) {
+    auto s = open_chunk_store(spec);
+    ASSERT_FALSE(s.ok()) << spec;
+    EXPECT_FALSE(s.error().message.empty());
+  }
+  auto under_file = open_chunk_store("dir:" + file + "/sub");
+  EXPECT_NE(under_file.error().message.find(file + "/sub"), std::string::npos) << under_file.error().to_string();
+  if (redis_store_compiled()) {
+    // Nothing listens on a port we just found free.
+    auto refused = open_chunk_store("redis://127.0.0.1:1");
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.error().message.find("redis://127.0.0.1:1: cannot connect"), std::string::npos)
+        << refused.error().to_string();
+  }
+  testing::remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace kvring
