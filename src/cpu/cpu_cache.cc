@@ -169,15 +169,6 @@ class CpuCache final : public KvCache {
 
 }  // namespace
 
-Result<std::int64_t> resolve_context(const ModelConfig& config, std::int64_t context) {
-  if (context == 0) return config.max_context;
-  if (context < 0 || context > config.max_context)
-    return invalid_argument("context " + std::to_string(context) + " outside [1, " +
-                            std::to_string(config.max_context) + "] for model '" +
-                            config.name + "'");
-  return context;
-}
-
 Result<std::unique_ptr<KvCache>> make_cpu_cache(const ModelConfig& config, CacheOptions options) {
   KVRING_RETURN_IF_ERROR(config.validate());
   auto context = resolve_context(config, options.context);
