@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 
+#include "cpu/parallel.h"
 #include "kvring/pack.h"
 #include "pack/coding.h"
 #include "pack_test_util.h"
@@ -326,6 +327,7 @@ class PackWriteFaults : public PackFaults {
   // stops the write part-way (as a full disk would), and exits 0 when the
   // error names the cause and the file and the old pack is intact.
   void write_under_size_limit() {
+    cpu::set_thread_limit(1);  // a forked child has no pool workers
     ::signal(SIGXFSZ, SIG_IGN);
     rlimit limit{4096, 4096};
     ::setrlimit(RLIMIT_FSIZE, &limit);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <set>
 
+#include "cpu/parallel.h"
 #include "kvring/chunk_store.h"
 #include "kvring/pack.h"
 #include "pack_test_util.h"
@@ -278,6 +279,8 @@ TEST_F(DirStoreFaults, CrashBeforeRenameLeavesNoChunk) {
     SCOPED_TRACE(io_step_name(crash_at));
     const pid_t pid = ::fork();
     if (pid == 0) {
+      // The child of a fork has no pool workers: run every task here.
+      cpu::set_thread_limit(1);
       IoOptions io;
       int seen = 0;
       io.fault = [&](IoStep s, const std::string&) {
@@ -331,6 +334,7 @@ TEST_F(DirStoreFaults, FailedStepsAreNamedAndLeaveNoPack) {
 // A store on a full device: the file size limit cuts every chunk write
 // short. Runs in a death-test child so the limit does not outlive it.
 void put_under_size_limit(const std::string& root, const std::string& pack, const Snapshot& snap) {
+  cpu::set_thread_limit(1);  // a forked child has no pool workers
   ::signal(SIGXFSZ, SIG_IGN);
   rlimit limit{1000, 1000};
   ::setrlimit(RLIMIT_FSIZE, &limit);
