@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "args.h"
 #include "commands.h"
@@ -13,6 +14,7 @@
 #include "kvring/footprint.h"
 #include "kvring/model.h"
 #include "kvring/sha256.h"
+#include "run_pack.h"
 
 namespace kvring::cli {
 
@@ -22,6 +24,8 @@ using Clock = std::chrono::steady_clock;
 
 struct RunOptions {
   std::string model_name, config_path, backend = "auto";
+  std::string save, resume, store;  // kvpack files and the chunk store
+  bool tokens_given = false;
   std::int64_t tokens = 320, prompt_tokens = -1, chunk = 128, context = 0;
   std::uint64_t seed = 1;
   ModelOptions model;
@@ -58,7 +62,7 @@ nlohmann::json ring_json(const RingState& r, std::int64_t layer) {
 Result<RunOptions> parse(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
                        {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
-                        "vocab", "backend", "context"});
+                        "vocab", "backend", "context", "save", "resume", "store"});
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -68,6 +72,19 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   o.backend = a->str("backend", "auto");
   o.json = a->flag("json");
   o.progress = !a->flag("no-progress") && !o.json;
+  o.tokens_given = a->has("tokens");
+  o.save = a->str("save");
+  o.resume = a->str("resume");
+  o.store = a->str("store");
+  if (a->has("store") && o.store.empty()) return invalid_argument("--store needs a value");
+  if (!o.store.empty() && o.save.empty() && o.resume.empty())
+    return invalid_argument("--store is the chunk store of --save or --resume; give one of them");
+  if (!o.resume.empty()) {
+    // A resumed session is the saved one: what shaped it comes from the pack.
+    for (const char* name : {"model", "config", "prompt-tokens", "seed", "chunk", "hidden", "vocab"})
+      if (a->has(name))
+        return invalid_argument(std::string("--") + name + " comes from the pack on --resume and cannot be changed");
+  }
   const std::int64_t max = std::numeric_limits<std::int32_t>::max();
   auto get = [&](const char* name, std::int64_t fallback, std::int64_t lo, std::int64_t hi,
                  std::int64_t& out) -> Status {
@@ -98,27 +115,52 @@ int cmd_run(const std::vector<std::string>& argv) {
   auto opts = parse(argv);
   if (!opts) return fail(opts.error());
   RunOptions& o = *opts;
-  auto config = resolve_config(o.model_name, o.config_path);
+  auto backend = parse_backend(o.backend);
+  if (!backend) return fail(backend.error());
+  std::optional<Session> resumed;
+  std::vector<std::int32_t> generated;
+  if (!o.resume.empty()) {
+    auto r = resume_run(o.resume, o.store, *backend, o.context);
+    if (!r) return fail(r.error());
+    o.model = r->record.options;
+    o.seed = r->record.seed;
+    o.prompt_tokens = r->record.prompt_tokens;
+    o.chunk = r->record.chunk;
+    resumed.emplace(std::move(r->session));
+    const auto& held = resumed->tokens();
+    if (!o.tokens_given) o.tokens = resumed->position();
+    if (o.tokens < resumed->position())
+      return fail("--tokens = " + std::to_string(o.tokens) + " is below the " +
+                  std::to_string(resumed->position()) + " tokens " + o.resume + " holds");
+    generated.assign(held.begin() + std::min<std::int64_t>(o.prompt_tokens, resumed->position()), held.end());
+  }
+  auto config = resumed ? Result<ModelConfig>(resumed->model().config())
+                        : resolve_config(o.model_name, o.config_path);
   if (!config) return fail(config.error());
-  const std::int64_t context = o.context == 0 ? config->max_context : o.context;
+  const std::int64_t context =
+      resumed ? resumed->cache().context() : (o.context == 0 ? config->max_context : o.context);
   if (context > config->max_context)
     return fail("--context = " + std::to_string(context) + " exceeds the model's maximum " +
                 std::to_string(config->max_context));
   if (o.tokens > context)
     return fail("--tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
                 std::to_string(context) + " of model '" + config->name + "'");
-  auto backend = parse_backend(o.backend);
-  if (!backend) return fail(backend.error());
-  auto model = ReferenceModel::create(*config, o.model);
-  if (!model) return fail(model.error());
-  auto cache = make_cache(*backend, *config, {.context = context});
-  if (!cache) return fail(cache.error());
-  Session session(*model, std::move(*cache));
+  std::optional<Session> fresh;
+  if (!resumed) {
+    auto model = ReferenceModel::create(*config, o.model);
+    if (!model) return fail(model.error());
+    auto cache = make_cache(*backend, *config, {.context = context});
+    if (!cache) return fail(cache.error());
+    fresh.emplace(*model, std::move(*cache));
+  }
+  Session& session = resumed ? *resumed : *fresh;
 
   Progress progress(o.progress, o.tokens);
-  const auto prompt = seeded_tokens(o.prompt_tokens, o.model.vocab, o.seed);
+  const auto prompt = resumed ? std::vector<std::int32_t>() : seeded_tokens(o.prompt_tokens, o.model.vocab, o.seed);
+  // A resumed session has fed its prompt already: nothing to prefill.
+  const std::int64_t prefilled = std::max<std::int64_t>(0, o.prompt_tokens - session.position());
   const auto t0 = Clock::now();
-  for (std::int64_t at = 0; at < o.prompt_tokens;) {
+  for (std::int64_t at = session.position(); at < o.prompt_tokens;) {
     const std::int64_t n = std::min(o.chunk, o.prompt_tokens - at);
     std::vector<std::int32_t> part(prompt.begin() + at, prompt.begin() + at + n);
     if (Status s = session.feed(part, o.chunk); !s.ok()) return fail(s.error());
@@ -126,7 +168,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     progress.update(at, "prefill");
   }
   const auto t1 = Clock::now();
-  std::vector<std::int32_t> generated;
+  const std::size_t generated_before = generated.size();
   while (session.position() < o.tokens) {
     auto t = session.step();
     if (!t) return fail(t.error());
@@ -177,9 +219,17 @@ int cmd_run(const std::vector<std::string>& argv) {
   // Timings vary run to run; everything outside "timing" is deterministic.
   j["timing"] = {{"prefill_s", prefill_s},
                  {"decode_s", decode_s},
-                 {"prefill_tokens_per_s", prefill_s > 0 ? o.prompt_tokens / prefill_s : 0.0},
+                 {"prefill_tokens_per_s", prefill_s > 0 ? prefilled / prefill_s : 0.0},
                  {"decode_tokens_per_s",
-                  decode_s > 0 ? static_cast<double>(generated.size()) / decode_s : 0.0}};
+                  decode_s > 0 ? static_cast<double>(generated.size() - generated_before) / decode_s : 0.0}};
+  std::string saved;
+  if (!o.save.empty()) {
+    auto line = save_run(session, RunRecord{config->name, config->rope_theta, o.model, o.seed,
+                                            o.prompt_tokens, o.chunk, session.last_logits()},
+                         o.save, o.store);
+    if (!line) return fail(line.error());
+    saved = *line;
+  }
   if (o.json) {
     std::printf("%s\n", j.dump().c_str());
     return 0;
@@ -210,6 +260,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (generated.size() > 16) gen += " ...";
   std::printf("  generated   %s\n", gen.c_str());
   std::printf("  last logits sha256 %s\n", logits_sha.c_str());
+  if (!saved.empty()) std::printf("  saved        %s\n", saved.c_str());
   return 0;
 }
 

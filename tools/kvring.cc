@@ -31,9 +31,14 @@ commands:
   run        [--model NAME | --config FILE] [--tokens N] [--prompt-tokens P]
              [--seed S] [--chunk C] [--hidden H] [--vocab V] [--context N]
              [--backend cpu|cuda|auto] [--json] [--no-progress]
+             [--save FILE] [--store dir:PATH | --store redis://HOST:PORT]
              a session of the reference model: prefill P seeded prompt tokens
              in chunks of C, then decode greedily to N tokens; prints speed,
-             cache use, ring states and the SHA-256 of the last logits
+             cache use, ring states and the SHA-256 of the last logits;
+             --save writes the session as a kvpack (thin over --store)
+  run        --resume FILE [--tokens N] [--store ...] [--save FILE] [--json]
+             continues a saved session to N tokens, bit for bit as if it had
+             never stopped
   config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
   help       this text

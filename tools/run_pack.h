@@ -1,0 +1,47 @@
+// Saving a session of `kvring run` as a kvpack and resuming it, in this
+// process or another, so that the resumed run continues bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvring/backend.h"
+#include "kvring/model.h"
+#include "kvring/status.h"
+
+namespace kvring::cli {
+
+// What a resumed run needs beside the cache and the token ids: the model's
+// name and weights, the run's parameters, and the last token's logits (the
+// next greedy token comes from them). Kept as JSON in the pack's metadata.
+struct RunRecord {
+  std::string model;  // the name the summary reports
+  double rope_theta = 0;
+  ModelOptions options;
+  std::uint64_t seed = 0;  // the prompt's seed
+  std::int64_t prompt_tokens = 0;
+  std::int64_t chunk = 0;
+  std::vector<float> last_logits;
+};
+
+std::string encode_run_record(const RunRecord& record);
+// Errors name the pack and the field.
+Result<RunRecord> decode_run_record(const std::string& metadata, const std::string& pack);
+
+// Writes the session's cache, its token ids and `record` to `path`: a thin
+// pack over the chunk store `store_spec` when it is set, else self-contained.
+// Returns a line for the text summary.
+Result<std::string> save_run(const Session& session, const RunRecord& record,
+                             const std::string& path, const std::string& store_spec);
+
+struct ResumedRun {
+  RunRecord record;
+  Session session;
+};
+// Reads a pack written by save_run and restores it into a new cache on
+// `backend` (context: the pack's when 0) through the detached install path.
+Result<ResumedRun> resume_run(const std::string& path, const std::string& store_spec,
+                              BackendKind backend, std::int64_t context);
+
+}  // namespace kvring::cli
