@@ -41,6 +41,11 @@ commands:
              never stopped
   config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
+  pack inspect FILE
+             a kvpack's header, per-plane ring metadata and chunk table
+  pack verify FILE [--store dir:PATH | --store redis://HOST:PORT]
+             checks the manifest digest and every chunk's SHA-256; exits 1
+             naming the first bad chunk (thin packs need their --store)
   help       this text
 
 models: muse-glimmer (default), or --config path/to/config.json (Hugging Face
@@ -148,6 +153,7 @@ int main(int argc, char** argv) {
     if (cmd == "footprint") return cmd_footprint(rest);
     if (cmd == "config") return cmd_config(rest);
     if (cmd == "run") return cmd_run(rest);
+    if (cmd == "pack") return cmd_pack(rest);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
