@@ -18,7 +18,12 @@ const char* io_step_name(IoStep step) {
 Status ChunkStore::get(const Digest& name, std::span<std::uint8_t> dst) const {
   KVRING_RETURN_IF_ERROR(read_raw(name, dst));
   const Digest got = sha256(dst.data(), dst.size());
+#if defined(FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION)
+  // Fuzzing builds skip digest comparisons, as the pack reader does.
+  if (false)
+#else
   if (got != name)
+#endif
     return corruption(spec() + ": chunk " + to_hex(name) + " holds bytes that hash to " +
                       to_hex(got) + " (damaged or planted)");
   return Status::Ok();

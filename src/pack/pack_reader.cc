@@ -104,6 +104,11 @@ class Cursor {
                       ": truncated: needs " + std::to_string(need) + " bytes, the manifest has " +
                       std::to_string(left()) + " left");
   }
+  Error truncated_items(const char* field, std::uint64_t count, std::int64_t width) const {
+    return corruption(where() + field + " at byte " + std::to_string(offset()) + ": truncated: " +
+                      std::to_string(count) + " records of " + std::to_string(width) +
+                      " bytes do not fit in the " + std::to_string(left()) + " bytes left");
+  }
 
  private:
   std::string where() const {
@@ -189,7 +194,8 @@ Status parse_cache(Cursor& c, Manifest* m) {
   KVRING_RETURN_IF_ERROR(c.u64("n_token_ids", &n_ids));
   if (n_ids != 0 && n_ids != token_count)
     return c.bad("n_token_ids", num(n_ids) + " ids for " + num(token_count) + " tokens (must be 0 or equal)");
-  if (n_ids > static_cast<std::uint64_t>(c.left() / 4)) return c.truncated("token_id", static_cast<std::int64_t>(std::min<std::uint64_t>(n_ids, kMaxTokenCount)) * 4);
+  // Compared by count, never multiplied: n_ids may be near 2^62.
+  if (n_ids > static_cast<std::uint64_t>(c.left() / 4)) return c.truncated_items("token_id", n_ids, 4);
   const std::uint8_t* ids = nullptr;
   KVRING_RETURN_IF_ERROR(c.bytes("token_id", static_cast<std::int64_t>(n_ids) * 4, &ids));
   h.token_ids.resize(static_cast<std::size_t>(n_ids));
@@ -276,7 +282,7 @@ Status parse_chunks(Cursor& c, Manifest* m, std::int64_t total_chunks) {
   KVRING_RETURN_IF_ERROR(c.u32("n_chunk_records", &n));
   if (n != total_chunks)
     return c.bad("n_chunk_records", num(std::uint64_t{n}) + ", the planes list " + num(total_chunks));
-  if (n > c.left() / kChunkRecordBytes) return c.truncated("chunk records", std::int64_t{n} * kChunkRecordBytes);
+  if (n > c.left() / kChunkRecordBytes) return c.truncated_items("chunk records", n, kChunkRecordBytes);
   m->chunks.reserve(n);
   const std::int64_t kv_dim = m->header.config.kv_dim();
   std::int64_t offset = m->payload_offset;

@@ -1,0 +1,96 @@
+// libFuzzer target for the kvpack reader. Built by scripts/fuzz.sh with
+// clang -fsanitize=fuzzer,address,undefined; not part of the normal build.
+//
+// The fuzz build defines FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION, which
+// turns off the digest comparisons (manifest digest, chunk names) so that
+// mutated inputs reach the field checks behind them. Every input is read as
+// a pack (self-contained, or thin over a store that serves any chunk), and a
+// pack that reads is re-encoded, read back and restored into a cache of its
+// geometry when that cache is small: the round trip must hold exactly.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "kvring/chunk_store.h"
+#include "kvring/pack.h"
+#include "kvring/snapshot.h"
+
+namespace {
+
+using namespace kvring;
+
+constexpr std::int64_t kMaxRowBytes = std::int64_t{64} << 20;
+
+// Serves every chunk with bytes derived from its name (the digest check is
+// off in this build), so thin packs decode too.
+class PatternStore final : public ChunkStore {
+ public:
+  std::string spec() const override { return "fuzz:pattern"; }
+  Status put(std::span<const ChunkData>) override { return Status::Ok(); }
+  Result<bool> contains(const Digest&) const override { return true; }
+  Status erase(const Digest&) override { return Status::Ok(); }
+  Result<StoreStats> stats() const override { return StoreStats{}; }
+
+ protected:
+  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
+    for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = static_cast<std::uint8_t>(name[i % 32] + i);
+    return Status::Ok();
+  }
+};
+
+[[noreturn]] void broken(const char* what) {
+  std::fprintf(stderr, "round trip broke: %s\n", what);
+  std::abort();
+}
+
+bool same(const Snapshot& a, const Snapshot& b) {
+  if (a.token_count != b.token_count || a.token_ids != b.token_ids || a.metadata != b.metadata ||
+      a.context != b.context || a.planes.size() != b.planes.size())
+    return false;
+  for (std::size_t l = 0; l < a.planes.size(); ++l)
+    if (!(a.planes[l].ring == b.planes[l].ring) || a.planes[l].k != b.planes[l].k || a.planes[l].v != b.planes[l].v)
+      return false;
+  return true;
+}
+
+std::int64_t cache_bytes(const Snapshot& s) {
+  std::int64_t n = 0;
+  for (std::int64_t l = 0; l < s.config.n_layers; ++l)
+    n += s.config.plane_capacity(l, s.context) * s.config.kv_dim() * 4;
+  return n;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  static PatternStore store;
+  auto src = memory_pack_source(data, static_cast<std::int64_t>(size), "fuzz");
+  (void)verify_pack(*src, &store);
+  auto m = read_manifest(*src);
+  if (!m.ok()) return 0;
+  auto snap = read_pack(*src, {.store = &store, .max_row_bytes = kMaxRowBytes});
+  if (!snap.ok()) return 0;
+  if (!validate_snapshot(*snap).ok()) broken("a pack that reads is not a valid snapshot");
+
+  // Re-encode in the pack's chunking and the first plane's encoding.
+  WriteOptions w;
+  w.chunk_tokens = m->chunk_tokens;
+  if (!m->planes.empty()) w.encoding = m->planes[0].encoding;
+  auto bytes = encode_pack(*snap, w);
+  if (!bytes.ok()) broken("a snapshot that was read does not encode");
+  auto again = read_pack(*memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size())),
+                         {.max_row_bytes = kMaxRowBytes});
+  if (!again.ok() || !same(*again, *snap)) broken("re-encoded pack does not read back the same");
+
+  if (cache_bytes(*snap) <= kMaxRowBytes) {
+    auto cache = make_cpu_cache(snap->config, {.context = snap->context});
+    if (!cache.ok()) broken("no cache for a valid geometry");
+    if (!restore(*snap, **cache).ok()) broken("a valid snapshot does not restore");
+    auto back = take_snapshot(**cache);
+    if (!back.ok()) broken("no snapshot of a restored cache");
+    back->token_ids = snap->token_ids;
+    back->metadata = snap->metadata;
+    if (!same(*back, *snap)) broken("restored cache differs from its snapshot");
+  }
+  return 0;
+}
