@@ -236,3 +236,25 @@ TEST(PackFormat, WriterRefusesBadOptions) {
 
 }  // namespace
 }  // namespace kvring
+
+namespace kvring {
+namespace {
+
+// read_pack into a reused Snapshot equals a fresh read, whatever it held.
+TEST(PackFormat, ReadIntoReusedBuffers) {
+  const ModelConfig cfg = testing::small_config(32, 256, 4);
+  Snapshot reused;
+  for (std::int64_t tokens : {100, 7, 256, 0, 40}) {
+    auto live = testing::filled_cache(cfg, 256, tokens, static_cast<std::uint64_t>(tokens) + 9);
+    const Snapshot snap = testing::snapshot_with_extras(*live, static_cast<std::uint64_t>(tokens));
+    auto bytes = encode_pack(snap, {.chunk_tokens = 16});
+    ASSERT_TRUE(bytes.ok());
+    ASSERT_TRUE(read_pack(*memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size())), {},
+                          reused)
+                    .ok());
+    EXPECT_TRUE(testing::same_rows(reused, snap)) << tokens;
+  }
+}
+
+}  // namespace
+}  // namespace kvring

@@ -186,3 +186,23 @@ TEST_F(RestoreRefusal, InconsistentSnapshot) {
 
 }  // namespace
 }  // namespace kvring
+
+namespace kvring {
+namespace {
+
+// Snapshots taken into a reused Snapshot equal fresh ones, whatever it held.
+TEST(Snapshot, ReusedBuffersGiveTheSameSnapshot) {
+  const ModelConfig cfg = testing::small_config(32, 256, 4);
+  Snapshot reused;
+  for (std::int64_t tokens : {100, 7, 256, 0, 40}) {
+    auto live = testing::filled_cache(cfg, 256, tokens, static_cast<std::uint64_t>(tokens));
+    auto fresh = take_snapshot(*live);
+    ASSERT_TRUE(fresh.ok());
+    reused.metadata = "stale";
+    ASSERT_TRUE(take_snapshot(*live, reused).ok());
+    EXPECT_TRUE(testing::same_rows(reused, *fresh)) << tokens;
+  }
+}
+
+}  // namespace
+}  // namespace kvring

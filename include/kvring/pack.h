@@ -114,6 +114,9 @@ Status write_pack(const Snapshot& snapshot, const std::string& path,
 Result<Manifest> read_manifest(const PackSource& source);
 // The whole snapshot, every chunk verified.
 Result<Snapshot> read_pack(const PackSource& source, const ReadOptions& options = {});
+// The same into `out`, reusing its row buffers (see take_snapshot). On an
+// error `out` holds no valid snapshot.
+Status read_pack(const PackSource& source, const ReadOptions& options, Snapshot& out);
 Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& options = {});
 // Reads a pack into `target`: the manifest is checked against the target
 // before any payload is read, every chunk is verified before the target is

@@ -430,9 +430,20 @@ std::int64_t physical_memory_bytes() {
   return static_cast<std::int64_t>(pages) * page;
 }
 
-Result<Snapshot> read_rows(const PackSource& src, const Manifest& m, const ReadOptions& options) {
+// Reads every chunk into `s`, whose row buffers are reused where they exist.
+Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& options, Snapshot& s) {
   KVRING_RETURN_IF_ERROR(need_store(src, m, options.store));
-  Snapshot s = m.header;
+  s.config = m.header.config;
+  s.context = m.header.context;
+  s.token_count = m.header.token_count;
+  s.token_ids = m.header.token_ids;
+  s.metadata = m.header.metadata;
+  s.planes.resize(m.header.planes.size());
+  for (std::size_t l = 0; l < s.planes.size(); ++l) {
+    s.planes[l].kind = m.header.planes[l].kind;
+    s.planes[l].layout = m.header.planes[l].layout;
+    s.planes[l].ring = m.header.planes[l].ring;
+  }
   // The rows are sized by checked fields (geometry, rings, file size for a
   // self-contained pack); a thin pack's claim is also held against memory.
   const std::int64_t need = s.row_bytes();
@@ -453,8 +464,7 @@ Result<Snapshot> read_rows(const PackSource& src, const Manifest& m, const ReadO
   cpu::parallel_for(static_cast<std::int64_t>(m.chunks.size()), m.payload_bytes, [&](std::int64_t i) {
     status[static_cast<std::size_t>(i)] = read_chunk(src, m, options.store, i, &s);
   });
-  KVRING_RETURN_IF_ERROR(first_error(status));
-  return s;
+  return first_error(status);
 }
 
 }  // namespace
@@ -531,9 +541,15 @@ Result<Manifest> read_manifest(const PackSource& src) {
 }
 
 Result<Snapshot> read_pack(const PackSource& source, const ReadOptions& options) {
+  Snapshot s;
+  KVRING_RETURN_IF_ERROR(read_pack(source, options, s));
+  return s;
+}
+
+Status read_pack(const PackSource& source, const ReadOptions& options, Snapshot& out) {
   auto m = read_manifest(source);
   if (!m) return m.error();
-  return read_rows(source, *m, options);
+  return read_rows(source, *m, options, out);
 }
 
 Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& options) {
@@ -551,9 +567,9 @@ Status restore_pack(const PackSource& source, const ReadOptions& options, KvCach
     e.message = source.name() + ": " + e.message;
     return e;
   }
-  auto snapshot = read_rows(source, *m, options);
-  if (!snapshot) return snapshot.error();
-  return restore(*snapshot, target);
+  Snapshot snapshot;
+  KVRING_RETURN_IF_ERROR(read_rows(source, *m, options, snapshot));
+  return restore(snapshot, target);
 }
 
 Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* store) {

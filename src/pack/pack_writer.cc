@@ -25,11 +25,11 @@ struct PlannedChunk {
 };
 
 struct WritePlan {
-  std::string head;  // preamble + manifest + manifest digest
   std::vector<PlannedChunk> chunks;
   // Chunk bytes that are not views of the snapshot's rows (F32Le, or any
   // encoding on a big-endian host).
   std::vector<std::uint8_t> encoded;
+  bool views = false;
   std::int64_t payload_bytes = 0;
 };
 
@@ -97,7 +97,10 @@ std::string build_manifest(const Snapshot& s, const WriteOptions& o,
   return m;
 }
 
-Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, bool thin) {
+// Cuts the snapshot into chunks and sizes everything; the chunks' bytes and
+// names come later, from prepare_chunk, so that a file writer can hash and
+// write each chunk in one pass.
+Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o) {
   KVRING_RETURN_IF_ERROR(validate_snapshot(s));
   KVRING_RETURN_IF_ERROR(check_options(s, o));
   const std::int64_t kv_dim = s.config.kv_dim();
@@ -120,8 +123,8 @@ Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, bool thin)
                             " chunks exceeds the format's 2^32; raise chunk_tokens");
   // F16Le chunks on a little-endian host are views of the rows: K rows then V
   // rows of one plane are two contiguous spans. Everything else is encoded.
-  const bool views = o.encoding == Encoding::kF16Le && kHostLittleEndian;
-  if (!views) {
+  plan.views = o.encoding == Encoding::kF16Le && kHostLittleEndian;
+  if (!plan.views) {
     try {
       plan.encoded.resize(static_cast<std::size_t>(plan.payload_bytes));
     } catch (const std::bad_alloc&) {
@@ -130,36 +133,50 @@ Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, bool thin)
                                                  " bytes of pack payload");
     }
   }
-  cpu::parallel_for(static_cast<std::int64_t>(plan.chunks.size()), plan.payload_bytes,
-                    [&](std::int64_t i) {
-    PlannedChunk& ch = plan.chunks[static_cast<std::size_t>(i)];
-    const PlaneSnapshot& p = s.planes[static_cast<std::size_t>(ch.layer)];
-    const std::int64_t first = (ch.range.first_position - p.ring.origin_logical()) * kv_dim;
-    const std::int64_t values = ch.range.rows * kv_dim;
-    const std::int64_t half = ch.byte_length / 2;
-    if (views) {
-      ch.data.part1 = {reinterpret_cast<const std::uint8_t*>(p.k.data() + first),
-                       static_cast<std::size_t>(half)};
-      ch.data.part2 = {reinterpret_cast<const std::uint8_t*>(p.v.data() + first),
-                       static_cast<std::size_t>(half)};
-    } else {
-      std::uint8_t* dst = plan.encoded.data() + ch.offset;
-      encode_values(o.encoding, p.k.data() + first, values, dst);
-      encode_values(o.encoding, p.v.data() + first, values, dst + half);
-      ch.data.part1 = {dst, static_cast<std::size_t>(ch.byte_length)};
-    }
-    Sha256 h;
-    h.update(ch.data.part1.data(), ch.data.part1.size());
-    h.update(ch.data.part2.data(), ch.data.part2.size());
-    ch.data.name = h.finish();
-  });
+  return plan;
+}
 
+// Sets chunk i's bytes (views or encoded) and its name. Chunks are
+// independent: safe to run in parallel over i.
+void prepare_chunk(WritePlan& plan, const Snapshot& s, const WriteOptions& o, std::int64_t i) {
+  PlannedChunk& ch = plan.chunks[static_cast<std::size_t>(i)];
+  const std::int64_t kv_dim = s.config.kv_dim();
+  const PlaneSnapshot& p = s.planes[static_cast<std::size_t>(ch.layer)];
+  const std::int64_t first = (ch.range.first_position - p.ring.origin_logical()) * kv_dim;
+  const std::int64_t values = ch.range.rows * kv_dim;
+  const std::int64_t half = ch.byte_length / 2;
+  if (plan.views) {
+    ch.data.part1 = {reinterpret_cast<const std::uint8_t*>(p.k.data() + first),
+                     static_cast<std::size_t>(half)};
+    ch.data.part2 = {reinterpret_cast<const std::uint8_t*>(p.v.data() + first),
+                     static_cast<std::size_t>(half)};
+  } else {
+    std::uint8_t* dst = plan.encoded.data() + ch.offset;
+    encode_values(o.encoding, p.k.data() + first, values, dst);
+    encode_values(o.encoding, p.v.data() + first, values, dst + half);
+    ch.data.part1 = {dst, static_cast<std::size_t>(ch.byte_length)};
+  }
+  Sha256 h;
+  h.update(ch.data.part1.data(), ch.data.part1.size());
+  h.update(ch.data.part2.data(), ch.data.part2.size());
+  ch.data.name = h.finish();
+}
+
+void prepare_all(WritePlan& plan, const Snapshot& s, const WriteOptions& o) {
+  cpu::parallel_for(static_cast<std::int64_t>(plan.chunks.size()), plan.payload_bytes,
+                    [&](std::int64_t i) { prepare_chunk(plan, s, o, i); });
+}
+
+// Preamble, manifest and manifest digest. Its size does not depend on the
+// chunk names, so a writer may size it before the chunks are hashed.
+Result<std::string> build_head(const Snapshot& s, const WriteOptions& o, const WritePlan& plan,
+                               bool thin) {
   const std::string manifest = build_manifest(s, o, plan.chunks);
   if (static_cast<std::int64_t>(manifest.size()) > kMaxManifestBytes)
     return invalid_argument("the manifest would take " + std::to_string(manifest.size()) +
                             " bytes, over the format's " + std::to_string(kMaxManifestBytes) +
                             "; raise chunk_tokens or shrink the metadata");
-  std::string& head = plan.head;
+  std::string head;
   coding::put_bytes(&head, kPackMagic, sizeof kPackMagic);
   coding::put_fixed16(&head, kPackVersion);
   coding::put_fixed16(&head, thin ? kFlagThin : 0);
@@ -167,7 +184,7 @@ Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, bool thin)
   head += manifest;
   const Digest digest = sha256(head.data(), head.size());
   coding::put_bytes(&head, digest.data(), digest.size());
-  return plan;
+  return head;
 }
 
 std::vector<ChunkData> chunk_data(const WritePlan& plan) {
@@ -185,13 +202,16 @@ std::span<const std::uint8_t> bytes_of(const std::string& s) {
 
 Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& options) {
   const bool thin = options.store != nullptr;
-  auto plan = plan_pack(snapshot, options, thin);
+  auto plan = plan_pack(snapshot, options);
   if (!plan) return plan.error();
+  prepare_all(*plan, snapshot, options);
+  auto head = build_head(snapshot, options, *plan, thin);
+  if (!head) return head.error();
   if (thin) {
     KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan)));
-    return std::move(plan->head);
+    return std::move(*head);
   }
-  std::string out = std::move(plan->head);
+  std::string out = std::move(*head);
   out.reserve(out.size() + static_cast<std::size_t>(plan->payload_bytes));
   for (const PlannedChunk& ch : plan->chunks) {
     out.append(reinterpret_cast<const char*>(ch.data.part1.data()), ch.data.part1.size());
@@ -202,28 +222,46 @@ Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& op
 
 Status write_pack(const Snapshot& snapshot, const std::string& path, const WriteOptions& options) {
   const bool thin = options.store != nullptr;
-  auto plan = plan_pack(snapshot, options, thin);
+  auto plan = plan_pack(snapshot, options);
   if (!plan) return plan.error();
-  // A thin pack's manifest must never name a chunk the store lacks: the
-  // chunks are durable before the manifest file exists.
-  if (thin) KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan)));
+  if (thin) {
+    // A thin pack's manifest must never name a chunk the store lacks: the
+    // chunks are durable before the manifest file exists.
+    prepare_all(*plan, snapshot, options);
+    KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan)));
+    auto head = build_head(snapshot, options, *plan, thin);
+    if (!head) return head.error();
+    auto file = pack_internal::AtomicFile::create(path, options.io);
+    if (!file) return file.error();
+    KVRING_RETURN_IF_ERROR((*file)->write_at(0, bytes_of(*head)));
+    return (*file)->commit();
+  }
+  // Self-contained: the head's size is known before the names, so each
+  // chunk is hashed and written in one pass on all cores; the head, which
+  // holds the names, is written last.
+  auto sized = build_head(snapshot, options, *plan, thin);
+  if (!sized) return sized.error();
+  const auto base = static_cast<std::int64_t>(sized->size());
   auto file = pack_internal::AtomicFile::create(path, options.io);
   if (!file) return file.error();
-  KVRING_RETURN_IF_ERROR((*file)->write_at(0, bytes_of(plan->head)));
-  if (!thin) {
-    const auto base = static_cast<std::int64_t>(plan->head.size());
-    std::vector<Status> status(plan->chunks.size());
-    cpu::parallel_for(static_cast<std::int64_t>(plan->chunks.size()), plan->payload_bytes,
-                      [&](std::int64_t i) {
-      const PlannedChunk& ch = plan->chunks[static_cast<std::size_t>(i)];
-      Status s = (*file)->write_at(base + ch.offset, ch.data.part1);
-      if (s.ok() && !ch.data.part2.empty())
-        s = (*file)->write_at(base + ch.offset + static_cast<std::int64_t>(ch.data.part1.size()),
-                              ch.data.part2);
-      status[static_cast<std::size_t>(i)] = s;
-    });
-    KVRING_RETURN_IF_ERROR(pack_internal::first_error(status));
-  }
+  std::vector<Status> status(plan->chunks.size());
+  cpu::parallel_for(static_cast<std::int64_t>(plan->chunks.size()), plan->payload_bytes,
+                    [&](std::int64_t i) {
+    prepare_chunk(*plan, snapshot, options, i);
+    const PlannedChunk& ch = plan->chunks[static_cast<std::size_t>(i)];
+    Status s = (*file)->write_at(base + ch.offset, ch.data.part1);
+    if (s.ok() && !ch.data.part2.empty())
+      s = (*file)->write_at(base + ch.offset + static_cast<std::int64_t>(ch.data.part1.size()),
+                            ch.data.part2);
+    status[static_cast<std::size_t>(i)] = s;
+  });
+  KVRING_RETURN_IF_ERROR(pack_internal::first_error(status));
+  auto head = build_head(snapshot, options, *plan, thin);
+  if (!head) return head.error();
+  // Invariant: fixed-width records, so the names do not change the size.
+  if (static_cast<std::int64_t>(head->size()) != base)
+    return make_error(ErrorCode::kInternal, "pack head changed size while naming its chunks");
+  KVRING_RETURN_IF_ERROR((*file)->write_at(0, bytes_of(*head)));
   return (*file)->commit();
 }
 

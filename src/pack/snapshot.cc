@@ -1,5 +1,8 @@
 #include "kvring/snapshot.h"
 
+#include <sys/mman.h>
+
+#include <cstdlib>
 #include <new>
 #include <string>
 
@@ -7,6 +10,26 @@
 #include "kvring/backend.h"
 
 namespace kvring {
+
+namespace {
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+}  // namespace
+
+void* allocate_rows(std::size_t bytes) {
+  if (bytes < kHugePage) {
+    void* p = std::malloc(bytes == 0 ? 1 : bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    return p;
+  }
+  const std::size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  // Advice only: without THP the pages are ordinary ones.
+  ::madvise(p, rounded, MADV_HUGEPAGE);
+  return p;
+}
+
+void free_rows(void* p, std::size_t) noexcept { std::free(p); }
 
 Layout layout_for(LayerKind kind) {
   return kind == LayerKind::kSlidingRope ? Layout::kTokenMajor : Layout::kHeadMajor;
@@ -147,11 +170,19 @@ Status validate_snapshot(const Snapshot& s, bool header_only) {
 
 Result<Snapshot> take_snapshot(const KvCache& cache) {
   Snapshot s;
+  KVRING_RETURN_IF_ERROR(take_snapshot(cache, s));
+  return s;
+}
+
+Status take_snapshot(const KvCache& cache, Snapshot& s) {
+  s.token_ids.clear();
+  s.metadata.clear();
   s.config = cache.config();
   s.context = cache.context();
   auto next = cache.next_position();
   if (!next) return next.error();
   s.token_count = *next;
+  // resize keeps the buffers of planes that stay; equal sizes touch nothing.
   s.planes.resize(static_cast<std::size_t>(cache.n_layers()));
   const std::int64_t kv_dim = s.config.kv_dim();
   try {
@@ -168,12 +199,10 @@ Result<Snapshot> take_snapshot(const KvCache& cache) {
                                                std::to_string(cache.allocated_bytes()) +
                                                " bytes of planes");
   }
-  KVRING_RETURN_IF_ERROR(for_each_layer(cache.backend(), cache.n_layers(), s.row_bytes(),
-                                        [&](std::int64_t l) {
+  return for_each_layer(cache.backend(), cache.n_layers(), s.row_bytes(), [&](std::int64_t l) {
     PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
     return cache.read_rows(l, p.ring.origin_logical(), p.ring.len(), p.k.data(), p.v.data());
-  }));
-  return s;
+  });
 }
 
 Status check_restorable(const Snapshot& header, const KvCache& target) {
