@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call: the CUDA tests, kvring-bench, the SDPA peer and
+# compute-sanitizer over the CUDA tests, each log under $OUT.
+#   bash bench/run_device.sh BIN_DIR [STEPS]
+# BIN_DIR holds kvring_cuda_tests and kvring-bench built with
+# -DKVRING_STATIC_DEPS=ON; STEPS is a subset of "tests bench sdpa memcheck
+# initcheck racecheck" (default: all).
+set -uo pipefail
+bin=$1
+steps=${2:-"tests bench sdpa memcheck initcheck racecheck"}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+here=$(cd "$(dirname "$0")" && pwd)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
+# The sweep over 2^32 inputs has no memory traffic to check; sanitizers skip it.
+san_filter='--gtest_filter=-*F16ConversionMatchesTheSharedFunctionOnEveryInput*'
+for step in $steps; do
+  echo "=== $step"
+  case $step in
+    tests) timeout 300 "$bin/kvring_cuda_tests" 2>&1 | tee "$out/tests.log" | grep -E "^\[  (FAILED|PASSED) |worst|Failure|error" ;;
+    bench) timeout 240 "$bin/kvring-bench" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -22 ;;
+    ncu) timeout 200 ncu --clock-control none -k regex:attend_hd128 --launch-skip 30 --launch-count 1 \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+           --section WarpStateStats --section LaunchStats "$bin/kvring-bench" --quick --only decode \
+           > "$out/ncu.log" 2>&1; echo "exit $?"; grep -E "Duration|Throughput|Registers|Warp Cycles|Achieved Occupancy|Stall" "$out/ncu.log" | head -30 ;;
+    sdpa) PYTHONUNBUFFERED=1 timeout 120 python3 "$here/sdpa_peer.py" --json "$out/sdpa.json" 2>&1 | tee "$out/sdpa.log" ;;
+    memcheck|initcheck|racecheck)
+      KVRING_TEST_QUICK=1 timeout 200 compute-sanitizer --tool "$step" --error-exitcode 9 \
+        "$bin/kvring_cuda_tests" "$san_filter" > "$out/$step.log" 2>&1
+      echo "exit $?"; grep -E "ERROR SUMMARY|^\[  (FAILED|PASSED) " "$out/$step.log" | tail -4 ;;
+  esac
+done
