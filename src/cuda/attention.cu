@@ -85,14 +85,17 @@ struct Shared {
   float weight[kAttendWarps][kTensorHeads];
   float head_m[kTensorHeads];
   float head_l[kTensorHeads];
-  // [warp][head * head_dim + dim]; heads * head_dim <= 8 * 128 = 256 * 4.
-  float o[kAttendWarps][kTensorHeads * kTensorHeadDim];
   // [split * heads + head]: the splits' maxima, then their weights.
   float split_m[kAttendMaxSplits * kTensorHeads];
   float split_l[kAttendMaxSplits * kTensorHeads];
   int last;
 };
-static_assert(kGeneralMaxHeadDim <= kTensorHeads * kTensorHeadDim);
+// Each warp's unnormalised output, [head * head_dim + dim], lies at
+// o + warp * stride (floats) in shared memory.
+struct WarpOutputs {
+  const float* o;
+  int stride;
+};
 static_assert(kTensorHeads <= kAttendWarps, "one warp per head in the final combine");
 
 __device__ __forceinline__ float weight_of(float m, float max) {
@@ -100,10 +103,10 @@ __device__ __forceinline__ float weight_of(float m, float max) {
 }
 
 // Element i (head h) of the CTA's result: its warps combined in warp order.
-__device__ __forceinline__ float cta_value(const Shared& sh, int i, int h) {
+__device__ __forceinline__ float cta_value(const Shared& sh, WarpOutputs wo, int i, int h) {
   float o = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kAttendWarps; ++w) o += sh.o[w][i] * sh.weight[w][h];
+  for (int w = 0; w < kAttendWarps; ++w) o += wo.o[w * wo.stride + i] * sh.weight[w][h];
   return o;
 }
 
@@ -111,8 +114,8 @@ __device__ __forceinline__ float cta_value(const Shared& sh, int i, int h) {
 // query heads head0.. of `heads_valid` real ones, and either writes the
 // output (one split) or the split's partial; the last split of the item to
 // arrive combines all partials in split order and writes the output.
-__device__ void finish(const AttendParams& P, Shared& sh, const QueryRange& r, int heads,
-                       int heads_valid, int head0) {
+__device__ void finish(const AttendParams& P, Shared& sh, WarpOutputs wo, const QueryRange& r,
+                       int heads, int heads_valid, int head0) {
   const int hd = P.head_dim;
   const int tid = static_cast<int>(threadIdx.x);
   if (tid < heads) {
@@ -133,7 +136,7 @@ __device__ void finish(const AttendParams& P, Shared& sh, const QueryRange& r, i
   if (r.n_splits == 1) {
     for (int i = tid; i < heads_valid * hd; i += blockDim.x) {
       const int h = i / hd;
-      out[i] = cta_value(sh, i, h) / sh.head_l[h];
+      out[i] = cta_value(sh, wo, i, h) / sh.head_l[h];
     }
     return;
   }
@@ -143,7 +146,7 @@ __device__ void finish(const AttendParams& P, Shared& sh, const QueryRange& r, i
   float* ws_o = P.ws_o + slot0 * total;          // [max_splits][heads * hd]
   float* ws_ml = P.ws_ml + slot0 * heads * 2;    // [max_splits][heads][m, l]
   for (int i = tid; i < total; i += blockDim.x)
-    ws_o[static_cast<std::int64_t>(r.split) * total + i] = cta_value(sh, i, i / hd);
+    ws_o[static_cast<std::int64_t>(r.split) * total + i] = cta_value(sh, wo, i, i / hd);
   if (tid < heads) {
     ws_ml[(r.split * heads + tid) * 2] = sh.head_m[tid];
     ws_ml[(r.split * heads + tid) * 2 + 1] = sh.head_l[tid];
@@ -251,8 +254,20 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+// cp.async: 16 bytes global -> shared without registers; a source size of 0
+// writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 struct Halves {
@@ -280,9 +295,51 @@ __device__ __forceinline__ std::uint32_t word(const uint4 (&v)[N], int w) {
   }
 }
 
+// Each warp streams its tiles through kStages shared-memory stages with
+// cp.async, kStages - 1 tiles ahead of the one it computes: 16 KB in flight
+// per warp on top of the registers, which the 8 warps an SM holds (208
+// registers each) could not keep in flight alone. A lane copies exactly
+// the 16-byte pieces it later reads (16 per tile: 8 of K, 8 of V), so
+// cp.async.wait_group alone orders them; slot (stage, piece, lane) keeps the
+// lanes of a warp on consecutive 16-byte words.
+constexpr int kStages = 3;
+constexpr int kPieces = 16;
+constexpr int kWarpArea = kStages * kPieces * 32;  // uint4 per warp
+
+struct TensorSmem {
+  Shared sh;
+  uint4 area[kAttendWarps][kWarpArea];  // per warp; its output partial after the loop
+};
+static_assert(kTensorHeads * kTensorHeadDim * sizeof(float) <= kWarpArea * sizeof(uint4));
+
+// Enqueues the tile at `base` (rows < b) into stage `stage` of a lane's slots.
+__device__ __forceinline__ void issue_tile(const AttendParams& P, int kv_head, std::int64_t base,
+                                           std::int64_t b, uint4* area, int stage, int lane, int g,
+                                           int t) {
+  uint4* slots = area + stage * kPieces * 32 + lane;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {  // K rows g and 8 + g, dims [32t, 32t + 32)
+    const std::int64_t L = base + nt * 8 + g;
+    const bool ok = L < b;
+    const std::uint16_t* src = ok ? row_at(P, L, kv_head).k + 32 * t : P.plane_k;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp_async16(slots + (nt * 4 + i) * 32, src + (ok ? 8 * i : 0), ok);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // V rows 2t, 2t+1, 2t+8, 2t+9, dims [16g, 16g + 16)
+    const std::int64_t L = base + 2 * t + (j & 1) + (j >> 1) * 8;
+    const bool ok = L < b;
+    const std::uint16_t* src = ok ? row_at(P, L, kv_head).v + 16 * g : P.plane_k;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) cp_async16(slots + (8 + 2 * j + h) * 32, src + (ok ? 8 * h : 0), ok);
+  }
+}
+
 __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const AttendParams P) {
   constexpr int HD = kTensorHeadDim;
-  __shared__ Shared sh;
+  extern __shared__ uint4 smem_raw[];
+  TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
+  Shared& sh = S.sh;
   QueryRange r;
   if (!query_range(P, r)) return;
   const int group = P.n_heads / P.n_kv_heads;
@@ -294,6 +351,16 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
+
+  // The first tiles go out before the query comes in.
+  std::int64_t a, b;
+  warp_rows(r, warp, a, b);
+  uint4* area = S.area[warp];
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (a + st * kAttendTile < b) issue_tile(P, kv_head, a + st * kAttendTile, b, area, st, lane, g, t);
+    cp_async_commit();
+  }
 
   // Query g's dims [32t, 32t + 32), scaled by a power of two (exact) so its
   // largest element lies in [2^14, 2^15): the lo halves then stay normal
@@ -319,86 +386,61 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(qv[i]));
   amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-  int exponent = 0;
-  frexpf(amax, &exponent);  // amax in [2^(exponent-1), 2^exponent)
-  const int shift = 15 - exponent;
+  // amax in [2^(e-1), 2^e) for e = biased exponent - 126; both factors are
+  // normal powers of two, so scaling and unscaling are exact.
+  const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
+  const int shift = min(max(15 - e, -126), 126);
+  const float up = __uint_as_float(static_cast<unsigned>(127 + shift) << 23);
+  const float down = __uint_as_float(static_cast<unsigned>(127 - shift) << 23);
   std::uint32_t qa[8][4];
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
-    const Halves a = split_f16(ldexpf(qv[4 * s], shift));
-    const Halves b = split_f16(ldexpf(qv[4 * s + 1], shift));
-    const Halves c = split_f16(ldexpf(qv[4 * s + 2], shift));
-    const Halves d = split_f16(ldexpf(qv[4 * s + 3], shift));
-    qa[s][0] = pack(a.hi, b.hi);  // row g,     k 2t, 2t+1   <- dims 32t + 4s + {0, 1}
-    qa[s][1] = pack(a.lo, b.lo);  // row g + 8, k 2t, 2t+1
-    qa[s][2] = pack(c.hi, d.hi);  // row g,     k 2t+8, 2t+9 <- dims 32t + 4s + {2, 3}
-    qa[s][3] = pack(c.lo, d.lo);  // row g + 8, k 2t+8, 2t+9
+    const Halves qa0 = split_f16(qv[4 * s] * up);
+    const Halves qa1 = split_f16(qv[4 * s + 1] * up);
+    const Halves qa2 = split_f16(qv[4 * s + 2] * up);
+    const Halves qa3 = split_f16(qv[4 * s + 3] * up);
+    qa[s][0] = pack(qa0.hi, qa1.hi);  // row g,     k 2t, 2t+1   <- dims 32t + 4s + {0, 1}
+    qa[s][1] = pack(qa0.lo, qa1.lo);  // row g + 8, k 2t, 2t+1
+    qa[s][2] = pack(qa2.hi, qa3.hi);  // row g,     k 2t+8, 2t+9 <- dims 32t + 4s + {2, 3}
+    qa[s][3] = pack(qa2.lo, qa3.lo);  // row g + 8, k 2t+8, 2t+9
   }
-  const float score_scale = ldexpf(P.scale_log2, -shift);
 
-  std::int64_t a, b;
-  warp_rows(r, warp, a, b);
   float m = -INFINITY;  // uniform over the 4 lanes of query g
   float l = 0.0f;       // this lane's share of query g's weight sum
   float o[16][4];
 #pragma unroll
   for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
+  int stage = 0;
 #pragma unroll 1
   for (std::int64_t base = a; base < b; base += kAttendTile) {
-    // The rows of the tile after next into L2: more bytes in flight than
-    // the registers of one tile hold.
-    const std::int64_t ahead = base + 2 * kAttendTile;
-    if (ahead < b) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const std::int64_t L = ahead + nt * 8 + g;
-        if (L < b) prefetch_l2(row_at(P, L, kv_head).k + 32 * t);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const std::int64_t L = ahead + 2 * t + (j & 1) + (j >> 1) * 8;
-        if (L < b) prefetch_l2(row_at(P, L, kv_head).v + 16 * g);
-      }
+    {
+      // Refill the stage the previous tile was read from.
+      const std::int64_t ahead = base + (kStages - 1) * kAttendTile;
+      const int st = stage == 0 ? kStages - 1 : stage - 1;
+      if (ahead < b) issue_tile(P, kv_head, ahead, b, area, st, lane, g, t);
+      cp_async_commit();
     }
-    // K rows g and 8 + g, dims [32t, 32t + 32).
+    cp_async_wait<kStages - 1>();  // this tile's group is complete
+    const uint4* slots = area + stage * kPieces * 32 + lane;
     uint4 kr[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const std::int64_t L = base + nt * 8 + g;
-      if (L < b) {
-        const uint4* src = reinterpret_cast<const uint4*>(row_at(P, L, kv_head).k + 32 * t);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) kr[nt][i] = __ldg(src + i);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) kr[nt][i] = make_uint4(0, 0, 0, 0);
-      }
-    }
-    // V rows 2t, 2t+1, 2t+8, 2t+9, dims [16g, 16g + 16). Rows past the
-    // range read as zero: their probability is 0, and 0 * V must not be
-    // NaN from whatever the plane holds there.
     uint4 vr[4][2];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const std::int64_t L = base + 2 * t + (j & 1) + (j >> 1) * 8;
-      if (L < b) {
-        const uint4* src = reinterpret_cast<const uint4*>(row_at(P, L, kv_head).v + 16 * g);
-        vr[j][0] = __ldg(src);
-        vr[j][1] = __ldg(src + 1);
-      } else {
-        vr[j][0] = vr[j][1] = make_uint4(0, 0, 0, 0);
-      }
-    }
+    for (int i = 0; i < 8; ++i) kr[i >> 2][i & 3] = slots[i * 32];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vr[i >> 1][i & 1] = slots[(8 + i) * 32];
+    stage = stage + 1 == kStages ? 0 : stage + 1;
 
+    // Rows past the range were copied as zeros: their probability is 0,
+    // and 0 * V must not be NaN from whatever the plane holds there.
     float x[4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int s = 0; s < 8; ++s) mma16816(c, qa[s], word(kr[nt], 2 * s), word(kr[nt], 2 * s + 1));
-      x[2 * nt] = (c[0] + c[2]) * score_scale;      // key base + 8nt + 2t
-      x[2 * nt + 1] = (c[1] + c[3]) * score_scale;  // key base + 8nt + 2t + 1
+      x[2 * nt] = (c[0] + c[2]) * down * P.scale_log2;      // key base + 8nt + 2t
+      x[2 * nt + 1] = (c[1] + c[3]) * down * P.scale_log2;  // key base + 8nt + 2t + 1
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -439,6 +481,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
       mma16816(o[j], pa, b0, b1);
     }
   }
+  cp_async_wait<0>();  // nothing may still land in the area the partial reuses
 
   // Each lane summed its own keys; add the 4 lanes of query g in a fixed
   // butterfly (a + b == b + a, so all 4 lanes hold the same bits).
@@ -448,14 +491,15 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
     sh.m[warp][g] = m;
     sh.l[warp][g] = l;
   }
-  float* so = sh.o[warp] + g * HD;
+  float* so = reinterpret_cast<float*>(area) + g * HD;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     so[16 * (2 * t) + j] = o[j][0] + o[j][2];
     so[16 * (2 * t + 1) + j] = o[j][1] + o[j][3];
   }
   __syncthreads();
-  finish(P, sh, r, kTensorHeads, heads_valid, head0);
+  finish(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea * 4}, r,
+         kTensorHeads, heads_valid, head0);
 }
 
 // ---- Any head_dim up to 256 --------------------------------------------------
@@ -474,6 +518,7 @@ __device__ __forceinline__ float f16_value(std::uint16_t bits) {
 
 __global__ void __launch_bounds__(kAttendThreads) attend_general_kernel(const AttendParams P) {
   __shared__ Shared sh;
+  __shared__ float warp_o[kAttendWarps][kGeneralMaxHeadDim];
   QueryRange r;
   if (!query_range(P, r)) return;
   const int hd = P.head_dim;
@@ -542,10 +587,10 @@ __global__ void __launch_bounds__(kAttendThreads) attend_general_kernel(const At
 #pragma unroll
   for (int i = 0; i < kGeneralDimsPerLane; ++i) {
     const int d = lane + 32 * i;
-    if (d < hd) sh.o[warp][d] = o[i];
+    if (d < hd) warp_o[warp][d] = o[i];
   }
   __syncthreads();
-  finish(P, sh, r, 1, 1, head);
+  finish(P, sh, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, 1, 1, head);
 }
 
 }  // namespace
@@ -568,10 +613,15 @@ cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   const AttendGrid g = attend_grid(params.n_heads, params.n_kv_heads, params.head_dim);
   const dim3 grid(static_cast<unsigned>(params.max_splits), static_cast<unsigned>(g.items),
                   static_cast<unsigned>(params.n_queries));
-  if (params.head_dim == kTensorHeadDim)
-    attend_hd128_kernel<<<grid, kAttendThreads, 0, stream>>>(params);
-  else
+  if (params.head_dim == kTensorHeadDim) {
+    // Beyond the 48 KB default: opt in once per process.
+    static const cudaError_t opted_in = cudaFuncSetAttribute(
+        attend_hd128_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
+    if (opted_in != cudaSuccess) return opted_in;
+    attend_hd128_kernel<<<grid, kAttendThreads, sizeof(TensorSmem), stream>>>(params);
+  } else {
     attend_general_kernel<<<grid, kAttendThreads, 0, stream>>>(params);
+  }
   return cudaGetLastError();
 }
 

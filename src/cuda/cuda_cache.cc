@@ -28,8 +28,11 @@ Error cuda_error(const std::string& what, cudaError_t e) {
   } while (0)
 
 constexpr std::size_t kAlign = 256;
-// One staging slot; host copies move through two of them.
+// One staging slot; host copies move through two of them. Copies to or from
+// pinned host memory skip the pinned slots and move in larger pieces (each
+// DMA has a fixed start-up cost).
 constexpr std::size_t kStageBytes = std::size_t{8} << 20;
+constexpr std::size_t kDirectStageBytes = std::size_t{32} << 20;
 // Attention workspace a launch may use; longer prefills are cut into
 // several launches of fewer queries.
 constexpr std::int64_t kWorkspaceBudget = std::int64_t{64} << 20;
@@ -120,9 +123,9 @@ cuda::Shape shape_of(const ModelConfig& c) {
   return {static_cast<std::int32_t>(c.kv_dim()), static_cast<std::int32_t>(c.head_dim)};
 }
 
-// The largest multiple of row_bytes that fits a staging slot (at least one row).
-std::size_t chunk_for(std::size_t row_bytes) {
-  return std::max<std::size_t>(1, kStageBytes / row_bytes) * row_bytes;
+// The largest multiple of row_bytes that fits `slot` bytes (at least one row).
+std::size_t chunk_for(std::size_t row_bytes, std::size_t slot = kStageBytes) {
+  return std::max<std::size_t>(1, slot / row_bytes) * row_bytes;
 }
 
 }  // namespace
@@ -158,8 +161,11 @@ struct CudaCache::Impl {
     if (stream) cudaStreamDestroy(stream);
   }
 
+  // Makes the cache's device current (a no-op when it already is).
   Status activate() const {
-    KVRING_CUDA_CHECK("cudaSetDevice", cudaSetDevice(device));
+    int current = -1;
+    KVRING_CUDA_CHECK("cudaGetDevice", cudaGetDevice(&current));
+    if (current != device) KVRING_CUDA_CHECK("cudaSetDevice", cudaSetDevice(device));
     return Status::Ok();
   }
   cudaStream_t pick(cudaStream_t s) const { return s ? s : stream; }
@@ -524,7 +530,8 @@ Status CudaCache::copy_out(std::int64_t layer, const LiveSpans& spans, std::uint
   const cuda::SpanMap map = span_map(spans);
   const std::size_t row_bytes = static_cast<std::size_t>(config_.kv_dim()) * 2;
   const std::size_t bytes = static_cast<std::size_t>(span_rows(spans)) * row_bytes;
-  const std::size_t chunk = chunk_for(row_bytes);
+  const bool direct = is_pinned_range(k, bytes) && is_pinned_range(v, bytes);
+  const std::size_t chunk = chunk_for(row_bytes, direct ? kDirectStageBytes : kStageBytes);
   for (auto& d : im.stage)
     KVRING_RETURN_IF_ERROR(d.reserve(std::min(chunk, bytes), "staging", im.stream));
   for (const auto& [dst, src] : {std::pair{k, plane.k}, std::pair{v, plane.v}}) {
@@ -551,9 +558,11 @@ Status CudaCache::copy_in(std::int64_t layer, const LiveSpans& spans, const std:
   const cuda::SpanMap map = span_map(spans);
   const std::size_t row_bytes = static_cast<std::size_t>(config_.kv_dim()) * 2;
   const std::size_t bytes = static_cast<std::size_t>(span_rows(spans)) * row_bytes;
+  const bool direct = is_pinned_range(k, bytes) && is_pinned_range(v, bytes);
+  const std::size_t chunk = chunk_for(row_bytes, direct ? kDirectStageBytes : kStageBytes);
   for (const auto& [src, dst] : {std::pair{k, plane.k}, std::pair{v, plane.v}}) {
     KVRING_RETURN_IF_ERROR(im.upload(
-        src, bytes, chunk_for(row_bytes), nullptr,
+        src, bytes, chunk, nullptr,
         [&, dst = dst](int, const void* dev, std::size_t off, std::size_t n) -> Status {
           KVRING_CUDA_CHECK("scatter kernel launch",
                             cuda::launch_scatter_rows(dst, plane.capacity, plane.layout, shape, map,
