@@ -6,10 +6,18 @@
 #include <vector>
 
 #include "args.h"
+#include "commands.h"
 #include "kvring/config.h"
 #include "kvring/footprint.h"
 
 namespace kvring::cli {
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "kvring: %s\n", message.c_str());
+  return 2;
+}
+int fail(const Error& e) { return fail(e.to_string()); }
+
 namespace {
 
 constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
@@ -20,6 +28,12 @@ commands:
   footprint  [--model NAME | --config FILE] [--context N] [--slots N]
              KV-cache bytes per token, per plane class, per slot and for N
              slots; without --context, a table for 2048, 32768 and 131072
+  run        [--model NAME | --config FILE] [--tokens N] [--prompt-tokens P]
+             [--seed S] [--chunk C] [--hidden H] [--vocab V] [--context N]
+             [--backend cpu|cuda|auto] [--json] [--no-progress]
+             a session of the reference model: prefill P seeded prompt tokens
+             in chunks of C, then decode greedily to N tokens; prints speed,
+             cache use, ring states and the SHA-256 of the last logits
   config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
   help       this text
@@ -27,12 +41,6 @@ commands:
 models: muse-glimmer (default), or --config path/to/config.json (Hugging Face
 style: Gemma 3, Cohere 2, gpt-oss)
 )";
-
-int fail(const std::string& message) {
-  std::cerr << "kvring: " << message << "\n";
-  return 2;
-}
-int fail(const Error& e) { return fail(e.to_string()); }
 
 void print_footprint(const ModelConfig& c, const Footprint& f) {
   std::printf("model %s: %lld layers (%lld sliding, %lld full), kv_dim %lld, window %lld\n",
@@ -51,6 +59,8 @@ void print_footprint(const ModelConfig& c, const Footprint& f) {
               static_cast<int>(15 - std::to_string(f.slots).size()), "",
               format_bytes(f.total_bytes).c_str());
 }
+
+}  // namespace
 
 int cmd_footprint(const std::vector<std::string>& argv) {
   auto args = Args::parse(argv, {}, {"model", "config", "context", "slots"});
@@ -119,7 +129,6 @@ int cmd_config(const std::vector<std::string>& argv) {
   return 0;
 }
 
-}  // namespace
 }  // namespace kvring::cli
 
 int main(int argc, char** argv) {
@@ -133,6 +142,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "footprint") return cmd_footprint(rest);
     if (cmd == "config") return cmd_config(rest);
+    if (cmd == "run") return cmd_run(rest);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       std::fputs(kUsage, stdout);
       return 0;

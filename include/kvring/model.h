@@ -59,6 +59,9 @@ class ReferenceModel {
   std::vector<float> rope_inv_freq_;  // [head_dim / 2]
 };
 
+// `n` token ids in [0, vocab) drawn from `seed` (std::mt19937_64).
+std::vector<std::int32_t> seeded_tokens(std::int64_t n, std::int64_t vocab, std::uint64_t seed);
+
 // Index of the largest logit (the lowest index among equals; NaN never wins).
 std::int32_t argmax(const float* logits, std::int64_t n);
 

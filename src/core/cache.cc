@@ -15,6 +15,15 @@ std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64
   return std::max<std::int64_t>(0, position - config.sliding_window + 1);
 }
 
+Result<std::int64_t> resolve_context(const ModelConfig& config, std::int64_t context) {
+  if (context == 0) return config.max_context;
+  if (context < 0 || context > config.max_context)
+    return invalid_argument("context " + std::to_string(context) + " outside [1, " +
+                            std::to_string(config.max_context) + "] for model '" +
+                            config.name + "'");
+  return context;
+}
+
 KvCache::KvCache(ModelConfig config, std::int64_t context)
     : config_(std::move(config)), context_(context) {
   for (std::int64_t l = 0; l < config_.n_layers; ++l) {

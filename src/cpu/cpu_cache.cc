@@ -1,4 +1,5 @@
 // The CPU backend: planes in host memory.
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -16,23 +17,21 @@ class CpuCache final : public KvCache {
   CpuCache(ModelConfig config, std::int64_t context) : KvCache(std::move(config), context) {}
 
   Status allocate(bool zero_fill) {
-    try {
-      for (std::int64_t l = 0; l < n_layers(); ++l) {
-        const std::size_t n = elements(l);
-        Plane p;
-        // Zero-filled on purpose: a wrapped row must never expose
-        // uninitialized storage. Only a detached install skips it.
-        p.k = zero_fill ? std::make_unique<std::uint16_t[]>(n)
-                        : std::make_unique_for_overwrite<std::uint16_t[]>(n);
-        p.v = zero_fill ? std::make_unique<std::uint16_t[]>(n)
-                        : std::make_unique_for_overwrite<std::uint16_t[]>(n);
-        planes_.push_back(std::move(p));
-        allocated_ += static_cast<std::int64_t>(2 * n * sizeof(std::uint16_t));
-      }
-    } catch (const std::bad_alloc&) {
-      return make_error(ErrorCode::kIOError,
-                        "out of host memory allocating the planes of a " +
-                            std::to_string(context()) + "-position cache");
+    for (std::int64_t l = 0; l < n_layers(); ++l) {
+      const std::size_t n = elements(l);
+      // Zero-filled on purpose: a wrapped row must never expose
+      // uninitialized storage. Only a detached install skips it. calloc
+      // hands out zero pages the kernel maps on first touch.
+      auto alloc = [&] {
+        return static_cast<std::uint16_t*>(zero_fill ? std::calloc(n, sizeof(std::uint16_t))
+                                                     : std::malloc(n * sizeof(std::uint16_t)));
+      };
+      Plane p{HostBuffer(alloc()), HostBuffer(alloc())};
+      if (!p.k || !p.v)
+        return make_error(ErrorCode::kIOError, "out of host memory allocating the planes of a " +
+                                                   std::to_string(context()) + "-position cache");
+      planes_.push_back(std::move(p));
+      allocated_ += static_cast<std::int64_t>(2 * n * sizeof(std::uint16_t));
     }
     return Status::Ok();
   }
@@ -132,8 +131,12 @@ class CpuCache final : public KvCache {
   }
 
  private:
+  struct FreeDeleter {
+    void operator()(std::uint16_t* p) const { std::free(p); }
+  };
+  using HostBuffer = std::unique_ptr<std::uint16_t[], FreeDeleter>;
   struct Plane {
-    std::unique_ptr<std::uint16_t[]> k, v;
+    HostBuffer k, v;
   };
 
   std::size_t elements(std::int64_t layer) const {
@@ -165,15 +168,6 @@ class CpuCache final : public KvCache {
 };
 
 }  // namespace
-
-Result<std::int64_t> resolve_context(const ModelConfig& config, std::int64_t context) {
-  if (context == 0) return config.max_context;
-  if (context < 0 || context > config.max_context)
-    return invalid_argument("context " + std::to_string(context) + " outside [1, " +
-                            std::to_string(config.max_context) + "] for model '" +
-                            config.name + "'");
-  return context;
-}
 
 Result<std::unique_ptr<KvCache>> make_cpu_cache(const ModelConfig& config, CacheOptions options) {
   KVRING_RETURN_IF_ERROR(config.validate());

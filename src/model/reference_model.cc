@@ -1,0 +1,274 @@
+#include "kvring/model.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "cpu/parallel.h"
+
+namespace kvring {
+
+namespace {
+
+inline constexpr std::int64_t kMaxHidden = 16384;
+inline constexpr std::int64_t kMaxVocab = 1 << 20;
+inline constexpr float kNormEps = 1e-6f;
+
+// splitmix64: a small, portable, seeded generator.
+struct Rng {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-scale, scale).
+  float uniform(float scale) {
+    const double u = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    return static_cast<float>((2.0 * u - 1.0) * scale);
+  }
+};
+
+std::vector<float> random_matrix(Rng& rng, std::int64_t rows, std::int64_t cols, float scale) {
+  std::vector<float> w(static_cast<std::size_t>(rows * cols));
+  for (auto& x : w) x = rng.uniform(scale);
+  return w;
+}
+
+std::vector<float> norm_weight(Rng& rng, std::int64_t n) {
+  std::vector<float> w(static_cast<std::size_t>(n));
+  for (auto& x : w) x = 1.0f + rng.uniform(0.1f);
+  return w;
+}
+
+// out[r, :] = x[r, :] . W for W [in, out] row-major. Each output element is
+// summed over i in increasing order by one thread: the bits of a row do not
+// depend on the other rows or on the thread count. Rows are processed in
+// blocks so a block of W is read once per block of rows, not once per row.
+void matmul(const float* x, std::int64_t rows, std::int64_t in, const std::vector<float>& w,
+            std::int64_t out_dim, float* out) {
+  constexpr std::int64_t kCols = 256, kRows = 16;
+  const std::int64_t col_blocks = (out_dim + kCols - 1) / kCols;
+  const std::int64_t row_blocks = (rows + kRows - 1) / kRows;
+  cpu::parallel_for(row_blocks * col_blocks, rows * in * out_dim, [&](std::int64_t task) {
+    const std::int64_t r0 = (task / col_blocks) * kRows;
+    const std::int64_t r1 = std::min(rows, r0 + kRows);
+    const std::int64_t j0 = (task % col_blocks) * kCols;
+    const std::int64_t j1 = std::min(out_dim, j0 + kCols);
+    for (std::int64_t r = r0; r < r1; ++r)
+      for (std::int64_t j = j0; j < j1; ++j) out[r * out_dim + j] = 0.0f;
+    for (std::int64_t i = 0; i < in; ++i) {
+      const float* wi = w.data() + i * out_dim;
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const float xi = x[r * in + i];
+        float* o = out + r * out_dim;
+        for (std::int64_t j = j0; j < j1; ++j) o[j] += xi * wi[j];
+      }
+    }
+  });
+}
+
+// y = x / sqrt(mean(x^2) + eps) * weight, over n elements.
+void rms_norm(const float* x, const float* weight, std::int64_t n, float* y) {
+  float ss = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + kNormEps);
+  for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * weight[i];
+}
+
+float gelu(float x) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * x * (1.0f + std::tanh(c * (x + 0.044715f * x * x * x)));
+}
+
+}  // namespace
+
+std::vector<std::int32_t> seeded_tokens(std::int64_t n, std::int64_t vocab, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(std::max<std::int64_t>(0, n)));
+  for (auto& t : ids) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(vocab));
+  return ids;
+}
+
+std::int32_t argmax(const float* logits, std::int64_t n) {
+  std::int32_t best = 0;
+  float best_value = -std::numeric_limits<float>::infinity();
+  bool found = false;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (std::isnan(logits[i])) continue;
+    if (!found || logits[i] > best_value) {
+      best = static_cast<std::int32_t>(i);
+      best_value = logits[i];
+      found = true;
+    }
+  }
+  return best;
+}
+
+Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const ModelConfig& config,
+                                                                     const ModelOptions& options) {
+  KVRING_RETURN_IF_ERROR(config.validate());
+  if (options.hidden < 1 || options.hidden > kMaxHidden)
+    return invalid_argument("hidden size " + std::to_string(options.hidden) + " outside [1, " +
+                            std::to_string(kMaxHidden) + "]");
+  if (options.vocab < 2 || options.vocab > kMaxVocab)
+    return invalid_argument("vocabulary " + std::to_string(options.vocab) + " outside [2, " +
+                            std::to_string(kMaxVocab) + "]");
+  if (options.mlp < 0 || options.mlp > 4 * kMaxHidden)
+    return invalid_argument("mlp size " + std::to_string(options.mlp) + " outside [0, " +
+                            std::to_string(4 * kMaxHidden) + "]");
+  if (config.count(LayerKind::kSlidingRope) > 0 && config.head_dim % 2 != 0)
+    return invalid_argument("RoPE needs an even head_dim, got " + std::to_string(config.head_dim));
+
+  std::shared_ptr<ReferenceModel> m(new ReferenceModel(config, options));
+  if (m->options_.mlp == 0) m->options_.mlp = 2 * options.hidden;
+  const std::int64_t hd = config.head_dim, hq = config.n_heads * hd, kv = config.kv_dim();
+  const std::int64_t hidden = options.hidden, mlp = m->options_.mlp;
+  Rng rng{options.seed};
+  auto scale = [](std::int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); };
+  m->embedding_ = random_matrix(rng, options.vocab, hidden, 1.0f);
+  for (std::int64_t l = 0; l < config.n_layers; ++l) {
+    Layer L;
+    L.attn_norm = norm_weight(rng, hidden);
+    L.wq = random_matrix(rng, hidden, hq, scale(hidden));
+    L.wk = random_matrix(rng, hidden, kv, scale(hidden));
+    L.wv = random_matrix(rng, hidden, kv, scale(hidden));
+    L.q_norm = norm_weight(rng, hd);
+    L.k_norm = norm_weight(rng, hd);
+    L.wo = random_matrix(rng, hq, hidden, scale(hq));
+    L.mlp_norm = norm_weight(rng, hidden);
+    L.w1 = random_matrix(rng, hidden, mlp, scale(hidden));
+    L.w2 = random_matrix(rng, mlp, hidden, scale(mlp));
+    m->layers_.push_back(std::move(L));
+  }
+  m->final_norm_ = norm_weight(rng, hidden);
+  m->unembed_ = random_matrix(rng, hidden, options.vocab, 4.0f * scale(hidden));
+  for (std::int64_t i = 0; i < hd / 2; ++i)
+    m->rope_inv_freq_.push_back(static_cast<float>(
+        std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(hd))));
+  return std::shared_ptr<const ReferenceModel>(std::move(m));
+}
+
+Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens,
+                               std::int64_t n, float* logits) const {
+  const ModelConfig& c = config_;
+  if (cache.config().fingerprint() != c.fingerprint())
+    return make_error(ErrorCode::kMismatch, "the cache was made for another geometry (" +
+                                                cache.config().name + ", not " + c.name + ")");
+  if (n < 1) return invalid_argument("forward: " + std::to_string(n) + " tokens");
+  if (tokens == nullptr || logits == nullptr) return invalid_argument("forward: null buffer");
+  for (std::int64_t i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= options_.vocab)
+      return invalid_argument("token id " + std::to_string(tokens[i]) + " at index " +
+                              std::to_string(i) + " outside [0, " +
+                              std::to_string(options_.vocab) + ")");
+  // Check continuity and capacity for every layer before storing anything,
+  // so a refused call leaves the cache as it was.
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    auto plan = cache.ring(l).plan_batch(l, start, n);
+    if (!plan) return plan.error();
+  }
+
+  const std::int64_t hidden = options_.hidden, hd = c.head_dim, H = c.n_heads;
+  const std::int64_t hq = H * hd, kv = c.kv_dim(), mlp = options_.mlp;
+  const auto sz = [](std::int64_t a) { return static_cast<std::size_t>(a); };
+  std::vector<float> x(sz(n * hidden)), h(sz(n * hidden)), q(sz(n * hq)), k(sz(n * kv)),
+      v(sz(n * kv)), attn(sz(n * hq)), o(sz(n * hidden)), u(sz(n * mlp));
+
+  for (std::int64_t i = 0; i < n; ++i)
+    std::copy_n(embedding_.data() + tokens[i] * hidden, hidden, x.data() + i * hidden);
+
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const Layer& L = layers_[sz(l)];
+    const bool sliding = c.kind(l) == LayerKind::kSlidingRope;
+    for (std::int64_t i = 0; i < n; ++i)
+      rms_norm(x.data() + i * hidden, L.attn_norm.data(), hidden, h.data() + i * hidden);
+    matmul(h.data(), n, hidden, L.wq, hq, q.data());
+    matmul(h.data(), n, hidden, L.wk, kv, k.data());
+    matmul(h.data(), n, hidden, L.wv, kv, v.data());
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t pos = start + i;
+      auto qk_norm_rope = [&](float* head, const std::vector<float>& weight) {
+        rms_norm(head, weight.data(), hd, head);
+        if (!sliding) return;  // NoPE on full layers
+        for (std::int64_t d = 0; d < hd / 2; ++d) {
+          const double angle = static_cast<double>(pos) * rope_inv_freq_[sz(d)];
+          const float cs = static_cast<float>(std::cos(angle));
+          const float sn = static_cast<float>(std::sin(angle));
+          const float a = head[d], b = head[d + hd / 2];
+          head[d] = a * cs - b * sn;
+          head[d + hd / 2] = a * sn + b * cs;
+        }
+      };
+      for (std::int64_t hh = 0; hh < H; ++hh) qk_norm_rope(q.data() + i * hq + hh * hd, L.q_norm);
+      for (std::int64_t g = 0; g < c.n_kv_heads; ++g)
+        qk_norm_rope(k.data() + i * kv + g * hd, L.k_norm);
+    }
+    if (n == 1) {
+      KVRING_RETURN_IF_ERROR(cache.store_token(l, start, k.data(), v.data()));
+      KVRING_RETURN_IF_ERROR(cache.attend_decode(l, start, q.data(), attn.data()));
+    } else {
+      KVRING_RETURN_IF_ERROR(cache.prefill(l, start, n, k.data(), v.data(), q.data(), attn.data()));
+    }
+    matmul(attn.data(), n, hq, L.wo, hidden, o.data());
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+    for (std::int64_t i = 0; i < n; ++i)
+      rms_norm(x.data() + i * hidden, L.mlp_norm.data(), hidden, h.data() + i * hidden);
+    matmul(h.data(), n, hidden, L.w1, mlp, u.data());
+    for (auto& e : u) e = gelu(e);
+    matmul(u.data(), n, mlp, L.w2, hidden, o.data());
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+  }
+  for (std::int64_t i = 0; i < n; ++i)
+    rms_norm(x.data() + i * hidden, final_norm_.data(), hidden, h.data() + i * hidden);
+  matmul(h.data(), n, hidden, unembed_, options_.vocab, logits);
+  return Status::Ok();
+}
+
+Session::Session(std::shared_ptr<const ReferenceModel> model, std::unique_ptr<KvCache> cache)
+    : model_(std::move(model)), cache_(std::move(cache)) {}
+
+Result<Session> Session::resume(std::shared_ptr<const ReferenceModel> model,
+                                std::unique_ptr<KvCache> cache, std::vector<std::int32_t> tokens,
+                                std::vector<float> last_logits) {
+  auto next = cache->next_position();
+  if (!next) return next.error();
+  if (*next != static_cast<std::int64_t>(tokens.size()))
+    return invalid_argument("the cache holds " + std::to_string(*next) + " positions but " +
+                            std::to_string(tokens.size()) + " token ids were given");
+  if (!tokens.empty() && static_cast<std::int64_t>(last_logits.size()) != model->options().vocab)
+    return invalid_argument("last logits have " + std::to_string(last_logits.size()) +
+                            " entries, the vocabulary " + std::to_string(model->options().vocab));
+  if (cache->config().fingerprint() != model->config().fingerprint())
+    return make_error(ErrorCode::kMismatch, "the cache was made for another geometry");
+  Session s(std::move(model), std::move(cache));
+  s.tokens_ = std::move(tokens);
+  s.last_logits_ = std::move(last_logits);
+  return s;
+}
+
+Status Session::feed(const std::vector<std::int32_t>& tokens, std::int64_t chunk) {
+  if (chunk < 1) return invalid_argument("chunk size " + std::to_string(chunk) + " < 1");
+  const std::int64_t vocab = model_->options().vocab;
+  std::vector<float> logits;
+  for (std::size_t at = 0; at < tokens.size();) {
+    const std::int64_t n = std::min<std::int64_t>(chunk, static_cast<std::int64_t>(tokens.size() - at));
+    logits.resize(static_cast<std::size_t>(n * vocab));
+    KVRING_RETURN_IF_ERROR(model_->forward(*cache_, position(), tokens.data() + at, n, logits.data()));
+    tokens_.insert(tokens_.end(), tokens.begin() + static_cast<std::ptrdiff_t>(at),
+                   tokens.begin() + static_cast<std::ptrdiff_t>(at + static_cast<std::size_t>(n)));
+    last_logits_.assign(logits.end() - vocab, logits.end());
+    at += static_cast<std::size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Result<std::int32_t> Session::step() {
+  if (last_logits_.empty()) return invalid_argument("decode needs a prompt first");
+  const std::int32_t next = argmax(last_logits_.data(), static_cast<std::int64_t>(last_logits_.size()));
+  KVRING_RETURN_IF_ERROR(feed({next}, 1));
+  return next;
+}
+
+}  // namespace kvring

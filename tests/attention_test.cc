@@ -1,0 +1,202 @@
+// The read side on the CPU backend: decode and chunked prefill against a
+// float64 reference, and bitwise independence of rotation, chunking and
+// thread count.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "cpu/parallel.h"
+#include "kvring/cache.h"
+#include "kvring/f16.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+using testing::random_floats;
+
+// K/V/Q for a stream of logical positions.
+struct Data {
+  std::int64_t kv_dim, q_dim;
+  std::vector<float> k, v, q;
+  Data(const ModelConfig& c, std::int64_t n, std::uint64_t seed)
+      : kv_dim(c.kv_dim()),
+        q_dim(c.n_heads * c.head_dim),
+        k(random_floats(static_cast<std::size_t>(n * kv_dim), seed, 2.0f)),
+        v(random_floats(static_cast<std::size_t>(n * kv_dim), seed + 1, 2.0f)),
+        q(random_floats(static_cast<std::size_t>(n * q_dim), seed + 2, 2.0f)) {}
+  const float* krow(std::int64_t p) const { return k.data() + p * kv_dim; }
+  const float* vrow(std::int64_t p) const { return v.data() + p * kv_dim; }
+  const float* qrow(std::int64_t p) const { return q.data() + p * q_dim; }
+};
+
+// float64 attention over the f16-rounded rows, for query position p.
+std::vector<double> reference(const ModelConfig& c, LayerKind kind, const Data& d, std::int64_t p) {
+  const std::int64_t hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
+  const std::int64_t lo = visible_begin(c, kind, p);
+  std::vector<double> out(static_cast<std::size_t>(c.n_heads * hd), 0.0);
+  for (std::int64_t h = 0; h < c.n_heads; ++h) {
+    const std::int64_t g = h / group;
+    std::vector<double> s;
+    double m = -INFINITY;
+    for (std::int64_t j = lo; j <= p; ++j) {
+      double dot = 0;
+      for (std::int64_t e = 0; e < hd; ++e)
+        dot += static_cast<double>(d.qrow(p)[h * hd + e]) *
+               f16_to_f32(f32_to_f16(d.krow(j)[g * hd + e]));
+      s.push_back(dot / std::sqrt(static_cast<double>(hd)));
+      m = std::max(m, s.back());
+    }
+    double sum = 0;
+    for (double& x : s) sum += (x = std::exp(x - m));
+    for (std::int64_t j = lo; j <= p; ++j)
+      for (std::int64_t e = 0; e < hd; ++e)
+        out[static_cast<std::size_t>(h * hd + e)] +=
+            s[static_cast<std::size_t>(j - lo)] / sum * f16_to_f32(f32_to_f16(d.vrow(j)[g * hd + e]));
+  }
+  return out;
+}
+
+double rel_error(const float* got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+// Decode at every position (poisoned outputs) against float64, for both
+// plane kinds at awkward sizes.
+TEST(Attention, DecodeMatchesFloat64AtAwkwardSizes) {
+  struct Shape { std::int64_t heads, kv_heads, head_dim, window, positions; };
+  const Shape shapes[] = {{1, 1, 1, 1, 5},   {3, 1, 3, 3, 9},    {4, 2, 7, 7, 20},
+                          {6, 3, 17, 17, 40}, {2, 2, 31, 31, 70}, {8, 1, 32, 32, 70},
+                          {4, 2, 33, 33, 80}, {16, 2, 128, 33, 70}};
+  std::uint64_t seed = 100;
+  for (const Shape& s : shapes) {
+    const ModelConfig c =
+        make_hybrid_config("t", 2, 2, s.heads, s.kv_heads, s.head_dim, s.window, 256);
+    SCOPED_TRACE("heads " + std::to_string(s.heads) + "/" + std::to_string(s.kv_heads) +
+                 " head_dim " + std::to_string(s.head_dim) + " window " + std::to_string(s.window));
+    Data d(c, s.positions, seed++);
+    auto cache = make_cpu_cache(c);
+    ASSERT_TRUE(cache.ok());
+    std::vector<float> out(static_cast<std::size_t>(d.q_dim));
+    for (std::int64_t p = 0; p < s.positions; ++p)
+      for (std::int64_t l = 0; l < 2; ++l) {
+        ASSERT_TRUE((*cache)->store_token(l, p, d.krow(p), d.vrow(p)).ok());
+        std::fill(out.begin(), out.end(), NAN);
+        ASSERT_TRUE((*cache)->attend_decode(l, p, d.qrow(p), out.data()).ok());
+        const double err = rel_error(out.data(), reference(c, c.kind(l), d, p));
+        ASSERT_LT(err, 1e-5) << "layer " << l << " position " << p;
+      }
+  }
+}
+
+// Runs a whole stream through one layer kind with prefill chunks of `chunk`
+// (1: store_token + attend_decode) and returns every output.
+std::vector<float> run_stream(const ModelConfig& c, std::int64_t layer, const Data& d,
+                              std::int64_t n, std::int64_t chunk) {
+  auto cache = make_cpu_cache(c);
+  EXPECT_TRUE(cache.ok());
+  std::vector<float> out(static_cast<std::size_t>(n * d.q_dim), NAN);
+  for (std::int64_t p = 0; p < n;) {
+    const std::int64_t m = std::min(chunk, n - p);
+    float* o = out.data() + p * d.q_dim;
+    if (chunk == 1) {
+      EXPECT_TRUE((*cache)->store_token(layer, p, d.krow(p), d.vrow(p)).ok());
+      EXPECT_TRUE((*cache)->attend_decode(layer, p, d.qrow(p), o).ok());
+    } else {
+      EXPECT_TRUE((*cache)->prefill(layer, p, m, d.krow(p), d.vrow(p), d.qrow(p), o).ok());
+    }
+    p += m;
+  }
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(Attention, PrefillChunksGiveDecodeBitsAndMatchFloat64) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 4, 2, 16, 32, 1024);
+  Data d(c, 700, 7);
+  for (std::int64_t layer : {0, 1}) {  // sliding, full
+    const auto decode = run_stream(c, layer, d, 700, 1);
+    for (std::int64_t chunk : {2, 7, 31, 32, 33, 512}) {
+      SCOPED_TRACE("layer " + std::to_string(layer) + " chunk " + std::to_string(chunk));
+      const auto prefill = run_stream(c, layer, d, 700, chunk);
+      EXPECT_TRUE(same_bits(prefill, decode));
+    }
+    for (std::int64_t p : {0, 1, 31, 32, 33, 511, 512, 699}) {
+      const double err = rel_error(decode.data() + p * d.q_dim, reference(c, c.kind(layer), d, p));
+      EXPECT_LT(err, 1e-5) << "layer " << layer << " position " << p;
+    }
+  }
+}
+
+// The same visible rows at different ring rotations: the rows of logical
+// window [p - W + 1, p] are the same values, preceded by different amounts
+// of other context, so the ring holds them rotated differently.
+TEST(Attention, SlidingResultIsIndependentOfRotation) {
+  const std::int64_t W = 32;
+  const ModelConfig c = make_hybrid_config("t", 1, 0, 4, 2, 16, W, 1024);
+  Data window(c, W, 11);
+  std::vector<float> first;
+  for (std::int64_t shift : {0, 1, 5, 31, 32, 33, 100}) {
+    auto cache = make_cpu_cache(c);
+    ASSERT_TRUE(cache.ok());
+    Data junk(c, shift + 1, 500 + static_cast<std::uint64_t>(shift));
+    if (shift > 0) {
+      ASSERT_TRUE((*cache)->store_batch(0, 0, shift, junk.krow(0), junk.vrow(0)).ok());
+    }
+    for (std::int64_t j = 0; j < W; ++j)
+      ASSERT_TRUE((*cache)->store_token(0, shift + j, window.krow(j), window.vrow(j)).ok());
+    std::vector<float> out(static_cast<std::size_t>(window.q_dim), NAN);
+    ASSERT_TRUE((*cache)->attend_decode(0, shift + W - 1, window.qrow(0), out.data()).ok());
+    EXPECT_EQ((*cache)->ring(0).origin_physical(), shift % W);
+    if (first.empty()) first = out;
+    EXPECT_TRUE(same_bits(out, first)) << "shift " << shift;
+  }
+}
+
+TEST(Attention, ResultIsIndependentOfThreadCount) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 16, 2, 64, 256, 2048);
+  Data d(c, 600, 21);
+  for (std::int64_t layer : {0, 1}) {
+    cpu::set_thread_limit(1);
+    const auto serial = run_stream(c, layer, d, 600, 300);
+    cpu::set_thread_limit(0);
+    const auto threaded = run_stream(c, layer, d, 600, 300);
+    EXPECT_TRUE(same_bits(serial, threaded)) << "layer " << layer;
+  }
+}
+
+TEST(Attention, BadRequestsAreRefusedWithoutChange) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 4, 2, 16, 32, 64);
+  Data d(c, 100, 3);
+  auto cache = make_cpu_cache(c);
+  ASSERT_TRUE(cache.ok());
+  KvCache& k = **cache;
+  ASSERT_TRUE(k.store_batch(0, 0, 40, d.krow(0), d.vrow(0)).ok());
+  ASSERT_TRUE(k.store_batch(1, 0, 40, d.krow(0), d.vrow(0)).ok());
+  std::vector<float> out(static_cast<std::size_t>(10 * d.q_dim));
+  EXPECT_FALSE(k.attend_decode(0, 40, d.qrow(0), out.data()).ok());  // not stored yet
+  EXPECT_FALSE(k.attend_decode(0, 5, d.qrow(0), out.data()).ok());   // window overwritten
+  EXPECT_TRUE(k.attend_decode(0, 39, d.qrow(0), out.data()).ok());
+  EXPECT_TRUE(k.attend_decode(1, 5, d.qrow(0), out.data()).ok());    // full plane keeps all
+  EXPECT_FALSE(k.attend_decode(2, 5, d.qrow(0), out.data()).ok());
+  EXPECT_FALSE(k.attend_decode(0, 39, nullptr, out.data()).ok());
+  const Status skip = k.prefill(0, 41, 3, d.krow(41), d.vrow(41), d.qrow(41), out.data());
+  EXPECT_EQ(skip.error().code, ErrorCode::kCacheDiscontinuity);
+  const Status full = k.prefill(1, 40, 30, d.krow(40), d.vrow(40), d.qrow(40), out.data());
+  EXPECT_EQ(full.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(k.ring(0).next_position(), 40);
+  EXPECT_EQ(k.ring(1).next_position(), 40);
+}
+
+}  // namespace
+}  // namespace kvring

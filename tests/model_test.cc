@@ -1,0 +1,173 @@
+// The exactness gates on the CPU backend: the reference model's logits and
+// stored K/V are the same bits whether tokens arrive one at a time or in
+// prefill chunks, at the ring's edges; continuity violations are refused.
+#include "kvring/model.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "kvring/cache.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+struct Planes {
+  std::vector<std::vector<std::uint16_t>> k, v;
+  std::vector<RingState> rings;
+  bool operator==(const Planes&) const = default;
+};
+
+Planes planes_of(const KvCache& c) {
+  Planes p;
+  for (std::int64_t l = 0; l < c.n_layers(); ++l) {
+    const auto n = static_cast<std::size_t>(c.ring(l).capacity() * c.config().kv_dim());
+    p.k.emplace_back(n);
+    p.v.emplace_back(n);
+    EXPECT_TRUE(c.read_plane(l, p.k.back().data(), p.v.back().data()).ok());
+    p.rings.push_back(c.ring(l));
+  }
+  return p;
+}
+
+// Feeds tokens[0, end) so that, when chunk > 1, the last chunk is a full
+// chunk ending at `end` (a first feed takes the remainder), and returns the
+// logits of every position fed in that last call.
+struct ModelRun {
+  std::vector<float> logits;  // [end, vocab]: logits of every position
+  Planes planes;
+};
+
+ModelRun run_model(std::shared_ptr<const ReferenceModel> model, const std::vector<std::int32_t>& tokens,
+              std::int64_t end, std::int64_t chunk, std::int64_t context) {
+  auto cache = make_cpu_cache(model->config(), {.context = context});
+  EXPECT_TRUE(cache.ok());
+  const std::int64_t vocab = model->options().vocab;
+  ModelRun r;
+  r.logits.assign(static_cast<std::size_t>(end * vocab), NAN);
+  std::int64_t at = 0;
+  const std::int64_t head = chunk > 1 ? end % chunk : 0;
+  auto feed = [&](std::int64_t n) {
+    EXPECT_TRUE(model->forward(**cache, at, tokens.data() + at, n, r.logits.data() + at * vocab).ok());
+    at += n;
+  };
+  if (head > 0) feed(head);
+  while (at < end) feed(std::min(chunk, end - at));
+  r.planes = planes_of(**cache);
+  return r;
+}
+
+bool same_bits(const float* a, const float* b, std::size_t n) {
+  return std::memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+void gate(const ModelConfig& config, const ModelOptions& options, std::int64_t context,
+          const std::vector<std::int64_t>& positions) {
+  auto model = ReferenceModel::create(config, options);
+  ASSERT_TRUE(model.ok()) << model.error().to_string();
+  const std::int64_t vocab = options.vocab;
+  const std::int64_t last = positions.back();
+  auto tokens = seeded_tokens(last + 1, vocab, 77);
+  // One token at a time: the decode path. Its planes at each gate position.
+  for (std::int64_t p : positions) {
+    const ModelRun decode = run_model(*model, tokens, p + 1, 1, context);
+    for (std::int64_t chunk : {7, 512}) {
+      SCOPED_TRACE("position " + std::to_string(p) + " chunk " + std::to_string(chunk));
+      const ModelRun prefill = run_model(*model, tokens, p + 1, chunk, context);
+      // Full logits at every position, and every byte of every plane.
+      for (std::int64_t q = 0; q <= p; ++q)
+        ASSERT_TRUE(same_bits(prefill.logits.data() + q * vocab, decode.logits.data() + q * vocab,
+                              static_cast<std::size_t>(vocab)))
+            << "logits differ at position " << q;
+      ASSERT_TRUE(prefill.planes == decode.planes) << "stored K/V differ";
+    }
+  }
+}
+
+TEST(ExactnessGate, Window32AtTheMinimumRing) {
+  const ModelConfig c = testing::small_config(32, 1024, 4, 4, 2, 16);
+  gate(c, {.hidden = 64, .vocab = 97, .mlp = 0, .seed = 5}, 1024, {1, 31, 32, 33});
+}
+
+TEST(ExactnessGate, MuseGlimmerWindowAt2048) {
+  // muse-glimmer's window and layer pattern; fewer layers and heads to stay
+  // fast on two CPU cores.
+  const ModelConfig c = make_hybrid_config("glimmer-4", 4, 4, 4, 2, 32, 2048, 131072);
+  gate(c, {.hidden = 64, .vocab = 97, .mlp = 0, .seed = 6}, 4096, {2047, 2048, 2049});
+}
+
+TEST(ExactnessGate, LongChunksAcrossManyWraps) {
+  // 512-token chunks wrap a 32-row ring sixteen times each.
+  const ModelConfig c = testing::small_config(32, 2048, 4, 4, 2, 16);
+  auto model = ReferenceModel::create(c, {.hidden = 48, .vocab = 61, .mlp = 0, .seed = 9});
+  ASSERT_TRUE(model.ok());
+  auto tokens = seeded_tokens(1100, 61, 8);
+  const ModelRun decode = run_model(*model, tokens, 1100, 1, 2048);
+  const ModelRun prefill = run_model(*model, tokens, 1100, 512, 2048);
+  EXPECT_TRUE(same_bits(prefill.logits.data(), decode.logits.data(), decode.logits.size()));
+  EXPECT_TRUE(prefill.planes == decode.planes);
+}
+
+TEST(ExactnessGate, ContinuityViolationIsRefusedAndTheSessionContinues) {
+  const ModelConfig c = testing::small_config(32, 512, 4, 4, 2, 16);
+  auto model = ReferenceModel::create(c, {.hidden = 64, .vocab = 97, .mlp = 0, .seed = 3});
+  ASSERT_TRUE(model.ok());
+  auto tokens = seeded_tokens(80, 97, 4);
+  const ModelRun straight = run_model(*model, tokens, 80, 1, 512);
+
+  auto cache = make_cpu_cache(c, {.context = 512});
+  ASSERT_TRUE(cache.ok());
+  std::vector<float> logits(static_cast<std::size_t>(80 * 97));
+  ASSERT_TRUE((*model)->forward(**cache, 0, tokens.data(), 40, logits.data()).ok());
+  const Planes before = planes_of(**cache);
+  for (std::int64_t bad : {41, 39, 0, 100}) {
+    for (std::int64_t n : {1, 5}) {
+      Status s = (*model)->forward(**cache, bad, tokens.data() + 40, n, logits.data());
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.error().code, ErrorCode::kCacheDiscontinuity);
+      EXPECT_EQ(s.error().expected, 40);
+      EXPECT_EQ(s.error().got, bad);
+      ASSERT_TRUE(planes_of(**cache) == before);
+    }
+  }
+  // A bad token id is refused before anything is stored.
+  std::vector<std::int32_t> bad_ids = {1, 2, 97};
+  EXPECT_EQ((*model)->forward(**cache, 40, bad_ids.data(), 3, logits.data()).error().code,
+            ErrorCode::kInvalidArgument);
+  ASSERT_TRUE(planes_of(**cache) == before);
+  // Continue from the right position: the same bits as the run that never erred.
+  for (std::int64_t p = 40; p < 80; ++p)
+    ASSERT_TRUE((*model)->forward(**cache, p, tokens.data() + p, 1, logits.data() + p * 97).ok());
+  EXPECT_TRUE(same_bits(logits.data() + 40 * 97, straight.logits.data() + 40 * 97, 40 * 97));
+  EXPECT_TRUE(planes_of(**cache) == straight.planes);
+}
+
+TEST(Session, GreedyDecodeAndResume) {
+  const ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
+  auto model = ReferenceModel::create(c, {.hidden = 32, .vocab = 50, .mlp = 0, .seed = 1});
+  ASSERT_TRUE(model.ok());
+  auto prompt = seeded_tokens(20, 50, 2);
+  auto a = make_cpu_cache(c, {.context = 256});
+  Session s(*model, std::move(*a));
+  EXPECT_FALSE(s.step().ok());  // nothing to decode from
+  ASSERT_TRUE(s.feed(prompt, 7).ok());
+  std::vector<std::int32_t> generated;
+  for (int i = 0; i < 10; ++i) {
+    auto t = s.step();
+    ASSERT_TRUE(t.ok());
+    generated.push_back(*t);
+  }
+  EXPECT_EQ(s.position(), 30);
+  EXPECT_EQ(s.tokens().back(), generated.back());
+  // The logits that chose each token were its argmax.
+  EXPECT_EQ(argmax(s.last_logits().data(), 50), argmax(s.last_logits().data(), 50));
+  const float ties[] = {1.0f, 3.0f, NAN, 3.0f};
+  EXPECT_EQ(argmax(ties, 4), 1);
+  EXPECT_FALSE(s.feed(prompt, 0).ok());
+  EXPECT_FALSE(ReferenceModel::create(c, {.hidden = 0}).ok());
+  EXPECT_FALSE(ReferenceModel::create(c, {.hidden = 8, .vocab = 1}).ok());
+}
+
+}  // namespace
+}  // namespace kvring
