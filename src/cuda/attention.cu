@@ -61,20 +61,33 @@ struct RowPtr {
   const std::uint16_t* v;
 };
 
+// Where the head rows of one KV head lie: plane row `physical` at
+// physical * row_stride + head_offset (layout.h's formulas, factored), chunk
+// row i at i * kv_dim + chunk_offset.
+struct HeadRows {
+  std::int64_t row_stride, head_offset, chunk_offset;
+  __device__ HeadRows(const AttendParams& P, int kv_head) {
+    const Layout layout = P.token_major ? Layout::kTokenMajor : Layout::kHeadMajor;
+    row_stride = static_cast<std::int64_t>(plane_row_stride(
+        layout, static_cast<std::uint64_t>(P.kv_dim), static_cast<std::uint64_t>(P.head_dim)));
+    head_offset = static_cast<std::int64_t>(plane_head_row(
+        layout, 0, static_cast<std::uint64_t>(kv_head), static_cast<std::uint64_t>(P.kv_dim),
+        static_cast<std::uint64_t>(P.head_dim), static_cast<std::uint64_t>(P.capacity)));
+    chunk_offset = static_cast<std::int64_t>(kv_head) * P.head_dim;
+  }
+};
+
 // The head row of logical position L: from the chunk when L >= chunk_start,
 // else from the plane at the physical row the explicit origins give.
 // Precondition: L is live in the ring or inside the chunk.
-__device__ __forceinline__ RowPtr row_at(const AttendParams& P, std::int64_t L, int kv_head) {
+__device__ __forceinline__ RowPtr row_at(const AttendParams& P, const HeadRows& h, std::int64_t L) {
   if (L >= P.chunk_start) {
-    const std::int64_t off = (L - P.chunk_start) * P.kv_dim + kv_head * P.head_dim;
+    const std::int64_t off = (L - P.chunk_start) * P.kv_dim + h.chunk_offset;
     return {P.chunk_k + off, P.chunk_v + off};
   }
   std::int64_t physical = P.origin_physical + (L - P.origin_logical);
   if (physical >= P.capacity) physical -= P.capacity;
-  const std::uint64_t off = plane_head_row(
-      P.token_major ? Layout::kTokenMajor : Layout::kHeadMajor, static_cast<std::uint64_t>(physical),
-      static_cast<std::uint64_t>(kv_head), static_cast<std::uint64_t>(P.kv_dim),
-      static_cast<std::uint64_t>(P.head_dim), static_cast<std::uint64_t>(P.capacity));
+  const std::int64_t off = physical * h.row_stride + h.head_offset;
   return {P.plane_k + off, P.plane_v + off};
 }
 
@@ -233,16 +246,18 @@ __device__ void finish(const AttendParams& P, Shared& sh, WarpOutputs wo, const 
 // the two result rows are added in f32. K and V are exact in f16.
 //
 // Lane (g, t) = (lane / 4, lane % 4):
-//  - QK^T: A = query halves, k index <-> dims 32t + 4s + {0..3} in k-step s
-//    (a permutation of the dims that both operands share), so the lane
-//    loads dims [32t, 32t + 32) of its query and of key row g (8 + g) with
-//    16-byte loads and needs no shuffles. Scores land as S[query g][keys
-//    2t, 2t+1] (and 8 + ...).
+//  - QK^T: A = query halves; in k-step s = 2i + e the k index <-> dims
+//    32i + 8t + 4e + {0..3} (a permutation of the dims that both operands
+//    share), so the lane holds dims {32i + 8t + [0, 8)} of its query and of
+//    key rows g and 8 + g: four 16-byte pieces a row, which the 4 lanes of a
+//    row fetch as 64 contiguous bytes. No shuffles. Scores land as
+//    S[query g][keys 2t, 2t+1] (and 8 + ...).
 //  - PV: A = the probabilities exactly where the scores landed; B = V with
-//    n index <-> dim 16g + j in dim-tile j, so the lane loads dims
-//    [16g, 16g + 16) of rows 2t, 2t+1, 2t+8, 2t+9 and pairs rows with one
-//    byte permute per register. Output lands as O[query g][dims 16(2t) + j
-//    and 16(2t+1) + j].
+//    n index <-> dim 64h + 8g + e in dim-tile j = 8h + e, so the lane holds
+//    dims {64h + 8g + [0, 8)} of rows 2t, 2t+1, 2t+8, 2t+9 (the 8 lanes of
+//    a row fetch 128 contiguous bytes per h) and pairs rows with one byte
+//    permute per register. Output lands as O[query g][dims 64h + 8(2t) + e
+//    and 64h + 8(2t+1) + e].
 // A query's arithmetic is the same instruction sequence whatever else the
 // warp holds: the other rows of an MMA never enter its dot products.
 
@@ -313,25 +328,25 @@ struct TensorSmem {
 static_assert(kTensorHeads * kTensorHeadDim * sizeof(float) <= kWarpArea * sizeof(uint4));
 
 // Enqueues the tile at `base` (rows < b) into stage `stage` of a lane's slots.
-__device__ __forceinline__ void issue_tile(const AttendParams& P, int kv_head, std::int64_t base,
-                                           std::int64_t b, uint4* area, int stage, int lane, int g,
-                                           int t) {
+__device__ __forceinline__ void issue_tile(const AttendParams& P, const HeadRows& rows,
+                                           std::int64_t base, std::int64_t b, uint4* area,
+                                           int stage, int lane, int g, int t) {
   uint4* slots = area + stage * kPieces * 32 + lane;
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {  // K rows g and 8 + g, dims [32t, 32t + 32)
+  for (int nt = 0; nt < 2; ++nt) {  // K rows g and 8 + g, dims 32i + 8t + [0, 8)
     const std::int64_t L = base + nt * 8 + g;
     const bool ok = L < b;
-    const std::uint16_t* src = ok ? row_at(P, L, kv_head).k + 32 * t : P.plane_k;
+    const std::uint16_t* src = ok ? row_at(P, rows, L).k + 8 * t : P.plane_k;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async16(slots + (nt * 4 + i) * 32, src + (ok ? 8 * i : 0), ok);
+    for (int i = 0; i < 4; ++i) cp_async16(slots + (nt * 4 + i) * 32, src + (ok ? 32 * i : 0), ok);
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {  // V rows 2t, 2t+1, 2t+8, 2t+9, dims [16g, 16g + 16)
+  for (int j = 0; j < 4; ++j) {  // V rows 2t, 2t+1, 2t+8, 2t+9, dims 64h + 8g + [0, 8)
     const std::int64_t L = base + 2 * t + (j & 1) + (j >> 1) * 8;
     const bool ok = L < b;
-    const std::uint16_t* src = ok ? row_at(P, L, kv_head).v + 16 * g : P.plane_k;
+    const std::uint16_t* src = ok ? row_at(P, rows, L).v + 8 * g : P.plane_k;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) cp_async16(slots + (8 + 2 * j + h) * 32, src + (ok ? 8 * h : 0), ok);
+    for (int h = 0; h < 2; ++h) cp_async16(slots + (8 + 2 * j + h) * 32, src + (ok ? 64 * h : 0), ok);
   }
 }
 
@@ -355,23 +370,24 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   // The first tiles go out before the query comes in.
   std::int64_t a, b;
   warp_rows(r, warp, a, b);
+  const HeadRows rows(P, kv_head);
   uint4* area = S.area[warp];
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (a + st * kAttendTile < b) issue_tile(P, kv_head, a + st * kAttendTile, b, area, st, lane, g, t);
+    if (a + st * kAttendTile < b) issue_tile(P, rows, a + st * kAttendTile, b, area, st, lane, g, t);
     cp_async_commit();
   }
 
-  // Query g's dims [32t, 32t + 32), scaled by a power of two (exact) so its
+  // Query g's dims 32i + 8t + [0, 8) as qv[8i + ...], scaled by a power of two (exact) so its
   // largest element lies in [2^14, 2^15): the lo halves then stay normal
   // f16 for every element that matters, whatever the query's magnitude.
   float qv[32];
   if (g < heads_valid) {
     const float4* src = reinterpret_cast<const float4*>(
-        P.q + (static_cast<std::int64_t>(r.qi) * P.n_heads + head0 + g) * HD + 32 * t);
+        P.q + (static_cast<std::int64_t>(r.qi) * P.n_heads + head0 + g) * HD + 8 * t);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float4 x = src[i];
+      const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
       qv[4 * i] = x.x;
       qv[4 * i + 1] = x.y;
       qv[4 * i + 2] = x.z;
@@ -399,9 +415,10 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
     const Halves qa1 = split_f16(qv[4 * s + 1] * up);
     const Halves qa2 = split_f16(qv[4 * s + 2] * up);
     const Halves qa3 = split_f16(qv[4 * s + 3] * up);
-    qa[s][0] = pack(qa0.hi, qa1.hi);  // row g,     k 2t, 2t+1   <- dims 32t + 4s + {0, 1}
+    // k-step s = 2i + e covers dims 32i + 8t + 4e + [0, 4) = qv[4s .. 4s + 4).
+    qa[s][0] = pack(qa0.hi, qa1.hi);  // row g,     k 2t, 2t+1   <- first two
     qa[s][1] = pack(qa0.lo, qa1.lo);  // row g + 8, k 2t, 2t+1
-    qa[s][2] = pack(qa2.hi, qa3.hi);  // row g,     k 2t+8, 2t+9 <- dims 32t + 4s + {2, 3}
+    qa[s][2] = pack(qa2.hi, qa3.hi);  // row g,     k 2t+8, 2t+9 <- last two
     qa[s][3] = pack(qa2.lo, qa3.lo);  // row g + 8, k 2t+8, 2t+9
   }
 
@@ -418,7 +435,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
       // Refill the stage the previous tile was read from.
       const std::int64_t ahead = base + (kStages - 1) * kAttendTile;
       const int st = stage == 0 ? kStages - 1 : stage - 1;
-      if (ahead < b) issue_tile(P, kv_head, ahead, b, area, st, lane, g, t);
+      if (ahead < b) issue_tile(P, rows, ahead, b, area, st, lane, g, t);
       cp_async_commit();
     }
     cp_async_wait<kStages - 1>();  // this tile's group is complete
@@ -474,7 +491,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      // Dim 16g + j of rows (2t, 2t+1) and (2t+8, 2t+9), paired.
+      // Dim 64(j/8) + 8g + j%8 of rows (2t, 2t+1) and (2t+8, 2t+9), paired.
       const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
       const std::uint32_t b0 = __byte_perm(word(vr[0], j >> 1), word(vr[1], j >> 1), sel);
       const std::uint32_t b1 = __byte_perm(word(vr[2], j >> 1), word(vr[3], j >> 1), sel);
@@ -494,8 +511,9 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   float* so = reinterpret_cast<float*>(area) + g * HD;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    so[16 * (2 * t) + j] = o[j][0] + o[j][2];
-    so[16 * (2 * t + 1) + j] = o[j][1] + o[j][3];
+    const int d = 64 * (j >> 3) + (j & 7);
+    so[d + 8 * (2 * t)] = o[j][0] + o[j][2];
+    so[d + 8 * (2 * t + 1)] = o[j][1] + o[j][3];
   }
   __syncthreads();
   finish(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea * 4}, r,
@@ -537,6 +555,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_general_kernel(const At
 
   std::int64_t a, b;
   warp_rows(r, warp, a, b);
+  const HeadRows rows(P, kv_head);
   float m = -INFINITY, l = 0.0f;
   float o[kGeneralDimsPerLane];
 #pragma unroll
@@ -551,7 +570,7 @@ __global__ void __launch_bounds__(kAttendThreads) attend_general_kernel(const At
       s[u] = 0.0f;
       const bool live = base + u < b;
       RowPtr row{nullptr, nullptr};
-      if (live) row = row_at(P, base + u, kv_head);
+      if (live) row = row_at(P, rows, base + u);
 #pragma unroll
       for (int i = 0; i < kGeneralDimsPerLane; ++i) {
         const int d = lane + 32 * i;

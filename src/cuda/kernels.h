@@ -79,13 +79,14 @@ cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity,
 // rotation, the chunk the query came in, or the order CTAs ran in.
 // At most 64 splits of a KV head: at 131072 rows the 2 x 64 CTAs of 8 warps
 // (one per SM) fill one wave of an H200's 132 SMs, and the final combine
-// reads 64 partials, not hundreds. At least 256 rows a split: short ranges
-// (a 2048-row window) make few partials, whose combine is latency.
+// reads 64 partials, not hundreds. At least 128 rows a split (one tile a
+// warp): a 2048-row window spreads over 32 CTAs, since at that size every
+// warp's chain of dependent steps, not bandwidth, sets the time.
 inline constexpr int kAttendWarps = 8;
 inline constexpr int kAttendThreads = 32 * kAttendWarps;
 inline constexpr int kAttendTile = 16;
 inline constexpr int kAttendMaxSplits = 64;
-inline constexpr std::int64_t kAttendMinSplitRows = 256;
+inline constexpr std::int64_t kAttendMinSplitRows = 128;
 
 KVRING_HD constexpr std::int64_t attend_split_rows(std::int64_t n) {
   constexpr std::int64_t unit = kAttendWarps * kAttendTile;
