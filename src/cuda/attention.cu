@@ -312,8 +312,8 @@ __device__ __forceinline__ std::uint32_t word(const uint4 (&v)[N], int w) {
 
 // Each warp streams its tiles through kStages shared-memory stages with
 // cp.async, kStages - 1 tiles ahead of the one it computes: 16 KB in flight
-// per warp on top of the registers, which the 8 warps an SM holds (208
-// registers each) could not keep in flight alone. A lane copies exactly
+// per warp on top of the registers, which the 8 warps an SM holds (about
+// 170 registers a lane) could not keep in flight alone. A lane copies exactly
 // the 16-byte pieces it later reads (16 per tile: 8 of K, 8 of V), so
 // cp.async.wait_group alone orders them; slot (stage, piece, lane) keeps the
 // lanes of a warp on consecutive 16-byte words.
