@@ -133,6 +133,12 @@ class KvCache {
 
   std::size_t idx(std::int64_t layer) const { return static_cast<std::size_t>(layer); }
   Status check_layer(std::int64_t layer) const;
+  // The checks of attend_decode (every row the query sees is live) and of
+  // prefill (the placement of the chunk; the rows before it are live), for
+  // backends that offer the same operations on other kinds of pointers.
+  Status check_decode(std::int64_t layer, std::int64_t position) const;
+  Result<BatchPlacement> check_prefill(std::int64_t layer, std::int64_t start,
+                                       std::int64_t count) const;
 
   ModelConfig config_;
   std::int64_t context_;

@@ -101,10 +101,8 @@ Status KvCache::read_rows(std::int64_t layer, std::int64_t first, std::int64_t c
   return copy_out(layer, r.spans(first, count), k, v);
 }
 
-Status KvCache::attend_decode(std::int64_t layer, std::int64_t position, const float* q,
-                              float* out) {
+Status KvCache::check_decode(std::int64_t layer, std::int64_t position) const {
   KVRING_RETURN_IF_ERROR(check_layer(layer));
-  KVRING_RETURN_IF_ERROR(check_pointers("attend_decode", q, out));
   const RingState& r = ring(layer);
   const std::int64_t lo = visible_begin(config_, config_.kind(layer), position);
   if (position < 0 || !r.holds(position) || lo < r.origin_logical())
@@ -113,7 +111,28 @@ Status KvCache::attend_decode(std::int64_t layer, std::int64_t position, const f
                             ", " + std::to_string(position + 1) + "), live are [" +
                             std::to_string(r.origin_logical()) + ", " +
                             std::to_string(r.next_position()) + ")");
+  return Status::Ok();
+}
+
+Status KvCache::attend_decode(std::int64_t layer, std::int64_t position, const float* q,
+                              float* out) {
+  KVRING_RETURN_IF_ERROR(check_decode(layer, position));
+  KVRING_RETURN_IF_ERROR(check_pointers("attend_decode", q, out));
+  const RingState& r = ring(layer);
   return attend(AttendArgs{layer, r, position, 1, position + 1, nullptr, nullptr, q, out});
+}
+
+Result<BatchPlacement> KvCache::check_prefill(std::int64_t layer, std::int64_t start,
+                                              std::int64_t count) const {
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  const RingState& before = rings_[idx(layer)];
+  auto placement = before.plan_batch(layer, start, count);
+  if (!placement) return placement.error();
+  const std::int64_t lo = visible_begin(config_, config_.kind(layer), start);
+  if (lo < start && lo < before.origin_logical())
+    return make_error(ErrorCode::kInternal,
+                      "layer " + std::to_string(layer) + ": rows before the chunk are gone");
+  return placement;
 }
 
 Status KvCache::prefill(std::int64_t layer, std::int64_t start, std::int64_t count,
@@ -121,13 +140,9 @@ Status KvCache::prefill(std::int64_t layer, std::int64_t start, std::int64_t cou
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   KVRING_RETURN_IF_ERROR(check_pointers("prefill", k, v));
   KVRING_RETURN_IF_ERROR(check_pointers("prefill", q, out));
-  const RingState before = rings_[idx(layer)];
-  auto placement = before.plan_batch(layer, start, count);
+  auto placement = check_prefill(layer, start, count);
   if (!placement) return placement.error();
-  const std::int64_t lo = visible_begin(config_, config_.kind(layer), start);
-  if (lo < start && lo < before.origin_logical())
-    return make_error(ErrorCode::kInternal,
-                      "layer " + std::to_string(layer) + ": rows before the chunk are gone");
+  const RingState before = rings_[idx(layer)];
   // The chunk's rows exactly as the store will hold them.
   const std::size_t n = static_cast<std::size_t>(count * config_.kv_dim());
   std::vector<std::uint16_t> chunk_k(n), chunk_v(n);

@@ -1,0 +1,150 @@
+// The CUDA backend's kernels as the host code sees them: parameter structs,
+// the split rule of attention, and launch functions that return the launch's
+// cudaError_t. Nothing here synchronises.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvring/layout.h"
+
+namespace kvring::cuda {
+
+// One plane's device storage.
+struct PlaneDev {
+  std::uint16_t* k = nullptr;  // f16 bits, [capacity * kv_dim], layout-indexed
+  std::uint16_t* v = nullptr;
+  std::int64_t capacity = 0;
+  Layout layout = Layout::kTokenMajor;
+};
+
+struct Shape {
+  std::int32_t kv_dim = 0;
+  std::int32_t head_dim = 0;
+};
+
+// ---- Stores (f32 -> f16, round to nearest even) -----------------------------
+
+// Source rows [0, rows) (f32 [rows, kv_dim]) to physical rows
+// [physical_first, physical_first + rows) of one plane; the caller splits a
+// placement into spans, so no row wraps inside one launch. With v and
+// plane.v null, only K is stored (host uploads move one buffer at a time).
+cudaError_t launch_store_rows(const PlaneDev& plane, Shape shape, std::int64_t physical_first,
+                              std::int64_t rows, const float* k, const float* v,
+                              cudaStream_t stream);
+
+// One token into up to kMaxLayersPerStore planes: layer i gets row i of
+// k and v (f32 [n, kv_dim]) at its physical row.
+inline constexpr int kMaxLayersPerStore = 64;
+struct LayerRows {
+  int n = 0;
+  PlaneDev plane[kMaxLayersPerStore];
+  std::int64_t physical[kMaxLayersPerStore];
+};
+cudaError_t launch_store_token_layers(const LayerRows& rows, Shape shape, const float* k,
+                                      const float* v, cudaStream_t stream);
+
+// f32 [n] -> f16 bits [n] with the store's conversion (the prefill chunk).
+cudaError_t launch_convert_f16(const float* src, std::uint16_t* dst, std::int64_t n,
+                               cudaStream_t stream);
+
+// ---- Snapshot copies ----------------------------------------------------------
+
+// Logical rows of a ring as (at most) two physical spans: row j of the
+// sequence sits at physical[0] + j for j < rows0, else physical[1] + j - rows0.
+struct SpanMap {
+  std::int64_t physical[2] = {0, 0};
+  std::int64_t rows0 = 0;
+};
+
+// Rows [first, first + rows) of the sequence of one buffer of a plane
+// (`plane_buf` is the plane's K or V) to/from token-major f16 [rows, kv_dim].
+cudaError_t launch_gather_rows(const std::uint16_t* plane_buf, std::int64_t capacity,
+                               Layout layout, Shape shape, SpanMap map, std::int64_t first,
+                               std::int64_t rows, std::uint16_t* out, cudaStream_t stream);
+cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity, Layout layout,
+                                Shape shape, SpanMap map, std::int64_t first, std::int64_t rows,
+                                const std::uint16_t* in, cudaStream_t stream);
+
+// ---- Attention ---------------------------------------------------------------
+
+// A query at logical position p sees rows [lo, p] (n = p - lo + 1 rows).
+// The rows are cut into splits of attend_split_rows(n) rows starting at lo,
+// each split into kAttendWarps warp ranges, each warp range into tiles of
+// kAttendTile rows; every boundary is lo plus a function of n. A split's
+// partial result is combined with the others in split order by the last
+// CTA of the query to finish. So the arithmetic for a query depends only on
+// n and the values of its rows in logical order: not on the ring's
+// rotation, the chunk the query came in, or the order CTAs ran in.
+// At most 64 splits of a KV head: at 131072 rows the 2 x 64 CTAs of 8 warps
+// (one per SM) fill one wave of an H200's 132 SMs, and the final combine
+// reads 64 partials, not hundreds. At least 128 rows a split (one tile a
+// warp): a 2048-row window spreads over 32 CTAs, since at that size every
+// warp's chain of dependent steps, not bandwidth, sets the time.
+inline constexpr int kAttendWarps = 8;
+inline constexpr int kAttendThreads = 32 * kAttendWarps;
+inline constexpr int kAttendTile = 16;
+inline constexpr int kAttendMaxSplits = 64;
+inline constexpr std::int64_t kAttendMinSplitRows = 128;
+
+KVRING_HD constexpr std::int64_t attend_split_rows(std::int64_t n) {
+  constexpr std::int64_t unit = kAttendWarps * kAttendTile;
+  const std::int64_t per = (n + kAttendMaxSplits - 1) / kAttendMaxSplits;
+  const std::int64_t rounded = (per + unit - 1) / unit * unit;
+  return rounded > kAttendMinSplitRows ? rounded : kAttendMinSplitRows;
+}
+KVRING_HD constexpr std::int64_t attend_splits(std::int64_t n) {
+  return (n + attend_split_rows(n) - 1) / attend_split_rows(n);
+}
+
+// head_dim 128 runs on tensor cores (a warp takes 8 query heads of one KV
+// head); every other head_dim up to 256 on a general kernel.
+inline constexpr int kTensorHeadDim = 128;
+inline constexpr int kTensorHeads = 8;
+inline constexpr int kGeneralMaxHeadDim = 256;
+
+struct AttendParams {
+  // The plane, read through its ring state as it was before the chunk.
+  const std::uint16_t* plane_k = nullptr;
+  const std::uint16_t* plane_v = nullptr;
+  std::int64_t capacity = 0;
+  std::int32_t token_major = 1;
+  std::int64_t origin_logical = 0;
+  std::int64_t origin_physical = 0;
+  // Rows from chunk_start on: f16 [rows, kv_dim] (null when none are read).
+  const std::uint16_t* chunk_k = nullptr;
+  const std::uint16_t* chunk_v = nullptr;
+  std::int64_t chunk_start = 0;
+  // Queries at first_position + i, i < n_queries: q, out [n_queries, n_heads, head_dim].
+  const float* q = nullptr;
+  float* out = nullptr;
+  std::int64_t first_position = 0;
+  std::int32_t n_queries = 0;
+  std::int32_t n_heads = 0;
+  std::int32_t n_kv_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t kv_dim = 0;
+  std::int64_t window = 0;  // 0: full attention
+  float scale_log2 = 0;     // log2(e) / sqrt(head_dim)
+  // Split partials and per-(query, item) arrival counters. Counters are zero
+  // between launches: the last CTA of an item resets its counter.
+  float* ws_o = nullptr;
+  float* ws_ml = nullptr;
+  unsigned* counters = nullptr;
+  std::int32_t max_splits = 0;  // grid.x; the workspace's split stride
+};
+
+// Work items per query (grid.y) and query heads per item for a geometry.
+struct AttendGrid {
+  int items = 0;
+  int heads_per_item = 0;
+};
+AttendGrid attend_grid(int n_heads, int n_kv_heads, int head_dim);
+
+// Workspace floats for one query of a launch whose grid.x is max_splits.
+std::int64_t attend_workspace_floats(int n_heads, int n_kv_heads, int head_dim, int max_splits);
+
+cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream);
+
+}  // namespace kvring::cuda

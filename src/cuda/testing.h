@@ -1,0 +1,23 @@
+// Hooks for the CUDA tests: device-side checks that have no place in the
+// cache's interface.
+#pragma once
+
+#include <cstdint>
+
+#include "kvring/status.h"
+
+namespace kvring::cuda::testing {
+
+// Converts every one of the 2^32 f32 bit patterns on the GPU with the store
+// kernels' conversion and with f32_to_f16 (f16.h, compiled for the device),
+// in both halves of a packed pair.
+struct F16Sweep {
+  std::uint64_t checked = 0;
+  std::uint64_t mismatches = 0;
+  std::uint32_t first_input = 0;   // the first mismatching f32 bits
+  std::uint16_t first_device = 0;  // what the store conversion gave
+  std::uint16_t first_shared = 0;  // what f32_to_f16 gave
+};
+Result<F16Sweep> sweep_f16_conversion();
+
+}  // namespace kvring::cuda::testing
