@@ -83,20 +83,25 @@ void fill(KvCache& cache, std::int64_t tokens) {
   }
 }
 
-// SHA-256 of every plane's rows in 256 KiB pieces, on `threads` (0: all).
-double hash_seconds(const Snapshot& s, unsigned threads) {
-  struct Piece {
-    const std::uint8_t* p;
-    std::size_t n;
-  };
+// A snapshot's row bytes cut into pieces of at most `piece` bytes.
+struct Piece {
+  const std::uint8_t* p;
+  std::size_t n;
+};
+std::vector<Piece> pieces_of(const Snapshot& s, std::size_t piece) {
   std::vector<Piece> pieces;
-  const std::size_t piece = 256 << 10;
   for (const PlaneSnapshot& p : s.planes)
     for (const auto* buf : {&p.k, &p.v}) {
       const auto* b = reinterpret_cast<const std::uint8_t*>(buf->data());
       const std::size_t bytes = buf->size() * 2;
       for (std::size_t at = 0; at < bytes; at += piece) pieces.push_back({b + at, std::min(piece, bytes - at)});
     }
+  return pieces;
+}
+
+// SHA-256 of every plane's rows in 256 KiB pieces, on `threads` (0: all).
+double hash_seconds(const Snapshot& s, unsigned threads) {
+  const std::vector<Piece> pieces = pieces_of(s, 256 << 10);
   std::vector<Digest> out(pieces.size());
   cpu::set_thread_limit(threads);
   const auto t0 = Clock::now();
@@ -143,16 +148,9 @@ double cold_read_seconds(const std::string& path) {
 // The disk ceiling: the snapshot's bytes written to a plain file in 1 MiB
 // pieces on all cores with fsync, then read back cold.
 std::pair<double, double> disk_seconds(const Snapshot& s, const std::string& path) {
-  std::vector<std::pair<const std::uint8_t*, std::size_t>> pieces;
-  const std::size_t piece = 1 << 20;
-  for (const PlaneSnapshot& p : s.planes)
-    for (const auto* buf : {&p.k, &p.v}) {
-      const auto* b = reinterpret_cast<const std::uint8_t*>(buf->data());
-      const std::size_t bytes = buf->size() * 2;
-      for (std::size_t at = 0; at < bytes; at += piece) pieces.push_back({b + at, std::min(piece, bytes - at)});
-    }
+  const std::vector<Piece> pieces = pieces_of(s, 1 << 20);
   std::vector<std::int64_t> offset(pieces.size() + 1, 0);
-  for (std::size_t i = 0; i < pieces.size(); ++i) offset[i + 1] = offset[i] + static_cast<std::int64_t>(pieces[i].second);
+  for (std::size_t i = 0; i < pieces.size(); ++i) offset[i + 1] = offset[i] + static_cast<std::int64_t>(pieces[i].n);
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) die("create " + path);
   auto t0 = Clock::now();
