@@ -138,18 +138,32 @@ class RedisStore final : public ChunkStore {
     auto c = acquire();
     if (!c) return c.error();
     const std::string key = key_of(name);
-    Reply r(static_cast<redisReply*>(redisCommand(*c, "GET %b", key.data(), key.size())));
-    Status s = check(*c, r.get(), "GET");
+    // GETRANGE caps the reply at one byte more than expected, so a planted
+    // giant value never sizes an allocation here; EXISTS tells a missing
+    // key from an empty value. One round trip for both.
+    const std::string last = std::to_string(dst.size());
+    redisAppendCommand(*c, "EXISTS %b", key.data(), key.size());
+    redisAppendCommand(*c, "GETRANGE %b 0 %s", key.data(), key.size(), last.c_str());
+    void* raw_exists = nullptr;
+    void* raw_value = nullptr;
+    redisGetReply(*c, &raw_exists);
+    Reply exists(static_cast<redisReply*>(raw_exists));
+    if (exists) redisGetReply(*c, &raw_value);
+    Reply value(static_cast<redisReply*>(raw_value));
+    Status s = check(*c, exists.get(), "EXISTS");
+    if (s.ok()) s = check(*c, value.get(), "GETRANGE");
     release(*c);
     KVRING_RETURN_IF_ERROR(s);
-    if (r->type == REDIS_REPLY_NIL)
+    if (exists->type != REDIS_REPLY_INTEGER || exists->integer != 1)
       return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
-    if (r->type != REDIS_REPLY_STRING)
+    if (value->type != REDIS_REPLY_STRING)
       return corruption(spec() + ": key " + key + " is not a string");
-    if (r->len != dst.size())
-      return corruption(spec() + ": chunk " + to_hex(name) + " holds " + std::to_string(r->len) +
+    if (value->len != dst.size())
+      return corruption(spec() + ": chunk " + to_hex(name) + " holds " +
+                        (value->len > dst.size() ? "more than " + std::to_string(dst.size())
+                                                 : std::to_string(value->len)) +
                         " bytes, the pack expects " + std::to_string(dst.size()));
-    std::memcpy(dst.data(), r->str, r->len);
+    std::memcpy(dst.data(), value->str, value->len);
     return Status::Ok();
   }
 
