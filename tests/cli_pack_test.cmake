@@ -6,7 +6,8 @@
 # pack byte-identical to that run's pack, which holds the live K/V of every
 # plane, the ring states, the token ids and the full last-token logits.
 #
-# Run with -DKVRING=<kvring binary> -DWORK=<scratch directory>.
+# Run with -DKVRING=<kvring binary> -DWORK=<scratch directory>, and
+# -DBACKEND=cuda for the same gate on the GPU (a no-op where none is visible).
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 file(WRITE ${WORK}/small.json [=[
@@ -50,11 +51,26 @@ function(flip_byte file offset)
 endfunction()
 
 set(session --config small.json --hidden 32 --vocab 64 --prompt-tokens 40 --chunk 7 --no-progress)
+set(on_backend "")
+if(DEFINED BACKEND)
+  set(on_backend --backend ${BACKEND})
+  list(APPEND session ${on_backend})
+  execute_process(COMMAND ${KVRING} run ${session} --tokens 40 --json WORKING_DIRECTORY ${WORK}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0 AND err MATCHES "needs a GPU; none is visible|has no CUDA backend")
+    message(STATUS "no GPU: the ${BACKEND} replay gate does not apply here: ${err}")
+    return()
+  endif()
+  string(JSON ran GET "${out}" backend)
+  if(NOT ran STREQUAL BACKEND)
+    message(FATAL_ERROR "--backend ${BACKEND} ran on '${ran}'")
+  endif()
+endif()
 
 # --- Self-contained packs -------------------------------------------------
 # Saved at 300 tokens: the rings hold [268, 300), origin_physical 268 % 32 = 12.
 kvring(first 0 run ${session} --tokens 300 --json --save a.kvpack)
-kvring(resumed 0 run --resume a.kvpack --tokens 600 --json --save b.kvpack)
+kvring(resumed 0 run ${on_backend} --resume a.kvpack --tokens 600 --json --save b.kvpack)
 kvring(straight 0 run ${session} --tokens 600 --json --save c.kvpack)
 summary(resumed_s "${resumed}")
 summary(straight_s "${straight}")
@@ -71,18 +87,18 @@ if(NOT b_sha STREQUAL c_sha)
   message(FATAL_ERROR "the resumed session's pack differs from the never-stopped session's pack")
 endif()
 # Resuming without going further reproduces the saved summary.
-kvring(again 0 run --resume a.kvpack --json)
+kvring(again 0 run ${on_backend} --resume a.kvpack --json)
 summary(again_s "${again}")
 summary(first_s "${first}")
 if(NOT again_s STREQUAL first_s)
   message(FATAL_ERROR "a resumed run with no new tokens differs from the saved one:\n${again_s}\n${first_s}")
 endif()
-kvring(text 0 run --resume a.kvpack --tokens 320)
+kvring(text 0 run ${on_backend} --resume a.kvpack --tokens 320)
 expect_match("${text}" "last logits sha256 [0-9a-f]+" "resume text summary")
 
 # --- Thin packs over a directory store --------------------------------------
 kvring(thin_first 0 run ${session} --tokens 300 --json --save ta.kvpack --store dir:store)
-kvring(thin_resumed 0 run --resume ta.kvpack --store dir:store --tokens 600 --json --save tb.kvpack --store dir:store)
+kvring(thin_resumed 0 run ${on_backend} --resume ta.kvpack --store dir:store --tokens 600 --json --save tb.kvpack --store dir:store)
 summary(thin_s "${thin_resumed}")
 if(NOT thin_s STREQUAL straight_s)
   message(FATAL_ERROR "thin resumed run differs:\n${thin_s}\n${straight_s}")
@@ -109,7 +125,7 @@ flip_byte(${WORK}/payload.kvpack ${last})
 kvring(out 1 pack verify payload.kvpack)
 expect_match("${out}" "payload.kvpack: chunk 4 \\(layer 3, positions \\[256, 300\\)" "verify bad payload")
 expect_match("${out}" "1 of 5 chunks are bad" "verify bad payload")
-kvring(out 2 run --resume payload.kvpack --tokens 400)
+kvring(out 2 run ${on_backend} --resume payload.kvpack --tokens 400)
 expect_match("${out}" "chunk 4 \\(layer 3" "resume bad payload")
 
 file(COPY_FILE ${WORK}/a.kvpack ${WORK}/header.kvpack)
@@ -146,15 +162,15 @@ kvring(out 2 pack verify a.kvpack --store ftp://x)
 expect_match("${out}" "unknown chunk store 'ftp://x'" "verify bad store")
 kvring(out 2 pack inspect small.json)
 expect_match("${out}" "not a kvpack file" "inspect a json file")
-kvring(out 2 run --resume a.kvpack --hidden 64)
+kvring(out 2 run ${on_backend} --resume a.kvpack --hidden 64)
 expect_match("${out}" "--hidden comes from the pack" "resume with --hidden")
-kvring(out 2 run --resume a.kvpack --tokens 10)
+kvring(out 2 run ${on_backend} --resume a.kvpack --tokens 10)
 expect_match("${out}" "--tokens = 10 is below the 300 tokens a.kvpack holds" "resume backwards")
-kvring(out 2 run --resume ta.kvpack --tokens 400)
+kvring(out 2 run ${on_backend} --resume ta.kvpack --tokens 400)
 expect_match("${out}" "is a thin pack" "resume thin without store")
 kvring(out 2 run ${session} --tokens 50 --store dir:store)
 expect_match("${out}" "--store is the chunk store of --save or --resume" "store alone")
 kvring(out 2 run ${session} --tokens 50 --save /dev/full)
 expect_match("${out}" "/dev/full: it exists and is not a regular file" "save over a device")
-kvring(out 2 run --resume small.json)
+kvring(out 2 run ${on_backend} --resume small.json)
 expect_match("${out}" "not a kvpack file" "resume a json file")
