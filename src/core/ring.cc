@@ -1,5 +1,6 @@
 #include "kvring/ring.h"
 
+#include <algorithm>
 #include <string>
 
 namespace kvring {
@@ -11,6 +12,21 @@ Error capacity_exceeded(std::int64_t layer, std::int64_t capacity, std::int64_t 
                     "layer " + std::to_string(layer) + ": full-attention plane holds " +
                         std::to_string(capacity) + " positions, asked for position " +
                         std::to_string(last));
+}
+
+// Cuts `rows` consecutive rows starting at physical slot `phys` (source row
+// `source`) where they cross the end of the ring: at most two spans.
+int split_at_wrap(std::int64_t phys, std::int64_t source, std::int64_t rows,
+                  std::int64_t capacity, std::array<PhysicalSpan, 2>& spans) {
+  int n = 0;
+  while (rows > 0) {
+    const std::int64_t run = std::min(rows, capacity - phys);
+    spans[static_cast<std::size_t>(n++)] = PhysicalSpan{phys, source, run};
+    rows -= run;
+    source += run;
+    phys = 0;
+  }
+  return n;
 }
 
 }  // namespace
@@ -79,16 +95,9 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
   // The first live source row's logical position, and its physical slot by
   // the explicit-origin translation against the post-batch origins.
   const std::int64_t first_logical = start + p.first_live;
-  std::int64_t phys = (new_origin_physical + (first_logical - new_origin_logical)) % capacity_;
-  std::int64_t remaining = p.live_rows;
-  std::int64_t source = p.first_live;
-  while (remaining > 0) {
-    const std::int64_t run = std::min(remaining, capacity_ - phys);
-    p.spans[static_cast<std::size_t>(p.n_spans++)] = PhysicalSpan{phys, source, run};
-    remaining -= run;
-    source += run;
-    phys = 0;
-  }
+  const std::int64_t phys =
+      (new_origin_physical + (first_logical - new_origin_logical)) % capacity_;
+  p.n_spans = split_at_wrap(phys, p.first_live, p.live_rows, capacity_, p.spans);
   return p;
 }
 
@@ -114,16 +123,7 @@ Result<BatchPlacement> RingState::append_batch(std::int64_t layer, std::int64_t 
 LiveSpans RingState::spans(std::int64_t first, std::int64_t count) const {
   LiveSpans s;
   if (count <= 0) return s;
-  std::int64_t phys = physical(first);
-  std::int64_t remaining = count;
-  std::int64_t offset = first - origin_logical_;
-  while (remaining > 0) {
-    const std::int64_t run = std::min(remaining, capacity_ - phys);
-    s.spans[static_cast<std::size_t>(s.n_spans++)] = PhysicalSpan{phys, offset, run};
-    remaining -= run;
-    offset += run;
-    phys = 0;
-  }
+  s.n_spans = split_at_wrap(physical(first), first - origin_logical_, count, capacity_, s.spans);
   return s;
 }
 
