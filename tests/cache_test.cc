@@ -13,17 +13,8 @@ namespace {
 using testing::random_floats;
 using testing::small_config;
 
-struct PlaneBytes {
-  std::vector<std::uint16_t> k, v;
-  bool operator==(const PlaneBytes&) const = default;
-};
-
-PlaneBytes raw(const KvCache& c, std::int64_t layer) {
-  const auto n = static_cast<std::size_t>(c.ring(layer).capacity() * c.config().kv_dim());
-  PlaneBytes b{std::vector<std::uint16_t>(n), std::vector<std::uint16_t>(n)};
-  EXPECT_TRUE(c.read_plane(layer, b.k.data(), b.v.data()).ok());
-  return b;
-}
+using testing::PlaneBytes;
+using testing::plane_bytes;
 
 // Data for logical position p: row p of a long random stream.
 struct Stream {
@@ -44,7 +35,7 @@ void check_live_rows(const KvCache& c, std::int64_t layer, const Stream& s) {
   const std::int64_t kv = c.config().kv_dim(), hd = c.config().head_dim;
   std::vector<std::uint16_t> k(static_cast<std::size_t>(r.len() * kv)), v(k.size());
   ASSERT_TRUE(c.read_rows(layer, r.origin_logical(), r.len(), k.data(), v.data()).ok());
-  const PlaneBytes plane = raw(c, layer);
+  const PlaneBytes plane = plane_bytes(c, layer);
   for (std::int64_t i = 0; i < r.len(); ++i) {
     const std::int64_t p = r.origin_logical() + i;
     const std::int64_t phys = r.physical(p);
@@ -81,7 +72,7 @@ TEST(CpuCache, ZeroFilledAtAllocation) {
   auto c = make_cpu_cache(small_config());
   ASSERT_TRUE(c.ok());
   for (std::int64_t l = 0; l < 4; ++l) {
-    PlaneBytes b = raw(**c, l);
+    PlaneBytes b = plane_bytes(**c, l);
     for (auto x : b.k) ASSERT_EQ(x, 0);
     for (auto x : b.v) ASSERT_EQ(x, 0);
   }
@@ -115,7 +106,7 @@ TEST(CpuCache, StorePathsAgreeAndReadBackAcrossWraps) {
     }
     for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
       EXPECT_EQ((*batched)->ring(l), (*one)->ring(l));
-      EXPECT_TRUE(raw(**batched, l) == raw(**one, l)) << "layer " << l;
+      EXPECT_TRUE(plane_bytes(**batched, l) == plane_bytes(**one, l)) << "layer " << l;
     }
   }
 }
@@ -129,11 +120,11 @@ TEST(CpuCache, FailuresLeaveTheCacheUnchanged) {
   for (std::int64_t l = 0; l < 4; ++l)
     ASSERT_TRUE(cache.store_batch(l, 0, 40, s.krow(0), s.vrow(0)).ok());
   std::vector<PlaneBytes> before;
-  for (std::int64_t l = 0; l < 4; ++l) before.push_back(raw(cache, l));
+  for (std::int64_t l = 0; l < 4; ++l) before.push_back(plane_bytes(cache, l));
   auto unchanged = [&] {
     for (std::int64_t l = 0; l < 4; ++l) {
       EXPECT_EQ(cache.ring(l).next_position(), 40);
-      EXPECT_TRUE(raw(cache, l) == before[static_cast<std::size_t>(l)]);
+      EXPECT_TRUE(plane_bytes(cache, l) == before[static_cast<std::size_t>(l)]);
     }
   };
   // Skipped and replayed positions.
@@ -171,7 +162,7 @@ TEST(CpuCache, ResetEmptiesAndZeroFills) {
   ASSERT_TRUE((*c)->reset().ok());
   EXPECT_EQ((*c)->ring(0).len(), 0);
   EXPECT_EQ((*c)->ring(0).next_position(), 0);
-  for (auto x : raw(**c, 0).k) ASSERT_EQ(x, 0);
+  for (auto x : plane_bytes(**c, 0).k) ASSERT_EQ(x, 0);
 }
 
 TEST(CpuCache, ContextOutsideTheModelIsRefused) {

@@ -17,22 +17,6 @@ namespace {
 
 constexpr std::int64_t kContext = 2560;
 
-struct Planes {
-  std::vector<std::vector<std::uint16_t>> k, v;
-  std::vector<RingState> rings;
-  bool operator==(const Planes&) const = default;
-};
-
-Planes planes_of(const KvCache& c) {
-  Planes p;
-  for (std::int64_t l = 0; l < c.n_layers(); ++l) {
-    const testing::PlaneBytes b = testing::plane_bytes(c, l);
-    p.k.push_back(b.k);
-    p.v.push_back(b.v);
-    p.rings.push_back(c.ring(l));
-  }
-  return p;
-}
 
 std::unique_ptr<KvCache> cuda_cache(const ModelConfig& c) {
   auto r = make_cuda_cache(c, {.context = kContext});
@@ -61,10 +45,10 @@ TEST(CudaExactnessGate, MuseGlimmerFullGeometryAt2047To2049) {
   auto dec = cuda_cache(glimmer());
   ASSERT_TRUE(dec);
   std::vector<float> dec_logits(static_cast<std::size_t>(end * vocab), NAN);
-  std::vector<Planes> dec_planes;
+  std::vector<testing::CacheImage> dec_planes;
   for (std::int64_t p = 0; p < end; ++p) {
     ASSERT_TRUE((*model)->forward(*dec, p, tokens.data() + p, 1, dec_logits.data() + p * vocab).ok());
-    if (std::find(gates.begin(), gates.end(), p) != gates.end()) dec_planes.push_back(planes_of(*dec));
+    if (std::find(gates.begin(), gates.end(), p) != gates.end()) dec_planes.push_back(testing::image(*dec));
   }
   for (std::size_t i = 0; i < dec_logits.size(); ++i) ASSERT_TRUE(std::isfinite(dec_logits[i])) << i;
 
@@ -84,7 +68,7 @@ TEST(CudaExactnessGate, MuseGlimmerFullGeometryAt2047To2049) {
         ASSERT_TRUE(same_bits(logits.data() + q * vocab, dec_logits.data() + q * vocab,
                               static_cast<std::size_t>(vocab)))
             << "logits differ at position " << q;
-      ASSERT_TRUE(planes_of(*pre) == dec_planes[gi]) << "stored K/V differ";
+      ASSERT_TRUE(testing::image(*pre) == dec_planes[gi]) << "stored K/V differ";
     }
   }
 }

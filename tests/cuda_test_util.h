@@ -56,19 +56,6 @@ class DeviceArray {
   std::size_t n_;
 };
 
-struct PlaneBytes {
-  std::vector<std::uint16_t> k, v;
-  bool operator==(const PlaneBytes&) const = default;
-};
-
-inline PlaneBytes plane_bytes(const KvCache& c, std::int64_t layer) {
-  const auto n = static_cast<std::size_t>(c.ring(layer).capacity() * c.config().kv_dim());
-  PlaneBytes b{std::vector<std::uint16_t>(n), std::vector<std::uint16_t>(n)};
-  const Status s = c.read_plane(layer, b.k.data(), b.v.data());
-  EXPECT_TRUE(s.ok()) << s.to_string();
-  return b;
-}
-
 // Every plane and ring of two caches agree.
 inline void expect_same_planes(const KvCache& a, const KvCache& b) {
   ASSERT_EQ(a.n_layers(), b.n_layers());

@@ -13,30 +13,13 @@
 namespace kvring {
 namespace {
 
-struct Planes {
-  std::vector<std::vector<std::uint16_t>> k, v;
-  std::vector<RingState> rings;
-  bool operator==(const Planes&) const = default;
-};
-
-Planes planes_of(const KvCache& c) {
-  Planes p;
-  for (std::int64_t l = 0; l < c.n_layers(); ++l) {
-    const auto n = static_cast<std::size_t>(c.ring(l).capacity() * c.config().kv_dim());
-    p.k.emplace_back(n);
-    p.v.emplace_back(n);
-    EXPECT_TRUE(c.read_plane(l, p.k.back().data(), p.v.back().data()).ok());
-    p.rings.push_back(c.ring(l));
-  }
-  return p;
-}
 
 // Feeds tokens[0, end) so that, when chunk > 1, the last chunk is a full
 // chunk ending at `end` (a first feed takes the remainder), and returns the
 // logits of every position fed in that last call.
 struct ModelRun {
   std::vector<float> logits;  // [end, vocab]: logits of every position
-  Planes planes;
+  testing::CacheImage planes;
 };
 
 ModelRun run_model(std::shared_ptr<const ReferenceModel> model, const std::vector<std::int32_t>& tokens,
@@ -54,7 +37,7 @@ ModelRun run_model(std::shared_ptr<const ReferenceModel> model, const std::vecto
   };
   if (head > 0) feed(head);
   while (at < end) feed(std::min(chunk, end - at));
-  r.planes = planes_of(**cache);
+  r.planes = testing::image(**cache);
   return r;
 }
 
@@ -120,7 +103,7 @@ TEST(ExactnessGate, ContinuityViolationIsRefusedAndTheSessionContinues) {
   ASSERT_TRUE(cache.ok());
   std::vector<float> logits(static_cast<std::size_t>(80 * 97));
   ASSERT_TRUE((*model)->forward(**cache, 0, tokens.data(), 40, logits.data()).ok());
-  const Planes before = planes_of(**cache);
+  const testing::CacheImage before = testing::image(**cache);
   for (std::int64_t bad : {41, 39, 0, 100}) {
     for (std::int64_t n : {1, 5}) {
       Status s = (*model)->forward(**cache, bad, tokens.data() + 40, n, logits.data());
@@ -128,19 +111,19 @@ TEST(ExactnessGate, ContinuityViolationIsRefusedAndTheSessionContinues) {
       EXPECT_EQ(s.error().code, ErrorCode::kCacheDiscontinuity);
       EXPECT_EQ(s.error().expected, 40);
       EXPECT_EQ(s.error().got, bad);
-      ASSERT_TRUE(planes_of(**cache) == before);
+      ASSERT_TRUE(testing::image(**cache) == before);
     }
   }
   // A bad token id is refused before anything is stored.
   std::vector<std::int32_t> bad_ids = {1, 2, 97};
   EXPECT_EQ((*model)->forward(**cache, 40, bad_ids.data(), 3, logits.data()).error().code,
             ErrorCode::kInvalidArgument);
-  ASSERT_TRUE(planes_of(**cache) == before);
+  ASSERT_TRUE(testing::image(**cache) == before);
   // Continue from the right position: the same bits as the run that never erred.
   for (std::int64_t p = 40; p < 80; ++p)
     ASSERT_TRUE((*model)->forward(**cache, p, tokens.data() + p, 1, logits.data() + p * 97).ok());
   EXPECT_TRUE(same_bits(logits.data() + 40 * 97, straight.logits.data() + 40 * 97, 40 * 97));
-  EXPECT_TRUE(planes_of(**cache) == straight.planes);
+  EXPECT_TRUE(testing::image(**cache) == straight.planes);
 }
 
 TEST(Session, GreedyDecodeAndResume) {

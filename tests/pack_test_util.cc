@@ -67,18 +67,6 @@ std::unique_ptr<KvCache> filled_cache(const ModelConfig& config, std::int64_t co
   return std::move(*c);
 }
 
-CacheImage image(const KvCache& cache) {
-  CacheImage im;
-  for (std::int64_t l = 0; l < cache.n_layers(); ++l) {
-    im.rings.push_back(cache.ring(l));
-    const auto n = static_cast<std::size_t>(cache.ring(l).capacity() * cache.config().kv_dim());
-    im.k.emplace_back(n);
-    im.v.emplace_back(n);
-    if (!cache.read_plane(l, im.k.back().data(), im.v.back().data()).ok()) std::abort();
-  }
-  return im;
-}
-
 bool same_rows(const Snapshot& a, const Snapshot& b) {
   if (a.planes.size() != b.planes.size() || a.token_count != b.token_count ||
       a.token_ids != b.token_ids || a.metadata != b.metadata || a.context != b.context ||

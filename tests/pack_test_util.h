@@ -12,6 +12,7 @@
 #include "kvring/config.h"
 #include "kvring/pack.h"
 #include "kvring/snapshot.h"
+#include "test_util.h"
 
 namespace kvring::testing {
 
@@ -28,14 +29,6 @@ void fill(KvCache& cache, std::int64_t from, std::int64_t to, std::uint64_t seed
 
 std::unique_ptr<KvCache> filled_cache(const ModelConfig& config, std::int64_t context,
                                       std::int64_t tokens, std::uint64_t seed);
-
-// Every ring state and every physical byte of a cache.
-struct CacheImage {
-  std::vector<RingState> rings;
-  std::vector<std::vector<std::uint16_t>> k, v;
-  bool operator==(const CacheImage&) const = default;
-};
-CacheImage image(const KvCache& cache);
 
 bool same_rows(const Snapshot& a, const Snapshot& b);
 
