@@ -27,7 +27,15 @@ function(run_fail pattern)
   endif()
 endfunction()
 
-set(common --model muse-glimmer --hidden 32 --vocab 64 --tokens 48 --prompt-tokens 40 --context 2048 --backend cpu)
+# A window of 32: the prompt wraps the sliding rings three times, so the
+# chunkings place rows at different ring rotations.
+file(MAKE_DIRECTORY ${WORK})
+set(config ${WORK}/window32.json)
+file(WRITE ${config} [=[
+{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 32, "max_position_embeddings": 1024, "sliding_window_pattern": 4}
+]=])
+set(common --config ${config} --hidden 32 --vocab 64 --tokens 120 --prompt-tokens 100 --backend cpu)
 run_json(a ${common} --chunk 1)
 run_json(b ${common} --chunk 7)
 run_json(c ${common} --chunk 512)
@@ -35,7 +43,7 @@ run_json(d ${common} --chunk 7)
 if(NOT a STREQUAL b OR NOT a STREQUAL c OR NOT b STREQUAL d)
   message(FATAL_ERROR "summaries differ:\n${a}\n${b}\n${c}\n${d}")
 endif()
-if(NOT a MATCHES "^48 [0-9a-f]+ ")
+if(NOT a MATCHES "^120 [0-9a-f]+ ")
   message(FATAL_ERROR "unexpected summary ${a}")
 endif()
 run_json(e ${common} --chunk 7 --seed 2)
@@ -44,6 +52,10 @@ if(a STREQUAL e)
 endif()
 
 run_fail("unknown model" --model nope)
+run_fail("is a directory" --save ${WORK})
+run_fail("does not exist" --save ${WORK}/no/such/dir/x.kvpack)
+run_fail("weights would take" --hidden 16384 --vocab 1048576)
+run_fail("use smaller chunks" --vocab 1048576 --hidden 8 --prompt-tokens 4000 --tokens 4000 --chunk 4000 --context 4096)
 run_fail("--tokens = 0 is outside" --tokens 0)
 run_fail("--prompt-tokens = 9 exceeds --tokens = 8" --tokens 8 --prompt-tokens 9)
 run_fail("--chunk = 0 is outside" --chunk 0)

@@ -139,6 +139,12 @@ TEST(HfConfig, ErrorsNameTheField) {
     "layer_types": ["sliding_attention", "full_attention"]})", "layer_types");
   expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,)", "malformed JSON");
   expect_error("[1, 2]", "not a JSON object");
+  expect_error(R"({"num_hidden_layers": 1e300, "num_attention_heads": 8, "head_dim": 4,
+    "max_position_embeddings": 9})", "num_hidden_layers");
+  expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,
+    "max_position_embeddings": 9, "rope_theta": 0})", "rope_theta");
+  expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,
+    "max_position_embeddings": 9, "rope_theta": "big"})", "rope_theta");
 }
 
 TEST(HfConfig, LoadFromFile) {
@@ -156,6 +162,9 @@ TEST(HfConfig, LoadFromFile) {
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.error().message.find("cannot read"), std::string::npos);
   EXPECT_FALSE(resolve_config("muse-glimmer", path).ok());
+  auto dir = load_hf_config(::testing::TempDir());
+  ASSERT_FALSE(dir.ok());
+  EXPECT_NE(dir.error().message.find("is a directory"), std::string::npos);
   EXPECT_EQ(resolve_config("", "")->name, "muse-glimmer");
 }
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 
 #include "kvring/cache.h"
 #include "test_util.h"
@@ -124,6 +125,30 @@ TEST(ExactnessGate, ContinuityViolationIsRefusedAndTheSessionContinues) {
     ASSERT_TRUE((*model)->forward(**cache, p, tokens.data() + p, 1, logits.data() + p * 97).ok());
   EXPECT_TRUE(same_bits(logits.data() + 40 * 97, straight.logits.data() + 40 * 97, 40 * 97));
   EXPECT_TRUE(testing::image(**cache) == straight.planes);
+}
+
+// A cache sized for fewer positions than the window: its sliding rings are
+// smaller than the window, so a position past the cache is refused before
+// any layer stores anything.
+TEST(ExactnessGate, PositionsPastTheCacheAreRefusedWhole) {
+  const ModelConfig c = make_hybrid_config("all-sliding", 2, 0, 4, 2, 16, 128, 64);
+  auto model = ReferenceModel::create(c, {.hidden = 32, .vocab = 50, .mlp = 0, .seed = 2});
+  ASSERT_TRUE(model.ok());
+  auto cache = make_cpu_cache(c);
+  ASSERT_TRUE(cache.ok());
+  Session s(*model, std::move(*cache));
+  ASSERT_TRUE(s.feed(seeded_tokens(64, 50, 3), 9).ok());
+  const testing::CacheImage before = testing::image(s.cache());
+  auto t = s.step();
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_TRUE(testing::image(s.cache()) == before);
+  EXPECT_EQ(*s.cache().next_position(), 64);
+  std::vector<float> logits(50);
+  std::int32_t tok = 1;
+  EXPECT_EQ((*model)->forward(s.cache(), 64, &tok, std::numeric_limits<std::int64_t>::max(),
+                              logits.data()).error().code,
+            ErrorCode::kCapacityExceeded);
 }
 
 TEST(Session, GreedyDecodeAndResume) {

@@ -114,6 +114,23 @@ TEST_P(StoreTest, ReadsVerifyTheName) {
   EXPECT_NE(hash.error().message.find("damaged or planted"), std::string::npos) << hash.to_string();
 }
 
+// A planted value of the right size under a chunk's name does not stop the
+// true bytes from being stored: the next put replaces it.
+TEST_P(StoreTest, PutReplacesAPlantedChunk) {
+  const std::string real = "the rows a writer means", fake = "the rows planted there!";
+  ASSERT_EQ(real.size(), fake.size());
+  const Digest name = sha256(real.data(), real.size());
+  const std::vector<ChunkData> planted = {{name, bytes_of(fake), {}}};
+  ASSERT_TRUE(store_->put(planted).ok());
+  std::string buf(real.size(), '\0');
+  std::span<std::uint8_t> dst(reinterpret_cast<std::uint8_t*>(buf.data()), buf.size());
+  ASSERT_EQ(store_->get(name, dst).error().code, ErrorCode::kCorruption);
+  const std::vector<ChunkData> honest = {chunk_of(real)};
+  ASSERT_TRUE(store_->put(honest).ok());
+  ASSERT_TRUE(store_->get(name, dst).ok());
+  EXPECT_EQ(buf, real);
+}
+
 class ThinPackTest : public StoreTest {
  protected:
   void SetUp() override {

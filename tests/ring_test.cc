@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <deque>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -90,6 +91,7 @@ TEST(Ring, SkippedAndReplayedPositionsFailClosed) {
   }
   EXPECT_FALSE(r.append_batch(3, 40, 0).ok());
   EXPECT_FALSE(r.append_batch(3, 40, -4).ok());
+  EXPECT_FALSE(r.append_batch(3, 40, std::numeric_limits<std::int64_t>::max()).ok());
   EXPECT_EQ(r, before);
   EXPECT_EQ(*r.append(3, 40), 40 % 32);
 }

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -106,6 +107,16 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   std::int64_t seed = 1;
   KVRING_RETURN_IF_ERROR(get("seed", 1, 0, std::numeric_limits<std::int64_t>::max(), seed));
   o.seed = static_cast<std::uint64_t>(seed);
+  if (!o.save.empty()) {
+    // Refuse an unwritable destination before the session runs, not after.
+    std::error_code ec;
+    const std::filesystem::path path(o.save);
+    if (std::filesystem::is_directory(path, ec))
+      return invalid_argument("--save " + o.save + " is a directory");
+    const std::filesystem::path parent = path.has_parent_path() ? path.parent_path() : ".";
+    if (!std::filesystem::is_directory(parent, ec))
+      return invalid_argument("--save " + o.save + ": directory " + parent.string() + " does not exist");
+  }
   return o;
 }
 

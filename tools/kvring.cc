@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <iostream>
 #include <limits>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -158,6 +159,8 @@ int main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
+  } catch (const std::bad_alloc&) {
+    return fail("out of host memory");
   } catch (const std::exception& e) {
     return fail(std::string("internal error: ") + e.what());
   }

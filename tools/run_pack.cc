@@ -1,5 +1,7 @@
 #include "run_pack.h"
 
+#include <cmath>
+
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -132,6 +134,14 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   if (static_cast<std::int64_t>(m->header.token_ids.size()) != m->header.token_count || m->header.token_count == 0)
     return invalid_argument(path + ": a run's pack must hold the token ids of its " +
                             std::to_string(m->header.token_count) + " tokens");
+  // The run record is as untrusted as any other field of the pack.
+  if (record->prompt_tokens < 1 || record->prompt_tokens > m->header.token_count)
+    return invalid_argument(path + ": metadata: prompt_tokens = " + std::to_string(record->prompt_tokens) +
+                            " outside [1, " + std::to_string(m->header.token_count) + "] (the tokens it holds)");
+  if (record->chunk < 1)
+    return invalid_argument(path + ": metadata: chunk = " + std::to_string(record->chunk) + " < 1");
+  if (!(record->rope_theta > 0.0) || !std::isfinite(record->rope_theta))
+    return invalid_argument(path + ": metadata: rope_theta must be a positive finite number");
   // The geometry comes from the pack; the name and RoPE base, which the
   // fingerprint does not cover, from the run record.
   ModelConfig config = m->header.config;

@@ -48,6 +48,8 @@ class ReferenceModel {
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, q_norm, k_norm, wo, mlp_norm, w1, w2;
   };
+  // Floats of activations (and logits) one row of a chunk needs.
+  std::int64_t activation_floats_per_row() const;
   ReferenceModel(ModelConfig config, ModelOptions options) : config_(std::move(config)), options_(options) {}
 
   ModelConfig config_;

@@ -93,10 +93,11 @@ Status KvCache::read_rows(std::int64_t layer, std::int64_t first, std::int64_t c
   if (count == 0) return Status::Ok();
   KVRING_RETURN_IF_ERROR(check_pointers("read_rows", k, v));
   const RingState& r = ring(layer);
-  if (count < 0 || first < r.origin_logical() || first + count > r.next_position())
-    return invalid_argument("layer " + std::to_string(layer) + ": rows [" +
-                            std::to_string(first) + ", " + std::to_string(first + count) +
-                            ") are not all live (live: [" + std::to_string(r.origin_logical()) +
+  if (count < 0 || count > r.len() || first < r.origin_logical() ||
+      first > r.next_position() - count)
+    return invalid_argument("layer " + std::to_string(layer) + ": " + std::to_string(count) +
+                            " rows from position " + std::to_string(first) +
+                            " are not all live (live: [" + std::to_string(r.origin_logical()) +
                             ", " + std::to_string(r.next_position()) + "))");
   return copy_out(layer, r.spans(first, count), k, v);
 }

@@ -1,5 +1,7 @@
 #include "kvring/config.h"
 
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -134,9 +136,9 @@ Result<std::int64_t> int_field(const json& j, const char* field, bool required,
     return static_cast<std::int64_t>(u);
   }
   if (it->is_number_float()) {
-    double d = it->get<double>();
-    if (d == static_cast<double>(static_cast<std::int64_t>(d)) && d >= -1e15 && d <= 1e15)
-      return static_cast<std::int64_t>(d);
+    // Range first: converting an out-of-range double is undefined.
+    const double d = it->get<double>();
+    if (d >= -1e15 && d <= 1e15 && d == std::floor(d)) return static_cast<std::int64_t>(d);
   }
   return config_error("field '" + std::string(field) + "' must be an integer, got " +
                       it->dump());
@@ -197,8 +199,12 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   if (!window) return window.error();
   c.sliding_window = *window;
 
-  if (j.contains("rope_theta") && j["rope_theta"].is_number())
-    c.rope_theta = j["rope_theta"].get<double>();
+  if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
+    const json& theta = j["rope_theta"];
+    if (!theta.is_number() || !(theta.get<double>() > 0.0) || !std::isfinite(theta.get<double>()))
+      return config_error("rope_theta = " + theta.dump() + " must be a positive number");
+    c.rope_theta = theta.get<double>();
+  }
 
   if (j.contains("layer_types") && !j["layer_types"].is_null()) {
     const json& types = j["layer_types"];
@@ -240,6 +246,9 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
 }
 
 Result<ModelConfig> load_hf_config(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return config_error("cannot read config file '" + path + "': it is a directory");
   std::ifstream in(path, std::ios::binary);
   if (!in) return config_error("cannot read config file '" + path + "'");
   std::ostringstream ss;

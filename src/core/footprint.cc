@@ -30,7 +30,11 @@ Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t cont
   f.sliding_bytes = f.n_sliding * f.sliding_rows * row_bytes;
   f.full_bytes = f.n_full * f.full_rows * row_bytes;
   f.slot_bytes = f.sliding_bytes + f.full_bytes;
-  f.total_bytes = f.slot_bytes * slots;
+  // One slot of the largest valid geometry fits in 2^57 bytes (config.h's
+  // bounds); many slots of it need not fit in 64 bits.
+  if (__builtin_mul_overflow(f.slot_bytes, slots, &f.total_bytes))
+    return invalid_argument(std::to_string(slots) + " slots of " + with_commas(f.slot_bytes) +
+                            " B each exceed 2^63 bytes");
   return f;
 }
 

@@ -80,6 +80,11 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
                             std::to_string(count) + " rows");
   const std::int64_t expected = next_position();
   if (start != expected) return cache_discontinuity(layer, expected, start);
+  // Positions stay far below 2^62, so start + count and len + count cannot
+  // overflow past this bound.
+  if (count > (std::int64_t{1} << 62) - start)
+    return invalid_argument("layer " + std::to_string(layer) + ": batch of " +
+                            std::to_string(count) + " rows is too large");
   const std::int64_t total = len_ + count;
   if (!wraps_ && total > capacity_)
     return capacity_exceeded(layer, capacity_, start + count - 1);

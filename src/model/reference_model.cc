@@ -5,6 +5,7 @@
 #include <random>
 
 #include "cpu/parallel.h"
+#include "kvring/footprint.h"
 
 namespace kvring {
 
@@ -13,6 +14,10 @@ namespace {
 inline constexpr std::int64_t kMaxHidden = 16384;
 inline constexpr std::int64_t kMaxVocab = 1 << 20;
 inline constexpr float kNormEps = 1e-6f;
+// The reference model is a harness: refuse sizes whose weights or chunk
+// activations could not sensibly live in host memory, before allocating.
+inline constexpr double kMaxWeightBytes = 16.0 * (1 << 30);
+inline constexpr double kMaxActivationBytes = 4.0 * (1 << 30);
 
 // splitmix64: a small, portable, seeded generator.
 struct Rng {
@@ -125,6 +130,16 @@ Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const Model
   if (m->options_.mlp == 0) m->options_.mlp = 2 * options.hidden;
   const std::int64_t hd = config.head_dim, hq = config.n_heads * hd, kv = config.kv_dim();
   const std::int64_t hidden = options.hidden, mlp = m->options_.mlp;
+  const double weights =
+      4.0 * (2.0 * static_cast<double>(options.vocab) * static_cast<double>(hidden) +
+             static_cast<double>(config.n_layers) *
+                 (static_cast<double>(hidden) * static_cast<double>(2 * hq + 2 * kv + 2 * mlp) +
+                  static_cast<double>(2 * hd + 2 * hidden)));
+  if (weights > kMaxWeightBytes)
+    return invalid_argument("the reference model's weights would take " +
+                            format_bytes(static_cast<std::int64_t>(weights)) + " (limit " +
+                            format_bytes(static_cast<std::int64_t>(kMaxWeightBytes)) +
+                            "): use a smaller hidden size or vocabulary");
   Rng rng{options.seed};
   auto scale = [](std::int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); };
   m->embedding_ = random_matrix(rng, options.vocab, hidden, 1.0f);
@@ -150,6 +165,11 @@ Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const Model
   return std::shared_ptr<const ReferenceModel>(std::move(m));
 }
 
+std::int64_t ReferenceModel::activation_floats_per_row() const {
+  const std::int64_t hq = config_.n_heads * config_.head_dim;
+  return options_.vocab + 4 * options_.hidden + 2 * hq + 2 * config_.kv_dim() + options_.mlp;
+}
+
 Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens,
                                std::int64_t n, float* logits) const {
   const ModelConfig& c = config_;
@@ -158,13 +178,24 @@ Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::in
                                                 cache.config().name + ", not " + c.name + ")");
   if (n < 1) return invalid_argument("forward: " + std::to_string(n) + " tokens");
   if (tokens == nullptr || logits == nullptr) return invalid_argument("forward: null buffer");
+  // Check continuity and capacity for every layer before storing anything,
+  // so a refused call leaves the cache as it was. A cache serves the
+  // positions it was sized for: past them a sliding ring smaller than the
+  // window would have lost rows a query needs.
+  if (start < 0 || n > cache.context() - start)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      std::to_string(n) + " positions from " + std::to_string(start) +
+                          " exceed the cache's " + std::to_string(cache.context()) + " positions");
+  if (static_cast<double>(n) * static_cast<double>(activation_floats_per_row()) * 4.0 >
+      kMaxActivationBytes)
+    return invalid_argument("a chunk of " + std::to_string(n) + " tokens needs more than " +
+                            format_bytes(static_cast<std::int64_t>(kMaxActivationBytes)) +
+                            " of activations; use smaller chunks");
   for (std::int64_t i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= options_.vocab)
       return invalid_argument("token id " + std::to_string(tokens[i]) + " at index " +
                               std::to_string(i) + " outside [0, " +
                               std::to_string(options_.vocab) + ")");
-  // Check continuity and capacity for every layer before storing anything,
-  // so a refused call leaves the cache as it was.
   for (std::int64_t l = 0; l < c.n_layers; ++l) {
     auto plan = cache.ring(l).plan_batch(l, start, n);
     if (!plan) return plan.error();

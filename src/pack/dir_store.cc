@@ -48,26 +48,30 @@ class DirStore final : public ChunkStore {
   Status put(std::span<const ChunkData> chunks) override {
     const std::vector<std::size_t> todo = distinct(chunks);
     std::vector<Status> status(todo.size());
-    std::vector<char> wrote(todo.size(), 0);
     std::int64_t bytes = 0;
     for (std::size_t i : todo) bytes += static_cast<std::int64_t>(chunks[i].size());
     cpu::parallel_for(static_cast<std::int64_t>(todo.size()), bytes, [&](std::int64_t t) {
       const ChunkData& c = chunks[todo[static_cast<std::size_t>(t)]];
       const std::string path = path_of(c.name);
-      // Present with the right size: already stored (a read still verifies
-      // its hash). Any other file under the name is replaced.
+      // Already stored only if the file under the name holds bytes that
+      // hash to the name: a damaged or planted file of the right size must
+      // not stop the true bytes from being written. Anything else is replaced.
       struct stat st {};
       if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-          static_cast<std::size_t>(st.st_size) == c.size())
+          static_cast<std::size_t>(st.st_size) == c.size() && holds(c.name, c.size()))
         return;
       status[static_cast<std::size_t>(t)] = write_chunk(path, c);
-      wrote[static_cast<std::size_t>(t)] = 1;
     });
     KVRING_RETURN_IF_ERROR(first_error(status));
-    // One directory sync makes every rename above durable.
-    if (std::find(wrote.begin(), wrote.end(), 1) != wrote.end())
-      KVRING_RETURN_IF_ERROR(fsync_dir(root_, io_));
-    return Status::Ok();
+    // One directory sync makes every rename above, and any earlier put's
+    // that a crash cut short, durable.
+    return fsync_dir(root_, io_);
+  }
+
+  // True when the file stored under `name` has `size` bytes hashing to it.
+  bool holds(const Digest& name, std::size_t size) const {
+    std::vector<std::uint8_t> bytes(size);
+    return read_raw(name, bytes).ok() && sha256(bytes.data(), bytes.size()) == name;
   }
 
   Result<bool> contains(const Digest& name) const override {

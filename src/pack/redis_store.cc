@@ -54,8 +54,7 @@ class RedisStore final : public ChunkStore {
   }
 
   Status put(std::span<const ChunkData> chunks) override {
-    // Batches of chunks, each batch on one connection: EXISTS for all, then
-    // SET for the absent ones, both pipelined.
+    // Batches of chunks, each batch pipelined on one connection.
     std::vector<std::pair<std::size_t, std::size_t>> batches;
     std::size_t begin = 0, bytes = 0;
     for (std::size_t i = 0; i < chunks.size(); ++i) {
@@ -215,34 +214,23 @@ class RedisStore final : public ChunkStore {
     return s;
   }
 
+  // Every chunk is SET, also when its key exists: a content-addressed value
+  // is only ever replaced by the same bytes, and a damaged or planted value
+  // under the name must not stop the true bytes from being stored.
   Status put_batch_on(redisContext* c, std::span<const ChunkData> chunks) const {
-    std::vector<std::string> keys;
-    for (const ChunkData& ch : chunks) keys.push_back(key_of(ch.name));
-    for (const std::string& k : keys) redisAppendCommand(c, "EXISTS %b", k.data(), k.size());
-    std::vector<char> present(chunks.size(), 0);
-    Status s;
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
-      void* raw = nullptr;
-      redisGetReply(c, &raw);
-      Reply r(static_cast<redisReply*>(raw));
-      if (Status e = check(c, r.get(), "EXISTS"); !e.ok() && s.ok()) s = e;
-      if (r && r->type == REDIS_REPLY_INTEGER) present[i] = r->integer == 1;
-    }
-    KVRING_RETURN_IF_ERROR(s);
-    std::size_t sent = 0;
     std::string value;
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
-      if (present[i]) continue;
+    for (const ChunkData& ch : chunks) {
+      const std::string key = key_of(ch.name);
       // SET takes the value as one argument; hiredis copies it into its
       // output buffer, so `value` is reused at once.
-      value.assign(reinterpret_cast<const char*>(chunks[i].part1.data()), chunks[i].part1.size());
-      value.append(reinterpret_cast<const char*>(chunks[i].part2.data()), chunks[i].part2.size());
-      if (redisAppendCommand(c, "SET %b %b", keys[i].data(), keys[i].size(), value.data(),
-                             value.size()) != REDIS_OK)
-        return io_error(spec() + ": cannot queue SET of chunk " + keys[i]);
-      ++sent;
+      value.assign(reinterpret_cast<const char*>(ch.part1.data()), ch.part1.size());
+      value.append(reinterpret_cast<const char*>(ch.part2.data()), ch.part2.size());
+      if (redisAppendCommand(c, "SET %b %b", key.data(), key.size(), value.data(), value.size()) !=
+          REDIS_OK)
+        return io_error(spec() + ": cannot queue SET of chunk " + key);
     }
-    for (std::size_t i = 0; i < sent; ++i) {
+    Status s;
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
       void* raw = nullptr;
       redisGetReply(c, &raw);
       Reply r(static_cast<redisReply*>(raw));
