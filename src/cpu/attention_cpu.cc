@@ -20,8 +20,6 @@ const float* f16_table() {
   return table.data();
 }
 
-}  // namespace
-
 float dot_f32(const float* a, const float* b, std::int64_t n) {
   // Eight interleaved partial sums combined in a fixed tree: a fixed order
   // that the compiler can keep in vector registers.
@@ -32,6 +30,8 @@ float dot_f32(const float* a, const float* b, std::int64_t n) {
   for (int u = 0; d < n; ++d, ++u) acc[u] += a[d] * b[d];
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
+
+}  // namespace
 
 void attend(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
             std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,

@@ -36,7 +36,4 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
             const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
             float* out);
 
-// One (query, head) pair; exposed so tests can check the fixed order.
-float dot_f32(const float* a, const float* b, std::int64_t n);
-
 }  // namespace kvring::cpu

@@ -519,6 +519,24 @@ std::int64_t span_rows(const LiveSpans& spans) {
   return n;
 }
 
+// What copy_out and copy_in share: the rows' map and sizes, and the staging
+// piece (larger when both host buffers are pinned and the DMA goes direct).
+struct SnapshotCopy {
+  cuda::Shape shape;
+  cuda::SpanMap map;
+  std::size_t row_bytes, bytes, chunk;
+};
+
+SnapshotCopy snapshot_copy(const ModelConfig& config, const LiveSpans& spans, const void* k,
+                           const void* v) {
+  SnapshotCopy c{shape_of(config), span_map(spans), static_cast<std::size_t>(config.kv_dim()) * 2,
+                 0, 0};
+  c.bytes = static_cast<std::size_t>(span_rows(spans)) * c.row_bytes;
+  const bool direct = is_pinned_range(k, c.bytes) && is_pinned_range(v, c.bytes);
+  c.chunk = chunk_for(c.row_bytes, direct ? kDirectStageBytes : kStageBytes);
+  return c;
+}
+
 }  // namespace
 
 Status CudaCache::copy_out(std::int64_t layer, const LiveSpans& spans, std::uint16_t* k,
@@ -526,12 +544,7 @@ Status CudaCache::copy_out(std::int64_t layer, const LiveSpans& spans, std::uint
   KVRING_RETURN_IF_ERROR(impl_->activate());
   Impl& im = *impl_;
   const cuda::PlaneDev& plane = im.planes[idx(layer)];
-  const cuda::Shape shape = shape_of(config_);
-  const cuda::SpanMap map = span_map(spans);
-  const std::size_t row_bytes = static_cast<std::size_t>(config_.kv_dim()) * 2;
-  const std::size_t bytes = static_cast<std::size_t>(span_rows(spans)) * row_bytes;
-  const bool direct = is_pinned_range(k, bytes) && is_pinned_range(v, bytes);
-  const std::size_t chunk = chunk_for(row_bytes, direct ? kDirectStageBytes : kStageBytes);
+  const auto [shape, map, row_bytes, bytes, chunk] = snapshot_copy(config_, spans, k, v);
   for (auto& d : im.stage)
     KVRING_RETURN_IF_ERROR(d.reserve(std::min(chunk, bytes), "staging", im.stream));
   for (const auto& [dst, src] : {std::pair{k, plane.k}, std::pair{v, plane.v}}) {
@@ -554,12 +567,7 @@ Status CudaCache::copy_in(std::int64_t layer, const LiveSpans& spans, const std:
   KVRING_RETURN_IF_ERROR(impl_->activate());
   Impl& im = *impl_;
   const cuda::PlaneDev& plane = im.planes[idx(layer)];
-  const cuda::Shape shape = shape_of(config_);
-  const cuda::SpanMap map = span_map(spans);
-  const std::size_t row_bytes = static_cast<std::size_t>(config_.kv_dim()) * 2;
-  const std::size_t bytes = static_cast<std::size_t>(span_rows(spans)) * row_bytes;
-  const bool direct = is_pinned_range(k, bytes) && is_pinned_range(v, bytes);
-  const std::size_t chunk = chunk_for(row_bytes, direct ? kDirectStageBytes : kStageBytes);
+  const auto [shape, map, row_bytes, bytes, chunk] = snapshot_copy(config_, spans, k, v);
   for (const auto& [src, dst] : {std::pair{k, plane.k}, std::pair{v, plane.v}}) {
     KVRING_RETURN_IF_ERROR(im.upload(
         src, bytes, chunk, nullptr,
