@@ -8,6 +8,7 @@
 #include <cstring>
 #include <set>
 
+#include "cuda/testing.h"
 #include "cuda_test_util.h"
 
 namespace kvring {
@@ -271,6 +272,45 @@ TEST(CudaAttention, RotationAndRestoreDoNotChangeTheBits) {
       EXPECT_TRUE(same_bits(again, first));
     }
     EXPECT_GE(rotations.size(), 3u);
+  }
+}
+
+// A query whose splits fit one thread-block cluster combines them through
+// the cluster's shared memory; with clusters capped off, through the global
+// workspace. Both give the same bits for both kernels, from one split to
+// more than a cluster holds, on sliding and full layers.
+TEST(CudaAttention, ClusterAndWorkspaceCombinesGiveTheSameBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  for (const ModelConfig& cfg : {attention_configs()[0], attention_configs()[3]}) {
+    SCOPED_TRACE(cfg.name);
+    const int limit = cuda::testing::attend_cluster_limit(static_cast<int>(cfg.head_dim));
+    std::printf("  %-12s clusters of up to %d CTAs\n", cfg.name.c_str(), limit);
+    EXPECT_GE(limit, 1);
+    const std::int64_t n = 2300, per_query = cfg.n_heads * cfg.head_dim;
+    KvStream s(cfg.kv_dim(), n, 88);
+    auto c = cuda_cache(cfg, n);
+    ASSERT_TRUE(c);
+    std::int64_t stored = 0;
+    int compared = 0;
+    for (std::int64_t p : {0, 127, 128, 255, 256, 1000, 2047, 2048, 2175, 2176, 2299}) {
+      for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+        ASSERT_TRUE(c->store_batch(l, stored, p + 1 - stored, s.krow(stored), s.vrow(stored)).ok());
+      stored = p + 1;
+      for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+        SCOPED_TRACE("position " + std::to_string(p) + " layer " + std::to_string(l));
+        const auto q = random_floats(static_cast<std::size_t>(per_query), 3 * p + l);
+        auto clustered = nan_filled(q.size()), workspace = nan_filled(q.size());
+        cuda::testing::set_attend_cluster_cap(0);
+        ASSERT_TRUE(c->attend_decode(l, p, q.data(), clustered.data()).ok());
+        cuda::testing::set_attend_cluster_cap(1);
+        ASSERT_TRUE(c->attend_decode(l, p, q.data(), workspace.data()).ok());
+        cuda::testing::set_attend_cluster_cap(0);
+        EXPECT_TRUE(same_bits(clustered, workspace));
+        EXPECT_FALSE(std::isnan(clustered[0]));
+        ++compared;
+      }
+    }
+    EXPECT_EQ(compared, 11 * cfg.n_layers);
   }
 }
 

@@ -4,19 +4,25 @@
 // Grid: x = split of the query's visible rows, y = work item (query heads
 // that share a KV head), z = query. Each warp of a CTA reduces its own rows
 // in logical order with an online softmax; the CTA combines its warps in
-// warp order; a query with several splits writes one partial per split and
-// the last CTA to arrive combines them in split order. Every boundary is a
-// function of the query's logical range alone (kernels.h), and no value is
-// ever accumulated in arrival order, so the bits of a query's output depend
-// only on its row values in logical order.
+// warp order; a query with several splits combines their partials in a
+// fixed tree: through the shared memory of a thread-block cluster when the
+// item's splits form one, else through the global workspace, where the
+// last CTA to arrive combines (in two levels beyond kAttendSingleLevel
+// splits). Every boundary is a function of the query's logical range alone
+// (kernels.h), and no value is ever accumulated in arrival order, so the
+// bits of a query's output depend only on its row values in logical order.
 //
 // Numerics: f32 scores, softmax and accumulation, exp2 with the scale
 // log2(e)/sqrt(head_dim) folded into the scores.
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "kernels.h"
+#include "testing.h"
 
 namespace kvring::cuda {
 namespace {
@@ -98,11 +104,12 @@ struct Shared {
   float weight[kAttendWarps][kTensorHeads];
   float head_m[kTensorHeads];
   float head_l[kTensorHeads];
-  // [split * heads + head]: the splits' maxima, then their weights.
-  float split_m[kAttendMaxSplits * kTensorHeads];
-  float split_l[kAttendMaxSplits * kTensorHeads];
+  float part_ml[kTensorHeads * 2];  // this CTA's [head][m, l] in a cluster
   int last;
 };
+// This CTA's partial [head * head_dim + dim] (16-byte aligned) when the
+// splits combine through the cluster's shared memory.
+inline constexpr int kPartFloats = kTensorHeads * kTensorHeadDim;
 // Each warp's unnormalised output, [head * head_dim + dim], lies at
 // o + warp * stride (floats) in shared memory.
 struct WarpOutputs {
@@ -110,6 +117,7 @@ struct WarpOutputs {
   int stride;
 };
 static_assert(kTensorHeads <= kAttendWarps, "one warp per head in the final combine");
+static_assert(kPartFloats >= kGeneralMaxHeadDim, "part_o holds any one head");
 
 __device__ __forceinline__ float weight_of(float m, float max) {
   return m == -INFINITY ? 0.0f : exp2f(m - max);
@@ -119,16 +127,177 @@ __device__ __forceinline__ float weight_of(float m, float max) {
 __device__ __forceinline__ float cta_value(const Shared& sh, WarpOutputs wo, int i, int h) {
   float o = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kAttendWarps; ++w) o += wo.o[w * wo.stride + i] * sh.weight[w][h];
+  for (int w = 0; w < kAttendWarps; ++w) o = __fmaf_rn(wo.o[w * wo.stride + i], sh.weight[w][h], o);
   return o;
+}
+
+// Where the split partials of an item lie: in the global workspace, or in
+// the shared memory of the cluster's CTAs (split s in CTA rank s).
+struct GlobalPartials {
+  const float* o;   // [split][heads * hd]
+  const float* ml;  // [split][heads][m, l]
+  int total;
+  __device__ float m_of(int s, int h, int heads) const { return __ldcg(ml + (s * heads + h) * 2); }
+  __device__ float l_of(int s, int h, int heads) const { return __ldcg(ml + (s * heads + h) * 2 + 1); }
+  __device__ float4 o4(int s, int u) const {
+    return __ldcg(reinterpret_cast<const float4*>(o + static_cast<std::int64_t>(s) * total) + u);
+  }
+  __device__ float o1(int s, int i) const { return __ldcg(o + static_cast<std::int64_t>(s) * total + i); }
+};
+struct ClusterPartials {
+  const Shared* sh;    // this CTA's; rank s's through the cluster's shared window
+  const float* part_o;
+  template <class T>
+  __device__ static const T* at(const T* p, int s) {
+    return cooperative_groups::this_cluster().map_shared_rank(p, static_cast<unsigned>(s));
+  }
+  __device__ float m_of(int s, int h, int) const { return at(sh, s)->part_ml[2 * h]; }
+  __device__ float l_of(int s, int h, int) const { return at(sh, s)->part_ml[2 * h + 1]; }
+  __device__ float4 o4(int s, int u) const { return reinterpret_cast<const float4*>(at(part_o, s))[u]; }
+  __device__ float o1(int s, int i) const { return at(part_o, s)[i]; }
+};
+
+// Combines the n split partials of an item and writes output elements
+// [begin, end) (of heads_valid * hd). Each thread loads every split's m of
+// its element's head and the partials and l of kChunk splits at once (all
+// of them on the tensor-core kernel), then computes the maximum, each split's weight exp2(m_s - max), the
+// weight sum and the weighted sum of partials, each in split order: the
+// same arithmetic for every element of a head, wherever the partials lie.
+// With `out_ml`, the result is itself a partial: unnormalised sums to
+// `out`, each head's maximum and weight sum to out_ml.
+template <int kChunk, class Partials>
+__device__ __forceinline__ void combine_element(const Partials& src, int n, int heads, int h,
+                                                int u, float4& acc, float& max, float& sum) {
+  float4 v[kChunk];
+  float m[kAttendSingleLevel], l[kChunk];
+#pragma unroll
+  for (int s = 0; s < kAttendSingleLevel; ++s)
+    if (s < n) m[s] = src.m_of(s, h, heads);
+#pragma unroll
+  for (int s = 0; s < kChunk; ++s) {
+    if (s < n) {
+      v[s] = src.o4(s, u);
+      l[s] = src.l_of(s, h, heads);
+    }
+  }
+  max = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kAttendSingleLevel; ++s)
+    if (s < n) max = fmaxf(max, m[s]);
+  sum = 0.0f;
+  acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int s0 = 0; s0 < kAttendSingleLevel; s0 += kChunk) {
+    if (s0 > 0) {
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        if (s0 + c < n) {
+          v[c] = src.o4(s0 + c, u);
+          l[c] = src.l_of(s0 + c, h, heads);
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      if (s0 + c < n) {
+        const float wt = weight_of(m[s0 + c], max);
+        sum = __fmaf_rn(l[c], wt, sum);
+        acc.x = __fmaf_rn(v[c].x, wt, acc.x);
+        acc.y = __fmaf_rn(v[c].y, wt, acc.y);
+        acc.z = __fmaf_rn(v[c].z, wt, acc.z);
+        acc.w = __fmaf_rn(v[c].w, wt, acc.w);
+      }
+    }
+  }
+}
+
+// Vector partials as float4 (kVec: always, as for head_dim 128); scalar
+// ones (head_dim not a multiple of 4) through the same arithmetic one
+// element at a time.
+template <class Partials>
+struct ScalarView {
+  const Partials& p;
+  __device__ float4 o4(int s, int i) const { return make_float4(p.o1(s, i), 0.0f, 0.0f, 0.0f); }
+  __device__ float m_of(int s, int h, int heads) const { return p.m_of(s, h, heads); }
+  __device__ float l_of(int s, int h, int heads) const { return p.l_of(s, h, heads); }
+};
+
+// At most kAttendSingleLevel partials meet in one combine.
+static_assert(kAttendGroup <= kAttendSingleLevel &&
+              (kAttendMaxSplits + kAttendGroup - 1) / kAttendGroup <= kAttendSingleLevel);
+template <bool kVec, class Partials>
+__device__ void combine_splits(const Partials& src, float* out, int n, int heads, int hd,
+                               int begin, int end, float* out_ml = nullptr) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const bool vec = kVec || (hd & 3) == 0;
+  const int stride = vec ? 4 : 1;
+  for (int e = begin + tid * stride; e < end; e += threads * stride) {
+    const int h = e / hd;
+    float4 acc;
+    float max, sum;
+    if (vec) {
+      combine_element<kVec ? kAttendSingleLevel : 4>(src, n, heads, h, e / 4, acc, max, sum);
+      reinterpret_cast<float4*>(out)[e / 4] =
+          out_ml != nullptr ? acc
+                            : make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+    } else if constexpr (!kVec) {
+      const ScalarView<Partials> view{src};
+      combine_element<4>(view, n, heads, h, e, acc, max, sum);
+      out[e] = out_ml != nullptr ? acc.x : acc.x / sum;
+    }
+    if (out_ml != nullptr && e % hd == 0) {
+      out_ml[2 * h] = max;
+      out_ml[2 * h + 1] = sum;
+    }
+  }
+}
+
+// The cluster's barrier: arrivals release this CTA's shared-memory writes,
+// the wait acquires the others'.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// A CTA of a cluster launch whose split does not exist for its query still
+// takes part in the cluster's two barriers.
+__device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
+  if (P.cluster) {
+    cluster_sync();
+    cluster_sync();
+  }
+}
+
+// Counts this CTA in at `counter` after its writes so far (by any of its
+// threads) are published; true for the last of `expected` arrivals, which
+// then sees every arrival's writes and resets the counter for the next
+// launch.
+__device__ __forceinline__ bool arrive_last(unsigned& counter, int expected, Shared& sh) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned arrived = atomicAdd(&counter, 1u);
+    const bool last = arrived == static_cast<unsigned>(expected - 1);
+    if (last) {
+      counter = 0;
+      __threadfence();
+    }
+    sh.last = last;
+  }
+  __syncthreads();
+  return sh.last;
 }
 
 // Combines the CTA's warp partials (in sh, after a barrier) for `heads`
 // query heads head0.. of `heads_valid` real ones, and either writes the
-// output (one split) or the split's partial; the last split of the item to
-// arrive combines all partials in split order and writes the output.
-__device__ void finish(const AttendParams& P, Shared& sh, WarpOutputs wo, const QueryRange& r,
-                       int heads, int heads_valid, int head0) {
+// output (one split) or the split's partial, which is combined with the
+// others in split order: through the cluster's shared memory when the
+// item's splits form one cluster (each CTA then writes a share of the
+// output), else through the global workspace by the last split to arrive.
+template <bool kVec>
+__device__ void finish(const AttendParams& P, Shared& sh, float* part_o, WarpOutputs wo,
+                       const QueryRange& r, int heads, int heads_valid, int head0) {
   const int hd = P.head_dim;
   const int tid = static_cast<int>(threadIdx.x);
   if (tid < heads) {
@@ -138,7 +307,7 @@ __device__ void finish(const AttendParams& P, Shared& sh, WarpOutputs wo, const 
     for (int w = 0; w < kAttendWarps; ++w) {
       const float wt = weight_of(sh.m[w][tid], max);
       sh.weight[w][tid] = wt;
-      sum += sh.l[w][tid] * wt;
+      sum = __fmaf_rn(sh.l[w][tid], wt, sum);
     }
     sh.head_m[tid] = max;
     sh.head_l[tid] = sum;
@@ -146,7 +315,7 @@ __device__ void finish(const AttendParams& P, Shared& sh, WarpOutputs wo, const 
   __syncthreads();
   const int total = heads * hd;
   float* out = P.out + (static_cast<std::int64_t>(r.qi) * P.n_heads + head0) * hd;
-  if (r.n_splits == 1) {
+  if (r.n_splits == 1 && !P.cluster) {
     for (int i = tid; i < heads_valid * hd; i += blockDim.x) {
       const int h = i / hd;
       out[i] = cta_value(sh, wo, i, h) / sh.head_l[h];
@@ -154,86 +323,57 @@ __device__ void finish(const AttendParams& P, Shared& sh, WarpOutputs wo, const 
     return;
   }
 
-  const std::int64_t slot0 =
-      (static_cast<std::int64_t>(r.qi) * gridDim.y + blockIdx.y) * P.max_splits;
-  float* ws_o = P.ws_o + slot0 * total;          // [max_splits][heads * hd]
-  float* ws_ml = P.ws_ml + slot0 * heads * 2;    // [max_splits][heads][m, l]
+  if (P.cluster) {
+    for (int i = tid; i < total; i += blockDim.x) part_o[i] = cta_value(sh, wo, i, i / hd);
+    if (tid < heads) {
+      sh.part_ml[2 * tid] = sh.head_m[tid];
+      sh.part_ml[2 * tid + 1] = sh.head_l[tid];
+    }
+    cluster_sync();
+    // Rank s writes the s-th share of the output, in whole float4 units.
+    const int units = (heads_valid * hd + 3) / 4;
+    const int share = (units + r.n_splits - 1) / r.n_splits;
+    const int begin = min(r.split * share, units) * 4;
+    const int end = min((r.split + 1) * share * 4, heads_valid * hd);
+    combine_splits<kVec>(ClusterPartials{&sh, part_o}, out, r.n_splits, heads, hd, begin, end);
+    cluster_sync();  // no CTA leaves while another reads its partial
+    return;
+  }
+
+  // Global workspace: this split's partial, then arrivals counted.
+  const int slots = attend_slots(P.max_splits);
+  const std::int64_t item = static_cast<std::int64_t>(r.qi) * gridDim.y + blockIdx.y;
+  float* ws_o = P.ws_o + item * slots * total;    // [slot][heads * hd]
+  float* ws_ml = P.ws_ml + item * slots * heads * 2;  // [slot][heads][m, l]
+  unsigned* counters = P.counters + item * attend_counters(P.max_splits);
   for (int i = tid; i < total; i += blockDim.x)
     ws_o[static_cast<std::int64_t>(r.split) * total + i] = cta_value(sh, wo, i, i / hd);
   if (tid < heads) {
     ws_ml[(r.split * heads + tid) * 2] = sh.head_m[tid];
     ws_ml[(r.split * heads + tid) * 2 + 1] = sh.head_l[tid];
   }
-  // Publish the partial before counting this split in.
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    unsigned* counter = P.counters + static_cast<std::int64_t>(r.qi) * gridDim.y + blockIdx.y;
-    const unsigned arrived = atomicAdd(counter, 1u);
-    sh.last = arrived == static_cast<unsigned>(r.n_splits - 1);
-    // Every other split has counted itself in: reset for the next launch.
-    if (sh.last) *counter = 0;
-  }
-  __syncthreads();
-  if (!sh.last) return;
-  __threadfence();
-
-  // Every split's (m, l) at once, then one warp per head: the maximum, each
-  // split's weight (in place of its maximum) and the weighted sum, reduced
-  // in a fixed lane order.
   const int n = r.n_splits;
-  for (int i = tid; i < n * heads; i += blockDim.x) {
-    sh.split_m[i] = __ldcg(ws_ml + 2 * i);
-    sh.split_l[i] = __ldcg(ws_ml + 2 * i + 1);
+  const int groups = attend_groups(n);
+  if (groups == 0) {
+    if (!arrive_last(counters[0], n, sh)) return;
+    combine_splits<kVec>(GlobalPartials{ws_o, ws_ml, total}, out, n, heads, hd, 0, heads_valid * hd);
+    return;
   }
-  __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31;
-  if (warp < heads) {
-    float max = -INFINITY;
-    for (int s = lane; s < n; s += 32) max = fmaxf(max, sh.split_m[s * heads + warp]);
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1) max = fmaxf(max, __shfl_xor_sync(kFullMask, max, off));
-    float sum = 0.0f;
-    for (int s = lane; s < n; s += 32) {
-      const float wt = weight_of(sh.split_m[s * heads + warp], max);
-      sh.split_m[s * heads + warp] = wt;
-      sum += sh.split_l[s * heads + warp] * wt;
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(kFullMask, sum, off);
-    if (lane == 0) sh.head_l[warp] = sum;
-  }
-  __syncthreads();
-  // Each output element sums the splits in split order; the loads of
-  // several splits are in flight at once.
-  if ((hd & 3) == 0) {
-    const int units = total / 4;
-    const float4* src = reinterpret_cast<const float4*>(ws_o);
-    for (int u = tid; u < heads_valid * hd / 4; u += blockDim.x) {
-      const int h = 4 * u / hd;
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-      for (int s = 0; s < n; ++s) {
-        const float4 x = __ldcg(src + static_cast<std::int64_t>(s) * units + u);
-        const float wt = sh.split_m[s * heads + h];
-        acc.x += x.x * wt;
-        acc.y += x.y * wt;
-        acc.z += x.z * wt;
-        acc.w += x.w * wt;
-      }
-      const float l = sh.head_l[h];
-      reinterpret_cast<float4*>(out)[u] = make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
-    }
-  } else {
-    for (int i = tid; i < heads_valid * hd; i += blockDim.x) {
-      const int h = i / hd;
-      float acc = 0.0f;
-#pragma unroll 8
-      for (int s = 0; s < n; ++s)
-        acc += __ldcg(ws_o + static_cast<std::int64_t>(s) * total + i) * sh.split_m[s * heads + h];
-      out[i] = acc / sh.head_l[h];
-    }
-  }
+  // Two levels: the last split of a group to arrive combines the group into
+  // the group's slot; the last group to arrive combines the groups.
+  const int group = r.split / kAttendGroup;
+  const int first = group * kAttendGroup;
+  const int members = min(kAttendGroup, n - first);
+  if (!arrive_last(counters[1 + group], members, sh)) return;
+  const int slot = P.max_splits + group;
+  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(first) * total,
+                                ws_ml + first * heads * 2, total},
+                 ws_o + static_cast<std::int64_t>(slot) * total, members, heads, hd, 0, total,
+                 ws_ml + slot * heads * 2);
+  if (!arrive_last(counters[0], groups, sh)) return;
+  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(P.max_splits) * total,
+                                ws_ml + P.max_splits * heads * 2, total},
+                 out, groups, heads, hd, 0, heads_valid * hd);
 }
 
 // ---- head_dim 128 on tensor cores ------------------------------------------
@@ -249,15 +389,12 @@ __device__ void finish(const AttendParams& P, Shared& sh, WarpOutputs wo, const 
 //  - QK^T: A = query halves; in k-step s = 2i + e the k index <-> dims
 //    32i + 8t + 4e + {0..3} (a permutation of the dims that both operands
 //    share), so the lane holds dims {32i + 8t + [0, 8)} of its query and of
-//    key rows g and 8 + g: four 16-byte pieces a row, which the 4 lanes of a
-//    row fetch as 64 contiguous bytes. No shuffles. Scores land as
+//    key rows g and 8 + g: four 16-byte pieces a row. Scores land as
 //    S[query g][keys 2t, 2t+1] (and 8 + ...).
 //  - PV: A = the probabilities exactly where the scores landed; B = V with
-//    n index <-> dim 64h + 8g + e in dim-tile j = 8h + e, so the lane holds
-//    dims {64h + 8g + [0, 8)} of rows 2t, 2t+1, 2t+8, 2t+9 (the 8 lanes of
-//    a row fetch 128 contiguous bytes per h) and pairs rows with one byte
-//    permute per register. Output lands as O[query g][dims 64h + 8(2t) + e
-//    and 64h + 8(2t+1) + e].
+//    n index <-> dim 8j + n in dim-tile j, which ldmatrix.trans gathers from
+//    the rows of the tile (keys 2t, 2t+1, 2t+8, 2t+9 of dim 8j + g). Output
+//    lands as O[query g][dims 8j + 2t, 8j + 2t + 1].
 // A query's arithmetic is the same instruction sequence whatever else the
 // warp holds: the other rows of an MMA never enter its dot products.
 
@@ -269,11 +406,26 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// cp.async: 16 bytes global -> shared without registers; a source size of 0
-// writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+// Four transposed 8x8 f16 matrices; lane 8m + r gives the address of row r
+// of matrix m and receives word m.
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&d)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint4 lds128(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+
+// cp.async: 16 bytes global -> shared (a shared-space address) without
+// registers; a source size of 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0)
                : "memory");
 }
@@ -313,40 +465,95 @@ __device__ __forceinline__ std::uint32_t word(const uint4 (&v)[N], int w) {
 // Each warp streams its tiles through kStages shared-memory stages with
 // cp.async, kStages - 1 tiles ahead of the one it computes: 16 KB in flight
 // per warp on top of the registers, which the 8 warps an SM holds (about
-// 170 registers a lane) could not keep in flight alone. A lane copies exactly
-// the 16-byte pieces it later reads (16 per tile: 8 of K, 8 of V), so
-// cp.async.wait_group alone orders them; slot (stage, piece, lane) keeps the
-// lanes of a warp on consecutive 16-byte words.
+// 190 registers a lane) could not keep in flight alone.
+//
+// A stage holds the tile's 16 head rows of K, then of V, 256 bytes (16
+// pieces of 16 bytes) a row. Lane l copies piece l % 16 of rows 2k + l / 16
+// (k < 8) of both, so each copy instruction of the warp moves two whole
+// rows: whole sectors, one 128-byte line of shared memory per 8 lanes, and
+// one pointer with constant steps when the tile's rows lie evenly spaced.
+// Piece c of row r lands at c ^ swizzle(r), which stays within the piece's
+// 128-byte half of the row and puts the reads of every quarter warp on 8
+// distinct bank groups: K is read as pieces 4i + t of rows g and 8 + g
+// (swizzle 4(r & 1)), V by ldmatrix as one piece of 8 consecutive rows
+// (swizzle r & 7).
 constexpr int kStages = 3;
-constexpr int kPieces = 16;
-constexpr int kWarpArea = kStages * kPieces * 32;  // uint4 per warp
+constexpr int kRowBytes = kTensorHeadDim * 2;
+constexpr int kTileBytes = kAttendTile * kRowBytes;
+constexpr int kStageBytes = 2 * kTileBytes;       // K, then V
+constexpr int kWarpArea = kStages * kStageBytes;  // bytes per warp
+static_assert(kAttendTile == 16 && kRowBytes == 256, "the swizzles assume 16 rows of 16 pieces");
+
+__device__ __forceinline__ int k_swizzle(int row) { return (row & 1) << 2; }
+__device__ __forceinline__ int v_swizzle(int row) { return row & 7; }
 
 struct TensorSmem {
   Shared sh;
-  uint4 area[kAttendWarps][kWarpArea];  // per warp; its output partial after the loop
+  // Per warp; its output partial [head * 128 + dim] after the loop, and the
+  // split combine's scratch behind the partials of warps 0 and 1.
+  alignas(128) unsigned char area[kAttendWarps][kWarpArea];
 };
-static_assert(kTensorHeads * kTensorHeadDim * sizeof(float) <= kWarpArea * sizeof(uint4));
+constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
+static_assert(kPartialBytes + kPartFloats * 4 <= kWarpArea);
 
-// Enqueues the tile at `base` (rows < b) into stage `stage` of a lane's slots.
+// Where a lane's copies of a tile go (shared addresses in stage 0; piece k
+// of K at k_dst + k * 2 rows, of V at v_dst[k % 4] + (k / 4) * 8 rows) and
+// which piece of which row it copies.
+struct TileCopy {
+  unsigned k_dst;
+  unsigned v_dst[4];
+  int half, c;
+};
+
+// Enqueues the tile at `base` (rows < b; rows past b are written as zeros)
+// into stage `stage` of the warp's area.
 __device__ __forceinline__ void issue_tile(const AttendParams& P, const HeadRows& rows,
-                                           std::int64_t base, std::int64_t b, uint4* area,
-                                           int stage, int lane, int g, int t) {
-  uint4* slots = area + stage * kPieces * 32 + lane;
+                                           std::int64_t base, std::int64_t b, const TileCopy& tc,
+                                           int stage) {
+  const unsigned stage_off = static_cast<unsigned>(stage * kStageBytes);
+  // Evenly spaced rows: a whole tile inside the chunk, or inside the plane
+  // without crossing the ring's end.
+  const std::uint16_t* k0 = nullptr;
+  const std::uint16_t* v0 = nullptr;
+  std::int64_t stride = 0;
+  if (base + kAttendTile <= b) {
+    if (base >= P.chunk_start) {
+      const std::int64_t off = (base - P.chunk_start) * P.kv_dim + rows.chunk_offset;
+      k0 = P.chunk_k + off;
+      v0 = P.chunk_v + off;
+      stride = P.kv_dim;
+    } else if (base + kAttendTile <= P.chunk_start) {
+      std::int64_t physical = P.origin_physical + (base - P.origin_logical);
+      if (physical >= P.capacity) physical -= P.capacity;
+      if (physical + kAttendTile <= P.capacity) {
+        const std::int64_t off = physical * rows.row_stride + rows.head_offset;
+        k0 = P.plane_k + off;
+        v0 = P.plane_v + off;
+        stride = rows.row_stride;
+      }
+    }
+  }
+  if (k0 != nullptr) {
+    const std::int64_t off = tc.half * stride + 8 * tc.c;
+    k0 += off;
+    v0 += off;
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {  // K rows g and 8 + g, dims 32i + 8t + [0, 8)
-    const std::int64_t L = base + nt * 8 + g;
-    const bool ok = L < b;
-    const std::uint16_t* src = ok ? row_at(P, rows, L).k + 8 * t : P.plane_k;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async16(slots + (nt * 4 + i) * 32, src + (ok ? 32 * i : 0), ok);
+    for (int k = 0; k < 8; ++k) {
+      cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, k0, true);
+      cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, v0, true);
+      k0 += 2 * stride;
+      v0 += 2 * stride;
+    }
+    return;
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {  // V rows 2t, 2t+1, 2t+8, 2t+9, dims 64h + 8g + [0, 8)
-    const std::int64_t L = base + 2 * t + (j & 1) + (j >> 1) * 8;
+  for (int k = 0; k < 8; ++k) {
+    const std::int64_t L = base + 2 * k + tc.half;
     const bool ok = L < b;
-    const std::uint16_t* src = ok ? row_at(P, rows, L).v + 8 * g : P.plane_k;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) cp_async16(slots + (8 + 2 * j + h) * 32, src + (ok ? 64 * h : 0), ok);
+    const RowPtr row = ok ? row_at(P, rows, L) : RowPtr{P.plane_k, P.plane_k};
+    cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, row.k + (ok ? 8 * tc.c : 0), ok);
+    cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, row.v + (ok ? 8 * tc.c : 0),
+               ok);
   }
 }
 
@@ -356,7 +563,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   Shared& sh = S.sh;
   QueryRange r;
-  if (!query_range(P, r)) return;
+  if (!query_range(P, r)) return idle_in_cluster(P);
   const int group = P.n_heads / P.n_kv_heads;
   const int sets = (group + kTensorHeads - 1) / kTensorHeads;
   const int kv_head = static_cast<int>(blockIdx.y) / sets;
@@ -371,12 +578,30 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   std::int64_t a, b;
   warp_rows(r, warp, a, b);
   const HeadRows rows(P, kv_head);
-  uint4* area = S.area[warp];
+  const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
+  TileCopy tc;
+  tc.half = lane >> 4;
+  tc.c = lane & 15;
+  tc.k_dst = area + tc.half * kRowBytes + (tc.c ^ k_swizzle(tc.half)) * 16;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int row = 2 * k + tc.half;
+    tc.v_dst[k] = area + kTileBytes + row * kRowBytes + (tc.c ^ v_swizzle(row)) * 16;
+  }
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (a + st * kAttendTile < b) issue_tile(P, rows, a + st * kAttendTile, b, area, st, lane, g, t);
+    if (a + st * kAttendTile < b) issue_tile(P, rows, a + st * kAttendTile, b, tc, st);
     cp_async_commit();
   }
+  // The lane's fragment addresses in stage 0: K piece 4i + t of row g (row
+  // 8 + g lies 8 rows on); for the ldmatrix of dim tiles 2jj and 2jj + 1,
+  // lane 8m + rr gives row 8(m & 1) + rr, piece 2jj + (m >> 1).
+  unsigned k_frag[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) k_frag[i] = area + g * kRowBytes + ((4 * i + t) ^ k_swizzle(g)) * 16;
+  const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7);
+  const unsigned v_frag = area + kTileBytes + v_row * kRowBytes;
+  const int v_piece = lane >> 4;
 
   // Query g's dims 32i + 8t + [0, 8) as qv[8i + ...], scaled by a power of two (exact) so its
   // largest element lies in [2^14, 2^15): the lo halves then stay normal
@@ -435,17 +660,16 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
       // Refill the stage the previous tile was read from.
       const std::int64_t ahead = base + (kStages - 1) * kAttendTile;
       const int st = stage == 0 ? kStages - 1 : stage - 1;
-      if (ahead < b) issue_tile(P, rows, ahead, b, area, st, lane, g, t);
+      if (ahead < b) issue_tile(P, rows, ahead, b, tc, st);
       cp_async_commit();
     }
     cp_async_wait<kStages - 1>();  // this tile's group is complete
-    const uint4* slots = area + stage * kPieces * 32 + lane;
-    uint4 kr[2][4];
-    uint4 vr[4][2];
+    const unsigned stage_off = static_cast<unsigned>(stage * kStageBytes);
+    uint4 kr[2][4];  // [nt][i]: row 8nt + g, piece 4i + t
 #pragma unroll
-    for (int i = 0; i < 8; ++i) kr[i >> 2][i & 3] = slots[i * 32];
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) vr[i >> 1][i & 1] = slots[(8 + i) * 32];
+      for (int i = 0; i < 4; ++i) kr[nt][i] = lds128(k_frag[i] + stage_off + nt * 8 * kRowBytes);
     stage = stage + 1 == kStages ? 0 : stage + 1;
 
     // Rows past the range were copied as zeros: their probability is 0,
@@ -459,27 +683,36 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
       x[2 * nt] = (c[0] + c[2]) * down * P.scale_log2;      // key base + 8nt + 2t
       x[2 * nt + 1] = (c[1] + c[3]) * down * P.scale_log2;  // key base + 8nt + 2t + 1
     }
+    if (base + kAttendTile > b) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (base + (i >> 1) * 8 + 2 * t + (i & 1) >= b) x[i] = -INFINITY;
+      for (int i = 0; i < 4; ++i)
+        if (base + (i >> 1) * 8 + 2 * t + (i & 1) >= b) x[i] = -INFINITY;
+    }
 
     float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
     const float m_new = fmaxf(m, tile_max);
-    const float alpha = weight_of(m, m_new);
     float pr[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) pr[i] = weight_of(x[i], m_new);
-    l = l * alpha + ((pr[0] + pr[1]) + (pr[2] + pr[3]));
-    m = m_new;
+    // A rescale by alpha = 1 (no query's maximum moved) changes no bit, so
+    // the warp skips it.
+    const float tile_l = (pr[0] + pr[1]) + (pr[2] + pr[3]);
+    if (__any_sync(kFullMask, m_new != m)) {
+      const float alpha = weight_of(m, m_new);
+      l = __fmaf_rn(l, alpha, tile_l);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      o[j][0] *= alpha;
-      o[j][1] *= alpha;
-      o[j][2] *= alpha;
-      o[j][3] *= alpha;
+      for (int j = 0; j < 16; ++j) {
+        o[j][0] *= alpha;
+        o[j][1] *= alpha;
+        o[j][2] *= alpha;
+        o[j][3] *= alpha;
+      }
+    } else {
+      l += tile_l;  // == fma(l, 1, tile_l)
     }
+    m = m_new;
     std::uint32_t pa[4];
     {
       const Halves p0 = split_f16(pr[0]), p1 = split_f16(pr[1]);
@@ -490,12 +723,12 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
       pa[3] = pack(p2.lo, p3.lo);  // row g + 8, keys 2t+8, 2t+9
     }
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      // Dim 64(j/8) + 8g + j%8 of rows (2t, 2t+1) and (2t+8, 2t+9), paired.
-      const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
-      const std::uint32_t b0 = __byte_perm(word(vr[0], j >> 1), word(vr[1], j >> 1), sel);
-      const std::uint32_t b1 = __byte_perm(word(vr[2], j >> 1), word(vr[3], j >> 1), sel);
-      mma16816(o[j], pa, b0, b1);
+    for (int jj = 0; jj < 8; ++jj) {
+      // Dim tiles 2jj and 2jj + 1: keys 2t, 2t+1 then 2t+8, 2t+9 of dim 8j + g.
+      std::uint32_t vb[4];
+      ldmatrix_x4_trans(vb, v_frag + stage_off + ((2 * jj + v_piece) ^ v_swizzle(v_row)) * 16);
+      mma16816(o[2 * jj], pa, vb[0], vb[1]);
+      mma16816(o[2 * jj + 1], pa, vb[2], vb[3]);
     }
   }
   cp_async_wait<0>();  // nothing may still land in the area the partial reuses
@@ -508,15 +741,12 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
     sh.m[warp][g] = m;
     sh.l[warp][g] = l;
   }
-  float* so = reinterpret_cast<float*>(area) + g * HD;
+  float* so = reinterpret_cast<float*>(S.area[warp]) + g * HD + 2 * t;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int d = 64 * (j >> 3) + (j & 7);
-    so[d + 8 * (2 * t)] = o[j][0] + o[j][2];
-    so[d + 8 * (2 * t + 1)] = o[j][1] + o[j][3];
-  }
+  for (int j = 0; j < 16; ++j)
+    *reinterpret_cast<float2*>(so + 8 * j) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
   __syncthreads();
-  finish(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea * 4}, r,
+  finish<true>(P, sh, reinterpret_cast<float*>(S.area[0] + kPartialBytes), WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4}, r,
          kTensorHeads, heads_valid, head0);
 }
 
@@ -534,11 +764,12 @@ __device__ __forceinline__ float f16_value(std::uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
 }
 
-__global__ void __launch_bounds__(kAttendThreads) attend_general_kernel(const AttendParams P) {
+__global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const AttendParams P) {
   __shared__ Shared sh;
   __shared__ float warp_o[kAttendWarps][kGeneralMaxHeadDim];
+  __shared__ alignas(16) float part_o[kPartFloats];
   QueryRange r;
-  if (!query_range(P, r)) return;
+  if (!query_range(P, r)) return idle_in_cluster(P);
   const int hd = P.head_dim;
   const int head = static_cast<int>(blockIdx.y);
   const int kv_head = head / (P.n_heads / P.n_kv_heads);
@@ -609,7 +840,8 @@ __global__ void __launch_bounds__(kAttendThreads) attend_general_kernel(const At
     if (d < hd) warp_o[warp][d] = o[i];
   }
   __syncthreads();
-  finish(P, sh, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, 1, 1, head);
+  finish<false>(P, sh, part_o, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, 1,
+         1, head);
 }
 
 }  // namespace
@@ -624,8 +856,96 @@ AttendGrid attend_grid(int n_heads, int n_kv_heads, int head_dim) {
 
 std::int64_t attend_workspace_floats(int n_heads, int n_kv_heads, int head_dim, int max_splits) {
   const AttendGrid g = attend_grid(n_heads, n_kv_heads, head_dim);
-  return static_cast<std::int64_t>(g.items) * max_splits * g.heads_per_item * (head_dim + 2);
+  return static_cast<std::int64_t>(g.items) * attend_slots(max_splits) * g.heads_per_item *
+         (head_dim + 2);
 }
+
+namespace {
+
+// The largest cluster of CTAs of `kernel` this device runs at once (1: no
+// clusters). Queried once per kernel; a failed query clears its error.
+template <class Kernel>
+int max_cluster(Kernel kernel, std::size_t smem) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  for (int size : {16, 8, 4, 2}) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(size), 1, 1);
+    cfg.blockDim = dim3(kAttendThreads, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(size);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+    if (e == cudaSuccess && clusters >= 1) return size;
+    (void)cudaGetLastError();
+  }
+  return 1;
+}
+
+// Launches `kernel` over `grid`; the splits of each item (grid.x of them)
+// form one cluster when there are several and a cluster that large runs.
+template <class Kernel>
+cudaError_t launch(Kernel kernel, int cluster_limit, dim3 grid, std::size_t smem,
+                   AttendParams params, cudaStream_t stream) {
+  const bool cluster = grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit;
+  params.cluster = cluster ? 1 : 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kAttendThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = grid.x;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = cluster ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, params);
+}
+
+std::atomic<int> cluster_cap{0};
+
+// The tensor-core kernel needs more than the 48 KB default of shared
+// memory: opt in once per process.
+cudaError_t hd128_opt_in() {
+  static const cudaError_t opted_in = cudaFuncSetAttribute(
+      attend_hd128_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
+  return opted_in;
+}
+
+// The cluster limit of the attention kernel for `head_dim` (the tensor-core
+// kernel opted in), capped for tests.
+int cluster_limit(int head_dim) {
+  int limit = 1;
+  if (head_dim == kTensorHeadDim) {
+    static const int hd128 = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
+    limit = hd128;
+  } else {
+    static const int general = max_cluster(attend_general_kernel, 0);
+    limit = general;
+  }
+  const int cap = cluster_cap.load();
+  return cap > 0 ? std::min(cap, limit) : limit;
+}
+
+}  // namespace
+
+namespace testing {
+void set_attend_cluster_cap(int cap) { cluster_cap.store(cap); }
+int attend_cluster_limit(int head_dim) {
+  if (head_dim == kTensorHeadDim && hd128_opt_in() != cudaSuccess) return 0;
+  return cluster_limit(head_dim);
+}
+}  // namespace testing
 
 cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   if (params.n_queries <= 0) return cudaSuccess;
@@ -633,15 +953,12 @@ cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(params.max_splits), static_cast<unsigned>(g.items),
                   static_cast<unsigned>(params.n_queries));
   if (params.head_dim == kTensorHeadDim) {
-    // Beyond the 48 KB default: opt in once per process.
-    static const cudaError_t opted_in = cudaFuncSetAttribute(
-        attend_hd128_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
+    const cudaError_t opted_in = hd128_opt_in();
     if (opted_in != cudaSuccess) return opted_in;
-    attend_hd128_kernel<<<grid, kAttendThreads, sizeof(TensorSmem), stream>>>(params);
-  } else {
-    attend_general_kernel<<<grid, kAttendThreads, 0, stream>>>(params);
+    return launch(attend_hd128_kernel, cluster_limit(params.head_dim), grid, sizeof(TensorSmem),
+                  params, stream);
   }
-  return cudaGetLastError();
+  return launch(attend_general_kernel, cluster_limit(params.head_dim), grid, 0, params, stream);
 }
 
 }  // namespace kvring::cuda

@@ -324,7 +324,9 @@ Result<std::unique_ptr<CudaCache>> CudaCache::create(const ModelConfig& config,
     KVRING_RETURN_IF_ERROR(im.workspace.reserve(static_cast<std::size_t>(ws) * sizeof(float),
                                                 "attention workspace", im.stream));
     KVRING_RETURN_IF_ERROR(im.counters.reserve(
-        static_cast<std::size_t>(cuda::attend_grid(n_heads, n_kv, hd).items) * sizeof(unsigned),
+        static_cast<std::size_t>(cuda::attend_grid(n_heads, n_kv, hd).items *
+                                 cuda::attend_counters(cuda::kAttendMaxSplits)) *
+            sizeof(unsigned),
         "attention counters", im.stream, true));
   }
   KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(im.stream));
@@ -643,11 +645,11 @@ Status CudaCache::attend_on_device(const AttendArgs& a, cudaStream_t stream) {
       KVRING_RETURN_IF_ERROR(im.workspace.reserve(static_cast<std::size_t>(floats) * sizeof(float),
                                                   "attention workspace", im.stream));
       KVRING_RETURN_IF_ERROR(im.counters.reserve(
-          static_cast<std::size_t>(nq * items) * sizeof(unsigned), "attention counters", im.stream,
-          true));
+          static_cast<std::size_t>(nq * items * cuda::attend_counters(max_splits)) * sizeof(unsigned),
+          "attention counters", im.stream, true));
       const cuda::AttendGrid g = cuda::attend_grid(n_heads, n_kv, hd);
       P.ws_o = im.workspace.as<float>();
-      P.ws_ml = P.ws_o + nq * g.items * max_splits * g.heads_per_item * hd;
+      P.ws_ml = P.ws_o + nq * g.items * cuda::attend_slots(max_splits) * g.heads_per_item * hd;
       P.counters = im.counters.as<unsigned>();
     }
     P.max_splits = max_splits;

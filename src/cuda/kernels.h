@@ -72,16 +72,18 @@ cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity,
 // A query at logical position p sees rows [lo, p] (n = p - lo + 1 rows).
 // The rows are cut into splits of attend_split_rows(n) rows starting at lo,
 // each split into kAttendWarps warp ranges, each warp range into tiles of
-// kAttendTile rows; every boundary is lo plus a function of n. A split's
-// partial result is combined with the others in split order by the last
-// CTA of the query to finish. So the arithmetic for a query depends only on
-// n and the values of its rows in logical order: not on the ring's
-// rotation, the chunk the query came in, or the order CTAs ran in.
+// kAttendTile rows; every boundary is lo plus a function of n. The splits'
+// partial results are combined in a fixed tree of n alone (in split order
+// up to kAttendSingleLevel splits, else in groups, below). So the
+// arithmetic for a query depends only on n and the values of its rows in
+// logical order: not on the ring's rotation, the chunk the query came in,
+// the order CTAs ran in, or whether the splits met in a cluster's shared
+// memory or in the global workspace.
 // At most 64 splits of a KV head: at 131072 rows the 2 x 64 CTAs of 8 warps
-// (one per SM) fill one wave of an H200's 132 SMs, and the final combine
-// reads 64 partials, not hundreds. At least 128 rows a split (one tile a
-// warp): a 2048-row window spreads over 32 CTAs, since at that size every
-// warp's chain of dependent steps, not bandwidth, sets the time.
+// (one per SM) fill one wave of an H200's 132 SMs. At least 128 rows a
+// split (one tile a warp): a 2048-row window spreads over 32 CTAs, since at
+// that size every warp's chain of dependent steps, not bandwidth, sets the
+// time.
 inline constexpr int kAttendWarps = 8;
 inline constexpr int kAttendThreads = 32 * kAttendWarps;
 inline constexpr int kAttendTile = 16;
@@ -97,6 +99,22 @@ KVRING_HD constexpr std::int64_t attend_split_rows(std::int64_t n) {
 KVRING_HD constexpr std::int64_t attend_splits(std::int64_t n) {
   return (n + attend_split_rows(n) - 1) / attend_split_rows(n);
 }
+
+// A query with more than kAttendSingleLevel splits combines them in two
+// levels: each group of kAttendGroup consecutive splits, then the groups in
+// group order (so one CTA never reads more than a few partials). The tree
+// is a function of the split count alone.
+inline constexpr int kAttendSingleLevel = 16;
+inline constexpr int kAttendGroup = 8;
+KVRING_HD constexpr int attend_groups(int n_splits) {
+  return n_splits > kAttendSingleLevel ? (n_splits + kAttendGroup - 1) / kAttendGroup : 0;
+}
+// Partial slots per (query, item) of a launch: one per split, one per group.
+KVRING_HD constexpr int attend_slots(int max_splits) {
+  return max_splits + attend_groups(max_splits);
+}
+// Arrival counters per (query, item): the item's, then one per group.
+KVRING_HD constexpr int attend_counters(int max_splits) { return 1 + attend_groups(max_splits); }
 
 // head_dim 128 runs on tensor cores (a warp takes 8 query heads of one KV
 // head); every other head_dim up to 256 on a general kernel.
@@ -127,12 +145,17 @@ struct AttendParams {
   std::int32_t kv_dim = 0;
   std::int64_t window = 0;  // 0: full attention
   float scale_log2 = 0;     // log2(e) / sqrt(head_dim)
-  // Split partials and per-(query, item) arrival counters. Counters are zero
-  // between launches: the last CTA of an item resets its counter.
+  // Split and group partials ([query][item][attend_slots]) and arrival
+  // counters ([query][item][attend_counters]). Counters are zero between
+  // launches: the last CTA to arrive at one resets it.
   float* ws_o = nullptr;
   float* ws_ml = nullptr;
   unsigned* counters = nullptr;
   std::int32_t max_splits = 0;  // grid.x; the workspace's split stride
+  // Set by launch_attend: the splits of an item form one thread-block
+  // cluster (grid.x of at most kAttendSingleLevel CTAs) and combine through
+  // its shared memory; the workspace is then unused.
+  std::int32_t cluster = 0;
 };
 
 // Work items per query (grid.y) and query heads per item for a geometry.
@@ -142,7 +165,9 @@ struct AttendGrid {
 };
 AttendGrid attend_grid(int n_heads, int n_kv_heads, int head_dim);
 
-// Workspace floats for one query of a launch whose grid.x is max_splits.
+// Workspace floats for one query of a launch whose grid.x is max_splits:
+// partials [items][attend_slots][heads * head_dim], then their
+// [items][attend_slots][heads][m, l].
 std::int64_t attend_workspace_floats(int n_heads, int n_kv_heads, int head_dim, int max_splits);
 
 cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream);

@@ -20,4 +20,11 @@ struct F16Sweep {
 };
 Result<F16Sweep> sweep_f16_conversion();
 
+// Caps the thread-block clusters attention launches use to `cap` CTAs (1:
+// every split combines through the global workspace; 0: the device's own
+// limit, the default), so a test can run both combine paths.
+void set_attend_cluster_cap(int cap);
+// The largest cluster an attention launch with head_dim `head_dim` uses now.
+int attend_cluster_limit(int head_dim);
+
 }  // namespace kvring::cuda::testing
