@@ -29,13 +29,16 @@ for step in $steps; do
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
            --section WarpStateStats --section LaunchStats "$bin/kvring-bench" --quick --only decode \
            > "$out/ncu.log" 2>&1; echo "exit $?"; grep -E "Duration|Throughput|Registers|Warp Cycles|Achieved Occupancy|Stall" "$out/ncu.log" | head -30 ;;
-    sdpa) PYTHONUNBUFFERED=1 timeout 60 python3 "$here/sdpa_peer.py" --json "$out/sdpa.json" 2>&1 | tee "$out/sdpa.log" ;;
+    sdpa) PYTHONUNBUFFERED=1 timeout 120 python3 "$here/sdpa_peer.py" --json "$out/sdpa.json" 2>&1 | tee "$out/sdpa.log" ;;
     memcheck|initcheck|racecheck)
       # racecheck tracks shared memory, which only the attention kernels use;
       # the device-API test repeats their launches and would outlast the limit.
       filter=$san_filter
       [ "$step" = racecheck ] && filter='--gtest_filter=CudaAttention.*:-CudaAttention.DeviceApiMatchesTheHostApi'
-      KVRING_TEST_QUICK=1 timeout 150 compute-sanitizer --tool "$step" --error-exitcode 9 \
+      # racecheck needs about 5 minutes for the attention tests.
+      limit=150
+      [ "$step" = racecheck ] && limit=450
+      KVRING_TEST_QUICK=1 timeout $limit compute-sanitizer --tool "$step" --error-exitcode 9 \
         "$bin/kvring_cuda_tests" "$filter" > "$out/$step.log" 2>&1
       echo "exit $?"; grep -E "ERROR SUMMARY|^\[  (FAILED|PASSED) " "$out/$step.log" | tail -4 ;;
   esac
