@@ -278,7 +278,8 @@ TEST(CudaAttention, RotationAndRestoreDoNotChangeTheBits) {
 // A query whose splits fit one thread-block cluster combines them through
 // the cluster's shared memory; with clusters capped off, through the global
 // workspace. Both give the same bits for both kernels, from one split to
-// more than a cluster holds, on sliding and full layers.
+// more than a cluster holds, on sliding and full layers, for decode and for
+// prefill chunks that mix split counts.
 TEST(CudaAttention, ClusterAndWorkspaceCombinesGiveTheSameBits) {
   KVRING_SKIP_WITHOUT_GPU();
   for (const ModelConfig& cfg : {attention_configs()[0], attention_configs()[3]}) {
@@ -311,6 +312,31 @@ TEST(CudaAttention, ClusterAndWorkspaceCombinesGiveTheSameBits) {
       }
     }
     EXPECT_EQ(compared, 11 * cfg.n_layers);
+
+    // Prefill chunks whose queries have different split counts (CTAs of a
+    // cluster without a split of their query), with and without clusters.
+    for (std::int64_t start : {std::int64_t{250}, std::int64_t{2040}}) {
+      SCOPED_TRACE("prefill from " + std::to_string(start));
+      const std::int64_t count = 20;
+      std::vector<std::vector<float>> outs;
+      for (int cap : {0, 1}) {
+        auto p = cuda_cache(cfg, n);
+        ASSERT_TRUE(p);
+        for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+          ASSERT_TRUE(p->store_batch(l, 0, start, s.krow(0), s.vrow(0)).ok());
+        const auto q = random_floats(static_cast<std::size_t>(count * per_query), 4 + start);
+        std::vector<float> out = nan_filled(static_cast<std::size_t>(cfg.n_layers * count * per_query));
+        cuda::testing::set_attend_cluster_cap(cap);
+        for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+          ASSERT_TRUE(p->prefill(l, start, count, s.krow(start), s.vrow(start), q.data(),
+                                 out.data() + l * count * per_query)
+                          .ok());
+        cuda::testing::set_attend_cluster_cap(0);
+        outs.push_back(std::move(out));
+      }
+      EXPECT_TRUE(same_bits(outs[0], outs[1]));
+      EXPECT_FALSE(std::isnan(outs[0][0]));
+    }
   }
 }
 

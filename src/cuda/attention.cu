@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <map>
+#include <mutex>
 
 #include "kernels.h"
 #include "testing.h"
@@ -184,8 +186,10 @@ __device__ __forceinline__ void combine_element(const Partials& src, int n, int 
 #pragma unroll
   for (int s = 0; s < kAttendSingleLevel; ++s)
     if (s < n) max = fmaxf(max, m[s]);
-  sum = 0.0f;
-  acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  // Sums start at -0, so that fma(x, 1, -0) == x for every x, -0 included:
+  // one partial combines to exactly the CTA's own result.
+  sum = -0.0f;
+  acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
 #pragma unroll
   for (int s0 = 0; s0 < kAttendSingleLevel; s0 += kChunk) {
     if (s0 > 0) {
@@ -489,8 +493,8 @@ __device__ __forceinline__ int v_swizzle(int row) { return row & 7; }
 
 struct TensorSmem {
   Shared sh;
-  // Per warp; its output partial [head * 128 + dim] after the loop, and the
-  // split combine's scratch behind the partials of warps 0 and 1.
+  // Per warp; its output partial [head * 128 + dim] after the loop, and in
+  // warp 0's, behind its partial, the CTA's partial for a cluster combine.
   alignas(128) unsigned char area[kAttendWarps][kWarpArea];
 };
 constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
@@ -656,6 +660,11 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   int stage = 0;
 #pragma unroll 1
   for (std::int64_t base = a; base < b; base += kAttendTile) {
+    // Lanes read pieces other lanes copied: every lane's reads of the
+    // previous tile come before the refill of its stage, and every lane's
+    // copies of this tile (cp.async.wait_group waits for the lane's own)
+    // before the reads.
+    __syncwarp();
     {
       // Refill the stage the previous tile was read from.
       const std::int64_t ahead = base + (kStages - 1) * kAttendTile;
@@ -664,6 +673,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
       cp_async_commit();
     }
     cp_async_wait<kStages - 1>();  // this tile's group is complete
+    __syncwarp();
     const unsigned stage_off = static_cast<unsigned>(stage * kStageBytes);
     uint4 kr[2][4];  // [nt][i]: row 8nt + g, piece 4i + t
 #pragma unroll
@@ -732,6 +742,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
     }
   }
   cp_async_wait<0>();  // nothing may still land in the area the partial reuses
+  __syncwarp();
 
   // Each lane summed its own keys; add the 4 lanes of query g in a fixed
   // butterfly (a + b == b + a, so all 4 lanes hold the same bits).
@@ -909,30 +920,46 @@ cudaError_t launch(Kernel kernel, int cluster_limit, dim3 grid, std::size_t smem
   attr.val.clusterDim.z = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = cluster ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, params);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not by a later call
+  return e;
 }
 
 std::atomic<int> cluster_cap{0};
 
-// The tensor-core kernel needs more than the 48 KB default of shared
-// memory: opt in once per process.
-cudaError_t hd128_opt_in() {
-  static const cudaError_t opted_in = cudaFuncSetAttribute(
-      attend_hd128_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
-  return opted_in;
+// What a device's launches need, set up on its first launch: the
+// tensor-core kernel's opt-in to more than the 48 KB default of shared
+// memory (a per-device attribute), and each kernel's largest cluster.
+struct DeviceSetup {
+  cudaError_t opted_in = cudaSuccess;
+  int hd128_cluster = 1;
+  int general_cluster = 1;
+};
+
+cudaError_t device_setup(DeviceSetup& out) {
+  int device = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static std::map<int, DeviceSetup> by_device;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = by_device.find(device);
+  if (it == by_device.end()) {
+    DeviceSetup s;
+    s.opted_in = cudaFuncSetAttribute(attend_hd128_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
+    if (s.opted_in != cudaSuccess) (void)cudaGetLastError();
+    s.hd128_cluster = s.opted_in == cudaSuccess ? max_cluster(attend_hd128_kernel, sizeof(TensorSmem)) : 1;
+    s.general_cluster = max_cluster(attend_general_kernel, 0);
+    it = by_device.emplace(device, s).first;
+  }
+  out = it->second;
+  return cudaSuccess;
 }
 
-// The cluster limit of the attention kernel for `head_dim` (the tensor-core
-// kernel opted in), capped for tests.
-int cluster_limit(int head_dim) {
-  int limit = 1;
-  if (head_dim == kTensorHeadDim) {
-    static const int hd128 = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
-    limit = hd128;
-  } else {
-    static const int general = max_cluster(attend_general_kernel, 0);
-    limit = general;
-  }
+// The cluster limit of the attention kernel for `head_dim`, capped for tests.
+int cluster_limit(const DeviceSetup& s, int head_dim) {
+  const int limit = head_dim == kTensorHeadDim ? s.hd128_cluster : s.general_cluster;
   const int cap = cluster_cap.load();
   return cap > 0 ? std::min(cap, limit) : limit;
 }
@@ -942,8 +969,10 @@ int cluster_limit(int head_dim) {
 namespace testing {
 void set_attend_cluster_cap(int cap) { cluster_cap.store(cap); }
 int attend_cluster_limit(int head_dim) {
-  if (head_dim == kTensorHeadDim && hd128_opt_in() != cudaSuccess) return 0;
-  return cluster_limit(head_dim);
+  DeviceSetup s;
+  if (device_setup(s) != cudaSuccess) return 0;
+  if (head_dim == kTensorHeadDim && s.opted_in != cudaSuccess) return 0;
+  return cluster_limit(s, head_dim);
 }
 }  // namespace testing
 
@@ -952,13 +981,15 @@ cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   const AttendGrid g = attend_grid(params.n_heads, params.n_kv_heads, params.head_dim);
   const dim3 grid(static_cast<unsigned>(params.max_splits), static_cast<unsigned>(g.items),
                   static_cast<unsigned>(params.n_queries));
+  DeviceSetup s;
+  const cudaError_t e = device_setup(s);
+  if (e != cudaSuccess) return e;
   if (params.head_dim == kTensorHeadDim) {
-    const cudaError_t opted_in = hd128_opt_in();
-    if (opted_in != cudaSuccess) return opted_in;
-    return launch(attend_hd128_kernel, cluster_limit(params.head_dim), grid, sizeof(TensorSmem),
+    if (s.opted_in != cudaSuccess) return s.opted_in;
+    return launch(attend_hd128_kernel, cluster_limit(s, params.head_dim), grid, sizeof(TensorSmem),
                   params, stream);
   }
-  return launch(attend_general_kernel, cluster_limit(params.head_dim), grid, 0, params, stream);
+  return launch(attend_general_kernel, cluster_limit(s, params.head_dim), grid, 0, params, stream);
 }
 
 }  // namespace kvring::cuda
