@@ -233,6 +233,7 @@ int main(int argc, char** argv) {
     read_all<<<sms * 8, 512, 0, st>>>(reinterpret_cast<const uint4*>(flush), flush_bytes / 16, sink);
     CHECK_CUDA(cudaGetLastError());
   };
+  auto write_flush = [&](cudaStream_t st) { CHECK_CUDA(cudaMemsetAsync(flush, 0, flush_bytes, st)); };
 
   // ---- Ceilings ---------------------------------------------------------------
   const std::size_t copy_bytes = std::size_t{1} << 30;
@@ -353,7 +354,7 @@ int main(int argc, char** argv) {
     fill(q, qn, 7);
     CHECK_CUDA(cudaDeviceSynchronize());
     auto flush_c = [&] { read_flush(cs); };
-    auto write_flush_c = [&] { CHECK_CUDA(cudaMemsetAsync(flush, 0, flush_bytes, cs)); };
+    auto write_flush_c = [&] { write_flush(cs); };
     for (std::int64_t n : {std::int64_t{2048}, std::int64_t{32768}, ctx}) {
       int layer = 3;
       const bool target = n == ctx;
@@ -463,7 +464,7 @@ int main(int argc, char** argv) {
     rows.back().met = rows.back().us < 10.0;
     add({"decode wrapped 2048-row ring, write-evicted L2",
          time_us(cs, 5, reps * 4, [&] { check(c->attend_decode_device(layer, n - 1, q, out), "decode"); next_sliding(); },
-                 [&] { CHECK_CUDA(cudaMemsetAsync(flush, 0, flush_bytes, cs)); }),
+                 [&] { write_flush(cs); }),
          2048.0 * 1024, "D2D copy", d2d});
     add({"decode wrapped 2048-row sliding ring (warm L2)",
          time_us(cs, 5, reps * 4, [&] { check(c->attend_decode_device(0, n - 1, q, out), "decode"); }),
