@@ -280,13 +280,32 @@ TEST(CudaAttention, RotationAndRestoreDoNotChangeTheBits) {
 // workspace. Both give the same bits for both kernels, from one split to
 // more than a cluster holds, on sliding and full layers, for decode and for
 // prefill chunks that mix split counts.
-TEST(CudaAttention, ClusterAndWorkspaceCombinesGiveTheSameBits) {
+// The split combines, forced through the test hooks: mode 0 is the default
+// choice (a resident grid where one fits, head_dim 128 only), mode 1 takes
+// a thread-block cluster where the splits fit one, else the last CTA to
+// arrive; mode 2 always the last CTA to arrive.
+void set_combine_path(int mode) {
+  cuda::testing::set_attend_cluster_cap(mode == 2 ? 1 : 0);
+  cuda::testing::set_attend_resident(mode == 0);
+}
+
+TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
   KVRING_SKIP_WITHOUT_GPU();
   for (const ModelConfig& cfg : {attention_configs()[0], attention_configs()[3]}) {
     SCOPED_TRACE(cfg.name);
-    const int limit = cuda::testing::attend_cluster_limit(static_cast<int>(cfg.head_dim));
-    std::printf("  %-12s clusters of up to %d CTAs\n", cfg.name.c_str(), limit);
+    const int hd = static_cast<int>(cfg.head_dim);
+    const int limit = cuda::testing::attend_cluster_limit(hd);
+    const int resident = cuda::testing::attend_resident_limit(hd);
+    std::printf("  %-12s clusters of up to %d CTAs, resident grids of up to %d\n",
+                cfg.name.c_str(), limit, resident);
     EXPECT_GE(limit, 1);
+    // Any GPU this backend builds for takes cooperative launches; the
+    // decodes below (grids of 18 x 2 CTAs at most) then run resident.
+    if (hd == 128) {
+      EXPECT_GE(resident, 36);
+    } else {
+      EXPECT_EQ(resident, 0);
+    }
     const std::int64_t n = 2300, per_query = cfg.n_heads * cfg.head_dim;
     KvStream s(cfg.kv_dim(), n, 88);
     auto c = cuda_cache(cfg, n);
@@ -300,41 +319,47 @@ TEST(CudaAttention, ClusterAndWorkspaceCombinesGiveTheSameBits) {
       for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
         SCOPED_TRACE("position " + std::to_string(p) + " layer " + std::to_string(l));
         const auto q = random_floats(static_cast<std::size_t>(per_query), 3 * p + l);
-        auto clustered = nan_filled(q.size()), workspace = nan_filled(q.size());
-        cuda::testing::set_attend_cluster_cap(0);
-        ASSERT_TRUE(c->attend_decode(l, p, q.data(), clustered.data()).ok());
-        cuda::testing::set_attend_cluster_cap(1);
-        ASSERT_TRUE(c->attend_decode(l, p, q.data(), workspace.data()).ok());
-        cuda::testing::set_attend_cluster_cap(0);
-        EXPECT_TRUE(same_bits(clustered, workspace));
-        EXPECT_FALSE(std::isnan(clustered[0]));
+        std::vector<std::vector<float>> outs;
+        for (int mode : {0, 1, 2}) {
+          auto out = nan_filled(q.size());
+          set_combine_path(mode);
+          ASSERT_TRUE(c->attend_decode(l, p, q.data(), out.data()).ok());
+          outs.push_back(std::move(out));
+        }
+        set_combine_path(0);
+        EXPECT_TRUE(same_bits(outs[0], outs[1]));
+        EXPECT_TRUE(same_bits(outs[0], outs[2]));
+        EXPECT_FALSE(std::isnan(outs[0][0]));
         ++compared;
       }
     }
     EXPECT_EQ(compared, 11 * cfg.n_layers);
 
-    // Prefill chunks whose queries have different split counts (CTAs of a
-    // cluster without a split of their query), with and without clusters.
-    for (std::int64_t start : {std::int64_t{250}, std::int64_t{2040}}) {
-      SCOPED_TRACE("prefill from " + std::to_string(start));
-      const std::int64_t count = 20;
+    // Prefill chunks whose queries have different split counts (CTAs
+    // without a split of their query), on every path: 20 queries are too
+    // many CTAs for a resident grid, 3 from 2046 (16, 16 and 17 splits on
+    // the full layers) are not.
+    for (const auto& [start, count] : {std::pair<std::int64_t, std::int64_t>{250, 20},
+                                       {2040, 20}, {2046, 3}}) {
+      SCOPED_TRACE("prefill of " + std::to_string(count) + " from " + std::to_string(start));
       std::vector<std::vector<float>> outs;
-      for (int cap : {0, 1}) {
+      for (int mode : {0, 1, 2}) {
         auto p = cuda_cache(cfg, n);
         ASSERT_TRUE(p);
         for (std::int64_t l = 0; l < cfg.n_layers; ++l)
           ASSERT_TRUE(p->store_batch(l, 0, start, s.krow(0), s.vrow(0)).ok());
         const auto q = random_floats(static_cast<std::size_t>(count * per_query), 4 + start);
         std::vector<float> out = nan_filled(static_cast<std::size_t>(cfg.n_layers * count * per_query));
-        cuda::testing::set_attend_cluster_cap(cap);
+        set_combine_path(mode);
         for (std::int64_t l = 0; l < cfg.n_layers; ++l)
           ASSERT_TRUE(p->prefill(l, start, count, s.krow(start), s.vrow(start), q.data(),
                                  out.data() + l * count * per_query)
                           .ok());
-        cuda::testing::set_attend_cluster_cap(0);
+        set_combine_path(0);
         outs.push_back(std::move(out));
       }
       EXPECT_TRUE(same_bits(outs[0], outs[1]));
+      EXPECT_TRUE(same_bits(outs[0], outs[2]));
       EXPECT_FALSE(std::isnan(outs[0][0]));
     }
   }

@@ -5,12 +5,15 @@
 // that share a KV head), z = query. Each warp of a CTA reduces its own rows
 // in logical order with an online softmax; the CTA combines its warps in
 // warp order; a query with several splits combines their partials in a
-// fixed tree: through the shared memory of a thread-block cluster when the
-// item's splits form one, else through the global workspace, where the
-// last CTA to arrive combines (in two levels beyond kAttendSingleLevel
-// splits). Every boundary is a function of the query's logical range alone
-// (kernels.h), and no value is ever accumulated in arrival order, so the
-// bits of a query's output depend only on its row values in logical order.
+// fixed tree (in two levels beyond kAttendSingleLevel splits), on one of
+// three paths: when the whole grid fits the GPU at once, every split
+// stores its partial as epoch-tagged words, waits for the others' and
+// combines a share of the output; else through the shared memory of a
+// thread-block cluster when the item's splits form one; else through the
+// global workspace, where the last CTA to arrive combines. Every boundary
+// is a function of the query's logical range alone (kernels.h), and no
+// value is ever accumulated in arrival order, so the bits of a query's
+// output depend only on its row values in logical order.
 //
 // Numerics: f32 scores, softmax and accumulation, exp2 with the scale
 // log2(e)/sqrt(head_dim) folded into the scores.
@@ -273,6 +276,142 @@ __device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
   }
 }
 
+// combine_element's arithmetic over n partials of one output unit staged
+// in shared memory (split s's sums o[s], maximum ml[2s] and weight sum
+// ml[2s + 1]), in loops rather than unrolled: the code a kernel's tail
+// runs first meets a cold instruction cache, so it is kept short.
+__device__ __forceinline__ void combine_staged(const float4* o, const float* ml, int n,
+                                               float4& acc, float& max, float& sum) {
+  max = -INFINITY;
+#pragma unroll 4
+  for (int s = 0; s < n; ++s) max = fmaxf(max, ml[2 * s]);
+  sum = -0.0f;
+  acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
+#pragma unroll 4
+  for (int s = 0; s < n; ++s) {
+    const float wt = weight_of(ml[2 * s], max);
+    const float4 v = o[s];
+    sum = __fmaf_rn(ml[2 * s + 1], wt, sum);
+    acc.x = __fmaf_rn(v.x, wt, acc.x);
+    acc.y = __fmaf_rn(v.y, wt, acc.y);
+    acc.z = __fmaf_rn(v.z, wt, acc.z);
+    acc.w = __fmaf_rn(v.w, wt, acc.w);
+  }
+}
+
+// Tagged partials: a float in the low half of a 64-bit word whose high half
+// is the launch's epoch, stored and loaded whole (single-copy atomic), so a
+// reader that sees the epoch sees the value, with no fence or counter.
+__device__ __forceinline__ std::uint64_t tag(float v, unsigned epoch) {
+  return (static_cast<std::uint64_t>(epoch) << 32) | __float_as_uint(v);
+}
+__device__ __forceinline__ void store_tagged2(std::uint64_t* p, float a, float b, unsigned epoch) {
+  asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};\n" ::"l"(p), "l"(tag(a, epoch)),
+               "l"(tag(b, epoch))
+               : "memory");
+}
+__device__ __forceinline__ void load_tagged2(const std::uint64_t* p, std::uint64_t& a,
+                                             std::uint64_t& b) {
+  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+__device__ __forceinline__ bool tagged(std::uint64_t w, unsigned epoch) {
+  return static_cast<unsigned>(w >> 32) == epoch;
+}
+__device__ __forceinline__ float untag(std::uint64_t w) {
+  return __uint_as_float(static_cast<unsigned>(w));
+}
+
+// The most splits x output units of a resident share, and its stage: the
+// units of a share over n splits number ceil(units / n), so units + n pairs
+// at most; then, for two levels, 16 units (n >= 17) times 8 groups.
+inline constexpr int kUnitsMax = kTensorHeads * kTensorHeadDim / 4;
+inline constexpr int kResidentPairs = kUnitsMax + kAttendMaxSplits;
+inline constexpr int kResidentGroupPairs =
+    (kUnitsMax + kAttendSingleLevel) / (kAttendSingleLevel + 1) *
+    ((kAttendMaxSplits + kAttendGroup - 1) / kAttendGroup);
+inline constexpr int kResidentStageBytes = (kResidentPairs + kResidentGroupPairs) * 24;
+
+// Resident-grid finish of a CTA (hd % 4 == 0): it stores its partial as
+// tagged words at its place in P.tagged, then combines the split-th share
+// of the item's output, in whole float4 units, from every split's tagged
+// words: a thread per (unit, split) waits until its words carry the epoch
+// and stages them in shared memory, then the same tree and arithmetic as
+// the last-arrival combine runs on the staged floats (level-one group
+// results staged too). Every CTA of the grid is resident, so the wait ends.
+__device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOutputs wo,
+                                unsigned char* stage, const QueryRange& r, int heads,
+                                int heads_valid, float* out) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int hd = P.head_dim;
+  const int n = r.n_splits;
+  const int total = heads * hd;
+  const std::int64_t words = total + 2 * heads;
+  std::uint64_t* item = P.tagged + ((static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) *
+                                    gridDim.x) * words;
+  const unsigned epoch = P.epoch;
+  {
+    std::uint64_t* mine = item + r.split * words;
+    for (int i = 2 * tid; i < heads_valid * hd; i += 2 * blockDim.x)
+      store_tagged2(mine + i, cta_value(sh, wo, i, i / hd), cta_value(sh, wo, i + 1, i / hd), epoch);
+    if (tid < heads_valid) store_tagged2(mine + total + 2 * tid, sh.head_m[tid], sh.head_l[tid], epoch);
+  }
+  const int units = heads_valid * hd / 4;
+  const int share = (units + n - 1) / n;
+  const int u0 = min(r.split * share, units);
+  const int count = min(u0 + share, units) - u0;
+  float4* st_o = reinterpret_cast<float4*>(stage);                 // [unit][split]
+  float* st_ml = reinterpret_cast<float*>(stage + 16 * kResidentPairs);  // [unit][split][m, l]
+  for (int i = tid; i < count * n; i += blockDim.x) {
+    const int j = i / n, s = i - j * n;
+    const int u = u0 + j;
+    const std::uint64_t* src = item + s * words;
+    std::uint64_t m, l, o0, o1, o2, o3;
+    load_tagged2(src + total + 2 * (u * 4 / hd), m, l);
+    while (!tagged(m, epoch) || !tagged(l, epoch)) {
+      __nanosleep(32);
+      load_tagged2(src + total + 2 * (u * 4 / hd), m, l);
+    }
+    do {
+      load_tagged2(src + 4 * u, o0, o1);
+      load_tagged2(src + 4 * u + 2, o2, o3);
+    } while (!tagged(o0, epoch) || !tagged(o1, epoch) || !tagged(o2, epoch) || !tagged(o3, epoch));
+    st_o[i] = make_float4(untag(o0), untag(o1), untag(o2), untag(o3));
+    st_ml[2 * i] = untag(m);
+    st_ml[2 * i + 1] = untag(l);
+  }
+  __syncthreads();
+  float4* out4 = reinterpret_cast<float4*>(out);
+  float4 acc;
+  float max, sum;
+  const int groups = attend_groups(n);
+  if (groups == 0) {
+    for (int j = tid; j < count; j += blockDim.x) {
+      const int u = u0 + j;
+      combine_staged(st_o + j * n, st_ml + 2 * j * n, n, acc, max, sum);
+      out4[u] = make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+    }
+    return;
+  }
+  // Level one: a thread per (unit, group); then a thread per unit.
+  float4* g_o = reinterpret_cast<float4*>(stage + 24 * kResidentPairs);
+  float* g_ml = reinterpret_cast<float*>(stage + 24 * kResidentPairs + 16 * kResidentGroupPairs);
+  for (int i = tid; i < count * groups; i += blockDim.x) {
+    const int j = i / groups;
+    const int first = (i - j * groups) * kAttendGroup;
+    const int at = j * n + first;
+    combine_staged(st_o + at, st_ml + 2 * at, min(kAttendGroup, n - first), acc, max, sum);
+    g_o[i] = acc;
+    g_ml[2 * i] = max;
+    g_ml[2 * i + 1] = sum;
+  }
+  __syncthreads();
+  for (int j = tid; j < count; j += blockDim.x) {
+    const int u = u0 + j;
+    combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, acc, max, sum);
+    out4[u] = make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+  }
+}
+
 // Counts this CTA in at `counter` after its writes so far (by any of its
 // threads) are published; true for the last of `expected` arrivals, which
 // then sees every arrival's writes and resets the counter for the next
@@ -296,9 +435,10 @@ __device__ __forceinline__ bool arrive_last(unsigned& counter, int expected, Sha
 // Combines the CTA's warp partials (in sh, after a barrier) for `heads`
 // query heads head0.. of `heads_valid` real ones, and either writes the
 // output (one split) or the split's partial, which is combined with the
-// others in split order: through the cluster's shared memory when the
-// item's splits form one cluster (each CTA then writes a share of the
-// output), else through the global workspace by the last split to arrive.
+// others in the fixed tree: as a resident grid (finish_resident), through
+// the cluster's shared memory when the item's splits form one cluster
+// (each CTA then writes a share of the output), else through the global
+// workspace by the last split to arrive.
 template <bool kVec>
 __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, WarpOutputs wo,
                        const QueryRange& r, int heads, int heads_valid, int head0) {
@@ -327,6 +467,13 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, WarpOut
     return;
   }
 
+  if constexpr (kVec) {
+    if (P.resident) {
+      finish_resident(P, sh, wo, reinterpret_cast<unsigned char*>(part_o) + kPartFloats * 4, r,
+                      heads, heads_valid, out);
+      return;
+    }
+  }
   if (P.cluster) {
     for (int i = tid; i < total; i += blockDim.x) part_o[i] = cta_value(sh, wo, i, i / hd);
     if (tid < heads) {
@@ -498,7 +645,7 @@ struct TensorSmem {
   alignas(128) unsigned char area[kAttendWarps][kWarpArea];
 };
 constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
-static_assert(kPartialBytes + kPartFloats * 4 <= kWarpArea);
+static_assert(kPartialBytes + kPartFloats * 4 + kResidentStageBytes <= kWarpArea);
 
 // Where a lane's copies of a tile go (shared addresses in stage 0; piece k
 // of K at k_dst + k * 2 rows, of V at v_dst[k % 4] + (k / 4) * 8 rows) and
@@ -578,7 +725,26 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  // The first tiles go out before the query comes in.
+  // Query g's dims 32i + 8t + [0, 8) as qv[8i + ...]. Its loads go out
+  // first: behind the first tiles of every CTA (16 MB at 131072 rows) they
+  // would come back microseconds later, with the tiles already waiting.
+  float qv[32];
+  if (g < heads_valid) {
+    const float4* src = reinterpret_cast<const float4*>(
+        P.q + (static_cast<std::int64_t>(r.qi) * P.n_heads + head0 + g) * HD + 8 * t);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
+      qv[4 * i] = x.x;
+      qv[4 * i + 1] = x.y;
+      qv[4 * i + 2] = x.z;
+      qv[4 * i + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) qv[i] = 0.0f;
+  }
+  // Then the first tiles, before the query is used.
   std::int64_t a, b;
   warp_rows(r, warp, a, b);
   const HeadRows rows(P, kv_head);
@@ -607,25 +773,9 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   const unsigned v_frag = area + kTileBytes + v_row * kRowBytes;
   const int v_piece = lane >> 4;
 
-  // Query g's dims 32i + 8t + [0, 8) as qv[8i + ...], scaled by a power of two (exact) so its
-  // largest element lies in [2^14, 2^15): the lo halves then stay normal
-  // f16 for every element that matters, whatever the query's magnitude.
-  float qv[32];
-  if (g < heads_valid) {
-    const float4* src = reinterpret_cast<const float4*>(
-        P.q + (static_cast<std::int64_t>(r.qi) * P.n_heads + head0 + g) * HD + 8 * t);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
-      qv[4 * i] = x.x;
-      qv[4 * i + 1] = x.y;
-      qv[4 * i + 2] = x.z;
-      qv[4 * i + 3] = x.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) qv[i] = 0.0f;
-  }
+  // The query, scaled by a power of two (exact) so its largest element
+  // lies in [2^14, 2^15): the lo halves then stay normal f16 for every
+  // element that matters, whatever the query's magnitude.
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(qv[i]));
@@ -901,45 +1051,91 @@ int max_cluster(Kernel kernel, std::size_t smem) {
   return 1;
 }
 
-// Launches `kernel` over `grid`; the splits of each item (grid.x of them)
-// form one cluster when there are several and a cluster that large runs.
+// Launches `kernel` over `grid`. When the grid has at most `resident_ctas`
+// CTAs (and the tagged partials have room), it is a resident grid through a
+// cooperative launch; else the splits of each item (grid.x of them) form
+// one cluster when there are several and a cluster that large runs; else
+// they combine by last arrival, as they also do when the device turns the
+// cooperative launch down as too large.
 template <class Kernel>
-cudaError_t launch(Kernel kernel, int cluster_limit, dim3 grid, std::size_t smem,
-                   AttendParams params, cudaStream_t stream) {
-  const bool cluster = grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit;
+cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, dim3 grid,
+                   std::size_t smem, AttendParams params, cudaStream_t stream) {
+  const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
+  const bool resident = grid.x >= 2 && params.tagged != nullptr &&
+                        ctas <= std::min(resident_ctas, params.tagged_ctas);
+  const bool cluster = !resident && grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit;
   params.cluster = cluster ? 1 : 0;
+  params.resident = resident ? 1 : 0;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kAttendThreads, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = grid.x;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
+  if (cluster) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = grid.x;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+  } else {
+    attr.id = cudaLaunchAttributeCooperative;
+    attr.val.cooperative = 1;
+  }
   cfg.attrs = &attr;
-  cfg.numAttrs = cluster ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
+  cfg.numAttrs = cluster || resident ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
+  if (e == cudaErrorCooperativeLaunchTooLarge && resident) {
+    (void)cudaGetLastError();
+    return launch(kernel, cluster_limit, 0, grid, smem, params, stream);
+  }
   if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not by a later call
   return e;
 }
 
+// The CTAs of `kernel` this device holds at once, when it takes
+// cooperative launches (0 otherwise, or when a query fails; its error is
+// cleared).
+template <class Kernel>
+int resident_capacity(Kernel kernel, std::size_t smem) {
+  int device = 0, cooperative = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttendThreads, smem) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return cooperative ? sms * per_sm : 0;
+}
+
 std::atomic<int> cluster_cap{0};
+std::atomic<bool> resident_allowed{true};
 
 // What a device's launches need, set up on its first launch: the
 // tensor-core kernel's opt-in to more than the 48 KB default of shared
-// memory (a per-device attribute), and each kernel's largest cluster.
+// memory (a per-device attribute), each kernel's largest cluster, and how
+// many CTAs of the tensor-core kernel a resident grid may have (the
+// general kernel always combines by last arrival).
 struct DeviceSetup {
   cudaError_t opted_in = cudaSuccess;
   int hd128_cluster = 1;
   int general_cluster = 1;
+  int hd128_resident = 0;
 };
 
 cudaError_t device_setup(DeviceSetup& out) {
   int device = 0;
   const cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
+  // The last device this thread launched on, so that a launch takes the
+  // lock only on a thread's first launch or a change of device.
+  thread_local int cached_device = -1;
+  thread_local DeviceSetup cached;
+  if (device == cached_device) {
+    out = cached;
+    return cudaSuccess;
+  }
   static std::mutex mu;
   static std::map<int, DeviceSetup> by_device;
   const std::lock_guard<std::mutex> lock(mu);
@@ -949,11 +1145,16 @@ cudaError_t device_setup(DeviceSetup& out) {
     s.opted_in = cudaFuncSetAttribute(attend_hd128_kernel,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
     if (s.opted_in != cudaSuccess) (void)cudaGetLastError();
-    s.hd128_cluster = s.opted_in == cudaSuccess ? max_cluster(attend_hd128_kernel, sizeof(TensorSmem)) : 1;
+    if (s.opted_in == cudaSuccess) {
+      s.hd128_cluster = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
+      s.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
+    }
     s.general_cluster = max_cluster(attend_general_kernel, 0);
     it = by_device.emplace(device, s).first;
   }
-  out = it->second;
+  cached_device = device;
+  cached = it->second;
+  out = cached;
   return cudaSuccess;
 }
 
@@ -964,10 +1165,21 @@ int cluster_limit(const DeviceSetup& s, int head_dim) {
   return cap > 0 ? std::min(cap, limit) : limit;
 }
 
+// The CTAs a resident grid of the kernel for `head_dim` may have now.
+int resident_limit(const DeviceSetup& s, int head_dim) {
+  return head_dim == kTensorHeadDim && resident_allowed.load() ? s.hd128_resident : 0;
+}
+
 }  // namespace
 
 namespace testing {
 void set_attend_cluster_cap(int cap) { cluster_cap.store(cap); }
+void set_attend_resident(bool allowed) { resident_allowed.store(allowed); }
+int attend_resident_limit(int head_dim) {
+  DeviceSetup s;
+  if (device_setup(s) != cudaSuccess) return 0;
+  return resident_limit(s, head_dim);
+}
 int attend_cluster_limit(int head_dim) {
   DeviceSetup s;
   if (device_setup(s) != cudaSuccess) return 0;
@@ -975,6 +1187,11 @@ int attend_cluster_limit(int head_dim) {
   return cluster_limit(s, head_dim);
 }
 }  // namespace testing
+
+int attend_resident_ctas(int head_dim) {
+  DeviceSetup s;
+  return device_setup(s) == cudaSuccess && head_dim == kTensorHeadDim ? s.hd128_resident : 0;
+}
 
 cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   if (params.n_queries <= 0) return cudaSuccess;
@@ -986,10 +1203,11 @@ cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
-    return launch(attend_hd128_kernel, cluster_limit(s, params.head_dim), grid, sizeof(TensorSmem),
-                  params, stream);
+    return launch(attend_hd128_kernel, cluster_limit(s, params.head_dim),
+                  resident_limit(s, params.head_dim), grid, sizeof(TensorSmem), params, stream);
   }
-  return launch(attend_general_kernel, cluster_limit(s, params.head_dim), grid, 0, params, stream);
+  return launch(attend_general_kernel, cluster_limit(s, params.head_dim), 0, grid, 0, params,
+                stream);
 }
 
 }  // namespace kvring::cuda

@@ -152,6 +152,11 @@ struct CudaCache::Impl {
   DeviceBuffer q, out;               // host-API attention operands
   DeviceBuffer chunk_k, chunk_v;     // prefill chunk rows, f16
   DeviceBuffer workspace, counters;  // split partials; arrival counters
+  // Resident-grid attention: tagged partials for up to tagged_ctas CTAs,
+  // and the epoch of the last launch (kernels.h, AttendParams).
+  DeviceBuffer tagged;
+  int tagged_ctas = 0;
+  std::uint32_t epoch = 0;
 
   ~Impl() {
     if (stream) cudaStreamSynchronize(stream);
@@ -328,6 +333,14 @@ Result<std::unique_ptr<CudaCache>> CudaCache::create(const ModelConfig& config,
                                  cuda::attend_counters(cuda::kAttendMaxSplits)) *
             sizeof(unsigned),
         "attention counters", im.stream, true));
+    const int resident = cuda::attend_resident_ctas(hd);
+    if (resident > 0) {
+      KVRING_RETURN_IF_ERROR(im.tagged.reserve(
+          static_cast<std::size_t>(resident * cuda::attend_tagged_words(n_heads, n_kv, hd)) *
+              sizeof(std::uint64_t),
+          "attention tagged partials", im.stream, true));
+      im.tagged_ctas = resident;
+    }
   }
   KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(im.stream));
   return cache;
@@ -344,7 +357,7 @@ std::int64_t CudaCache::allocated_bytes() const { return impl_->plane_bytes; }
 std::int64_t CudaCache::workspace_bytes() const {
   const Impl& im = *impl_;
   std::size_t n = im.q.bytes() + im.out.bytes() + im.chunk_k.bytes() + im.chunk_v.bytes() +
-                  im.workspace.bytes() + im.counters.bytes();
+                  im.workspace.bytes() + im.counters.bytes() + im.tagged.bytes();
   for (int s = 0; s < 2; ++s) n += im.stage[s].bytes() + im.pinned[s].bytes();
   return static_cast<std::int64_t>(n);
 }
@@ -653,6 +666,18 @@ Status CudaCache::attend_on_device(const AttendArgs& a, cudaStream_t stream) {
       P.counters = im.counters.as<unsigned>();
     }
     P.max_splits = max_splits;
+    if (im.tagged_ctas > 0) {
+      // A fresh epoch per launch; when the count wraps, the words are
+      // zeroed (in stream order) so no old word can carry a reused epoch.
+      if (++im.epoch == 0) {
+        KVRING_CUDA_CHECK("cudaMemsetAsync",
+                          cudaMemsetAsync(im.tagged.as<void>(), 0, im.tagged.bytes(), stream));
+        im.epoch = 1;
+      }
+      P.tagged = im.tagged.as<std::uint64_t>();
+      P.tagged_ctas = im.tagged_ctas;
+      P.epoch = im.epoch;
+    }
     P.first_position = a.first_position + q0;
     P.n_queries = static_cast<std::int32_t>(nq);
     P.q = a.q + q0 * q_stride;

@@ -77,8 +77,8 @@ cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity,
 // up to kAttendSingleLevel splits, else in groups, below). So the
 // arithmetic for a query depends only on n and the values of its rows in
 // logical order: not on the ring's rotation, the chunk the query came in,
-// the order CTAs ran in, or whether the splits met in a cluster's shared
-// memory or in the global workspace.
+// the order CTAs ran in, or which path the splits met on (a resident grid's
+// tagged partials, a cluster's shared memory or the global workspace).
 // At most 64 splits of a KV head: at 131072 rows the 2 x 64 CTAs of 8 warps
 // (one per SM) fill one wave of an H200's 132 SMs. At least 128 rows a
 // split (one tile a warp): a 2048-row window spreads over 32 CTAs, since at
@@ -156,6 +156,18 @@ struct AttendParams {
   // cluster (grid.x of at most kAttendSingleLevel CTAs) and combine through
   // its shared memory; the workspace is then unused.
   std::int32_t cluster = 0;
+  // Tagged partials for resident grids: attend_tagged_words() words per
+  // CTA for up to tagged_ctas CTAs (null: no resident grids), and this
+  // launch's epoch, nonzero and different from every earlier launch's since
+  // the words were last zeroed.
+  std::uint64_t* tagged = nullptr;
+  std::int32_t tagged_ctas = 0;
+  std::uint32_t epoch = 0;
+  // Set by launch_attend: every CTA of the grid is resident at once (a
+  // cooperative launch), so each split stores its partial as tagged words,
+  // waits for the other splits' words to carry the epoch and combines a
+  // share of the output; the workspace is then unused.
+  std::int32_t resident = 0;
 };
 
 // Work items per query (grid.y) and query heads per item for a geometry.
@@ -169,6 +181,16 @@ AttendGrid attend_grid(int n_heads, int n_kv_heads, int head_dim);
 // partials [items][attend_slots][heads * head_dim], then their
 // [items][attend_slots][heads][m, l].
 std::int64_t attend_workspace_floats(int n_heads, int n_kv_heads, int head_dim, int max_splits);
+
+// 64-bit words of one CTA's tagged partial: [heads * head_dim] values, then
+// [heads][m, l].
+inline std::int64_t attend_tagged_words(int n_heads, int n_kv_heads, int head_dim) {
+  return static_cast<std::int64_t>(attend_grid(n_heads, n_kv_heads, head_dim).heads_per_item) *
+         (head_dim + 2);
+}
+// The most CTAs of a resident grid for head_dim on the current device (0:
+// attention with that head_dim never runs as one).
+int attend_resident_ctas(int head_dim);
 
 cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream);
 

@@ -26,5 +26,11 @@ Result<F16Sweep> sweep_f16_conversion();
 void set_attend_cluster_cap(int cap);
 // The largest cluster an attention launch with head_dim `head_dim` uses now.
 int attend_cluster_limit(int head_dim);
+// Allows (the default) or forbids resident-grid combines (kernels.h,
+// AttendParams::resident), so a test can run the last-arrival combine.
+void set_attend_resident(bool allowed);
+// The most CTAs a resident-grid attention launch with head_dim `head_dim`
+// may have now (0: that path is off).
+int attend_resident_limit(int head_dim);
 
 }  // namespace kvring::cuda::testing
