@@ -335,6 +335,35 @@ TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
     }
     EXPECT_EQ(compared, 11 * cfg.n_layers);
 
+    // Up to 64 splits (8 groups, the last one short) on the full layers.
+    {
+      const std::int64_t big = testing::quick() ? 9000 : 20000;
+      KvStream sb(cfg.kv_dim(), big, 89);
+      auto cb = cuda_cache(cfg, big);
+      ASSERT_TRUE(cb);
+      for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+        ASSERT_TRUE(cb->store_batch(l, 0, big, sb.krow(0), sb.vrow(0)).ok());
+      for (std::int64_t p : {std::int64_t{8191}, std::int64_t{8192}, big - 1}) {
+        for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+          // A sliding layer holds only the last window of rows.
+          if (cfg.kind(l) == LayerKind::kSlidingRope && p != big - 1) continue;
+          SCOPED_TRACE("long plane, position " + std::to_string(p) + " layer " + std::to_string(l));
+          const auto q = random_floats(static_cast<std::size_t>(per_query), 5 * p + l);
+          std::vector<std::vector<float>> outs;
+          for (int mode : {0, 1, 2}) {
+            auto out = nan_filled(q.size());
+            set_combine_path(mode);
+            ASSERT_TRUE(cb->attend_decode(l, p, q.data(), out.data()).ok());
+            outs.push_back(std::move(out));
+          }
+          set_combine_path(0);
+          EXPECT_TRUE(same_bits(outs[0], outs[1]));
+          EXPECT_TRUE(same_bits(outs[0], outs[2]));
+          EXPECT_FALSE(std::isnan(outs[0][0]));
+        }
+      }
+    }
+
     // Prefill chunks whose queries have different split counts (CTAs
     // without a split of their query), on every path: 20 queries are too
     // many CTAs for a resident grid, 3 from 2046 (16, 16 and 17 splits on

@@ -277,21 +277,21 @@ __device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
 }
 
 // combine_element's arithmetic over n partials of one output unit staged
-// in shared memory (split s's sums o[s], maximum ml[2s] and weight sum
-// ml[2s + 1]), in loops rather than unrolled: the code a kernel's tail
-// runs first meets a cold instruction cache, so it is kept short.
-__device__ __forceinline__ void combine_staged(const float4* o, const float* ml, int n,
+// in shared memory, `stride` apart (split s's sums o[s * stride], maximum
+// ml[2 s stride] and weight sum ml[2 s stride + 1]), in short loops rather
+// than unrolled code.
+__device__ __forceinline__ void combine_staged(const float4* o, const float* ml, int n, int stride,
                                                float4& acc, float& max, float& sum) {
   max = -INFINITY;
 #pragma unroll 4
-  for (int s = 0; s < n; ++s) max = fmaxf(max, ml[2 * s]);
+  for (int s = 0; s < n; ++s) max = fmaxf(max, ml[2 * s * stride]);
   sum = -0.0f;
   acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
 #pragma unroll 4
   for (int s = 0; s < n; ++s) {
-    const float wt = weight_of(ml[2 * s], max);
-    const float4 v = o[s];
-    sum = __fmaf_rn(ml[2 * s + 1], wt, sum);
+    const float wt = weight_of(ml[2 * s * stride], max);
+    const float4 v = o[s * stride];
+    sum = __fmaf_rn(ml[2 * s * stride + 1], wt, sum);
     acc.x = __fmaf_rn(v.x, wt, acc.x);
     acc.y = __fmaf_rn(v.y, wt, acc.y);
     acc.z = __fmaf_rn(v.z, wt, acc.z);
@@ -359,10 +359,12 @@ __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOut
   const int share = (units + n - 1) / n;
   const int u0 = min(r.split * share, units);
   const int count = min(u0 + share, units) - u0;
-  float4* st_o = reinterpret_cast<float4*>(stage);                 // [unit][split]
-  float* st_ml = reinterpret_cast<float*>(stage + 16 * kResidentPairs);  // [unit][split][m, l]
+  // Staged as [split][unit], so the threads of consecutive units read
+  // consecutive words below.
+  float4* st_o = reinterpret_cast<float4*>(stage);
+  float* st_ml = reinterpret_cast<float*>(stage + 16 * kResidentPairs);  // [split][unit][m, l]
   for (int i = tid; i < count * n; i += blockDim.x) {
-    const int j = i / n, s = i - j * n;
+    const int s = i / count, j = i - s * count;
     const int u = u0 + j;
     const std::uint64_t* src = item + s * words;
     std::uint64_t m, l, o0, o1, o2, o3;
@@ -387,7 +389,7 @@ __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOut
   if (groups == 0) {
     for (int j = tid; j < count; j += blockDim.x) {
       const int u = u0 + j;
-      combine_staged(st_o + j * n, st_ml + 2 * j * n, n, acc, max, sum);
+      combine_staged(st_o + j, st_ml + 2 * j, n, count, acc, max, sum);
       out4[u] = make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
     }
     return;
@@ -396,18 +398,19 @@ __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOut
   float4* g_o = reinterpret_cast<float4*>(stage + 24 * kResidentPairs);
   float* g_ml = reinterpret_cast<float*>(stage + 24 * kResidentPairs + 16 * kResidentGroupPairs);
   for (int i = tid; i < count * groups; i += blockDim.x) {
-    const int j = i / groups;
-    const int first = (i - j * groups) * kAttendGroup;
-    const int at = j * n + first;
-    combine_staged(st_o + at, st_ml + 2 * at, min(kAttendGroup, n - first), acc, max, sum);
-    g_o[i] = acc;
-    g_ml[2 * i] = max;
-    g_ml[2 * i + 1] = sum;
+    const int group = i / count, j = i - group * count;
+    const int first = group * kAttendGroup;
+    const int at = first * count + j;
+    combine_staged(st_o + at, st_ml + 2 * at, min(kAttendGroup, n - first), count, acc, max, sum);
+    const int g = j * groups + group;  // [unit][group]
+    g_o[g] = acc;
+    g_ml[2 * g] = max;
+    g_ml[2 * g + 1] = sum;
   }
   __syncthreads();
   for (int j = tid; j < count; j += blockDim.x) {
     const int u = u0 + j;
-    combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, acc, max, sum);
+    combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, 1, acc, max, sum);
     out4[u] = make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
   }
 }
