@@ -289,6 +289,24 @@ void set_combine_path(int mode) {
   cuda::testing::set_attend_resident(mode == 0);
 }
 
+// One decode on every combine path: the same bits, and not NaN (outputs
+// are poisoned first).
+void expect_same_bits_on_every_path(KvCache& c, std::int64_t layer, std::int64_t p,
+                                    const std::vector<float>& q) {
+  std::vector<std::vector<float>> outs;
+  for (int mode : {0, 1, 2}) {
+    auto out = nan_filled(q.size());
+    set_combine_path(mode);
+    const Status st = c.attend_decode(layer, p, q.data(), out.data());
+    set_combine_path(0);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    outs.push_back(std::move(out));
+  }
+  EXPECT_TRUE(same_bits(outs[0], outs[1]));
+  EXPECT_TRUE(same_bits(outs[0], outs[2]));
+  EXPECT_FALSE(std::isnan(outs[0][0]));
+}
+
 TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
   KVRING_SKIP_WITHOUT_GPU();
   for (const ModelConfig& cfg : {attention_configs()[0], attention_configs()[3]}) {
@@ -318,18 +336,8 @@ TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
       stored = p + 1;
       for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
         SCOPED_TRACE("position " + std::to_string(p) + " layer " + std::to_string(l));
-        const auto q = random_floats(static_cast<std::size_t>(per_query), 3 * p + l);
-        std::vector<std::vector<float>> outs;
-        for (int mode : {0, 1, 2}) {
-          auto out = nan_filled(q.size());
-          set_combine_path(mode);
-          ASSERT_TRUE(c->attend_decode(l, p, q.data(), out.data()).ok());
-          outs.push_back(std::move(out));
-        }
-        set_combine_path(0);
-        EXPECT_TRUE(same_bits(outs[0], outs[1]));
-        EXPECT_TRUE(same_bits(outs[0], outs[2]));
-        EXPECT_FALSE(std::isnan(outs[0][0]));
+        expect_same_bits_on_every_path(*c, l, p,
+                                       random_floats(static_cast<std::size_t>(per_query), 3 * p + l));
         ++compared;
       }
     }
@@ -348,18 +356,8 @@ TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
           // A sliding layer holds only the last window of rows.
           if (cfg.kind(l) == LayerKind::kSlidingRope && p != big - 1) continue;
           SCOPED_TRACE("long plane, position " + std::to_string(p) + " layer " + std::to_string(l));
-          const auto q = random_floats(static_cast<std::size_t>(per_query), 5 * p + l);
-          std::vector<std::vector<float>> outs;
-          for (int mode : {0, 1, 2}) {
-            auto out = nan_filled(q.size());
-            set_combine_path(mode);
-            ASSERT_TRUE(cb->attend_decode(l, p, q.data(), out.data()).ok());
-            outs.push_back(std::move(out));
-          }
-          set_combine_path(0);
-          EXPECT_TRUE(same_bits(outs[0], outs[1]));
-          EXPECT_TRUE(same_bits(outs[0], outs[2]));
-          EXPECT_FALSE(std::isnan(outs[0][0]));
+          expect_same_bits_on_every_path(
+              *cb, l, p, random_floats(static_cast<std::size_t>(per_query), 5 * p + l));
         }
       }
     }
