@@ -289,17 +289,45 @@ void set_combine_path(int mode) {
   cuda::testing::set_attend_resident(mode == 0);
 }
 
-// One decode on every combine path: the same bits, and not NaN (outputs
-// are poisoned first).
+// Restores the default combine path when a test leaves, however it leaves.
+struct DefaultPathAtExit {
+  ~DefaultPathAtExit() { set_combine_path(0); }
+};
+
+// The path counter a launch of `splits` splits (over `ctas` CTAs, head_dim
+// hd) advances in `mode`; null for one split.
+long cuda::testing::AttendPathCounts::*expected_path(int mode, int splits, int ctas, int hd) {
+  using C = cuda::testing::AttendPathCounts;
+  if (splits < 2) return nullptr;
+  if (mode == 0 && hd == 128 && ctas <= cuda::testing::attend_resident_limit(hd)) return &C::resident;
+  if (mode != 2 && splits <= cuda::testing::attend_cluster_limit(hd)) return &C::cluster;
+  return &C::last_arrival;
+}
+
+// One decode on every combine path: the same bits, not NaN (outputs are
+// poisoned first), and each on the path it was forced to (the launch
+// counters say which ran).
 void expect_same_bits_on_every_path(KvCache& c, std::int64_t layer, std::int64_t p,
                                     const std::vector<float>& q) {
+  const ModelConfig& cfg = c.config();
+  const std::int64_t n = p - visible_begin(cfg, cfg.kind(layer), p) + 1;
+  const int splits = cuda::testing::attend_splits_for(n);
+  const int hd = static_cast<int>(cfg.head_dim);
+  const int items = hd == 128 ? static_cast<int>(cfg.n_kv_heads * ((cfg.gqa_group() + 7) / 8))
+                              : static_cast<int>(cfg.n_heads);
   std::vector<std::vector<float>> outs;
   for (int mode : {0, 1, 2}) {
     auto out = nan_filled(q.size());
+    const auto before = cuda::testing::attend_path_counts();
     set_combine_path(mode);
     const Status st = c.attend_decode(layer, p, q.data(), out.data());
     set_combine_path(0);
     ASSERT_TRUE(st.ok()) << st.to_string();
+    const auto after = cuda::testing::attend_path_counts();
+    using C = cuda::testing::AttendPathCounts;
+    const auto path = expected_path(mode, splits, splits * items, hd);
+    for (auto counter : {&C::resident, &C::cluster, &C::last_arrival})
+      EXPECT_EQ(after.*counter - before.*counter, counter == path ? 1 : 0) << "mode " << mode;
     outs.push_back(std::move(out));
   }
   EXPECT_TRUE(same_bits(outs[0], outs[1]));
@@ -309,7 +337,11 @@ void expect_same_bits_on_every_path(KvCache& c, std::int64_t layer, std::int64_t
 
 TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
   KVRING_SKIP_WITHOUT_GPU();
-  for (const ModelConfig& cfg : {attention_configs()[0], attention_configs()[3]}) {
+  const DefaultPathAtExit restore;
+  // Groups of 8, 3 and 12 query heads (so 8, 3, 8 and 4 heads an item) on
+  // tensor cores; head_dim 17 on the general kernel.
+  const auto all = attention_configs();
+  for (const ModelConfig& cfg : {all[0], all[1], all[2], all[3]}) {
     SCOPED_TRACE(cfg.name);
     const int hd = static_cast<int>(cfg.head_dim);
     const int limit = cuda::testing::attend_cluster_limit(hd);
@@ -363,11 +395,12 @@ TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
     }
 
     // Prefill chunks whose queries have different split counts (CTAs
-    // without a split of their query), on every path: 20 queries are too
-    // many CTAs for a resident grid, 3 from 2046 (16, 16 and 17 splits on
-    // the full layers) are not.
+    // without a split of their query), on every path. On an H200, 20
+    // queries from 2040 (17 splits on the full layers) are too many CTAs
+    // for a resident grid; 20 from 250 (3 splits), 3 from 2046 (16, 16 and
+    // 17 splits) and 16 from 120 (queries of one split and of two) fit one.
     for (const auto& [start, count] : {std::pair<std::int64_t, std::int64_t>{250, 20},
-                                       {2040, 20}, {2046, 3}}) {
+                                       {2040, 20}, {2046, 3}, {120, 16}}) {
       SCOPED_TRACE("prefill of " + std::to_string(count) + " from " + std::to_string(start));
       std::vector<std::vector<float>> outs;
       for (int mode : {0, 1, 2}) {
@@ -390,6 +423,88 @@ TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
       EXPECT_FALSE(std::isnan(outs[0][0]));
     }
   }
+}
+
+// Resident grids tell fresh partials from old ones by the launch's epoch.
+// When the 32-bit count wraps, the words are zeroed first: the launch that
+// takes epoch 1 again must not take the partials an earlier epoch-1 launch
+// left (here: the words of 64 CTAs, 32 splits of each KV head, of which
+// the 6 CTAs of the launch in between overwrote 6).
+TEST(CudaAttention, ResidentEpochWrapLeavesNoStalePartials) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig cfg = attention_configs()[0];
+  if (cuda::testing::attend_resident_limit(128) < 64) GTEST_SKIP() << "no resident grid of 64 CTAs";
+  const std::int64_t n = 4000, per_query = cfg.n_heads * cfg.head_dim;
+  const std::int64_t full = 3;  // a full-attention layer of the test geometry
+  ASSERT_EQ(cfg.kind(full), LayerKind::kFullNope);
+  KvStream s(cfg.kv_dim(), n, 90);
+  auto c = cuda_cache(cfg, n);
+  ASSERT_TRUE(c);
+  for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+    ASSERT_TRUE(c->store_batch(l, 0, n, s.krow(0), s.vrow(0)).ok());
+  const DefaultPathAtExit restore;
+  auto decode = [&](std::int64_t p, int mode, std::uint64_t seed) {
+    const auto q = random_floats(static_cast<std::size_t>(per_query), seed);
+    auto out = nan_filled(q.size());
+    set_combine_path(mode);
+    EXPECT_TRUE(c->attend_decode(full, p, q.data(), out.data()).ok());
+    set_combine_path(0);
+    return out;
+  };
+  const long resident_before = cuda::testing::attend_path_counts().resident;
+  decode(3999, 0, 1);                                    // epoch 1: 32 splits
+  cuda::testing::set_attend_next_epoch(0xffffffffu);
+  const auto b = decode(300, 0, 2);                       // epoch 2^32 - 1: 3 splits
+  const auto c1 = decode(2500, 0, 3);                     // wraps: zeroed, epoch 1
+  const auto d = decode(3500, 0, 4);                      // epoch 2
+  EXPECT_EQ(cuda::testing::attend_path_counts().resident - resident_before, 4);
+  EXPECT_TRUE(same_bits(b, decode(300, 2, 2)));
+  EXPECT_TRUE(same_bits(c1, decode(2500, 2, 3)));
+  EXPECT_TRUE(same_bits(d, decode(3500, 2, 4)));
+  EXPECT_FALSE(std::isnan(c1[0]));
+}
+
+// A decode captured into a CUDA graph and replayed with new queries gives
+// the bits of direct launches: a captured launch cannot carry a fresh epoch
+// into its replays, so it takes another combine path.
+TEST(CudaAttention, GraphReplaysGiveTheBitsOfDirectLaunches) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig cfg = attention_configs()[0];
+  const std::int64_t n = 4000, per_query = cfg.n_heads * cfg.head_dim, p = n - 1;
+  const std::int64_t full = 3;
+  KvStream s(cfg.kv_dim(), n, 91);
+  auto c = cuda_cache(cfg, n);
+  ASSERT_TRUE(c);
+  for (std::int64_t l = 0; l < cfg.n_layers; ++l)
+    ASSERT_TRUE(c->store_batch(l, 0, n, s.krow(0), s.vrow(0)).ok());
+  DeviceArray<float> dq(static_cast<std::size_t>(per_query)), dout(static_cast<std::size_t>(per_query));
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  const long resident_before = cuda::testing::attend_path_counts().resident;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status captured = c->attend_decode_device(full, p, dq.get(), dout.get(), stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(captured.ok()) << captured.to_string();
+  EXPECT_EQ(cuda::testing::attend_path_counts().resident, resident_before);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (std::uint64_t seed : {11, 12, 13}) {
+    SCOPED_TRACE("replay with query seed " + std::to_string(seed));
+    const auto q = random_floats(static_cast<std::size_t>(per_query), seed);
+    dq.upload(q);
+    dout.poison();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto replayed = dout.download();
+    auto direct = nan_filled(q.size());
+    ASSERT_TRUE(c->attend_decode(full, p, q.data(), direct.data()).ok());
+    EXPECT_TRUE(same_bits(replayed, direct));
+    EXPECT_FALSE(std::isnan(replayed[0]));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 // The device-pointer API gives the host API's bits (outputs poisoned first).

@@ -1054,12 +1054,19 @@ int max_cluster(Kernel kernel, std::size_t smem) {
   return 1;
 }
 
+// Launches by combine path, for the tests.
+struct PathCounters {
+  std::atomic<long> resident{0}, cluster{0}, last_arrival{0};
+};
+PathCounters path_counts;
+std::atomic<std::uint32_t> next_epoch{0};
+
 // Launches `kernel` over `grid`. When the grid has at most `resident_ctas`
 // CTAs (and the tagged partials have room), it is a resident grid through a
 // cooperative launch; else the splits of each item (grid.x of them) form
 // one cluster when there are several and a cluster that large runs; else
 // they combine by last arrival, as they also do when the device turns the
-// cooperative launch down as too large.
+// cooperative launch down (too large, or not supported or permitted here).
 template <class Kernel>
 cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, dim3 grid,
                    std::size_t smem, AttendParams params, cudaStream_t stream) {
@@ -1087,11 +1094,17 @@ cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, dim3 gri
   cfg.attrs = &attr;
   cfg.numAttrs = cluster || resident ? 1 : 0;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
-  if (e == cudaErrorCooperativeLaunchTooLarge && resident) {
+  if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
+                   e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
     return launch(kernel, cluster_limit, 0, grid, smem, params, stream);
   }
-  if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not by a later call
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // reported here, not by a later call
+  } else if (grid.x >= 2) {
+    (resident ? path_counts.resident : cluster ? path_counts.cluster : path_counts.last_arrival)
+        .fetch_add(1);
+  }
   return e;
 }
 
@@ -1178,6 +1191,11 @@ int resident_limit(const DeviceSetup& s, int head_dim) {
 namespace testing {
 void set_attend_cluster_cap(int cap) { cluster_cap.store(cap); }
 void set_attend_resident(bool allowed) { resident_allowed.store(allowed); }
+AttendPathCounts attend_path_counts() {
+  return {path_counts.resident.load(), path_counts.cluster.load(), path_counts.last_arrival.load()};
+}
+int attend_splits_for(std::int64_t n) { return static_cast<int>(attend_splits(n)); }
+void set_attend_next_epoch(std::uint32_t epoch) { next_epoch.store(epoch); }
 int attend_resident_limit(int head_dim) {
   DeviceSetup s;
   if (device_setup(s) != cudaSuccess) return 0;
@@ -1190,6 +1208,8 @@ int attend_cluster_limit(int head_dim) {
   return cluster_limit(s, head_dim);
 }
 }  // namespace testing
+
+std::uint32_t testing_next_epoch() { return next_epoch.exchange(0); }
 
 int attend_resident_ctas(int head_dim) {
   DeviceSetup s;

@@ -333,13 +333,20 @@ Result<std::unique_ptr<CudaCache>> CudaCache::create(const ModelConfig& config,
                                  cuda::attend_counters(cuda::kAttendMaxSplits)) *
             sizeof(unsigned),
         "attention counters", im.stream, true));
+    // Resident grids are an optimisation: without room for their tagged
+    // partials, attention takes the other combine paths.
     const int resident = cuda::attend_resident_ctas(hd);
     if (resident > 0) {
-      KVRING_RETURN_IF_ERROR(im.tagged.reserve(
-          static_cast<std::size_t>(resident * cuda::attend_tagged_words(n_heads, n_kv, hd)) *
-              sizeof(std::uint64_t),
-          "attention tagged partials", im.stream, true));
-      im.tagged_ctas = resident;
+      if (im.tagged
+              .reserve(static_cast<std::size_t>(resident *
+                                                cuda::attend_tagged_words(n_heads, n_kv, hd)) *
+                           sizeof(std::uint64_t),
+                       "attention tagged partials", im.stream, true)
+              .ok()) {
+        im.tagged_ctas = resident;
+      } else {
+        (void)cudaGetLastError();
+      }
     }
   }
   KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(im.stream));
@@ -666,17 +673,25 @@ Status CudaCache::attend_on_device(const AttendArgs& a, cudaStream_t stream) {
       P.counters = im.counters.as<unsigned>();
     }
     P.max_splits = max_splits;
-    if (im.tagged_ctas > 0) {
+    // A resident grid needs an epoch no earlier launch used. A launch
+    // captured into a CUDA graph would replay with the epoch it was
+    // captured with, so captured launches take the other combine paths.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    KVRING_CUDA_CHECK("cudaStreamIsCapturing", cudaStreamIsCapturing(stream, &capture));
+    if (im.tagged_ctas > 0 && capture == cudaStreamCaptureStatusNone) {
       // A fresh epoch per launch; when the count wraps, the words are
       // zeroed (in stream order) so no old word can carry a reused epoch.
-      if (++im.epoch == 0) {
+      std::uint32_t epoch = im.epoch + 1;
+      if (const std::uint32_t next = cuda::testing_next_epoch(); next != 0) epoch = next;
+      if (epoch == 0) {
         KVRING_CUDA_CHECK("cudaMemsetAsync",
                           cudaMemsetAsync(im.tagged.as<void>(), 0, im.tagged.bytes(), stream));
-        im.epoch = 1;
+        epoch = 1;
       }
+      im.epoch = epoch;
       P.tagged = im.tagged.as<std::uint64_t>();
       P.tagged_ctas = im.tagged_ctas;
-      P.epoch = im.epoch;
+      P.epoch = epoch;
     }
     P.first_position = a.first_position + q0;
     P.n_queries = static_cast<std::int32_t>(nq);

@@ -194,4 +194,7 @@ int attend_resident_ctas(int head_dim);
 
 cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream);
 
+// The epoch a test set for the next launch (testing.h), once; 0: none.
+std::uint32_t testing_next_epoch();
+
 }  // namespace kvring::cuda

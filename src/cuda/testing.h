@@ -32,5 +32,19 @@ void set_attend_resident(bool allowed);
 // The most CTAs a resident-grid attention launch with head_dim `head_dim`
 // may have now (0: that path is off).
 int attend_resident_limit(int head_dim);
+// Attention launches so far, by the path their splits combined on
+// (launches of one split per query count as none of them).
+struct AttendPathCounts {
+  long resident = 0;
+  long cluster = 0;
+  long last_arrival = 0;
+};
+AttendPathCounts attend_path_counts();
+// The splits a query that sees n rows is cut into (kernels.h).
+int attend_splits_for(std::int64_t n);
+// Makes the next resident-grid launch of any cache take epoch `epoch`
+// (nonzero), as if the count had reached it: 0xffffffff makes the launch
+// after it wrap.
+void set_attend_next_epoch(std::uint32_t epoch);
 
 }  // namespace kvring::cuda::testing
