@@ -279,24 +279,36 @@ __device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
 // combine_element's arithmetic over n partials of one output unit staged
 // in shared memory, `stride` apart (split s's sums o[s * stride], maximum
 // ml[2 s stride] and weight sum ml[2 s stride + 1]), in short loops rather
-// than unrolled code.
-__device__ __forceinline__ void combine_staged(const float4* o, const float* ml, int n, int stride,
-                                               float4& acc, float& max, float& sum) {
-  max = -INFINITY;
+// than unrolled code: its sum, maximum and weight sum, and the sum divided
+// by the weight sum (the output, when this is the last level). One copy of
+// the code (not inlined) serves every level of the resident combine, and
+// every call computes the quotient, so that the last level, which is on
+// the launch's critical path, finds all of its code in the instruction
+// cache where the calls of an earlier level brought it.
+struct Staged {
+  float4 acc;
+  float max, sum;
+  float4 out;
+};
+__device__ __noinline__ Staged combine_staged(const float4* o, const float* ml, int n, int stride) {
+  Staged r;
+  r.max = -INFINITY;
 #pragma unroll 4
-  for (int s = 0; s < n; ++s) max = fmaxf(max, ml[2 * s * stride]);
-  sum = -0.0f;
-  acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
+  for (int s = 0; s < n; ++s) r.max = fmaxf(r.max, ml[2 * s * stride]);
+  r.sum = -0.0f;
+  r.acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
 #pragma unroll 4
   for (int s = 0; s < n; ++s) {
-    const float wt = weight_of(ml[2 * s * stride], max);
+    const float wt = weight_of(ml[2 * s * stride], r.max);
     const float4 v = o[s * stride];
-    sum = __fmaf_rn(ml[2 * s * stride + 1], wt, sum);
-    acc.x = __fmaf_rn(v.x, wt, acc.x);
-    acc.y = __fmaf_rn(v.y, wt, acc.y);
-    acc.z = __fmaf_rn(v.z, wt, acc.z);
-    acc.w = __fmaf_rn(v.w, wt, acc.w);
+    r.sum = __fmaf_rn(ml[2 * s * stride + 1], wt, r.sum);
+    r.acc.x = __fmaf_rn(v.x, wt, r.acc.x);
+    r.acc.y = __fmaf_rn(v.y, wt, r.acc.y);
+    r.acc.z = __fmaf_rn(v.z, wt, r.acc.z);
+    r.acc.w = __fmaf_rn(v.w, wt, r.acc.w);
   }
+  r.out = make_float4(r.acc.x / r.sum, r.acc.y / r.sum, r.acc.z / r.sum, r.acc.w / r.sum);
+  return r;
 }
 
 // Tagged partials: a float in the low half of a 64-bit word whose high half
@@ -326,18 +338,43 @@ __device__ __forceinline__ float untag(std::uint64_t w) {
 // at most; then, for two levels, 16 units (n >= 17) times 8 groups.
 inline constexpr int kUnitsMax = kTensorHeads * kTensorHeadDim / 4;
 inline constexpr int kResidentPairs = kUnitsMax + kAttendMaxSplits;
+inline constexpr int kMaxGroups = (kAttendMaxSplits + kAttendGroup - 1) / kAttendGroup;
 inline constexpr int kResidentGroupPairs =
-    (kUnitsMax + kAttendSingleLevel) / (kAttendSingleLevel + 1) *
-    ((kAttendMaxSplits + kAttendGroup - 1) / kAttendGroup);
+    (kUnitsMax + kAttendSingleLevel) / (kAttendSingleLevel + 1) * kMaxGroups;
 inline constexpr int kResidentStageBytes = (kResidentPairs + kResidentGroupPairs) * 24;
+static_assert(kMaxGroups <= kAttendWarps, "a warp per level-one group");
+
+// Waits until the tagged words of output unit u in split `src`'s partial
+// carry the epoch, and stages them at o[at], ml[2 at] (m, l). Every word
+// carries its own tag, so the three loads go out together.
+__device__ __forceinline__ void gather_unit(const std::uint64_t* src, int total, int hd, int u,
+                                            unsigned epoch, float4* o, float* ml, int at) {
+  std::uint64_t m, l, o0, o1, o2, o3;
+  for (;;) {
+    load_tagged2(src + total + 2 * (u * 4 / hd), m, l);
+    load_tagged2(src + 4 * u, o0, o1);
+    load_tagged2(src + 4 * u + 2, o2, o3);
+    if (tagged(m, epoch) && tagged(l, epoch) && tagged(o0, epoch) && tagged(o1, epoch) &&
+        tagged(o2, epoch) && tagged(o3, epoch))
+      break;
+    __nanosleep(32);
+  }
+  o[at] = make_float4(untag(o0), untag(o1), untag(o2), untag(o3));
+  ml[2 * at] = untag(m);
+  ml[2 * at + 1] = untag(l);
+}
 
 // Resident-grid finish of a CTA (hd % 4 == 0): it stores its partial as
 // tagged words at its place in P.tagged, then combines the split-th share
 // of the item's output, in whole float4 units, from every split's tagged
-// words: a thread per (unit, split) waits until its words carry the epoch
-// and stages them in shared memory, then the same tree and arithmetic as
-// the last-arrival combine runs on the staged floats (level-one group
-// results staged too). Every CTA of the grid is resident, so the wait ends.
+// words, staged in shared memory as [split][unit] once they carry the
+// epoch, in the same tree and arithmetic as the last-arrival combine. With
+// one level, a thread per (unit, split) stages and, after a barrier, a
+// thread per unit combines. With two, warp w stages group w's splits and
+// combines them (level one) as soon as they are in, so the groups that
+// finished early are combined while the last split is still running; then
+// a thread per unit combines the groups. Every CTA of the grid is resident,
+// so every wait ends.
 __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOutputs wo,
                                 unsigned char* stage, const QueryRange& r, int heads,
                                 int heads_valid, float* out) {
@@ -350,7 +387,9 @@ __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOut
                                     gridDim.x) * words;
   const unsigned epoch = P.epoch;
   {
+    // (A loop, not unrolled: one copy of its code to fetch.)
     std::uint64_t* mine = item + r.split * words;
+#pragma unroll 1
     for (int i = 2 * tid; i < heads_valid * hd; i += 2 * blockDim.x)
       store_tagged2(mine + i, cta_value(sh, wo, i, i / hd), cta_value(sh, wo, i + 1, i / hd), epoch);
     if (tid < heads_valid) store_tagged2(mine + total + 2 * tid, sh.head_m[tid], sh.head_l[tid], epoch);
@@ -360,58 +399,47 @@ __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOut
   const int u0 = min(r.split * share, units);
   const int count = min(u0 + share, units) - u0;
   // Staged as [split][unit], so the threads of consecutive units read
-  // consecutive words below.
+  // consecutive words.
   float4* st_o = reinterpret_cast<float4*>(stage);
   float* st_ml = reinterpret_cast<float*>(stage + 16 * kResidentPairs);  // [split][unit][m, l]
-  for (int i = tid; i < count * n; i += blockDim.x) {
-    const int s = i / count, j = i - s * count;
-    const int u = u0 + j;
-    const std::uint64_t* src = item + s * words;
-    std::uint64_t m, l, o0, o1, o2, o3;
-    load_tagged2(src + total + 2 * (u * 4 / hd), m, l);
-    while (!tagged(m, epoch) || !tagged(l, epoch)) {
-      __nanosleep(32);
-      load_tagged2(src + total + 2 * (u * 4 / hd), m, l);
-    }
-    do {
-      load_tagged2(src + 4 * u, o0, o1);
-      load_tagged2(src + 4 * u + 2, o2, o3);
-    } while (!tagged(o0, epoch) || !tagged(o1, epoch) || !tagged(o2, epoch) || !tagged(o3, epoch));
-    st_o[i] = make_float4(untag(o0), untag(o1), untag(o2), untag(o3));
-    st_ml[2 * i] = untag(m);
-    st_ml[2 * i + 1] = untag(l);
-  }
-  __syncthreads();
   float4* out4 = reinterpret_cast<float4*>(out);
-  float4 acc;
-  float max, sum;
   const int groups = attend_groups(n);
   if (groups == 0) {
+    for (int i = tid; i < count * n; i += blockDim.x) {
+      const int s = i / count, j = i - s * count;
+      gather_unit(item + s * words, total, hd, u0 + j, epoch, st_o, st_ml, i);
+    }
+    __syncthreads();
     for (int j = tid; j < count; j += blockDim.x) {
-      const int u = u0 + j;
-      combine_staged(st_o + j, st_ml + 2 * j, n, count, acc, max, sum);
-      out4[u] = make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+      out4[u0 + j] = combine_staged(st_o + j, st_ml + 2 * j, n, count).out;
     }
     return;
   }
-  // Level one: a thread per (unit, group); then a thread per unit.
+  // Level one, in the warp of the group; its results as [unit][group].
   float4* g_o = reinterpret_cast<float4*>(stage + 24 * kResidentPairs);
   float* g_ml = reinterpret_cast<float*>(stage + 24 * kResidentPairs + 16 * kResidentGroupPairs);
-  for (int i = tid; i < count * groups; i += blockDim.x) {
-    const int group = i / count, j = i - group * count;
-    const int first = group * kAttendGroup;
-    const int at = first * count + j;
-    combine_staged(st_o + at, st_ml + 2 * at, min(kAttendGroup, n - first), count, acc, max, sum);
-    const int g = j * groups + group;  // [unit][group]
-    g_o[g] = acc;
-    g_ml[2 * g] = max;
-    g_ml[2 * g + 1] = sum;
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < groups) {
+    const int first = warp * kAttendGroup;
+    const int members = min(kAttendGroup, n - first);
+    for (int i = lane; i < count * members; i += 32) {
+      const int k = i / count, j = i - k * count;
+      gather_unit(item + (first + k) * words, total, hd, u0 + j, epoch, st_o, st_ml,
+                  (first + k) * count + j);
+    }
+    __syncwarp();
+    for (int j = lane; j < count; j += 32) {
+      const int at = first * count + j;
+      const Staged c = combine_staged(st_o + at, st_ml + 2 * at, members, count);
+      const int g = j * groups + warp;
+      g_o[g] = c.acc;
+      g_ml[2 * g] = c.max;
+      g_ml[2 * g + 1] = c.sum;
+    }
   }
   __syncthreads();
   for (int j = tid; j < count; j += blockDim.x) {
-    const int u = u0 + j;
-    combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, 1, acc, max, sum);
-    out4[u] = make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+    out4[u0 + j] = combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, 1).out;
   }
 }
 
