@@ -1131,7 +1131,7 @@ cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, dim3 gri
     (void)cudaGetLastError();  // reported here, not by a later call
   } else if (grid.x >= 2) {
     (resident ? path_counts.resident : cluster ? path_counts.cluster : path_counts.last_arrival)
-        .fetch_add(1);
+        .fetch_add(1, std::memory_order_relaxed);
   }
   return e;
 }

@@ -652,6 +652,11 @@ Status CudaCache::attend_on_device(const AttendArgs& a, cudaStream_t stream) {
   const std::int64_t batch =
       std::clamp<std::int64_t>(kWorkspaceBudget / per_query_max, 1, kMaxQueriesPerLaunch);
   const int items = cuda::attend_grid(n_heads, n_kv, hd).items;
+  // A resident grid needs an epoch no earlier launch used. A launch
+  // captured into a CUDA graph would replay with the epoch it was captured
+  // with, so captured launches take the other combine paths.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  KVRING_CUDA_CHECK("cudaStreamIsCapturing", cudaStreamIsCapturing(stream, &capture));
   for (std::int64_t q0 = 0; q0 < a.n_queries; q0 += batch) {
     const std::int64_t nq = std::min(batch, a.n_queries - q0);
     int max_splits = 1;
@@ -673,11 +678,6 @@ Status CudaCache::attend_on_device(const AttendArgs& a, cudaStream_t stream) {
       P.counters = im.counters.as<unsigned>();
     }
     P.max_splits = max_splits;
-    // A resident grid needs an epoch no earlier launch used. A launch
-    // captured into a CUDA graph would replay with the epoch it was
-    // captured with, so captured launches take the other combine paths.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    KVRING_CUDA_CHECK("cudaStreamIsCapturing", cudaStreamIsCapturing(stream, &capture));
     if (im.tagged_ctas > 0 && capture == cudaStreamCaptureStatusNone) {
       // A fresh epoch per launch; when the count wraps, the words are
       // zeroed (in stream order) so no old word can carry a reused epoch.
