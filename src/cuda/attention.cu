@@ -338,7 +338,7 @@ __device__ __forceinline__ float untag(std::uint64_t w) {
 // at most; then, for two levels, 16 units (n >= 17) times 8 groups.
 inline constexpr int kUnitsMax = kTensorHeads * kTensorHeadDim / 4;
 inline constexpr int kResidentPairs = kUnitsMax + kAttendMaxSplits;
-inline constexpr int kMaxGroups = (kAttendMaxSplits + kAttendGroup - 1) / kAttendGroup;
+inline constexpr int kMaxGroups = attend_groups(kAttendMaxSplits);
 inline constexpr int kResidentGroupPairs =
     (kUnitsMax + kAttendSingleLevel) / (kAttendSingleLevel + 1) * kMaxGroups;
 inline constexpr int kResidentStageBytes = (kResidentPairs + kResidentGroupPairs) * 24;
