@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 
@@ -33,6 +34,30 @@ namespace kvring::cuda {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// What a CTA needs to address its rows, computed once on the host from
+// AttendParams: the kernels take it ahead of the AttendParams, so that the
+// first tiles go out after a few constant loads and a short chain of
+// arithmetic (the rest of the parameters are read later).
+struct FirstTiles {
+  const std::uint16_t* plane_k;
+  const std::uint16_t* plane_v;
+  std::int64_t first_position;
+  std::int64_t reach;        // a query at p sees rows from max(0, p - reach)
+  std::int64_t shift;        // plane row of logical L: L + shift, less capacity past the end
+  std::int64_t capacity;
+  std::int64_t chunk_start;
+  std::int64_t head_step;    // kv_head's head rows start kv_head * head_step elements in
+  std::int32_t row_stride;   // elements between a head's consecutive plane rows
+  std::int32_t group;        // query heads per KV head
+  std::int32_t sets;         // work items per KV head
+  const float* q;
+  std::int32_t n_heads;
+};
+struct KernelArgs {
+  FirstTiles F;
+  AttendParams P;
+};
 
 struct QueryRange {
   int qi;                  // query index in the launch
@@ -77,29 +102,25 @@ struct RowPtr {
 // row i at i * kv_dim + chunk_offset.
 struct HeadRows {
   std::int64_t row_stride, head_offset, chunk_offset;
-  __device__ HeadRows(const AttendParams& P, int kv_head) {
-    const Layout layout = P.token_major ? Layout::kTokenMajor : Layout::kHeadMajor;
-    row_stride = static_cast<std::int64_t>(plane_row_stride(
-        layout, static_cast<std::uint64_t>(P.kv_dim), static_cast<std::uint64_t>(P.head_dim)));
-    head_offset = static_cast<std::int64_t>(plane_head_row(
-        layout, 0, static_cast<std::uint64_t>(kv_head), static_cast<std::uint64_t>(P.kv_dim),
-        static_cast<std::uint64_t>(P.head_dim), static_cast<std::uint64_t>(P.capacity)));
-    chunk_offset = static_cast<std::int64_t>(kv_head) * P.head_dim;
-  }
+  __device__ HeadRows(const FirstTiles& F, int head_dim, int kv_head)
+      : row_stride(F.row_stride),
+        head_offset(kv_head * F.head_step),
+        chunk_offset(static_cast<std::int64_t>(kv_head) * head_dim) {}
 };
 
 // The head row of logical position L: from the chunk when L >= chunk_start,
 // else from the plane at the physical row the explicit origins give.
 // Precondition: L is live in the ring or inside the chunk.
-__device__ __forceinline__ RowPtr row_at(const AttendParams& P, const HeadRows& h, std::int64_t L) {
-  if (L >= P.chunk_start) {
-    const std::int64_t off = (L - P.chunk_start) * P.kv_dim + h.chunk_offset;
+__device__ __forceinline__ RowPtr row_at(const FirstTiles& F, const AttendParams& P,
+                                         const HeadRows& h, std::int64_t L) {
+  if (L >= F.chunk_start) {
+    const std::int64_t off = (L - F.chunk_start) * P.kv_dim + h.chunk_offset;
     return {P.chunk_k + off, P.chunk_v + off};
   }
-  std::int64_t physical = P.origin_physical + (L - P.origin_logical);
-  if (physical >= P.capacity) physical -= P.capacity;
+  std::int64_t physical = L + F.shift;
+  if (physical >= F.capacity) physical -= F.capacity;
   const std::int64_t off = physical * h.row_stride + h.head_offset;
-  return {P.plane_k + off, P.plane_v + off};
+  return {F.plane_k + off, F.plane_v + off};
 }
 
 // Partials of the warps of one CTA, then of the splits of one item.
@@ -689,9 +710,9 @@ struct TileCopy {
 
 // Enqueues the tile at `base` (rows < b; rows past b are written as zeros)
 // into stage `stage` of the warp's area.
-__device__ __forceinline__ void issue_tile(const AttendParams& P, const HeadRows& rows,
-                                           std::int64_t base, std::int64_t b, const TileCopy& tc,
-                                           int stage) {
+__device__ __forceinline__ void issue_tile(const FirstTiles& F, const AttendParams& P,
+                                           const HeadRows& rows, std::int64_t base, std::int64_t b,
+                                           const TileCopy& tc, int stage) {
   const unsigned stage_off = static_cast<unsigned>(stage * kStageBytes);
   // Evenly spaced rows: a whole tile inside the chunk, or inside the plane
   // without crossing the ring's end.
@@ -699,18 +720,18 @@ __device__ __forceinline__ void issue_tile(const AttendParams& P, const HeadRows
   const std::uint16_t* v0 = nullptr;
   std::int64_t stride = 0;
   if (base + kAttendTile <= b) {
-    if (base >= P.chunk_start) {
-      const std::int64_t off = (base - P.chunk_start) * P.kv_dim + rows.chunk_offset;
+    if (base >= F.chunk_start) {
+      const std::int64_t off = (base - F.chunk_start) * P.kv_dim + rows.chunk_offset;
       k0 = P.chunk_k + off;
       v0 = P.chunk_v + off;
       stride = P.kv_dim;
-    } else if (base + kAttendTile <= P.chunk_start) {
-      std::int64_t physical = P.origin_physical + (base - P.origin_logical);
-      if (physical >= P.capacity) physical -= P.capacity;
-      if (physical + kAttendTile <= P.capacity) {
+    } else if (base + kAttendTile <= F.chunk_start) {
+      std::int64_t physical = base + F.shift;
+      if (physical >= F.capacity) physical -= F.capacity;
+      if (physical + kAttendTile <= F.capacity) {
         const std::int64_t off = physical * rows.row_stride + rows.head_offset;
-        k0 = P.plane_k + off;
-        v0 = P.plane_v + off;
+        k0 = F.plane_k + off;
+        v0 = F.plane_v + off;
         stride = rows.row_stride;
       }
     }
@@ -732,26 +753,34 @@ __device__ __forceinline__ void issue_tile(const AttendParams& P, const HeadRows
   for (int k = 0; k < 8; ++k) {
     const std::int64_t L = base + 2 * k + tc.half;
     const bool ok = L < b;
-    const RowPtr row = ok ? row_at(P, rows, L) : RowPtr{P.plane_k, P.plane_k};
+    const RowPtr row = ok ? row_at(F, P, rows, L) : RowPtr{F.plane_k, F.plane_k};
     cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, row.k + (ok ? 8 * tc.c : 0), ok);
     cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, row.v + (ok ? 8 * tc.c : 0),
                ok);
   }
 }
 
-__global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const AttendParams P) {
+__global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A) {
   constexpr int HD = kTensorHeadDim;
+  const FirstTiles& F = A.F;
+  const AttendParams& P = A.P;
   extern __shared__ uint4 smem_raw[];
   TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   Shared& sh = S.sh;
+  // query_range's values but its split count (a division, done once the
+  // first tiles are out): split s exists when its first row is visible.
   QueryRange r;
-  if (!query_range(P, r)) return idle_in_cluster(P);
-  const int group = P.n_heads / P.n_kv_heads;
-  const int sets = (group + kTensorHeads - 1) / kTensorHeads;
-  const int kv_head = static_cast<int>(blockIdx.y) / sets;
-  const int set = static_cast<int>(blockIdx.y) - kv_head * sets;
-  const int head0 = kv_head * group + set * kTensorHeads;
-  const int heads_valid = min(kTensorHeads, group - set * kTensorHeads);
+  r.qi = static_cast<int>(blockIdx.z);
+  r.p = F.first_position + r.qi;
+  r.lo = max(std::int64_t{0}, r.p - F.reach);
+  r.split_rows = attend_split_rows(r.p - r.lo + 1);
+  r.split = static_cast<int>(blockIdx.x);
+  if (r.lo + r.split * r.split_rows > r.p) return idle_in_cluster(P);
+  const int item = static_cast<int>(blockIdx.y);
+  const int kv_head = F.sets == 1 ? item : item / F.sets;
+  const int set = item - kv_head * F.sets;
+  const int head0 = kv_head * F.group + set * kTensorHeads;
+  const int heads_valid = min(kTensorHeads, F.group - set * kTensorHeads);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -762,7 +791,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   float qv[32];
   if (g < heads_valid) {
     const float4* src = reinterpret_cast<const float4*>(
-        P.q + (static_cast<std::int64_t>(r.qi) * P.n_heads + head0 + g) * HD + 8 * t);
+        F.q + (static_cast<std::int64_t>(r.qi) * F.n_heads + head0 + g) * HD + 8 * t);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
@@ -778,7 +807,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   // Then the first tiles, before the query is used.
   std::int64_t a, b;
   warp_rows(r, warp, a, b);
-  const HeadRows rows(P, kv_head);
+  const HeadRows rows(F, HD, kv_head);
   const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
   TileCopy tc;
   tc.half = lane >> 4;
@@ -791,9 +820,10 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
   }
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (a + st * kAttendTile < b) issue_tile(P, rows, a + st * kAttendTile, b, tc, st);
+    if (a + st * kAttendTile < b) issue_tile(F, P, rows, a + st * kAttendTile, b, tc, st);
     cp_async_commit();
   }
+  r.n_splits = static_cast<int>((r.p - r.lo + r.split_rows) / r.split_rows);
   // The lane's fragment addresses in stage 0: K piece 4i + t of row g (row
   // 8 + g lies 8 rows on); for the ldmatrix of dim tiles 2jj and 2jj + 1,
   // lane 8m + rr gives row 8(m & 1) + rr, piece 2jj + (m >> 1).
@@ -850,7 +880,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const A
       // Refill the stage the previous tile was read from.
       const std::int64_t ahead = base + (kStages - 1) * kAttendTile;
       const int st = stage == 0 ? kStages - 1 : stage - 1;
-      if (ahead < b) issue_tile(P, rows, ahead, b, tc, st);
+      if (ahead < b) issue_tile(F, P, rows, ahead, b, tc, st);
       cp_async_commit();
     }
     cp_async_wait<kStages - 1>();  // this tile's group is complete
@@ -956,7 +986,9 @@ __device__ __forceinline__ float f16_value(std::uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
 }
 
-__global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const AttendParams P) {
+__global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const KernelArgs A) {
+  const FirstTiles& F = A.F;
+  const AttendParams& P = A.P;
   __shared__ Shared sh;
   __shared__ float warp_o[kAttendWarps][kGeneralMaxHeadDim];
   __shared__ alignas(16) float part_o[kPartFloats];
@@ -964,7 +996,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
   if (!query_range(P, r)) return idle_in_cluster(P);
   const int hd = P.head_dim;
   const int head = static_cast<int>(blockIdx.y);
-  const int kv_head = head / (P.n_heads / P.n_kv_heads);
+  const int kv_head = head / F.group;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
 
@@ -978,7 +1010,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
 
   std::int64_t a, b;
   warp_rows(r, warp, a, b);
-  const HeadRows rows(P, kv_head);
+  const HeadRows rows(F, hd, kv_head);
   float m = -INFINITY, l = 0.0f;
   float o[kGeneralDimsPerLane];
 #pragma unroll
@@ -993,7 +1025,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
       s[u] = 0.0f;
       const bool live = base + u < b;
       RowPtr row{nullptr, nullptr};
-      if (live) row = row_at(P, rows, base + u);
+      if (live) row = row_at(F, P, rows, base + u);
 #pragma unroll
       for (int i = 0; i < kGeneralDimsPerLane; ++i) {
         const int d = lane + 32 * i;
@@ -1089,6 +1121,29 @@ struct PathCounters {
 PathCounters path_counts;
 std::atomic<std::uint32_t> next_epoch{0};
 
+// The FirstTiles of a launch.
+FirstTiles first_tiles(const AttendParams& P) {
+  FirstTiles f{};
+  f.plane_k = P.plane_k;
+  f.plane_v = P.plane_v;
+  f.first_position = P.first_position;
+  f.reach = P.window > 0 ? P.window - 1 : std::numeric_limits<std::int64_t>::max() / 2;
+  f.shift = P.origin_physical - P.origin_logical;
+  f.capacity = P.capacity;
+  f.chunk_start = P.chunk_start;
+  const Layout layout = P.token_major ? Layout::kTokenMajor : Layout::kHeadMajor;
+  const auto kv_dim = static_cast<std::uint64_t>(P.kv_dim);
+  const auto head_dim = static_cast<std::uint64_t>(P.head_dim);
+  f.head_step = static_cast<std::int64_t>(
+      plane_head_row(layout, 0, 1, kv_dim, head_dim, static_cast<std::uint64_t>(P.capacity)));
+  f.row_stride = static_cast<std::int32_t>(plane_row_stride(layout, kv_dim, head_dim));
+  f.group = P.n_heads / P.n_kv_heads;
+  f.sets = (f.group + kTensorHeads - 1) / kTensorHeads;
+  f.q = P.q;
+  f.n_heads = P.n_heads;
+  return f;
+}
+
 // Launches `kernel` over `grid`. When the grid has at most `resident_ctas`
 // CTAs (and the tagged partials have room), it is a resident grid through a
 // cooperative launch; else the splits of each item (grid.x of them) form
@@ -1121,7 +1176,7 @@ cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, dim3 gri
   }
   cfg.attrs = &attr;
   cfg.numAttrs = cluster || resident ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, KernelArgs{first_tiles(params), params});
   if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
                    e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
