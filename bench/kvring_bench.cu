@@ -303,7 +303,12 @@ int main(int argc, char** argv) {
     for (std::int64_t chunk : {std::int64_t{512}, max_chunk}) {
       check(c->reset(), "reset");
       pos = 0;
-      const double bytes = static_cast<double>(L * chunk * kv) * 2 * (4 + 2);
+      // Bytes moved: a sliding layer's ring keeps only its last `capacity`
+      // rows of a chunk, so only those are read (f32) and written (f16).
+      std::int64_t stored_rows = 0;
+      for (std::int64_t l = 0; l < L; ++l)
+        stored_rows += std::min(chunk, muse.plane_capacity(l, ctx));
+      const double bytes = static_cast<double>(stored_rows * kv) * 2 * (4 + 2);
       const std::int64_t windows = max_chunk / chunk;
       int run = 0;
       auto store_chunk = [&] {
