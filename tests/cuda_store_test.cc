@@ -189,6 +189,50 @@ TEST(CudaCache, DeviceApiStoresTheSameBytes) {
   }
 }
 
+// The all-layers batch store leaves the planes and rings of per-layer
+// batch stores and of the CPU backend: across wraps (two spans a ring) and
+// across launches (40 layers have more spans than one launch takes).
+TEST(CudaCache, AllLayersBatchStoreMatchesPerLayerStores) {
+  KVRING_SKIP_WITHOUT_GPU();
+  std::vector<ModelConfig> cfgs = store_configs();
+  cfgs.push_back(make_hybrid_config("40-layers", 40, 4, 4, 2, 16, 24, 300));
+  for (const ModelConfig& cfg : cfgs) {
+    SCOPED_TRACE(cfg.name);
+    const std::int64_t n = 150, kv = cfg.kv_dim(), L = cfg.n_layers;
+    // Every layer gets tokens of its own.
+    std::vector<KvStream> per;
+    for (std::int64_t l = 0; l < L; ++l) per.emplace_back(kv, n, 300 + static_cast<std::uint64_t>(l), true);
+    auto cpu = cpu_cache(cfg);
+    auto one = typed_cuda_cache(cfg);
+    auto all = typed_cuda_cache(cfg);
+    ASSERT_TRUE(cpu && one && all);
+    constexpr std::int64_t kCounts[] = {1, 5, 33, 40, 71};
+    for (std::int64_t p = 0, i = 0; p < n; ++i) {
+      const std::int64_t count = std::min(kCounts[i % 5], n - p);
+      std::vector<float> lk, lv;  // [L, count, kv]
+      for (const KvStream& t : per) {
+        lk.insert(lk.end(), t.krow(p), t.krow(p) + count * kv);
+        lv.insert(lv.end(), t.vrow(p), t.vrow(p) + count * kv);
+      }
+      DeviceArray<float> dk(lk), dv(lv);
+      for (std::int64_t l = 0; l < L; ++l) {
+        const KvStream& t = per[static_cast<std::size_t>(l)];
+        ASSERT_TRUE(cpu->store_batch(l, p, count, t.krow(p), t.vrow(p)).ok());
+        ASSERT_TRUE(one->store_batch_device(l, p, count, dk.get() + l * count * kv,
+                                            dv.get() + l * count * kv)
+                        .ok());
+      }
+      const Status st = all->store_batch_all_layers_device(p, count, dk.get(), dv.get());
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      ASSERT_TRUE(one->synchronize().ok());
+      ASSERT_TRUE(all->synchronize().ok());
+      p += count;
+    }
+    expect_same_planes(*all, *one);
+    expect_same_planes(*all, *cpu);
+  }
+}
+
 // read_rows gives the live rows in logical order whatever the rotation;
 // install puts them back byte-identically, through pageable and pinned host
 // buffers alike.
@@ -297,6 +341,8 @@ TEST(CudaCache, FailuresLeaveTheCacheUnchanged) {
               ErrorCode::kCacheDiscontinuity);
     EXPECT_EQ(cache.store_token_all_layers_device(bad, dk.get(), dv.get()).error().code,
               ErrorCode::kCacheDiscontinuity);
+    EXPECT_EQ(cache.store_batch_all_layers_device(bad, 5, dk.get(), dv.get()).error().code,
+              ErrorCode::kCacheDiscontinuity);
   }
   unchanged();
   // Layers that disagree: the all-layers store refuses for every layer.
@@ -307,6 +353,9 @@ TEST(CudaCache, FailuresLeaveTheCacheUnchanged) {
     Status st = d->store_token_all_layers_device(0, dk.get(), dv.get());
     EXPECT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
     EXPECT_EQ(st.error().layer, 0);
+    st = d->store_batch_all_layers_device(0, 3, dk.get(), dv.get());
+    EXPECT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
+    EXPECT_EQ(st.error().layer, 0);
     ASSERT_TRUE(d->synchronize().ok());
     EXPECT_EQ(d->ring(1).len(), 0);
     EXPECT_TRUE(plane_bytes(*d, 1) == l1);
@@ -315,12 +364,23 @@ TEST(CudaCache, FailuresLeaveTheCacheUnchanged) {
             ErrorCode::kCapacityExceeded);
   EXPECT_EQ(cache.store_batch_device(3, 40, 25, dk.get(), dv.get()).error().code,
             ErrorCode::kCapacityExceeded);
+  // The sliding layers would take 25 rows; the full ones refuse them all.
+  EXPECT_EQ(cache.store_batch_all_layers_device(40, 25, dk.get(), dv.get()).error().code,
+            ErrorCode::kCapacityExceeded);
   EXPECT_EQ(cache.store_token(4, 40, s.krow(0), s.vrow(0)).error().code, ErrorCode::kInvalidArgument);
   EXPECT_EQ(cache.store_token_device(-1, 40, dk.get(), dv.get()).error().code,
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(cache.store_token_device(0, 40, nullptr, dv.get()).error().code,
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(cache.store_batch_device(0, 40, 0, dk.get(), dv.get()).error().code,
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(cache.store_batch_all_layers_device(40, 0, dk.get(), dv.get()).error().code,
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(cache.store_batch_all_layers_device(40, 5, dk.get(), nullptr).error().code,
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(cache.store_batch_all_layers_device(40, std::int64_t{1} << 60, dk.get(), dv.get())
+                .error()
+                .code,
             ErrorCode::kInvalidArgument);
   std::vector<std::uint16_t> k(64 * 64), v(64 * 64);
   EXPECT_FALSE(cache.read_rows(0, 0, 1, k.data(), v.data()).ok());

@@ -77,6 +77,12 @@ class CudaCache final : public KvCache {
   // accept it or none changes. k, v: [n_layers, kv_dim] f32.
   Status store_token_all_layers_device(std::int64_t position, const float* k, const float* v,
                                        cudaStream_t stream = nullptr);
+  // A batch of `count` tokens from `start` into every layer, in one launch
+  // for up to 48 spans of rows (a layer takes one, or two where its ring
+  // wraps); all layers accept it or none changes. k, v: [n_layers, count,
+  // kv_dim] f32 (layer l's rows from l * count * kv_dim on).
+  Status store_batch_all_layers_device(std::int64_t start, std::int64_t count, const float* k,
+                                       const float* v, cudaStream_t stream = nullptr);
   // q, out: [n_heads, head_dim] f32.
   Status attend_decode_device(std::int64_t layer, std::int64_t position, const float* q,
                               float* out, cudaStream_t stream = nullptr);

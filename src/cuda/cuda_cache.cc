@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -518,6 +519,50 @@ Status CudaCache::store_token_all_layers_device(std::int64_t position, const flo
                                                       impl_->pick(stream)));
   }
   rings_ = std::move(next);
+  return Status::Ok();
+}
+
+Status CudaCache::store_batch_all_layers_device(std::int64_t start, std::int64_t count,
+                                                const float* k, const float* v,
+                                                cudaStream_t stream) {
+  if (k == nullptr || v == nullptr)
+    return invalid_argument("store_batch_all_layers_device: null buffer");
+  const std::int64_t layers = n_layers();
+  const std::int64_t kv = config_.kv_dim();
+  // The sources hold layers * count * kv floats; their offsets must fit.
+  if (count > std::numeric_limits<std::int64_t>::max() / 4 / (layers * kv))
+    return invalid_argument("store_batch_all_layers_device: batch of " + std::to_string(count) +
+                            " rows is too large");
+  // Every layer must accept the batch before any changes.
+  std::vector<BatchPlacement> plans(static_cast<std::size_t>(layers));
+  for (std::int64_t l = 0; l < layers; ++l) {
+    auto p = rings_[idx(l)].plan_batch(l, start, count);
+    if (!p) return p.error();
+    plans[idx(l)] = *p;
+  }
+  KVRING_RETURN_IF_ERROR(impl_->activate());
+  const cuda::Shape shape = shape_of(config_);
+  cuda::SpanRows spans;
+  auto launch = [&]() -> Status {
+    KVRING_CUDA_CHECK("store kernel launch", cuda::launch_store_spans(spans, shape, impl_->pick(stream)));
+    spans.n = 0;
+    return Status::Ok();
+  };
+  for (std::int64_t l = 0; l < layers; ++l) {
+    const BatchPlacement& plan = plans[idx(l)];
+    for (int s = 0; s < plan.n_spans; ++s) {
+      const PhysicalSpan& span = plan.spans[static_cast<std::size_t>(s)];
+      const std::int64_t src = (l * count + span.source_first) * kv;
+      spans.plane[spans.n] = impl_->planes[idx(l)];
+      spans.physical[spans.n] = span.physical_first;
+      spans.rows[spans.n] = span.rows;
+      spans.k[spans.n] = k + src;
+      spans.v[spans.n] = v + src;
+      if (++spans.n == cuda::kMaxSpansPerStore) KVRING_RETURN_IF_ERROR(launch());
+    }
+  }
+  KVRING_RETURN_IF_ERROR(launch());
+  for (std::int64_t l = 0; l < layers; ++l) rings_[idx(l)].commit_batch(count);
   return Status::Ok();
 }
 

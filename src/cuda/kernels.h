@@ -45,6 +45,23 @@ struct LayerRows {
 cudaError_t launch_store_token_layers(const LayerRows& rows, Shape shape, const float* k,
                                       const float* v, cudaStream_t stream);
 
+// Row spans of several planes in one launch: span i stores source rows
+// [0, rows[i]) of k[i] and v[i] (f32 [rows, kv_dim]) at physical rows
+// [physical[i], physical[i] + rows[i]) of plane[i]; no span wraps. At most
+// kMaxSpansPerStore spans a launch, so that its parameters stay under the
+// 4 KB that every toolkit takes.
+inline constexpr int kMaxSpansPerStore = 48;
+struct SpanRows {
+  int n = 0;
+  PlaneDev plane[kMaxSpansPerStore];
+  std::int64_t physical[kMaxSpansPerStore];
+  std::int64_t rows[kMaxSpansPerStore];
+  const float* k[kMaxSpansPerStore];
+  const float* v[kMaxSpansPerStore];
+};
+static_assert(sizeof(SpanRows) + sizeof(Shape) <= 4000, "kernel parameters over 4 KB");
+cudaError_t launch_store_spans(const SpanRows& spans, Shape shape, cudaStream_t stream);
+
 // f32 [n] -> f16 bits [n] with the store's conversion (the prefill chunk).
 cudaError_t launch_convert_f16(const float* src, std::uint16_t* dst, std::int64_t n,
                                cudaStream_t stream);

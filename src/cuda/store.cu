@@ -100,6 +100,19 @@ __global__ void __launch_bounds__(kThreads) store_token_layers_kernel(LayerRows 
     store_unit<kPer>(rows.plane[l], shape, rows.physical[l], kr, vr, u * kPer);
 }
 
+// Block (x, i) stores span i's units, grid-stride over x.
+template <int kPer>
+__global__ void __launch_bounds__(kThreads) store_spans_kernel(SpanRows a, Shape shape) {
+  const int i = static_cast<int>(blockIdx.y);
+  const PlaneDev plane = a.plane[i];
+  const std::int64_t physical = a.physical[i];
+  const float* k = a.k[i];
+  const float* v = a.v[i];
+  for_each_unit<kPer>(a.rows[i], shape.kv_dim, [&](std::int64_t r, std::int64_t e) {
+    store_unit<kPer>(plane, shape, physical + r, k + r * shape.kv_dim, v + r * shape.kv_dim, e);
+  });
+}
+
 __global__ void __launch_bounds__(kThreads) convert_kernel(const float* src, std::uint16_t* dst,
                                                            std::int64_t n) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -162,6 +175,22 @@ cudaError_t launch_store_token_layers(const LayerRows& rows, Shape shape, const 
     store_token_layers_kernel<8><<<rows.n, kThreads, 0, stream>>>(rows, shape, k, v);
   else
     store_token_layers_kernel<1><<<rows.n, kThreads, 0, stream>>>(rows, shape, k, v);
+  return launched();
+}
+
+cudaError_t launch_store_spans(const SpanRows& spans, Shape shape, cudaStream_t stream) {
+  if (spans.n <= 0) return cudaSuccess;
+  std::int64_t most = 0;
+  bool vec = vector_rows(shape);
+  for (int i = 0; i < spans.n; ++i) {
+    most = std::max(most, spans.rows[i]);
+    vec = vec && aligned16(spans.k[i]) && aligned16(spans.v[i]);
+  }
+  const auto n = static_cast<unsigned>(spans.n);
+  if (vec)
+    store_spans_kernel<8><<<dim3(blocks_for(most * shape.kv_dim / 8), n), kThreads, 0, stream>>>(spans, shape);
+  else
+    store_spans_kernel<1><<<dim3(blocks_for(most * shape.kv_dim), n), kThreads, 0, stream>>>(spans, shape);
   return launched();
 }
 
