@@ -53,12 +53,13 @@ struct FirstTiles {
   std::int32_t sets;         // work items per KV head
   const float* q;
   std::int32_t n_heads;
-  std::int32_t read_once;    // one query: every row is read by one CTA
+  std::int32_t read_once;    // every row is read by one CTA
 };
 struct KernelArgs {
   FirstTiles F;
   AttendParams P;
 };
+static_assert(sizeof(KernelArgs) <= 4000, "kernel parameters over 4 KB");
 
 struct QueryRange {
   int qi;                  // query index in the launch
@@ -635,17 +636,18 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool v
                "l"(src), "r"(valid ? 16 : 0), "l"(policy)
                : "memory");
 }
-// The L2 policy of the tiles. When each row is read once (one query),
-// they are marked evict-first: they, rather than the kernel's code,
-// parameters and partials, then make room for the tiles behind them, and
-// a cold decode of a long plane ends about 1.4 us sooner on the H200
-// (docs/PERFORMANCE.md). Rows that other queries' CTAs read again keep
-// the default priority.
+// The L2 policy of the tiles. When each row is read by one CTA (one query,
+// and at most 8 query heads per KV head), they are marked evict-first:
+// they, rather than the kernel's code, parameters and partials, then make
+// room for the tiles behind them, and a cold decode of a long plane ends
+// about 1.4 us sooner on the H200 (docs/PERFORMANCE.md). Rows that other
+// CTAs read again (other queries', or other head sets') keep the default
+// priority.
 __device__ __forceinline__ std::uint64_t tile_policy(bool read_once) {
-  std::uint64_t first, unchanged;
+  std::uint64_t first, normal;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
-  asm("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;\n" : "=l"(unchanged));
-  return read_once ? first : unchanged;
+  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(normal));
+  return read_once ? first : normal;
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -1159,7 +1161,7 @@ FirstTiles first_tiles(const AttendParams& P) {
   f.sets = (f.group + kTensorHeads - 1) / kTensorHeads;
   f.q = P.q;
   f.n_heads = P.n_heads;
-  f.read_once = P.n_queries == 1 ? 1 : 0;
+  f.read_once = P.n_queries == 1 && f.sets == 1 ? 1 : 0;
   return f;
 }
 
