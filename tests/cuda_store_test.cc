@@ -191,11 +191,14 @@ TEST(CudaCache, DeviceApiStoresTheSameBytes) {
 
 // The all-layers batch store leaves the planes and rings of per-layer
 // batch stores and of the CPU backend: across wraps (two spans a ring) and
-// across launches (40 layers have more spans than one launch takes).
+// across launches (40 and 41 layers have more spans than one launch takes;
+// with 41 layers, a full layer every third, the cut after 48 spans falls
+// between the two spans of layer 28), on the vector and element paths.
 TEST(CudaCache, AllLayersBatchStoreMatchesPerLayerStores) {
   KVRING_SKIP_WITHOUT_GPU();
   std::vector<ModelConfig> cfgs = store_configs();
   cfgs.push_back(make_hybrid_config("40-layers", 40, 4, 4, 2, 16, 24, 300));
+  cfgs.push_back(make_hybrid_config("41-layers-hd12", 41, 3, 6, 3, 12, 24, 300));
   for (const ModelConfig& cfg : cfgs) {
     SCOPED_TRACE(cfg.name);
     const std::int64_t n = 150, kv = cfg.kv_dim(), L = cfg.n_layers;
@@ -359,6 +362,19 @@ TEST(CudaCache, FailuresLeaveTheCacheUnchanged) {
     ASSERT_TRUE(d->synchronize().ok());
     EXPECT_EQ(d->ring(1).len(), 0);
     EXPECT_TRUE(plane_bytes(*d, 1) == l1);
+  }
+  // Layers 0 and 1 would take the batch, layer 2 refuses it: none changes.
+  {
+    auto d = typed_cuda_cache(cfg);
+    ASSERT_TRUE(d->store_token(2, 0, s.krow(0), s.vrow(0)).ok());
+    const PlaneBytes l0 = plane_bytes(*d, 0);
+    Status st = d->store_batch_all_layers_device(0, 3, dk.get(), dv.get());
+    EXPECT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
+    EXPECT_EQ(st.error().layer, 2);
+    ASSERT_TRUE(d->synchronize().ok());
+    EXPECT_EQ(d->ring(0).len(), 0);
+    EXPECT_EQ(d->ring(1).len(), 0);
+    EXPECT_TRUE(plane_bytes(*d, 0) == l0);
   }
   EXPECT_EQ(cache.store_batch(3, 40, 25, s.krow(40), s.vrow(40)).error().code,
             ErrorCode::kCapacityExceeded);

@@ -79,8 +79,12 @@ class CudaCache final : public KvCache {
                                        cudaStream_t stream = nullptr);
   // A batch of `count` tokens from `start` into every layer, in one launch
   // for up to 48 spans of rows (a layer takes one, or two where its ring
-  // wraps); all layers accept it or none changes. k, v: [n_layers, count,
-  // kv_dim] f32 (layer l's rows from l * count * kv_dim on).
+  // wraps). Every layer's checks pass before anything is enqueued, so a
+  // refused call changes nothing; as with the other stores of several
+  // launches, a CUDA failure of a later launch leaves the rows of the
+  // earlier ones written (the error is returned, the rings stay as they
+  // were). k, v: [n_layers, count, kv_dim] f32 (layer l's rows from
+  // l * count * kv_dim on).
   Status store_batch_all_layers_device(std::int64_t start, std::int64_t count, const float* k,
                                        const float* v, cudaStream_t stream = nullptr);
   // q, out: [n_heads, head_dim] f32.
