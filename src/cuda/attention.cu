@@ -1285,9 +1285,14 @@ int cluster_limit(const DeviceSetup& s, int head_dim) {
   return cap > 0 ? std::min(cap, limit) : limit;
 }
 
-// The CTAs a resident grid of the kernel for `head_dim` may have now.
+// The most CTAs of a resident grid of the kernel for `head_dim` (only the
+// tensor-core kernel runs as one), and the most a launch may have now (0
+// while a test turns resident grids off).
+int resident_ctas(const DeviceSetup& s, int head_dim) {
+  return head_dim == kTensorHeadDim ? s.hd128_resident : 0;
+}
 int resident_limit(const DeviceSetup& s, int head_dim) {
-  return head_dim == kTensorHeadDim && resident_allowed.load() ? s.hd128_resident : 0;
+  return resident_allowed.load() ? resident_ctas(s, head_dim) : 0;
 }
 
 }  // namespace
@@ -1317,7 +1322,7 @@ std::uint32_t testing_next_epoch() { return next_epoch.exchange(0); }
 
 int attend_resident_ctas(int head_dim) {
   DeviceSetup s;
-  return device_setup(s) == cudaSuccess && head_dim == kTensorHeadDim ? s.hd128_resident : 0;
+  return device_setup(s) == cudaSuccess ? resident_ctas(s, head_dim) : 0;
 }
 
 cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
