@@ -70,17 +70,21 @@ struct QueryRange {
   int split;               // this CTA's split
 };
 
-// False when this CTA's split does not exist for its query (the grid is
-// sized for the query with the most splits).
-__device__ __forceinline__ bool query_range(const AttendParams& P, QueryRange& r) {
+// This CTA's query and split, but the split count; false when the split
+// does not exist for its query (the grid is sized for the query with the
+// most splits): a split exists when its first row is visible.
+__device__ __forceinline__ bool query_range(const FirstTiles& F, QueryRange& r) {
   r.qi = static_cast<int>(blockIdx.z);
-  r.p = P.first_position + r.qi;
-  r.lo = P.window > 0 ? max(std::int64_t{0}, r.p - P.window + 1) : std::int64_t{0};
-  const std::int64_t n = r.p - r.lo + 1;
-  r.split_rows = attend_split_rows(n);
-  r.n_splits = static_cast<int>((n + r.split_rows - 1) / r.split_rows);
+  r.p = F.first_position + r.qi;
+  r.lo = max(std::int64_t{0}, r.p - F.reach);
+  r.split_rows = attend_split_rows(r.p - r.lo + 1);
   r.split = static_cast<int>(blockIdx.x);
-  return r.split < r.n_splits;
+  return r.lo + r.split * r.split_rows <= r.p;
+}
+// The query's split count: a division, which the tensor-core kernel does
+// once its first tiles are out.
+__device__ __forceinline__ int split_count(const QueryRange& r) {
+  return static_cast<int>((r.p - r.lo + r.split_rows) / r.split_rows);
 }
 
 // Rows [a, b) of warp `warp` (possibly empty), a multiple of kAttendTile
@@ -786,15 +790,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   extern __shared__ uint4 smem_raw[];
   TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   Shared& sh = S.sh;
-  // query_range's values but its split count (a division, done once the
-  // first tiles are out): split s exists when its first row is visible.
   QueryRange r;
-  r.qi = static_cast<int>(blockIdx.z);
-  r.p = F.first_position + r.qi;
-  r.lo = max(std::int64_t{0}, r.p - F.reach);
-  r.split_rows = attend_split_rows(r.p - r.lo + 1);
-  r.split = static_cast<int>(blockIdx.x);
-  if (r.lo + r.split * r.split_rows > r.p) return idle_in_cluster(P);
+  if (!query_range(F, r)) return idle_in_cluster(P);
   const int item = static_cast<int>(blockIdx.y);
   const int kv_head = F.sets == 1 ? item : item / F.sets;
   const int set = item - kv_head * F.sets;
@@ -843,7 +840,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
     if (a + st * kAttendTile < b) issue_tile(F, P, rows, a + st * kAttendTile, b, tc, st);
     cp_async_commit();
   }
-  r.n_splits = static_cast<int>((r.p - r.lo + r.split_rows) / r.split_rows);
+  r.n_splits = split_count(r);
   // The lane's fragment addresses in stage 0: K piece 4i + t of row g (row
   // 8 + g lies 8 rows on); for the ldmatrix of dim tiles 2jj and 2jj + 1,
   // lane 8m + rr gives row 8(m & 1) + rr, piece 2jj + (m >> 1).
@@ -1013,7 +1010,8 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
   __shared__ float warp_o[kAttendWarps][kGeneralMaxHeadDim];
   __shared__ alignas(16) float part_o[kPartFloats];
   QueryRange r;
-  if (!query_range(P, r)) return idle_in_cluster(P);
+  if (!query_range(F, r)) return idle_in_cluster(P);
+  r.n_splits = split_count(r);
   const int hd = P.head_dim;
   const int head = static_cast<int>(blockIdx.y);
   const int kv_head = head / F.group;
