@@ -2,11 +2,11 @@
 // state, plus the rows of a prefill chunk.
 //
 // Grid: x = split of the query's visible rows, y = work item (query heads
-// that share a KV head), z = query. Each warp of a CTA reduces its own rows
-// in logical order with an online softmax; the CTA combines its warps in
-// warp order; a query with several splits combines their partials in a
-// fixed tree (in two levels beyond kAttendSingleLevel splits), on one of
-// three paths: when the whole grid fits the GPU at once, every split
+// that share a KV head), z = query. Each warp of a CTA reduces its own
+// rows of the split (kernels.h) in logical order with an online softmax;
+// the CTA combines its warps in warp order; a query with several splits
+// combines their partials in a fixed tree (in two levels beyond
+// kAttendSingleLevel splits), on one of three paths: when the whole grid fits the GPU at once, every split
 // stores its partial as epoch-tagged words, waits for the others' and
 // combines a share of the output; else through the shared memory of a
 // thread-block cluster when the item's splits form one; else through the
@@ -87,16 +87,31 @@ __device__ __forceinline__ int split_count(const QueryRange& r) {
   return static_cast<int>((r.p - r.lo + r.split_rows) / r.split_rows);
 }
 
-// Rows [a, b) of warp `warp` (possibly empty), a multiple of kAttendTile
-// rows from lo.
+// Rows [a, b) of the CTA's split.
+__device__ __forceinline__ void split_rows_of(const QueryRange& r, std::int64_t& a,
+                                              std::int64_t& b) {
+  a = r.lo + r.split * r.split_rows;
+  b = min(a + r.split_rows, r.p + 1);
+}
+
+// The general kernel's warps: rows [a, b) of warp `warp` (possibly empty),
+// a multiple of kAttendTile rows from lo.
 __device__ __forceinline__ void warp_rows(const QueryRange& r, int warp, std::int64_t& a,
                                           std::int64_t& b) {
-  const std::int64_t split_begin = r.lo + r.split * r.split_rows;
-  const std::int64_t split_end = min(split_begin + r.split_rows, r.p + 1);
+  std::int64_t split_end;
+  split_rows_of(r, a, split_end);
   const std::int64_t per_warp = r.split_rows / kAttendWarps;
-  a = split_begin + warp * per_warp;
+  a += warp * per_warp;
   b = min(a + per_warp, split_end);
 }
+
+// The tensor-core kernel's warps take the tiles of the split in turn: warp
+// w reads the tiles at a + w * kAttendTile, then every kWarpStride rows on,
+// up to b. The CTA's 8 warps thus stream one window of rows together, not
+// 8 ranges an eighth of a split apart, and no warp runs on alone at the
+// end: at 131072 rows the decode ends about 1.7 us sooner on the H200
+// (docs/PERFORMANCE.md).
+constexpr std::int64_t kWarpStride = kAttendWarps * kAttendTile;
 
 struct RowPtr {
   const std::uint16_t* k;
@@ -822,7 +837,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   }
   // Then the first tiles, before the query is used.
   std::int64_t a, b;
-  warp_rows(r, warp, a, b);
+  split_rows_of(r, a, b);
+  a += warp * kAttendTile;
   const HeadRows rows(F, HD, kv_head);
   const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
   TileCopy tc;
@@ -837,7 +853,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   }
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (a + st * kAttendTile < b) issue_tile(F, P, rows, a + st * kAttendTile, b, tc, st);
+    if (a + st * kWarpStride < b) issue_tile(F, P, rows, a + st * kWarpStride, b, tc, st);
     cp_async_commit();
   }
   r.n_splits = split_count(r);
@@ -887,7 +903,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
 
   int stage = 0;
 #pragma unroll 1
-  for (std::int64_t base = a; base < b; base += kAttendTile) {
+  for (std::int64_t base = a; base < b; base += kWarpStride) {
     // Lanes read pieces other lanes copied: every lane's reads of the
     // previous tile come before the refill of its stage, and every lane's
     // copies of this tile (cp.async.wait_group waits for the lane's own)
@@ -895,7 +911,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
     __syncwarp();
     {
       // Refill the stage the previous tile was read from.
-      const std::int64_t ahead = base + (kStages - 1) * kAttendTile;
+      const std::int64_t ahead = base + (kStages - 1) * kWarpStride;
       const int st = stage == 0 ? kStages - 1 : stage - 1;
       if (ahead < b) issue_tile(F, P, rows, ahead, b, tc, st);
       cp_async_commit();

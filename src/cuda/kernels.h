@@ -88,8 +88,10 @@ cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity,
 
 // A query at logical position p sees rows [lo, p] (n = p - lo + 1 rows).
 // The rows are cut into splits of attend_split_rows(n) rows starting at lo,
-// each split into kAttendWarps warp ranges, each warp range into tiles of
-// kAttendTile rows; every boundary is lo plus a function of n. The splits'
+// each split into tiles of kAttendTile rows, which its kAttendWarps warps
+// take in turn (head_dim 128: warp w takes tiles w, w + 8, ...) or in
+// ranges of split_rows / kAttendWarps rows (other head_dims); every boundary
+// is lo plus a function of n. The splits'
 // partial results are combined in a fixed tree of n alone (in split order
 // up to kAttendSingleLevel splits, else in groups, below). So the
 // arithmetic for a query depends only on n and the values of its rows in
