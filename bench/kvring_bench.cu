@@ -1,7 +1,7 @@
 // kvring-bench: the CUDA backend's figures, each beside a ceiling measured
 // in the same run (docs/PERFORMANCE.md).
 //
-//   kvring-bench [--json FILE] [--quick] [--only store|decode|ring]
+//   kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -9,12 +9,14 @@
 // launch; prefill chunks of 512 and 4096 tokens into all 52 layers);
 // decode attention on a full plane at 2048, 32768 and 131072 tokens and on
 // a wrapped 2048-row sliding ring; snapshot out and restore in of a full
-// muse-glimmer slot at 131072 tokens. Device events after warm-up, median
-// of many runs, random data; decode runs start with a cold L2 unless named
-// "warm" or "back to back": a 256 MiB buffer is read before each run, which
-// evicts the L2 and leaves clean lines. Evicting it by a write instead
-// leaves up to the L2's size of dirty lines, whose write-back the timed
-// kernel then pays for; those figures are named "write-evicted L2".
+// muse-glimmer slot at 131072 tokens; prefill attention of a 512-token
+// chunk at 4096, 32768 and 131072 tokens (no target). Device events after
+// warm-up, median of many runs, random data; decode and prefill runs start
+// with a cold L2 unless named "warm" or "back to back": a 256 MiB buffer is
+// read before each run, which evicts the L2 and leaves clean lines.
+// Evicting it by a write instead leaves up to the L2's size of dirty lines,
+// whose write-back the timed kernel then pays for; those figures are named
+// "write-evicted L2".
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -202,7 +204,7 @@ int main(int argc, char** argv) {
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring]\n");
+      std::fprintf(stderr, "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill]\n");
       return 2;
     }
   }
@@ -492,6 +494,48 @@ int main(int argc, char** argv) {
         if (l % 4 != 3) check(c->attend_decode_device(l, n - 1, q, out), "decode");
     }) / 39.0;
     add({"decode 39 sliding rings back to back, per ring", per_layer, 2048.0 * 1024, "D2D copy", d2d});
+    CHECK_CUDA(cudaFree(sk));
+    CHECK_CUDA(cudaFree(sv));
+    CHECK_CUDA(cudaFree(q));
+    CHECK_CUDA(cudaFree(out));
+  }
+
+  // ---- Prefill attention (no target): a 512-token chunk at the end of full planes --
+  // Each of the 13 full layers holds n - 512 rows; one chunked prefill
+  // (convert, attention over the plane and the chunk, store) per layer,
+  // cold L2, the first as warm-up. Bytes: the plane's rows once (n x 1 KiB),
+  // which every query reads in full.
+  if (section("prefill")) {
+    const std::int64_t chunk = 512;
+    auto c = make(muse, ctx);
+    const cudaStream_t cs = c->stream();
+    float* sk = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
+    float* sv = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
+    float* q = device_alloc<float>(static_cast<std::size_t>(chunk * qn));
+    float* out = device_alloc<float>(static_cast<std::size_t>(chunk * qn));
+    fill(sk, ctx * kv, 21, 2.0f);
+    fill(sv, ctx * kv, 22, 2.0f);
+    fill(q, chunk * qn, 23);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    auto flush_c = [&] { read_flush(cs); };
+    int full_layers = 0;
+    for (std::int64_t l = 3; l < L; l += 4) ++full_layers;
+    for (std::int64_t n : {std::int64_t{4096}, std::int64_t{32768}, ctx}) {
+      check(c->reset(), "reset");
+      const std::int64_t start = n - chunk;
+      for (std::int64_t l = 3; l < L; l += 4) check(c->store_batch_device(l, 0, start, sk, sv), "fill");
+      check(c->synchronize(), "fill");
+      std::int64_t layer = 3;
+      add({"prefill attention, 512 tokens at " + std::to_string(n),
+           time_us(cs, 1, full_layers - 1,
+                   [&] {
+                     check(c->prefill_device(layer, start, chunk, sk + start * kv, sv + start * kv, q, out),
+                           "prefill");
+                     layer += 4;
+                   },
+                   flush_c),
+           static_cast<double>(n) * 1024, "D2D copy", d2d});
+    }
     CHECK_CUDA(cudaFree(sk));
     CHECK_CUDA(cudaFree(sv));
     CHECK_CUDA(cudaFree(q));

@@ -14,6 +14,11 @@ Two formulations, both reported; the faster is the peer:
   grouped: q [1, 2, 8, 128] (the 8 heads of a group as 8 queries, no mask),
            k/v [1, 2, L, 128]: the same arithmetic without GQA support
 
+Prefill peer (kvring-bench's "prefill attention" rows, no target): 512
+queries q [1, 16, 512, 128] over k/v [1, 2, L, 128], enable_gqa=True, with
+no mask, so every query sees all L keys (kvring's query at L - 512 + i sees
+L - 511 + i of them: the peer does slightly more work).
+
 usage: sdpa_peer.py [--json FILE] [--runs N]
 """
 import argparse
@@ -79,10 +84,21 @@ def main():
         print(f"SDPA decode {n:>6} tokens: gqa {t_gqa:9.2f} us, grouped {t_grp:9.2f} us, best {best:9.2f} us "
               f"({row['gb_per_s']} GB/s); gqa after a write flush {t_gqa_w:9.2f} us")
         del k, v
+    prefill = []
+    for n in (4096, 32768, 131072):
+        k = torch.randn(1, 2, n, 128, device=dev, dtype=torch.float16)
+        v = torch.randn(1, 2, n, 128, device=dev, dtype=torch.float16)
+        q = torch.randn(1, 16, 512, 128, device=dev, dtype=torch.float16)
+        with torch.no_grad():
+            t = time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), max(args.runs // 5, 5),
+                        read_flush)
+        prefill.append({"tokens": n, "queries": 512, "gqa_us": round(t, 3)})
+        print(f"SDPA prefill of 512 queries over {n:>6} tokens (no mask): gqa {t:10.2f} us")
+        del k, v
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "sdpa_peer", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "results": results}, f, indent=2)
+                       "results": results, "prefill": prefill}, f, indent=2)
     return 0
 
 
