@@ -6,9 +6,9 @@
 // rows of the split (kernels.h) in logical order with an online softmax;
 // the CTA combines its warps in warp order; a query with several splits
 // combines their partials in a fixed tree (in two levels beyond
-// kAttendSingleLevel splits), on one of three paths: when the whole grid fits the GPU at once, every split
-// stores its partial as epoch-tagged words, waits for the others' and
-// combines a share of the output; else through the shared memory of a
+// kAttendSingleLevel splits), on one of three paths: when the whole grid
+// fits the GPU at once, every split stores its partial as epoch-tagged
+// words, waits for the others' and combines a share of the output; else through the shared memory of a
 // thread-block cluster when the item's splits form one; else through the
 // global workspace, where the last CTA to arrive combines. Every boundary
 // is a function of the query's logical range alone (kernels.h), and no
