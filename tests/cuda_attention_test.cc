@@ -283,10 +283,12 @@ TEST(CudaAttention, RotationAndRestoreDoNotChangeTheBits) {
 // The split combines, forced through the test hooks: mode 0 is the default
 // choice (a resident grid where one fits, head_dim 128 only), mode 1 takes
 // a thread-block cluster where the splits fit one, else the last CTA to
-// arrive; mode 2 always the last CTA to arrive.
+// arrive; mode 2 always the last CTA to arrive, its grid split-major; mode
+// 3 the same, its grid query-major when it has several queries.
 void set_combine_path(int mode) {
-  cuda::testing::set_attend_cluster_cap(mode == 2 ? 1 : 0);
+  cuda::testing::set_attend_cluster_cap(mode >= 2 ? 1 : 0);
   cuda::testing::set_attend_resident(mode == 0);
+  cuda::testing::set_attend_query_major(mode == 2 ? -1 : mode == 3 ? 1 : 0);
 }
 
 // Restores the default combine path when a test leaves, however it leaves.
@@ -395,31 +397,47 @@ TEST(CudaAttention, EveryCombinePathGivesTheSameBits) {
     }
 
     // Prefill chunks whose queries have different split counts (CTAs
-    // without a split of their query), on every path. On an H200, 20
-    // queries from 2040 (17 splits on the full layers) are too many CTAs
-    // for a resident grid; 20 from 250 (3 splits), 3 from 2046 (16, 16 and
-    // 17 splits) and 16 from 120 (queries of one split and of two) fit one.
+    // without a split of their query), on every path, the last-arrival one
+    // with both grid orders. On an H200, 20 queries from 2040 (17 splits on
+    // the full layers) are too many CTAs for a resident grid; 20 from 250
+    // (3 splits), 3 from 2046 (16, 16 and 17 splits) and 16 from 120
+    // (queries of one split and of two) fit one.
     for (const auto& [start, count] : {std::pair<std::int64_t, std::int64_t>{250, 20},
                                        {2040, 20}, {2046, 3}, {120, 16}}) {
       SCOPED_TRACE("prefill of " + std::to_string(count) + " from " + std::to_string(start));
       std::vector<std::vector<float>> outs;
-      for (int mode : {0, 1, 2}) {
+      for (int mode : {0, 1, 2, 3}) {
         auto p = cuda_cache(cfg, n);
         ASSERT_TRUE(p);
         for (std::int64_t l = 0; l < cfg.n_layers; ++l)
           ASSERT_TRUE(p->store_batch(l, 0, start, s.krow(0), s.vrow(0)).ok());
         const auto q = random_floats(static_cast<std::size_t>(count * per_query), 4 + start);
         std::vector<float> out = nan_filled(static_cast<std::size_t>(cfg.n_layers * count * per_query));
+        const auto before = cuda::testing::attend_path_counts();
         set_combine_path(mode);
         for (std::int64_t l = 0; l < cfg.n_layers; ++l)
           ASSERT_TRUE(p->prefill(l, start, count, s.krow(start), s.vrow(start), q.data(),
                                  out.data() + l * count * per_query)
                           .ok());
         set_combine_path(0);
+        // In mode 3 the launch of every layer whose chunk has a query of
+        // several splits ran query-major (the last query sees the most
+        // rows), in mode 2 none did.
+        long several = 0;
+        for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+          const std::int64_t rows = cfg.kind(l) == LayerKind::kSlidingRope
+                                        ? std::min(start + count, cfg.sliding_window)
+                                        : start + count;
+          if (cuda::testing::attend_splits_for(rows) >= 2) ++several;
+        }
+        EXPECT_GE(several, 1);
+        const long query_major = cuda::testing::attend_path_counts().query_major - before.query_major;
+        EXPECT_EQ(query_major, mode == 3 ? several : 0) << "mode " << mode;
         outs.push_back(std::move(out));
       }
       EXPECT_TRUE(same_bits(outs[0], outs[1]));
       EXPECT_TRUE(same_bits(outs[0], outs[2]));
+      EXPECT_TRUE(same_bits(outs[0], outs[3]));
       EXPECT_FALSE(std::isnan(outs[0][0]));
     }
   }

@@ -33,13 +33,19 @@ void set_attend_resident(bool allowed);
 // may have now (0: that path is off).
 int attend_resident_limit(int head_dim);
 // Attention launches so far, by the path their splits combined on
-// (launches of one split per query count as none of them).
+// (launches of one split per query count as none of them), and how many of
+// the last-arrival ones ran query-major.
 struct AttendPathCounts {
   long resident = 0;
   long cluster = 0;
   long last_arrival = 0;
+  long query_major = 0;
 };
 AttendPathCounts attend_path_counts();
+// When last-arrival launches of several queries run query-major
+// (attention.cu, FirstTiles::query_major): 0, the default, when one
+// query's rows outgrow the L2; 1 always; -1 never.
+void set_attend_query_major(int mode);
 // The splits a query that sees n rows is cut into (kernels.h).
 int attend_splits_for(std::int64_t n);
 // Makes the next resident-grid launch of any cache take epoch `epoch`
