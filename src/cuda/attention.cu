@@ -2,18 +2,19 @@
 // state, plus the rows of a prefill chunk.
 //
 // Grid: x = split of the query's visible rows, y = work item (query heads
-// that share a KV head), z = query. Each warp of a CTA reduces its own
-// rows of the split (kernels.h) in logical order with an online softmax;
-// the CTA combines its warps in warp order; a query with several splits
-// combines their partials in a fixed tree (in two levels beyond
-// kAttendSingleLevel splits), on one of three paths: when the whole grid
-// fits the GPU at once, every split stores its partial as epoch-tagged
-// words, waits for the others' and combines a share of the output; else through the shared memory of a
-// thread-block cluster when the item's splits form one; else through the
-// global workspace, where the last CTA to arrive combines. Every boundary
-// is a function of the query's logical range alone (kernels.h), and no
-// value is ever accumulated in arrival order, so the bits of a query's
-// output depend only on its row values in logical order.
+// that share a KV head), z = query (x and z swapped in query-major
+// launches, FirstTiles). Each warp of a CTA reduces its own rows of the
+// split (kernels.h) in logical order with an online softmax; the CTA
+// combines its warps in warp order; a query with several splits combines
+// their partials in a fixed tree (in two levels beyond kAttendSingleLevel
+// splits), on one of three paths: when the whole grid fits the GPU at
+// once, every split stores its partial as epoch-tagged words, waits for
+// the others' and combines a share of the output; else through the shared
+// memory of a thread-block cluster when the item's splits form one; else
+// through the global workspace, where the last CTA to arrive combines.
+// Every boundary is a function of the query's logical range alone
+// (kernels.h), and no value is ever accumulated in arrival order, so the
+// bits of a query's output depend only on its row values in logical order.
 //
 // Numerics: f32 scores, softmax and accumulation, exp2 with the scale
 // log2(e)/sqrt(head_dim) folded into the scores.
