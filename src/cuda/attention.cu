@@ -1195,9 +1195,9 @@ FirstTiles first_tiles(const AttendParams& P) {
 // several and a cluster that large runs; else they combine by last
 // arrival, as they also do when the device turns the cooperative launch
 // down (too large, or not supported or permitted here); a last-arrival
-// launch of several queries runs query-major when `query_major` says so.
+// launch of several queries runs query-major when `query_major_ok` says so.
 template <class Kernel>
-cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool query_major,
+cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool query_major_ok,
                    dim3 grid, std::size_t smem, AttendParams params, cudaStream_t stream) {
   const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
   const bool resident = grid.x >= 2 && params.tagged != nullptr &&
@@ -1206,7 +1206,7 @@ cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool que
   params.cluster = cluster ? 1 : 0;
   params.resident = resident ? 1 : 0;
   FirstTiles first = first_tiles(params);
-  first.query_major = query_major && !resident && !cluster && grid.x >= 2 && grid.z >= 2 ? 1 : 0;
+  first.query_major = query_major_ok && !resident && !cluster && grid.x >= 2 && grid.z >= 2 ? 1 : 0;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = first.query_major ? dim3(grid.z, grid.y, grid.x) : grid;
   cfg.blockDim = dim3(kAttendThreads, 1, 1);
@@ -1228,7 +1228,7 @@ cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool que
   if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
                    e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
-    return launch(kernel, cluster_limit, 0, query_major, grid, smem, params, stream);
+    return launch(kernel, cluster_limit, 0, query_major_ok, grid, smem, params, stream);
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
@@ -1333,7 +1333,7 @@ int resident_limit(const DeviceSetup& s, int head_dim) {
 // Whether a last-arrival launch of several queries runs query-major: when
 // the K and V rows its last query sees outgrow the L2 (or as a test set).
 std::atomic<int> query_major_mode{0};
-bool query_major(const DeviceSetup& s, const AttendParams& P) {
+bool query_major_wanted(const DeviceSetup& s, const AttendParams& P) {
   const int mode = query_major_mode.load();
   if (mode != 0) return mode > 0;
   const std::int64_t last = P.first_position + P.n_queries - 1;
@@ -1384,11 +1384,11 @@ cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
     return launch(attend_hd128_kernel, cluster_limit(s, params.head_dim),
-                  resident_limit(s, params.head_dim), query_major(s, params), grid,
+                  resident_limit(s, params.head_dim), query_major_wanted(s, params), grid,
                   sizeof(TensorSmem), params, stream);
   }
   return launch(attend_general_kernel, cluster_limit(s, params.head_dim), 0,
-                query_major(s, params), grid, 0, params, stream);
+                query_major_wanted(s, params), grid, 0, params, stream);
 }
 
 }  // namespace kvring::cuda

@@ -90,10 +90,10 @@ cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity,
 // The rows are cut into splits of attend_split_rows(n) rows starting at lo,
 // each split into tiles of kAttendTile rows, which its kAttendWarps warps
 // take in turn (head_dim 128: warp w takes tiles w, w + 8, ...) or in
-// ranges of split_rows / kAttendWarps rows (other head_dims); every boundary
-// is lo plus a function of n. The splits'
-// partial results are combined in a fixed tree of n alone (in split order
-// up to kAttendSingleLevel splits, else in groups, below). So the
+// ranges of split_rows / kAttendWarps rows (other head_dims); every
+// boundary is lo plus a function of n. The splits' partial results are
+// combined in a fixed tree of n alone (in split order up to
+// kAttendSingleLevel splits, else in groups, below). So the
 // arithmetic for a query depends only on n and the values of its rows in
 // logical order: not on the ring's rotation, the chunk the query came in,
 // the order CTAs ran in, or which path the splits met on (a resident grid's
