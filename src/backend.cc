@@ -3,10 +3,12 @@
 #include <string>
 
 #if KVRING_HAVE_CUDA
-#include "kvring/cuda_cache.h"
+#include "kvring/cuda_store.h"
 #endif
 
 namespace kvring {
+
+Result<std::unique_ptr<KvStore>> make_cpu_store(const ModelConfig& config, StoreOptions options);
 
 bool cuda_compiled() { return KVRING_HAVE_CUDA != 0; }
 
@@ -26,16 +28,21 @@ Result<BackendKind> parse_backend(std::string_view name) {
   return invalid_argument("unknown backend '" + std::string(name) + "' (cpu, cuda or auto)");
 }
 
-Result<std::unique_ptr<KvCache>> make_cache(BackendKind kind, const ModelConfig& config,
-                                            CacheOptions options) {
-  if (kind == BackendKind::kCpu) return make_cpu_cache(config, options);
+Result<std::unique_ptr<KvStore>> make_store(BackendKind kind, const ModelConfig& config,
+                                            StoreOptions options) {
+  if (kind == BackendKind::kCpu) return make_cpu_store(config, options);
 #if KVRING_HAVE_CUDA
   if (!cuda_device_available())
     return make_error(ErrorCode::kUnsupported, "the CUDA backend needs a GPU; none is visible");
-  return make_cuda_cache(config, options);
+  return make_cuda_store(config, options);
 #else
   return make_error(ErrorCode::kUnsupported, "this build has no CUDA backend (nvcc was not found)");
 #endif
+}
+
+Result<std::unique_ptr<KvCache>> make_cache(BackendKind kind, const ModelConfig& config,
+                                            CacheOptions options) {
+  return KvCache::create(kind, config, options);
 }
 
 }  // namespace kvring

@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "kvring/cache.h"
+#include "kvring/store.h"
 
 namespace kvring {
 
@@ -16,8 +17,8 @@ bool cuda_device_available();
 // "cpu", "cuda" or "auto" (CUDA where a GPU is visible, else CPU).
 Result<BackendKind> parse_backend(std::string_view name);
 
-// A cache on the chosen backend; kUnsupported for CUDA in a build or on a
-// machine without it.
+// A one-sequence cache on the chosen backend; kUnsupported for CUDA in a
+// build or on a machine without it.
 Result<std::unique_ptr<KvCache>> make_cache(BackendKind kind, const ModelConfig& config,
                                             CacheOptions options = {});
 

@@ -36,7 +36,7 @@ float dot_f32(const float* a, const float* b, std::int64_t n) {
 void attend(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
             std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,
             const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
-            float* out) {
+            std::int64_t q_stride, float* out, std::int64_t out_stride) {
   const float* table = f16_table();
   const std::int64_t hd = shape.head_dim;
   const std::int64_t group = shape.n_heads / shape.n_kv_heads;
@@ -54,8 +54,8 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
     const std::int64_t p = first_position + i;
     const std::int64_t lo = shape.window > 0 ? std::max<std::int64_t>(0, p - shape.window + 1) : 0;
     const std::int64_t rows = p - lo + 1;
-    const float* qh = q + (i * shape.n_heads + h) * hd;
-    float* oh = out + (i * shape.n_heads + h) * hd;
+    const float* qh = q + i * q_stride + h * hd;
+    float* oh = out + i * out_stride + h * hd;
 
     thread_local std::vector<float> scores, krow, acc;
     scores.resize(static_cast<std::size_t>(rows));
@@ -67,12 +67,7 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
                        std::int64_t logical) -> const std::uint16_t* {
       if (logical >= chunk_start)
         return chunk_buf + (logical - chunk_start) * kv_dim + g * hd;
-      const std::int64_t phys = ring.physical(logical);
-      return plane_buf + plane_head_row(plane.layout, static_cast<std::uint64_t>(phys),
-                                        static_cast<std::uint64_t>(g),
-                                        static_cast<std::uint64_t>(plane.kv_dim),
-                                        static_cast<std::uint64_t>(hd),
-                                        static_cast<std::uint64_t>(plane.capacity));
+      return plane_buf + head_row_offset(plane, ring.physical(logical), g);
     };
 
     float m = -INFINITY;

@@ -8,15 +8,29 @@
 
 namespace kvring::cpu {
 
-// Rows of one plane as the attention reads them.
+// Rows of one plane as the attention reads them: a token-major ring
+// (k, v [capacity * kv_dim]), or head-major blocks of block_rows rows from a
+// pool (k, v the pool; physical row r in block blocks[r / block_rows], at
+// (kv_head * block_rows + r % block_rows) * head_dim inside it).
 struct PlaneView {
-  const std::uint16_t* k;  // f16 bits, layout-indexed, [capacity * kv_dim]
+  const std::uint16_t* k;
   const std::uint16_t* v;
   Layout layout;
   std::int64_t capacity;
   std::int64_t kv_dim;
   std::int64_t head_dim;
+  const std::int32_t* blocks = nullptr;  // head-major planes
+  std::int64_t block_rows = 0;
 };
+
+// Offset of the head row (physical row, kv_head) in a plane's buffers.
+inline std::int64_t head_row_offset(const PlaneView& p, std::int64_t physical,
+                                    std::int64_t kv_head) {
+  if (p.layout == Layout::kTokenMajor) return physical * p.kv_dim + kv_head * p.head_dim;
+  const std::int64_t block = p.blocks[physical / p.block_rows];
+  return block * p.block_rows * p.kv_dim +
+         (kv_head * p.block_rows + physical % p.block_rows) * p.head_dim;
+}
 
 struct AttentionShape {
   std::int64_t n_heads;
@@ -31,9 +45,11 @@ struct AttentionShape {
 // The reduction runs over logical positions in increasing order with one
 // fixed arithmetic sequence, so the bits depend only on the query and the
 // visible rows' values, not on rotation, chunking or threads.
+// q and out rows (one query's [n_heads, head_dim]) are q_stride and
+// out_stride floats apart.
 void attend(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
             std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,
             const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
-            float* out);
+            std::int64_t q_stride, float* out, std::int64_t out_stride);
 
 }  // namespace kvring::cpu

@@ -1,0 +1,329 @@
+// The KV store an engine embeds: many sequences of one model geometry.
+//
+// Per sequence: one ring per sliding layer (W + slack rows, token-major, in
+// the sequence's slot) and, per full layer, a block table into one pool of
+// fixed-size blocks that every sequence shares (head-major inside a block).
+// The base class owns every ring state, block table and reference count,
+// and does every check and every piece of placement arithmetic; a backend
+// only moves bytes to the placements it is given and attends over them
+// (docs/DESIGN.md, "Many sequences").
+//
+// Failure contract: an operation that returns an error has changed nothing,
+// for any sequence it names. Should a backend fail part-way (a device
+// error), the rows it had written are not reachable: ring states, block
+// tables and the pool are restored to what they were.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvring/config.h"
+#include "kvring/layout.h"
+#include "kvring/ring.h"
+#include "kvring/status.h"
+
+// The CUDA runtime's stream handle, declared as cuda_runtime_api.h does.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace kvring {
+
+enum class BackendKind { kCpu, kCuda };
+const char* backend_name(BackendKind kind);
+
+// ---- Views of caller memory ---------------------------------------------
+
+enum class MemorySpace : std::uint8_t { kHost, kDevice };
+enum class DType : std::uint8_t { kF32, kF16, kBF16 };
+const char* dtype_name(DType dtype);
+std::int64_t dtype_bytes(DType dtype);
+
+// A matrix [rows, cols] of `dtype` in caller memory; row r starts
+// r * row_stride elements after `data` (row_stride >= cols). The store
+// reads or writes it in place: no copy is made of an engine's tensor.
+struct ConstView {
+  const void* data = nullptr;
+  MemorySpace space = MemorySpace::kHost;
+  DType dtype = DType::kF32;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;
+};
+struct MutView {
+  void* data = nullptr;
+  MemorySpace space = MemorySpace::kHost;
+  DType dtype = DType::kF32;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;
+};
+
+// Dense row-major views (row_stride == cols).
+ConstView host_view(const float* data, std::int64_t rows, std::int64_t cols);
+MutView host_view(float* data, std::int64_t rows, std::int64_t cols);
+ConstView device_view(const float* data, std::int64_t rows, std::int64_t cols);
+MutView device_view(float* data, std::int64_t rows, std::int64_t cols);
+
+// ---- Sequences ------------------------------------------------------------
+
+// A sequence's handle: its slot and the slot's generation, so a handle of a
+// removed sequence is refused even after its slot is reused.
+enum class SeqId : std::uint64_t {};
+std::string seq_name(SeqId seq);
+
+// Positions [start, start + count) of one sequence.
+struct SeqSpan {
+  SeqId seq{};
+  std::int64_t start = 0;
+  std::int64_t count = 0;
+};
+// A decode query: the token at `position`, whose K/V is already stored.
+struct SeqQuery {
+  SeqId seq{};
+  std::int64_t position = 0;
+};
+
+struct StoreOptions {
+  // Sequences the store holds at once (slots; each holds its sliding rings).
+  std::int64_t max_sequences = 1;
+  // Positions one sequence may reach (0: the model's max_context).
+  std::int64_t context = 0;
+  // Extra rows of every sliding ring: the last `slack` tokens of a sequence
+  // can always be rolled back (truncate_sequence).
+  std::int64_t slack = 0;
+  // Rows of one full-attention block: a power of two in [16, 65536]
+  // (0: 256, or the smallest power of two from 16 that holds a full plane
+  // when that is less).
+  std::int64_t block_rows = 0;
+  // Blocks in the shared pool (0: enough for every slot at full context).
+  std::int64_t pool_blocks = 0;
+  // Zero-fill storage at creation and a slot's rings when a sequence is
+  // added. Only a detached install, which overwrites every row a reader can
+  // see, may turn this off.
+  bool zero_fill = true;
+};
+
+// ---- The store ------------------------------------------------------------
+
+class KvStore {
+ public:
+  virtual ~KvStore();
+  KvStore(const KvStore&) = delete;
+  KvStore& operator=(const KvStore&) = delete;
+
+  virtual BackendKind backend() const = 0;
+  const ModelConfig& config() const { return config_; }
+  // The options with every default resolved.
+  const StoreOptions& options() const { return options_; }
+  std::int64_t context() const { return options_.context; }
+  std::int64_t n_layers() const { return config_.n_layers; }
+  Layout layout(std::int64_t layer) const;
+  // Rows of a sliding ring; positions of a full plane.
+  std::int64_t capacity(std::int64_t layer) const;
+
+  // Bytes of plane storage: every slot's rings plus the whole pool.
+  std::int64_t allocated_bytes() const;
+  // Bytes of one sliding ring (K and V) and of one block (K and V).
+  std::int64_t ring_bytes() const;
+  std::int64_t block_bytes() const;
+  std::int64_t pool_blocks() const { return static_cast<std::int64_t>(refs_.size()); }
+  std::int64_t free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
+
+  // ---- Sequences ----------------------------------------------------------
+  // Errors: kCapacityExceeded when every slot is taken.
+  Result<SeqId> add_sequence();
+  // Frees the slot and drops the sequence's references to its blocks.
+  Status remove_sequence(SeqId seq);
+  // Empties the sequence (position 0); its blocks go back to the pool.
+  Status reset_sequence(SeqId seq);
+  // A new sequence with the same contents: its sliding rings are copied,
+  // its full blocks are shared (a block is written only while one sequence
+  // holds it; the first write into a shared block copies it).
+  Result<SeqId> fork_sequence(SeqId source);
+  // Rolls the sequence back by its last `tokens` tokens. Refused, changing
+  // nothing, past its start or when a sliding ring would then hold fewer
+  // than the W rows before the new end (always allowed up to `slack`).
+  Status truncate_sequence(SeqId seq, std::int64_t tokens);
+
+  bool contains(SeqId seq) const;
+  std::vector<SeqId> sequences() const;
+  std::int64_t sequence_count() const;
+  // The next position every layer of the sequence expects.
+  Result<std::int64_t> next_position(SeqId seq) const;
+  Result<RingState> ring(SeqId seq, std::int64_t layer) const;
+  // Blocks the sequence's full planes hold (shared ones included).
+  Result<std::int64_t> blocks_held(SeqId seq) const;
+
+  // ---- Batched operations -------------------------------------------------
+  // Device views need the CUDA backend; its calls are enqueued on `stream`
+  // (null: the store's own stream) and never synchronise the device. Host
+  // views work on both backends; on CUDA such a call waits for its copies.
+
+  // Stores K/V rows of several sequences into one layer. Span i's rows are
+  // the next `count` rows of k and v ([sum of counts, kv_dim]), in span
+  // order. A sequence appears at most once.
+  Status store(std::int64_t layer, std::span<const SeqSpan> spans, const ConstView& k,
+               const ConstView& v, cudaStream_t stream = nullptr);
+  // The same for every layer at once: k, v [n_layers * rows, kv_dim], layer
+  // l's rows from l * rows on (rows = sum of counts). All layers accept the
+  // batch or none changes.
+  Status store_all_layers(std::span<const SeqSpan> spans, const ConstView& k,
+                          const ConstView& v, cudaStream_t stream = nullptr);
+  // Decode attention of queries whose K/V is stored: q, out
+  // [queries, n_heads * head_dim], f32 out. A sequence may appear many times.
+  Status attend_decode(std::int64_t layer, std::span<const SeqQuery> queries, const ConstView& q,
+                       const MutView& out, cudaStream_t stream = nullptr);
+  // Ragged chunked prefill: stores each span's chunk and computes attention
+  // for its queries, each seeing the rows before the chunk and the chunk's
+  // rows up to itself. k, v [rows, kv_dim]; q, out [rows, n_heads *
+  // head_dim] (rows = sum of counts, in span order). Equals, bit for bit,
+  // the tokens stored and decoded one at a time.
+  Status prefill(std::int64_t layer, std::span<const SeqSpan> chunks, const ConstView& k,
+                 const ConstView& v, const ConstView& q, const MutView& out,
+                 cudaStream_t stream = nullptr);
+  // Waits for the work this store enqueued on `stream` (null: its own).
+  virtual Status synchronize(cudaStream_t stream = nullptr) const = 0;
+
+  // ---- Rows of one sequence (host memory, f16 bits) ------------------------
+  // Live rows [first, first + count) in logical order: k, v [count, kv_dim].
+  Status read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
+                   std::uint16_t* k, std::uint16_t* v) const;
+  // The physical image of a plane, [capacity * kv_dim] each, layout-indexed
+  // (layout.h): a sliding ring's storage as it is; a full plane's rows
+  // [0, len) from its blocks and zeros past them.
+  Status read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k, std::uint16_t* v) const;
+  // Replaces a plane of the sequence with `ring.len()` rows in logical order
+  // (k, v [len, kv_dim]). `ring` is a state of this plane's capacity whose
+  // rotation is origin_logical % capacity (a sliding ring) or zero (full).
+  // Should the backend fail while copying, the plane is left empty.
+  Status install(SeqId seq, std::int64_t layer, const RingState& ring, const std::uint16_t* k,
+                 const std::uint16_t* v);
+
+ protected:
+  KvStore(ModelConfig config, StoreOptions resolved);
+
+  // ---- What a backend implements ------------------------------------------
+  // A plane of one sequence: its slot's ring (sliding) or its block table
+  // (full: row r lives in block blocks[r / block_rows]).
+  struct PlaneRef {
+    std::int32_t slot = 0;
+    std::int64_t layer = 0;
+    const std::int32_t* blocks = nullptr;
+    std::int64_t n_blocks = 0;
+  };
+  // One span of a store: row source_row + span.source_first + i of the
+  // views goes to physical row span.physical_first + i of `plane`, for each
+  // span of `placement`.
+  struct RowWrite {
+    PlaneRef plane;
+    std::int64_t source_row = 0;
+    BatchPlacement placement;
+  };
+  struct AttendItem {
+    PlaneRef plane;
+    RingState ring;               // the plane as before the chunk
+    std::int64_t first_position;  // queries first_position .. + n_queries - 1
+    std::int64_t n_queries;
+    std::int64_t chunk_start;     // rows from here on come from the chunk
+    std::int64_t q_row;           // the first query's row in q and out
+    std::int64_t chunk_row;       // the chunk's first row in chunk_k, chunk_v
+  };
+  struct AttendBatch {
+    std::int64_t layer;
+    std::span<const AttendItem> items;
+    const ConstView* q;
+    const MutView* out;
+    const ConstView* chunk_k;  // null in decode
+    const ConstView* chunk_v;
+    cudaStream_t stream;
+  };
+  // A block table's entries [first, first + count) changed (backends that
+  // mirror tables elsewhere update the mirror; stream-ordered).
+  struct TableChange {
+    std::int32_t slot;
+    std::int64_t full_index;
+    const std::int32_t* table;
+    std::int64_t first;
+    std::int64_t count;
+  };
+
+  // Checks a view's memory space, dtype and alignment for this backend.
+  virtual Status check_view(const char* what, MemorySpace space, DType dtype,
+                            const void* data) const = 0;
+  // Writes (f32, f16 or bf16 sources, stored as f16 by round to nearest
+  // even) into any layers; one call is one batch of the caller.
+  virtual Status write_rows(std::span<const RowWrite> writes, const ConstView& k,
+                            const ConstView& v, cudaStream_t stream) = 0;
+  virtual Status attend(const AttendBatch& batch) = 0;
+  virtual Status copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
+                          std::uint16_t* v) const = 0;
+  virtual Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,
+                         const std::uint16_t* v) = 0;
+  // The whole storage of a slot's ring (token-major, [ring rows * kv_dim]).
+  virtual Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
+                           std::uint16_t* v) const = 0;
+  virtual Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) = 0;
+  virtual Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer,
+                           cudaStream_t stream) = 0;
+  virtual Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) = 0;
+  virtual Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream);
+
+  std::int64_t full_index(std::int64_t layer) const {
+    return full_index_[static_cast<std::size_t>(layer)];
+  }
+  std::int64_t n_full() const { return n_full_; }
+  std::int64_t max_blocks_per_plane() const { return max_blocks_; }
+  std::int64_t ring_rows() const { return ring_rows_; }
+
+  ModelConfig config_;
+  StoreOptions options_;
+
+ private:
+  struct Sequence {
+    bool live = false;
+    std::uint32_t generation = 0;
+    std::vector<RingState> rings;                    // [n_layers]
+    std::vector<std::vector<std::int32_t>> tables;  // [n_full][blocks]
+  };
+  struct Txn;
+
+  Result<std::int32_t> slot_of(SeqId seq) const;
+  Status check_layer(std::int64_t layer) const;
+  PlaneRef plane_ref(std::int32_t slot, std::int64_t layer) const;
+  Status check_rows_view(const char* what, const ConstView& v, std::int64_t rows,
+                         std::int64_t cols) const;
+  Status check_out_view(const char* what, const MutView& v, std::int64_t rows,
+                        std::int64_t cols) const;
+  // Plans the writes of `spans` into `layer` in `txn`: ring placements,
+  // new blocks, copies of shared blocks. Leaves the store unchanged.
+  Status plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
+                    std::span<const std::int32_t> slots, std::vector<RowWrite>& writes);
+  Status apply_blocks(Txn& txn, cudaStream_t stream);
+  void rollback(Txn& txn);
+  void commit(Txn& txn);
+  Result<std::vector<std::int32_t>> slots_of_spans(std::span<const SeqSpan> spans,
+                                                   bool unique) const;
+  void release_table(std::vector<std::int32_t>& table);
+  void release_tables(Sequence& s);
+  RingState fresh_ring(std::int64_t layer) const;
+
+  std::vector<std::int64_t> full_index_;
+  std::int64_t n_full_ = 0;
+  std::int64_t ring_rows_ = 0;
+  std::int64_t max_blocks_ = 0;
+  std::vector<Sequence> slots_;
+  std::vector<std::int32_t> refs_;   // per block: sequences holding it
+  std::vector<std::int32_t> free_;   // free blocks, taken from the back
+};
+
+// Resolves and checks options against a geometry (every default filled in).
+Result<StoreOptions> resolve_store_options(const ModelConfig& config, StoreOptions options);
+
+// A store on the chosen backend. The CUDA backend checks the device's
+// compute capability and refuses GPUs it was not built for.
+Result<std::unique_ptr<KvStore>> make_store(BackendKind kind, const ModelConfig& config,
+                                            StoreOptions options = {});
+
+}  // namespace kvring

@@ -1,0 +1,809 @@
+#include "kvring/store.h"
+
+#include "kvring/cache.h"
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+#include <utility>
+
+namespace kvring {
+
+const char* backend_name(BackendKind kind) {
+  return kind == BackendKind::kCpu ? "cpu" : "cuda";
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+  }
+  return "unknown";
+}
+
+std::int64_t dtype_bytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+ConstView host_view(const float* data, std::int64_t rows, std::int64_t cols) {
+  return ConstView{data, MemorySpace::kHost, DType::kF32, rows, cols, cols};
+}
+MutView host_view(float* data, std::int64_t rows, std::int64_t cols) {
+  return MutView{data, MemorySpace::kHost, DType::kF32, rows, cols, cols};
+}
+ConstView device_view(const float* data, std::int64_t rows, std::int64_t cols) {
+  return ConstView{data, MemorySpace::kDevice, DType::kF32, rows, cols, cols};
+}
+MutView device_view(float* data, std::int64_t rows, std::int64_t cols) {
+  return MutView{data, MemorySpace::kDevice, DType::kF32, rows, cols, cols};
+}
+
+namespace {
+
+constexpr std::uint64_t kSlotBits = 32;
+std::uint32_t slot_part(SeqId s) { return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s)); }
+std::uint32_t generation_part(SeqId s) {
+  return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s) >> kSlotBits);
+}
+SeqId make_seq(std::uint32_t slot, std::uint32_t generation) {
+  return SeqId{(static_cast<std::uint64_t>(generation) << kSlotBits) | slot};
+}
+
+// Store-wide bounds: far above any model, far below what overflows 64-bit
+// index arithmetic or an allocation size.
+constexpr std::int64_t kMaxSequences = 1 << 20;
+constexpr std::int64_t kMaxPoolBlocks = std::int64_t{1} << 30;
+constexpr std::int64_t kMaxBatchRows = std::int64_t{1} << 32;
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::string seq_name(SeqId seq) {
+  return "sequence " + std::to_string(slot_part(seq)) + "." + std::to_string(generation_part(seq));
+}
+
+Result<StoreOptions> resolve_store_options(const ModelConfig& config, StoreOptions o) {
+  KVRING_RETURN_IF_ERROR(config.validate());
+  if (o.context == 0) o.context = config.max_context;
+  if (o.context < 1 || o.context > config.max_context)
+    return invalid_argument("context " + std::to_string(o.context) + " outside [1, " +
+                            std::to_string(config.max_context) + "] for model '" + config.name +
+                            "'");
+  if (o.max_sequences < 1 || o.max_sequences > kMaxSequences)
+    return invalid_argument("max_sequences " + std::to_string(o.max_sequences) +
+                            " outside [1, " + std::to_string(kMaxSequences) + "]");
+  if (o.slack < 0 || o.slack > config.sliding_window)
+    return invalid_argument("slack " + std::to_string(o.slack) + " outside [0, " +
+                            std::to_string(config.sliding_window) + "] (the sliding window)");
+  const std::int64_t full_rows = config.plane_capacity(LayerKind::kFullNope, o.context);
+  if (o.block_rows == 0) {
+    o.block_rows = 16;
+    while (o.block_rows < 256 && o.block_rows < full_rows) o.block_rows *= 2;
+  }
+  if (o.block_rows < 16 || o.block_rows > 65536 || (o.block_rows & (o.block_rows - 1)) != 0)
+    return invalid_argument("block_rows " + std::to_string(o.block_rows) +
+                            " is not a power of two in [16, 65536]");
+  std::int64_t n_full = 0;
+  for (std::int64_t l = 0; l < config.n_layers; ++l)
+    if (config.kind(l) == LayerKind::kFullNope) ++n_full;
+  const std::int64_t per_plane = ceil_div(full_rows, o.block_rows);
+  if (o.pool_blocks == 0) {
+    if (per_plane > kMaxPoolBlocks / std::max<std::int64_t>(1, n_full * o.max_sequences))
+      return invalid_argument("the default pool for " + std::to_string(o.max_sequences) +
+                              " sequences at " + std::to_string(o.context) +
+                              " positions is too large; give pool_blocks");
+    o.pool_blocks = n_full * o.max_sequences * per_plane;
+  }
+  if (o.pool_blocks < 0 || o.pool_blocks > kMaxPoolBlocks)
+    return invalid_argument("pool_blocks " + std::to_string(o.pool_blocks) + " outside [0, " +
+                            std::to_string(kMaxPoolBlocks) + "]");
+  return o;
+}
+
+// ---- Transactions -----------------------------------------------------------
+
+// What one operation changes, applied by commit or undone by rollback.
+struct KvStore::Txn {
+  std::vector<std::tuple<std::int32_t, std::int64_t, RingState>> rings;  // (slot, layer, state)
+  // Tables as they were before this operation changed them.
+  std::vector<std::tuple<std::int32_t, std::int64_t, std::vector<std::int32_t>>> saved;
+  std::vector<std::int32_t> taken;                        // blocks taken from the pool
+  std::vector<std::int32_t> dropped;                      // references released at commit
+  std::vector<std::pair<std::int32_t, std::int32_t>> copies;  // shared block -> its copy
+  std::vector<TableChange> changes;
+  bool mirrored = false;  // tables_changed was called for `changes`
+
+  Result<std::int32_t> take(KvStore& s) {
+    if (s.free_.empty())
+      return make_error(ErrorCode::kCapacityExceeded,
+                        "the block pool is exhausted: all " + std::to_string(s.pool_blocks()) +
+                            " blocks of " + std::to_string(s.options_.block_rows) +
+                            " rows are in use");
+    const std::int32_t b = s.free_.back();
+    s.free_.pop_back();
+    s.refs_[static_cast<std::size_t>(b)] = 1;
+    taken.push_back(b);
+    return b;
+  }
+  void save(KvStore& s, std::int32_t slot, std::int64_t fi) {
+    for (const auto& t : saved)
+      if (std::get<0>(t) == slot && std::get<1>(t) == fi) return;
+    saved.emplace_back(slot, fi,
+                       s.slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)]);
+  }
+};
+
+void KvStore::rollback(Txn& txn) {
+  for (auto& [slot, fi, table] : txn.saved)
+    slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)] = std::move(table);
+  for (const std::int32_t b : txn.taken) {
+    refs_[static_cast<std::size_t>(b)] = 0;
+    free_.push_back(b);
+  }
+  if (txn.mirrored) {
+    // Point the mirrors back at the tables as they were.
+    std::vector<TableChange> back;
+    for (const auto& [slot, fi, unused] : txn.saved) {
+      const auto& t = slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)];
+      if (!t.empty())
+        back.push_back(TableChange{slot, fi, t.data(), 0, static_cast<std::int64_t>(t.size())});
+    }
+    (void)tables_changed(back, nullptr);
+  }
+  txn = Txn{};
+}
+
+void KvStore::commit(Txn& txn) {
+  for (const auto& [slot, layer, state] : txn.rings)
+    slots_[static_cast<std::size_t>(slot)].rings[static_cast<std::size_t>(layer)] = state;
+  for (const std::int32_t b : txn.dropped) {
+    auto& r = refs_[static_cast<std::size_t>(b)];
+    if (--r == 0) free_.push_back(b);
+  }
+  txn = Txn{};
+}
+
+Status KvStore::apply_blocks(Txn& txn, cudaStream_t stream) {
+  for (const auto& [from, to] : txn.copies) KVRING_RETURN_IF_ERROR(copy_block(from, to, stream));
+  if (!txn.changes.empty()) {
+    txn.mirrored = true;
+    KVRING_RETURN_IF_ERROR(tables_changed(txn.changes, stream));
+  }
+  return Status::Ok();
+}
+
+Status KvStore::tables_changed(std::span<const TableChange>, cudaStream_t) {
+  return Status::Ok();
+}
+
+// ---- Construction -------------------------------------------------------------
+
+KvStore::KvStore(ModelConfig config, StoreOptions o) : config_(std::move(config)), options_(o) {
+  for (std::int64_t l = 0; l < config_.n_layers; ++l)
+    full_index_.push_back(config_.kind(l) == LayerKind::kFullNope ? n_full_++ : -1);
+  ring_rows_ = config_.plane_capacity(LayerKind::kSlidingRope, o.context) + o.slack;
+  max_blocks_ = ceil_div(config_.plane_capacity(LayerKind::kFullNope, o.context), o.block_rows);
+  slots_.resize(static_cast<std::size_t>(o.max_sequences));
+  refs_.assign(static_cast<std::size_t>(o.pool_blocks), 0);
+  free_.reserve(refs_.size());
+  // Blocks are taken from the back: block 0 first.
+  for (std::int64_t b = o.pool_blocks - 1; b >= 0; --b) free_.push_back(static_cast<std::int32_t>(b));
+}
+
+KvStore::~KvStore() = default;
+
+Layout KvStore::layout(std::int64_t layer) const {
+  return config_.kind(layer) == LayerKind::kSlidingRope ? Layout::kTokenMajor : Layout::kHeadMajor;
+}
+
+std::int64_t KvStore::capacity(std::int64_t layer) const {
+  return config_.kind(layer) == LayerKind::kSlidingRope
+             ? ring_rows_
+             : config_.plane_capacity(LayerKind::kFullNope, options_.context);
+}
+
+std::int64_t KvStore::ring_bytes() const { return ring_rows_ * config_.kv_dim() * 4; }
+std::int64_t KvStore::block_bytes() const { return options_.block_rows * config_.kv_dim() * 4; }
+
+std::int64_t KvStore::allocated_bytes() const {
+  const std::int64_t n_sliding = config_.n_layers - n_full_;
+  return options_.max_sequences * n_sliding * ring_bytes() + pool_blocks() * block_bytes();
+}
+
+RingState KvStore::fresh_ring(std::int64_t layer) const {
+  return config_.kind(layer) == LayerKind::kSlidingRope ? RingState::sliding(capacity(layer))
+                                                        : RingState::full(capacity(layer));
+}
+
+// ---- Sequences ---------------------------------------------------------------------
+
+Result<std::int32_t> KvStore::slot_of(SeqId seq) const {
+  const std::uint32_t slot = slot_part(seq);
+  if (slot >= slots_.size() || !slots_[slot].live ||
+      slots_[slot].generation != generation_part(seq))
+    return make_error(ErrorCode::kNotFound,
+                      seq_name(seq) + " is not in this store (never added, or removed)");
+  return static_cast<std::int32_t>(slot);
+}
+
+bool KvStore::contains(SeqId seq) const { return slot_of(seq).ok(); }
+
+std::vector<SeqId> KvStore::sequences() const {
+  std::vector<SeqId> out;
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].live) out.push_back(make_seq(static_cast<std::uint32_t>(i), slots_[i].generation));
+  return out;
+}
+
+std::int64_t KvStore::sequence_count() const {
+  return static_cast<std::int64_t>(
+      std::count_if(slots_.begin(), slots_.end(), [](const Sequence& s) { return s.live; }));
+}
+
+Result<SeqId> KvStore::add_sequence() {
+  std::size_t i = 0;
+  while (i < slots_.size() && slots_[i].live) ++i;
+  if (i == slots_.size())
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "every one of the store's " + std::to_string(slots_.size()) +
+                          " sequence slots is taken");
+  const auto slot = static_cast<std::int32_t>(i);
+  if (options_.zero_fill)
+    for (std::int64_t l = 0; l < n_layers(); ++l)
+      if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(clear_ring(slot, l, nullptr));
+  Sequence& s = slots_[i];
+  s.live = true;
+  s.rings.clear();
+  for (std::int64_t l = 0; l < n_layers(); ++l) s.rings.push_back(fresh_ring(l));
+  s.tables.assign(static_cast<std::size_t>(n_full_), {});
+  return make_seq(static_cast<std::uint32_t>(i), s.generation);
+}
+
+void KvStore::release_table(std::vector<std::int32_t>& table) {
+  for (const std::int32_t b : table) {
+    auto& r = refs_[static_cast<std::size_t>(b)];
+    if (--r == 0) free_.push_back(b);
+  }
+  table.clear();
+}
+
+void KvStore::release_tables(Sequence& s) {
+  for (auto& t : s.tables) release_table(t);
+}
+
+Status KvStore::remove_sequence(SeqId seq) {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  release_tables(s);
+  s.live = false;
+  s.rings.clear();
+  ++s.generation;
+  return Status::Ok();
+}
+
+Status KvStore::reset_sequence(SeqId seq) {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  if (options_.zero_fill)
+    for (std::int64_t l = 0; l < n_layers(); ++l)
+      if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(clear_ring(*slot, l, nullptr));
+  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  release_tables(s);
+  for (std::int64_t l = 0; l < n_layers(); ++l) s.rings[static_cast<std::size_t>(l)] = fresh_ring(l);
+  return Status::Ok();
+}
+
+Result<SeqId> KvStore::fork_sequence(SeqId source) {
+  auto from = slot_of(source);
+  if (!from) return from.error();
+  std::size_t i = 0;
+  while (i < slots_.size() && slots_[i].live) ++i;
+  if (i == slots_.size())
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "cannot fork " + seq_name(source) + ": every one of the store's " +
+                          std::to_string(slots_.size()) + " sequence slots is taken");
+  const auto to = static_cast<std::int32_t>(i);
+  for (std::int64_t l = 0; l < n_layers(); ++l)
+    if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(copy_ring(*from, to, l, nullptr));
+  const Sequence& src = slots_[static_cast<std::size_t>(*from)];
+  Sequence& dst = slots_[i];
+  dst.live = true;
+  dst.rings = src.rings;
+  dst.tables = src.tables;
+  for (const auto& t : dst.tables)
+    for (const std::int32_t b : t) ++refs_[static_cast<std::size_t>(b)];
+  std::vector<TableChange> changes;
+  for (std::int64_t fi = 0; fi < n_full_; ++fi) {
+    const auto& t = dst.tables[static_cast<std::size_t>(fi)];
+    if (!t.empty())
+      changes.push_back(TableChange{to, fi, t.data(), 0, static_cast<std::int64_t>(t.size())});
+  }
+  const SeqId id = make_seq(static_cast<std::uint32_t>(i), dst.generation);
+  if (Status st = tables_changed(changes, nullptr); !st.ok()) {
+    (void)remove_sequence(id);
+    return st.error();
+  }
+  return id;
+}
+
+Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  auto next = next_position(seq);
+  if (!next) return next.error();
+  if (tokens < 0 || tokens > *next)
+    return invalid_argument("cannot roll " + seq_name(seq) + " back by " +
+                            std::to_string(tokens) + " tokens: it holds " +
+                            std::to_string(*next));
+  if (tokens == 0) return Status::Ok();
+  const std::int64_t end = *next - tokens;
+  std::vector<RingState> rings = s.rings;
+  for (std::int64_t l = 0; l < n_layers(); ++l) {
+    RingState& r = rings[static_cast<std::size_t>(l)];
+    // A sliding ring must keep the W rows before the new end, which every
+    // later query needs; with `slack` extra rows it always does for the
+    // last `slack` tokens.
+    const std::int64_t need = std::max<std::int64_t>(0, end - config_.sliding_window);
+    if (r.wraps() && r.origin_logical() > need)
+      return invalid_argument(
+          "cannot roll " + seq_name(seq) + " back by " + std::to_string(tokens) +
+          " tokens: layer " + std::to_string(l) + "'s ring no longer holds position " +
+          std::to_string(need) + " (rollback is guaranteed for the last " +
+          std::to_string(options_.slack) + " tokens, the store's slack)");
+    auto t = RingState::from_parts(r.capacity(), r.wraps(), end - r.origin_logical(),
+                                   r.origin_logical(), r.origin_physical());
+    if (!t) return t.error();
+    r = *t;
+  }
+  s.rings = std::move(rings);
+  for (std::int64_t fi = 0; fi < n_full_; ++fi) {
+    auto& t = s.tables[static_cast<std::size_t>(fi)];
+    const auto keep = static_cast<std::size_t>(ceil_div(end, options_.block_rows));
+    for (std::size_t b = keep; b < t.size(); ++b) {
+      auto& r = refs_[static_cast<std::size_t>(t[b])];
+      if (--r == 0) free_.push_back(t[b]);
+    }
+    if (t.size() > keep) t.resize(keep);
+  }
+  return Status::Ok();
+}
+
+Result<std::int64_t> KvStore::next_position(SeqId seq) const {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  const auto& rings = slots_[static_cast<std::size_t>(*slot)].rings;
+  if (rings.empty()) return invalid_argument("the store has no layers");
+  const std::int64_t next = rings[0].next_position();
+  for (std::size_t l = 1; l < rings.size(); ++l)
+    if (rings[l].next_position() != next)
+      return cache_discontinuity(static_cast<std::int64_t>(l), next, rings[l].next_position());
+  return next;
+}
+
+Result<RingState> KvStore::ring(SeqId seq, std::int64_t layer) const {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  return slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
+}
+
+Result<std::int64_t> KvStore::blocks_held(SeqId seq) const {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  std::int64_t n = 0;
+  for (const auto& t : slots_[static_cast<std::size_t>(*slot)].tables)
+    n += static_cast<std::int64_t>(t.size());
+  return n;
+}
+
+// ---- Checks ----------------------------------------------------------------------
+
+Status KvStore::check_layer(std::int64_t layer) const {
+  if (layer < 0 || layer >= config_.n_layers)
+    return invalid_argument("layer " + std::to_string(layer) + " outside [0, " +
+                            std::to_string(config_.n_layers) + ")");
+  return Status::Ok();
+}
+
+KvStore::PlaneRef KvStore::plane_ref(std::int32_t slot, std::int64_t layer) const {
+  PlaneRef p;
+  p.slot = slot;
+  p.layer = layer;
+  const std::int64_t fi = full_index(layer);
+  if (fi >= 0) {
+    const auto& t = slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)];
+    p.blocks = t.data();
+    p.n_blocks = static_cast<std::int64_t>(t.size());
+  }
+  return p;
+}
+
+namespace {
+
+Status check_shape(const char* what, const void* data, std::int64_t rows, std::int64_t cols,
+                   std::int64_t stride, std::int64_t want_rows, std::int64_t want_cols) {
+  if (rows != want_rows || cols != want_cols)
+    return invalid_argument(std::string(what) + " is [" + std::to_string(rows) + ", " +
+                            std::to_string(cols) + "], the call needs [" +
+                            std::to_string(want_rows) + ", " + std::to_string(want_cols) + "]");
+  if (stride < cols)
+    return invalid_argument(std::string(what) + ": row stride " + std::to_string(stride) +
+                            " is less than its " + std::to_string(cols) + " columns");
+  if (rows > 0 && stride > (std::numeric_limits<std::int64_t>::max() / 8) / rows)
+    return invalid_argument(std::string(what) + ": row stride " + std::to_string(stride) +
+                            " is too large");
+  if (rows > 0 && data == nullptr) return invalid_argument(std::string(what) + " is null");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status KvStore::check_rows_view(const char* what, const ConstView& v, std::int64_t rows,
+                                std::int64_t cols) const {
+  KVRING_RETURN_IF_ERROR(check_shape(what, v.data, v.rows, v.cols, v.row_stride, rows, cols));
+  return check_view(what, v.space, v.dtype, v.data);
+}
+
+Status KvStore::check_out_view(const char* what, const MutView& v, std::int64_t rows,
+                               std::int64_t cols) const {
+  KVRING_RETURN_IF_ERROR(check_shape(what, v.data, v.rows, v.cols, v.row_stride, rows, cols));
+  if (v.dtype != DType::kF32)
+    return invalid_argument(std::string(what) + " is " + dtype_name(v.dtype) +
+                            "; attention writes f32");
+  return check_view(what, v.space, v.dtype, v.data);
+}
+
+Result<std::vector<std::int32_t>> KvStore::slots_of_spans(std::span<const SeqSpan> spans,
+                                                          bool unique) const {
+  std::vector<std::int32_t> slots;
+  slots.reserve(spans.size());
+  for (const SeqSpan& s : spans) {
+    auto slot = slot_of(s.seq);
+    if (!slot) return slot.error();
+    if (s.count < 1 || s.count > kMaxBatchRows)
+      return invalid_argument(seq_name(s.seq) + ": a span of " + std::to_string(s.count) +
+                              " tokens");
+    slots.push_back(*slot);
+  }
+  if (unique) {
+    std::vector<std::int32_t> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      return invalid_argument("a sequence appears more than once in one batch");
+  }
+  return slots;
+}
+
+// ---- Planning ---------------------------------------------------------------------
+
+Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
+                           std::span<const std::int32_t> slots, std::vector<RowWrite>& writes) {
+  const std::int64_t fi = full_index(layer);
+  const std::int64_t B = options_.block_rows;
+  std::int64_t row = 0;
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const std::int32_t slot = slots[i];
+    Sequence& s = slots_[static_cast<std::size_t>(slot)];
+    RingState r = s.rings[static_cast<std::size_t>(layer)];
+    auto placement = r.plan_batch(layer, spans[i].start, spans[i].count);
+    if (!placement) return placement.error();
+    r.commit_batch(spans[i].count);
+    txn.rings.emplace_back(slot, layer, r);
+    if (fi >= 0) {
+      // Full planes never wrap: physical row == position. The block that
+      // receives the first row is written only while this sequence alone
+      // holds it; blocks past the table's end are new.
+      auto& table = s.tables[static_cast<std::size_t>(fi)];
+      const std::int64_t first_block = spans[i].start / B;
+      const std::int64_t end_block = ceil_div(spans[i].start + spans[i].count, B);
+      const bool shared = first_block < static_cast<std::int64_t>(table.size()) &&
+                          refs_[static_cast<std::size_t>(table[static_cast<std::size_t>(first_block)])] > 1;
+      if (shared || end_block > static_cast<std::int64_t>(table.size())) {
+        txn.save(*this, slot, fi);
+        const std::int64_t change_from =
+            shared ? first_block : static_cast<std::int64_t>(table.size());
+        if (shared) {
+          auto copy = txn.take(*this);
+          if (!copy) return copy.error();
+          const std::int32_t old = table[static_cast<std::size_t>(first_block)];
+          txn.copies.emplace_back(old, *copy);
+          txn.dropped.push_back(old);
+          table[static_cast<std::size_t>(first_block)] = *copy;
+        }
+        while (static_cast<std::int64_t>(table.size()) < end_block) {
+          auto b = txn.take(*this);
+          if (!b) return b.error();
+          table.push_back(*b);
+        }
+        txn.changes.push_back(TableChange{slot, fi, nullptr, change_from, end_block - change_from});
+      }
+    }
+    writes.push_back(RowWrite{plane_ref(slot, layer), row, *placement});
+    row += spans[i].count;
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// Table pointers are filled in once planning is over: planning may grow a
+// table (and move its storage) after an earlier change named it.
+template <class Store, class Changes>
+void fill_change_tables(Changes& changes, const Store& tables_of) {
+  for (auto& c : changes) c.table = tables_of(c.slot, c.full_index);
+}
+
+}  // namespace
+
+// ---- Batched operations ------------------------------------------------------------
+
+Status KvStore::store(std::int64_t layer, std::span<const SeqSpan> spans, const ConstView& k,
+                      const ConstView& v, cudaStream_t stream) {
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  auto slots = slots_of_spans(spans, true);
+  if (!slots) return slots.error();
+  std::int64_t rows = 0;
+  for (const SeqSpan& s : spans) rows += s.count;
+  KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows, config_.kv_dim()));
+  KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
+  if (spans.empty()) return Status::Ok();
+  Txn txn;
+  std::vector<RowWrite> writes;
+  if (Status st = plan_store(txn, layer, spans, *slots, writes); !st.ok()) {
+    rollback(txn);
+    return st;
+  }
+  auto table_of = [this](std::int32_t slot, std::int64_t fi) {
+    return slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)].data();
+  };
+  fill_change_tables(txn.changes, table_of);
+  for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
+  Status st = apply_blocks(txn, stream);
+  if (st.ok()) st = write_rows(writes, k, v, stream);
+  if (!st.ok()) {
+    rollback(txn);
+    return st;
+  }
+  commit(txn);
+  return Status::Ok();
+}
+
+Status KvStore::store_all_layers(std::span<const SeqSpan> spans, const ConstView& k,
+                                 const ConstView& v, cudaStream_t stream) {
+  auto slots = slots_of_spans(spans, true);
+  if (!slots) return slots.error();
+  std::int64_t rows = 0;
+  for (const SeqSpan& s : spans) rows += s.count;
+  KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows * n_layers(), config_.kv_dim()));
+  KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows * n_layers(), config_.kv_dim()));
+  if (spans.empty()) return Status::Ok();
+  Txn txn;
+  std::vector<RowWrite> writes;
+  for (std::int64_t l = 0; l < n_layers(); ++l) {
+    const std::size_t first = writes.size();
+    if (Status st = plan_store(txn, l, spans, *slots, writes); !st.ok()) {
+      rollback(txn);
+      return st;
+    }
+    for (std::size_t w = first; w < writes.size(); ++w) writes[w].source_row += l * rows;
+  }
+  auto table_of = [this](std::int32_t slot, std::int64_t fi) {
+    return slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)].data();
+  };
+  fill_change_tables(txn.changes, table_of);
+  for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
+  Status st = apply_blocks(txn, stream);
+  if (st.ok()) st = write_rows(writes, k, v, stream);
+  if (!st.ok()) {
+    rollback(txn);
+    return st;
+  }
+  commit(txn);
+  return Status::Ok();
+}
+
+Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> queries,
+                              const ConstView& q, const MutView& out, cudaStream_t stream) {
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  const std::int64_t width = config_.n_heads * config_.head_dim;
+  const auto n = static_cast<std::int64_t>(queries.size());
+  KVRING_RETURN_IF_ERROR(check_rows_view("q", q, n, width));
+  KVRING_RETURN_IF_ERROR(check_out_view("out", out, n, width));
+  std::vector<AttendItem> items;
+  items.reserve(queries.size());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const SeqQuery& query = queries[static_cast<std::size_t>(i)];
+    auto slot = slot_of(query.seq);
+    if (!slot) return slot.error();
+    const RingState& r =
+        slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
+    const std::int64_t p = query.position;
+    const std::int64_t lo = visible_begin(config_, config_.kind(layer), p);
+    if (p < 0 || !r.holds(p) || lo < r.origin_logical())
+      return invalid_argument(seq_name(query.seq) + ", layer " + std::to_string(layer) +
+                              ": decode at position " + std::to_string(p) + " needs rows [" +
+                              std::to_string(lo) + ", " + std::to_string(p + 1) +
+                              "), live are [" + std::to_string(r.origin_logical()) + ", " +
+                              std::to_string(r.next_position()) + ")");
+    items.push_back(AttendItem{plane_ref(*slot, layer), r, p, 1, p + 1, i, 0});
+  }
+  if (items.empty()) return Status::Ok();
+  return attend(AttendBatch{layer, items, &q, &out, nullptr, nullptr, stream});
+}
+
+Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, const ConstView& k,
+                        const ConstView& v, const ConstView& q, const MutView& out,
+                        cudaStream_t stream) {
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  auto slots = slots_of_spans(chunks, true);
+  if (!slots) return slots.error();
+  std::int64_t rows = 0;
+  for (const SeqSpan& s : chunks) rows += s.count;
+  const std::int64_t width = config_.n_heads * config_.head_dim;
+  KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows, config_.kv_dim()));
+  KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
+  KVRING_RETURN_IF_ERROR(check_rows_view("q", q, rows, width));
+  KVRING_RETURN_IF_ERROR(check_out_view("out", out, rows, width));
+  if (chunks.empty()) return Status::Ok();
+  // The rings as before the chunks: attention reads the rows before each
+  // chunk from the plane and the chunk's own rows from k and v.
+  std::vector<RingState> before;
+  for (std::size_t i = 0; i < chunks.size(); ++i)
+    before.push_back(
+        slots_[static_cast<std::size_t>((*slots)[i])].rings[static_cast<std::size_t>(layer)]);
+  Txn txn;
+  std::vector<RowWrite> writes;
+  if (Status st = plan_store(txn, layer, chunks, *slots, writes); !st.ok()) {
+    rollback(txn);
+    return st;
+  }
+  auto table_of = [this](std::int32_t slot, std::int64_t fi) {
+    return slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)].data();
+  };
+  fill_change_tables(txn.changes, table_of);
+  std::vector<AttendItem> items;
+  std::int64_t row = 0;
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    writes[i].plane = plane_ref((*slots)[i], layer);
+    const SeqSpan& c = chunks[i];
+    const std::int64_t lo = visible_begin(config_, config_.kind(layer), c.start);
+    if (lo < c.start && lo < before[i].origin_logical()) {
+      rollback(txn);
+      return make_error(ErrorCode::kInternal, seq_name(c.seq) + ", layer " +
+                                                  std::to_string(layer) +
+                                                  ": rows before the chunk are gone");
+    }
+    items.push_back(AttendItem{writes[i].plane, before[i], c.start, c.count, c.start, row, row});
+    row += c.count;
+  }
+  Status st = apply_blocks(txn, stream);
+  if (st.ok()) st = attend(AttendBatch{layer, items, &q, &out, &k, &v, stream});
+  if (st.ok()) st = write_rows(writes, k, v, stream);
+  if (!st.ok()) {
+    rollback(txn);
+    return st;
+  }
+  commit(txn);
+  return Status::Ok();
+}
+
+// ---- Rows of one sequence ------------------------------------------------------------
+
+Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
+                          std::uint16_t* k, std::uint16_t* v) const {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  if (count == 0) return Status::Ok();
+  if (k == nullptr || v == nullptr) return invalid_argument("read_rows: null buffer");
+  const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
+  if (count < 0 || count > r.len() || first < r.origin_logical() ||
+      first > r.next_position() - count)
+    return invalid_argument(seq_name(seq) + ", layer " + std::to_string(layer) + ": " +
+                            std::to_string(count) + " rows from position " +
+                            std::to_string(first) + " are not all live (live: [" +
+                            std::to_string(r.origin_logical()) + ", " +
+                            std::to_string(r.next_position()) + "))");
+  return copy_out(plane_ref(*slot, layer), r.spans(first, count), k, v);
+}
+
+Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
+                           std::uint16_t* v) const {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  if (k == nullptr || v == nullptr) return invalid_argument("read_plane: null buffer");
+  if (full_index(layer) < 0) return read_ring(*slot, layer, k, v);
+  const std::int64_t kv_dim = config_.kv_dim();
+  const std::int64_t hd = config_.head_dim;
+  const std::int64_t cap = capacity(layer);
+  const auto n = static_cast<std::size_t>(cap * kv_dim);
+  std::fill(k, k + n, std::uint16_t{0});
+  std::fill(v, v + n, std::uint16_t{0});
+  const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
+  if (r.len() == 0) return Status::Ok();
+  std::vector<std::uint16_t> rk(static_cast<std::size_t>(r.len() * kv_dim)), rv(rk.size());
+  KVRING_RETURN_IF_ERROR(copy_out(plane_ref(*slot, layer), r.live_spans(), rk.data(), rv.data()));
+  for (std::int64_t row = 0; row < r.len(); ++row)
+    for (std::int64_t h = 0; h < config_.n_kv_heads; ++h)
+      for (std::int64_t d = 0; d < hd; ++d) {
+        const auto dst = head_major_index(static_cast<std::uint64_t>(h),
+                                          static_cast<std::uint64_t>(row),
+                                          static_cast<std::uint64_t>(d),
+                                          static_cast<std::uint64_t>(cap),
+                                          static_cast<std::uint64_t>(hd));
+        const auto src = static_cast<std::size_t>(row * kv_dim + h * hd + d);
+        k[dst] = rk[src];
+        v[dst] = rv[src];
+      }
+  return Status::Ok();
+}
+
+Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
+                        const std::uint16_t* k, const std::uint16_t* v) {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  const bool sliding = full_index(layer) < 0;
+  if (state.capacity() != capacity(layer) || state.wraps() != sliding)
+    return make_error(ErrorCode::kMismatch,
+                      "layer " + std::to_string(layer) + ": plane of capacity " +
+                          std::to_string(state.capacity()) + " (" +
+                          (state.wraps() ? "sliding" : "full") + ") does not fit capacity " +
+                          std::to_string(capacity(layer)) + " (" +
+                          (sliding ? "sliding" : "full") + ")");
+  const std::int64_t rotation = sliding ? state.origin_logical() % state.capacity() : 0;
+  if (state.origin_physical() != rotation || (!sliding && state.origin_logical() != 0))
+    return invalid_argument("layer " + std::to_string(layer) +
+                            ": ring state is not the rotation of a sequentially built ring");
+  if (state.len() > 0 && (k == nullptr || v == nullptr))
+    return invalid_argument("install: null buffer");
+  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  Txn txn;
+  const std::int64_t fi = full_index(layer);
+  if (!sliding) {
+    // The rows go into the blocks the plane holds alone, then into new
+    // ones; blocks it shares are replaced, blocks past the rows released.
+    txn.save(*this, *slot, fi);
+    auto& table = s.tables[static_cast<std::size_t>(fi)];
+    const auto blocks = static_cast<std::size_t>(ceil_div(state.len(), options_.block_rows));
+    for (std::size_t b = blocks; b < table.size(); ++b) txn.dropped.push_back(table[b]);
+    if (table.size() > blocks) table.resize(blocks);
+    for (std::size_t b = 0; b < blocks; ++b) {
+      if (b < table.size() && refs_[static_cast<std::size_t>(table[b])] == 1) continue;
+      auto got = txn.take(*this);
+      if (!got) {
+        rollback(txn);
+        return got.error();
+      }
+      if (b < table.size()) {
+        txn.dropped.push_back(table[b]);
+        table[b] = *got;
+      } else {
+        table.push_back(*got);
+      }
+    }
+    if (blocks > 0)
+      txn.changes.push_back(
+          TableChange{*slot, fi, table.data(), 0, static_cast<std::int64_t>(blocks)});
+  }
+  Status st = apply_blocks(txn, nullptr);
+  // Rows the install does not overwrite read as in a fresh ring.
+  if (st.ok() && sliding && state.len() < state.capacity())
+    st = clear_ring(*slot, layer, nullptr);
+  if (st.ok()) st = copy_in(plane_ref(*slot, layer), state.live_spans(), k, v);
+  if (!st.ok()) {
+    // Rows of reused blocks may have changed: the plane is left empty.
+    rollback(txn);
+    s.rings[static_cast<std::size_t>(layer)] = fresh_ring(layer);
+    if (!sliding) release_table(s.tables[static_cast<std::size_t>(fi)]);
+    return st;
+  }
+  txn.rings.emplace_back(*slot, layer, state);
+  commit(txn);
+  return Status::Ok();
+}
+
+}  // namespace kvring
