@@ -12,10 +12,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kvring/cache.h"
 #include "kvring/config.h"
+#include "kvring/store.h"
 #include "kvring/status.h"
 
 namespace kvring {
@@ -42,6 +44,14 @@ class ReferenceModel {
   // (prefill); the logits and stored K/V are the same bits either way.
   // A failure (a discontinuity, a bad token id) leaves the cache unchanged.
   Status forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens, std::int64_t n,
+                 float* logits) const;
+  // The same for a batch of sequences of one store: span i's tokens are
+  // the next `count` of `tokens`, and its logits the next `count` rows of
+  // logits [rows, vocab]. Every span of one token is a decode step (one
+  // batched store and decode a layer), otherwise a ragged prefill; a
+  // sequence's bits do not depend on the batch it runs in. A sequence
+  // appears at most once.
+  Status forward(KvStore& store, std::span<const SeqSpan> spans, const std::int32_t* tokens,
                  float* logits) const;
 
  private:

@@ -68,8 +68,13 @@ struct Snapshot {
   std::int64_t row_bytes() const;
 };
 
-// Copies every plane's live rows and ring state out of `cache` (token_ids and
-// metadata are left for the caller to fill).
+// Copies one sequence's rows out of a store (token_ids and metadata are left
+// for the caller to fill). Each plane is recorded as the ring a
+// sequentially built plane of the store's context holds, without the
+// rollback slack, whatever forks and rollbacks the sequence went through.
+Result<Snapshot> take_snapshot(const KvStore& store, SeqId seq);
+Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& out);
+// The same for a one-sequence cache.
 Result<Snapshot> take_snapshot(const KvCache& cache);
 // The same into `out`, reusing its row buffers: a caller that snapshots
 // again and again keeps its memory warm instead of faulting in fresh pages.
@@ -86,6 +91,7 @@ Status validate_snapshot(const Snapshot& snapshot, bool header_only = false);
 // every plane a target ring that the snapshot's rows fill. The target may
 // have a larger context: full planes keep every row; a sliding plane needs
 // the snapshot to hold every row its ring would hold.
+Status check_restorable(const Snapshot& header, const KvStore& target);
 Status check_restorable(const Snapshot& header, const KvCache& target);
 
 // Replaces every plane of `target` with the snapshot's rows. Everything is
@@ -93,6 +99,13 @@ Status check_restorable(const Snapshot& header, const KvCache& target);
 // was. Should the backend itself fail part-way (a device error), the target
 // is reset to empty and the error says so: it never holds a mix.
 Status restore(const Snapshot& snapshot, KvCache& target);
+// The same into one sequence of a store; other sequences are not touched.
+// A block pool too small for the rows fails part-way, like a device error:
+// the sequence is reset to empty and the error says so.
+Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq);
+// Restores into a new sequence of `target`, which exists only once every
+// plane is in: on an error the store holds no new sequence.
+Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target);
 
 // The detached install path: a new cache on `backend` (context: the
 // snapshot's, or `context` when non-zero) allocated without the zero-fill,

@@ -8,6 +8,9 @@
 // only moves bytes to the placements it is given and attends over them
 // (docs/DESIGN.md, "Many sequences").
 //
+// Threads: calls on one store are made one at a time, except read_rows()
+// and install() of different layers, which may run concurrently.
+//
 // Failure contract: an operation that returns an error has changed nothing,
 // for any sequence it names. Should a backend fail part-way (a device
 // error), the rows it had written are not reachable: ring states, block
@@ -16,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -58,6 +62,7 @@ struct MutView {
   std::int64_t rows = 0;
   std::int64_t cols = 0;
   std::int64_t row_stride = 0;
+  operator ConstView() const { return {data, space, dtype, rows, cols, row_stride}; }  // NOLINT
 };
 
 // Dense row-major views (row_stride == cols).
@@ -155,6 +160,9 @@ class KvStore {
   Result<RingState> ring(SeqId seq, std::int64_t layer) const;
   // Blocks the sequence's full planes hold (shared ones included).
   Result<std::int64_t> blocks_held(SeqId seq) const;
+  // Blocks that storing `spans` into every full layer would take from the
+  // pool (new blocks, and copies of shared blocks written into).
+  Result<std::int64_t> blocks_to_store(std::span<const SeqSpan> spans) const;
 
   // ---- Batched operations -------------------------------------------------
   // Device views need the CUDA backend; its calls are enqueued on `stream`
@@ -316,6 +324,9 @@ class KvStore {
   std::vector<Sequence> slots_;
   std::vector<std::int32_t> refs_;   // per block: sequences holding it
   std::vector<std::int32_t> free_;   // free blocks, taken from the back
+  // Guards refs_ and free_ for install() and read_rows() of different
+  // layers of one sequence, which may run concurrently (snapshot restore).
+  mutable std::mutex pool_mutex_;
 };
 
 // Resolves and checks options against a geometry (every default filled in).

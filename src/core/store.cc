@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
 #include <tuple>
 #include <utility>
 
@@ -114,6 +115,7 @@ struct KvStore::Txn {
   bool mirrored = false;  // tables_changed was called for `changes`
 
   Result<std::int32_t> take(KvStore& s) {
+    std::lock_guard<std::mutex> lock(s.pool_mutex_);
     if (s.free_.empty())
       return make_error(ErrorCode::kCapacityExceeded,
                         "the block pool is exhausted: all " + std::to_string(s.pool_blocks()) +
@@ -136,9 +138,12 @@ struct KvStore::Txn {
 void KvStore::rollback(Txn& txn) {
   for (auto& [slot, fi, table] : txn.saved)
     slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)] = std::move(table);
-  for (const std::int32_t b : txn.taken) {
-    refs_[static_cast<std::size_t>(b)] = 0;
-    free_.push_back(b);
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex_);
+    for (const std::int32_t b : txn.taken) {
+      refs_[static_cast<std::size_t>(b)] = 0;
+      free_.push_back(b);
+    }
   }
   if (txn.mirrored) {
     // Point the mirrors back at the tables as they were.
@@ -156,6 +161,7 @@ void KvStore::rollback(Txn& txn) {
 void KvStore::commit(Txn& txn) {
   for (const auto& [slot, layer, state] : txn.rings)
     slots_[static_cast<std::size_t>(slot)].rings[static_cast<std::size_t>(layer)] = state;
+  std::lock_guard<std::mutex> lock(pool_mutex_);
   for (const std::int32_t b : txn.dropped) {
     auto& r = refs_[static_cast<std::size_t>(b)];
     if (--r == 0) free_.push_back(b);
@@ -342,10 +348,11 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
   std::vector<RingState> rings = s.rings;
   for (std::int64_t l = 0; l < n_layers(); ++l) {
     RingState& r = rings[static_cast<std::size_t>(l)];
-    // A sliding ring must keep the W rows before the new end, which every
-    // later query needs; with `slack` extra rows it always does for the
-    // last `slack` tokens.
-    const std::int64_t need = std::max<std::int64_t>(0, end - config_.sliding_window);
+    // A sliding ring must still hold the rows a ring without slack would
+    // hold at the new end (at least the W rows every later query needs, and
+    // what a snapshot records); with `slack` extra rows it always does for
+    // the last `slack` tokens.
+    const std::int64_t need = std::max<std::int64_t>(0, end - (r.capacity() - options_.slack));
     if (r.wraps() && r.origin_logical() > need)
       return invalid_argument(
           "cannot roll " + seq_name(seq) + " back by " + std::to_string(tokens) +
@@ -395,6 +402,24 @@ Result<std::int64_t> KvStore::blocks_held(SeqId seq) const {
   std::int64_t n = 0;
   for (const auto& t : slots_[static_cast<std::size_t>(*slot)].tables)
     n += static_cast<std::int64_t>(t.size());
+  return n;
+}
+
+Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) const {
+  const std::int64_t B = options_.block_rows;
+  std::int64_t n = 0;
+  for (const SeqSpan& sp : spans) {
+    auto slot = slot_of(sp.seq);
+    if (!slot) return slot.error();
+    if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows) continue;
+    for (const auto& table : slots_[static_cast<std::size_t>(*slot)].tables) {
+      const auto held = static_cast<std::int64_t>(table.size());
+      const std::int64_t first = sp.start / B;
+      n += std::max<std::int64_t>(0, ceil_div(sp.start + sp.count, B) - held);
+      if (first < held && refs_[static_cast<std::size_t>(table[static_cast<std::size_t>(first)])] > 1)
+        ++n;
+    }
+  }
   return n;
 }
 

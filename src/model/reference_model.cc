@@ -172,20 +172,47 @@ std::int64_t ReferenceModel::activation_floats_per_row() const {
 
 Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens,
                                std::int64_t n, float* logits) const {
-  const ModelConfig& c = config_;
-  if (cache.config().fingerprint() != c.fingerprint())
-    return make_error(ErrorCode::kMismatch, "the cache was made for another geometry (" +
-                                                cache.config().name + ", not " + c.name + ")");
   if (n < 1) return invalid_argument("forward: " + std::to_string(n) + " tokens");
+  const SeqSpan span{cache.seq(), start, n};
+  return forward(cache.store(), {&span, 1}, tokens, logits);
+}
+
+Status ReferenceModel::forward(KvStore& store, std::span<const SeqSpan> spans,
+                               const std::int32_t* tokens, float* logits) const {
+  const ModelConfig& c = config_;
+  if (store.config().fingerprint() != c.fingerprint())
+    return make_error(ErrorCode::kMismatch, "the store was made for another geometry (" +
+                                                store.config().name + ", not " + c.name + ")");
+  if (spans.empty()) return invalid_argument("forward: no sequences");
   if (tokens == nullptr || logits == nullptr) return invalid_argument("forward: null buffer");
-  // Check continuity and capacity for every layer before storing anything,
-  // so a refused call leaves the cache as it was. A cache serves the
-  // positions it was sized for: past them a sliding ring smaller than the
-  // window would have lost rows a query needs.
-  if (start < 0 || n > cache.context() - start)
+  // Check every sequence's continuity and capacity for every layer, and
+  // the pool, before storing anything, so a refused call leaves the store
+  // as it was. A store serves the positions it was sized for: past them a
+  // sliding ring smaller than the window would have lost rows a query needs.
+  std::int64_t n = 0;
+  bool decode = true;
+  for (const SeqSpan& sp : spans) {
+    if (sp.count < 1) return invalid_argument("forward: " + std::to_string(sp.count) + " tokens");
+    if (sp.start < 0 || sp.count > store.context() - sp.start)
+      return make_error(ErrorCode::kCapacityExceeded,
+                        std::to_string(sp.count) + " positions from " + std::to_string(sp.start) +
+                            " exceed the store's " + std::to_string(store.context()) +
+                            " positions");
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      auto ring = store.ring(sp.seq, l);
+      if (!ring) return ring.error();
+      auto plan = ring->plan_batch(l, sp.start, sp.count);
+      if (!plan) return plan.error();
+    }
+    n += sp.count;
+    decode = decode && sp.count == 1;
+  }
+  auto blocks = store.blocks_to_store(spans);
+  if (!blocks) return blocks.error();
+  if (*blocks > store.free_blocks())
     return make_error(ErrorCode::kCapacityExceeded,
-                      std::to_string(n) + " positions from " + std::to_string(start) +
-                          " exceed the cache's " + std::to_string(cache.context()) + " positions");
+                      "the block pool has " + std::to_string(store.free_blocks()) +
+                          " free blocks; this step needs " + std::to_string(*blocks));
   if (static_cast<double>(n) * static_cast<double>(activation_floats_per_row()) * 4.0 >
       kMaxActivationBytes)
     return invalid_argument("a chunk of " + std::to_string(n) + " tokens needs more than " +
@@ -196,10 +223,14 @@ Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::in
       return invalid_argument("token id " + std::to_string(tokens[i]) + " at index " +
                               std::to_string(i) + " outside [0, " +
                               std::to_string(options_.vocab) + ")");
-  for (std::int64_t l = 0; l < c.n_layers; ++l) {
-    auto plan = cache.ring(l).plan_batch(l, start, n);
-    if (!plan) return plan.error();
-  }
+  // Row i's logical position.
+  std::vector<std::int64_t> positions;
+  std::vector<SeqQuery> queries;
+  for (const SeqSpan& sp : spans)
+    for (std::int64_t i = 0; i < sp.count; ++i) {
+      positions.push_back(sp.start + i);
+      queries.push_back(SeqQuery{sp.seq, sp.start + i});
+    }
 
   const std::int64_t hidden = options_.hidden, hd = c.head_dim, H = c.n_heads;
   const std::int64_t hq = H * hd, kv = c.kv_dim(), mlp = options_.mlp;
@@ -219,7 +250,7 @@ Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::in
     matmul(h.data(), n, hidden, L.wk, kv, k.data());
     matmul(h.data(), n, hidden, L.wv, kv, v.data());
     for (std::int64_t i = 0; i < n; ++i) {
-      const std::int64_t pos = start + i;
+      const std::int64_t pos = positions[sz(i)];
       auto qk_norm_rope = [&](float* head, const std::vector<float>& weight) {
         rms_norm(head, weight.data(), hd, head);
         if (!sliding) return;  // NoPE on full layers
@@ -236,11 +267,16 @@ Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::in
       for (std::int64_t g = 0; g < c.n_kv_heads; ++g)
         qk_norm_rope(k.data() + i * kv + g * hd, L.k_norm);
     }
-    if (n == 1) {
-      KVRING_RETURN_IF_ERROR(cache.store_token(l, start, k.data(), v.data()));
-      KVRING_RETURN_IF_ERROR(cache.attend_decode(l, start, q.data(), attn.data()));
+    // One decode token per sequence is a store and a decode; anything else
+    // a ragged prefill. The bits are the same either way.
+    const ConstView kview = host_view(k.data(), n, kv), vview = host_view(v.data(), n, kv);
+    const ConstView qview = host_view(q.data(), n, hq);
+    const MutView out = host_view(attn.data(), n, hq);
+    if (decode) {
+      KVRING_RETURN_IF_ERROR(store.store(l, spans, kview, vview));
+      KVRING_RETURN_IF_ERROR(store.attend_decode(l, queries, qview, out));
     } else {
-      KVRING_RETURN_IF_ERROR(cache.prefill(l, start, n, k.data(), v.data(), q.data(), attn.data()));
+      KVRING_RETURN_IF_ERROR(store.prefill(l, spans, kview, vview, qview, out));
     }
     matmul(attn.data(), n, hq, L.wo, hidden, o.data());
     for (std::size_t i = 0; i < x.size(); ++i) x[i] += o[i];

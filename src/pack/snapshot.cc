@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <new>
 #include <string>
@@ -96,25 +97,36 @@ struct Placement {
   std::int64_t skip_rows = 0;
 };
 
-Result<Placement> place(const Snapshot& s, std::int64_t layer, const KvCache& target) {
+// The target ring holds the last min(capacity, snapshot rows) rows, at the
+// rotation a sequentially built ring has (origin_logical % capacity); a
+// sliding ring needs at least the rows a ring without slack would hold.
+Result<Placement> place(const Snapshot& s, std::int64_t layer, const KvStore& target) {
   const PlaneSnapshot& p = s.planes[static_cast<std::size_t>(layer)];
-  const RingState& cur = target.ring(layer);
-  auto ring = RingState::sequential(cur.capacity(), cur.wraps(), s.token_count);
-  if (!ring)
+  const std::int64_t capacity = target.capacity(layer);
+  const bool wraps = target.config().kind(layer) == LayerKind::kSlidingRope;
+  auto full_ring = RingState::sequential(capacity, wraps, s.token_count);
+  if (!full_ring)
     return make_error(ErrorCode::kCapacityExceeded,
                       layer_str(layer) + ": the snapshot holds " + std::to_string(s.token_count) +
                           " positions; the target's full plane holds " +
-                          std::to_string(cur.capacity()) + " (cache context " +
+                          std::to_string(capacity) + " (store context " +
                           std::to_string(target.context()) + ")");
-  if (ring->len() > p.ring.len())
+  const std::int64_t unslacked = wraps ? capacity - target.options().slack : capacity;
+  auto needed = RingState::sequential(unslacked, wraps, s.token_count);
+  if (!needed) return needed.error();
+  if (needed->len() > p.ring.len())
     return make_error(ErrorCode::kMismatch,
                       layer_str(layer) + ": the target ring of capacity " +
-                          std::to_string(cur.capacity()) + " holds positions [" +
-                          std::to_string(ring->origin_logical()) + ", " +
-                          std::to_string(s.token_count) + "), the snapshot only [" +
+                          std::to_string(capacity) + " needs positions [" +
+                          std::to_string(needed->origin_logical()) + ", " +
+                          std::to_string(s.token_count) + "), the snapshot holds only [" +
                           std::to_string(p.ring.origin_logical()) + ", " +
                           std::to_string(s.token_count) + ")");
-  return Placement{*ring, p.ring.len() - ring->len()};
+  const std::int64_t rows = std::min(full_ring->len(), p.ring.len());
+  const std::int64_t origin = s.token_count - rows;
+  auto ring = RingState::from_parts(capacity, wraps, rows, origin, origin % capacity);
+  if (!ring) return ring.error();
+  return Placement{*ring, p.ring.len() - rows};
 }
 
 }  // namespace
@@ -168,44 +180,61 @@ Status validate_snapshot(const Snapshot& s, bool header_only) {
   return Status::Ok();
 }
 
-Result<Snapshot> take_snapshot(const KvCache& cache) {
+Result<Snapshot> take_snapshot(const KvStore& store, SeqId seq) {
   Snapshot s;
-  KVRING_RETURN_IF_ERROR(take_snapshot(cache, s));
+  KVRING_RETURN_IF_ERROR(take_snapshot(store, seq, s));
   return s;
 }
 
-Status take_snapshot(const KvCache& cache, Snapshot& s) {
+Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& s) {
   s.token_ids.clear();
   s.metadata.clear();
-  s.config = cache.config();
-  s.context = cache.context();
-  auto next = cache.next_position();
+  s.config = store.config();
+  s.context = store.context();
+  auto next = store.next_position(seq);
   if (!next) return next.error();
   s.token_count = *next;
   // resize keeps the buffers of planes that stay; equal sizes touch nothing.
-  s.planes.resize(static_cast<std::size_t>(cache.n_layers()));
+  s.planes.resize(static_cast<std::size_t>(store.n_layers()));
   const std::int64_t kv_dim = s.config.kv_dim();
   try {
-    for (std::int64_t l = 0; l < cache.n_layers(); ++l) {
+    for (std::int64_t l = 0; l < store.n_layers(); ++l) {
       PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
       p.kind = s.config.kind(l);
-      p.layout = cache.layout(l);
-      p.ring = cache.ring(l);
+      p.layout = store.layout(l);
+      // The ring a sequentially built plane of the store's context holds
+      // (without the rollback slack): what the format records, whatever
+      // forks and rollbacks the live sequence went through.
+      auto live = store.ring(seq, l);
+      if (!live) return live.error();
+      auto ring = RingState::sequential(s.config.plane_capacity(l, s.context), live->wraps(),
+                                        s.token_count);
+      if (!ring) return ring.error();
+      if (ring->origin_logical() < live->origin_logical())
+        return make_error(ErrorCode::kInternal,
+                          layer_str(l) + ": the live ring lacks rows a snapshot records");
+      p.ring = *ring;
       p.k.resize(static_cast<std::size_t>(p.ring.len() * kv_dim));
       p.v.resize(p.k.size());
     }
   } catch (const std::bad_alloc&) {
     return make_error(ErrorCode::kIOError, "out of host memory for a snapshot of " +
-                                               std::to_string(cache.allocated_bytes()) +
-                                               " bytes of planes");
+                                               std::to_string(s.token_count) + " positions");
   }
-  return for_each_layer(cache.backend(), cache.n_layers(), s.row_bytes(), [&](std::int64_t l) {
+  return for_each_layer(store.backend(), store.n_layers(), s.row_bytes(), [&](std::int64_t l) {
     PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
-    return cache.read_rows(l, p.ring.origin_logical(), p.ring.len(), p.k.data(), p.v.data());
+    return store.read_rows(seq, l, p.ring.origin_logical(), p.ring.len(), p.k.data(), p.v.data());
   });
 }
 
-Status check_restorable(const Snapshot& header, const KvCache& target) {
+Result<Snapshot> take_snapshot(const KvCache& cache) {
+  return take_snapshot(cache.store(), cache.seq());
+}
+Status take_snapshot(const KvCache& cache, Snapshot& out) {
+  return take_snapshot(cache.store(), cache.seq(), out);
+}
+
+Status check_restorable(const Snapshot& header, const KvStore& target) {
   KVRING_RETURN_IF_ERROR(validate_snapshot(header, /*header_only=*/true));
   KVRING_RETURN_IF_ERROR(compare_geometry(header.config, target.config()));
   for (std::int64_t l = 0; l < target.n_layers(); ++l) {
@@ -216,11 +245,18 @@ Status check_restorable(const Snapshot& header, const KvCache& target) {
   return Status::Ok();
 }
 
-Status restore(const Snapshot& snapshot, KvCache& target) {
+Status check_restorable(const Snapshot& header, const KvCache& target) {
+  return check_restorable(header, target.store());
+}
+
+Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
+  if (!target.contains(seq))
+    return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
-  // Nothing below can fail for a reason in the input: install() accepts
-  // exactly the sequential rings place() computes and buffers of their size.
+  // Nothing below can fail for a reason in the input but an exhausted
+  // block pool: install() accepts exactly the rings place() computes and
+  // buffers of their size.
   const std::int64_t kv_dim = snapshot.config.kv_dim();
   const Status s = for_each_layer(target.backend(), target.n_layers(), snapshot.row_bytes(),
                                   [&](std::int64_t l) -> Status {
@@ -228,15 +264,31 @@ Status restore(const Snapshot& snapshot, KvCache& target) {
     if (!placement) return placement.error();
     const PlaneSnapshot& p = snapshot.planes[static_cast<std::size_t>(l)];
     const std::size_t skip = static_cast<std::size_t>(placement->skip_rows * kv_dim);
-    return target.install(l, placement->ring, p.k.data() + skip, p.v.data() + skip);
+    return target.install(seq, l, placement->ring, p.k.data() + skip, p.v.data() + skip);
   });
   if (s.ok()) return s;
   Error e = s.error();
-  const Status reset = target.reset();
-  e.message += reset.ok() ? " (restore failed part-way; the cache was reset to empty)"
+  const Status reset = target.reset_sequence(seq);
+  e.message += reset.ok() ? " (restore failed part-way; the sequence was reset to empty)"
                           : " (restore failed part-way and the reset failed too: " +
                                 reset.to_string() + ")";
   return e;
+}
+
+Status restore(const Snapshot& snapshot, KvCache& target) {
+  return restore(snapshot, target.store(), target.seq());
+}
+
+Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
+  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
+  KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
+  auto seq = target.add_sequence();
+  if (!seq) return seq.error();
+  if (Status s = restore(snapshot, target, *seq); !s.ok()) {
+    (void)target.remove_sequence(*seq);
+    return s.error();
+  }
+  return *seq;
 }
 
 Result<std::unique_ptr<KvCache>> restore_detached(const Snapshot& snapshot, BackendKind backend,
