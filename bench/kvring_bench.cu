@@ -27,15 +27,81 @@
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "kvring/config.h"
-#include "kvring/cuda_cache.h"
+#include "kvring/cuda_store.h"
 
 namespace {
 
-using kvring::CudaCache;
+using kvring::ConstView;
+using kvring::MutView;
+using kvring::SeqId;
+using kvring::SeqQuery;
+using kvring::SeqSpan;
+
+// One sequence in a one-sequence CUDA store, with the single-sequence calls
+// the figures time (each one store or attention call of the store's API).
+class CudaCache {
+ public:
+  CudaCache(std::unique_ptr<kvring::KvStore> s, SeqId seq)
+      : s_(std::move(s)), cuda_(dynamic_cast<kvring::CudaStore*>(s_.get())), seq_(seq) {}
+  cudaStream_t stream() const { return cuda_->stream(); }
+  kvring::Status synchronize() const { return s_->synchronize(); }
+  kvring::Status reset() { return s_->reset_sequence(seq_); }
+  kvring::RingState ring(std::int64_t l) const { return *s_->ring(seq_, l); }
+  kvring::Status read_rows(std::int64_t l, std::int64_t first, std::int64_t n, std::uint16_t* k,
+                           std::uint16_t* v) const {
+    return s_->read_rows(seq_, l, first, n, k, v);
+  }
+  kvring::Status install(std::int64_t l, const kvring::RingState& r, const std::uint16_t* k,
+                         const std::uint16_t* v) {
+    return s_->install(seq_, l, r, k, v);
+  }
+  kvring::Status store_batch_device(std::int64_t l, std::int64_t start, std::int64_t n,
+                                    const float* k, const float* v) {
+    const SeqSpan span{seq_, start, n};
+    return s_->store(l, std::span(&span, 1), kvring::device_view(k, n, kv()),
+                     kvring::device_view(v, n, kv()));
+  }
+  kvring::Status store_token_device(std::int64_t l, std::int64_t pos, const float* k,
+                                    const float* v) {
+    return store_batch_device(l, pos, 1, k, v);
+  }
+  kvring::Status store_batch_all_layers_device(std::int64_t start, std::int64_t n,
+                                               const float* k, const float* v) {
+    const SeqSpan span{seq_, start, n};
+    const std::int64_t rows = n * s_->n_layers();
+    return s_->store_all_layers(std::span(&span, 1), kvring::device_view(k, rows, kv()),
+                                kvring::device_view(v, rows, kv()));
+  }
+  kvring::Status store_token_all_layers_device(std::int64_t pos, const float* k, const float* v) {
+    return store_batch_all_layers_device(pos, 1, k, v);
+  }
+  kvring::Status attend_decode_device(std::int64_t l, std::int64_t pos, const float* q,
+                                      float* out) {
+    const SeqQuery query{seq_, pos};
+    return s_->attend_decode(l, std::span(&query, 1), kvring::device_view(q, 1, width()),
+                             kvring::device_view(out, 1, width()));
+  }
+  kvring::Status prefill_device(std::int64_t l, std::int64_t start, std::int64_t n,
+                                const float* k, const float* v, const float* q, float* out) {
+    const SeqSpan span{seq_, start, n};
+    return s_->prefill(l, std::span(&span, 1), kvring::device_view(k, n, kv()),
+                       kvring::device_view(v, n, kv()), kvring::device_view(q, n, width()),
+                       kvring::device_view(out, n, width()));
+  }
+
+ private:
+  std::int64_t kv() const { return s_->config().kv_dim(); }
+  std::int64_t width() const { return s_->config().n_heads * s_->config().head_dim; }
+  std::unique_ptr<kvring::KvStore> s_;
+  kvring::CudaStore* cuda_;
+  SeqId seq_;
+};
 
 #define CHECK_CUDA(expr)                                                                  \
   do {                                                                                    \
@@ -185,9 +251,11 @@ void write_json(const std::string& path, const std::string& device, int sms) {
 }
 
 std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context) {
-  auto c = CudaCache::create(cfg, {.context = context});
-  check(c.status(), "creating a cache");
-  return std::move(*c);
+  auto c = kvring::make_store(kvring::BackendKind::kCuda, cfg, {.max_sequences = 1, .context = context});
+  check(c.status(), "creating a store");
+  auto seq = (*c)->add_sequence();
+  check(seq.status(), "adding a sequence");
+  return std::make_unique<CudaCache>(std::move(*c), *seq);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "cuda_test_util.h"
+#include "kvring/cache.h"
 #include "kvring/model.h"
 
 namespace kvring {
@@ -19,7 +20,7 @@ constexpr std::int64_t kContext = 2560;
 
 
 std::unique_ptr<KvCache> cuda_cache(const ModelConfig& c) {
-  auto r = make_cuda_cache(c, {.context = kContext});
+  auto r = KvCache::create(BackendKind::kCuda, c, {.context = kContext});
   EXPECT_TRUE(r.ok()) << r.error().to_string();
   return r.ok() ? std::move(*r) : nullptr;
 }

@@ -1,19 +1,22 @@
 // Helpers shared by the CUDA tests: skipping without a GPU, device buffers,
-// plane bytes, and K/V streams with the f16 special cases mixed in.
+// store images, and a seeded driver that runs sequences through a store in
+// random batch compositions (with slot churn), recording every output.
 #pragma once
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <vector>
 
-#include "kvring/cache.h"
-#include "kvring/cuda_cache.h"
+#include "kvring/cuda_store.h"
 #include "kvring/f16.h"
+#include "kvring/store.h"
 #include "test_util.h"
 
 namespace kvring::testing {
@@ -27,7 +30,7 @@ inline bool quick() {
   return q != nullptr && q[0] == '1';
 }
 
-// A device allocation for a test; aborts the test on failure.
+// A device allocation for a test.
 template <class T>
 class DeviceArray {
  public:
@@ -56,51 +59,203 @@ class DeviceArray {
   std::size_t n_;
 };
 
-// Every plane and ring of two caches agree.
-inline void expect_same_planes(const KvCache& a, const KvCache& b) {
-  ASSERT_EQ(a.n_layers(), b.n_layers());
-  for (std::int64_t l = 0; l < a.n_layers(); ++l) {
-    EXPECT_EQ(a.ring(l), b.ring(l)) << "layer " << l;
-    EXPECT_TRUE(plane_bytes(a, l) == plane_bytes(b, l)) << "layer " << l;
-  }
+// Read-only views of test buffers.
+inline ConstView host_in(const float* p, std::int64_t rows, std::int64_t cols) {
+  return host_view(p, rows, cols);
+}
+inline ConstView device_in(const float* p, std::int64_t rows, std::int64_t cols) {
+  return device_view(p, rows, cols);
 }
 
-// f32 values whose f16 conversion is delicate: ties of both parities,
-// subnormals and their ties, the overflow threshold, infinities, NaNs with
-// several payloads and signs, f32 subnormals, signed zeros.
-inline std::vector<float> f16_special_values() {
-  auto b = [](std::uint32_t u) { return f32_from_bits(u); };
-  return {1.0f + std::ldexp(1.0f, -11), 1.0f + 3 * std::ldexp(1.0f, -11), 2047.5f, -2047.5f,
-          std::ldexp(1.0f, -25), std::ldexp(3.0f, -25), std::ldexp(5.0f, -25),
-          -std::ldexp(3.0f, -25), std::ldexp(1.0f, -14) - std::ldexp(1.0f, -25),
-          std::ldexp(1023.0f, -24), std::ldexp(1.0f, -30), 65504.0f, 65519.0f, 65520.0f,
-          -65520.0f, 1e10f, -1e10f, INFINITY, -INFINITY, NAN, b(0xffc00001u), b(0x7f800001u),
-          b(0x7fbfffffu), -0.0f, b(1u), b(0x807fffffu)};
+inline std::unique_ptr<KvStore> new_store(BackendKind kind, const ModelConfig& c,
+                                          StoreOptions o) {
+  auto r = make_store(kind, c, o);
+  EXPECT_TRUE(r.ok()) << r.error().to_string();
+  return r.ok() ? std::move(*r) : nullptr;
 }
 
-// Row p of a long K/V stream (p in [0, n)): random values in [-4, 4) with,
-// when `specials`, about one element in five a special value or a random
-// f32 bit pattern.
-struct KvStream {
-  std::int64_t kv_dim;
-  std::vector<float> k, v;
-  KvStream(std::int64_t kv, std::int64_t n, std::uint64_t seed, bool specials = false)
-      : kv_dim(kv),
-        k(random_floats(static_cast<std::size_t>(kv * n), seed, 4.0f)),
-        v(random_floats(static_cast<std::size_t>(kv * n), seed + 1, 4.0f)) {
-    if (!specials) return;
-    const std::vector<float> sp = f16_special_values();
-    std::mt19937_64 rng(seed ^ 0x5bd1e995u);
-    for (auto* buf : {&k, &v})
-      for (float& x : *buf) {
-        const std::uint64_t r = rng();
-        if (r % 5 != 0) continue;
-        x = (r >> 8) % 3 == 0 ? f32_from_bits(static_cast<std::uint32_t>(r >> 32))
-                              : sp[(r >> 16) % sp.size()];
-      }
-  }
-  const float* krow(std::int64_t p) const { return k.data() + p * kv_dim; }
-  const float* vrow(std::int64_t p) const { return v.data() + p * kv_dim; }
+// Every ring state and plane image of one sequence.
+struct SeqImage {
+  std::vector<RingState> rings;
+  std::vector<std::vector<std::uint16_t>> k, v;
+  bool operator==(const SeqImage&) const = default;
 };
+inline SeqImage seq_image(const KvStore& s, SeqId seq) {
+  SeqImage im;
+  for (std::int64_t l = 0; l < s.n_layers(); ++l) {
+    auto r = s.ring(seq, l);
+    EXPECT_TRUE(r.ok());
+    im.rings.push_back(r.ok() ? *r : RingState{});
+    const auto n = static_cast<std::size_t>(s.capacity(l) * s.config().kv_dim());
+    im.k.emplace_back(n);
+    im.v.emplace_back(n);
+    const Status st = s.read_plane(seq, l, im.k.back().data(), im.v.back().data());
+    EXPECT_TRUE(st.ok()) << st.to_string();
+  }
+  return im;
+}
+
+// One sequence's inputs: K/V rows [n_layers][len][kv_dim] and queries
+// [n_layers][len][n_heads * head_dim], seeded.
+struct SeqInputs {
+  std::int64_t len = 0;
+  std::vector<float> k, v, q;
+};
+inline SeqInputs seq_inputs(const ModelConfig& c, std::int64_t len, std::uint64_t seed) {
+  SeqInputs s;
+  s.len = len;
+  const auto kv = static_cast<std::size_t>(c.n_layers * len * c.kv_dim());
+  const auto qn = static_cast<std::size_t>(c.n_layers * len * c.n_heads * c.head_dim);
+  s.k = random_floats(kv, seed, 2.0f);
+  s.v = random_floats(kv, seed + 1, 2.0f);
+  s.q = random_floats(qn, seed + 2, 1.0f);
+  return s;
+}
+
+// Outputs by (sequence, layer, position): one query's [n_heads * head_dim].
+using Outputs = std::map<std::tuple<int, std::int64_t, std::int64_t>, std::vector<float>>;
+
+// A plan of steps over sequences 0..n-1: in each step some sequences (in a
+// random order) advance by a chunk (prefill) or by one stored token whose
+// query is then decoded (store + attend_decode, the queries in random order).
+struct Step {
+  bool decode = false;
+  std::vector<std::pair<int, std::int64_t>> chunks;  // (sequence, tokens)
+};
+inline std::vector<Step> random_plan(const std::vector<SeqInputs>& seqs, std::uint64_t seed,
+                                     std::int64_t max_chunk) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::int64_t> at(seqs.size(), 0);
+  std::vector<Step> plan;
+  for (;;) {
+    std::vector<int> open;
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      if (at[i] < seqs[i].len) open.push_back(static_cast<int>(i));
+    if (open.empty()) break;
+    std::shuffle(open.begin(), open.end(), rng);
+    Step st;
+    st.decode = rng() % 3 == 0;
+    const std::size_t take = 1 + rng() % open.size();
+    for (std::size_t j = 0; j < take; ++j) {
+      const int i = open[j];
+      const std::int64_t left = seqs[static_cast<std::size_t>(i)].len - at[static_cast<std::size_t>(i)];
+      const std::int64_t n = st.decode ? 1 : std::min<std::int64_t>(left, 1 + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(max_chunk)));
+      st.chunks.emplace_back(i, n);
+      at[static_cast<std::size_t>(i)] += n;
+    }
+    plan.push_back(st);
+  }
+  return plan;
+}
+
+// Runs `plan` on `store` for sequences already added as `ids`, every layer
+// per step, with host or device views, on `stream`. Records outputs.
+inline void run_plan(KvStore& store, const std::vector<SeqId>& ids,
+                     const std::vector<SeqInputs>& seqs, const std::vector<Step>& plan,
+                     Outputs& outs, bool device = false, cudaStream_t stream = nullptr,
+                     std::vector<std::int64_t>* progress = nullptr) {
+  const ModelConfig& c = store.config();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  std::vector<std::int64_t> at_local(seqs.size(), 0);
+  std::vector<std::int64_t>& at = progress ? *progress : at_local;
+  if (at.size() < seqs.size()) at.resize(seqs.size(), 0);
+  for (const Step& st : plan) {
+    std::int64_t rows = 0;
+    for (const auto& [i, n] : st.chunks) rows += n;
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      std::vector<float> k(static_cast<std::size_t>(rows * kv)), v(k.size()),
+          q(static_cast<std::size_t>(rows * width)), out(q.size(), NAN);
+      std::vector<SeqSpan> spans;
+      std::vector<SeqQuery> queries;
+      std::int64_t r = 0;
+      for (const auto& [i, n] : st.chunks) {
+        const SeqInputs& s = seqs[static_cast<std::size_t>(i)];
+        const std::int64_t p0 = at[static_cast<std::size_t>(i)];
+        std::memcpy(k.data() + r * kv, s.k.data() + (l * s.len + p0) * kv, static_cast<std::size_t>(n * kv) * 4);
+        std::memcpy(v.data() + r * kv, s.v.data() + (l * s.len + p0) * kv, static_cast<std::size_t>(n * kv) * 4);
+        std::memcpy(q.data() + r * width, s.q.data() + (l * s.len + p0) * width,
+                    static_cast<std::size_t>(n * width) * 4);
+        spans.push_back(SeqSpan{ids[static_cast<std::size_t>(i)], p0, n});
+        queries.push_back(SeqQuery{ids[static_cast<std::size_t>(i)], p0});
+        r += n;
+      }
+      Status status;
+      if (!device) {
+        const ConstView hk = host_in(k.data(), rows, kv), hv = host_in(v.data(), rows, kv),
+                        hq = host_in(q.data(), rows, width);
+        const MutView ho = host_view(out.data(), rows, width);
+        if (st.decode) {
+          status = store.store(l, spans, hk, hv);
+          if (status.ok()) status = store.attend_decode(l, queries, hq, ho);
+        } else {
+          status = store.prefill(l, spans, hk, hv, hq, ho);
+        }
+      } else {
+        // Device queries and outputs need rows of whole float4s: pad them.
+        const std::int64_t ws = (width + 3) / 4 * 4;
+        std::vector<float> qp(static_cast<std::size_t>(rows * ws), 0.0f);
+        for (std::int64_t i = 0; i < rows; ++i)
+          std::memcpy(qp.data() + i * ws, q.data() + i * width, static_cast<std::size_t>(width) * 4);
+        DeviceArray<float> dk(k), dv(v), dq(qp), dout(qp.size());
+        dout.poison();
+        const ConstView ck = device_in(dk.get(), rows, kv), cv = device_in(dv.get(), rows, kv),
+                        cq{dq.get(), MemorySpace::kDevice, DType::kF32, rows, width, ws};
+        const MutView co{dout.get(), MemorySpace::kDevice, DType::kF32, rows, width, ws};
+        if (st.decode) {
+          status = store.store(l, spans, ck, cv, stream);
+          if (status.ok()) status = store.attend_decode(l, queries, cq, co, stream);
+        } else {
+          status = store.prefill(l, spans, ck, cv, cq, co, stream);
+        }
+        if (status.ok()) status = store.synchronize(stream);
+        const std::vector<float> padded = dout.download();
+        for (std::int64_t i = 0; i < rows; ++i)
+          std::memcpy(out.data() + i * width, padded.data() + i * ws, static_cast<std::size_t>(width) * 4);
+      }
+      ASSERT_TRUE(status.ok()) << status.to_string();
+      r = 0;
+      for (const auto& [i, n] : st.chunks) {
+        for (std::int64_t j = 0; j < n; ++j) {
+          const float* o = out.data() + (r + j) * width;
+          outs[{i, l, at[static_cast<std::size_t>(i)] + j}] = std::vector<float>(o, o + width);
+        }
+        r += n;
+      }
+    }
+    for (const auto& [i, n] : st.chunks) at[static_cast<std::size_t>(i)] += n;
+  }
+}
+
+// Adds and removes filler sequences (storing a few rows into every layer,
+// so blocks are taken and freed out of order), then adds `n` sequences:
+// they land in scattered slots with scattered blocks.
+inline std::vector<SeqId> add_with_churn(KvStore& store, int n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const ModelConfig& c = store.config();
+  std::vector<SeqId> fillers;
+  const int max = static_cast<int>(store.options().max_sequences);
+  const int n_fill = std::max(0, std::min(max - n, 1 + static_cast<int>(rng() % 4)));
+  for (int i = 0; i < n_fill + n && i < max; ++i) {
+    auto s = store.add_sequence();
+    EXPECT_TRUE(s.ok());
+    if (!s.ok()) break;
+    const std::int64_t rows = 1 + static_cast<std::int64_t>(rng() % 40);
+    const auto x = random_floats(static_cast<std::size_t>(rows * c.kv_dim() * c.n_layers), rng());
+    const SeqSpan span{*s, 0, rows};
+    EXPECT_TRUE(store.store_all_layers(std::span(&span, 1), host_view(x.data(), rows * c.n_layers, c.kv_dim()),
+                                       host_view(x.data(), rows * c.n_layers, c.kv_dim())).ok());
+    fillers.push_back(*s);
+  }
+  std::shuffle(fillers.begin(), fillers.end(), rng);
+  for (int i = 0; i < n && i < static_cast<int>(fillers.size()); ++i)
+    EXPECT_TRUE(store.remove_sequence(fillers[static_cast<std::size_t>(i)]).ok());
+  std::vector<SeqId> ids;
+  for (int i = 0; i < n; ++i) {
+    auto s = store.add_sequence();
+    EXPECT_TRUE(s.ok()) << (s.ok() ? "" : s.error().to_string());
+    if (s.ok()) ids.push_back(*s);
+  }
+  return ids;
+}
 
 }  // namespace kvring::testing

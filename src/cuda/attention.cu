@@ -1,5 +1,8 @@
-// Decode and prefill attention over a plane read in place through its ring
-// state, plus the rows of a prefill chunk.
+// Batched decode and prefill attention: every query of a batch of
+// sequences in one launch, each over its own plane (a slot's sliding ring
+// or a block table into the shared pool) read in place through its ring
+// state, plus the rows of its prefill chunk. Each query finds its item
+// (AttendQueryItem, device memory) by binary search on its index.
 //
 // Grid: x = split of the query's visible rows, y = work item (query heads
 // that share a KV head), z = query (x and z swapped in query-major
@@ -36,30 +39,20 @@ namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// What a CTA needs to address its rows, computed once on the host from
-// AttendParams: the kernels take it ahead of the AttendParams, so that the
-// first tiles go out after a few constant loads and a short chain of
-// arithmetic (the rest of the parameters are read later).
+// The launch-wide part of what a CTA needs to address its rows, computed
+// once on the host from AttendParams; the per-query part comes from the
+// query's item (QueryRange).
 struct FirstTiles {
-  const std::uint16_t* plane_k;
-  const std::uint16_t* plane_v;
-  std::int64_t first_position;
   std::int64_t reach;        // a query at p sees rows from max(0, p - reach)
-  std::int64_t shift;        // plane row of logical L: L + shift, less capacity past the end
-  std::int64_t capacity;
-  std::int64_t chunk_start;
-  std::int64_t head_step;    // kv_head's head rows start kv_head * head_step elements in
-  std::int32_t row_stride;   // elements between a head's consecutive plane rows
   std::int32_t group;        // query heads per KV head
   std::int32_t sets;         // work items per KV head
-  const float* q;
   std::int32_t n_heads;
   std::int32_t read_once;    // every row is read by one CTA
   // grid.x = query and grid.z = split (else grid.x = split, grid.z =
   // query): set for last-arrival launches of several queries whose rows
   // outgrow the L2, so that the CTAs that run at once are one split's of
   // many queries, which read the same rows, and those rows come from L2
-  // for all but the first. A 512-token prefill at 131072 rows takes 43%
+  // for all but the first. A 512-token prefill at 131072 rows took 43%
   // less time on the H200; at 32768 rows, whose plane the L2 holds, it was
   // 3.5% slower, hence the size rule (docs/PERFORMANCE.md).
   std::int32_t query_major;
@@ -71,23 +64,50 @@ struct KernelArgs {
 static_assert(sizeof(KernelArgs) <= 4000, "kernel parameters over 4 KB");
 
 struct QueryRange {
-  int qi;                  // query index in the launch
+  int qi;                  // query index in the launch (its row of q and out)
   std::int64_t p;          // its logical position
   std::int64_t lo;         // first visible row
   std::int64_t split_rows;
   int n_splits;
   int split;               // this CTA's split
+  // Its plane and chunk (AttendQueryItem).
+  const std::uint16_t* plane_k;
+  const std::uint16_t* plane_v;
+  const std::int32_t* table;
+  std::int64_t shift, capacity, chunk_start, chunk_row;
+  // Its workspace: slots of item_splits splits from ws_slot on, counters
+  // from ws_counter on.
+  int item_splits;
+  std::int64_t ws_slot, ws_counter;
 };
 
 // This CTA's query and split, but the split count; false when the split
 // does not exist for its query (the grid is sized for the query with the
 // most splits): a split exists when its first row is visible.
-__device__ __forceinline__ bool query_range(const FirstTiles& F, QueryRange& r) {
+__device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendParams& P,
+                                            QueryRange& r) {
   r.qi = static_cast<int>(F.query_major ? blockIdx.x : blockIdx.z);
-  r.p = F.first_position + r.qi;
+  int lo = 0, hi = P.n_items - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (P.items[mid].q_first <= r.qi) lo = mid; else hi = mid - 1;
+  }
+  const AttendQueryItem& it = P.items[lo];
+  const int i = r.qi - it.q_first;
+  r.p = it.first_position + i;
   r.lo = max(std::int64_t{0}, r.p - F.reach);
   r.split_rows = attend_split_rows(r.p - r.lo + 1);
   r.split = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x);
+  r.plane_k = it.k;
+  r.plane_v = it.v;
+  r.table = it.table;
+  r.shift = it.shift;
+  r.capacity = it.capacity;
+  r.chunk_start = it.chunk_start;
+  r.chunk_row = it.chunk_row;
+  r.item_splits = it.max_splits;
+  r.ws_slot = it.ws_slot + static_cast<std::int64_t>(i) * attend_slots(it.max_splits);
+  r.ws_counter = it.ws_counter + static_cast<std::int64_t>(i) * attend_counters(it.max_splits);
   return r.lo + r.split * r.split_rows <= r.p;
 }
 // The query's split count: a division, which the tensor-core kernel does
@@ -127,30 +147,55 @@ struct RowPtr {
   const std::uint16_t* v;
 };
 
-// Where the head rows of one KV head lie: plane row `physical` at
-// physical * row_stride + head_offset (layout.h's formulas, factored), chunk
-// row i at i * kv_dim + chunk_offset.
+// Where the head rows of one KV head of one query's plane lie (layout.h's
+// formulas, factored): a ring's row `physical` at physical * kv_dim +
+// head_offset; a full plane's in block table[physical >> block_shift] at
+// (physical & block_mask) * head_dim + head_offset inside it; chunk row i at
+// (chunk_row + i) * kv_dim + chunk_offset.
 struct HeadRows {
+  const std::uint16_t* k;
+  const std::uint16_t* v;
+  const std::int32_t* table;  // null: a ring
+  std::int64_t shift, capacity, chunk_start;
   std::int64_t row_stride, head_offset, chunk_offset;
-  __device__ HeadRows(const FirstTiles& F, int head_dim, int kv_head)
-      : row_stride(F.row_stride),
-        head_offset(kv_head * F.head_step),
-        chunk_offset(static_cast<std::int64_t>(kv_head) * head_dim) {}
+  std::int64_t block_elems, block_mask;
+  int block_shift;
+  __device__ HeadRows(const AttendParams& P, const QueryRange& r, int head_dim, int kv_head)
+      : k(r.plane_k),
+        v(r.plane_v),
+        table(P.full ? r.table : nullptr),
+        shift(r.shift),
+        capacity(r.capacity),
+        chunk_start(r.chunk_start),
+        row_stride(P.full ? head_dim : P.kv_dim),
+        head_offset(P.full ? (static_cast<std::int64_t>(kv_head) << P.pool.block_shift) * head_dim
+                           : static_cast<std::int64_t>(kv_head) * head_dim),
+        chunk_offset(r.chunk_row * P.kv_dim + static_cast<std::int64_t>(kv_head) * head_dim -
+                     r.chunk_start * P.kv_dim),
+        block_elems(P.pool.block_elems),
+        block_mask((std::int64_t{1} << P.pool.block_shift) - 1),
+        block_shift(P.pool.block_shift) {}
+  // Offset of plane row `physical` of the head, in k and v.
+  __device__ __forceinline__ std::int64_t plane_offset(std::int64_t physical) const {
+    if (table == nullptr) return physical * row_stride + head_offset;
+    return static_cast<std::int64_t>(table[physical >> block_shift]) * block_elems + head_offset +
+           (physical & block_mask) * row_stride;
+  }
 };
 
 // The head row of logical position L: from the chunk when L >= chunk_start,
 // else from the plane at the physical row the explicit origins give.
 // Precondition: L is live in the ring or inside the chunk.
-__device__ __forceinline__ RowPtr row_at(const FirstTiles& F, const AttendParams& P,
-                                         const HeadRows& h, std::int64_t L) {
-  if (L >= F.chunk_start) {
-    const std::int64_t off = (L - F.chunk_start) * P.kv_dim + h.chunk_offset;
+__device__ __forceinline__ RowPtr row_at(const AttendParams& P, const HeadRows& h,
+                                         std::int64_t L) {
+  if (L >= h.chunk_start) {
+    const std::int64_t off = L * P.kv_dim + h.chunk_offset;
     return {P.chunk_k + off, P.chunk_v + off};
   }
-  std::int64_t physical = L + F.shift;
-  if (physical >= F.capacity) physical -= F.capacity;
-  const std::int64_t off = physical * h.row_stride + h.head_offset;
-  return {F.plane_k + off, F.plane_v + off};
+  std::int64_t physical = L + h.shift;
+  if (physical >= h.capacity) physical -= h.capacity;
+  const std::int64_t off = h.plane_offset(physical);
+  return {h.k + off, h.v + off};
 }
 
 // Partials of the warps of one CTA, then of the splits of one item.
@@ -540,7 +585,8 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, WarpOut
   }
   __syncthreads();
   const int total = heads * hd;
-  float* out = P.out + (static_cast<std::int64_t>(r.qi) * P.n_heads + head0) * hd;
+  float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
+               static_cast<std::int64_t>(head0) * hd;
   if (r.n_splits == 1 && !P.cluster) {
     for (int i = tid; i < heads_valid * hd; i += blockDim.x) {
       const int h = i / hd;
@@ -574,11 +620,14 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, WarpOut
   }
 
   // Global workspace: this split's partial, then arrivals counted.
-  const int slots = attend_slots(P.max_splits);
-  const std::int64_t item = static_cast<std::int64_t>(r.qi) * gridDim.y + blockIdx.y;
-  float* ws_o = P.ws_o + item * slots * total;    // [slot][heads * hd]
-  float* ws_ml = P.ws_ml + item * slots * heads * 2;  // [slot][heads][m, l]
-  unsigned* counters = P.counters + item * attend_counters(P.max_splits);
+  // The query's slots of every work item from r.ws_slot on, this item's
+  // from blockIdx.y on: [item][slot][...].
+  const int slots = attend_slots(r.item_splits);
+  const std::int64_t item = r.ws_slot * gridDim.y + static_cast<std::int64_t>(blockIdx.y) * slots;
+  float* ws_o = P.ws_o + item * total;          // [slot][heads * hd]
+  float* ws_ml = P.ws_ml + item * heads * 2;    // [slot][heads][m, l]
+  unsigned* counters = P.counters + r.ws_counter * gridDim.y +
+                       static_cast<std::int64_t>(blockIdx.y) * attend_counters(r.item_splits);
   for (int i = tid; i < total; i += blockDim.x)
     ws_o[static_cast<std::int64_t>(r.split) * total + i] = cta_value(sh, wo, i, i / hd);
   if (tid < heads) {
@@ -598,14 +647,14 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, WarpOut
   const int first = group * kAttendGroup;
   const int members = min(kAttendGroup, n - first);
   if (!arrive_last(counters[1 + group], members, sh)) return;
-  const int slot = P.max_splits + group;
+  const int slot = r.item_splits + group;
   combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(first) * total,
                                 ws_ml + first * heads * 2, total},
                  ws_o + static_cast<std::int64_t>(slot) * total, members, heads, hd, 0, total,
                  ws_ml + slot * heads * 2);
   if (!arrive_last(counters[0], groups, sh)) return;
-  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(P.max_splits) * total,
-                                ws_ml + P.max_splits * heads * 2, total},
+  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(r.item_splits) * total,
+                                ws_ml + r.item_splits * heads * 2, total},
                  out, groups, heads, hd, 0, heads_valid * hd);
 }
 
@@ -756,28 +805,33 @@ struct TileCopy {
 
 // Enqueues the tile at `base` (rows < b; rows past b are written as zeros)
 // into stage `stage` of the warp's area.
-__device__ __forceinline__ void issue_tile(const FirstTiles& F, const AttendParams& P,
+__device__ __forceinline__ void issue_tile(const AttendParams& P,
                                            const HeadRows& rows, std::int64_t base, std::int64_t b,
                                            const TileCopy& tc, int stage) {
   const unsigned stage_off = static_cast<unsigned>(stage * kStageBytes);
   // Evenly spaced rows: a whole tile inside the chunk, or inside the plane
-  // without crossing the ring's end.
+  // without crossing the ring's end or a block's (tiles of a full plane
+  // start at multiples of 16 rows, and blocks hold a power of two of at
+  // least 16, so a whole tile never crosses one).
   const std::uint16_t* k0 = nullptr;
   const std::uint16_t* v0 = nullptr;
   std::int64_t stride = 0;
   if (base + kAttendTile <= b) {
-    if (base >= F.chunk_start) {
-      const std::int64_t off = (base - F.chunk_start) * P.kv_dim + rows.chunk_offset;
+    if (base >= rows.chunk_start) {
+      const std::int64_t off = base * P.kv_dim + rows.chunk_offset;
       k0 = P.chunk_k + off;
       v0 = P.chunk_v + off;
       stride = P.kv_dim;
-    } else if (base + kAttendTile <= F.chunk_start) {
-      std::int64_t physical = base + F.shift;
-      if (physical >= F.capacity) physical -= F.capacity;
-      if (physical + kAttendTile <= F.capacity) {
-        const std::int64_t off = physical * rows.row_stride + rows.head_offset;
-        k0 = F.plane_k + off;
-        v0 = F.plane_v + off;
+    } else if (base + kAttendTile <= rows.chunk_start) {
+      std::int64_t physical = base + rows.shift;
+      if (physical >= rows.capacity) physical -= rows.capacity;
+      const bool even = rows.table == nullptr
+                            ? physical + kAttendTile <= rows.capacity
+                            : (physical & rows.block_mask) + kAttendTile <= rows.block_mask + 1;
+      if (even) {
+        const std::int64_t off = rows.plane_offset(physical);
+        k0 = rows.k + off;
+        v0 = rows.v + off;
         stride = rows.row_stride;
       }
     }
@@ -799,7 +853,7 @@ __device__ __forceinline__ void issue_tile(const FirstTiles& F, const AttendPara
   for (int k = 0; k < 8; ++k) {
     const std::int64_t L = base + 2 * k + tc.half;
     const bool ok = L < b;
-    const RowPtr row = ok ? row_at(F, P, rows, L) : RowPtr{F.plane_k, F.plane_k};
+    const RowPtr row = ok ? row_at(P, rows, L) : RowPtr{rows.k, rows.k};
     cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, row.k + (ok ? 8 * tc.c : 0), ok,
                tc.policy);
     cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, row.v + (ok ? 8 * tc.c : 0),
@@ -815,7 +869,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   Shared& sh = S.sh;
   QueryRange r;
-  if (!query_range(F, r)) return idle_in_cluster(P);
+  if (!query_range(F, P, r)) return idle_in_cluster(P);
   const int item = static_cast<int>(blockIdx.y);
   const int kv_head = F.sets == 1 ? item : item / F.sets;
   const int set = item - kv_head * F.sets;
@@ -831,7 +885,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   float qv[32];
   if (g < heads_valid) {
     const float4* src = reinterpret_cast<const float4*>(
-        F.q + (static_cast<std::int64_t>(r.qi) * F.n_heads + head0 + g) * HD + 8 * t);
+        P.q + static_cast<std::int64_t>(r.qi) * P.q_stride +
+        static_cast<std::int64_t>(head0 + g) * HD + 8 * t);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
@@ -848,7 +903,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   std::int64_t a, b;
   split_rows_of(r, a, b);
   a += warp * kAttendTile;
-  const HeadRows rows(F, HD, kv_head);
+  const HeadRows rows(P, r, HD, kv_head);
   const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
   TileCopy tc;
   tc.policy = tile_policy(F.read_once != 0);
@@ -862,7 +917,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   }
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (a + st * kWarpStride < b) issue_tile(F, P, rows, a + st * kWarpStride, b, tc, st);
+    if (a + st * kWarpStride < b) issue_tile(P, rows, a + st * kWarpStride, b, tc, st);
     cp_async_commit();
   }
   r.n_splits = split_count(r);
@@ -922,7 +977,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
       // Refill the stage the previous tile was read from.
       const std::int64_t ahead = base + (kStages - 1) * kWarpStride;
       const int st = stage == 0 ? kStages - 1 : stage - 1;
-      if (ahead < b) issue_tile(F, P, rows, ahead, b, tc, st);
+      if (ahead < b) issue_tile(P, rows, ahead, b, tc, st);
       cp_async_commit();
     }
     cp_async_wait<kStages - 1>();  // this tile's group is complete
@@ -1035,7 +1090,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
   __shared__ float warp_o[kAttendWarps][kGeneralMaxHeadDim];
   __shared__ alignas(16) float part_o[kPartFloats];
   QueryRange r;
-  if (!query_range(F, r)) return idle_in_cluster(P);
+  if (!query_range(F, P, r)) return idle_in_cluster(P);
   r.n_splits = split_count(r);
   const int hd = P.head_dim;
   const int head = static_cast<int>(blockIdx.y);
@@ -1044,7 +1099,8 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
   const int lane = static_cast<int>(threadIdx.x) & 31;
 
   float qv[kGeneralDimsPerLane];
-  const float* q = P.q + (static_cast<std::int64_t>(r.qi) * P.n_heads + head) * hd;
+  const float* q = P.q + static_cast<std::int64_t>(r.qi) * P.q_stride +
+                   static_cast<std::int64_t>(head) * hd;
 #pragma unroll
   for (int i = 0; i < kGeneralDimsPerLane; ++i) {
     const int d = lane + 32 * i;
@@ -1053,7 +1109,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
 
   std::int64_t a, b;
   warp_rows(r, warp, a, b);
-  const HeadRows rows(F, hd, kv_head);
+  const HeadRows rows(P, r, hd, kv_head);
   float m = -INFINITY, l = 0.0f;
   float o[kGeneralDimsPerLane];
 #pragma unroll
@@ -1068,7 +1124,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
       s[u] = 0.0f;
       const bool live = base + u < b;
       RowPtr row{nullptr, nullptr};
-      if (live) row = row_at(F, P, rows, base + u);
+      if (live) row = row_at(P, rows, base + u);
 #pragma unroll
       for (int i = 0; i < kGeneralDimsPerLane; ++i) {
         const int d = lane + 32 * i;
@@ -1121,10 +1177,18 @@ AttendGrid attend_grid(int n_heads, int n_kv_heads, int head_dim) {
   return {n_heads, 1};
 }
 
-std::int64_t attend_workspace_floats(int n_heads, int n_kv_heads, int head_dim, int max_splits) {
+std::int64_t attend_slot_floats(int n_heads, int n_kv_heads, int head_dim) {
   const AttendGrid g = attend_grid(n_heads, n_kv_heads, head_dim);
-  return static_cast<std::int64_t>(g.items) * attend_slots(max_splits) * g.heads_per_item *
-         (head_dim + 2);
+  return static_cast<std::int64_t>(g.items) * g.heads_per_item * (head_dim + 2);
+}
+
+bool kernels_run_here() {
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, attend_general_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
 }
 
 namespace {
@@ -1167,22 +1231,9 @@ std::atomic<std::uint32_t> next_epoch{0};
 // The FirstTiles of a launch.
 FirstTiles first_tiles(const AttendParams& P) {
   FirstTiles f{};
-  f.plane_k = P.plane_k;
-  f.plane_v = P.plane_v;
-  f.first_position = P.first_position;
   f.reach = P.window > 0 ? P.window - 1 : std::numeric_limits<std::int64_t>::max() / 2;
-  f.shift = P.origin_physical - P.origin_logical;
-  f.capacity = P.capacity;
-  f.chunk_start = P.chunk_start;
-  const Layout layout = P.token_major ? Layout::kTokenMajor : Layout::kHeadMajor;
-  const auto kv_dim = static_cast<std::uint64_t>(P.kv_dim);
-  const auto head_dim = static_cast<std::uint64_t>(P.head_dim);
-  f.head_step = static_cast<std::int64_t>(
-      plane_head_row(layout, 0, 1, kv_dim, head_dim, static_cast<std::uint64_t>(P.capacity)));
-  f.row_stride = static_cast<std::int32_t>(plane_row_stride(layout, kv_dim, head_dim));
   f.group = P.n_heads / P.n_kv_heads;
   f.sets = (f.group + kTensorHeads - 1) / kTensorHeads;
-  f.q = P.q;
   f.n_heads = P.n_heads;
   f.read_once = P.n_queries == 1 && f.sets == 1 ? 1 : 0;
   return f;
@@ -1336,9 +1387,7 @@ std::atomic<int> query_major_mode{0};
 bool query_major_wanted(const DeviceSetup& s, const AttendParams& P) {
   const int mode = query_major_mode.load();
   if (mode != 0) return mode > 0;
-  const std::int64_t last = P.first_position + P.n_queries - 1;
-  const std::int64_t rows = P.window > 0 ? std::min(last + 1, P.window) : last + 1;
-  return s.l2_bytes > 0 && rows * P.kv_dim * 4 > s.l2_bytes;
+  return s.l2_bytes > 0 && P.most_rows * P.kv_dim * 4 > s.l2_bytes;
 }
 
 }  // namespace

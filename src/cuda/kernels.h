@@ -11,78 +11,97 @@
 
 namespace kvring::cuda {
 
-// One plane's device storage.
-struct PlaneDev {
-  std::uint16_t* k = nullptr;  // f16 bits, [capacity * kv_dim], layout-indexed
-  std::uint16_t* v = nullptr;
-  std::int64_t capacity = 0;
-  Layout layout = Layout::kTokenMajor;
-};
-
 struct Shape {
   std::int32_t kv_dim = 0;
   std::int32_t head_dim = 0;
 };
 
-// ---- Stores (f32 -> f16, round to nearest even) -----------------------------
-
-// Source rows [0, rows) (f32 [rows, kv_dim]) to physical rows
-// [physical_first, physical_first + rows) of one plane; the caller splits a
-// placement into spans, so no row wraps inside one launch. With v and
-// plane.v null, only K is stored (host uploads move one buffer at a time).
-cudaError_t launch_store_rows(const PlaneDev& plane, Shape shape, std::int64_t physical_first,
-                              std::int64_t rows, const float* k, const float* v,
-                              cudaStream_t stream);
-
-// One token into up to kMaxLayersPerStore planes: layer i gets row i of
-// k and v (f32 [n, kv_dim]) at its physical row.
-inline constexpr int kMaxLayersPerStore = 64;
-struct LayerRows {
-  int n = 0;
-  PlaneDev plane[kMaxLayersPerStore];
-  std::int64_t physical[kMaxLayersPerStore];
+// Where a plane's rows lie, for one launch's layer. A sliding ring is
+// token-major at `k`/`v` (the slot's ring) with `capacity` rows; a full
+// plane is a block table (`table`, device memory) into a pool of blocks of
+// 2^block_shift rows, head-major inside a block:
+//   row r, kv_head h -> pool + table[r >> block_shift] * block_elems
+//                            + (h << block_shift | r & mask) * head_dim
+struct PoolGeometry {
+  std::int32_t block_shift = 0;
+  std::int64_t block_elems = 0;  // kv_dim << block_shift
 };
-cudaError_t launch_store_token_layers(const LayerRows& rows, Shape shape, const float* k,
-                                      const float* v, cudaStream_t stream);
 
-// Row spans of several planes in one launch: span i stores source rows
-// [0, rows[i]) of k[i] and v[i] (f32 [rows, kv_dim]) at physical rows
-// [physical[i], physical[i] + rows[i]) of plane[i]; no span wraps. At most
-// kMaxSpansPerStore spans a launch, so that its parameters stay under the
-// 4 KB that every toolkit takes.
-inline constexpr int kMaxSpansPerStore = 48;
-struct SpanRows {
-  int n = 0;
-  PlaneDev plane[kMaxSpansPerStore];
-  std::int64_t physical[kMaxSpansPerStore];
-  std::int64_t rows[kMaxSpansPerStore];
-  const float* k[kMaxSpansPerStore];
-  const float* v[kMaxSpansPerStore];
+// Element offset of (row, kv_head) of a full plane in its pool (layout.h's
+// head-major formula inside one block).
+KVRING_HD std::int64_t block_row_offset(const std::int32_t* table, PoolGeometry g,
+                                        std::int32_t head_dim, std::int64_t row,
+                                        std::int64_t kv_head) {
+  const std::int64_t mask = (std::int64_t{1} << g.block_shift) - 1;
+  return static_cast<std::int64_t>(table[row >> g.block_shift]) * g.block_elems +
+         ((kv_head << g.block_shift) + (row & mask)) * head_dim;
+}
+
+// ---- Stores (f32, f16 or bf16 -> f16, round to nearest even) ------------------
+
+// A source of rows in caller memory (device): row r at data + r * stride
+// elements of dtype (0 f32, 1 f16, 2 bf16).
+struct SourceRows {
+  const void* data = nullptr;
+  std::int64_t stride = 0;
+  std::int32_t dtype = 0;
 };
-static_assert(sizeof(SpanRows) + sizeof(Shape) <= 4000, "kernel parameters over 4 KB");
-cudaError_t launch_store_spans(const SpanRows& spans, Shape shape, cudaStream_t stream);
 
-// f32 [n] -> f16 bits [n] with the store's conversion (the prefill chunk).
-cudaError_t launch_convert_f16(const float* src, std::uint16_t* dst, std::int64_t n,
-                               cudaStream_t stream);
+// One span of a batched store: source rows [src_row, src_row + rows) go to
+// plane rows [physical_first, ...). `k`/`v` are the slot's ring (table
+// null) or the pool (table the plane's block table). first_row is the
+// span's first row in the launch's concatenation of all spans (ascending).
+struct StoreSpan {
+  std::uint16_t* k;
+  std::uint16_t* v;
+  const std::int32_t* table;
+  std::int64_t physical_first;
+  std::int64_t src_row;
+  std::int64_t first_row;
+};
+
+// Every span of one batch in one launch. `spans` (device memory, n_spans
+// entries) are found per row by binary search over first_row; total_rows
+// is the sum of their rows. `vector` selects 8-element units (head_dim % 8
+// == 0 and 16-byte aligned sources and strides).
+struct StoreLaunch {
+  const StoreSpan* spans = nullptr;
+  std::int32_t n_spans = 0;
+  std::int64_t total_rows = 0;
+  SourceRows k, v;
+  Shape shape;
+  PoolGeometry pool;
+  bool vector = false;
+};
+cudaError_t launch_store_spans(const StoreLaunch& launch, cudaStream_t stream);
+
+// Source rows [0, rows) -> f16 [rows, kv_dim] packed (the prefill chunk),
+// with the store's conversion.
+cudaError_t launch_convert_rows(SourceRows src, std::int64_t rows, std::int32_t cols,
+                                std::uint16_t* dst, cudaStream_t stream);
 
 // ---- Snapshot copies ----------------------------------------------------------
 
-// Logical rows of a ring as (at most) two physical spans: row j of the
+// Logical rows of a plane as (at most) two physical spans: row j of the
 // sequence sits at physical[0] + j for j < rows0, else physical[1] + j - rows0.
 struct SpanMap {
   std::int64_t physical[2] = {0, 0};
   std::int64_t rows0 = 0;
 };
 
-// Rows [first, first + rows) of the sequence of one buffer of a plane
-// (`plane_buf` is the plane's K or V) to/from token-major f16 [rows, kv_dim].
-cudaError_t launch_gather_rows(const std::uint16_t* plane_buf, std::int64_t capacity,
-                               Layout layout, Shape shape, SpanMap map, std::int64_t first,
-                               std::int64_t rows, std::uint16_t* out, cudaStream_t stream);
-cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity, Layout layout,
-                                Shape shape, SpanMap map, std::int64_t first, std::int64_t rows,
-                                const std::uint16_t* in, cudaStream_t stream);
+// One buffer (K or V) of a plane: a ring (table null) or the pool.
+struct PlaneBuf {
+  std::uint16_t* base = nullptr;
+  const std::int32_t* table = nullptr;
+};
+
+// Rows [first, first + rows) of a plane to/from token-major f16 [rows, kv_dim].
+cudaError_t launch_gather_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, SpanMap map,
+                               std::int64_t first, std::int64_t rows, std::uint16_t* out,
+                               cudaStream_t stream);
+cudaError_t launch_scatter_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, SpanMap map,
+                                std::int64_t first, std::int64_t rows, const std::uint16_t* in,
+                                cudaStream_t stream);
 
 // ---- Attention ---------------------------------------------------------------
 
@@ -95,9 +114,10 @@ cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity,
 // combined in a fixed tree of n alone (in split order up to
 // kAttendSingleLevel splits, else in groups, below). So the
 // arithmetic for a query depends only on n and the values of its rows in
-// logical order: not on the ring's rotation, the chunk the query came in,
-// the order CTAs ran in, or which path the splits met on (a resident grid's
-// tagged partials, a cluster's shared memory or the global workspace).
+// logical order: not on the ring's rotation, the block its rows lie in,
+// the chunk the query came in, the other queries of the launch, the order
+// CTAs ran in, or which path the splits met on (a resident grid's tagged
+// partials, a cluster's shared memory or the global workspace).
 // At most 64 splits of a KV head: at 131072 rows the 2 x 64 CTAs of 8 warps
 // (one per SM) fill one wave of an H200's 132 SMs. At least 128 rows a
 // split (one tile a warp): a 2048-row window spreads over 32 CTAs, since at
@@ -128,11 +148,11 @@ inline constexpr int kAttendGroup = 8;
 KVRING_HD constexpr int attend_groups(int n_splits) {
   return n_splits > kAttendSingleLevel ? (n_splits + kAttendGroup - 1) / kAttendGroup : 0;
 }
-// Partial slots per (query, item) of a launch: one per split, one per group.
+// Partial slots per (query, work item): one per split, one per group.
 KVRING_HD constexpr int attend_slots(int max_splits) {
   return max_splits + attend_groups(max_splits);
 }
-// Arrival counters per (query, item): the item's, then one per group.
+// Arrival counters per (query, work item): the item's, then one per group.
 KVRING_HD constexpr int attend_counters(int max_splits) { return 1 + attend_groups(max_splits); }
 
 // head_dim 128 runs on tensor cores (a warp takes 8 query heads of one KV
@@ -141,22 +161,51 @@ inline constexpr int kTensorHeadDim = 128;
 inline constexpr int kTensorHeads = 8;
 inline constexpr int kGeneralMaxHeadDim = 256;
 
+// One item of a batched attention launch (device memory): queries
+// q_first .. q_first + n_queries - 1 of the launch (rows of q and out) at
+// logical positions first_position + i, of one sequence's plane read
+// through its ring state as before the chunk. Items are in ascending
+// q_first and cover the launch's queries without gaps.
+struct AttendQueryItem {
+  // A sliding ring: the slot's ring (token-major, `capacity` rows, logical
+  // L at L + shift, less capacity past the end). A full plane: the pool and
+  // the plane's block table (device mirror); shift 0.
+  const std::uint16_t* k;
+  const std::uint16_t* v;
+  const std::int32_t* table;
+  std::int64_t shift;
+  std::int64_t capacity;
+  std::int64_t first_position;
+  // Rows from chunk_start on come from the chunk (f16 [rows, kv_dim]), row
+  // L at chunk_row + L - chunk_start.
+  std::int64_t chunk_start;
+  std::int64_t chunk_row;
+  std::int32_t q_first;
+  std::int32_t n_queries;
+  // The item's split bound (the splits of its last query, which sees the
+  // most rows): its queries' workspace slots and counters are that many
+  // apart, from ws_slot (in units of one (query, slot) of every work item)
+  // and ws_counter (one (query) of every work item's counters) on.
+  std::int32_t max_splits;
+  std::int64_t ws_slot;
+  std::int64_t ws_counter;
+};
+
 struct AttendParams {
-  // The plane, read through its ring state as it was before the chunk.
-  const std::uint16_t* plane_k = nullptr;
-  const std::uint16_t* plane_v = nullptr;
-  std::int64_t capacity = 0;
-  std::int32_t token_major = 1;
-  std::int64_t origin_logical = 0;
-  std::int64_t origin_physical = 0;
-  // Rows from chunk_start on: f16 [rows, kv_dim] (null when none are read).
+  // The launch's items (device memory).
+  const AttendQueryItem* items = nullptr;
+  std::int32_t n_items = 0;
+  std::int32_t full = 0;  // the layer's planes are block tables
+  PoolGeometry pool;
+  // The chunk's rows, f16 [rows, kv_dim] (null in decode).
   const std::uint16_t* chunk_k = nullptr;
   const std::uint16_t* chunk_v = nullptr;
-  std::int64_t chunk_start = 0;
-  // Queries at first_position + i, i < n_queries: q, out [n_queries, n_heads, head_dim].
+  // q, out: query i's [n_heads, head_dim] at i * stride floats (16-byte
+  // aligned rows).
   const float* q = nullptr;
   float* out = nullptr;
-  std::int64_t first_position = 0;
+  std::int64_t q_stride = 0;
+  std::int64_t out_stride = 0;
   std::int32_t n_queries = 0;
   std::int32_t n_heads = 0;
   std::int32_t n_kv_heads = 0;
@@ -164,13 +213,13 @@ struct AttendParams {
   std::int32_t kv_dim = 0;
   std::int64_t window = 0;  // 0: full attention
   float scale_log2 = 0;     // log2(e) / sqrt(head_dim)
-  // Split and group partials ([query][item][attend_slots]) and arrival
-  // counters ([query][item][attend_counters]). Counters are zero between
-  // launches: the last CTA to arrive at one resets it.
+  // Split and group partials and arrival counters (AttendQueryItem's
+  // ws_slot, ws_counter). Counters are zero between launches: the last CTA
+  // to arrive at one resets it.
   float* ws_o = nullptr;
   float* ws_ml = nullptr;
   unsigned* counters = nullptr;
-  std::int32_t max_splits = 0;  // grid.x; the workspace's split stride
+  std::int32_t max_splits = 0;  // grid.x (split count bound of the launch)
   // Set by launch_attend: the splits of an item form one thread-block
   // cluster (grid.x of at most kAttendSingleLevel CTAs) and combine through
   // its shared memory; the workspace is then unused.
@@ -187,6 +236,8 @@ struct AttendParams {
   // waits for the other splits' words to carry the epoch and combines a
   // share of the output; the workspace is then unused.
   std::int32_t resident = 0;
+  // The most rows one query of the launch sees (for the query-major rule).
+  std::int64_t most_rows = 0;
 };
 
 // Work items per query (grid.y) and query heads per item for a geometry.
@@ -196,10 +247,9 @@ struct AttendGrid {
 };
 AttendGrid attend_grid(int n_heads, int n_kv_heads, int head_dim);
 
-// Workspace floats for one query of a launch whose grid.x is max_splits:
-// partials [items][attend_slots][heads * head_dim], then their
-// [items][attend_slots][heads][m, l].
-std::int64_t attend_workspace_floats(int n_heads, int n_kv_heads, int head_dim, int max_splits);
+// Workspace floats of one (query, slot) over every work item: partials
+// [items][heads * head_dim] and [items][heads][m, l].
+std::int64_t attend_slot_floats(int n_heads, int n_kv_heads, int head_dim);
 
 // 64-bit words of one CTA's tagged partial: [heads * head_dim] values, then
 // [heads][m, l].
@@ -215,5 +265,9 @@ cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream);
 
 // The epoch a test set for the next launch (testing.h), once; 0: none.
 std::uint32_t testing_next_epoch();
+
+// A kernel of this build runs on the current device (its image was built
+// for the device's architecture); false with the error cleared otherwise.
+bool kernels_run_here();
 
 }  // namespace kvring::cuda

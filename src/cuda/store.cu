@@ -1,7 +1,7 @@
-// Store kernels (f32 rows -> f16 plane rows), the prefill chunk conversion,
-// and the gather/scatter of snapshot copies. All are bandwidth-bound: each
-// thread moves 8 consecutive elements (one 16-byte f16 store) where the
-// geometry allows, else one.
+// Store kernels (f32, f16 or bf16 rows -> f16 plane rows), the prefill
+// chunk conversion, and the gather/scatter of snapshot copies. All are
+// bandwidth-bound: each thread moves 8 consecutive elements (one 16-byte
+// f16 store) where the geometry allows, else one.
 #include <algorithm>
 
 #include "f16_device.cuh"
@@ -24,38 +24,59 @@ bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15
 // elements when head_dim % 8 == 0, in both layouts.
 bool vector_rows(Shape s) { return s.head_dim % 8 == 0 && s.kv_dim % 8 == 0; }
 
-__device__ __forceinline__ void store8(const float* src, std::uint16_t* dst) {
-  const float4 a = *reinterpret_cast<const float4*>(src);
-  const float4 b = *reinterpret_cast<const float4*>(src + 4);
-  uint4 o;
-  o.x = store_f16x2(a.x, a.y);
-  o.y = store_f16x2(a.z, a.w);
-  o.z = store_f16x2(b.x, b.y);
-  o.w = store_f16x2(b.z, b.w);
-  *reinterpret_cast<uint4*>(dst) = o;
+__device__ __forceinline__ float bf16_value(std::uint16_t bits) {
+  return __uint_as_float(static_cast<unsigned>(bits) << 16);
 }
 
-__device__ __forceinline__ std::uint64_t index_of(const PlaneDev& p, Shape s, std::int64_t physical,
-                                                  std::int64_t element) {
-  return plane_index(p.layout, static_cast<std::uint64_t>(physical),
-                     static_cast<std::uint64_t>(element), static_cast<std::uint64_t>(s.kv_dim),
-                     static_cast<std::uint64_t>(s.head_dim), static_cast<std::uint64_t>(p.capacity));
-}
-
-// Row r of k/v (f32) into physical row `physical` of the plane; units of
-// kPer elements, u in [0, kv_dim / kPer).
-// A null v (and p.v) stores K only.
-template <int kPer>
-__device__ __forceinline__ void store_unit(const PlaneDev& p, Shape s, std::int64_t physical,
-                                           const float* k, const float* v, std::int64_t e) {
-  const std::uint64_t dst = index_of(p, s, physical, e);
-  if constexpr (kPer == 8) {
-    store8(k + e, p.k + dst);
-    if (v) store8(v + e, p.v + dst);
-  } else {
-    p.k[dst] = store_f16(k[e]);
-    if (v) p.v[dst] = store_f16(v[e]);
+// Element e of source row r as the f16 bits the store keeps: f16 as it
+// is, f32 and bf16 (exact in f32) through store_f16.
+__device__ __forceinline__ std::uint16_t source_f16(const SourceRows& s, std::int64_t r,
+                                                    std::int64_t e) {
+  const std::int64_t i = r * s.stride + e;
+  switch (s.dtype) {
+    case 0: return store_f16(static_cast<const float*>(s.data)[i]);
+    case 1: return static_cast<const std::uint16_t*>(s.data)[i];
+    default: return store_f16(bf16_value(static_cast<const std::uint16_t*>(s.data)[i]));
   }
+}
+
+// Eight elements from e on (16-byte aligned sources).
+__device__ __forceinline__ uint4 source_f16x8(const SourceRows& s, std::int64_t r, std::int64_t e) {
+  const std::int64_t i = r * s.stride + e;
+  if (s.dtype == 1) return *reinterpret_cast<const uint4*>(static_cast<const std::uint16_t*>(s.data) + i);
+  uint4 o;
+  if (s.dtype == 0) {
+    const float* src = static_cast<const float*>(s.data) + i;
+    const float4 a = *reinterpret_cast<const float4*>(src);
+    const float4 b = *reinterpret_cast<const float4*>(src + 4);
+    o.x = store_f16x2(a.x, a.y);
+    o.y = store_f16x2(a.z, a.w);
+    o.z = store_f16x2(b.x, b.y);
+    o.w = store_f16x2(b.z, b.w);
+  } else {
+    const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const std::uint16_t*>(s.data) + i);
+    const unsigned x[4] = {w.x, w.y, w.z, w.w};
+    unsigned y[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      y[j] = store_f16x2(bf16_value(static_cast<std::uint16_t>(x[j] & 0xffffu)),
+                         bf16_value(static_cast<std::uint16_t>(x[j] >> 16)));
+    o = make_uint4(y[0], y[1], y[2], y[3]);
+  }
+  return o;
+}
+
+// Offset of (physical row, element) in a plane: a token-major ring when
+// table is null, else a block of the pool.
+__device__ __forceinline__ std::int64_t plane_offset(const std::int32_t* table, Shape s,
+                                                     PoolGeometry g, std::int64_t physical,
+                                                     std::int64_t e) {
+  if (table == nullptr)
+    return static_cast<std::int64_t>(token_major_index(static_cast<std::uint64_t>(physical),
+                                                       static_cast<std::uint64_t>(e),
+                                                       static_cast<std::uint64_t>(s.kv_dim)));
+  const std::int64_t h = e / s.head_dim;
+  return block_row_offset(table, g, s.head_dim, physical, h) + (e - h * s.head_dim);
 }
 
 // f(r, e) for every unit of kPer elements of rows [0, rows): row r,
@@ -71,60 +92,40 @@ __device__ __forceinline__ void for_each_unit(std::int64_t rows, std::int32_t kv
   }
 }
 
-struct StoreRows {
-  PlaneDev plane;
-  Shape shape;
-  std::int64_t physical_first;
-  std::int64_t rows;
-  const float* k;  // [rows, kv_dim]
-  const float* v;
-};
-
+// Every row of every span: row R of the concatenation belongs to the last
+// span whose first_row <= R.
 template <int kPer>
-__global__ void __launch_bounds__(kThreads) store_rows_kernel(StoreRows a) {
-  for_each_unit<kPer>(a.rows, a.shape.kv_dim, [&](std::int64_t r, std::int64_t e) {
-    store_unit<kPer>(a.plane, a.shape, a.physical_first + r, a.k + r * a.shape.kv_dim,
-                     a.v ? a.v + r * a.shape.kv_dim : nullptr, e);
+__global__ void __launch_bounds__(kThreads) store_spans_kernel(StoreLaunch a) {
+  for_each_unit<kPer>(a.total_rows, a.shape.kv_dim, [&](std::int64_t R, std::int64_t e) {
+    int lo = 0, hi = a.n_spans - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (a.spans[mid].first_row <= R) lo = mid; else hi = mid - 1;
+    }
+    const StoreSpan& s = a.spans[lo];
+    const std::int64_t r = R - s.first_row;
+    const std::int64_t dst = plane_offset(s.table, a.shape, a.pool, s.physical_first + r, e);
+    if constexpr (kPer == 8) {
+      *reinterpret_cast<uint4*>(s.k + dst) = source_f16x8(a.k, s.src_row + r, e);
+      *reinterpret_cast<uint4*>(s.v + dst) = source_f16x8(a.v, s.src_row + r, e);
+    } else {
+      s.k[dst] = source_f16(a.k, s.src_row + r, e);
+      s.v[dst] = source_f16(a.v, s.src_row + r, e);
+    }
   });
 }
 
-// Block b writes row b of k/v into layer b's plane.
-template <int kPer>
-__global__ void __launch_bounds__(kThreads) store_token_layers_kernel(LayerRows rows, Shape shape,
-                                                                      const float* k, const float* v) {
-  const int l = blockIdx.x;
-  const std::int64_t per_row = shape.kv_dim / kPer;
-  const float* kr = k + static_cast<std::int64_t>(l) * shape.kv_dim;
-  const float* vr = v + static_cast<std::int64_t>(l) * shape.kv_dim;
-  for (std::int64_t u = threadIdx.x; u < per_row; u += blockDim.x)
-    store_unit<kPer>(rows.plane[l], shape, rows.physical[l], kr, vr, u * kPer);
-}
-
-// Block (x, i) stores span i's units, grid-stride over x.
-template <int kPer>
-__global__ void __launch_bounds__(kThreads) store_spans_kernel(SpanRows a, Shape shape) {
-  const int i = static_cast<int>(blockIdx.y);
-  const PlaneDev plane = a.plane[i];
-  const std::int64_t physical = a.physical[i];
-  const float* k = a.k[i];
-  const float* v = a.v[i];
-  for_each_unit<kPer>(a.rows[i], shape.kv_dim, [&](std::int64_t r, std::int64_t e) {
-    store_unit<kPer>(plane, shape, physical + r, k + r * shape.kv_dim, v + r * shape.kv_dim, e);
+__global__ void __launch_bounds__(kThreads) convert_kernel(SourceRows src, std::int64_t rows,
+                                                           std::int32_t cols, std::uint16_t* dst) {
+  for_each_unit<1>(rows, cols, [&](std::int64_t r, std::int64_t e) {
+    dst[r * cols + e] = source_f16(src, r, e);
   });
-}
-
-__global__ void __launch_bounds__(kThreads) convert_kernel(const float* src, std::uint16_t* dst,
-                                                           std::int64_t n) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    dst[i] = store_f16(src[i]);
 }
 
 struct CopyRows {
-  std::uint16_t* plane;
-  std::int64_t capacity;
-  Layout layout;
+  PlaneBuf plane;
   Shape shape;
+  PoolGeometry pool;
   SpanMap map;
   std::int64_t first;
   std::int64_t rows;
@@ -139,11 +140,8 @@ __global__ void __launch_bounds__(kThreads) copy_rows_kernel(CopyRows a) {
     const std::int64_t j = a.first + r;
     const std::int64_t physical =
         j < a.map.rows0 ? a.map.physical[0] + j : a.map.physical[1] + (j - a.map.rows0);
-    const std::uint64_t pi = plane_index(
-        a.layout, static_cast<std::uint64_t>(physical), static_cast<std::uint64_t>(e),
-        static_cast<std::uint64_t>(a.shape.kv_dim), static_cast<std::uint64_t>(a.shape.head_dim),
-        static_cast<std::uint64_t>(a.capacity));
-    Unit* plane = reinterpret_cast<Unit*>(a.plane + pi);
+    Unit* plane = reinterpret_cast<Unit*>(
+        a.plane.base + plane_offset(a.plane.table, a.shape, a.pool, physical, e));
     Unit* buf = reinterpret_cast<Unit*>(a.buf + r * a.shape.kv_dim + e);
     if constexpr (kGather)
       *buf = *plane;
@@ -156,58 +154,27 @@ cudaError_t launched() { return cudaGetLastError(); }
 
 }  // namespace
 
-cudaError_t launch_store_rows(const PlaneDev& plane, Shape shape, std::int64_t physical_first,
-                              std::int64_t rows, const float* k, const float* v,
-                              cudaStream_t stream) {
+cudaError_t launch_store_spans(const StoreLaunch& a, cudaStream_t stream) {
+  if (a.n_spans <= 0 || a.total_rows <= 0) return cudaSuccess;
+  if (a.vector && vector_rows(a.shape))
+    store_spans_kernel<8><<<blocks_for(a.total_rows * a.shape.kv_dim / 8), kThreads, 0, stream>>>(a);
+  else
+    store_spans_kernel<1><<<blocks_for(a.total_rows * a.shape.kv_dim), kThreads, 0, stream>>>(a);
+  return launched();
+}
+
+cudaError_t launch_convert_rows(SourceRows src, std::int64_t rows, std::int32_t cols,
+                                std::uint16_t* dst, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  const StoreRows a{plane, shape, physical_first, rows, k, v};
-  if (vector_rows(shape) && aligned16(k) && aligned16(v))  // aligned16(nullptr) holds
-    store_rows_kernel<8><<<blocks_for(rows * shape.kv_dim / 8), kThreads, 0, stream>>>(a);
-  else
-    store_rows_kernel<1><<<blocks_for(rows * shape.kv_dim), kThreads, 0, stream>>>(a);
+  convert_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(src, rows, cols, dst);
   return launched();
 }
 
-cudaError_t launch_store_token_layers(const LayerRows& rows, Shape shape, const float* k,
-                                      const float* v, cudaStream_t stream) {
-  if (rows.n <= 0) return cudaSuccess;
-  if (vector_rows(shape) && aligned16(k) && aligned16(v))
-    store_token_layers_kernel<8><<<rows.n, kThreads, 0, stream>>>(rows, shape, k, v);
-  else
-    store_token_layers_kernel<1><<<rows.n, kThreads, 0, stream>>>(rows, shape, k, v);
-  return launched();
-}
-
-cudaError_t launch_store_spans(const SpanRows& spans, Shape shape, cudaStream_t stream) {
-  if (spans.n <= 0) return cudaSuccess;
-  std::int64_t most = 0;
-  bool vec = vector_rows(shape);
-  for (int i = 0; i < spans.n; ++i) {
-    most = std::max(most, spans.rows[i]);
-    vec = vec && aligned16(spans.k[i]) && aligned16(spans.v[i]);
-  }
-  const auto n = static_cast<unsigned>(spans.n);
-  if (vec)
-    store_spans_kernel<8><<<dim3(blocks_for(most * shape.kv_dim / 8), n), kThreads, 0, stream>>>(spans, shape);
-  else
-    store_spans_kernel<1><<<dim3(blocks_for(most * shape.kv_dim), n), kThreads, 0, stream>>>(spans, shape);
-  return launched();
-}
-
-cudaError_t launch_convert_f16(const float* src, std::uint16_t* dst, std::int64_t n,
+cudaError_t launch_gather_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, SpanMap map,
+                               std::int64_t first, std::int64_t rows, std::uint16_t* out,
                                cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  convert_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, dst, n);
-  return launched();
-}
-
-cudaError_t launch_gather_rows(const std::uint16_t* plane_buf, std::int64_t capacity,
-                               Layout layout, Shape shape, SpanMap map, std::int64_t first,
-                               std::int64_t rows, std::uint16_t* out, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  // The kernel only reads through `plane` when gathering.
-  const CopyRows a{const_cast<std::uint16_t*>(plane_buf), capacity, layout, shape, map, first,
-                   rows, out};
+  const CopyRows a{plane, shape, pool, map, first, rows, out};
   if (vector_rows(shape) && aligned16(out))
     copy_rows_kernel<8, true><<<blocks_for(rows * shape.kv_dim / 8), kThreads, 0, stream>>>(a);
   else
@@ -215,13 +182,12 @@ cudaError_t launch_gather_rows(const std::uint16_t* plane_buf, std::int64_t capa
   return launched();
 }
 
-cudaError_t launch_scatter_rows(std::uint16_t* plane_buf, std::int64_t capacity, Layout layout,
-                                Shape shape, SpanMap map, std::int64_t first, std::int64_t rows,
-                                const std::uint16_t* in, cudaStream_t stream) {
+cudaError_t launch_scatter_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, SpanMap map,
+                                std::int64_t first, std::int64_t rows, const std::uint16_t* in,
+                                cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   // The kernel only reads through `buf` when scattering.
-  const CopyRows a{plane_buf, capacity, layout, shape, map, first, rows,
-                   const_cast<std::uint16_t*>(in)};
+  const CopyRows a{plane, shape, pool, map, first, rows, const_cast<std::uint16_t*>(in)};
   if (vector_rows(shape) && aligned16(in))
     copy_rows_kernel<8, false><<<blocks_for(rows * shape.kv_dim / 8), kThreads, 0, stream>>>(a);
   else

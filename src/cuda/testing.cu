@@ -74,7 +74,7 @@ Result<F16Sweep> sweep_f16_conversion() {
     if (cudaMalloc(&d16, sizeof(std::uint16_t)) == cudaSuccess &&
         cudaMalloc(&dx, sizeof(float)) == cudaSuccess &&
         cudaMemcpy(dx, &x, sizeof x, cudaMemcpyHostToDevice) == cudaSuccess &&
-        launch_convert_f16(dx, d16, 1, nullptr) == cudaSuccess)
+        launch_convert_rows(SourceRows{dx, 1, 0}, 1, 1, d16, nullptr) == cudaSuccess)
       cudaMemcpy(&s.first_device, d16, sizeof(std::uint16_t), cudaMemcpyDeviceToHost);
     cudaFree(d16);
     cudaFree(dx);

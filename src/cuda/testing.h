@@ -1,5 +1,5 @@
 // Hooks for the CUDA tests: device-side checks that have no place in the
-// cache's interface.
+// store's interface.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +48,11 @@ AttendPathCounts attend_path_counts();
 void set_attend_query_major(int mode);
 // The splits a query that sees n rows is cut into (kernels.h).
 int attend_splits_for(std::int64_t n);
-// Makes the next resident-grid launch of any cache take epoch `epoch`
+// The capability check of store creation for a device of compute
+// capability major.minor on which this build's kernels do (or do not) run:
+// ok, or kUnsupported naming the capability and the build's targets.
+Status check_capability(int major, int minor, bool kernels_run);
+// Makes the next resident-grid launch of any store take epoch `epoch`
 // (nonzero), as if the count had reached it: 0xffffffff makes the launch
 // after it wrap.
 void set_attend_next_epoch(std::uint32_t epoch);

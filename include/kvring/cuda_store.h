@@ -1,0 +1,77 @@
+// The CUDA backend of KvStore: rings and the block pool in device memory,
+// kernels on explicit streams.
+//
+// Device views are read and written in place; their calls are enqueued on
+// the given stream (null: the store's own) and never wait for the device.
+// Host views are staged through pinned buffers, and such a call waits for
+// its copies before it returns. The store orders its own work across
+// streams: a call on another stream than the previous call's first waits
+// (on the device, through an event) for the work enqueued before it.
+//
+// This header needs no CUDA headers, so host-only code can include it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "kvring/store.h"
+
+namespace kvring {
+
+// GPUs visible to this process; 0 when there is none or no usable driver.
+// Never aborts.
+int cuda_device_count();
+
+// Attention on the GPU handles head_dim in [1, kCudaMaxHeadDim]; a larger
+// head_dim stores and snapshots fine but attention returns kUnsupported.
+inline constexpr std::int64_t kCudaMaxHeadDim = 256;
+
+class CudaStore final : public KvStore {
+ public:
+  // Errors: invalid options (resolve_store_options), kUnsupported when no
+  // GPU is visible or the current device's compute capability is not one
+  // this build has kernels for, kCuda when the device refuses (out of
+  // memory).
+  static Result<std::unique_ptr<CudaStore>> create(const ModelConfig& config,
+                                                   StoreOptions options = {});
+  ~CudaStore() override;
+
+  BackendKind backend() const override { return BackendKind::kCuda; }
+  Status synchronize(cudaStream_t stream = nullptr) const override;
+
+  // The device the store lives on, and its own stream.
+  int device() const;
+  cudaStream_t stream() const;
+  // Device bytes beside the planes: attention workspace, tagged partials,
+  // the block-table mirror and descriptor buffers (staging included).
+  std::int64_t workspace_bytes() const;
+
+ protected:
+  Status check_view(const char* what, MemorySpace space, DType dtype,
+                    const void* data) const override;
+  Status write_rows(std::span<const RowWrite> writes, const ConstView& k, const ConstView& v,
+                    cudaStream_t stream) override;
+  Status attend(const AttendBatch& batch) override;
+  Status copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
+                  std::uint16_t* v) const override;
+  Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,
+                 const std::uint16_t* v) override;
+  Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
+                   std::uint16_t* v) const override;
+  Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) override;
+  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer,
+                   cudaStream_t stream) override;
+  Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) override;
+  Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream) override;
+
+ private:
+  struct Impl;
+  CudaStore(ModelConfig config, StoreOptions resolved);
+  std::unique_ptr<Impl> impl_;
+};
+
+// A store on the CUDA backend (the current device), as make_store gives it.
+Result<std::unique_ptr<KvStore>> make_cuda_store(const ModelConfig& config,
+                                                 StoreOptions options = {});
+
+}  // namespace kvring

@@ -1,0 +1,998 @@
+// The CUDA backend of KvStore: device rings and pool, the block-table
+// mirror, descriptor uploads, the attention workspace, host staging, and
+// every hook of the base class.
+#include "kvring/cuda_store.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/view_rows.h"
+#include "kernels.h"
+#include "testing.h"
+
+#ifndef KVRING_CUDA_TARGETS
+#define KVRING_CUDA_TARGETS "sm_90a"
+#endif
+
+namespace kvring {
+namespace {
+
+Error cuda_error(const std::string& what, cudaError_t e) {
+  return make_error(ErrorCode::kCuda, what + " failed: " + cudaGetErrorName(e) + " (" +
+                                          cudaGetErrorString(e) + ")");
+}
+
+#define KVRING_CUDA_CHECK(what, expr)                                   \
+  do {                                                                  \
+    const cudaError_t kvring_e_ = (expr);                               \
+    if (kvring_e_ != cudaSuccess) {                                     \
+      (void)cudaGetLastError();                                         \
+      return cuda_error((what), kvring_e_);                             \
+    }                                                                   \
+  } while (0)
+
+// Host staging moves through pieces of this size (snapshot copies).
+constexpr std::size_t kStageBytes = std::size_t{8} << 20;
+// Attention workspace beyond what a decode of every slot needs, so that
+// prefills of a few thousand queries with many splits run in one launch.
+constexpr std::int64_t kWorkspaceBudget = std::int64_t{64} << 20;
+constexpr std::int64_t kMaxQueriesPerLaunch = 65535;  // grid.z
+// Descriptor buffers made at creation, and the smallest one made later.
+constexpr int kInitialChunks = 4;
+constexpr std::size_t kChunkBytes = std::size_t{64} << 10;
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+std::int32_t dtype_code(DType d) {
+  return d == DType::kF32 ? 0 : d == DType::kF16 ? 1 : 2;
+}
+
+// Device memory that grows on demand (host-path staging only, whose calls
+// wait for the device before returning); its contents do not survive growth.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (p_) cudaFree(p_);
+  }
+  Status reserve(std::size_t bytes, const char* what) {
+    if (bytes <= bytes_) return Status::Ok();
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+    KVRING_CUDA_CHECK("cudaMalloc of " + std::to_string(bytes) + " bytes for " + what,
+                      cudaMalloc(&p_, bytes));
+    bytes_ = bytes;
+    return Status::Ok();
+  }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (p_) cudaFreeHost(p_);
+  }
+  Status reserve(std::size_t bytes) {
+    if (bytes <= bytes_) return Status::Ok();
+    if (p_) cudaFreeHost(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+    KVRING_CUDA_CHECK("cudaHostAlloc of " + std::to_string(bytes) + " bytes of staging",
+                      cudaHostAlloc(&p_, bytes, cudaHostAllocDefault));
+    bytes_ = bytes;
+    return Status::Ok();
+  }
+  char* data() const { return static_cast<char*>(p_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// The capability check's message (testing.h exposes it).
+Status capability_status(int device, const char* name, int major, int minor, bool runs) {
+  if (runs) return Status::Ok();
+  return make_error(ErrorCode::kUnsupported,
+                    "GPU " + std::to_string(device) + " (" + name + ") has compute capability " +
+                        std::to_string(major) + "." + std::to_string(minor) +
+                        "; this build of kvring has kernels only for " KVRING_CUDA_TARGETS
+                        " (rebuild with KVRING_CUDA_GENCODE for this GPU)");
+}
+
+}  // namespace
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+namespace cuda::testing {
+Status check_capability(int major, int minor, bool kernels_run) {
+  return capability_status(0, "test", major, minor, kernels_run);
+}
+}  // namespace cuda::testing
+
+struct CudaStore::Impl {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  // Calls on one store come one at a time, but read_rows and install of
+  // different layers may run concurrently: every hook holds this lock.
+  std::recursive_mutex mu;
+
+  // Storage: per sliding layer K and V [slots][ring_rows][kv_dim]; the pool
+  // [blocks][kv_heads][block_rows][head_dim] for K and for V; the mirror
+  // of every block table [slots][n_full][max_blocks] int32.
+  std::vector<std::uint16_t*> ring_k, ring_v;
+  std::uint16_t* pool_k = nullptr;
+  std::uint16_t* pool_v = nullptr;
+  std::int32_t* tables = nullptr;
+  std::int64_t ring_elems = 0, block_elems = 0, max_blocks = 0, n_full = 0;
+  cuda::Shape shape;
+  cuda::PoolGeometry pool;
+
+  // Attention: workspace slots (attend_slot_floats floats each, o then ml),
+  // arrival counters (zero between launches), tagged partials and epochs.
+  float* ws = nullptr;
+  std::int64_t ws_slots = 0;
+  unsigned* counters = nullptr;
+  std::int64_t slot_floats = 0;
+  std::uint64_t* tagged = nullptr;
+  std::int64_t tagged_bytes = 0;
+  int tagged_ctas = 0;
+  std::uint32_t epoch = 0;
+
+  // Descriptor buffers: pinned host memory and its device twin, reusable
+  // once the event recorded after the last work that read it completed.
+  struct Chunk {
+    char* host = nullptr;
+    char* dev = nullptr;
+    std::size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+    bool busy = false;
+    bool permanent = false;  // captured into a graph: never reused
+  };
+  std::vector<Chunk> chunks;
+
+  // The order of the store's work across streams: `last` is the stream of
+  // the previous hook, `chain` an event recorded after its work.
+  cudaStream_t last = nullptr;
+  bool chained = false;
+  cudaEvent_t chain = nullptr;
+
+  // Host-view staging (those calls wait before returning).
+  PinnedBuffer pin;
+  DeviceBuffer stage_k, stage_v, stage_q, stage_out, stage_rows;
+
+  ~Impl() {
+    if (stream) cudaStreamSynchronize(stream);
+    cudaDeviceSynchronize();
+    for (auto* p : ring_k) cudaFree(p);
+    for (auto* p : ring_v) cudaFree(p);
+    cudaFree(pool_k);
+    cudaFree(pool_v);
+    cudaFree(tables);
+    cudaFree(ws);
+    cudaFree(counters);
+    cudaFree(tagged);
+    for (Chunk& c : chunks) {
+      cudaFreeHost(c.host);
+      cudaFree(c.dev);
+      if (c.done) cudaEventDestroy(c.done);
+    }
+    if (chain) cudaEventDestroy(chain);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  Status activate() const {
+    int current = -1;
+    KVRING_CUDA_CHECK("cudaGetDevice", cudaGetDevice(&current));
+    if (current != device) KVRING_CUDA_CHECK("cudaSetDevice", cudaSetDevice(device));
+    return Status::Ok();
+  }
+  cudaStream_t pick(cudaStream_t s) const { return s ? s : stream; }
+
+  static bool capturing(cudaStream_t s) {
+    cudaStreamCaptureStatus c = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &c) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return c != cudaStreamCaptureStatusNone;
+  }
+
+  // Before enqueuing on `s`: work of the previous hook on another stream
+  // comes first (a device-side wait).
+  Status enter(cudaStream_t s) {
+    KVRING_RETURN_IF_ERROR(activate());
+    if (chained && last != s && !capturing(s))
+      KVRING_CUDA_CHECK("cudaStreamWaitEvent", cudaStreamWaitEvent(s, chain, 0));
+    return Status::Ok();
+  }
+  // After enqueuing on `s`.
+  Status leave(cudaStream_t s) {
+    if (capturing(s)) return Status::Ok();
+    KVRING_CUDA_CHECK("cudaEventRecord", cudaEventRecord(chain, s));
+    last = s;
+    chained = true;
+    return Status::Ok();
+  }
+
+  Result<Chunk*> new_chunk(std::size_t bytes) {
+    Chunk c;
+    c.bytes = std::max(bytes, kChunkBytes);
+    KVRING_CUDA_CHECK("cudaHostAlloc of descriptors",
+                      cudaHostAlloc(reinterpret_cast<void**>(&c.host), c.bytes, cudaHostAllocDefault));
+    if (cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&c.dev), c.bytes); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      cudaFreeHost(c.host);
+      return cuda_error("cudaMalloc of descriptors", e);
+    }
+    if (cudaError_t e = cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      cudaFreeHost(c.host);
+      cudaFree(c.dev);
+      return cuda_error("cudaEventCreate", e);
+    }
+    chunks.push_back(c);
+    return &chunks.back();
+  }
+
+  // A descriptor buffer of at least `bytes` that no enqueued work still
+  // reads; never waits for the device (a new one is made when all are busy).
+  Result<Chunk*> take_chunk(std::size_t bytes, cudaStream_t s) {
+    const bool capture = capturing(s);
+    if (!capture) {
+      for (Chunk& c : chunks) {
+        if (c.permanent || c.bytes < bytes) continue;
+        if (c.busy) {
+          const cudaError_t e = cudaEventQuery(c.done);
+          if (e == cudaErrorNotReady) continue;
+          (void)cudaGetLastError();
+          if (e != cudaSuccess) continue;
+        }
+        c.busy = false;
+        return &c;
+      }
+    }
+    auto c = new_chunk(bytes);
+    if (!c) return c.error();
+    (*c)->permanent = capture;
+    return *c;
+  }
+  // The chunk's host part [0, bytes) to its device part, on `s`.
+  Status upload_chunk(const Chunk& c, std::size_t bytes, cudaStream_t s) {
+    KVRING_CUDA_CHECK("descriptor upload",
+                      cudaMemcpyAsync(c.dev, c.host, bytes, cudaMemcpyHostToDevice, s));
+    return Status::Ok();
+  }
+  // Work that reads the chunk is enqueued on `s`.
+  Status release_chunk(Chunk* c, cudaStream_t s) {
+    if (c->permanent) return Status::Ok();
+    KVRING_CUDA_CHECK("cudaEventRecord", cudaEventRecord(c->done, s));
+    c->busy = true;
+    return Status::Ok();
+  }
+
+  // A host view as a device view of the same dtype (packed rows), copied
+  // through pinned memory; waits for the copy.
+  Result<ConstView> stage(const ConstView& v, DeviceBuffer& buf, cudaStream_t s) {
+    if (v.space == MemorySpace::kDevice || v.rows == 0) return v;
+    const std::size_t row = static_cast<std::size_t>(v.cols * dtype_bytes(v.dtype));
+    const std::size_t bytes = row * static_cast<std::size_t>(v.rows);
+    KVRING_RETURN_IF_ERROR(pin.reserve(bytes));
+    KVRING_RETURN_IF_ERROR(buf.reserve(bytes, "host-view staging"));
+    const auto* src = static_cast<const char*>(v.data);
+    const std::size_t stride = static_cast<std::size_t>(v.row_stride * dtype_bytes(v.dtype));
+    for (std::int64_t r = 0; r < v.rows; ++r)
+      std::memcpy(pin.data() + static_cast<std::size_t>(r) * row, src + static_cast<std::size_t>(r) * stride, row);
+    KVRING_CUDA_CHECK("host-to-device copy",
+                      cudaMemcpyAsync(buf.as<void>(), pin.data(), bytes, cudaMemcpyHostToDevice, s));
+    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+    return ConstView{buf.as<void>(), MemorySpace::kDevice, v.dtype, v.rows, v.cols, v.cols};
+  }
+
+  // Waits for `s` after a failure, so nothing in flight outlives buffers
+  // the caller may free; returns the failure.
+  Status fail(Status st, cudaStream_t s) {
+    cudaStreamSynchronize(s);
+    (void)cudaGetLastError();
+    return st;
+  }
+};
+
+CudaStore::CudaStore(ModelConfig config, StoreOptions resolved)
+    : KvStore(std::move(config), resolved), impl_(std::make_unique<Impl>()) {}
+
+CudaStore::~CudaStore() = default;
+
+int CudaStore::device() const { return impl_->device; }
+cudaStream_t CudaStore::stream() const { return impl_->stream; }
+
+std::int64_t CudaStore::workspace_bytes() const {
+  const Impl& im = *impl_;
+  std::int64_t n = im.ws_slots * im.slot_floats * 4 + im.tagged_bytes +
+                   im.max_blocks * im.n_full * options_.max_sequences * 4;
+  const auto items = cuda::attend_grid(static_cast<int>(config_.n_heads),
+                                       static_cast<int>(config_.n_kv_heads),
+                                       static_cast<int>(config_.head_dim)).items;
+  n += im.ws_slots * items * 4;
+  for (const auto& c : im.chunks) n += static_cast<std::int64_t>(c.bytes);
+  for (const DeviceBuffer* b : {&im.stage_k, &im.stage_v, &im.stage_q, &im.stage_out, &im.stage_rows})
+    n += static_cast<std::int64_t>(b->bytes());
+  return n;
+}
+
+Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
+                                                     StoreOptions options) {
+  auto o = resolve_store_options(config, options);
+  if (!o) return o.error();
+  if (cuda_device_count() == 0)
+    return make_error(ErrorCode::kUnsupported, "the CUDA backend needs a GPU; none is visible");
+  int device = 0;
+  KVRING_CUDA_CHECK("cudaGetDevice", cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  KVRING_CUDA_CHECK("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, device));
+  KVRING_RETURN_IF_ERROR(
+      capability_status(device, prop.name, prop.major, prop.minor, cuda::kernels_run_here()));
+
+  std::unique_ptr<CudaStore> store(new CudaStore(config, *o));
+  Impl& im = *store->impl_;
+  im.device = device;
+  KVRING_CUDA_CHECK("cudaStreamCreateWithFlags",
+                    cudaStreamCreateWithFlags(&im.stream, cudaStreamNonBlocking));
+  KVRING_CUDA_CHECK("cudaEventCreateWithFlags",
+                    cudaEventCreateWithFlags(&im.chain, cudaEventDisableTiming));
+  const std::int64_t kv_dim = config.kv_dim();
+  const std::int64_t slots = o->max_sequences;
+  im.shape = {static_cast<std::int32_t>(kv_dim), static_cast<std::int32_t>(config.head_dim)};
+  int shift = 0;
+  while ((std::int64_t{1} << shift) < o->block_rows) ++shift;
+  im.pool = {shift, kv_dim << shift};
+  im.ring_elems = store->ring_rows() * kv_dim;
+  im.block_elems = o->block_rows * kv_dim;
+  im.max_blocks = store->max_blocks_per_plane();
+  im.n_full = store->n_full();
+
+  auto alloc = [&](auto** p, std::int64_t bytes, const std::string& what) -> Status {
+    const auto n = static_cast<std::size_t>(std::max<std::int64_t>(bytes, 16));
+    if (cudaError_t e = cudaMalloc(reinterpret_cast<void**>(p), n); e != cudaSuccess) {
+      *p = nullptr;
+      (void)cudaGetLastError();
+      return cuda_error("allocating " + std::to_string(n) + " bytes of device memory for " + what +
+                            " of a store of '" + config.name + "'",
+                        e);
+    }
+    // Zero-filled on purpose: no row ever exposes uninitialized storage.
+    // Only a detached install skips it.
+    if (o->zero_fill) KVRING_CUDA_CHECK("zero-filling", cudaMemsetAsync(*p, 0, n, im.stream));
+    return Status::Ok();
+  };
+  for (std::int64_t l = 0; l < config.n_layers; ++l) {
+    std::uint16_t* k = nullptr;
+    std::uint16_t* v = nullptr;
+    if (store->full_index(l) < 0) {
+      const std::int64_t bytes = slots * im.ring_elems * 2;
+      Status st = alloc(&k, bytes, "sliding rings");
+      if (st.ok()) st = alloc(&v, bytes, "sliding rings");
+      if (!st.ok()) {
+        cudaFree(k);
+        return st.error();
+      }
+    }
+    im.ring_k.push_back(k);
+    im.ring_v.push_back(v);
+  }
+  KVRING_RETURN_IF_ERROR(alloc(&im.pool_k, store->pool_blocks() * im.block_elems * 2, "the block pool"));
+  KVRING_RETURN_IF_ERROR(alloc(&im.pool_v, store->pool_blocks() * im.block_elems * 2, "the block pool"));
+  const std::int64_t table_bytes = slots * im.n_full * im.max_blocks * 4;
+  KVRING_RETURN_IF_ERROR(alloc(&im.tables, table_bytes, "the block tables"));
+  KVRING_CUDA_CHECK("cudaMemsetAsync", cudaMemsetAsync(im.tables, 0, static_cast<std::size_t>(std::max<std::int64_t>(table_bytes, 16)), im.stream));
+
+  // The attention workspace, sized here once: a decode of every slot at
+  // the most splits fits, and at least kWorkspaceBudget bytes.
+  if (config.head_dim <= kCudaMaxHeadDim) {
+    const int n_heads = static_cast<int>(config.n_heads);
+    const int n_kv = static_cast<int>(config.n_kv_heads);
+    const int hd = static_cast<int>(config.head_dim);
+    im.slot_floats = cuda::attend_slot_floats(n_heads, n_kv, hd);
+    im.ws_slots = std::max<std::int64_t>(slots * cuda::attend_slots(cuda::kAttendMaxSplits),
+                                         kWorkspaceBudget / (im.slot_floats * 4));
+    KVRING_RETURN_IF_ERROR(alloc(&im.ws, im.ws_slots * im.slot_floats * 4, "the attention workspace"));
+    const std::int64_t items = cuda::attend_grid(n_heads, n_kv, hd).items;
+    // Counters of a query never outnumber its slots.
+    const std::int64_t counter_bytes = im.ws_slots * items * 4;
+    KVRING_RETURN_IF_ERROR(alloc(&im.counters, counter_bytes, "attention counters"));
+    KVRING_CUDA_CHECK("cudaMemsetAsync", cudaMemsetAsync(im.counters, 0, static_cast<std::size_t>(counter_bytes), im.stream));
+    // Resident grids are an optimisation: without room for their tagged
+    // partials, attention takes the other combine paths.
+    const int resident = cuda::attend_resident_ctas(hd);
+    if (resident > 0) {
+      const std::int64_t bytes = resident * cuda::attend_tagged_words(n_heads, n_kv, hd) * 8;
+      if (cudaMalloc(reinterpret_cast<void**>(&im.tagged), static_cast<std::size_t>(bytes)) == cudaSuccess &&
+          cudaMemsetAsync(im.tagged, 0, static_cast<std::size_t>(bytes), im.stream) == cudaSuccess) {
+        im.tagged_ctas = resident;
+        im.tagged_bytes = bytes;
+      } else {
+        (void)cudaGetLastError();
+        cudaFree(im.tagged);
+        im.tagged = nullptr;
+      }
+    }
+  }
+  for (int i = 0; i < kInitialChunks; ++i) {
+    auto c = im.new_chunk(kChunkBytes);
+    if (!c) return c.error();
+  }
+  KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(im.stream));
+  return store;
+}
+
+Result<std::unique_ptr<KvStore>> make_cuda_store(const ModelConfig& config, StoreOptions options) {
+  auto s = CudaStore::create(config, options);
+  if (!s) return s.error();
+  return std::unique_ptr<KvStore>(std::move(*s));
+}
+
+Status CudaStore::synchronize(cudaStream_t stream) const {
+  KVRING_RETURN_IF_ERROR(impl_->activate());
+  KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(impl_->pick(stream)));
+  return Status::Ok();
+}
+
+// ---- Views ---------------------------------------------------------------------
+
+Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
+                             const void* data) const {
+  if (data == nullptr) return Status::Ok();
+  const std::string name(what);
+  const auto addr = reinterpret_cast<std::uintptr_t>(data);
+  if (addr % static_cast<std::uintptr_t>(dtype_bytes(dtype)) != 0)
+    return invalid_argument(name + " is not aligned to its " + dtype_name(dtype) + " elements");
+  if (space == MemorySpace::kHost) return Status::Ok();
+  const bool query = name == "q" || name == "out";
+  if (query && dtype != DType::kF32)
+    return make_error(ErrorCode::kUnsupported,
+                      name + " in device memory is " + dtype_name(dtype) +
+                          "; the CUDA backend reads device queries as f32 only");
+  if (query && !aligned16(data))
+    return invalid_argument(name + " in device memory needs 16-byte alignment");
+  KVRING_RETURN_IF_ERROR(impl_->activate());
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, data) != cudaSuccess) {
+    (void)cudaGetLastError();
+    a.type = cudaMemoryTypeUnregistered;
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    return invalid_argument(name + " is marked device memory but is not a device allocation");
+  if (a.type == cudaMemoryTypeDevice && a.device != impl_->device)
+    return invalid_argument(name + " lives on GPU " + std::to_string(a.device) +
+                            "; the store is on GPU " + std::to_string(impl_->device));
+  return Status::Ok();
+}
+
+// ---- Stores --------------------------------------------------------------------
+
+Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& k,
+                             const ConstView& v, cudaStream_t stream) {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.pick(stream);
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const bool host = k.space == MemorySpace::kHost || v.space == MemorySpace::kHost;
+  auto dk = im.stage(k, im.stage_k, s);
+  if (!dk) return im.fail(dk.status(), s);
+  auto dv = im.stage(v, im.stage_v, s);
+  if (!dv) return im.fail(dv.status(), s);
+
+  std::vector<cuda::StoreSpan> spans;
+  std::int64_t rows = 0;
+  for (const RowWrite& w : writes) {
+    const std::int64_t fi = full_index(w.plane.layer);
+    cuda::StoreSpan base{};
+    if (fi < 0) {
+      base.k = im.ring_k[static_cast<std::size_t>(w.plane.layer)] + w.plane.slot * im.ring_elems;
+      base.v = im.ring_v[static_cast<std::size_t>(w.plane.layer)] + w.plane.slot * im.ring_elems;
+      base.table = nullptr;
+    } else {
+      base.k = im.pool_k;
+      base.v = im.pool_v;
+      base.table = im.tables + (w.plane.slot * im.n_full + fi) * im.max_blocks;
+    }
+    for (int i = 0; i < w.placement.n_spans; ++i) {
+      const PhysicalSpan& p = w.placement.spans[static_cast<std::size_t>(i)];
+      if (p.rows <= 0) continue;
+      cuda::StoreSpan sp = base;
+      sp.physical_first = p.physical_first;
+      sp.src_row = w.source_row + p.source_first;
+      sp.first_row = rows;
+      rows += p.rows;
+      spans.push_back(sp);
+    }
+  }
+  if (spans.empty()) return Status::Ok();
+  const std::size_t bytes = spans.size() * sizeof(cuda::StoreSpan);
+  auto chunk = im.take_chunk(bytes, s);
+  if (!chunk) return im.fail(chunk.status(), s);
+  std::memcpy((*chunk)->host, spans.data(), bytes);
+  Status st = im.upload_chunk(**chunk, bytes, s);
+  if (st.ok()) {
+    cuda::StoreLaunch L;
+    L.spans = reinterpret_cast<const cuda::StoreSpan*>((*chunk)->dev);
+    L.n_spans = static_cast<std::int32_t>(spans.size());
+    L.total_rows = rows;
+    L.k = {dk->data, dk->row_stride, dtype_code(dk->dtype)};
+    L.v = {dv->data, dv->row_stride, dtype_code(dv->dtype)};
+    L.shape = im.shape;
+    L.pool = im.pool;
+    auto vec_ok = [](const ConstView& x) {
+      return aligned16(x.data) && (x.row_stride * dtype_bytes(x.dtype)) % 16 == 0;
+    };
+    L.vector = vec_ok(*dk) && vec_ok(*dv);
+    const cudaError_t e = cuda::launch_store_spans(L, s);
+    if (e != cudaSuccess) st = cuda_error("store kernel launch", e);
+  }
+  if (st.ok()) st = im.release_chunk(*chunk, s);
+  if (st.ok()) st = im.leave(s);
+  if (!st.ok()) return im.fail(st, s);
+  if (host) KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+  return Status::Ok();
+}
+
+// ---- Attention -------------------------------------------------------------------
+
+Status CudaStore::attend(const AttendBatch& b) {
+  if (config_.head_dim > kCudaMaxHeadDim)
+    return make_error(ErrorCode::kUnsupported,
+                      "CUDA attention supports head_dim up to " + std::to_string(kCudaMaxHeadDim) +
+                          "; model '" + config_.name + "' has head_dim " +
+                          std::to_string(config_.head_dim));
+  Impl& im = *impl_;
+  const ConstView& q = *b.q;
+  const MutView& out = *b.out;
+  const std::int64_t width = config_.n_heads * config_.head_dim;
+  // Device queries and outputs are read and written as float4 rows.
+  if (q.space == MemorySpace::kDevice && q.row_stride % 4 != 0)
+    return invalid_argument("q in device memory: row stride " + std::to_string(q.row_stride) +
+                            " is not a multiple of 4 floats (16-byte rows)");
+  if (out.space == MemorySpace::kDevice && out.row_stride % 4 != 0)
+    return invalid_argument("out in device memory: row stride " + std::to_string(out.row_stride) +
+                            " is not a multiple of 4 floats (16-byte rows)");
+  std::int64_t n_queries = 0;
+  for (const AttendItem& it : b.items) {
+    if (it.q_row != n_queries || (b.chunk_k != nullptr && it.chunk_row != n_queries))
+      return make_error(ErrorCode::kInternal, "attention items are not in row order");
+    n_queries += it.n_queries;
+  }
+  if (n_queries == 0) return Status::Ok();
+
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.pick(b.stream);
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const bool host_out = out.space == MemorySpace::kHost;
+  bool host = host_out || q.space == MemorySpace::kHost;
+
+  // Queries: device f32 rows, or host rows staged as f32.
+  const float* dq = static_cast<const float*>(q.data);
+  std::int64_t q_stride = q.row_stride;
+  if (q.space == MemorySpace::kHost) {
+    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
+    KVRING_RETURN_IF_ERROR(im.pin.reserve(bytes));
+    KVRING_RETURN_IF_ERROR(im.stage_q.reserve(bytes, "attention queries"));
+    for (std::int64_t r = 0; r < n_queries; ++r)
+      detail::row_to_f32(q, r, reinterpret_cast<float*>(im.pin.data()) + r * width);
+    KVRING_CUDA_CHECK("host-to-device copy",
+                      cudaMemcpyAsync(im.stage_q.as<void>(), im.pin.data(), bytes,
+                                      cudaMemcpyHostToDevice, s));
+    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+    dq = im.stage_q.as<float>();
+    q_stride = width;
+  }
+  float* dout = static_cast<float*>(out.data);
+  std::int64_t out_stride = out.row_stride;
+  if (host_out) {
+    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
+    KVRING_RETURN_IF_ERROR(im.stage_out.reserve(bytes, "attention output"));
+    // Poison: an element the kernels fail to write reads back as NaN.
+    KVRING_CUDA_CHECK("cudaMemsetAsync", cudaMemsetAsync(im.stage_out.as<void>(), 0xff, bytes, s));
+    dout = im.stage_out.as<float>();
+    out_stride = width;
+  }
+
+  // The chunk's rows exactly as the store will hold them (f16), in
+  // stream-ordered scratch.
+  std::uint16_t* chunk = nullptr;
+  const std::int64_t kv_dim = config_.kv_dim();
+  Status st = Status::Ok();
+  if (b.chunk_k != nullptr) {
+    host = host || b.chunk_k->space == MemorySpace::kHost || b.chunk_v->space == MemorySpace::kHost;
+    auto ck = im.stage(*b.chunk_k, im.stage_k, s);
+    if (!ck) return im.fail(ck.status(), s);
+    auto cv = im.stage(*b.chunk_v, im.stage_v, s);
+    if (!cv) return im.fail(cv.status(), s);
+    const std::size_t elems = static_cast<std::size_t>(ck->rows * kv_dim);
+    KVRING_CUDA_CHECK("cudaMallocAsync of the prefill chunk",
+                      cudaMallocAsync(reinterpret_cast<void**>(&chunk), elems * 4, s));
+    cudaError_t e = cuda::launch_convert_rows({ck->data, ck->row_stride, dtype_code(ck->dtype)},
+                                              ck->rows, static_cast<std::int32_t>(kv_dim), chunk, s);
+    if (e == cudaSuccess)
+      e = cuda::launch_convert_rows({cv->data, cv->row_stride, dtype_code(cv->dtype)}, cv->rows,
+                                    static_cast<std::int32_t>(kv_dim), chunk + elems, s);
+    if (e != cudaSuccess) st = cuda_error("convert kernel launch", e);
+  }
+
+  // Items, cut where one launch's queries or workspace would not fit, then
+  // grouped into launches.
+  const bool full = full_index(b.layer) >= 0;
+  const std::int64_t window = full ? 0 : config_.sliding_window;
+  auto rows_seen = [&](std::int64_t p) {
+    return window > 0 ? std::min(p + 1, window) : p + 1;
+  };
+  std::vector<cuda::AttendQueryItem> items;
+  for (const AttendItem& it : b.items) {
+    cuda::AttendQueryItem d{};
+    if (full) {
+      d.k = im.pool_k;
+      d.v = im.pool_v;
+      d.table = im.tables + (it.plane.slot * im.n_full + full_index(b.layer)) * im.max_blocks;
+    } else {
+      d.k = im.ring_k[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
+      d.v = im.ring_v[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
+      d.table = nullptr;
+    }
+    d.shift = it.ring.origin_physical() - it.ring.origin_logical();
+    d.capacity = it.ring.capacity();
+    d.chunk_start = it.chunk_start;
+    d.chunk_row = it.chunk_row;
+    const int most = static_cast<int>(
+        cuda::attend_splits(rows_seen(it.first_position + it.n_queries - 1)));
+    const std::int64_t per_query =
+        std::min<std::int64_t>(kMaxQueriesPerLaunch,
+                               im.ws_slots / cuda::attend_slots(most));
+    for (std::int64_t i0 = 0; i0 < it.n_queries; i0 += per_query) {
+      cuda::AttendQueryItem part = d;
+      part.first_position = it.first_position + i0;
+      part.n_queries = static_cast<std::int32_t>(std::min(per_query, it.n_queries - i0));
+      part.q_first = static_cast<std::int32_t>(it.q_row + i0);  // rebased per launch below
+      part.max_splits = static_cast<std::int32_t>(
+          cuda::attend_splits(rows_seen(part.first_position + part.n_queries - 1)));
+      items.push_back(part);
+    }
+  }
+  struct Launch {
+    std::size_t first, count;
+    std::int64_t q0, queries, slots, most_rows;
+    int max_splits;
+  };
+  std::vector<Launch> launches;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    cuda::AttendQueryItem& it = items[i];
+    const std::int64_t need = static_cast<std::int64_t>(it.n_queries) * cuda::attend_slots(it.max_splits);
+    if (launches.empty() || launches.back().queries + it.n_queries > kMaxQueriesPerLaunch ||
+        launches.back().slots + need > im.ws_slots)
+      launches.push_back(Launch{i, 0, it.q_first, 0, 0, 0, 1});
+    Launch& L = launches.back();
+    const std::int64_t global_q = it.q_first;
+    it.q_first = static_cast<std::int32_t>(global_q - L.q0);
+    it.ws_slot = L.slots;
+    // A query's counters start at its first slot: counters never outnumber
+    // slots, so they never overlap.
+    it.ws_counter = L.slots;
+    L.slots += need;
+    L.queries += it.n_queries;
+    L.count += 1;
+    L.max_splits = std::max(L.max_splits, static_cast<int>(it.max_splits));
+    L.most_rows = std::max(L.most_rows, rows_seen(it.first_position + it.n_queries - 1));
+  }
+  // The items' counters use ws_counter * gridDim.y + item * counters: a
+  // query's slots hold at least as many entries.
+
+  Impl::Chunk* desc = nullptr;
+  if (st.ok()) {
+    const std::size_t bytes = items.size() * sizeof(cuda::AttendQueryItem);
+    auto c = im.take_chunk(bytes, s);
+    if (!c) {
+      st = c.status();
+    } else {
+      desc = *c;
+      std::memcpy(desc->host, items.data(), bytes);
+      st = im.upload_chunk(*desc, bytes, s);
+    }
+  }
+  const bool capture = Impl::capturing(s);
+  for (const Launch& L : launches) {
+    if (!st.ok()) break;
+    cuda::AttendParams P;
+    P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev) + L.first;
+    P.n_items = static_cast<std::int32_t>(L.count);
+    P.full = full ? 1 : 0;
+    P.pool = im.pool;
+    if (chunk != nullptr) {
+      P.chunk_k = chunk;
+      P.chunk_v = chunk + b.chunk_k->rows * kv_dim;
+    }
+    P.q = dq + L.q0 * q_stride;
+    P.out = dout + L.q0 * out_stride;
+    P.q_stride = q_stride;
+    P.out_stride = out_stride;
+    P.n_queries = static_cast<std::int32_t>(L.queries);
+    P.n_heads = static_cast<std::int32_t>(config_.n_heads);
+    P.n_kv_heads = static_cast<std::int32_t>(config_.n_kv_heads);
+    P.head_dim = static_cast<std::int32_t>(config_.head_dim);
+    P.kv_dim = static_cast<std::int32_t>(kv_dim);
+    P.window = window;
+    P.scale_log2 = static_cast<float>(1.4426950408889634 /
+                                      std::sqrt(static_cast<double>(config_.head_dim)));
+    P.ws_o = im.ws;
+    P.ws_ml = im.ws + im.ws_slots * (im.slot_floats / (config_.head_dim + 2) * config_.head_dim);
+    P.counters = im.counters;
+    P.max_splits = L.max_splits;
+    P.most_rows = L.most_rows;
+    // A resident grid needs an epoch no earlier launch used. A launch
+    // captured into a CUDA graph would replay with the epoch it was
+    // captured with, so captured launches take the other combine paths.
+    if (im.tagged_ctas > 0 && !capture) {
+      // A fresh epoch per launch; when the count wraps, the words are
+      // zeroed (in stream order) so no old word can carry a reused epoch.
+      std::uint32_t epoch = im.epoch + 1;
+      if (const std::uint32_t next = cuda::testing_next_epoch(); next != 0) epoch = next;
+      if (epoch == 0) {
+        const cudaError_t e = cudaMemsetAsync(im.tagged, 0, static_cast<std::size_t>(im.tagged_bytes), s);
+        if (e != cudaSuccess) {
+          st = cuda_error("cudaMemsetAsync", e);
+          break;
+        }
+        epoch = 1;
+      }
+      im.epoch = epoch;
+      P.tagged = im.tagged;
+      P.tagged_ctas = im.tagged_ctas;
+      P.epoch = epoch;
+    }
+    const cudaError_t e = cuda::launch_attend(P, s);
+    if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
+  }
+  if (desc != nullptr && st.ok()) st = im.release_chunk(desc, s);
+  if (chunk != nullptr) {
+    const cudaError_t e = cudaFreeAsync(chunk, s);
+    if (e != cudaSuccess && st.ok()) st = cuda_error("cudaFreeAsync", e);
+  }
+  if (st.ok()) st = im.leave(s);
+  if (!st.ok()) return im.fail(st, s);
+  if (host_out) {
+    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
+    KVRING_RETURN_IF_ERROR(im.pin.reserve(bytes));
+    KVRING_CUDA_CHECK("device-to-host copy",
+                      cudaMemcpyAsync(im.pin.data(), dout, bytes, cudaMemcpyDeviceToHost, s));
+    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+    for (std::int64_t r = 0; r < n_queries; ++r)
+      std::memcpy(static_cast<float*>(out.data) + r * out.row_stride,
+                  reinterpret_cast<const float*>(im.pin.data()) + r * width,
+                  static_cast<std::size_t>(width) * 4);
+  } else if (host) {
+    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+  }
+  return Status::Ok();
+}
+
+// ---- Snapshot copies and plane housekeeping ----------------------------------------
+
+namespace {
+
+cuda::SpanMap span_map(const LiveSpans& spans) {
+  cuda::SpanMap m;
+  if (spans.n_spans >= 1) {
+    m.physical[0] = spans.spans[0].physical_first;
+    m.rows0 = spans.spans[0].rows;
+  }
+  if (spans.n_spans == 2) m.physical[1] = spans.spans[1].physical_first;
+  return m;
+}
+
+std::int64_t span_rows(const LiveSpans& spans) {
+  std::int64_t n = 0;
+  for (int s = 0; s < spans.n_spans; ++s) n += spans.spans[static_cast<std::size_t>(s)].rows;
+  return n;
+}
+
+}  // namespace
+
+Status CudaStore::copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
+                           std::uint16_t* v) const {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.stream;
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const std::int64_t fi = full_index(plane.layer);
+  const std::int64_t kv_dim = config_.kv_dim();
+  const std::size_t row_bytes = static_cast<std::size_t>(kv_dim) * 2;
+  const std::int64_t rows = span_rows(spans);
+  const std::int64_t piece = std::max<std::int64_t>(1, static_cast<std::int64_t>(kStageBytes / row_bytes));
+  const std::size_t bytes = static_cast<std::size_t>(std::min(rows, piece)) * row_bytes;
+  KVRING_RETURN_IF_ERROR(im.stage_rows.reserve(std::max<std::size_t>(bytes, 16), "snapshot staging"));
+  KVRING_RETURN_IF_ERROR(im.pin.reserve(std::max<std::size_t>(bytes, 16)));
+  const cuda::SpanMap map = span_map(spans);
+  for (int which = 0; which < 2; ++which) {
+    cuda::PlaneBuf buf;
+    if (fi < 0) {
+      buf.base = (which == 0 ? im.ring_k : im.ring_v)[static_cast<std::size_t>(plane.layer)] +
+                 plane.slot * im.ring_elems;
+    } else {
+      buf.base = which == 0 ? im.pool_k : im.pool_v;
+      buf.table = im.tables + (plane.slot * im.n_full + fi) * im.max_blocks;
+    }
+    std::uint16_t* dst = which == 0 ? k : v;
+    for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
+      const std::int64_t n = std::min(piece, rows - r0);
+      const std::size_t nb = static_cast<std::size_t>(n) * row_bytes;
+      cudaError_t e = cuda::launch_gather_rows(buf, im.shape, im.pool, map, r0, n,
+                                               im.stage_rows.as<std::uint16_t>(), s);
+      if (e == cudaSuccess)
+        e = cudaMemcpyAsync(im.pin.data(), im.stage_rows.as<void>(), nb, cudaMemcpyDeviceToHost, s);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+      if (e != cudaSuccess) return im.fail(cuda_error("snapshot copy", e), s);
+      std::memcpy(dst + r0 * kv_dim, im.pin.data(), nb);
+    }
+  }
+  return im.leave(s);
+}
+
+Status CudaStore::copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,
+                          const std::uint16_t* v) {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.stream;
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const std::int64_t fi = full_index(plane.layer);
+  const std::int64_t kv_dim = config_.kv_dim();
+  const std::size_t row_bytes = static_cast<std::size_t>(kv_dim) * 2;
+  const std::int64_t rows = span_rows(spans);
+  const std::int64_t piece = std::max<std::int64_t>(1, static_cast<std::int64_t>(kStageBytes / row_bytes));
+  const std::size_t bytes = static_cast<std::size_t>(std::min(rows, piece)) * row_bytes;
+  KVRING_RETURN_IF_ERROR(im.stage_rows.reserve(std::max<std::size_t>(bytes, 16), "snapshot staging"));
+  KVRING_RETURN_IF_ERROR(im.pin.reserve(std::max<std::size_t>(bytes, 16)));
+  const cuda::SpanMap map = span_map(spans);
+  for (int which = 0; which < 2; ++which) {
+    cuda::PlaneBuf buf;
+    if (fi < 0) {
+      buf.base = (which == 0 ? im.ring_k : im.ring_v)[static_cast<std::size_t>(plane.layer)] +
+                 plane.slot * im.ring_elems;
+    } else {
+      buf.base = which == 0 ? im.pool_k : im.pool_v;
+      buf.table = im.tables + (plane.slot * im.n_full + fi) * im.max_blocks;
+    }
+    const std::uint16_t* src = which == 0 ? k : v;
+    for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
+      const std::int64_t n = std::min(piece, rows - r0);
+      const std::size_t nb = static_cast<std::size_t>(n) * row_bytes;
+      std::memcpy(im.pin.data(), src + r0 * kv_dim, nb);
+      cudaError_t e =
+          cudaMemcpyAsync(im.stage_rows.as<void>(), im.pin.data(), nb, cudaMemcpyHostToDevice, s);
+      if (e == cudaSuccess)
+        e = cuda::launch_scatter_rows(buf, im.shape, im.pool, map, r0, n,
+                                      im.stage_rows.as<std::uint16_t>(), s);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+      if (e != cudaSuccess) return im.fail(cuda_error("snapshot copy", e), s);
+    }
+  }
+  return im.leave(s);
+}
+
+Status CudaStore::read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
+                            std::uint16_t* v) const {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.stream;
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
+  const auto l = static_cast<std::size_t>(layer);
+  cudaError_t e = cudaMemcpyAsync(k, im.ring_k[l] + slot * im.ring_elems, bytes,
+                                  cudaMemcpyDeviceToHost, s);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(v, im.ring_v[l] + slot * im.ring_elems, bytes, cudaMemcpyDeviceToHost, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  if (e != cudaSuccess) return im.fail(cuda_error("reading a ring", e), s);
+  return im.leave(s);
+}
+
+Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.pick(stream);
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
+  const auto l = static_cast<std::size_t>(layer);
+  KVRING_CUDA_CHECK("cudaMemsetAsync",
+                    cudaMemsetAsync(im.ring_k[l] + slot * im.ring_elems, 0, bytes, s));
+  KVRING_CUDA_CHECK("cudaMemsetAsync",
+                    cudaMemsetAsync(im.ring_v[l] + slot * im.ring_elems, 0, bytes, s));
+  return im.leave(s);
+}
+
+Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer,
+                            cudaStream_t stream) {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.pick(stream);
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
+  const auto l = static_cast<std::size_t>(layer);
+  for (auto* ring : {im.ring_k[l], im.ring_v[l]})
+    KVRING_CUDA_CHECK("cudaMemcpyAsync",
+                      cudaMemcpyAsync(ring + to * im.ring_elems, ring + from * im.ring_elems, bytes,
+                                      cudaMemcpyDeviceToDevice, s));
+  return im.leave(s);
+}
+
+Status CudaStore::copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.pick(stream);
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  const std::size_t bytes = static_cast<std::size_t>(im.block_elems) * 2;
+  for (auto* pool : {im.pool_k, im.pool_v})
+    KVRING_CUDA_CHECK("cudaMemcpyAsync",
+                      cudaMemcpyAsync(pool + to * im.block_elems, pool + from * im.block_elems,
+                                      bytes, cudaMemcpyDeviceToDevice, s));
+  return im.leave(s);
+}
+
+Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStream_t stream) {
+  Impl& im = *impl_;
+  std::size_t entries = 0;
+  for (const TableChange& c : changes) entries += static_cast<std::size_t>(std::max<std::int64_t>(c.count, 0));
+  if (entries == 0) return Status::Ok();
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  const cudaStream_t s = im.pick(stream);
+  KVRING_RETURN_IF_ERROR(im.enter(s));
+  auto chunk = im.take_chunk(entries * 4, s);
+  if (!chunk) return chunk.error();
+  // The entries go from the pinned chunk straight into the mirror, each
+  // change one contiguous run.
+  std::size_t at = 0;
+  Status st = Status::Ok();
+  for (const TableChange& c : changes) {
+    if (c.count <= 0) continue;
+    const std::size_t n = static_cast<std::size_t>(c.count) * 4;
+    std::memcpy((*chunk)->host + at, c.table + c.first, n);
+    std::int32_t* dst = im.tables + (c.slot * im.n_full + c.full_index) * im.max_blocks + c.first;
+    const cudaError_t e = cudaMemcpyAsync(dst, (*chunk)->host + at, n, cudaMemcpyHostToDevice, s);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      st = cuda_error("block table upload", e);
+      break;
+    }
+    at += n;
+  }
+  if (st.ok()) st = im.release_chunk(*chunk, s);
+  if (st.ok()) st = im.leave(s);
+  if (!st.ok()) return im.fail(st, s);
+  return Status::Ok();
+}
+
+}  // namespace kvring
