@@ -87,6 +87,15 @@ class RingState {
   Result<BatchPlacement> append_batch(std::int64_t layer, std::int64_t start,
                                       std::int64_t count);
 
+  // The state with its last `count` rows dropped (precondition:
+  // 0 <= count <= len): the origins stay, so a sliding ring may then hold
+  // fewer rows than its capacity with origin_logical > 0.
+  RingState rolled_back(std::int64_t count) const {
+    RingState r = *this;
+    r.len_ -= count;
+    return r;
+  }
+
   // The live rows [first, first + count) (all live) as physical spans.
   LiveSpans spans(std::int64_t first, std::int64_t count) const;
   LiveSpans live_spans() const { return spans(origin_logical_, len_); }

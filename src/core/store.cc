@@ -359,10 +359,7 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
           " tokens: layer " + std::to_string(l) + "'s ring no longer holds position " +
           std::to_string(need) + " (rollback is guaranteed for the last " +
           std::to_string(options_.slack) + " tokens, the store's slack)");
-    auto t = RingState::from_parts(r.capacity(), r.wraps(), end - r.origin_logical(),
-                                   r.origin_logical(), r.origin_physical());
-    if (!t) return t.error();
-    r = *t;
+    r = r.rolled_back(tokens);
   }
   s.rings = std::move(rings);
   for (std::int64_t fi = 0; fi < n_full_; ++fi) {

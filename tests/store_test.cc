@@ -1,0 +1,470 @@
+// The many-sequence store on the CPU backend: sequences, the block pool,
+// forks, rollbacks, refusals, views, and bits that never depend on the batch.
+#include "kvring/store.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "kvring/backend.h"
+#include "kvring/f16.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+using testing::small_config;
+
+// Deterministic per-(sequence, layer, position) data, so a sequence's
+// inputs are the same whichever batch it runs in. Never all zeros.
+float value(std::uint64_t seq, std::int64_t layer, std::int64_t pos, std::int64_t e, int what) {
+  std::uint64_t x = seq * 0x9e3779b97f4a7c15ULL ^ static_cast<std::uint64_t>(layer) * 0xbf58476d1ce4e5b9ULL ^
+                    static_cast<std::uint64_t>(pos) * 0x94d049bb133111ebULL ^
+                    static_cast<std::uint64_t>(e) * 0x2545f4914f6cdd1dULL ^
+                    static_cast<std::uint64_t>(what) * 0x632be59bd9b4e019ULL;
+  x ^= x >> 31;
+  x *= 0xd6e8feb86659fd93ULL;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+struct Rows {
+  std::vector<float> k, v, q;
+};
+// Rows of `count` tokens of sequence `id` from `start`, for one layer.
+Rows rows_for(const ModelConfig& c, std::uint64_t id, std::int64_t layer, std::int64_t start,
+              std::int64_t count) {
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  Rows r;
+  for (std::int64_t i = 0; i < count; ++i) {
+    for (std::int64_t e = 0; e < kv; ++e) {
+      r.k.push_back(value(id, layer, start + i, e, 0));
+      r.v.push_back(value(id, layer, start + i, e, 1));
+    }
+    for (std::int64_t e = 0; e < width; ++e) r.q.push_back(value(id, layer, start + i, e, 2));
+  }
+  return r;
+}
+
+std::unique_ptr<KvStore> cpu_store(const ModelConfig& c, StoreOptions o) {
+  auto s = make_store(BackendKind::kCpu, c, o);
+  EXPECT_TRUE(s.ok()) << s.error().to_string();
+  return std::move(*s);
+}
+
+// Attention outputs by (sequence id, layer, position).
+using Outputs = std::map<std::tuple<std::uint64_t, std::int64_t, std::int64_t>, std::vector<float>>;
+
+// Every live row of every layer of a sequence, in logical order.
+std::vector<std::uint16_t> live_bytes(const KvStore& s, SeqId seq) {
+  std::vector<std::uint16_t> out;
+  for (std::int64_t l = 0; l < s.n_layers(); ++l) {
+    auto r = s.ring(seq, l);
+    EXPECT_TRUE(r.ok());
+    const auto n = static_cast<std::size_t>(r->len() * s.config().kv_dim());
+    std::vector<std::uint16_t> k(n), v(n);
+    EXPECT_TRUE(s.read_rows(seq, l, r->origin_logical(), r->len(), k.data(), v.data()).ok());
+    out.insert(out.end(), k.begin(), k.end());
+    out.insert(out.end(), v.begin(), v.end());
+    out.push_back(static_cast<std::uint16_t>(r->origin_logical()));
+  }
+  return out;
+}
+
+// Runs one chunk of each (id, seq, start, count) through every layer as one
+// batch: store + decode when every count is 1, else a ragged prefill.
+void run_batch(KvStore& s, const std::vector<std::pair<std::uint64_t, SeqSpan>>& batch,
+               Outputs& outputs) {
+  const ModelConfig& c = s.config();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  bool decode = true;
+  std::int64_t rows = 0;
+  std::vector<SeqSpan> spans;
+  for (const auto& [id, sp] : batch) {
+    decode = decode && sp.count == 1;
+    rows += sp.count;
+    spans.push_back(sp);
+  }
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    Rows all;
+    std::vector<SeqQuery> queries;
+    for (const auto& [id, sp] : batch) {
+      Rows r = rows_for(c, id, l, sp.start, sp.count);
+      all.k.insert(all.k.end(), r.k.begin(), r.k.end());
+      all.v.insert(all.v.end(), r.v.begin(), r.v.end());
+      all.q.insert(all.q.end(), r.q.begin(), r.q.end());
+      for (std::int64_t i = 0; i < sp.count; ++i) queries.push_back({sp.seq, sp.start + i});
+    }
+    std::vector<float> out(static_cast<std::size_t>(rows * width));
+    if (decode) {
+      ASSERT_TRUE(s.store(l, spans, host_view(all.k.data(), rows, kv), host_view(all.v.data(), rows, kv)).ok());
+      ASSERT_TRUE(s.attend_decode(l, queries, host_view(all.q.data(), rows, width),
+                                  host_view(out.data(), rows, width)).ok());
+    } else {
+      const Status st = s.prefill(l, spans, host_view(all.k.data(), rows, kv),
+                                  host_view(all.v.data(), rows, kv),
+                                  host_view(all.q.data(), rows, width),
+                                  host_view(out.data(), rows, width));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+    }
+    std::int64_t row = 0;
+    for (const auto& [id, sp] : batch)
+      for (std::int64_t i = 0; i < sp.count; ++i, ++row)
+        outputs[{id, l, sp.start + i}] = std::vector<float>(
+            out.begin() + row * width, out.begin() + (row + 1) * width);
+  }
+}
+
+// A sequence run alone, one token at a time.
+void run_solo(const ModelConfig& c, StoreOptions o, std::uint64_t id, std::int64_t length,
+              Outputs& outputs, std::vector<std::uint16_t>& bytes) {
+  o.max_sequences = 1;
+  auto s = cpu_store(c, o);
+  auto seq = s->add_sequence();
+  ASSERT_TRUE(seq.ok());
+  for (std::int64_t p = 0; p < length; ++p) run_batch(*s, {{id, SeqSpan{*seq, p, 1}}}, outputs);
+  bytes = live_bytes(*s, *seq);
+}
+
+TEST(Store, SequencesComeAndGoAndStaleHandlesAreRefused) {
+  auto s = cpu_store(small_config(), {.max_sequences = 2});
+  auto a = s->add_sequence();
+  auto b = s->add_sequence();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(s->sequence_count(), 2);
+  auto c = s->add_sequence();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().code, ErrorCode::kCapacityExceeded);
+  ASSERT_TRUE(s->remove_sequence(*a).ok());
+  auto again = s->remove_sequence(*a);
+  EXPECT_EQ(again.error().code, ErrorCode::kNotFound);
+  auto reused = s->add_sequence();  // takes a's slot
+  ASSERT_TRUE(reused.ok());
+  EXPECT_NE(*reused, *a);
+  EXPECT_TRUE(s->contains(*reused));
+  EXPECT_FALSE(s->contains(*a));
+  // Every call refuses the stale handle.
+  const std::int64_t kv = s->config().kv_dim(), width = s->config().n_heads * s->config().head_dim;
+  std::vector<float> row(static_cast<std::size_t>(width), 0.5f), out(row.size());
+  const SeqSpan span{*a, 0, 1};
+  const SeqQuery query{*a, 0};
+  EXPECT_EQ(s->store(0, {&span, 1}, host_view(row.data(), 1, kv), host_view(row.data(), 1, kv)).error().code,
+            ErrorCode::kNotFound);
+  EXPECT_EQ(s->attend_decode(0, {&query, 1}, host_view(row.data(), 1, width),
+                             host_view(out.data(), 1, width)).error().code,
+            ErrorCode::kNotFound);
+  EXPECT_EQ(s->prefill(0, {&span, 1}, host_view(row.data(), 1, kv), host_view(row.data(), 1, kv),
+                       host_view(row.data(), 1, width), host_view(out.data(), 1, width)).error().code,
+            ErrorCode::kNotFound);
+  EXPECT_FALSE(s->fork_sequence(*a).ok());
+  EXPECT_FALSE(s->truncate_sequence(*a, 0).ok());
+  EXPECT_FALSE(s->reset_sequence(*a).ok());
+  EXPECT_FALSE(s->next_position(*a).ok());
+  EXPECT_FALSE(s->ring(*a, 0).ok());
+  EXPECT_FALSE(s->blocks_held(*a).ok());
+  EXPECT_FALSE(s->read_rows(*a, 0, 0, 1, nullptr, nullptr).ok());
+  EXPECT_FALSE(s->contains(SeqId{12345}));
+  EXPECT_NE(seq_name(*a).find("sequence"), std::string::npos);
+}
+
+TEST(Store, OptionsAreChecked) {
+  const ModelConfig c = small_config();
+  EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.max_sequences = 0}).ok());
+  EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.context = c.max_context + 1}).ok());
+  EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.slack = -1}).ok());
+  EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.slack = c.sliding_window + 1}).ok());
+  EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.block_rows = 24}).ok());
+  EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.block_rows = 8}).ok());
+  EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.pool_blocks = -1}).ok());
+  auto s = make_store(BackendKind::kCpu, c, {.max_sequences = 3, .block_rows = 16});
+  ASSERT_TRUE(s.ok());
+  // One full layer of 256 positions: 16 blocks a sequence.
+  EXPECT_EQ((*s)->pool_blocks(), 3 * 1 * 16);
+  EXPECT_EQ((*s)->capacity(0), c.sliding_window);
+}
+
+// Seeded random batch compositions against solo runs: stored bytes and
+// every attention output, bit for bit, whatever the batch, order, slot,
+// chunking and blocks.
+TEST(Store, BitsNeverDependOnTheBatch) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  const StoreOptions o{.max_sequences = 6, .block_rows = 16};
+  for (std::uint64_t seed : {1u, 2u, 3u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    const int n_seq = 5;
+    std::vector<std::int64_t> length(n_seq);
+    for (auto& len : length) len = std::uniform_int_distribution<std::int64_t>(1, 200)(rng);
+    Outputs solo_out;
+    std::vector<std::vector<std::uint16_t>> solo_bytes(n_seq);
+    for (int i = 0; i < n_seq; ++i)
+      run_solo(c, o, 100 + i, length[static_cast<std::size_t>(i)], solo_out,
+               solo_bytes[static_cast<std::size_t>(i)]);
+
+    auto s = cpu_store(c, o);
+    // Churn the slots so sequences land in varied slots and blocks.
+    std::vector<SeqId> filler;
+    for (int i = 0; i < static_cast<int>(seed % 3); ++i) filler.push_back(*s->add_sequence());
+    std::vector<SeqId> seqs;
+    std::vector<std::int64_t> done(n_seq, 0);
+    for (int i = 0; i < n_seq; ++i) {
+      if (i == 2 && !filler.empty()) {
+        ASSERT_TRUE(s->remove_sequence(filler.back()).ok());
+        filler.pop_back();
+      }
+      seqs.push_back(*s->add_sequence());
+    }
+    Outputs out;
+    while (true) {
+      std::vector<int> ready;
+      for (int i = 0; i < n_seq; ++i)
+        if (done[static_cast<std::size_t>(i)] < length[static_cast<std::size_t>(i)]) ready.push_back(i);
+      if (ready.empty()) break;
+      std::shuffle(ready.begin(), ready.end(), rng);
+      ready.resize(std::uniform_int_distribution<std::size_t>(1, ready.size())(rng));
+      const bool decode = rng() % 2 == 0;
+      std::vector<std::pair<std::uint64_t, SeqSpan>> batch;
+      for (int i : ready) {
+        const auto u = static_cast<std::size_t>(i);
+        const std::int64_t left = length[u] - done[u];
+        const std::int64_t count =
+            decode ? 1 : std::uniform_int_distribution<std::int64_t>(1, std::min<std::int64_t>(left, 40))(rng);
+        batch.push_back({100 + static_cast<std::uint64_t>(i), SeqSpan{seqs[u], done[u], count}});
+        done[u] += count;
+      }
+      run_batch(*s, batch, out);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    EXPECT_EQ(out.size(), solo_out.size());
+    for (const auto& [key, value] : solo_out) {
+      auto it = out.find(key);
+      ASSERT_NE(it, out.end());
+      ASSERT_EQ(0, std::memcmp(it->second.data(), value.data(), value.size() * 4))
+          << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
+          << std::get<2>(key);
+    }
+    for (int i = 0; i < n_seq; ++i)
+      EXPECT_EQ(live_bytes(*s, seqs[static_cast<std::size_t>(i)]), solo_bytes[static_cast<std::size_t>(i)]);
+  }
+}
+
+// A sequence's full-attention memory is its live rows rounded up to one
+// block a layer: 64 sequences of 256 positions hold the blocks of 4 of 4096.
+TEST(Store, FullPlanesGrowByBlocks) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/4096, /*n_layers=*/8);
+  const std::int64_t n_full = 2;
+  auto s = cpu_store(c, {.max_sequences = 64, .block_rows = 16, .pool_blocks = 4 * n_full * 4096 / 16});
+  std::vector<SeqId> seqs;
+  for (int i = 0; i < 64; ++i) seqs.push_back(*s->add_sequence());
+  Outputs out;
+  // Prefill 256 positions of each, in batches of 16 sequences.
+  for (int b = 0; b < 4; ++b) {
+    std::vector<std::pair<std::uint64_t, SeqSpan>> batch;
+    for (int i = 0; i < 16; ++i) batch.push_back({static_cast<std::uint64_t>(b * 16 + i), SeqSpan{seqs[static_cast<std::size_t>(b * 16 + i)], 0, 256}});
+    run_batch(*s, batch, out);
+  }
+  EXPECT_EQ(s->free_blocks(), 0);
+  for (const SeqId q : seqs) EXPECT_EQ(*s->blocks_held(q), n_full * 256 / 16);
+  // One more position needs one more block a full layer: refused, unchanged.
+  const auto before = live_bytes(*s, seqs[0]);
+  Outputs more;
+  const std::int64_t kv = c.kv_dim();
+  Rows r = rows_for(c, 0, 3, 256, 1);
+  const SeqSpan next{seqs[0], 256, 1};
+  const Status st = s->store(3, {&next, 1}, host_view(r.k.data(), 1, kv), host_view(r.v.data(), 1, kv));
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_NE(st.error().message.find("pool"), std::string::npos);
+  EXPECT_EQ(live_bytes(*s, seqs[0]), before);
+  EXPECT_EQ(s->free_blocks(), 0);
+  // A partial block: 17 rows take two blocks a layer.
+  ASSERT_TRUE(s->reset_sequence(seqs[1]).ok());
+  EXPECT_EQ(s->free_blocks(), n_full * 16);
+  run_batch(*s, {{1000, SeqSpan{seqs[1], 0, 17}}}, out);
+  EXPECT_EQ(*s->blocks_held(seqs[1]), n_full * 2);
+  ASSERT_TRUE(s->remove_sequence(seqs[1]).ok());
+  EXPECT_EQ(s->free_blocks(), n_full * 16);
+}
+
+TEST(Store, ForkSharesBlocksAndWritesNeverReachTheOther) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  const StoreOptions o{.max_sequences = 3, .block_rows = 16};
+  auto s = cpu_store(c, o);
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 70}}}, out);  // 4 full blocks and a partial one
+  const std::int64_t free_before = s->free_blocks();
+  auto b = s->fork_sequence(a);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(s->free_blocks(), free_before);  // nothing copied yet
+  EXPECT_EQ(*s->next_position(*b), 70);
+  EXPECT_EQ(live_bytes(*s, *b), live_bytes(*s, a));
+  // Different continuations: each writes into the shared partial block.
+  const auto a_prefix = live_bytes(*s, a);
+  run_batch(*s, {{2, SeqSpan{*b, 70, 30}}}, out);
+  EXPECT_EQ(live_bytes(*s, a), a_prefix);  // b's writes never reach a
+  EXPECT_EQ(s->free_blocks(), free_before - 3);  // one copied block, two new blocks
+  run_batch(*s, {{1, SeqSpan{a, 70, 30}}}, out);
+
+  // Each equals a solo run of its own tokens. b's ids: 1 up to 70, then 2.
+  Outputs solo;
+  std::vector<std::uint16_t> a_bytes;
+  run_solo(c, o, 1, 100, solo, a_bytes);
+  EXPECT_EQ(live_bytes(*s, a), a_bytes);
+  auto t = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  const SeqId u = *t->add_sequence();
+  Outputs solo_b;
+  run_batch(*t, {{1, SeqSpan{u, 0, 70}}}, solo_b);
+  run_batch(*t, {{2, SeqSpan{u, 70, 30}}}, solo_b);
+  EXPECT_EQ(live_bytes(*s, *b), live_bytes(*t, u));
+  for (std::int64_t p = 70; p < 100; ++p)
+    for (std::int64_t l = 0; l < 4; ++l)
+      EXPECT_EQ((out[{2, l, p}]), (solo_b[{2, l, p}]));
+  // The last slot is the fork's; a third sequence cannot fork.
+  ASSERT_TRUE(s->add_sequence().ok());
+  EXPECT_EQ(s->fork_sequence(a).error().code, ErrorCode::kCapacityExceeded);
+}
+
+TEST(Store, TruncateRollsBackWithinTheSlack) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  const StoreOptions o{.max_sequences = 2, .slack = 4, .block_rows = 16};
+  auto s = cpu_store(c, o);
+  EXPECT_EQ(s->capacity(0), 32 + 4);
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 100}}}, out);  // the rings wrapped
+  const auto before = live_bytes(*s, a);
+  // Past the slack on a wrapped ring, or past the start: refused, unchanged.
+  EXPECT_FALSE(s->truncate_sequence(a, 5).ok());
+  EXPECT_FALSE(s->truncate_sequence(a, 101).ok());
+  EXPECT_FALSE(s->truncate_sequence(a, -1).ok());
+  EXPECT_EQ(live_bytes(*s, a), before);
+  EXPECT_EQ(*s->next_position(a), 100);
+  // Speculative tokens rolled back, then other tokens: equals a solo run.
+  const Status rolled = s->truncate_sequence(a, 4);
+  ASSERT_TRUE(rolled.ok()) << rolled.to_string();
+  EXPECT_EQ(*s->next_position(a), 96);
+  run_batch(*s, {{7, SeqSpan{a, 96, 10}}}, out);
+  auto t = cpu_store(c, {.max_sequences = 1, .slack = 4, .block_rows = 16});
+  const SeqId u = *t->add_sequence();
+  Outputs solo;
+  run_batch(*t, {{1, SeqSpan{u, 0, 96}}}, solo);
+  run_batch(*t, {{7, SeqSpan{u, 96, 10}}}, solo);
+  EXPECT_EQ(live_bytes(*s, a), live_bytes(*t, u));
+  for (std::int64_t p = 96; p < 106; ++p)
+    for (std::int64_t l = 0; l < 4; ++l) EXPECT_EQ((out[{7, l, p}]), (solo[{7, l, p}]));
+  // A short sequence rolls back as far as its start; blocks go back.
+  const SeqId b = *s->add_sequence();
+  const std::int64_t free_before = s->free_blocks();
+  run_batch(*s, {{3, SeqSpan{b, 0, 20}}}, out);
+  ASSERT_TRUE(s->truncate_sequence(b, 20).ok());
+  EXPECT_EQ(*s->next_position(b), 0);
+  EXPECT_EQ(s->free_blocks(), free_before);
+}
+
+TEST(Store, TruncateIntoASharedBlockCopiesItOnWrite) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  auto s = cpu_store(c, {.max_sequences = 2, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 32}}}, out);  // two full blocks
+  const SeqId b = *s->fork_sequence(a);
+  const auto a_bytes = live_bytes(*s, a);
+  ASSERT_TRUE(s->truncate_sequence(b, 8).ok());  // b's last block: shared, partial
+  run_batch(*s, {{9, SeqSpan{b, 24, 8}}}, out);
+  EXPECT_EQ(live_bytes(*s, a), a_bytes);
+}
+
+TEST(Store, ARefusedBatchChangesNoSequence) {
+  const ModelConfig c = small_config();
+  auto s = cpu_store(c, {.max_sequences = 3, .block_rows = 16});
+  const SeqId a = *s->add_sequence(), b = *s->add_sequence(), d = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 20}}, {2, SeqSpan{b, 0, 5}}, {3, SeqSpan{d, 0, 9}}}, out);
+  const auto ia = live_bytes(*s, a), ib = live_bytes(*s, b), id = live_bytes(*s, d);
+  const std::int64_t free_before = s->free_blocks();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  std::vector<float> k(static_cast<std::size_t>(3 * kv), 0.25f), q(static_cast<std::size_t>(3 * width), 0.5f),
+      o(q.size());
+  // The third span skips a position.
+  const SeqSpan bad[] = {{a, 20, 1}, {b, 5, 1}, {d, 10, 1}};
+  auto st = s->store(3, bad, host_view(k.data(), 3, kv), host_view(k.data(), 3, kv));
+  EXPECT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
+  st = s->store_all_layers(bad, host_view(k.data(), 3, kv), host_view(k.data(), 3, kv));
+  EXPECT_FALSE(st.ok());
+  st = s->prefill(3, bad, host_view(k.data(), 3, kv), host_view(k.data(), 3, kv),
+                  host_view(q.data(), 3, width), host_view(o.data(), 3, width));
+  EXPECT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
+  // A sequence twice in one store batch.
+  const SeqSpan twice[] = {{a, 20, 1}, {a, 21, 1}};
+  EXPECT_FALSE(s->store(3, twice, host_view(k.data(), 2, kv), host_view(k.data(), 2, kv)).ok());
+  // A decode whose rows are not stored.
+  const SeqQuery ahead[] = {{a, 19}, {b, 5}};
+  EXPECT_FALSE(s->attend_decode(3, ahead, host_view(q.data(), 2, width), host_view(o.data(), 2, width)).ok());
+  EXPECT_EQ(live_bytes(*s, a), ia);
+  EXPECT_EQ(live_bytes(*s, b), ib);
+  EXPECT_EQ(live_bytes(*s, d), id);
+  EXPECT_EQ(s->free_blocks(), free_before);
+}
+
+TEST(Store, ViewsAreCheckedAndReadInPlace) {
+  const ModelConfig c = small_config();
+  auto s = cpu_store(c, {.max_sequences = 2, .block_rows = 16});
+  const SeqId a = *s->add_sequence(), b = *s->add_sequence();
+  const std::int64_t kv = c.kv_dim();
+  std::vector<float> k = testing::random_floats(static_cast<std::size_t>(2 * kv), 5),
+                     v = testing::random_floats(k.size(), 6);
+  const SeqSpan one{a, 0, 1};
+  // Wrong shapes, strides, null data, device memory, f32-only outputs.
+  EXPECT_FALSE(s->store(0, {&one, 1}, host_view(k.data(), 2, kv), host_view(v.data(), 1, kv)).ok());
+  EXPECT_FALSE(s->store(0, {&one, 1}, host_view(k.data(), 1, kv - 1), host_view(v.data(), 1, kv)).ok());
+  EXPECT_FALSE(s->store(0, {&one, 1}, ConstView{k.data(), MemorySpace::kHost, DType::kF32, 1, kv, kv - 1},
+                        host_view(v.data(), 1, kv)).ok());
+  EXPECT_FALSE(s->store(0, {&one, 1}, ConstView{nullptr, MemorySpace::kHost, DType::kF32, 1, kv, kv},
+                        host_view(v.data(), 1, kv)).ok());
+  const Status dev = s->store(0, {&one, 1}, device_view(k.data(), 1, kv), host_view(v.data(), 1, kv));
+  EXPECT_EQ(dev.error().code, ErrorCode::kUnsupported);
+  EXPECT_FALSE(s->store(-1, {&one, 1}, host_view(k.data(), 1, kv), host_view(v.data(), 1, kv)).ok());
+  EXPECT_EQ(*s->next_position(a), 0);
+
+  // A strided f32 view (every other row of k), and f16 and bf16 inputs:
+  // each stores the bits of its value rounded to f16 (nearest even).
+  const ConstView strided{k.data(), MemorySpace::kHost, DType::kF32, 1, kv, 2 * kv};
+  ASSERT_TRUE(s->store(0, {&one, 1}, strided, strided).ok());
+  std::vector<std::uint16_t> h16(static_cast<std::size_t>(kv)), b16(h16.size());
+  for (std::int64_t e = 0; e < kv; ++e) {
+    h16[static_cast<std::size_t>(e)] = f32_to_f16(v[static_cast<std::size_t>(e)]);
+    std::uint32_t u;
+    std::memcpy(&u, &v[static_cast<std::size_t>(e)], 4);
+    b16[static_cast<std::size_t>(e)] = static_cast<std::uint16_t>(u >> 16);
+  }
+  const SeqSpan one_b{b, 0, 1};
+  ASSERT_TRUE(s->store(0, {&one_b, 1}, ConstView{h16.data(), MemorySpace::kHost, DType::kF16, 1, kv, kv},
+                       ConstView{b16.data(), MemorySpace::kHost, DType::kBF16, 1, kv, kv}).ok());
+  std::vector<std::uint16_t> rk(static_cast<std::size_t>(kv)), rv(rk.size());
+  ASSERT_TRUE(s->read_rows(a, 0, 0, 1, rk.data(), rv.data()).ok());
+  for (std::int64_t e = 0; e < kv; ++e)
+    EXPECT_EQ(rk[static_cast<std::size_t>(e)], f32_to_f16(k[static_cast<std::size_t>(e)]));
+  ASSERT_TRUE(s->read_rows(b, 0, 0, 1, rk.data(), rv.data()).ok());
+  EXPECT_EQ(rk, h16);
+  for (std::int64_t e = 0; e < kv; ++e) {
+    std::uint32_t u = static_cast<std::uint32_t>(b16[static_cast<std::size_t>(e)]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    EXPECT_EQ(rv[static_cast<std::size_t>(e)], f32_to_f16(f));
+  }
+  // Outputs must be f32.
+  const std::int64_t width = c.n_heads * c.head_dim;
+  std::vector<float> q = testing::random_floats(static_cast<std::size_t>(width), 7);
+  std::vector<std::uint16_t> out16(static_cast<std::size_t>(width));
+  const SeqQuery qa{a, 0};
+  EXPECT_FALSE(s->attend_decode(0, {&qa, 1}, host_view(q.data(), 1, width),
+                                MutView{out16.data(), MemorySpace::kHost, DType::kF16, 1, width, width}).ok());
+}
+
+}  // namespace
+}  // namespace kvring
