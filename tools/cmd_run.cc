@@ -16,22 +16,13 @@
 #include "kvring/model.h"
 #include "kvring/sha256.h"
 #include "run_pack.h"
+#include "run_summary.h"
 
 namespace kvring::cli {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct RunOptions {
-  std::string model_name, config_path, backend = "auto";
-  std::string save, resume, store;  // kvpack files and the chunk store
-  bool tokens_given = false;
-  std::int64_t tokens = 320, prompt_tokens = -1, chunk = 128, context = 0;
-  std::uint64_t seed = 1;
-  ModelOptions model;
-  bool json = false, progress = true;
-};
 
 class Progress {
  public:
@@ -54,16 +45,10 @@ class Progress {
   std::int64_t total_;
 };
 
-nlohmann::json ring_json(const RingState& r, std::int64_t layer) {
-  return {{"layer", layer},           {"capacity", r.capacity()},
-          {"len", r.len()},           {"origin_logical", r.origin_logical()},
-          {"origin_physical", r.origin_physical()}};
-}
-
 Result<RunOptions> parse(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
                        {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
-                        "vocab", "backend", "context", "save", "resume", "store"});
+                        "vocab", "backend", "context", "save", "resume", "store", "sequences"});
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -104,6 +89,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   KVRING_RETURN_IF_ERROR(get("hidden", o.model.hidden, 1, 16384, o.model.hidden));
   KVRING_RETURN_IF_ERROR(get("vocab", o.model.vocab, 2, 1 << 20, o.model.vocab));
   KVRING_RETURN_IF_ERROR(get("context", 0, 0, max, o.context));
+  KVRING_RETURN_IF_ERROR(get("sequences", 0, 1, kMaxRunSequences, o.sequences));
   std::int64_t seed = 1;
   KVRING_RETURN_IF_ERROR(get("seed", 1, 0, std::numeric_limits<std::int64_t>::max(), seed));
   o.seed = static_cast<std::uint64_t>(seed);
@@ -128,6 +114,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   RunOptions& o = *opts;
   auto backend = parse_backend(o.backend);
   if (!backend) return fail(backend.error());
+  if (o.sequences > 0) return run_many(o, *backend);
   std::optional<Session> resumed;
   std::vector<std::int32_t> generated;
   if (!o.resume.empty()) {
@@ -194,45 +181,13 @@ int cmd_run(const std::vector<std::string>& argv) {
   const auto& logits = session.last_logits();
   const std::string logits_sha = to_hex(sha256(logits.data(), logits.size() * sizeof(float)));
 
-  // Bytes of live rows per plane class, and one ring of each class.
   const KvCache& c = session.cache();
-  std::int64_t sliding_live = 0, full_live = 0, sliding_layer = -1, full_layer = -1;
-  for (std::int64_t l = 0; l < c.n_layers(); ++l) {
-    const std::int64_t bytes = c.ring(l).len() * config->kv_dim() * 4;
-    if (config->kind(l) == LayerKind::kSlidingRope) {
-      sliding_live += bytes;
-      if (sliding_layer < 0) sliding_layer = l;
-    } else {
-      full_live += bytes;
-      if (full_layer < 0) full_layer = l;
-    }
-  }
-
-  nlohmann::json j;
-  j["model"] = config->name;
-  j["fingerprint"] = config->fingerprint_hex();
-  j["backend"] = backend_name(c.backend());
-  j["tokens"] = session.position();
-  j["prompt_tokens"] = o.prompt_tokens;
-  j["seed"] = o.seed;
-  j["chunk"] = o.chunk;
-  j["hidden"] = o.model.hidden;
-  j["vocab"] = o.model.vocab;
-  j["context"] = context;
-  j["generated"] = generated;
-  j["logits_sha256"] = logits_sha;
-  j["cache"] = {{"sliding_bytes_in_use", sliding_live},
-                {"full_bytes_in_use", full_live},
-                {"allocated_bytes", c.allocated_bytes()}};
-  j["rings"] = nlohmann::json::object();
-  if (sliding_layer >= 0) j["rings"]["sliding"] = ring_json(c.ring(sliding_layer), sliding_layer);
-  if (full_layer >= 0) j["rings"]["full"] = ring_json(c.ring(full_layer), full_layer);
-  // Timings vary run to run; everything outside "timing" is deterministic.
-  j["timing"] = {{"prefill_s", prefill_s},
-                 {"decode_s", decode_s},
-                 {"prefill_tokens_per_s", prefill_s > 0 ? prefilled / prefill_s : 0.0},
-                 {"decode_tokens_per_s",
-                  decode_s > 0 ? static_cast<double>(generated.size() - generated_before) / decode_s : 0.0}};
+  const PlaneUse use = plane_use(c.store(), c.seq());
+  SummaryFields f{config->name, config->fingerprint_hex(), c.backend(), session.position(),
+                  o.prompt_tokens, o.seed, o.chunk, o.model, context, generated, logits_sha,
+                  use, c.allocated_bytes(), prefill_s, decode_s, prefilled,
+                  static_cast<std::int64_t>(generated.size() - generated_before)};
+  nlohmann::json j = summary_json(f);
   std::string saved;
   if (!o.save.empty()) {
     auto line = save_run(session, RunRecord{config->name, config->rope_theta, o.model, o.seed,
@@ -254,18 +209,10 @@ int cmd_run(const std::vector<std::string>& argv) {
   std::printf("  decode       %8.1f tokens/s  (%.3f s)\n",
               j["timing"]["decode_tokens_per_s"].get<double>(), decode_s);
   std::printf("  cache in use sliding %s, full %s; allocated %s\n",
-              format_bytes(sliding_live).c_str(), format_bytes(full_live).c_str(),
+              format_bytes(use.sliding_bytes).c_str(), format_bytes(use.full_bytes).c_str(),
               format_bytes(c.allocated_bytes()).c_str());
-  auto print_ring = [&](const char* name, std::int64_t layer) {
-    if (layer < 0) return;
-    const RingState& r = c.ring(layer);
-    std::printf("  ring %-7s layer %lld: capacity %lld, len %lld, origin logical %lld, physical %lld\n",
-                name, static_cast<long long>(layer), static_cast<long long>(r.capacity()),
-                static_cast<long long>(r.len()), static_cast<long long>(r.origin_logical()),
-                static_cast<long long>(r.origin_physical()));
-  };
-  print_ring("sliding", sliding_layer);
-  print_ring("full", full_layer);
+  print_ring("sliding", use.sliding_layer, use.sliding_ring);
+  print_ring("full", use.full_layer, use.full_ring);
   std::string gen;
   for (std::size_t i = 0; i < generated.size() && i < 16; ++i) gen += " " + std::to_string(generated[i]);
   if (generated.size() > 16) gen += " ...";

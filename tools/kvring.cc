@@ -37,6 +37,12 @@ commands:
              in chunks of C, then decode greedily to N tokens; prints speed,
              cache use, ring states and the SHA-256 of the last logits;
              --save writes the session as a kvpack (thin over --store)
+  run        ... --sequences N
+             N sessions in one store, prefilled and decoded in batches:
+             sequence i uses seed S+i, prefills max(1, P-3i) tokens and runs
+             to max(its prompt, N-2i) tokens; one summary per sequence (each
+             equal to a solo run's), then the aggregate tokens per second;
+             --save F / --resume F use F with .i before its extension
   run        --resume FILE [--tokens N] [--store ...] [--save FILE] [--json]
              continues a saved session to N tokens, bit for bit as if it had
              never stopped

@@ -107,11 +107,18 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
 
 Result<std::string> save_run(const Session& session, const RunRecord& record, const std::string& path,
                              const std::string& store_spec) {
+  return save_sequence(session.cache().store(), session.cache().seq(), session.tokens(), record,
+                       path, store_spec);
+}
+
+Result<std::string> save_sequence(const KvStore& kv, SeqId seq, const std::vector<std::int32_t>& tokens,
+                                  const RunRecord& record, const std::string& path,
+                                  const std::string& store_spec) {
   auto store = maybe_store(store_spec);
   if (!store) return store.error();
-  auto snapshot = take_snapshot(session.cache());
+  auto snapshot = take_snapshot(kv, seq);
   if (!snapshot) return snapshot.error();
-  snapshot->token_ids = session.tokens();
+  snapshot->token_ids = tokens;
   snapshot->metadata = encode_run_record(record);
   KVRING_RETURN_IF_ERROR(write_pack(*snapshot, path, {.store = store->get()}));
   auto src = open_pack_file(path);

@@ -35,6 +35,11 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
 Result<std::string> save_run(const Session& session, const RunRecord& record,
                              const std::string& path, const std::string& store_spec);
 
+// The same for one sequence of a store holding `tokens`.
+Result<std::string> save_sequence(const KvStore& store, SeqId seq,
+                                  const std::vector<std::int32_t>& tokens, const RunRecord& record,
+                                  const std::string& path, const std::string& store_spec);
+
 struct ResumedRun {
   RunRecord record;
   Session session;

@@ -1,0 +1,95 @@
+# `kvring run --sequences N`: each sequence's line equals a solo run with its
+# seed, prompt and token count (tokens, logits and generated ids), the
+# summary line counts the sequences, and --save/--resume carry every
+# sequence: a batched run saved half-way and resumed equals one that never
+# stopped. Sequence i: seed S + i, prompt max(1, P - 3i), tokens max(its
+# prompt, T - 2i).
+file(MAKE_DIRECTORY ${WORK})
+set(config ${WORK}/window16.json)
+file(WRITE ${config} [=[
+{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 16, "max_position_embeddings": 512, "sliding_window_pattern": 4}
+]=])
+set(model --config ${config} --hidden 32 --vocab 64 --chunk 7 --backend cpu)
+
+function(line_fields out_var json)
+  foreach(key tokens logits_sha256 generated)
+    string(JSON value ERROR_VARIABLE missing GET "${json}" ${key})
+    if(missing)
+      message(FATAL_ERROR "no '${key}' in ${json}")
+    endif()
+  endforeach()
+  string(JSON t GET "${json}" tokens)
+  string(JSON s GET "${json}" logits_sha256)
+  string(JSON g GET "${json}" generated)
+  set(${out_var} "${t} ${s} ${g}" PARENT_SCOPE)
+endfunction()
+
+function(run_lines out_var)
+  execute_process(COMMAND ${KVRING} run ${ARGN} --json RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "kvring run ${ARGN}: exit ${rc}: ${err}")
+  endif()
+  string(STRIP "${out}" out)
+  string(REPLACE "\n" ";" lines "${out}")
+  set(${out_var} "${lines}" PARENT_SCOPE)
+endfunction()
+
+set(n 5)
+run_lines(lines ${model} --sequences ${n} --seed 11 --prompt-tokens 40 --tokens 60)
+list(LENGTH lines count)
+math(EXPR want "${n} + 1")
+if(NOT count EQUAL want)
+  message(FATAL_ERROR "expected ${want} lines, got ${count}: ${lines}")
+endif()
+list(GET lines ${n} summary)
+string(JSON sequences GET "${summary}" sequences)
+if(NOT sequences EQUAL n)
+  message(FATAL_ERROR "summary line says ${sequences} sequences: ${summary}")
+endif()
+math(EXPR last "${n} - 1")
+foreach(i RANGE ${last})
+  list(GET lines ${i} line)
+  line_fields(batched "${line}")
+  math(EXPR seed "11 + ${i}")
+  math(EXPR prompt "40 - 3 * ${i}")
+  math(EXPR tokens "60 - 2 * ${i}")
+  run_lines(solo ${model} --seed ${seed} --prompt-tokens ${prompt} --tokens ${tokens})
+  line_fields(alone "${solo}")
+  if(NOT batched STREQUAL alone)
+    message(FATAL_ERROR "sequence ${i} differs from its solo run:\n${batched}\n${alone}")
+  endif()
+  set(full_${i} "${batched}")
+endforeach()
+
+# Saved at 50 tokens (each sequence to max(prompt, 50 - 2i)), resumed to 60.
+run_lines(half ${model} --sequences ${n} --seed 11 --prompt-tokens 40 --tokens 50
+          --save ${WORK}/batch.kvpack)
+foreach(i RANGE ${last})
+  if(NOT EXISTS ${WORK}/batch.${i}.kvpack)
+    message(FATAL_ERROR "no pack for sequence ${i}")
+  endif()
+endforeach()
+run_lines(resumed --resume ${WORK}/batch.kvpack --sequences ${n} --tokens 60 --backend cpu)
+foreach(i RANGE ${last})
+  list(GET resumed ${i} line)
+  line_fields(r "${line}")
+  if(NOT r STREQUAL full_${i})
+    message(FATAL_ERROR "resumed sequence ${i} differs:\n${r}\n${full_${i}}")
+  endif()
+endforeach()
+
+# Refusals: a count out of range, a missing pack of the batch.
+foreach(bad 0 -1 4097 x)
+  execute_process(COMMAND ${KVRING} run ${model} --sequences ${bad} RESULT_VARIABLE rc
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT err MATCHES "sequences")
+    message(FATAL_ERROR "--sequences ${bad}: exit ${rc}: ${err}")
+  endif()
+endforeach()
+execute_process(COMMAND ${KVRING} run --resume ${WORK}/batch.kvpack --sequences 7 --backend cpu
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT err MATCHES "batch.5.kvpack")
+  message(FATAL_ERROR "a missing pack of the batch: exit ${rc}: ${err}")
+endif()
