@@ -27,3 +27,12 @@ run_expect(FALSE "--slots must be an integer" footprint --slots 4x)
 run_expect(FALSE "cannot read config file" footprint --config /nonexistent/config.json)
 run_expect(FALSE "unknown option --bogus" footprint --bogus 1)
 run_expect(FALSE "unknown command" frobnicate)
+
+# How many sequences of a length fit in a memory size.
+run_expect(TRUE "5 sequences of 131,072 tokens fit" footprint --model muse-glimmer --fit 10GiB --length 131072)
+run_expect(TRUE "\"sequences\":738" footprint --model muse-glimmer --fit 141GB --length 8192 --json)
+run_expect(TRUE "blocks of 64 rows" footprint --model muse-glimmer --fit 1GiB --length 100 --block-rows 64)
+run_expect(FALSE "go together" footprint --model muse-glimmer --fit 1GiB)
+run_expect(FALSE "unknown unit" footprint --model muse-glimmer --fit 1XB --length 10)
+run_expect(FALSE "--length = 0 is outside" footprint --model muse-glimmer --fit 1GiB --length 0)
+run_expect(FALSE "power of two" footprint --model muse-glimmer --fit 1GiB --length 10 --block-rows 24)

@@ -1,4 +1,6 @@
 #include "kvring/footprint.h"
+#include "kvring/store.h"
+#include "kvring/backend.h"
 
 #include <gtest/gtest.h>
 #include <malloc.h>
@@ -27,9 +29,12 @@ TEST(Footprint, SmallContextsUseTheMinimumRing) {
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(f->sliding_rows, 32);
   EXPECT_EQ(f->full_rows, 32);
+  EXPECT_EQ(f->block_rows, 32);
+  // Full planes are whole blocks of the pool: 500 positions, two of 256.
   auto g = compute_footprint(c, 500, 1);
   EXPECT_EQ(g->sliding_rows, 64);
-  EXPECT_EQ(g->full_rows, 500);
+  EXPECT_EQ(g->block_rows, 256);
+  EXPECT_EQ(g->full_rows, 512);
 }
 
 TEST(Footprint, BadArguments) {
@@ -74,6 +79,62 @@ TEST(Footprint, EqualsTheCpuBackendsAllocation) {
     EXPECT_GE(heap, f->slot_bytes) << context;
     EXPECT_LT(heap, f->slot_bytes + (1 << 20)) << context;  // bookkeeping only
   }
+}
+
+// A sequence's full-attention memory follows its live rows: 64 sequences of
+// 8192 tokens hold the full-attention bytes of 4 of 131072, within one block
+// a sequence and layer.
+TEST(Footprint, SequencesFitByTheirLiveRows) {
+  const ModelConfig c = *preset_config("muse-glimmer");
+  auto short_seq = fit_sequences(c, 8192, std::int64_t{1} << 40);
+  auto long_seq = fit_sequences(c, 131072, std::int64_t{1} << 40);
+  ASSERT_TRUE(short_seq.ok() && long_seq.ok());
+  EXPECT_EQ(64 * short_seq->full_bytes, 4 * long_seq->full_bytes);
+  // 8193 tokens take one more block in each of the 13 full layers.
+  auto one_more = fit_sequences(c, 8193, std::int64_t{1} << 40);
+  EXPECT_EQ(one_more->full_bytes - short_seq->full_bytes, 13 * 256 * c.kv_dim() * 4);
+  EXPECT_EQ(short_seq->sliding_bytes, 39 * 2048 * c.kv_dim() * 4);
+  // 10 GiB hold 5 sequences of 131072 tokens (1,826,619,392 B each).
+  auto ten = fit_sequences(c, 131072, std::int64_t{10} << 30);
+  EXPECT_EQ(ten->sequence_bytes, 1826619392);
+  EXPECT_EQ(ten->sequences, 5);
+  EXPECT_FALSE(fit_sequences(c, 0, 1 << 30).ok());
+  EXPECT_FALSE(fit_sequences(c, 131073, 1 << 30).ok());
+  EXPECT_FALSE(fit_sequences(c, 10, 0).ok());
+  EXPECT_FALSE(fit_sequences(c, 10, 1 << 30, /*block_rows=*/100).ok());
+}
+
+// The fit's figure is what a CPU store uses for a sequence of that length.
+TEST(Footprint, FitEqualsWhatTheStoreHolds) {
+  const ModelConfig c = make_hybrid_config("fit", 8, 4, 4, 2, 16, 32, 1024);
+  auto store = make_store(BackendKind::kCpu, c, {.max_sequences = 3, .block_rows = 16});
+  ASSERT_TRUE(store.ok());
+  for (std::int64_t length : {1, 16, 17, 100}) {
+    auto seq = (*store)->add_sequence();
+    ASSERT_TRUE(seq.ok());
+    std::vector<float> k(static_cast<std::size_t>(length * c.kv_dim()), 0.5f);
+    const SeqSpan span{*seq, 0, length};
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      ASSERT_TRUE((*store)->store(l, {&span, 1}, host_view(k.data(), length, c.kv_dim()),
+                                  host_view(k.data(), length, c.kv_dim())).ok());
+    auto fit = fit_sequences(c, length, 1 << 30, 16);
+    ASSERT_TRUE(fit.ok());
+    EXPECT_EQ(*(*store)->blocks_held(*seq) * (*store)->block_bytes(), fit->full_bytes) << length;
+    EXPECT_EQ(6 * (*store)->ring_bytes(), fit->sliding_bytes);
+    ASSERT_TRUE((*store)->remove_sequence(*seq).ok());
+  }
+}
+
+TEST(Footprint, ParsesByteCounts) {
+  EXPECT_EQ(*parse_bytes("1048576"), 1048576);
+  EXPECT_EQ(*parse_bytes("80GiB"), std::int64_t{80} << 30);
+  EXPECT_EQ(*parse_bytes("141GB"), 141000000000);
+  EXPECT_EQ(*parse_bytes("512 MiB"), std::int64_t{512} << 20);
+  EXPECT_FALSE(parse_bytes("").ok());
+  EXPECT_FALSE(parse_bytes("GiB").ok());
+  EXPECT_FALSE(parse_bytes("10XB").ok());
+  EXPECT_FALSE(parse_bytes("-5").ok());
+  EXPECT_FALSE(parse_bytes("99999999TiB").ok());
 }
 
 }  // namespace

@@ -29,6 +29,11 @@ commands:
   footprint  [--model NAME | --config FILE] [--context N] [--slots N]
              KV-cache bytes per token, per plane class, per slot and for N
              slots; without --context, a table for 2048, 32768 and 131072
+  footprint  [--model NAME | --config FILE] --fit MEMORY --length L
+             [--block-rows B] [--slack S] [--json]
+             how many sequences of L tokens fit in MEMORY (bytes, or with a
+             unit: 80GiB, 141GB): each holds its sliding rings and its full
+             rows rounded up to whole blocks
   run        [--model NAME | --config FILE] [--tokens N] [--prompt-tokens P]
              [--seed S] [--chunk C] [--hidden H] [--vocab V] [--context N]
              [--backend cpu|cuda|auto] [--json] [--no-progress]
@@ -40,7 +45,7 @@ commands:
   run        ... --sequences N
              N sessions in one store, prefilled and decoded in batches:
              sequence i uses seed S+i, prefills max(1, P-3i) tokens and runs
-             to max(its prompt, N-2i) tokens; one summary per sequence (each
+             to max(its prompt, T-2i) tokens (T: --tokens); one summary per sequence (each
              equal to a solo run's), then the aggregate tokens per second;
              --save F / --resume F use F with .i before its extension
   run        --resume FILE [--tokens N] [--store ...] [--save FILE] [--json]
@@ -79,12 +84,49 @@ void print_footprint(const ModelConfig& c, const Footprint& f) {
 
 }  // namespace
 
+// kvring footprint --fit MEM --length L: how many sequences fit.
+int footprint_fit(const ModelConfig& config, const Args& args) {
+  if (!args.has("fit") || !args.has("length"))
+    return fail("footprint: --fit MEMORY and --length TOKENS go together");
+  auto memory = parse_bytes(args.str("fit"));
+  if (!memory) return fail(memory.error());
+  auto length = args.integer("length", 1, 1, config.max_context);
+  if (!length) return fail(length.error());
+  auto block_rows = args.integer("block-rows", 0, 16, 65536);
+  if (!block_rows) return fail(block_rows.error());
+  auto slack = args.integer("slack", 0, 0, config.sliding_window);
+  if (!slack) return fail(slack.error());
+  auto fit = fit_sequences(config, *length, *memory, *block_rows, *slack);
+  if (!fit) return fail(fit.error());
+  if (args.flag("json")) {
+    std::printf("{\"model\":\"%s\",\"length\":%lld,\"memory_bytes\":%lld,\"block_rows\":%lld,"
+                "\"sliding_bytes\":%lld,\"full_bytes\":%lld,\"sequence_bytes\":%lld,"
+                "\"sequences\":%lld}\n",
+                config.name.c_str(), static_cast<long long>(fit->length),
+                static_cast<long long>(fit->memory_bytes), static_cast<long long>(fit->block_rows),
+                static_cast<long long>(fit->sliding_bytes), static_cast<long long>(fit->full_bytes),
+                static_cast<long long>(fit->sequence_bytes), static_cast<long long>(fit->sequences));
+    return 0;
+  }
+  std::printf("model %s: %s sequences of %s tokens fit in %s\n", config.name.c_str(),
+              with_commas(fit->sequences).c_str(), with_commas(fit->length).c_str(),
+              format_bytes(fit->memory_bytes).c_str());
+  std::printf("  one sequence         %s\n", format_bytes(fit->sequence_bytes).c_str());
+  std::printf("  sliding rings        %s\n", format_bytes(fit->sliding_bytes).c_str());
+  std::printf("  full blocks          %s  (blocks of %lld rows)\n",
+              format_bytes(fit->full_bytes).c_str(), static_cast<long long>(fit->block_rows));
+  return 0;
+}
+
 int cmd_footprint(const std::vector<std::string>& argv) {
-  auto args = Args::parse(argv, {}, {"model", "config", "context", "slots"});
+  auto args = Args::parse(argv, {"json"},
+                          {"model", "config", "context", "slots", "fit", "length", "block-rows",
+                           "slack"});
   if (!args) return fail(args.error());
   if (!args->positional().empty()) return fail("footprint: unexpected argument '" + args->positional()[0] + "'");
   auto config = resolve_config(args->str("model"), args->str("config"));
   if (!config) return fail(config.error());
+  if (args->has("fit") || args->has("length")) return footprint_fit(*config, *args);
   auto slots = args->integer("slots", 1, 1, kInt64Max);
   if (!slots) return fail(slots.error());
   std::vector<std::int64_t> contexts;

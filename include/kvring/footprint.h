@@ -17,7 +17,8 @@ struct Footprint {
   std::int64_t n_full = 0;
   std::int64_t bytes_per_token = 0;  // K + V, f16, all layers
   std::int64_t sliding_rows = 0;     // rows per sliding plane
-  std::int64_t full_rows = 0;        // rows per full plane
+  std::int64_t full_rows = 0;        // rows per full plane (whole blocks)
+  std::int64_t block_rows = 0;       // rows of one block of the store's pool
   std::int64_t sliding_bytes = 0;    // all sliding planes of one slot
   std::int64_t full_bytes = 0;       // all full planes of one slot
   std::int64_t slot_bytes = 0;
@@ -27,6 +28,26 @@ struct Footprint {
 // Errors: context outside [1, max_context], slots < 1 or absurd.
 Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t context,
                                     std::int64_t slots);
+
+// How many sequences of `length` tokens a store holds in `memory_bytes`:
+// each takes its sliding rings (W + slack rows) and, per full layer, its
+// rows rounded up to whole blocks (block_rows 0: the store's default).
+struct SequenceFit {
+  std::int64_t length = 0;
+  std::int64_t memory_bytes = 0;
+  std::int64_t block_rows = 0;
+  std::int64_t sliding_bytes = 0;   // one sequence's rings
+  std::int64_t full_bytes = 0;      // one sequence's blocks
+  std::int64_t sequence_bytes = 0;
+  std::int64_t sequences = 0;
+};
+Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length,
+                                  std::int64_t memory_bytes, std::int64_t block_rows = 0,
+                                  std::int64_t slack = 0);
+
+// Bytes from "1048576", "80GiB", "141GB", "512 MiB" (B, kB/KiB, MB/MiB,
+// GB/GiB, TB/TiB).
+Result<std::int64_t> parse_bytes(const std::string& text);
 
 // "1,826,619,392 B (1.70 GiB, 1.83 GB)"
 std::string format_bytes(std::int64_t bytes);

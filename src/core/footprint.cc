@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "kvring/cache.h"
+#include "kvring/store.h"
 
 namespace kvring {
 
@@ -26,7 +27,12 @@ Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t cont
   const std::int64_t row_bytes = config.kv_dim() * 2 * 2;  // K + V, f16
   f.bytes_per_token = config.n_layers * row_bytes;
   f.sliding_rows = config.plane_capacity(LayerKind::kSlidingRope, context);
-  f.full_rows = config.plane_capacity(LayerKind::kFullNope, context);
+  // Full planes are whole blocks of the store's pool (store.h).
+  auto store = resolve_store_options(config, {.context = context});
+  if (!store) return store.error();
+  f.block_rows = store->block_rows;
+  const std::int64_t full_capacity = config.plane_capacity(LayerKind::kFullNope, context);
+  f.full_rows = (full_capacity + f.block_rows - 1) / f.block_rows * f.block_rows;
   f.sliding_bytes = f.n_sliding * f.sliding_rows * row_bytes;
   f.full_bytes = f.n_full * f.full_rows * row_bytes;
   f.slot_bytes = f.sliding_bytes + f.full_bytes;
@@ -36,6 +42,55 @@ Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t cont
     return invalid_argument(std::to_string(slots) + " slots of " + with_commas(f.slot_bytes) +
                             " B each exceed 2^63 bytes");
   return f;
+}
+
+Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length,
+                                  std::int64_t memory_bytes, std::int64_t block_rows,
+                                  std::int64_t slack) {
+  auto o = resolve_store_options(config, {.slack = slack, .block_rows = block_rows});
+  if (!o) return o.error();
+  if (length < 1 || length > config.max_context)
+    return invalid_argument("length " + std::to_string(length) + " outside [1, " +
+                            std::to_string(config.max_context) + "] for model '" + config.name +
+                            "'");
+  if (memory_bytes < 1) return invalid_argument("memory " + std::to_string(memory_bytes) + " < 1 B");
+  SequenceFit fit;
+  fit.length = length;
+  fit.memory_bytes = memory_bytes;
+  fit.block_rows = o->block_rows;
+  const std::int64_t row_bytes = config.kv_dim() * 2 * 2;
+  fit.sliding_bytes = config.count(LayerKind::kSlidingRope) *
+                      (config.plane_capacity(LayerKind::kSlidingRope, o->context) + o->slack) *
+                      row_bytes;
+  const std::int64_t blocks = (length + o->block_rows - 1) / o->block_rows;
+  fit.full_bytes = config.count(LayerKind::kFullNope) * blocks * o->block_rows * row_bytes;
+  fit.sequence_bytes = fit.sliding_bytes + fit.full_bytes;
+  fit.sequences = memory_bytes / fit.sequence_bytes;
+  return fit;
+}
+
+Result<std::int64_t> parse_bytes(const std::string& text) {
+  std::size_t i = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
+  if (i == 0 || i > 18) return invalid_argument("'" + text + "' is not a byte count (e.g. 80GiB)");
+  const std::int64_t number = std::stoll(text.substr(0, i));
+  std::string unit = text.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  static const std::pair<const char*, std::int64_t> kUnits[] = {
+      {"", 1},          {"B", 1},
+      {"kB", 1000},     {"KiB", 1024},
+      {"MB", 1000000},  {"MiB", 1 << 20},
+      {"GB", 1000000000}, {"GiB", std::int64_t{1} << 30},
+      {"TB", 1000000000000}, {"TiB", std::int64_t{1} << 40}};
+  for (const auto& [name, scale] : kUnits)
+    if (unit == name) {
+      std::int64_t bytes = 0;
+      if (__builtin_mul_overflow(number, scale, &bytes))
+        return invalid_argument("'" + text + "' exceeds 2^63 bytes");
+      return bytes;
+    }
+  return invalid_argument("'" + text + "': unknown unit '" + unit +
+                          "' (B, kB, KiB, MB, MiB, GB, GiB, TB, TiB)");
 }
 
 std::string with_commas(std::int64_t value) {
