@@ -12,6 +12,7 @@
 
 #include "kvring/backend.h"
 #include "kvring/f16.h"
+#include "kvring/snapshot.h"
 #include "test_util.h"
 
 namespace kvring {
@@ -464,6 +465,55 @@ TEST(Store, ViewsAreCheckedAndReadInPlace) {
   const SeqQuery qa{a, 0};
   EXPECT_FALSE(s->attend_decode(0, {&qa, 1}, host_view(q.data(), 1, width),
                                 MutView{out16.data(), MemorySpace::kHost, DType::kF16, 1, width, width}).ok());
+}
+
+// A snapshot of one sequence of a store, taken after a fork and a rollback
+// from a non-zero slot, restores into a sequence of another store (other
+// slack, other slot) byte for byte, and both continue identically.
+TEST(Store, SnapshotsMoveOneSequenceBetweenStores) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  auto s = cpu_store(c, {.max_sequences = 3, .slack = 4, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 90}}}, out);
+  const SeqId b = *s->fork_sequence(a);
+  ASSERT_TRUE(s->truncate_sequence(b, 3).ok());
+  run_batch(*s, {{5, SeqSpan{b, 87, 6}}}, out);
+  auto snap = take_snapshot(*s, b);
+  ASSERT_TRUE(snap.ok()) << snap.error().to_string();
+  ASSERT_TRUE(validate_snapshot(*snap).ok());
+  EXPECT_EQ(snap->token_count, 93);
+
+  auto t = cpu_store(c, {.max_sequences = 2, .block_rows = 32});
+  const SeqId other = *t->add_sequence();
+  run_batch(*t, {{9, SeqSpan{other, 0, 40}}}, out);
+  auto moved = restore_new_sequence(*snap, *t);
+  ASSERT_TRUE(moved.ok()) << moved.error().to_string();
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const RingState rs = *s->ring(b, l), rt = *t->ring(*moved, l);
+    // The rows both hold: the last min(len) positions.
+    const std::int64_t n = std::min(rs.len(), rt.len());
+    std::vector<std::uint16_t> k1(static_cast<std::size_t>(n * c.kv_dim())), v1(k1.size()), k2(k1.size()),
+        v2(k1.size());
+    ASSERT_TRUE(s->read_rows(b, l, 93 - n, n, k1.data(), v1.data()).ok());
+    ASSERT_TRUE(t->read_rows(*moved, l, 93 - n, n, k2.data(), v2.data()).ok());
+    EXPECT_EQ(k1, k2);
+    EXPECT_EQ(v1, v2);
+  }
+  Outputs o1, o2;
+  run_batch(*s, {{6, SeqSpan{b, 93, 20}}}, o1);
+  run_batch(*t, {{6, SeqSpan{*moved, 93, 20}}}, o2);
+  EXPECT_EQ(o1, o2);
+  // A store with no free slot takes no sequence and is left as it was.
+  const auto before = live_bytes(*t, other);
+  auto full = restore_new_sequence(*snap, *t);
+  EXPECT_FALSE(full.ok());
+  EXPECT_EQ(t->sequence_count(), 2);
+  EXPECT_EQ(live_bytes(*t, other), before);
+  // Into a store too small for its positions: refused, nothing added.
+  auto small = cpu_store(c, {.max_sequences = 2, .context = 64});
+  EXPECT_FALSE(restore_new_sequence(*snap, *small).ok());
+  EXPECT_EQ(small->sequence_count(), 0);
 }
 
 }  // namespace
