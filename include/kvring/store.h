@@ -291,6 +291,7 @@ class KvStore {
  private:
   struct Sequence {
     bool live = false;
+    bool used = false;  // held a sequence since the store was created
     std::uint32_t generation = 0;
     std::vector<RingState> rings;                    // [n_layers]
     std::vector<std::vector<std::int32_t>> tables;  // [n_full][blocks]

@@ -254,11 +254,13 @@ Result<SeqId> KvStore::add_sequence() {
                       "every one of the store's " + std::to_string(slots_.size()) +
                           " sequence slots is taken");
   const auto slot = static_cast<std::int32_t>(i);
-  if (options_.zero_fill)
+  // A slot's rings are zero from creation until a sequence first uses it.
+  if (options_.zero_fill && slots_[i].used)
     for (std::int64_t l = 0; l < n_layers(); ++l)
       if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(clear_ring(slot, l, nullptr));
   Sequence& s = slots_[i];
   s.live = true;
+  s.used = true;
   s.rings.clear();
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings.push_back(fresh_ring(l));
   s.tables.assign(static_cast<std::size_t>(n_full_), {});
@@ -315,6 +317,7 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   const Sequence& src = slots_[static_cast<std::size_t>(*from)];
   Sequence& dst = slots_[i];
   dst.live = true;
+  dst.used = true;
   dst.rings = src.rings;
   dst.tables = src.tables;
   for (const auto& t : dst.tables)
