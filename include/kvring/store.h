@@ -309,6 +309,13 @@ class KvStore {
   // new blocks, copies of shared blocks. Leaves the store unchanged.
   Status plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
                     std::span<const std::int32_t> slots, std::vector<RowWrite>& writes);
+  // Points the planned table changes at the tables (planning may have
+  // moved a table's storage after a change named it).
+  void seal(Txn& txn);
+  // Applies block copies and table changes, writes, then commits; rolls
+  // back on a backend error.
+  Status finish_store(Txn& txn, std::vector<RowWrite>& writes, const ConstView& k,
+                      const ConstView& v, cudaStream_t stream);
   Status apply_blocks(Txn& txn, cudaStream_t stream);
   void rollback(Txn& txn);
   void commit(Txn& txn);

@@ -551,16 +551,25 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
   return Status::Ok();
 }
 
-namespace {
 
-// Table pointers are filled in once planning is over: planning may grow a
-// table (and move its storage) after an earlier change named it.
-template <class Store, class Changes>
-void fill_change_tables(Changes& changes, const Store& tables_of) {
-  for (auto& c : changes) c.table = tables_of(c.slot, c.full_index);
+void KvStore::seal(Txn& txn) {
+  for (auto& c : txn.changes)
+    c.table = slots_[static_cast<std::size_t>(c.slot)].tables[static_cast<std::size_t>(c.full_index)].data();
 }
 
-}  // namespace
+Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const ConstView& k,
+                             const ConstView& v, cudaStream_t stream) {
+  seal(txn);
+  for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
+  Status st = apply_blocks(txn, stream);
+  if (st.ok()) st = write_rows(writes, k, v, stream);
+  if (!st.ok()) {
+    rollback(txn);
+    return st;
+  }
+  commit(txn);
+  return Status::Ok();
+}
 
 // ---- Batched operations ------------------------------------------------------------
 
@@ -580,19 +589,7 @@ Status KvStore::store(std::int64_t layer, std::span<const SeqSpan> spans, const 
     rollback(txn);
     return st;
   }
-  auto table_of = [this](std::int32_t slot, std::int64_t fi) {
-    return slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)].data();
-  };
-  fill_change_tables(txn.changes, table_of);
-  for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
-  Status st = apply_blocks(txn, stream);
-  if (st.ok()) st = write_rows(writes, k, v, stream);
-  if (!st.ok()) {
-    rollback(txn);
-    return st;
-  }
-  commit(txn);
-  return Status::Ok();
+  return finish_store(txn, writes, k, v, stream);
 }
 
 Status KvStore::store_all_layers(std::span<const SeqSpan> spans, const ConstView& k,
@@ -614,19 +611,7 @@ Status KvStore::store_all_layers(std::span<const SeqSpan> spans, const ConstView
     }
     for (std::size_t w = first; w < writes.size(); ++w) writes[w].source_row += l * rows;
   }
-  auto table_of = [this](std::int32_t slot, std::int64_t fi) {
-    return slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)].data();
-  };
-  fill_change_tables(txn.changes, table_of);
-  for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
-  Status st = apply_blocks(txn, stream);
-  if (st.ok()) st = write_rows(writes, k, v, stream);
-  if (!st.ok()) {
-    rollback(txn);
-    return st;
-  }
-  commit(txn);
-  return Status::Ok();
+  return finish_store(txn, writes, k, v, stream);
 }
 
 Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> queries,
@@ -684,10 +669,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
     rollback(txn);
     return st;
   }
-  auto table_of = [this](std::int32_t slot, std::int64_t fi) {
-    return slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)].data();
-  };
-  fill_change_tables(txn.changes, table_of);
+  seal(txn);
   std::vector<AttendItem> items;
   std::int64_t row = 0;
   for (std::size_t i = 0; i < chunks.size(); ++i) {
