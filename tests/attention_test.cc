@@ -1,11 +1,12 @@
 // The read side on the CPU backend: decode and chunked prefill against a
-// float64 reference, and bitwise independence of rotation, chunking and
-// thread count.
+// float64 reference, and bitwise independence of rotation, chunking, blocks,
+// split boundaries and thread count, on the vector and the scalar path.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 
+#include "cpu/attention_cpu.h"
 #include "cpu/parallel.h"
 #include "kvring/cache.h"
 #include "kvring/f16.h"
@@ -99,8 +100,8 @@ TEST(Attention, DecodeMatchesFloat64AtAwkwardSizes) {
 // Runs a whole stream through one layer kind with prefill chunks of `chunk`
 // (1: store_token + attend_decode) and returns every output.
 std::vector<float> run_stream(const ModelConfig& c, std::int64_t layer, const Data& d,
-                              std::int64_t n, std::int64_t chunk) {
-  auto cache = make_cpu_cache(c);
+                              std::int64_t n, std::int64_t chunk, CacheOptions options = {}) {
+  auto cache = make_cpu_cache(c, options);
   EXPECT_TRUE(cache.ok());
   std::vector<float> out(static_cast<std::size_t>(n * d.q_dim), NAN);
   for (std::int64_t p = 0; p < n;) {
@@ -173,6 +174,87 @@ TEST(Attention, ResultIsIndependentOfThreadCount) {
     cpu::set_thread_limit(0);
     const auto threaded = run_stream(c, layer, d, 600, 300);
     EXPECT_TRUE(same_bits(serial, threaded)) << "layer " << layer;
+  }
+}
+
+// Runs the scalar path for the test's scope (and restores the machine's).
+class ScalarPath {
+ public:
+  ScalarPath() : saved_(cpu::attention_isa()) { cpu::set_attention_isa(cpu::AttentionIsa::kScalar); }
+  ~ScalarPath() { cpu::set_attention_isa(saved_); }
+
+ private:
+  cpu::AttentionIsa saved_;
+};
+
+// A query's splits are a function of its own row count: at most 64 of them,
+// each a multiple of 256 rows.
+TEST(Attention, SplitLengthDependsOnTheRowCountOnly) {
+  EXPECT_EQ(cpu::attend_split_rows(1), 256);
+  EXPECT_EQ(cpu::attend_split_rows(16384), 256);
+  EXPECT_EQ(cpu::attend_split_rows(16385), 512);
+  EXPECT_EQ(cpu::attend_split_rows(131072), 2048);
+  for (std::int64_t rows : {1, 255, 256, 257, 5000, 16383, 16385, 32768, 100000, 131072, 1 << 20}) {
+    const std::int64_t split = cpu::attend_split_rows(rows);
+    EXPECT_EQ(split % 256, 0) << rows;
+    EXPECT_LE((rows + split - 1) / split, 64) << rows;
+  }
+}
+
+// Queries whose rows span several splits, with muse-glimmer's head shape (8
+// query heads a KV head, head_dim 128): on a sliding layer whose window
+// moves across split boundaries and rotates through its ring, and on a full
+// layer. One token at a time, prefill chunks ending on and off the
+// boundaries, small blocks, a ring with slack (another rotation) and one
+// thread all give the same bits; float64 agrees at the boundaries.
+TEST(Attention, SplitBoundariesKeepTheBits) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 16, 2, 128, 600, 2048);
+  const std::int64_t n = 1100;
+  Data d(c, n, 31);
+  for (std::int64_t layer : {0, 1}) {  // sliding, full
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    const auto decode = run_stream(c, layer, d, n, 1);
+    for (std::int64_t chunk : {255, 256, 257, 700}) {
+      SCOPED_TRACE("chunk " + std::to_string(chunk));
+      EXPECT_TRUE(same_bits(run_stream(c, layer, d, n, chunk), decode));
+    }
+    EXPECT_TRUE(same_bits(run_stream(c, layer, d, n, 300, {.slack = 37, .block_rows = 16}), decode));
+    cpu::set_thread_limit(1);
+    const auto serial = run_stream(c, layer, d, n, 550);
+    cpu::set_thread_limit(0);
+    EXPECT_TRUE(same_bits(serial, decode));
+    for (std::int64_t p : {255, 256, 257, 511, 512, 513, 599, 600, 855, 856, 1099}) {
+      const double err = rel_error(decode.data() + p * d.q_dim, reference(c, c.kind(layer), d, p));
+      EXPECT_LT(err, 1e-5) << "position " << p;
+    }
+  }
+}
+
+// The scalar path (machines without AVX2, head_dim not a multiple of 8)
+// keeps the contract too, and agrees with the vector path within 1e-5.
+TEST(Attention, ScalarPathKeepsTheBitsAndAgrees) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 16, 2, 128, 300, 1024);
+  const std::int64_t n = 600;
+  Data d(c, n, 41);
+  for (std::int64_t layer : {0, 1}) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    const auto vector = run_stream(c, layer, d, n, 600);
+    std::vector<float> decode;
+    {
+      ScalarPath scalar;
+      decode = run_stream(c, layer, d, n, 1);
+      EXPECT_TRUE(same_bits(run_stream(c, layer, d, n, 257), decode));
+      cpu::set_thread_limit(1);
+      const auto serial = run_stream(c, layer, d, n, 600);
+      cpu::set_thread_limit(0);
+      EXPECT_TRUE(same_bits(serial, decode));
+    }
+    for (std::int64_t p : {0, 255, 256, 257, 511, 512, 599}) {
+      const std::vector<double> want = reference(c, c.kind(layer), d, p);
+      EXPECT_LT(rel_error(decode.data() + p * d.q_dim, want), 1e-5) << "position " << p;
+      std::vector<double> v(vector.begin() + p * d.q_dim, vector.begin() + (p + 1) * d.q_dim);
+      EXPECT_LT(rel_error(decode.data() + p * d.q_dim, v), 1e-5) << "position " << p;
+    }
   }
 }
 

@@ -1,7 +1,18 @@
 #include "attention_cpu.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KVRING_ATTEND_X86 1
+#else
+#define KVRING_ATTEND_X86 0
+#endif
 
 #include "kvring/f16.h"
 #include "parallel.h"
@@ -9,6 +20,19 @@
 namespace kvring::cpu {
 
 namespace {
+
+// Splits: at most kMaxSplits per query, each a multiple of kSplitQuantum
+// rows. Enough tasks to feed many cores from one sequence's 2 KV heads,
+// and each large enough that a task's start and its partial are small
+// against its rows.
+constexpr std::int64_t kSplitQuantum = 256;
+constexpr std::int64_t kMaxSplits = 64;
+// V rows a task accumulates per pass over a block of output dimensions:
+// their bytes (4 KiB a head) stay in L1 while each block runs over them.
+constexpr std::int64_t kTileRows = 16;
+// Bytes of split partials one parallel pass holds; longer prefills run in
+// several passes (task grouping never changes a bit, only memory).
+constexpr std::size_t kPartialBudget = std::size_t{8} << 20;
 
 // Exact f16 -> f32 for every bit pattern.
 const float* f16_table() {
@@ -19,6 +43,48 @@ const float* f16_table() {
   }();
   return table.data();
 }
+
+std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// Combines n split partials (stride floats apart, each m[Gp], l[Gp],
+// o[G * hd]) in split order into out ([G * hd], normalized).
+struct CombineJob {
+  const float* partials;
+  std::int64_t n, stride, G, Gp, hd;
+  float* out;
+};
+
+// Rows the next pass reads, prefetched one per row of this pass so that
+// they arrive while this pass computes: row j of a pass prefetches rows[j]
+// while j < n.
+struct Ahead {
+  const std::uint16_t* const* rows = nullptr;
+  std::int64_t n = 0;
+};
+
+inline void prefetch_row(const std::uint16_t* p, std::int64_t hd) {
+  for (std::int64_t b = 0; b < hd * 2; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b);
+}
+
+inline void prefetch_ahead(const Ahead& a, std::int64_t j, std::int64_t hd) {
+  if (j < a.n) prefetch_row(a.rows[j], hd);
+}
+
+// The arithmetic of one path. A split runs: scores of every row (s[t] =
+// scale * q_t . k for the G heads, lanes [G, Gp) set to 0), then weights
+// (per head lane: m = the maximum, each score replaced by exp(s - m), l =
+// their sum in row order), then accumulate over tiles of rows (o[t][d] +=
+// w[j][t] * v_j[d], rows in order); the last split to finish combines.
+struct Kernels {
+  void (*scores)(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd, float scale,
+                 const std::uint16_t* const* kp, std::int64_t n, float* sc, Ahead ahead);
+  void (*weights)(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l);
+  void (*accumulate)(const std::uint16_t* const* vp, std::int64_t n, const float* w,
+                     std::int64_t G, std::int64_t Gp, std::int64_t hd, float* o, Ahead ahead);
+  void (*combine)(const CombineJob& c);
+};
+
+// ---- The scalar path -------------------------------------------------------
 
 float dot_f32(const float* a, const float* b, std::int64_t n) {
   // Eight interleaved partial sums combined in a fixed tree: a fixed order
@@ -31,63 +97,620 @@ float dot_f32(const float* a, const float* b, std::int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+void score_row_scalar(const float* q, std::int64_t G, std::int64_t hd, float scale,
+                      const std::uint16_t* k, float* s) {
+  const float* table = f16_table();
+  thread_local std::vector<float> row;
+  row.resize(static_cast<std::size_t>(hd));
+  for (std::int64_t d = 0; d < hd; ++d) row[static_cast<std::size_t>(d)] = table[k[d]];
+  for (std::int64_t t = 0; t < G; ++t) s[t] = dot_f32(q + t * hd, row.data(), hd) * scale;
+  for (std::int64_t t = G; t < round_up(G, 8); ++t) s[t] = 0.0f;
+}
+
+// Rows ahead of the one being scored that the scores prefetch.
+constexpr std::int64_t kPrefetchRows = 16;
+
+// Scores of rows [0, n) into sc ([n][Gp]) by a per-row function.
+template <void (*Row)(const float*, std::int64_t, std::int64_t, float, const std::uint16_t*, float*)>
+void scores_by_row(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd, float scale,
+                   const std::uint16_t* const* kp, std::int64_t n, float* sc, Ahead ahead) {
+  for (std::int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetchRows < n) prefetch_row(kp[j + kPrefetchRows], hd);
+    prefetch_ahead(ahead, j, hd);
+    Row(q, G, hd, scale, kp[j], sc + j * Gp);
+  }
+}
+
+void weights_scalar(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+  for (std::int64_t t = 0; t < Gp; ++t) {
+    float mx = -INFINITY;
+    for (std::int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j * Gp + t]);
+    float sum = 0.0f;
+    for (std::int64_t j = 0; j < n; ++j) {
+      const float w = std::exp(sc[j * Gp + t] - mx);
+      sc[j * Gp + t] = w;
+      sum += w;
+    }
+    m[t] = mx;
+    l[t] = sum;
+  }
+}
+
+void accumulate_scalar(const std::uint16_t* const* vp, std::int64_t n, const float* w,
+                       std::int64_t G, std::int64_t Gp, std::int64_t hd, float* o, Ahead ahead) {
+  const float* table = f16_table();
+  for (std::int64_t j = 0; j < n; ++j) {
+    prefetch_ahead(ahead, j, hd);
+    for (std::int64_t t = 0; t < G; ++t) {
+      const float wt = w[j * Gp + t];
+      float* ot = o + t * hd;
+      for (std::int64_t d = 0; d < hd; ++d) ot[d] += wt * table[vp[j][d]];
+    }
+  }
+}
+
+void combine_scalar(const CombineJob& C) {
+  const std::int64_t hd = C.hd;
+  for (std::int64_t t = 0; t < C.G; ++t) {
+    float mx = -INFINITY;
+    for (std::int64_t s = 0; s < C.n; ++s) mx = std::max(mx, C.partials[s * C.stride + t]);
+    float l = 0.0f;
+    float* out = C.out + t * hd;
+    std::fill(out, out + hd, 0.0f);
+    for (std::int64_t s = 0; s < C.n; ++s) {
+      const float* p = C.partials + s * C.stride;
+      const float w = std::exp(p[t] - mx);
+      l += w * p[C.Gp + t];
+      const float* o = p + 2 * C.Gp + t * hd;
+      for (std::int64_t d = 0; d < hd; ++d) out[d] += w * o[d];
+    }
+    const float inv = 1.0f / l;
+    for (std::int64_t d = 0; d < hd; ++d) out[d] *= inv;
+  }
+}
+
+constexpr Kernels kScalarKernels{scores_by_row<score_row_scalar>, weights_scalar, accumulate_scalar, combine_scalar};
+
+// ---- The vector paths: AVX2 (with FMA and F16C) and AVX-512 ----------------
+// Lane u of a head's dot product sums dimensions u, u + W, ... by FMA (W =
+// 8 or 16 lanes); the lanes add in a fixed tree. Each output element
+// accumulates its rows in logical order by FMA. exp is one polynomial
+// (Cephes' expf, within 2 ulp), the same for every lane. Weights and the
+// combine are the AVX2 code on both paths.
+
+#if KVRING_ATTEND_X86
+
+#define KVRING_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVRING_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+KVRING_AVX2 inline __m256 load_f16x8(const std::uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+KVRING_AVX2 inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+KVRING_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  // 2^fx; fx = -127 (x at the lower clamp) gives 0.
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// The heads [0, G) in blocks of 8, 4, 2, 1; a head's arithmetic does not
+// depend on its block.
+template <class F>
+inline void for_head_blocks(std::int64_t G, F&& f) {
+  std::int64_t t = 0;
+  for (; t + 8 <= G; t += 8) f(std::integral_constant<int, 8>{}, t);
+  for (; t + 4 <= G; t += 4) f(std::integral_constant<int, 4>{}, t);
+  for (; t + 2 <= G; t += 2) f(std::integral_constant<int, 2>{}, t);
+  for (; t < G; ++t) f(std::integral_constant<int, 1>{}, t);
+}
+
+template <int NB>
+KVRING_AVX2 inline void dots_avx2(const float* q, std::int64_t hd, const std::uint16_t* k,
+                                  float scale, float* s) {
+  __m256 acc[NB];
+  for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+  for (std::int64_t d = 0; d < hd; d += 8) {
+    const __m256 kv = load_f16x8(k + d);
+    for (int b = 0; b < NB; ++b)
+      acc[b] = _mm256_fmadd_ps(_mm256_loadu_ps(q + b * hd + d), kv, acc[b]);
+  }
+  for (int b = 0; b < NB; ++b) s[b] = hsum8(acc[b]) * scale;
+}
+
+template <int NB>
+KVRING_AVX2 inline void accumulate_avx2_block(const std::uint16_t* const* vp, std::int64_t n,
+                                              const float* w, std::int64_t Gp, std::int64_t hd,
+                                              float* o) {
+  for (std::int64_t d = 0; d < hd; d += 8) {
+    __m256 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_loadu_ps(o + b * hd + d);
+    for (std::int64_t j = 0; j < n; ++j) {
+      const __m256 vv = load_f16x8(vp[j] + d);
+      for (int b = 0; b < NB; ++b)
+        acc[b] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + j * Gp + b), vv, acc[b]);
+    }
+    for (int b = 0; b < NB; ++b) _mm256_storeu_ps(o + b * hd + d, acc[b]);
+  }
+}
+
+// The lane sums of a0..a7 as one vector, by a fixed tree: hadd pairs, then
+// pairs of pairs, then the two 128-bit halves.
+KVRING_AVX2 inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
+                                  __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// Eight heads at once, their accumulators in registers (the common case:
+// 8 query heads a KV head).
+KVRING_AVX2 inline void dots8_avx2(const float* q, std::int64_t hd, const std::uint16_t* k,
+                                   float scale, float* s) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (std::int64_t d = 0; d < hd; d += 8) {
+    const __m256 kv = load_f16x8(k + d);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + hd + d), kv, a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * hd + d), kv, a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * hd + d), kv, a3);
+    a4 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 4 * hd + d), kv, a4);
+    a5 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 5 * hd + d), kv, a5);
+    a6 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 6 * hd + d), kv, a6);
+    a7 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 7 * hd + d), kv, a7);
+  }
+  _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale)));
+}
+
+KVRING_AVX2 void score_row_avx2(const float* q, std::int64_t G, std::int64_t hd, float scale,
+                                const std::uint16_t* k, float* s) {
+  for (std::int64_t t = G; t < round_up(G, 8); ++t) s[t] = 0.0f;
+  std::int64_t t = 0;
+  for (; t + 8 <= G; t += 8) dots8_avx2(q + t * hd, hd, k, scale, s + t);
+  for_head_blocks(G - t, [&](auto nb, std::int64_t u) KVRING_AVX2 {
+    dots_avx2<decltype(nb)::value>(q + (t + u) * hd, hd, k, scale, s + t + u);
+  });
+}
+
+KVRING_AVX2 void weights_avx2(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+  for (std::int64_t t = 0; t < Gp; t += 8) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (std::int64_t j = 0; j < n; ++j) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + j * Gp + t));
+    __m256 sum = _mm256_setzero_ps();
+    for (std::int64_t j = 0; j < n; ++j) {
+      const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j * Gp + t), mx));
+      _mm256_storeu_ps(sc + j * Gp + t, w);
+      sum = _mm256_add_ps(sum, w);
+    }
+    _mm256_storeu_ps(m + t, mx);
+    _mm256_storeu_ps(l + t, sum);
+  }
+}
+
+KVRING_AVX2 void accumulate_avx2(const std::uint16_t* const* vp, std::int64_t n, const float* w,
+                                 std::int64_t G, std::int64_t Gp, std::int64_t hd, float* o,
+                                 Ahead ahead) {
+  for (std::int64_t j = 0; j < ahead.n; ++j) prefetch_row(ahead.rows[j], hd);
+  for_head_blocks(G, [&](auto nb, std::int64_t t) KVRING_AVX2 {
+    accumulate_avx2_block<decltype(nb)::value>(vp, n, w + t, Gp, hd, o + t * hd);
+  });
+}
+
+KVRING_AVX2 void combine_avx2(const CombineJob& C) {
+  const std::int64_t hd = C.hd;
+  alignas(32) float ws[8];
+  for (std::int64_t t0 = 0; t0 < C.Gp; t0 += 8) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (std::int64_t s = 0; s < C.n; ++s)
+      mx = _mm256_max_ps(mx, _mm256_loadu_ps(C.partials + s * C.stride + t0));
+    __m256 l = _mm256_setzero_ps();
+    const std::int64_t heads = std::min<std::int64_t>(8, C.G - t0);
+    std::fill(C.out + t0 * hd, C.out + (t0 + heads) * hd, 0.0f);
+    for (std::int64_t s = 0; s < C.n; ++s) {
+      const float* p = C.partials + s * C.stride;
+      const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t0), mx));
+      l = _mm256_fmadd_ps(w, _mm256_loadu_ps(p + C.Gp + t0), l);
+      _mm256_store_ps(ws, w);
+      for (std::int64_t b = 0; b < heads; ++b) {
+        const __m256 wb = _mm256_set1_ps(ws[b]);
+        const float* o = p + 2 * C.Gp + (t0 + b) * hd;
+        float* out = C.out + (t0 + b) * hd;
+        for (std::int64_t d = 0; d < hd; d += 8)
+          _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wb, _mm256_loadu_ps(o + d),
+                                                    _mm256_loadu_ps(out + d)));
+      }
+    }
+    alignas(32) float inv[8];
+    _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.0f), l));
+    for (std::int64_t b = 0; b < heads; ++b) {
+      const __m256 ib = _mm256_set1_ps(inv[b]);
+      float* out = C.out + (t0 + b) * hd;
+      for (std::int64_t d = 0; d < hd; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(out + d), ib));
+    }
+  }
+}
+
+// GCC 12's AVX-512 intrinsics pass an undefined vector (a self-initialized
+// variable) as the unused merge source, which -W(maybe-)uninitialized
+// reports wherever they are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+KVRING_AVX512 inline __m512 load_f16x16(const std::uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+KVRING_AVX512 inline __m256 fold16(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+template <int NB>
+KVRING_AVX512 inline void dots_avx512(const float* q, std::int64_t hd, const std::uint16_t* k,
+                                      float scale, float* s) {
+  __m512 acc[NB];
+  for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
+  for (std::int64_t d = 0; d < hd; d += 16) {
+    const __m512 kv = load_f16x16(k + d);
+    for (int b = 0; b < NB; ++b)
+      acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(q + b * hd + d), kv, acc[b]);
+  }
+  for (int b = 0; b < NB; ++b) s[b] = hsum8(fold16(acc[b])) * scale;
+}
+
+// o[b * hd + 16 c + i] += w[j * Gp + b] * V[j][16 c + i] for 8 heads b
+// and C chunks of 16 dimensions, rows in order.
+template <int C>
+KVRING_AVX512 inline void accumulate8_avx512(const std::uint16_t* const* vp, std::int64_t n,
+                                             const float* w, std::int64_t Gp, std::int64_t hd,
+                                             float* o, std::int64_t d, Ahead ahead) {
+  o += d;
+  __m512 x[C][8];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) x[c][b] = _mm512_loadu_ps(o + b * hd + 16 * c);
+  for (std::int64_t j = 0; j < n; ++j) {
+    prefetch_ahead(ahead, j, hd);
+    __m512 v[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) v[c] = load_f16x16(vp[j] + d + 16 * c);
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) {
+      const __m512 wb = _mm512_set1_ps(w[j * Gp + b]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) x[c][b] = _mm512_fmadd_ps(wb, v[c], x[c][b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) _mm512_storeu_ps(o + b * hd + 16 * c, x[c][b]);
+}
+
+template <int NB>
+KVRING_AVX512 inline void accumulate_avx512_block(const std::uint16_t* const* vp, std::int64_t n,
+                                                  const float* w, std::int64_t Gp,
+                                                  std::int64_t hd, float* o, Ahead ahead) {
+  std::int64_t d = 0;
+  if constexpr (NB == 8) {
+    // 48 dimensions at a time (then 32): each weight's broadcast feeds
+    // three (two) FMAs; 24 accumulators stay in registers. The first block
+    // prefetches the next tile.
+    for (; d + 48 <= hd; d += 48, ahead = {}) accumulate8_avx512<3>(vp, n, w, Gp, hd, o, d, ahead);
+    for (; d + 32 <= hd; d += 32, ahead = {}) accumulate8_avx512<2>(vp, n, w, Gp, hd, o, d, ahead);
+  }
+  for (std::int64_t j = 0; j < ahead.n; ++j) prefetch_row(ahead.rows[j], hd);
+  for (; d < hd; d += 16) {
+    __m512 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm512_loadu_ps(o + b * hd + d);
+    for (std::int64_t j = 0; j < n; ++j) {
+      const __m512 vv = load_f16x16(vp[j] + d);
+      for (int b = 0; b < NB; ++b)
+        acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * Gp + b]), vv, acc[b]);
+    }
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(o + b * hd + d, acc[b]);
+  }
+}
+
+
+KVRING_AVX512 inline void dots8_avx512(const float* q, std::int64_t hd, const std::uint16_t* k,
+                                       float scale, float* s) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (std::int64_t d = 0; d < hd; d += 16) {
+    const __m512 kv = load_f16x16(k + d);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kv, a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + hd + d), kv, a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 2 * hd + d), kv, a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 3 * hd + d), kv, a3);
+    a4 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 4 * hd + d), kv, a4);
+    a5 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 5 * hd + d), kv, a5);
+    a6 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 6 * hd + d), kv, a6);
+    a7 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 7 * hd + d), kv, a7);
+  }
+  _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(fold16(a0), fold16(a1), fold16(a2), fold16(a3),
+                                            fold16(a4), fold16(a5), fold16(a6), fold16(a7)),
+                                    _mm256_set1_ps(scale)));
+}
+
+KVRING_AVX512 void score_row_avx512(const float* q, std::int64_t G, std::int64_t hd, float scale,
+                                    const std::uint16_t* k, float* s) {
+  for (std::int64_t t = G; t < round_up(G, 8); ++t) s[t] = 0.0f;
+  std::int64_t t = 0;
+  for (; t + 8 <= G; t += 8) dots8_avx512(q + t * hd, hd, k, scale, s + t);
+  for_head_blocks(G - t, [&](auto nb, std::int64_t u) KVRING_AVX512 {
+    dots_avx512<decltype(nb)::value>(q + (t + u) * hd, hd, k, scale, s + t + u);
+  });
+}
+
+// R rows at a time for 8 heads: each row's arithmetic is dots8_avx512's;
+// each query load serves the R rows.
+template <int R>
+KVRING_AVX512 inline void dots8xR_avx512(const float* q, std::int64_t hd,
+                                         const std::uint16_t* const* kp, float scale, float* s,
+                                         std::int64_t s_stride) {
+  __m512 a[R][8];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int h = 0; h < 8; ++h) a[r][h] = _mm512_setzero_ps();
+  for (std::int64_t d = 0; d < hd; d += 16) {
+    __m512 kv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) kv[r] = load_f16x16(kp[r] + d);
+#pragma GCC unroll 8
+    for (int h = 0; h < 8; ++h) {
+      __m512 qh = _mm512_loadu_ps(q + h * hd + d);
+      // One load of the query for the R rows (the compiler would fold a
+      // load into each FMA, and loads are what this loop runs out of).
+      asm("" : "+v"(qh));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r][h] = _mm512_fmadd_ps(qh, kv[r], a[r][h]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(s + r * s_stride,
+                     _mm256_mul_ps(hsum8x8(fold16(a[r][0]), fold16(a[r][1]), fold16(a[r][2]),
+                                           fold16(a[r][3]), fold16(a[r][4]), fold16(a[r][5]),
+                                           fold16(a[r][6]), fold16(a[r][7])),
+                                   sc));
+}
+
+KVRING_AVX512 void scores_avx512(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
+                                 float scale, const std::uint16_t* const* kp, std::int64_t n,
+                                 float* sc, Ahead ahead) {
+  std::int64_t j = 0;
+  if (G % 8 == 0) {
+    constexpr int R = 3;
+    for (; j + R <= n; j += R) {
+      for (int r = 0; r < R; ++r) {
+        if (j + kPrefetchRows + r < n) prefetch_row(kp[j + kPrefetchRows + r], hd);
+        prefetch_ahead(ahead, j + r, hd);
+      }
+      for (std::int64_t t = 0; t < G; t += 8)
+        dots8xR_avx512<R>(q + t * hd, hd, kp + j, scale, sc + j * Gp + t, Gp);
+    }
+  }
+  for (; j < n; ++j) {
+    if (j + kPrefetchRows < n) prefetch_row(kp[j + kPrefetchRows], hd);
+    prefetch_ahead(ahead, j, hd);
+    score_row_avx512(q, G, hd, scale, kp[j], sc + j * Gp);
+  }
+}
+
+KVRING_AVX512 void accumulate_avx512(const std::uint16_t* const* vp, std::int64_t n,
+                                     const float* w, std::int64_t G, std::int64_t Gp,
+                                     std::int64_t hd, float* o, Ahead ahead) {
+  for_head_blocks(G, [&](auto nb, std::int64_t t) KVRING_AVX512 {
+    accumulate_avx512_block<decltype(nb)::value>(vp, n, w + t, Gp, hd, o + t * hd, ahead);
+    ahead = {};
+  });
+}
+
+#pragma GCC diagnostic pop
+
+constexpr Kernels kAvx2Kernels{scores_by_row<score_row_avx2>, weights_avx2, accumulate_avx2, combine_avx2};
+constexpr Kernels kAvx512Kernels{scores_avx512, weights_avx2, accumulate_avx512, combine_avx2};
+
+bool cpu_has(AttentionIsa isa) {
+  if (isa == AttentionIsa::kScalar) return true;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (isa == AttentionIsa::kAvx2) return avx2;
+  return avx2 && __builtin_cpu_supports("avx512f");
+}
+
+#else
+
+bool cpu_has(AttentionIsa isa) { return isa == AttentionIsa::kScalar; }
+
+#endif  // KVRING_ATTEND_X86
+
+AttentionIsa best_isa() {
+  for (AttentionIsa isa : {AttentionIsa::kAvx512, AttentionIsa::kAvx2})
+    if (cpu_has(isa)) return isa;
+  return AttentionIsa::kScalar;
+}
+
+std::atomic<AttentionIsa> g_isa{best_isa()};
+
+// The kernels for this machine's path and a head_dim.
+const Kernels& kernels_for(AttentionIsa isa, std::int64_t hd) {
+#if KVRING_ATTEND_X86
+  if (isa == AttentionIsa::kAvx512 && hd % 16 == 0) return kAvx512Kernels;
+  if (isa != AttentionIsa::kScalar && hd % 8 == 0) return kAvx2Kernels;
+#else
+  (void)isa;
+  (void)hd;
+#endif
+  return kScalarKernels;
+}
+
+// One split: rows [0, n) (pointers to f16 head rows, in logical order) for
+// the G query heads of one KV head, queries at q + t * hd. Writes the
+// split's partial: m[Gp], l[Gp] and o[G * hd] (not normalized).
+void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
+               float scale, std::int64_t n, const std::uint16_t* const* kp,
+               const std::uint16_t* const* vp, float* m, float* l, float* o, float* sc) {
+  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kTileRows)});
+  K.weights(sc, n, Gp, m, l);
+  std::fill(o, o + G * hd, 0.0f);
+  for (std::int64_t j0 = 0; j0 < n; j0 += kTileRows) {
+    const std::int64_t rows = std::min(kTileRows, n - j0);
+    const Ahead next{vp + j0 + rows, std::min(kTileRows, n - j0 - rows)};
+    K.accumulate(vp + j0, rows, sc + j0 * Gp, G, Gp, hd, o, next);
+  }
+}
+
+// Pointers to the f16 rows of KV head g at logical positions [a, b): rows
+// before chunk_start from the plane (walked in physical runs, so no
+// division per row), the rest from the chunk.
+void gather_rows(const PlaneView& plane, const RingState& ring, std::int64_t chunk_start,
+                 const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, std::int64_t g,
+                 std::int64_t a, std::int64_t b, const std::uint16_t** kp,
+                 const std::uint16_t** vp) {
+  const std::int64_t hd = plane.head_dim;
+  const std::int64_t plane_end = std::min(b, chunk_start);
+  std::int64_t pos = a;
+  while (pos < plane_end) {
+    const std::int64_t phys = ring.physical(pos);
+    const bool token_major = plane.layout == Layout::kTokenMajor;
+    const std::int64_t run = std::min(plane_end - pos, token_major
+                                                           ? plane.capacity - phys
+                                                           : plane.block_rows - phys % plane.block_rows);
+    const std::int64_t stride = token_major ? plane.kv_dim : hd;
+    const std::int64_t off = head_row_offset(plane, phys, g);
+    for (std::int64_t r = 0; r < run; ++r, ++kp, ++vp) {
+      *kp = plane.k + off + r * stride;
+      *vp = plane.v + off + r * stride;
+    }
+    pos += run;
+  }
+  for (; pos < b; ++pos, ++kp, ++vp) {
+    const std::int64_t off = (pos - chunk_start) * plane.kv_dim + g * hd;
+    *kp = chunk_k + off;
+    *vp = chunk_v + off;
+  }
+}
+
 }  // namespace
+
+std::int64_t attend_split_rows(std::int64_t rows) {
+  return std::max(kSplitQuantum, round_up((rows + kMaxSplits - 1) / kMaxSplits, kSplitQuantum));
+}
+
+AttentionIsa attention_isa() { return g_isa.load(); }
+
+bool set_attention_isa(AttentionIsa isa) {
+  if (!cpu_has(isa)) return false;
+  g_isa.store(isa);
+  return true;
+}
 
 void attend(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
             std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,
             const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
             std::int64_t q_stride, float* out, std::int64_t out_stride) {
-  const float* table = f16_table();
+  if (n_queries <= 0) return;
   const std::int64_t hd = shape.head_dim;
-  const std::int64_t group = shape.n_heads / shape.n_kv_heads;
-  const std::int64_t kv_dim = shape.n_kv_heads * hd;
+  const std::int64_t G = shape.n_heads / shape.n_kv_heads;
+  const std::int64_t Gp = round_up(G, 8);
+  const std::int64_t n_kv = shape.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const std::int64_t max_rows =
-      shape.window > 0 ? std::min(shape.window, first_position + n_queries)
-                       : first_position + n_queries;
-  const std::int64_t tasks = n_queries * shape.n_heads;
+  const Kernels& K = kernels_for(attention_isa(), hd);
+  // One split's partial: m[Gp], l[Gp], o[G * hd].
+  const std::int64_t stride = 2 * Gp + G * hd;
 
-  parallel_for(tasks, tasks * max_rows * hd, [&](std::int64_t task) {
-    const std::int64_t i = task / shape.n_heads;
-    const std::int64_t h = task % shape.n_heads;
-    const std::int64_t g = h / group;
+  auto range = [&](std::int64_t i, std::int64_t& lo, std::int64_t& rows) {
     const std::int64_t p = first_position + i;
-    const std::int64_t lo = shape.window > 0 ? std::max<std::int64_t>(0, p - shape.window + 1) : 0;
-    const std::int64_t rows = p - lo + 1;
-    const float* qh = q + i * q_stride + h * hd;
-    float* oh = out + i * out_stride + h * hd;
+    lo = shape.window > 0 ? std::max<std::int64_t>(0, p - shape.window + 1) : 0;
+    rows = p - lo + 1;
+  };
 
-    thread_local std::vector<float> scores, krow, acc;
-    scores.resize(static_cast<std::size_t>(rows));
-    krow.resize(static_cast<std::size_t>(hd));
-    acc.assign(static_cast<std::size_t>(hd), 0.0f);
-
-    // Row j of the visible range (logical lo + j) as an f16 head row.
-    auto row_ptr = [&](const std::uint16_t* plane_buf, const std::uint16_t* chunk_buf,
-                       std::int64_t logical) -> const std::uint16_t* {
-      if (logical >= chunk_start)
-        return chunk_buf + (logical - chunk_start) * kv_dim + g * hd;
-      return plane_buf + head_row_offset(plane, ring.physical(logical), g);
-    };
-
-    float m = -INFINITY;
-    for (std::int64_t j = 0; j < rows; ++j) {
-      const std::uint16_t* kr = row_ptr(plane.k, chunk_k, lo + j);
-      for (std::int64_t d = 0; d < hd; ++d) krow[static_cast<std::size_t>(d)] = table[kr[d]];
-      const float s = dot_f32(qh, krow.data(), hd) * scale;
-      scores[static_cast<std::size_t>(j)] = s;
-      m = std::max(m, s);
+  thread_local std::vector<float> partials;
+  std::vector<std::int64_t> base;  // per query of a pass: its first task
+  for (std::int64_t i0 = 0; i0 < n_queries;) {
+    // A pass: queries [i0, i1) whose partials fit the budget (one at least).
+    base.clear();
+    std::int64_t tasks = 0, work = 0, i1 = i0;
+    while (i1 < n_queries) {
+      std::int64_t lo, rows;
+      range(i1, lo, rows);
+      const std::int64_t splits = (rows + attend_split_rows(rows) - 1) / attend_split_rows(rows);
+      const std::int64_t more = n_kv * splits;
+      if (i1 > i0 && static_cast<std::size_t>((tasks + more) * stride) * sizeof(float) > kPartialBudget)
+        break;
+      base.push_back(tasks);
+      tasks += more;
+      work += rows * shape.n_heads * hd * 2;
+      ++i1;
     }
-    float sum = 0.0f;
-    for (std::int64_t j = 0; j < rows; ++j) {
-      const float w = std::exp(scores[static_cast<std::size_t>(j)] - m);
-      sum += w;
-      const std::uint16_t* vr = row_ptr(plane.v, chunk_v, lo + j);
-      for (std::int64_t d = 0; d < hd; ++d) acc[static_cast<std::size_t>(d)] += w * table[vr[d]];
-    }
-    const float inv = 1.0f / sum;
-    for (std::int64_t d = 0; d < hd; ++d) oh[d] = acc[static_cast<std::size_t>(d)] * inv;
-  });
+    base.push_back(tasks);
+    if (partials.size() < static_cast<std::size_t>(tasks * stride))
+      partials.resize(static_cast<std::size_t>(tasks * stride));
+    float* const part = partials.data();
+    const std::int64_t n_items = (i1 - i0) * n_kv;
+    std::unique_ptr<std::atomic<std::int64_t>[]> arrived(new std::atomic<std::int64_t>[n_items]());
+
+    parallel_for(tasks, work, [&](std::int64_t task) {
+      const std::int64_t qi = std::upper_bound(base.begin(), base.end(), task) - base.begin() - 1;
+      const std::int64_t i = i0 + qi;
+      std::int64_t lo, rows;
+      range(i, lo, rows);
+      const std::int64_t split_rows = attend_split_rows(rows);
+      const std::int64_t splits = (rows + split_rows - 1) / split_rows;
+      const std::int64_t g = (task - base[static_cast<std::size_t>(qi)]) / splits;
+      const std::int64_t s = (task - base[static_cast<std::size_t>(qi)]) % splits;
+      const std::int64_t a = lo + s * split_rows;
+      const std::int64_t n = std::min(split_rows, rows - s * split_rows);
+
+      thread_local std::vector<const std::uint16_t*> kp, vp;
+      thread_local std::vector<float> scratch;
+      kp.resize(static_cast<std::size_t>(n));
+      vp.resize(static_cast<std::size_t>(n));
+      scratch.resize(static_cast<std::size_t>(n * Gp));
+      gather_rows(plane, ring, chunk_start, chunk_k, chunk_v, g, a, a + n, kp.data(), vp.data());
+
+      float* mine = part + task * stride;
+      run_split(K, q + i * q_stride + g * G * hd, G, Gp, hd, scale, n, kp.data(), vp.data(), mine,
+                mine + Gp, mine + 2 * Gp, scratch.data());
+
+      // The last split of (query, KV head) to finish combines them all, in
+      // split order.
+      if (splits > 1) {
+        auto& count = arrived[static_cast<std::size_t>(qi * n_kv + g)];
+        if (count.fetch_add(1, std::memory_order_acq_rel) != splits - 1) return;
+      }
+      K.combine({part + (base[static_cast<std::size_t>(qi)] + g * splits) * stride, splits, stride,
+                 G, Gp, hd, out + i * out_stride + g * G * hd});
+    });
+    i0 = i1;
+  }
 }
 
 }  // namespace kvring::cpu

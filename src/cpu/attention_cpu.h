@@ -39,12 +39,32 @@ struct AttentionShape {
   std::int64_t window;  // 0: full attention
 };
 
+// Rows of one split of a query's visible range of `rows` rows: a function
+// of the row count alone, never of threads, batch or chunking, so that a
+// query's bits depend only on its own rows. Split s covers the visible rows
+// [s * split_rows, (s + 1) * split_rows) (counted from the first visible
+// row); the splits' partials combine in split order.
+std::int64_t attend_split_rows(std::int64_t rows);
+
+// The arithmetic a machine runs: the scalar path, AVX2 with FMA and F16C,
+// or AVX-512 (F), the widest this CPU has, chosen once at start-up. A
+// head_dim that is not a multiple of the vector width takes the next
+// narrower path (not a multiple of 8: scalar). The paths differ in the last
+// bits, so one machine always uses the same one.
+enum class AttentionIsa { kScalar, kAvx2, kAvx512 };
+AttentionIsa attention_isa();
+// For tests: runs `isa` from now on; false (nothing changes) when this CPU
+// lacks it.
+bool set_attention_isa(AttentionIsa isa);
+
 // For each query i (logical position first_position + i) and head h:
 // softmax(scale * q . K[lo..p]) . V[lo..p] with rows before chunk_start read
 // from `plane` through `ring` and rows from chunk_start on from the chunk.
-// The reduction runs over logical positions in increasing order with one
-// fixed arithmetic sequence, so the bits depend only on the query and the
-// visible rows' values, not on rotation, chunking or threads.
+// Each task reads one split of one KV head's rows once for all the query
+// heads of its group; each split reduces its rows in increasing logical
+// order, and the splits combine in split order with one fixed arithmetic
+// sequence, so the bits depend only on the query and the visible rows'
+// values, not on rotation, chunking, blocks, batch or threads.
 // q and out rows (one query's [n_heads, head_dim]) are q_stride and
 // out_stride floats apart.
 void attend(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
