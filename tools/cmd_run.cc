@@ -15,7 +15,9 @@
 #include "kvring/footprint.h"
 #include "kvring/model.h"
 #include "kvring/sha256.h"
+#include "handoff_cli.h"
 #include "run_pack.h"
+#include "run_report.h"
 
 namespace kvring::cli {
 
@@ -26,6 +28,8 @@ using Clock = std::chrono::steady_clock;
 struct RunOptions {
   std::string model_name, config_path, backend = "auto";
   std::string save, resume, store;  // kvpack files and the chunk store
+  std::string handoff_to, handoff_schedule = "paced";  // --handoff-to: send instead of decoding
+  double handoff_rate_gb_s = 0, handoff_timeout_s = 10;
   bool tokens_given = false;
   std::int64_t tokens = 320, prompt_tokens = -1, chunk = 128, context = 0;
   std::uint64_t seed = 1;
@@ -63,7 +67,8 @@ nlohmann::json ring_json(const RingState& r, std::int64_t layer) {
 Result<RunOptions> parse(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
                        {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
-                        "vocab", "backend", "context", "save", "resume", "store"});
+                        "vocab", "backend", "context", "save", "resume", "store", "handoff-to",
+                        "handoff-schedule", "handoff-rate", "handoff-timeout"});
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -80,6 +85,31 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   if (a->has("store") && o.store.empty()) return invalid_argument("--store needs a value");
   if (!o.store.empty() && o.save.empty() && o.resume.empty())
     return invalid_argument("--store is the chunk store of --save or --resume; give one of them");
+  o.handoff_to = a->str("handoff-to");
+  if (a->has("handoff-to")) {
+    if (o.handoff_to.empty()) return invalid_argument("--handoff-to needs HOST:PORT");
+    for (const char* name : {"tokens", "save", "resume", "store"})
+      if (a->has(name))
+        return invalid_argument(std::string("--") + name + " does not go with --handoff-to (the receiver decodes)");
+    o.handoff_schedule = a->str("handoff-schedule", o.handoff_schedule);
+    if (a->has("handoff-rate")) {
+      auto r = parse_positive_double("handoff-rate", a->str("handoff-rate"), false);
+      if (!r) return r.error();
+      o.handoff_rate_gb_s = *r;
+    }
+    if (a->has("handoff-timeout")) {
+      auto r = parse_positive_double("handoff-timeout", a->str("handoff-timeout"), false);
+      if (!r) return r.error();
+      o.handoff_timeout_s = *r;
+    }
+    // The prompt alone sizes the session.
+    auto p = a->integer("prompt-tokens", 256, 1, std::numeric_limits<std::int32_t>::max());
+    if (!p) return p.error();
+    o.tokens = *p;
+  } else {
+    for (const char* name : {"handoff-schedule", "handoff-rate", "handoff-timeout"})
+      if (a->has(name)) return invalid_argument(std::string("--") + name + " needs --handoff-to");
+  }
   if (!o.resume.empty()) {
     // A resumed session is the saved one: what shaped it comes from the pack.
     for (const char* name : {"model", "config", "prompt-tokens", "seed", "chunk", "hidden", "vocab"})
@@ -165,6 +195,12 @@ int cmd_run(const std::vector<std::string>& argv) {
     fresh.emplace(*model, std::move(*cache));
   }
   Session& session = resumed ? *resumed : *fresh;
+  if (!o.handoff_to.empty())
+    return run_handoff_send(session, *config,
+                            {.to = o.handoff_to, .schedule = o.handoff_schedule, .rate_gb_s = o.handoff_rate_gb_s,
+                             .timeout_s = o.handoff_timeout_s, .prompt_tokens = o.prompt_tokens, .chunk = o.chunk,
+                             .context = context, .seed = o.seed, .model = o.model, .json = o.json,
+                             .progress = o.progress});
 
   Progress progress(o.progress, o.tokens);
   const auto prompt = resumed ? std::vector<std::int32_t>() : seeded_tokens(o.prompt_tokens, o.model.vocab, o.seed);
@@ -191,6 +227,37 @@ int cmd_run(const std::vector<std::string>& argv) {
 
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  std::string saved;
+  if (!o.save.empty()) {
+    auto line = save_run(session, RunRecord{config->name, config->rope_theta, o.model, o.seed,
+                                            o.prompt_tokens, o.chunk, session.last_logits()},
+                         o.save, o.store);
+    if (!line) return fail(line.error());
+    saved = *line;
+  }
+  RunReport report;
+  report.config = &*config;
+  report.session = &session;
+  report.prompt_tokens = o.prompt_tokens;
+  report.seed = o.seed;
+  report.chunk = o.chunk;
+  report.model = o.model;
+  report.context = context;
+  report.generated = std::move(generated);
+  report.prefill_s = prefill_s;
+  report.decode_s = decode_s;
+  report.prefilled = prefilled;
+  report.decoded = static_cast<std::int64_t>(report.generated.size() - generated_before);
+  report.json = o.json;
+  report.saved = saved;
+  return print_run_report(report);
+}
+
+int print_run_report(const RunReport& r) {
+  const ModelConfig* config = r.config;
+  const Session& session = *r.session;
+  const std::vector<std::int32_t>& generated = r.generated;
+  const double prefill_s = r.prefill_s, decode_s = r.decode_s;
   const auto& logits = session.last_logits();
   const std::string logits_sha = to_hex(sha256(logits.data(), logits.size() * sizeof(float)));
 
@@ -213,12 +280,12 @@ int cmd_run(const std::vector<std::string>& argv) {
   j["fingerprint"] = config->fingerprint_hex();
   j["backend"] = backend_name(c.backend());
   j["tokens"] = session.position();
-  j["prompt_tokens"] = o.prompt_tokens;
-  j["seed"] = o.seed;
-  j["chunk"] = o.chunk;
-  j["hidden"] = o.model.hidden;
-  j["vocab"] = o.model.vocab;
-  j["context"] = context;
+  j["prompt_tokens"] = r.prompt_tokens;
+  j["seed"] = r.seed;
+  j["chunk"] = r.chunk;
+  j["hidden"] = r.model.hidden;
+  j["vocab"] = r.model.vocab;
+  j["context"] = r.context;
   j["generated"] = generated;
   j["logits_sha256"] = logits_sha;
   j["cache"] = {{"sliding_bytes_in_use", sliding_live},
@@ -230,25 +297,18 @@ int cmd_run(const std::vector<std::string>& argv) {
   // Timings vary run to run; everything outside "timing" is deterministic.
   j["timing"] = {{"prefill_s", prefill_s},
                  {"decode_s", decode_s},
-                 {"prefill_tokens_per_s", prefill_s > 0 ? prefilled / prefill_s : 0.0},
-                 {"decode_tokens_per_s",
-                  decode_s > 0 ? static_cast<double>(generated.size() - generated_before) / decode_s : 0.0}};
-  std::string saved;
-  if (!o.save.empty()) {
-    auto line = save_run(session, RunRecord{config->name, config->rope_theta, o.model, o.seed,
-                                            o.prompt_tokens, o.chunk, session.last_logits()},
-                         o.save, o.store);
-    if (!line) return fail(line.error());
-    saved = *line;
-  }
-  if (o.json) {
+                 {"prefill_tokens_per_s", prefill_s > 0 ? r.prefilled / prefill_s : 0.0},
+                 {"decode_tokens_per_s", decode_s > 0 ? r.decoded / decode_s : 0.0}};
+  j["timing"].update(r.extra_timing);
+  const std::string& saved = r.saved;
+  if (r.json) {
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
   std::printf("kvring run: model %s on %s, %lld tokens (%lld prompt, %zu generated), chunk %lld\n",
               config->name.c_str(), backend_name(c.backend()),
-              static_cast<long long>(session.position()), static_cast<long long>(o.prompt_tokens),
-              generated.size(), static_cast<long long>(o.chunk));
+              static_cast<long long>(session.position()), static_cast<long long>(r.prompt_tokens),
+              generated.size(), static_cast<long long>(r.chunk));
   std::printf("  prefill      %8.1f tokens/s  (%.3f s)\n",
               j["timing"]["prefill_tokens_per_s"].get<double>(), prefill_s);
   std::printf("  decode       %8.1f tokens/s  (%.3f s)\n",
@@ -272,6 +332,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   std::printf("  generated   %s\n", gen.c_str());
   std::printf("  last logits sha256 %s\n", logits_sha.c_str());
   if (!saved.empty()) std::printf("  saved        %s\n", saved.c_str());
+  for (const std::string& line : r.extra_lines) std::printf("  %s\n", line.c_str());
   return 0;
 }
 
