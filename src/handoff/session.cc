@@ -13,6 +13,10 @@
 //   ABORT   S->R  an error code and message: the sender gives up
 //   END     S->R  message count, payload bytes, the header's digest
 //   DONE    R->S  the session is installed and live
+//   BYE     S->R  DONE was heard; the receiver may close
+// A receiver that ends (DONE or ERROR) lingers until the sender closes or
+// says BYE, briefly: closing at once could let the disconnect overtake its
+// last message.
 #include <bit>
 #include <cstring>
 #include <thread>
@@ -29,7 +33,19 @@ namespace {
 
 enum Type : std::uint8_t {
   kHeader = 1, kAccept = 2, kError = 3, kRows = 4, kAck = 5, kKeep = 6, kAbort = 7, kEnd = 8, kDone = 9,
+  kBye = 10,
 };
+constexpr double kLingerS = 2.0;
+
+// Waits until the peer closes the link or says BYE (or the linger ends).
+void linger(Transport& t, double seconds) {
+  std::vector<std::uint8_t> in;
+  const Deadline end = deadline_in(seconds);
+  while (Clock::now() < end) {
+    if (!t.recv_message(in, end, std::size_t{1} << 30).ok()) return;
+    if (!in.empty() && in[0] == kBye) return;
+  }
+}
 constexpr char kMagic[8] = {'k', 'v', 'h', 'a', 'n', 'd', 'o', 'f'};
 constexpr std::uint16_t kVersion = 1;
 constexpr std::size_t kRowsHead = 1 + 8 + 4 + 8 + 8;  // type, seq, layer, first, rows
@@ -512,6 +528,8 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     KVRING_RETURN_IF_ERROR(read_reply());
     if (in[0] == kDone) break;
   }
+  const std::uint8_t bye = kBye;
+  (void)transport.send_message(&bye, 1, deadline_in(1.0));  // the session is live either way
   report.payload_bytes = sent;
   report.seconds = seconds_since(t0);
   return report;
@@ -528,7 +546,7 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   auto fail = [&](Error e) -> Error {
     if (begun) target.abort();
     const std::string s = encode_status(kError, e);
-    (void)transport.send_message(s.data(), s.size(), deadline_in(1.0));
+    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) linger(transport, kLingerS);
     return e;
   };
   auto recv = [&](Deadline d) -> Status {
@@ -621,11 +639,12 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
         if (next_row[l] != h.planes[l].ring.next_position())
           return fail(wire_error("layer " + std::to_string(l) + " is incomplete"));
       if (Status s = target.commit(); !s.ok()) return fail(s.error());
-      const std::uint8_t done = kDone;
-      // The session is live; a sender that left before hearing so changes nothing here.
-      (void)transport.send_message(&done, 1, deadline_in(options.timeout_s));
       report.payload_bytes = taken;
       report.seconds = seconds_since(t0);
+      const std::uint8_t done = kDone;
+      // The session is live; a sender that left before hearing so changes nothing here.
+      if (transport.send_message(&done, 1, deadline_in(options.timeout_s)).ok())
+        linger(transport, std::min(kLingerS, options.timeout_s));
       return report;
     }
     return fail(wire_error(at + "unexpected message type " + std::to_string(in[0])));

@@ -193,7 +193,9 @@ class UcxTransport : public Transport {
     p.flags = (broken_ || failed_ != UCS_OK) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep_, &p);
     if (UCS_PTR_IS_PTR(r)) {
-      if (!worker_->wait([&] { return ucp_request_check_status(r) != UCS_INPROGRESS; }, deadline_in(2.0))) {
+      // A flush close completes when the peer's worker acknowledges it; a
+      // peer that never does costs at most this wait.
+      if (!worker_->wait([&] { return ucp_request_check_status(r) != UCS_INPROGRESS; }, deadline_in(1.0))) {
         ucp_request_cancel(worker_->get(), r);
         worker_->wait([&] { return ucp_request_check_status(r) != UCS_INPROGRESS; }, deadline_in(1.0));
       }
