@@ -220,7 +220,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
   }
   if (!a->flag("json")) std::fprintf(stderr, "kvring handoff serve: listening on %s\n", where.c_str());
   auto link = (*listener)->accept(handoff::deadline_in(timeout_s));
-  if (!link) return fail(link.error());
+  if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);
   handoff::ReceiveOptions ro;
   ro.timeout_s = timeout_s;
@@ -308,6 +308,8 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
   po.schedule = *schedule;
   po.context = session.cache().context();
   po.chunk_tokens = o.chunk;
+  po.message_bytes = std::max(o.message_bytes, config.kv_dim() * 4);
+  po.credit_bytes = std::max(po.credit_bytes, po.message_bytes);
   if (o.rate_gb_s > 0) po.rate_bytes_per_s = o.rate_gb_s * 1e9;
   auto timeline = handoff::plan_handoff(config, o.prompt_tokens, po);
   if (!timeline) return fail(timeline.error());

@@ -30,6 +30,7 @@ struct RunOptions {
   std::string save, resume, store;  // kvpack files and the chunk store
   std::string handoff_to, handoff_schedule = "paced";  // --handoff-to: send instead of decoding
   double handoff_rate_gb_s = 0, handoff_timeout_s = 10;
+  std::int64_t handoff_message_kib = 4096;
   bool tokens_given = false;
   std::int64_t tokens = 320, prompt_tokens = -1, chunk = 128, context = 0;
   std::uint64_t seed = 1;
@@ -68,7 +69,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
                        {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
                         "vocab", "backend", "context", "save", "resume", "store", "handoff-to",
-                        "handoff-schedule", "handoff-rate", "handoff-timeout"});
+                        "handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message"});
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -102,12 +103,15 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
       if (!r) return r.error();
       o.handoff_timeout_s = *r;
     }
+    auto m = a->integer("handoff-message", o.handoff_message_kib, 1, 1 << 20);
+    if (!m) return m.error();
+    o.handoff_message_kib = *m;
     // The prompt alone sizes the session.
     auto p = a->integer("prompt-tokens", 256, 1, std::numeric_limits<std::int32_t>::max());
     if (!p) return p.error();
     o.tokens = *p;
   } else {
-    for (const char* name : {"handoff-schedule", "handoff-rate", "handoff-timeout"})
+    for (const char* name : {"handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message"})
       if (a->has(name)) return invalid_argument(std::string("--") + name + " needs --handoff-to");
   }
   if (!o.resume.empty()) {
@@ -198,7 +202,8 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (!o.handoff_to.empty())
     return run_handoff_send(session, *config,
                             {.to = o.handoff_to, .schedule = o.handoff_schedule, .rate_gb_s = o.handoff_rate_gb_s,
-                             .timeout_s = o.handoff_timeout_s, .prompt_tokens = o.prompt_tokens, .chunk = o.chunk,
+                             .timeout_s = o.handoff_timeout_s, .message_bytes = o.handoff_message_kib * 1024,
+                             .prompt_tokens = o.prompt_tokens, .chunk = o.chunk,
                              .context = context, .seed = o.seed, .model = o.model, .json = o.json,
                              .progress = o.progress});
 

@@ -41,7 +41,7 @@ commands:
              continues a saved session to N tokens, bit for bit as if it had
              never stopped
   run        ... --handoff-to HOST:PORT [--handoff-schedule swa-first|paced]
-             [--handoff-rate GB/s] [--handoff-timeout S]
+             [--handoff-rate GB/s] [--handoff-timeout S] [--handoff-message KiB]
              prefills the prompt and hands the session to `handoff serve`
              instead of decoding it (no --tokens: the receiver decodes)
   handoff plan (--model NAME | --config FILE) --tokens N
