@@ -161,8 +161,9 @@ class Transport {
 // Two connected in-process endpoints (host memory).
 std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair();
 
-// UCX (ucp stream API over a TCP sockaddr connection; UCX picks TCP or shared
-// memory lanes for the data). kUnsupported when this build has no UCX.
+// UCX (ucp tag API, one tagged message per message, over a client-server
+// endpoint made from a TCP sockaddr; UCX picks TCP, shared memory or CMA
+// lanes for the data). kUnsupported when this build has no UCX.
 bool ucx_compiled();
 class UcxListener {
  public:

@@ -1,6 +1,7 @@
 // Transport over UCX (Debian's libucx, ucp API): a client-server endpoint over
-// a TCP sockaddr, the stream API carrying length-prefixed messages. UCX picks
-// the lanes for the data (TCP, or shared memory between processes of one
+// a TCP sockaddr, each message one tagged send (eager or rendezvous, as UCX
+// chooses by size), received after a probe tells its length. UCX picks the
+// lanes for the data (TCP, or shared memory and CMA between processes of one
 // host). Every wait progresses the worker and sleeps on its event fd, up to a
 // deadline; a peer that dies or a link that drops fails the endpoint through
 // its error handler (peer error-handling mode), and every pending request
@@ -74,7 +75,7 @@ class Worker {
     if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) return ucx_error("ucp_config_read", s);
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
     ucs_status_t s = ucp_init(&params, config, &w->context_);
     ucp_config_release(config);
     if (s != UCS_OK) return ucx_error("ucp_init", s);
@@ -91,20 +92,24 @@ class Worker {
   }
   ucp_worker_h get() const { return worker_; }
 
-  // Progresses until done() or the deadline; false on the deadline.
+  // Progresses until done() or the deadline; false on the deadline. Spins
+  // for a while first (a stream in full flow completes requests within
+  // microseconds, and not every completion wakes the event fd), then sleeps
+  // on the fd in steps of at most 1 ms.
   template <class Done>
   bool wait(Done done, Deadline deadline) {
+    const auto spin_until = Clock::now() + std::chrono::microseconds(200);
     for (;;) {
       while (ucp_worker_progress(worker_) != 0) {
       }
       if (done()) return true;
       const auto now = Clock::now();
       if (now >= deadline) return false;
+      if (now < spin_until) continue;
       const ucs_status_t s = ucp_worker_arm(worker_);
       if (s == UCS_ERR_BUSY) continue;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
       pollfd p{efd_, POLLIN, 0};
-      ::poll(&p, 1, static_cast<int>(std::min<long long>(std::max<long long>(left, 1), 50)));
+      ::poll(&p, 1, 1);
     }
   }
 
@@ -116,7 +121,9 @@ class Worker {
 };
 
 void noop_send_cb(void*, ucs_status_t, void*) {}
-void noop_recv_cb(void*, ucs_status_t, size_t, void*) {}
+void noop_tag_recv_cb(void*, ucs_status_t, const ucp_tag_recv_info_t*, void*) {}
+// Every message of a link carries this tag; each link has its own worker.
+constexpr ucp_tag_t kTag = 0x6b7668616e646f66ULL;
 
 class UcxTransport : public Transport {
  public:
@@ -154,33 +161,60 @@ class UcxTransport : public Transport {
         return make_error(ErrorCode::kUnsupported, "this UCX build carries host memory only (stage device rows through host buffers)");
       total += p.size;
     }
-    std::uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(total >> (8 * i));
-    std::vector<ucp_dt_iov_t> iov;
-    iov.push_back({len, sizeof len});
-    for (const Part& p : parts)
-      if (p.size) iov.push_back({const_cast<void*>(p.data), p.size});
+    // One tagged message, contiguous (UCX picks eager or rendezvous by its
+    // size; its iov datatype measured several times slower on loopback), so
+    // several parts are gathered into a staging buffer first.
+    const void* data = parts.empty() ? nullptr : parts[0].data;
+    if (parts.size() > 1) {
+      staging_.resize(total);
+      std::size_t at = 0;
+      for (const Part& p : parts) {
+        if (p.size) std::memcpy(staging_.data() + at, p.data, p.size);
+        at += p.size;
+      }
+      data = staging_.data();
+    }
     ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_CALLBACK;
-    rp.datatype = ucp_dt_make_iov();
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
     rp.cb.send = noop_send_cb;
-    ucs_status_ptr_t r = ucp_stream_send_nbx(ep_, iov.data(), iov.size(), &rp);
+    ucs_status_ptr_t r = ucp_tag_send_nbx(ep_, data, total, kTag, &rp);
     return complete(r, deadline, "send to");
   }
 
   Status recv_message(std::vector<std::uint8_t>& out, Deadline deadline, std::size_t max_size) override {
     KVRING_RETURN_IF_ERROR(usable());
-    std::uint8_t len[8];
-    KVRING_RETURN_IF_ERROR(recv_exact(len, sizeof len, deadline));
-    std::uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-    if (n > max_size) {
-      broken_ = io_error("a message of " + std::to_string(n) + " B from " + peer_ + " exceeds " + std::to_string(max_size) + " B");
+    // Probe for the next message to learn its size, then receive it whole.
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = nullptr;
+    const bool arrived = worker_->wait(
+        [&] {
+          msg = ucp_tag_probe_nb(worker_->get(), kTag, ~ucp_tag_t{0}, 1, &info);
+          return msg != nullptr || failed_ != UCS_OK;
+        },
+        deadline);
+    if (msg == nullptr) {
+      if (failed_ != UCS_OK) return lost(failed_);
+      if (!arrived) {
+        broken_ = io_error("timed out waiting to receive from " + peer_);
+        return *broken_;
+      }
+    }
+    if (info.length > max_size) {
+      broken_ = io_error("a message of " + std::to_string(info.length) + " B from " + peer_ + " exceeds " +
+                         std::to_string(max_size) + " B");
+      // Take it off the queue all the same.
+      std::vector<std::uint8_t> sink(info.length);
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+      rp.cb.recv = noop_tag_recv_cb;
+      (void)complete(ucp_tag_msg_recv_nbx(worker_->get(), sink.data(), sink.size(), msg, &rp), deadline, "receive from");
       return *broken_;
     }
-    out.resize(static_cast<std::size_t>(n));
-    if (n == 0) return Status::Ok();
-    return recv_exact(out.data(), out.size(), deadline);
+    out.resize(info.length);
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+    rp.cb.recv = noop_tag_recv_cb;
+    return complete(ucp_tag_msg_recv_nbx(worker_->get(), out.data(), out.size(), msg, &rp), deadline, "receive from");
   }
 
   std::string describe() const override { return "ucx " + peer_; }
@@ -222,16 +256,6 @@ class UcxTransport : public Transport {
     return *broken_;
   }
 
-  Status recv_exact(void* buf, std::size_t n, Deadline deadline) {
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK;
-    rp.flags = UCP_STREAM_RECV_FLAG_WAITALL;
-    rp.cb.recv_stream = noop_recv_cb;
-    std::size_t length = 0;
-    ucs_status_ptr_t r = ucp_stream_recv_nbx(ep_, buf, n, &length, &rp);
-    return complete(r, deadline, "receive from");
-  }
-
   // Waits for a request; on the deadline cancels it and breaks the link (a
   // half-done stream operation leaves the framing unknown).
   Status complete(ucs_status_ptr_t r, Deadline deadline, const char* what) {
@@ -258,6 +282,7 @@ class UcxTransport : public Transport {
   ucp_ep_h ep_ = nullptr;
   ucs_status_t failed_ = UCS_OK;
   std::optional<Error> broken_;
+  std::vector<std::uint8_t> staging_;
 };
 
 class Listener : public UcxListener {
