@@ -211,14 +211,18 @@ TEST_F(Handoff, OverlappedWithPrefillIsBitExact) {
       const std::int64_t n = std::min(kChunk, kPrompt - 1 - at);
       ASSERT_TRUE(s.feed(std::vector<std::int32_t>(prompt_.begin() + at, prompt_.begin() + at + n), kChunk).ok());
       ++chunks;
-      if (at + n < kPrompt - 1) ASSERT_TRUE(src.stage_final(chunks * config_.n_layers).ok());
+      if (at + n < kPrompt - 1) {
+        ASSERT_TRUE(src.stage_final(chunks * config_.n_layers).ok());
+      }
     }
     src.finish(Status::Ok());
     sender.join();
     receiver.join();
     ASSERT_TRUE(sent->ok()) << sent->error().to_string();
     ASSERT_TRUE(received->ok()) << received->error().to_string();
-    if (sched == Schedule::kPaced) EXPECT_GT(src.staged_bytes_peak(), 0);
+    if (sched == Schedule::kPaced) {
+      EXPECT_GT(src.staged_bytes_peak(), 0);
+    }
     expect_reference(finish_received(target));
     expect_reference(finish(s));  // and the sender's session is untouched
   }
