@@ -13,6 +13,7 @@ int cmd_footprint(const std::vector<std::string>& argv);
 int cmd_config(const std::vector<std::string>& argv);
 int cmd_run(const std::vector<std::string>& argv);
 int cmd_pack(const std::vector<std::string>& argv);
+int cmd_handoff(const std::vector<std::string>& argv);
 
 // Prints "kvring: MESSAGE" to stderr and returns the failure exit code 2.
 int fail(const std::string& message);

@@ -51,6 +51,19 @@ commands:
   run        --resume FILE [--tokens N] [--store ...] [--save FILE] [--json]
              continues a saved session to N tokens, bit for bit as if it had
              never stopped
+  run        ... --handoff-to HOST:PORT [--handoff-schedule swa-first|paced]
+             [--handoff-rate GB/s] [--handoff-timeout S] [--handoff-message KiB]
+             prefills the prompt and hands the session to `handoff serve`
+             instead of decoding it (no --tokens: the receiver decodes)
+  handoff plan (--model NAME | --config FILE) --tokens N
+             [--schedule swa-first|paced] [--rate GB/s] [--chunk C]
+             [--credits MiB] [--message MiB] [--prefill-tps T] [--json]
+             the payload of an N-token prompt by layer class and the send
+             schedule relative to prefill, with the bytes in flight over time
+  handoff serve --listen HOST:PORT --tokens N [--model NAME | --config FILE]
+             [--backend cpu|cuda|auto] [--timeout S] [--port-file F] [--json]
+             receives one session (UCX), decodes it greedily to N tokens and
+             prints the summary of `run`; port 0 picks a free port
   config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
   pack inspect FILE
@@ -203,6 +216,7 @@ int main(int argc, char** argv) {
     if (cmd == "config") return cmd_config(rest);
     if (cmd == "run") return cmd_run(rest);
     if (cmd == "pack") return cmd_pack(rest);
+    if (cmd == "handoff") return cmd_handoff(rest);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
