@@ -321,5 +321,175 @@ TEST(RedisHostile, IPv6Loopback) {
   EXPECT_TRUE(*(*store)->contains(chunks[0].name));
 }
 
+// --- Directory stores ---------------------------------------------------
+
+class DirStoreHostile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::make_temp_dir("dirhostile");
+    root_ = dir_ + "/store";
+    auto s = open_dir_store(root_);
+    ASSERT_TRUE(s.ok());
+    store_ = std::move(*s);
+    chunk_ = chunk_of(bytes_);
+    path_ = root_ + "/" + to_hex(chunk_.name);
+    // A FIFO opened for reading without O_NONBLOCK would wait for a writer
+    // forever: end the test process instead of hanging.
+    ::alarm(60);
+  }
+  void TearDown() override {
+    ::alarm(0);
+    testing::remove_tree(dir_);
+  }
+
+  // The store reads the chunk back, and the name holds a regular file.
+  void expect_stored() {
+    ASSERT_TRUE(store_->put({&chunk_, 1}).ok());
+    struct stat st {};
+    ASSERT_EQ(::lstat(path_.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISREG(st.st_mode));
+    std::string back(bytes_.size(), '\0');
+    ASSERT_TRUE(store_->get(chunk_.name, span_of(back)).ok());
+    EXPECT_EQ(back, bytes_);
+    EXPECT_TRUE(*store_->contains(chunk_.name));
+  }
+
+  Status get() const {
+    std::string back(bytes_.size(), '\0');
+    return store_->get(chunk_.name, span_of(back));
+  }
+
+  std::string dir_, root_, path_;
+  const std::string bytes_ = "rows that belong under this name";
+  ChunkData chunk_;
+  std::unique_ptr<ChunkStore> store_;
+};
+
+TEST_F(DirStoreHostile, ASymlinkUnderAChunkNameIsReplacedNotFollowed) {
+  const std::string victim = dir_ + "/victim";
+  std::ofstream(victim) << "not the store's";
+  for (const std::string& target : {victim, dir_ + "/nowhere"}) {
+    SCOPED_TRACE(target);
+    ::unlink(path_.c_str());
+    ASSERT_EQ(::symlink(target.c_str(), path_.c_str()), 0);
+    const Status s = get();
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kCorruption);
+    EXPECT_NE(s.error().message.find("symbolic link"), std::string::npos) << s.to_string();
+    EXPECT_FALSE(*store_->contains(chunk_.name));
+    expect_stored();
+  }
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "not the store's");
+  EXPECT_EQ(::access((dir_ + "/nowhere").c_str(), F_OK), -1);
+}
+
+TEST_F(DirStoreHostile, AFifoUnderAChunkNameNeitherBlocksNorStays) {
+  ASSERT_EQ(::mkfifo(path_.c_str(), 0644), 0);
+  const auto t0 = Clock::now();
+  const Status s = get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kCorruption);
+  EXPECT_NE(s.error().message.find("not a regular file"), std::string::npos) << s.to_string();
+  expect_stored();
+  EXPECT_LT(seconds_since(t0), 5.0);
+}
+
+// A directory may hold someone's files: it is moved aside, whole.
+TEST_F(DirStoreHostile, ADirectoryUnderAChunkNameIsMovedAside) {
+  ASSERT_EQ(::mkdir(path_.c_str(), 0755), 0);
+  std::ofstream(path_ + "/keep-me") << "precious";
+  EXPECT_FALSE(get().ok());
+  expect_stored();
+  std::string aside;
+  for (const std::string& n : testing::list_dir(root_))
+    if (n.rfind(".quarantine-" + to_hex(chunk_.name), 0) == 0) aside = n;
+  ASSERT_FALSE(aside.empty());
+  std::ifstream in(root_ + "/" + aside + "/keep-me");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "precious");
+  auto stats = store_->stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->chunks, 1);
+  auto report = gc_dir_store(root_, std::chrono::seconds(0));
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->quarantined, 1);
+  EXPECT_EQ(::access((root_ + "/" + aside + "/keep-me").c_str(), F_OK), 0);
+}
+
+TEST_F(DirStoreHostile, CheckWritableRefusesAStoreThatCannotBeWritten) {
+  EXPECT_TRUE(store_->check_writable().ok());
+  EXPECT_TRUE(testing::list_dir(root_).empty());  // the probe leaves nothing
+  // /proc refuses new files even to root.
+  auto proc = open_dir_store("/proc");
+  ASSERT_TRUE(proc.ok());
+  const Status s = (*proc)->check_writable();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("dir:/proc: cannot write into the store"), std::string::npos) << s.to_string();
+}
+
+void age(const std::string& path, int seconds) {
+  const timespec t[2] = {{::time(nullptr) - seconds, 0}, {::time(nullptr) - seconds, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), t, AT_SYMLINK_NOFOLLOW), 0);
+}
+
+// Temporaries of dead writers go; those of live writers, recent ones, and
+// everything else stay.
+TEST_F(DirStoreHostile, GcRemovesOnlyTemporariesNoWriterOwns) {
+  ASSERT_TRUE(store_->put({&chunk_, 1}).ok());
+  const std::string dead = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-0-1";
+  const std::string held = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-1-1";
+  const std::string fresh = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-2-1";
+  const std::string link = root_ + "/.tmp-link";
+  const std::string victim = dir_ + "/victim";
+  for (const std::string& p : {dead, held, fresh, victim}) std::ofstream(p) << "partial";
+  ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0);
+  age(dead, 3600);
+  age(held, 3600);
+  age(victim, 3600);
+  const int fd = ::open(held.c_str(), O_RDONLY);  // a writer that still holds its lock
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+  auto report = gc_dir_store(root_, std::chrono::seconds(600));
+  ASSERT_TRUE(report.ok()) << report.error().to_string();
+  EXPECT_EQ(report->removed, 2);  // dead, link
+  EXPECT_EQ(report->kept, 2);     // held, fresh
+  EXPECT_EQ(::access(dead.c_str(), F_OK), -1);
+  EXPECT_EQ(::access(held.c_str(), F_OK), 0);
+  EXPECT_EQ(::access(fresh.c_str(), F_OK), 0);
+  EXPECT_EQ(::access(victim.c_str(), F_OK), 0);
+  EXPECT_EQ(::access(path_.c_str(), F_OK), 0);  // chunks are never touched
+  ::close(fd);                                  // the writer died
+  report = gc_dir_store(root_, std::chrono::seconds(600));
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->removed, 1);
+  EXPECT_EQ(::access(held.c_str(), F_OK), -1);
+  EXPECT_EQ(::access(fresh.c_str(), F_OK), 0);
+  EXPECT_TRUE(get().ok());
+  EXPECT_FALSE(gc_dir_store(dir_ + "/absent").ok());
+}
+
+// A gc that runs while a put is between creating its temporary and
+// renaming it, with no age limit at all, leaves the writer's file alone.
+TEST_F(DirStoreHostile, GcNeverRemovesALiveWritersTemporary) {
+  IoOptions io;
+  std::int64_t kept = -1, removed = -1;
+  io.fault = [&](IoStep step, const std::string& path) {
+    if (step == IoStep::kFsync && path.find("/.tmp-") != std::string::npos) {
+      auto r = gc_dir_store(root_, std::chrono::seconds(0));
+      if (r.ok()) {
+        kept = r->kept;
+        removed = r->removed;
+      }
+    }
+    return Status::Ok();
+  };
+  auto store = open_dir_store(root_, io);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->put({&chunk_, 1}).ok());
+  EXPECT_EQ(kept, 1);
+  EXPECT_EQ(removed, 0);
+  EXPECT_TRUE(get().ok());
+}
+
 }  // namespace
 }  // namespace kvring

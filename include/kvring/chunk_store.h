@@ -60,6 +60,11 @@ class ChunkStore {
   // operations calls this before each. Local stores ignore it.
   virtual void begin_operation() {}
 
+  // Fails when a put would fail for want of access (a directory store that
+  // is read-only, say), so that a caller can refuse work whose result it
+  // could not store before doing it. Writes nothing that stays.
+  virtual Status check_writable() const { return Status::Ok(); }
+
   // Stores every chunk under its name. Precondition: each name is the SHA-256
   // of the chunk's bytes (the pack writer computes it). A chunk already
   // present is not written again. When this returns ok, every chunk is
@@ -86,6 +91,22 @@ class ChunkStore {
 // A directory store rooted at `path` (created if absent, parent must exist).
 Result<std::unique_ptr<ChunkStore>> open_dir_store(const std::string& path,
                                                    IoOptions io = {});
+// Temporary files of killed writers in a directory store. A temporary
+// (".tmp-*") is removed only when no writer holds its lock (writers hold an
+// exclusive flock on it until it is renamed into place) and it has not been
+// modified for `min_age` (which also covers writers that take no lock, and
+// the moment between a writer's create and its lock). Directories that a
+// put moved aside from chunk names (".quarantine-*") are counted, never
+// removed: they may hold someone's files.
+struct DirStoreGcReport {
+  std::int64_t removed = 0;
+  std::int64_t kept = 0;  // held by a live writer, or modified within min_age
+  std::int64_t quarantined = 0;
+};
+inline constexpr std::chrono::seconds kDirStoreTempMinAge{600};
+Result<DirStoreGcReport> gc_dir_store(const std::string& path,
+                                      std::chrono::seconds min_age = kDirStoreTempMinAge);
+
 struct RedisOptions {
   std::string host;  // a name, an IPv4 address or an IPv6 address (no brackets)
   int port = 6379;
