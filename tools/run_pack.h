@@ -35,6 +35,10 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
 Result<std::string> save_run(const Session& session, const RunRecord& record,
                              const std::string& path, const std::string& store_spec);
 
+// Fails when save_run could not store chunks in `store_spec` (it cannot be
+// opened, or it cannot be written), so that a run refuses before computing.
+Status check_save_store(const std::string& store_spec);
+
 struct ResumedRun {
   RunRecord record;
   Session session;
