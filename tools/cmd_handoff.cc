@@ -399,6 +399,10 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
 }
 
 int cmd_handoff(const std::vector<std::string>& argv) {
+  if (wants_help(argv)) {
+    const bool sub = !argv.empty() && (argv[0] == "plan" || argv[0] == "serve");
+    return print_help(sub ? "handoff " + argv[0] : "handoff");
+  }
   if (argv.empty()) return fail("handoff needs a subcommand: plan or serve");
   const std::vector<std::string> rest(argv.begin() + 1, argv.end());
   if (argv[0] == "plan") return cmd_plan(rest);

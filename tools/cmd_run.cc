@@ -143,9 +143,12 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
 }  // namespace
 
 int cmd_run(const std::vector<std::string>& argv) {
+  if (wants_help(argv)) return print_help("run");
   auto opts = parse(argv);
   if (!opts) return fail(opts.error());
   RunOptions& o = *opts;
+  if (!o.save.empty() && !o.store.empty())
+    if (Status s = check_save_store(o.store); !s.ok()) return fail(s.error());
   auto backend = parse_backend(o.backend);
   if (!backend) return fail(backend.error());
   if (o.sequences > 0) {

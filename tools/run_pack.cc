@@ -105,6 +105,12 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   return r;
 }
 
+Status check_save_store(const std::string& store_spec) {
+  auto store = open_chunk_store(store_spec);
+  if (!store) return store.error();
+  return (*store)->check_writable();
+}
+
 Result<std::string> save_run(const Session& session, const RunRecord& record, const std::string& path,
                              const std::string& store_spec) {
   return save_sequence(session.cache().store(), session.cache().seq(), session.tokens(), record,

@@ -39,6 +39,9 @@ Result<std::string> save_run(const Session& session, const RunRecord& record,
 Result<std::string> save_sequence(const KvStore& store, SeqId seq,
                                   const std::vector<std::int32_t>& tokens, const RunRecord& record,
                                   const std::string& path, const std::string& store_spec);
+// Fails when save_run could not store chunks in `store_spec` (it cannot be
+// opened, or it cannot be written), so that a run refuses before computing.
+Status check_save_store(const std::string& store_spec);
 
 struct ResumedRun {
   RunRecord record;
