@@ -96,6 +96,7 @@ class PackSource {
   // Reads exactly n bytes at offset (within size()).
   virtual Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const = 0;
 };
+// Refuses anything but a regular file (a FIFO, a device) without blocking.
 Result<std::unique_ptr<PackSource>> open_pack_file(const std::string& path);
 // A view of `size` bytes at `data` (not copied; must outlive the source).
 std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t size,

@@ -1,12 +1,11 @@
 #include "kvring/config.h"
 
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/file_read.h"
 #include "kvring/sha256.h"
 
 namespace kvring {
@@ -246,15 +245,15 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
 }
 
 Result<ModelConfig> load_hf_config(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    return config_error("cannot read config file '" + path + "': it is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return config_error("cannot read config file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return config_error("error reading config file '" + path + "'");
-  auto r = parse_hf_config(ss.str(), path);
+  auto text = file_internal::read_small_file(path, "config file", file_internal::kMaxConfigBytes);
+  if (!text) {
+    // A file that cannot be read is a config that is missing: kConfig, with
+    // the reason (absent, not a regular file, too large) in the message.
+    Error e = text.error();
+    e.code = ErrorCode::kConfig;
+    return e;
+  }
+  auto r = parse_hf_config(*text, path);
   if (!r) {
     Error e = r.error();
     e.message = path + ": " + e.message;

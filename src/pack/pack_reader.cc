@@ -3,8 +3,6 @@
 // then every manifest field against the geometry and the bytes that remain,
 // the file size against the chunk table, and each chunk's hash as it is
 // read. No allocation is sized by a field before that field is checked.
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include <new>
 
 #include "coding.h"
+#include "core/file_read.h"
 #include "cpu/parallel.h"
 #include "file_io.h"
 #include "kvring/pack.h"
@@ -470,18 +469,9 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
 }  // namespace
 
 Result<std::unique_ptr<PackSource>> open_pack_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    return make_error(err == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIOError,
-                      "cannot open pack " + path + ": " + errno_text(err));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return invalid_argument(path + " is not a regular file");
-  }
-  return std::unique_ptr<PackSource>(new FileSource(path, fd, st.st_size));
+  auto f = file_internal::open_regular_file(path, "pack");
+  if (!f) return f.error();
+  return std::unique_ptr<PackSource>(new FileSource(path, f->fd, f->size));
 }
 
 std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t size, std::string name) {

@@ -1,0 +1,215 @@
+// Hostile inputs: files that are not regular files, configs without end,
+// packs whose manifests claim gigabytes they do not hold, run records whose
+// fields disagree, and text meant for a terminal. Every case must fail fast,
+// with a clear error, in bounded memory; the command-line cases run the
+// kvring tool in a child with a wall-clock deadline (a hang fails the test)
+// and, where memory is the point, under RLIMIT_AS.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <gtest/gtest.h>
+#include <string>
+#include <vector>
+
+#include "core/file_read.h"
+#include "kvring/config.h"
+#include "kvring/pack.h"
+#include "pack_test_util.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+// A call that may block on `fifo` (the old behaviour of opening one): runs it
+// on another thread and, past the deadline, opens the FIFO's other end so
+// the call returns, then fails the test.
+template <class F>
+auto within_deadline(const std::string& fifo, F fn) {
+  auto fut = std::async(std::launch::async, fn);
+  if (fut.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
+    ADD_FAILURE() << "blocked on " << fifo;
+    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+  }
+  return fut.get();
+}
+
+struct Ran {
+  int rc = -1;
+  bool timed_out = false;
+  std::string out, err;
+};
+
+// Runs the kvring tool with `args` in `dir`, under an address-space limit
+// when `as_bytes` > 0, killed after `seconds`.
+Ran run_tool(const std::vector<std::string>& args, const std::string& dir, std::int64_t as_bytes = 0,
+             int seconds = 60) {
+  int out_pipe[2], err_pipe[2];
+  if (::pipe(out_pipe) != 0 || ::pipe(err_pipe) != 0) std::abort();
+  std::vector<std::string> argv_s = {KVRING_TOOL};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out_pipe[1], 1);
+    ::dup2(err_pipe[1], 2);
+    ::close(out_pipe[0]);
+    ::close(err_pipe[0]);
+    if (::chdir(dir.c_str()) != 0) ::_exit(126);
+    if (as_bytes > 0) {
+      const rlimit lim{static_cast<rlim_t>(as_bytes), static_cast<rlim_t>(as_bytes)};
+      if (::setrlimit(RLIMIT_AS, &lim) != 0) ::_exit(126);
+    }
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  Ran r;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+  std::string* sinks[2] = {&r.out, &r.err};
+  int open_fds = 2;
+  while (open_fds > 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      r.timed_out = true;
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    if (::poll(fds, 2, static_cast<int>(left.count())) < 0 && errno != EINTR) break;
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP))) continue;
+      char buf[4096];
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n > 0) {
+        sinks[i]->append(buf, static_cast<std::size_t>(n));
+      } else {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+      }
+    }
+  }
+  for (auto& f : fds)
+    if (f.fd >= 0) ::close(f.fd);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+std::string describe(const Ran& r) {
+  return "exit " + std::to_string(r.rc) + (r.timed_out ? " (timed out)" : "") + "\nstdout: " + r.out +
+         "\nstderr: " + r.err;
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(f.good()) << path;
+}
+
+class HostileFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::make_temp_dir("hostile");
+    fifo_ = dir_ + "/fifo";
+    ASSERT_EQ(::mkfifo(fifo_.c_str(), 0600), 0) << std::strerror(errno);
+  }
+  void TearDown() override { testing::remove_tree(dir_); }
+  std::string dir_, fifo_;
+};
+
+TEST_F(HostileFiles, FifoAsPackIsRefusedWithoutBlocking) {
+  auto r = within_deadline(fifo_, [&] { return open_pack_file(fifo_); });
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(r.error().message.find(fifo_ + ": it is a FIFO, not a regular file"), std::string::npos)
+      << r.error().message;
+}
+
+TEST_F(HostileFiles, FifoAsConfigIsRefusedWithoutBlocking) {
+  auto r = within_deadline(fifo_, [&] { return load_hf_config(fifo_); });
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, ErrorCode::kConfig);
+  EXPECT_NE(r.error().message.find("it is a FIFO"), std::string::npos) << r.error().message;
+}
+
+TEST_F(HostileFiles, DevicesAsConfigAreRefused) {
+  for (const char* dev : {"/dev/zero", "/dev/urandom", "/dev/null"}) {
+    auto r = load_hf_config(dev);
+    ASSERT_FALSE(r.ok()) << dev;
+    EXPECT_NE(r.error().message.find(std::string(dev) + ": it is a character device"), std::string::npos)
+        << r.error().message;
+  }
+  auto d = load_hf_config(dir_);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.error().message.find("it is a directory"), std::string::npos) << d.error().message;
+}
+
+TEST_F(HostileFiles, OversizedConfigIsRefusedUnread) {
+  // A sparse file: 16 MiB of nothing plus one byte, past the config limit.
+  const std::string path = dir_ + "/huge.json";
+  write_file(path, "{");
+  ASSERT_EQ(::truncate(path.c_str(), file_internal::kMaxConfigBytes + 1), 0);
+  auto r = load_hf_config(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("holds more than 16777216 bytes"), std::string::npos) << r.error().message;
+  // At the limit it is read (and is then merely not JSON).
+  ASSERT_EQ(::truncate(path.c_str(), file_internal::kMaxConfigBytes), 0);
+  auto at = load_hf_config(path);
+  ASSERT_FALSE(at.ok());
+  EXPECT_NE(at.error().message.find("malformed JSON"), std::string::npos) << at.error().message;
+}
+
+TEST_F(HostileFiles, MissingFilesNameTheReason) {
+  auto c = load_hf_config(dir_ + "/absent.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("absent.json: No such file or directory"), std::string::npos)
+      << c.error().message;
+  auto p = open_pack_file(dir_ + "/absent.kvpack");
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.error().code, ErrorCode::kNotFound);
+  EXPECT_NE(p.error().message.find("absent.kvpack: No such file or directory"), std::string::npos)
+      << p.error().message;
+}
+
+TEST_F(HostileFiles, ToolRefusesFifosAndDevicesFast) {
+  struct Case {
+    std::vector<std::string> args;
+    const char* says;
+  };
+  const Case cases[] = {
+      {{"pack", "verify", "fifo"}, "cannot read pack fifo: it is a FIFO, not a regular file"},
+      {{"pack", "inspect", "fifo"}, "cannot read pack fifo: it is a FIFO, not a regular file"},
+      {{"run", "--resume", "fifo", "--no-progress"}, "cannot read pack fifo: it is a FIFO"},
+      {{"config", "--config", "fifo"}, "cannot read config file fifo: it is a FIFO"},
+      {{"footprint", "--config", "fifo"}, "cannot read config file fifo: it is a FIFO"},
+      {{"config", "--config", "/dev/zero"}, "/dev/zero: it is a character device, not a regular file"},
+      {{"config", "--config", "/dev/urandom"}, "/dev/urandom: it is a character device"},
+      {{"pack", "verify", "/dev/zero"}, "/dev/zero: it is a character device"},
+  };
+  for (const Case& c : cases) {
+    // 256 MiB of address space: /dev/zero read whole would exhaust it.
+    const Ran r = run_tool(c.args, dir_, std::int64_t{256} << 20, 20);
+    EXPECT_FALSE(r.timed_out) << describe(r);
+    EXPECT_EQ(r.rc, 2) << describe(r);
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+  }
+}
+
+}  // namespace
+}  // namespace kvring
