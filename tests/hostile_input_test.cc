@@ -20,7 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "../tools/run_pack.h"
 #include "core/file_read.h"
+#include "hostile_pack.h"
+#include "kvring/cache.h"
 #include "kvring/config.h"
 #include "kvring/pack.h"
 #include "pack_test_util.h"
@@ -28,6 +31,10 @@
 
 namespace kvring {
 namespace {
+
+using testing::gigabyte_chunks_pack;
+using testing::hostile_pack_head;
+using testing::HostilePack;
 
 // A call that may block on `fifo` (the old behaviour of opening one): runs it
 // on another thread and, past the deadline, opens the FIFO's other end so
@@ -209,6 +216,130 @@ TEST_F(HostileFiles, ToolRefusesFifosAndDevicesFast) {
     EXPECT_NE(r.err.find(c.says), std::string::npos) << describe(r);
     EXPECT_EQ(r.out, "") << describe(r);
   }
+}
+
+// --- Claims the pack does not back -------------------------------------------
+
+// A run record for a pack of `tokens` tokens (hidden 32, vocabulary 64).
+std::string record_for(std::int64_t tokens, std::int64_t vocab = 64, std::int64_t hidden = 32) {
+  cli::RunRecord r;
+  r.model = "hostile";
+  r.rope_theta = 10000.0;
+  r.options = ModelOptions{.hidden = hidden, .vocab = vocab, .mlp = 0, .seed = 1};
+  r.seed = 1;
+  r.prompt_tokens = tokens;
+  r.chunk = 128;
+  r.last_logits.assign(64, 0.5f);
+  return cli::encode_run_record(r);
+}
+
+HostilePack with_record(HostilePack p) {
+  p.token_ids.assign(static_cast<std::size_t>(p.token_count), 7);
+  p.metadata = record_for(p.token_count);
+  return p;
+}
+
+// What the tool may use: enough for itself, far below the claimed chunks
+// (1 GiB each) and rows (512 MiB per chunk).
+constexpr std::int64_t kToolAddressSpace = std::int64_t{768} << 20;
+
+TEST_F(HostileFiles, ThinPackClaimingGigabyteChunksFailsSmall) {
+  std::int64_t payload = 0;
+  const std::string head = hostile_pack_head(with_record(gigabyte_chunks_pack(2, /*thin=*/true)), &payload);
+  EXPECT_EQ(payload, std::int64_t{2} << 30);
+  write_file(dir_ + "/thin.kvpack", head);
+  ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
+
+  const Ran v = run_tool({"pack", "verify", "thin.kvpack", "--store", "dir:store"}, dir_, kToolAddressSpace);
+  EXPECT_EQ(v.rc, 1) << describe(v);
+  EXPECT_NE(v.err.find("thin.kvpack: chunk 0 (layer 0, positions [0, 16384)"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find("the chunk is missing from dir:store"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find("2 of 2 chunks are bad"), std::string::npos) << describe(v);
+
+  const Ran r = run_tool({"run", "--resume", "thin.kvpack", "--store", "dir:store", "--no-progress"}, dir_,
+                         kToolAddressSpace);
+  EXPECT_EQ(r.rc, 2) << describe(r);
+  EXPECT_NE(r.err.find("NotFound: thin.kvpack: chunk 0"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("the chunk is missing from dir:store"), std::string::npos) << describe(r);
+  EXPECT_EQ(r.out, "");
+}
+
+TEST_F(HostileFiles, SparseSelfContainedPackFailsSmall) {
+  std::int64_t payload = 0;
+  const std::string head = hostile_pack_head(with_record(gigabyte_chunks_pack(1, /*thin=*/false)), &payload);
+  const std::string path = dir_ + "/sparse.kvpack";
+  write_file(path, head);
+  // The payload the manifest claims, as a hole: the file has its size but
+  // none of its bytes.
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(head.size()) + payload), 0);
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  if (st.st_blocks * 512 >= st.st_size) GTEST_SKIP() << "this file system does not keep files sparse";
+
+  const Ran v = run_tool({"pack", "verify", "sparse.kvpack"}, dir_, kToolAddressSpace);
+  EXPECT_EQ(v.rc, 1) << describe(v);
+  EXPECT_NE(v.err.find("sparse.kvpack: chunk 0 (layer 0, positions [0, 16384)"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find("its bytes hash to"), std::string::npos) << describe(v);
+
+  const Ran r = run_tool({"run", "--resume", "sparse.kvpack", "--no-progress"}, dir_, kToolAddressSpace);
+  EXPECT_EQ(r.rc, 2) << describe(r);
+  EXPECT_NE(r.err.find("sparse.kvpack: chunk 0"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("its bytes hash to"), std::string::npos) << describe(r);
+}
+
+TEST_F(HostileFiles, LibraryChecksChunksBeforeRows) {
+  // The same claims through the library: the errors come before any row.
+  std::int64_t payload = 0;
+  const std::string thin = hostile_pack_head(gigabyte_chunks_pack(2, true), &payload);
+  auto store = open_dir_store(dir_ + "/store");
+  ASSERT_TRUE(store.ok());
+  auto src = memory_pack_source(thin.data(), static_cast<std::int64_t>(thin.size()), "thin");
+  auto r = read_pack(*src, {.store = store->get()});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, ErrorCode::kNotFound);
+  EXPECT_NE(r.error().message.find("the chunk is missing from dir:"), std::string::npos) << r.error().message;
+  auto v = verify_pack(*src, store->get());
+  ASSERT_TRUE(v.ok());
+  EXPECT_TRUE(v->thin);
+  EXPECT_EQ(v->bad_chunks, 2);
+  EXPECT_EQ(v->first_error.error().code, ErrorCode::kNotFound);
+}
+
+// --- Run records ----------------------------------------------------------------
+
+// A session of 40 tokens over vocabulary 50, and a pack of it whose record
+// and token ids a test may edit.
+struct SavedSession {
+  ModelConfig config = testing::small_config(32, 256, 4, 4, 2, 16);
+  ModelOptions options{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 4};
+  Snapshot snapshot;
+  cli::RunRecord record;
+
+  SavedSession() {
+    auto model = ReferenceModel::create(config, options);
+    auto cache = make_cpu_cache(config);
+    if (!model.ok() || !cache.ok()) std::abort();
+    Session s(*model, std::move(*cache));
+    if (!s.feed(seeded_tokens(40, 50, 1), 7).ok()) std::abort();
+    snapshot = *take_snapshot(s.cache());
+    snapshot.token_ids = s.tokens();
+    record = cli::RunRecord{"small", config.rope_theta, options, 1, 40, 7, s.last_logits()};
+  }
+  std::string write(const std::string& path) {
+    snapshot.metadata = cli::encode_run_record(record);
+    EXPECT_TRUE(write_pack(snapshot, path).ok());
+    return path;
+  }
+};
+
+TEST_F(HostileFiles, VerifyOfASelfContainedPackDoesNotClaimTheStore) {
+  SavedSession s;
+  s.write(dir_ + "/own.kvpack");
+  const Ran r = run_tool({"pack", "verify", "own.kvpack", "--store", "dir:store"}, dir_);
+  EXPECT_EQ(r.rc, 0) << describe(r);
+  EXPECT_NE(r.out.find("verified in the pack itself (self-contained: dir:store was not read)"), std::string::npos)
+      << describe(r);
+  EXPECT_EQ(r.out.find("verified in dir:store"), std::string::npos) << describe(r);
 }
 
 }  // namespace

@@ -99,9 +99,13 @@ int verify(const std::string& path, const std::string& store_spec) {
                  static_cast<long long>(r->bad_chunks), static_cast<long long>(r->chunks));
     return 1;
   }
+  // The store is named only when the chunks came from it: a self-contained
+  // pack's chunks are its own, whatever --store says.
+  std::string where;
+  if (r->thin) where = " in " + store->spec();
+  else if (store) where = " in the pack itself (self-contained: " + store->spec() + " was not read)";
   std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", path.c_str(),
-              static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(),
-              store ? (" in " + store->spec()).c_str() : "");
+              static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(), where.c_str());
   return 0;
 }
 
