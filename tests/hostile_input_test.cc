@@ -305,6 +305,41 @@ TEST_F(HostileFiles, LibraryChecksChunksBeforeRows) {
   EXPECT_EQ(v->first_error.error().code, ErrorCode::kNotFound);
 }
 
+TEST_F(HostileFiles, GeometryBoundsHoldInPacksAndConfigs) {
+  // kv_dim above kMaxKvDim: 128 kv heads of 1024.
+  ModelConfig c = make_hybrid_config("wide", 1, 1, 128, 128, 1024, 0, 64);
+  auto s = c.validate();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("num_key_value_heads * head_dim = 131072 is out of range [1, 65536]"),
+            std::string::npos)
+      << s.error().message;
+  auto j = parse_hf_config(R"({"num_hidden_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "head_dim": 1024, "max_position_embeddings": 64})");
+  ASSERT_FALSE(j.ok());
+  EXPECT_NE(j.error().message.find("num_key_value_heads * head_dim"), std::string::npos);
+  auto v = parse_hf_config(R"({"num_hidden_layers": 1, "num_attention_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 64, "vocab_size": 99999999})");
+  ASSERT_FALSE(v.ok());
+  EXPECT_NE(v.error().message.find("vocab_size = 99999999 is out of range"), std::string::npos);
+  auto h = parse_hf_config(R"({"num_hidden_layers": 1, "num_attention_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 64, "hidden_size": 1000000})");
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.error().message.find("hidden_size = 1000000 is out of range"), std::string::npos);
+
+  // The pack reader applies the same bounds to a pack's geometry.
+  HostilePack p;
+  p.config = c;
+  p.context = 64;
+  p.token_count = 0;
+  p.chunk_tokens = 1;
+  std::int64_t payload = 0;
+  const std::string head = hostile_pack_head(p, &payload);
+  auto m = read_manifest(*memory_pack_source(head.data(), static_cast<std::int64_t>(head.size())));
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.error().message.find("not a valid geometry: num_key_value_heads * head_dim"), std::string::npos)
+      << m.error().message;
+}
+
 // --- Run records ----------------------------------------------------------------
 
 // A session of 40 tokens over vocabulary 50, and a pack of it whose record

@@ -53,6 +53,7 @@ Status ModelConfig::validate() const {
   KVRING_RETURN_IF_ERROR(check_range("num_key_value_heads", n_kv_heads, 1, kMaxHeads));
   KVRING_RETURN_IF_ERROR(check_range("head_dim", head_dim, 1, kMaxHeadDim));
   KVRING_RETURN_IF_ERROR(check_range("max_position_embeddings", max_context, 1, kMaxContext));
+  KVRING_RETURN_IF_ERROR(check_range("num_key_value_heads * head_dim", kv_dim(), 1, kMaxKvDim));
   if (n_heads % n_kv_heads != 0)
     return config_error("num_attention_heads = " + std::to_string(n_heads) +
                         " is not a multiple of num_key_value_heads = " +
@@ -179,8 +180,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     if (!hidden) return hidden.error();
     if (*hidden == -1)
       return config_error("missing field 'head_dim' (and no 'hidden_size' to derive it from)");
-    if (*hidden <= 0)
-      return config_error("hidden_size = " + std::to_string(*hidden) + " must be positive");
+    KVRING_RETURN_IF_ERROR(check_range("hidden_size", *hidden, 1, kMaxHiddenSize));
     if (*hidden % c.n_heads != 0)
       return config_error("hidden_size = " + std::to_string(*hidden) +
                           " is not divisible by num_attention_heads = " +
@@ -188,6 +188,17 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     c.head_dim = *hidden / c.n_heads;
   } else {
     c.head_dim = *head_dim;
+  }
+
+  if (j.contains("hidden_size") && !j["hidden_size"].is_null()) {
+    auto hidden = int_field(j, "hidden_size", true);
+    if (!hidden) return hidden.error();
+    KVRING_RETURN_IF_ERROR(check_range("hidden_size", *hidden, 1, kMaxHiddenSize));
+  }
+  if (j.contains("vocab_size") && !j["vocab_size"].is_null()) {
+    auto vocab = int_field(j, "vocab_size", true);
+    if (!vocab) return vocab.error();
+    KVRING_RETURN_IF_ERROR(check_range("vocab_size", *vocab, 1, kMaxVocabSize));
   }
 
   auto max_pos = int_field(j, "max_position_embeddings", true);
