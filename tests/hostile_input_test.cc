@@ -16,11 +16,13 @@
 #include <cstring>
 #include <fstream>
 #include <future>
+#include <nlohmann/json.hpp>
 #include <gtest/gtest.h>
 #include <string>
 #include <vector>
 
 #include "../tools/run_pack.h"
+#include "../tools/text.h"
 #include "core/file_read.h"
 #include "hostile_pack.h"
 #include "kvring/cache.h"
@@ -342,6 +344,27 @@ TEST_F(HostileFiles, GeometryBoundsHoldInPacksAndConfigs) {
 
 // --- Run records ----------------------------------------------------------------
 
+TEST_F(HostileFiles, RecordWithHugeModelAndFewLogitsFailsBeforeTheBuild) {
+  // vocabulary 2^20 and hidden 1024 would build 8 GiB of weights; the record
+  // holds 64 logits, which the vocabulary contradicts.
+  HostilePack p;
+  p.config = make_hybrid_config("m", 1, 1, 2, 2, 16, 0, 64);
+  p.context = 64;
+  p.token_count = 4;
+  p.chunk_tokens = 16;
+  p.thin = true;
+  p.token_ids.assign(4, 1);
+  p.metadata = record_for(4, /*vocab=*/std::int64_t{1} << 20, /*hidden=*/1024);
+  std::int64_t payload = 0;
+  write_file(dir_ + "/big.kvpack", hostile_pack_head(p, &payload));
+  const Ran r = run_tool({"run", "--resume", "big.kvpack", "--store", "dir:store", "--no-progress"}, dir_,
+                         kToolAddressSpace);
+  EXPECT_EQ(r.rc, 2) << describe(r);
+  EXPECT_NE(r.err.find("field 'last_logits_f32le' holds 512 hex digits; field 'vocab' = 1048576 needs 8388608"),
+            std::string::npos)
+      << describe(r);
+}
+
 // A session of 40 tokens over vocabulary 50, and a pack of it whose record
 // and token ids a test may edit.
 struct SavedSession {
@@ -367,6 +390,103 @@ struct SavedSession {
   }
 };
 
+TEST_F(HostileFiles, TokenIdsOutsideTheVocabularyAreRefused) {
+  SavedSession s;
+  EXPECT_TRUE(cli::resume_run(s.write(dir_ + "/ok.kvpack"), "", BackendKind::kCpu, 0).ok());
+  for (std::int32_t bad : {50, -1, 1 << 30}) {
+    s.snapshot.token_ids[3] = bad;
+    auto r = cli::resume_run(s.write(dir_ + "/bad.kvpack"), "", BackendKind::kCpu, 0);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.error().message.find("bad.kvpack: tokens: token id " + std::to_string(bad) +
+                                     " at position 3 is outside the vocabulary [0, 50) of model 'small'"),
+              std::string::npos)
+        << r.error().message;
+  }
+}
+
+TEST_F(HostileFiles, RecordFieldsThatFailToParseAreNamed) {
+  const std::string good = cli::encode_run_record(SavedSession().record);
+  ASSERT_TRUE(cli::decode_run_record(good, "p").ok());
+  // A syntax error inside the value of 'hidden'.
+  std::string broken = good;
+  const auto at = broken.find("\"hidden\":");
+  ASSERT_NE(at, std::string::npos);
+  broken.insert(at + 9, "x");
+  auto r = cli::decode_run_record(broken, "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("p: metadata: the run record does not parse in field 'hidden'"),
+            std::string::npos)
+      << r.error().message;
+  EXPECT_EQ(r.error().message.find("not written by"), std::string::npos) << r.error().message;
+  // A field of the wrong type.
+  auto j = nlohmann::json::parse(good);
+  j["vocab"] = "fifty";
+  r = cli::decode_run_record(j.dump(), "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("field 'vocab' must be an integer, got \"fifty\""), std::string::npos)
+      << r.error().message;
+  j = nlohmann::json::parse(good);
+  j["model"] = "";
+  r = cli::decode_run_record(j.dump(), "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("field 'model' is empty"), std::string::npos) << r.error().message;
+  j = nlohmann::json::parse(good);
+  j["hidden"] = 1 << 20;
+  r = cli::decode_run_record(j.dump(), "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("field 'hidden' = 1048576 outside [1, 16384]"), std::string::npos)
+      << r.error().message;
+  // Metadata that is not a run record at all still says so.
+  r = cli::decode_run_record("{\"x\": 1}", "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("p was not written by kvring run --save"), std::string::npos);
+  r = cli::decode_run_record("", "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("its metadata is empty"), std::string::npos);
+}
+
+TEST(Printable, EscapesWhatCouldActOnATerminal) {
+  using cli::printable;
+  EXPECT_EQ(printable("muse-glimmer"), "muse-glimmer");
+  EXPECT_EQ(printable("a\x1b[2Jb\n\t\x7f"), "a\\x1b[2Jb\\x0a\\x09\\x7f");
+  EXPECT_EQ(printable("back\\slash"), "back\\x5cslash");
+  EXPECT_EQ(printable("caf\xc3\xa9 \xe2\x82\xac"), "caf\xc3\xa9 \xe2\x82\xac");  // UTF-8 passes
+  EXPECT_EQ(printable("\xc2\x9b" "1m"), "\\xc2\\x9b1m");                          // C1 CSI
+  EXPECT_EQ(printable("\xff\xc3"), "\\xff\\xc3");                                 // not UTF-8
+  EXPECT_EQ(printable("\xc0\xaf"), "\\xc0\\xaf");                                 // overlong
+  EXPECT_EQ(printable("\xed\xa0\x80"), "\\xed\\xa0\\x80");                        // surrogate
+}
+
+TEST_F(HostileFiles, ToolEscapesTheModelNameAndNamesIt) {
+  SavedSession s;
+  s.record.model = "evil\x1b]0;title\x07\x1b[2J\xc2\x9b" "31m";
+  s.write(dir_ + "/evil.kvpack");
+  for (const bool json : {false, true}) {
+    std::vector<std::string> args = {"run", "--resume", "evil.kvpack", "--tokens", "44", "--no-progress"};
+    if (json) args.push_back("--json");
+    const Ran r = run_tool(args, dir_);
+    ASSERT_EQ(r.rc, 0) << describe(r);
+    for (const std::string* text : {&r.out, &r.err})
+      for (unsigned char ch : *text)
+        EXPECT_TRUE(ch == '\n' || (ch >= 0x20 && ch < 0x7f)) << "raw byte " << int{ch} << " in " << describe(r);
+    if (!json) {
+      EXPECT_NE(r.out.find("kvring run: model evil\\x1b]0;title\\x07\\x1b[2J\\xc2\\x9b31m on cpu"), std::string::npos)
+          << describe(r);
+    }
+  }
+  // Errors of a resumed run name its model, escaped.
+  const Ran e = run_tool({"run", "--resume", "evil.kvpack", "--tokens", "100000", "--no-progress"}, dir_);
+  EXPECT_EQ(e.rc, 2) << describe(e);
+  EXPECT_NE(e.err.find("of model 'evil\\x1b]0;title"), std::string::npos) << describe(e);
+  // pack inspect shows metadata text escaped.
+  s.snapshot.metadata = "note: \x1b[2Jcleared\x7f\n";
+  ASSERT_TRUE(write_pack(s.snapshot, dir_ + "/note.kvpack").ok());
+  const Ran i = run_tool({"pack", "inspect", "note.kvpack"}, dir_);
+  EXPECT_EQ(i.rc, 0) << describe(i);
+  EXPECT_NE(i.out.find("metadata         note: \\x1b[2Jcleared\\x7f\\x0a\n"), std::string::npos) << describe(i);
+  EXPECT_EQ(i.out.find('\x1b'), std::string::npos);
+}
+
 TEST_F(HostileFiles, VerifyOfASelfContainedPackDoesNotClaimTheStore) {
   SavedSession s;
   s.write(dir_ + "/own.kvpack");
@@ -375,6 +495,27 @@ TEST_F(HostileFiles, VerifyOfASelfContainedPackDoesNotClaimTheStore) {
   EXPECT_NE(r.out.find("verified in the pack itself (self-contained: dir:store was not read)"), std::string::npos)
       << describe(r);
   EXPECT_EQ(r.out.find("verified in dir:store"), std::string::npos) << describe(r);
+}
+
+TEST_F(HostileFiles, ArgumentErrorsPrintNothingOnStdout) {
+  SavedSession s;
+  s.write(dir_ + "/a.kvpack");
+  const std::vector<std::vector<std::string>> cases = {
+      {"pack", "verify", "a.kvpack", "--store", "ftp://x"},
+      {"pack", "inspect", "a.kvpack", "--store", "dir:store"},
+      {"pack", "inspect", "a.kvpack", "b.kvpack"},
+      {"pack", "frob", "a.kvpack"},
+      {"run", "--resume", "a.kvpack", "--tokens", "10"},
+      {"run", "--resume", "a.kvpack", "--hidden", "64"},
+      {"run", "--resume", "a.kvpack", "--tokens", "x"},
+      {"config", "--config", "fifo"},
+  };
+  for (const auto& args : cases) {
+    const Ran r = run_tool(args, dir_);
+    EXPECT_EQ(r.rc, 2) << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+    EXPECT_NE(r.err, "") << describe(r);
+  }
 }
 
 }  // namespace

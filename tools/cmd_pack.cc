@@ -8,6 +8,7 @@
 #include "kvring/chunk_store.h"
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
+#include "text.h"
 
 namespace kvring::cli {
 
@@ -17,12 +18,16 @@ const char* kPackUsage = R"(usage: kvring pack inspect FILE
        kvring pack verify FILE [--store dir:PATH | --store redis://HOST:PORT]
 )";
 
-// The metadata blob as text when it is printable, else its first bytes in hex.
+// The metadata blob as text when it is printable (escaped as \xNN where a
+// byte could act on a terminal), else its first bytes in hex.
 std::string describe_metadata(const std::string& m) {
   bool text = true;
-  for (unsigned char ch : m) text = text && (ch >= 0x20 || ch == '\n' || ch == '\t') && ch != 0x7f;
+  for (unsigned char ch : m) text = text && ch != 0;
   const std::size_t shown = 160;
-  if (text) return m.size() <= shown ? m : m.substr(0, shown) + "... (" + std::to_string(m.size()) + " bytes)";
+  if (text) {
+    const std::string head = printable(std::string_view(m).substr(0, shown));
+    return m.size() <= shown ? head : head + "... (" + std::to_string(m.size()) + " bytes)";
+  }
   return to_hex(reinterpret_cast<const std::uint8_t*>(m.data()), std::min(m.size(), std::size_t{32})) +
          (m.size() > 32 ? "..." : "") + " (binary)";
 }
