@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <future>
 #include <nlohmann/json.hpp>
 #include <gtest/gtest.h>
@@ -328,6 +329,11 @@ TEST_F(HostileFiles, GeometryBoundsHoldInPacksAndConfigs) {
   ASSERT_FALSE(h.ok());
   EXPECT_NE(h.error().message.find("hidden_size = 1000000 is out of range"), std::string::npos);
 
+  // A number past a double's range (found by fuzz/config_fuzz.cc).
+  auto o = parse_hf_config(R"({"num_hidden_layers": 1, "hidden_size": 1e692})");
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.error().message.find("number overflow parsing '1e692'"), std::string::npos) << o.error().message;
+
   // The pack reader applies the same bounds to a pack's geometry.
   HostilePack p;
   p.config = c;
@@ -340,6 +346,21 @@ TEST_F(HostileFiles, GeometryBoundsHoldInPacksAndConfigs) {
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.error().message.find("not a valid geometry: num_key_value_heads * head_dim"), std::string::npos)
       << m.error().message;
+}
+
+TEST(ConfigFuzzRegressions, EveryInputParsesOrIsRefused) {
+  // Inputs that once made the config parser throw (fuzz/config_regressions).
+  const std::string dir = std::string(KVRING_SOURCE_DIR) + "/fuzz/config_regressions";
+  int n = 0;
+  for (const auto& name : testing::list_dir(dir)) {
+    std::ifstream in(dir + "/" + name, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto c = parse_hf_config(text, name);
+    if (c.ok()) EXPECT_TRUE(c->validate().ok()) << name;
+    else EXPECT_FALSE(c.error().message.empty()) << name;
+    ++n;
+  }
+  EXPECT_GE(n, 1);
 }
 
 // --- Run records ----------------------------------------------------------------
@@ -436,6 +457,14 @@ TEST_F(HostileFiles, RecordFieldsThatFailToParseAreNamed) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message.find("field 'hidden' = 1048576 outside [1, 16384]"), std::string::npos)
       << r.error().message;
+  // A number past a double's range is a parse error, not an exception.
+  std::string huge = good;
+  huge.replace(huge.find("\"hidden\":32"), 11, "\"hidden\":1e692");
+  r = cli::decode_run_record(huge, "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("p: metadata: the run record does not parse: "), std::string::npos)
+      << r.error().message;
+  EXPECT_NE(r.error().message.find("number overflow parsing '1e692'"), std::string::npos) << r.error().message;
   // Metadata that is not a run record at all still says so.
   r = cli::decode_run_record("{\"x\": 1}", "p");
   ASSERT_FALSE(r.ok());

@@ -109,6 +109,9 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
     return invalid_argument(where + "the run record does not parse" +
                             (field.empty() ? "" : " in field '" + printable(field) + "'") + ": byte " +
                             std::to_string(at) + " is not valid JSON");
+  } catch (const nlohmann::json::exception& e) {
+    // Not a syntax error: a number too large for a double (out_of_range 406).
+    return invalid_argument(where + "the run record does not parse: " + e.what());
   }
   if (!j.is_object() || !j.contains("kvring_run"))
     return invalid_argument(not_ours + " (no run record in its metadata)");
