@@ -8,6 +8,7 @@
 #include "kvring/chunk_store.h"
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
+#include "text.h"
 
 namespace kvring::cli {
 
@@ -18,12 +19,16 @@ const char* kPackUsage = R"(usage: kvring pack inspect FILE
        kvring pack [inspect | verify] --help
 )";
 
-// The metadata blob as text when it is printable, else its first bytes in hex.
+// The metadata blob as text when it is printable (escaped as \xNN where a
+// byte could act on a terminal), else its first bytes in hex.
 std::string describe_metadata(const std::string& m) {
   bool text = true;
-  for (unsigned char ch : m) text = text && (ch >= 0x20 || ch == '\n' || ch == '\t') && ch != 0x7f;
+  for (unsigned char ch : m) text = text && ch != 0;
   const std::size_t shown = 160;
-  if (text) return m.size() <= shown ? m : m.substr(0, shown) + "... (" + std::to_string(m.size()) + " bytes)";
+  if (text) {
+    const std::string head = printable(std::string_view(m).substr(0, shown));
+    return m.size() <= shown ? head : head + "... (" + std::to_string(m.size()) + " bytes)";
+  }
   return to_hex(reinterpret_cast<const std::uint8_t*>(m.data()), std::min(m.size(), std::size_t{32})) +
          (m.size() > 32 ? "..." : "") + " (binary)";
 }
@@ -107,9 +112,13 @@ int verify(const std::string& path, const std::string& store_spec) {
                  static_cast<long long>(r->bad_chunks), static_cast<long long>(r->chunks));
     return verdict(r->first_error.error());
   }
+  // The store is named only when the chunks came from it: a self-contained
+  // pack's chunks are its own, whatever --store says.
+  std::string where;
+  if (r->thin) where = " in " + store->spec();
+  else if (store) where = " in the pack itself (self-contained: " + store->spec() + " was not read)";
   std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", path.c_str(),
-              static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(),
-              store ? (" in " + store->spec()).c_str() : "");
+              static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(), where.c_str());
   return 0;
 }
 

@@ -19,6 +19,7 @@
 #include "run_pack.h"
 #include "run_report.h"
 #include "run_summary.h"
+#include "text.h"
 
 namespace kvring::cli {
 
@@ -120,8 +121,8 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
     return invalid_argument("--prompt-tokens = " + std::to_string(o.prompt_tokens) +
                             " exceeds --tokens = " + std::to_string(o.tokens));
   KVRING_RETURN_IF_ERROR(get("chunk", o.chunk, 1, max, o.chunk));
-  KVRING_RETURN_IF_ERROR(get("hidden", o.model.hidden, 1, 16384, o.model.hidden));
-  KVRING_RETURN_IF_ERROR(get("vocab", o.model.vocab, 2, 1 << 20, o.model.vocab));
+  KVRING_RETURN_IF_ERROR(get("hidden", o.model.hidden, 1, kMaxRunHidden, o.model.hidden));
+  KVRING_RETURN_IF_ERROR(get("vocab", o.model.vocab, 2, kMaxRunVocab, o.model.vocab));
   KVRING_RETURN_IF_ERROR(get("context", 0, 0, max, o.context));
   KVRING_RETURN_IF_ERROR(get("sequences", 0, 1, kMaxRunSequences, o.sequences));
   std::int64_t seed = 1;
@@ -182,7 +183,7 @@ int cmd_run(const std::vector<std::string>& argv) {
                 std::to_string(config->max_context));
   if (o.tokens > context)
     return fail("--tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
-                std::to_string(context) + " of model '" + config->name + "'");
+                std::to_string(context) + " of model '" + printable(config->name) + "'");
   std::optional<Session> fresh;
   if (!resumed) {
     auto model = ReferenceModel::create(*config, o.model);
@@ -268,11 +269,12 @@ int print_run_report(const RunReport& r) {
   j["timing"].update(r.extra_timing);
   const std::string& saved = r.saved;
   if (r.json) {
-    std::printf("%s\n", j.dump().c_str());
+    // ASCII only: a model name from a pack reaches the terminal as \uXXXX.
+    std::printf("%s\n", j.dump(-1, ' ', /*ensure_ascii=*/true).c_str());
     return 0;
   }
   std::printf("kvring run: model %s on %s, %lld tokens (%lld prompt, %zu generated), chunk %lld\n",
-              config->name.c_str(), backend_name(c.backend()),
+              printable(config->name).c_str(), backend_name(c.backend()),
               static_cast<long long>(session.position()), static_cast<long long>(r.prompt_tokens),
               generated.size(), static_cast<long long>(r.chunk));
   std::printf("  prefill      %8.1f tokens/s  (%.3f s)\n",
