@@ -151,6 +151,8 @@ int run_many(const RunOptions& o, BackendKind backend) {
       who.push_back(i);
     }
     if (spans.empty()) break;
+    if (Status s = (*model)->check_chunk(static_cast<std::int64_t>(ids.size())); !s.ok())
+      return fail(s.error());
     logits.resize(ids.size() * static_cast<std::size_t>(vocab));
     const auto t0 = Clock::now();
     if (Status s = (*model)->forward(kv, spans, ids.data(), logits.data()); !s.ok())
