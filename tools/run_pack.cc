@@ -160,8 +160,9 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   KVRING_RETURN_IF_ERROR(range("mlp", r.options.mlp, 0, 4 * kMaxRunHidden));
   // The last logits are one per vocabulary entry: compared by length before
   // anything is decoded.
+  // None at all is a session whose receiver computes them (a handoff).
   const std::string& hex = j["last_logits_f32le"].get_ref<const std::string&>();
-  if (hex.size() != static_cast<std::size_t>(r.options.vocab) * 8)
+  if (!hex.empty() && hex.size() != static_cast<std::size_t>(r.options.vocab) * 8)
     return invalid_argument(where + "field 'last_logits_f32le' holds " + std::to_string(hex.size()) +
                             " hex digits; field 'vocab' = " + std::to_string(r.options.vocab) + " needs " +
                             std::to_string(r.options.vocab * 8) + " (8 per logit)");
@@ -222,6 +223,9 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
                             " outside [1, " + std::to_string(m->header.token_count) + "] (the tokens it holds)");
   if (record->chunk < 1)
     return invalid_argument(path + ": metadata: chunk = " + std::to_string(record->chunk) + " < 1");
+  if (record->last_logits.empty())
+    return invalid_argument(path + ": metadata: field 'last_logits_f32le' is empty; a saved run "
+                            "holds the logits of its last token");
   if (!(record->rope_theta > 0.0) || !std::isfinite(record->rope_theta))
     return invalid_argument(path + ": metadata: rope_theta must be a positive finite number");
   const auto& ids = m->header.token_ids;
