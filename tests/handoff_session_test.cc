@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "kvring/handoff.h"
+#include "kvring/backend.h"
 #include "kvring/model.h"
 #include "test_util.h"
 
@@ -261,6 +262,71 @@ TEST_F(Handoff, FlippedByteIsCaught) {
   EXPECT_EQ(target.held_row_bytes(), 0);
   // The sender's session is still usable.
   expect_reference(finish(s));
+}
+
+// The receiver installs into a new sequence of a running store: the store's
+// other sequence is untouched, and the new one decodes bit for bit as the
+// session that never moved. A damaged stream leaves the store as it was.
+TEST_F(Handoff, InstallsIntoARunningStore) {
+  auto made = make_store(BackendKind::kCpu, config_, {.max_sequences = 3});
+  ASSERT_TRUE(made.ok());
+  KvStore& store = **made;
+  const SeqId other = *store.add_sequence();
+  const auto other_tokens = seeded_tokens(40, 64, 99);
+  std::vector<float> logits(40 * 64);
+  const SeqSpan span{other, 0, 40};
+  ASSERT_TRUE(model_->forward(store, {&span, 1}, other_tokens.data(), logits.data()).ok());
+  auto bytes_of = [&](SeqId seq) {
+    std::vector<std::uint16_t> all;
+    for (std::int64_t l = 0; l < config_.n_layers; ++l) {
+      const RingState r = *store.ring(seq, l);
+      std::vector<std::uint16_t> k(static_cast<std::size_t>(r.len() * config_.kv_dim())), v(k.size());
+      EXPECT_TRUE(store.read_rows(seq, l, r.origin_logical(), r.len(), k.data(), v.data()).ok());
+      all.insert(all.end(), k.begin(), k.end());
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  const auto other_before = bytes_of(other);
+
+  {  // A flipped byte: nothing is added.
+    Session s = prefilled();
+    const Timeline t = plan();
+    auto src = source(s, t);
+    auto [a, b] = local_pair();
+    Faulty flip(*a);
+    flip.flip_at_send = 3;
+    DetachedCacheTarget target({.store = &store});
+    auto o = run(flip, *b, *src, t, target);
+    ASSERT_FALSE(o.received.ok());
+    EXPECT_EQ(store.sequence_count(), 1);
+    EXPECT_FALSE(target.sequence().has_value());
+  }
+
+  Session s = prefilled();
+  const Timeline t = plan();
+  auto src = source(s, t);
+  auto [a, b] = local_pair();
+  DetachedCacheTarget target({.store = &store});
+  auto o = run(*a, *b, *src, t, target);
+  ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
+  ASSERT_TRUE(target.sequence().has_value());
+  EXPECT_EQ(target.take(), nullptr);
+  EXPECT_EQ(store.sequence_count(), 2);
+  EXPECT_EQ(bytes_of(other), other_before);
+  // Decode on the receiver: the prompt's last token, then greedy steps.
+  const SeqId seq = *target.sequence();
+  std::vector<std::int32_t> tokens = target.header().token_ids;
+  std::vector<float> last(64);
+  std::int32_t next = prompt_.back();
+  while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
+    const SeqSpan step{seq, static_cast<std::int64_t>(tokens.size()), 1};
+    ASSERT_TRUE(model_->forward(store, {&step, 1}, &next, last.data()).ok());
+    tokens.push_back(next);
+    next = argmax(last.data(), 64);
+  }
+  EXPECT_EQ(tokens, reference_.tokens);
+  EXPECT_EQ(std::memcmp(last.data(), reference_.logits.data(), 64 * 4), 0) << "logits differ";
 }
 
 TEST_F(Handoff, WrongGeometryIsRefused) {

@@ -263,8 +263,11 @@ class HandoffTarget {
   virtual void abort() = 0;
 };
 
-// Today's target: rows land in a Snapshot's buffers; commit restores it into a
-// fresh cache (restore_detached), handed out by take().
+// Rows land in a Snapshot's buffers; commit installs them, either into a
+// new sequence of a running store (`store` set: restore_new_sequence, so
+// the sequence exists only once every row has arrived and verified, and
+// the store's other sequences are never touched) or into a fresh cache
+// (restore_detached), handed out by take().
 class DetachedCacheTarget : public HandoffTarget {
  public:
   struct Options {
@@ -273,6 +276,10 @@ class DetachedCacheTarget : public HandoffTarget {
     // Set: a session of another geometry is refused (kMismatch).
     std::optional<ModelConfig> expect;
     std::int64_t max_row_bytes = std::int64_t{64} << 30;
+    // Set: commit adds the session to this store as a new sequence, and a
+    // session the store cannot take (another geometry, more positions than
+    // its context) is refused at begin().
+    KvStore* store = nullptr;
   };
   explicit DetachedCacheTarget(Options options) : options_(std::move(options)) {}
   Status begin(const Snapshot& header) override;
@@ -280,8 +287,10 @@ class DetachedCacheTarget : public HandoffTarget {
                   const std::uint8_t* k, const std::uint8_t* v) override;
   Status commit() override;
   void abort() override;
-  // After commit: the live cache and the snapshot header (token ids, metadata).
+  // After commit: the live cache (none in store mode), the new sequence
+  // (store mode) and the snapshot header (token ids, metadata).
   std::unique_ptr<KvCache> take() { return std::move(cache_); }
+  std::optional<SeqId> sequence() const { return seq_; }
   const Snapshot& header() const { return snapshot_; }
   std::int64_t held_row_bytes() const;  // what the target holds now (0 after abort)
 
@@ -289,6 +298,7 @@ class DetachedCacheTarget : public HandoffTarget {
   Options options_;
   Snapshot snapshot_;
   std::unique_ptr<KvCache> cache_;
+  std::optional<SeqId> seq_;
 };
 
 struct SendOptions {

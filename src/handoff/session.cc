@@ -350,9 +350,11 @@ std::int64_t PrefillSource::staged_bytes_peak() const {
 
 Status DetachedCacheTarget::begin(const Snapshot& header) {
   abort();
-  if (options_.expect && options_.expect->fingerprint() != header.config.fingerprint()) {
+  std::optional<ModelConfig> expect = options_.expect;
+  if (options_.store != nullptr && !expect) expect = options_.store->config();
+  if (expect && expect->fingerprint() != header.config.fingerprint()) {
     const ModelConfig& a = header.config;
-    const ModelConfig& b = *options_.expect;
+    const ModelConfig& b = *expect;
     std::string field = "layer kinds";
     if (a.n_layers != b.n_layers) field = "n_layers " + std::to_string(a.n_layers) + " vs " + std::to_string(b.n_layers);
     else if (a.n_kv_heads != b.n_kv_heads) field = "n_kv_heads " + std::to_string(a.n_kv_heads) + " vs " + std::to_string(b.n_kv_heads);
@@ -376,6 +378,11 @@ Status DetachedCacheTarget::begin(const Snapshot& header) {
   if (bytes > options_.max_row_bytes)
     return invalid_argument("handoff: the session's rows take " + std::to_string(bytes) + " B, above this store's limit of " +
                             std::to_string(options_.max_row_bytes) + " B");
+  if (options_.store != nullptr) {
+    KVRING_RETURN_IF_ERROR(check_restorable(header, *options_.store));
+    if (options_.store->sequence_count() >= options_.store->options().max_sequences)
+      return make_error(ErrorCode::kCapacityExceeded, "handoff: every sequence slot of the store is taken");
+  }
   snapshot_ = header;
   const std::size_t kv = static_cast<std::size_t>(header.config.kv_dim());
   for (PlaneSnapshot& p : snapshot_.planes) {
@@ -402,10 +409,16 @@ Status DetachedCacheTarget::put_rows(std::int64_t layer, std::int64_t first_row,
 }
 
 Status DetachedCacheTarget::commit() {
-  const std::int64_t context = options_.context == 0 ? snapshot_.context : options_.context;
-  auto cache = restore_detached(snapshot_, options_.backend, context);
-  if (!cache) return cache.error();
-  cache_ = std::move(*cache);
+  if (options_.store != nullptr) {
+    auto seq = restore_new_sequence(snapshot_, *options_.store);
+    if (!seq) return seq.error();
+    seq_ = *seq;
+  } else {
+    const std::int64_t context = options_.context == 0 ? snapshot_.context : options_.context;
+    auto cache = restore_detached(snapshot_, options_.backend, context);
+    if (!cache) return cache.error();
+    cache_ = std::move(*cache);
+  }
   for (PlaneSnapshot& p : snapshot_.planes) {
     RowBuffer().swap(p.k);
     RowBuffer().swap(p.v);
@@ -416,6 +429,7 @@ Status DetachedCacheTarget::commit() {
 void DetachedCacheTarget::abort() {
   snapshot_ = Snapshot{};
   cache_.reset();
+  seq_.reset();
 }
 
 std::int64_t DetachedCacheTarget::held_row_bytes() const {
