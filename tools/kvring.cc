@@ -229,23 +229,26 @@ int cmd_footprint(const std::vector<std::string>& argv) {
     print_footprint(*config, *f);
     return 0;
   }
+  // Every row is computed before anything is printed: an error prints
+  // nothing on stdout.
+  std::vector<Footprint> rows;
+  for (std::int64_t ctx : contexts) {
+    auto f = compute_footprint(*config, ctx, *slots);
+    if (!f) return fail(f.error());
+    rows.push_back(*f);
+  }
   std::printf("model %s: %lld layers, %s B per token; %lld slot%s\n", config->name.c_str(),
               static_cast<long long>(config->n_layers),
               with_commas(config->n_layers * config->kv_dim() * 4).c_str(),
               static_cast<long long>(*slots), *slots == 1 ? "" : "s");
   std::printf("%10s %18s %18s %18s %18s\n", "context", "sliding B", "full B", "slot B", "all slots B");
-  for (std::int64_t ctx : contexts) {
-    auto f = compute_footprint(*config, ctx, *slots);
-    if (!f) return fail(f.error());
-    std::printf("%10s %18s %18s %18s %18s\n", with_commas(ctx).c_str(),
-                with_commas(f->sliding_bytes).c_str(), with_commas(f->full_bytes).c_str(),
-                with_commas(f->slot_bytes).c_str(), with_commas(f->total_bytes).c_str());
-  }
-  for (std::int64_t ctx : contexts) {
-    auto f = compute_footprint(*config, ctx, *slots);
-    std::printf("%10s: slot %s; all slots %s\n", with_commas(ctx).c_str(),
-                format_bytes(f->slot_bytes).c_str(), format_bytes(f->total_bytes).c_str());
-  }
+  for (const Footprint& f : rows)
+    std::printf("%10s %18s %18s %18s %18s\n", with_commas(f.context).c_str(),
+                with_commas(f.sliding_bytes).c_str(), with_commas(f.full_bytes).c_str(),
+                with_commas(f.slot_bytes).c_str(), with_commas(f.total_bytes).c_str());
+  for (const Footprint& f : rows)
+    std::printf("%10s: slot %s; all slots %s\n", with_commas(f.context).c_str(),
+                format_bytes(f.slot_bytes).c_str(), format_bytes(f.total_bytes).c_str());
   return 0;
 }
 
