@@ -258,6 +258,20 @@ std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t con
   return std::make_unique<CudaCache>(std::move(*c), *seq);
 }
 
+// The help text, printed by --help (to stdout, exit 0) and after a bad
+// argument (to stderr, exit 2).
+void print_usage(std::FILE* out) {
+  std::fputs(
+      "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill]\n"
+      "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
+      "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
+      "  --json FILE  also write the results as JSON to FILE\n"
+      "  --quick      fewer repetitions\n"
+      "  --only PART  run one part\n"
+      "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
+      out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -271,8 +285,11 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
+    } else if (a == "--help" || a == "-h") {
+      print_usage(stdout);
+      return 0;
     } else {
-      std::fprintf(stderr, "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill]\n");
+      print_usage(stderr);
       return 2;
     }
   }

@@ -1,11 +1,16 @@
 // Writes the fuzzer's seed corpus: small valid packs of several geometries,
 // ring states (empty, partial, wrapped), encodings, chunk sizes and forms
-// (self-contained and thin), with and without token ids and metadata.
+// (self-contained and thin), with and without token ids and metadata, and
+// hostile packs whose well-formed manifests claim chunks of 1 GiB that no
+// store holds and no file carries (tests/hostile_pack.h).
 // usage: kvring-pack-seeds DIR
 #include <cstdio>
 #include <random>
 #include <string>
 
+#include <fstream>
+
+#include "hostile_pack.h"
 #include "kvring/pack.h"
 #include "kvring/snapshot.h"
 
@@ -92,6 +97,30 @@ int main(int argc, char** argv) {
     const std::string path = dir + "/seed-" + std::to_string(n++) + ".kvpack";
     if (Status st = write_pack(snap, path, o); !st.ok()) {
       std::fprintf(stderr, "%s: %s\n", path.c_str(), st.to_string().c_str());
+      return 1;
+    }
+  }
+  // Hostile: thin packs claiming 1 GiB chunks (two and one), the
+  // self-contained form's manifest without its gigabyte payload, and a
+  // geometry at the kv_dim bound.
+  using testing::gigabyte_chunks_pack;
+  testing::HostilePack wide;
+  wide.config = make_hybrid_config("seed", 1, 1, 64, 64, 1024, 0, 64);
+  wide.context = 64;
+  wide.token_count = 3;
+  wide.chunk_tokens = 2;
+  wide.thin = true;
+  wide.token_ids = {1, -1, 1 << 30};
+  wide.metadata = "{\"kvring_run\":1,\"model\":\"\\u001b[2J\"}";
+  for (const testing::HostilePack& h : {gigabyte_chunks_pack(2, true), gigabyte_chunks_pack(1, true),
+                                        gigabyte_chunks_pack(1, false), wide}) {
+    std::int64_t payload = 0;
+    const std::string head = testing::hostile_pack_head(h, &payload);
+    const std::string path = dir + "/seed-" + std::to_string(n++) + "-hostile.kvpack";
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(head.data(), static_cast<std::streamsize>(head.size()));
+    if (!f.good()) {
+      std::fprintf(stderr, "%s: cannot write\n", path.c_str());
       return 1;
     }
   }

@@ -10,6 +10,8 @@ packages=(
   libssl-dev            # SHA-256 (OpenSSL)
   libhiredis-dev        # Redis chunk store
   redis-server          # Redis chunk store tests (started on loopback)
+  libucx-dev            # handoff transport between processes (UCX)
+  ucx-utils             # ucx_perftest: the transport's own throughput (docs/PERFORMANCE.md)
   clang libclang-rt-14-dev  # libFuzzer target for the pack reader
 )
 

@@ -36,3 +36,10 @@ run_expect(FALSE "go together" footprint --model muse-glimmer --fit 1GiB)
 run_expect(FALSE "unknown unit" footprint --model muse-glimmer --fit 1XB --length 10)
 run_expect(FALSE "--length = 0 is outside" footprint --model muse-glimmer --fit 1GiB --length 0)
 run_expect(FALSE "power of two" footprint --model muse-glimmer --fit 1GiB --length 10 --block-rows 24)
+
+# An error prints nothing on stdout, also for the table of several contexts.
+execute_process(COMMAND ${KVRING} footprint --model muse-glimmer --slots 2000000
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT "${out}" STREQUAL "" OR NOT err MATCHES "slots")
+  message(FATAL_ERROR "footprint --slots 2000000: exit ${rc}, stdout '${out}', stderr '${err}'")
+endif()

@@ -45,11 +45,11 @@ TEST(Footprint, BadArguments) {
   EXPECT_FALSE(compute_footprint(c, 2048, -3).ok());
   // The largest geometry the config bounds allow: one slot fits, a million
   // slots overflow 64 bits and are refused instead of wrapping.
-  ModelConfig huge = make_hybrid_config("huge", kMaxLayers, 1, kMaxHeads, kMaxHeads, kMaxHeadDim,
-                                        0, kMaxContext);
+  ModelConfig huge = make_hybrid_config("huge", kMaxLayers, 1, kMaxHeads, kMaxKvDim / kMaxHeadDim,
+                                        kMaxHeadDim, 0, kMaxContext);
   auto one = compute_footprint(huge, kMaxContext, 1);
   ASSERT_TRUE(one.ok()) << one.error().to_string();
-  EXPECT_EQ(one->slot_bytes, kMaxLayers * kMaxContext * kMaxHeads * kMaxHeadDim * 4);
+  EXPECT_EQ(one->slot_bytes, kMaxLayers * kMaxContext * kMaxKvDim * 4);
   auto many = compute_footprint(huge, kMaxContext, 1 << 20);
   ASSERT_FALSE(many.ok());
   EXPECT_NE(many.error().message.find("exceed 2^63 bytes"), std::string::npos);

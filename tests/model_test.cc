@@ -5,10 +5,15 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <set>
 
 #include "kvring/cache.h"
+#include "kvring/snapshot.h"
 #include "test_util.h"
 
 namespace kvring {
@@ -151,6 +156,25 @@ TEST(ExactnessGate, PositionsPastTheCacheAreRefusedWhole) {
             ErrorCode::kCapacityExceeded);
 }
 
+// The index of the largest finite logit, the first of equals, written out
+// independently of argmax.
+std::int32_t first_max(const std::vector<float>& logits) {
+  std::int32_t best = -1;
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    if (!std::isnan(logits[i]) && (best < 0 || logits[i] > logits[static_cast<std::size_t>(best)]))
+      best = static_cast<std::int32_t>(i);
+  return best;
+}
+
+bool same_session(const Session& a, const Session& b) {
+  return a.tokens() == b.tokens() &&
+         same_bits(a.last_logits().data(), b.last_logits().data(), a.last_logits().size()) &&
+         a.last_logits().size() == b.last_logits().size() && testing::image(a.cache()) == testing::image(b.cache());
+}
+
+// Greedy decoding picks the argmax of the last logits; a session saved
+// part-way (snapshot, token ids, last logits), restored into a fresh cache
+// and continued is bit for bit the session that never stopped.
 TEST(Session, GreedyDecodeAndResume) {
   const ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
   auto model = ReferenceModel::create(c, {.hidden = 32, .vocab = 50, .mlp = 0, .seed = 1});
@@ -160,16 +184,56 @@ TEST(Session, GreedyDecodeAndResume) {
   Session s(*model, std::move(*a));
   EXPECT_FALSE(s.step().ok());  // nothing to decode from
   ASSERT_TRUE(s.feed(prompt, 7).ok());
+  // Decoding 40 tokens wraps the 32-row sliding rings past the prompt.
+  constexpr int kSteps = 40, kSaveAt = 17;
   std::vector<std::int32_t> generated;
-  for (int i = 0; i < 10; ++i) {
+  std::optional<Snapshot> saved;
+  std::vector<std::int32_t> saved_tokens;
+  std::vector<float> saved_logits;
+  for (int i = 0; i < kSteps; ++i) {
+    if (i == kSaveAt) {
+      auto snap = take_snapshot(s.cache());
+      ASSERT_TRUE(snap.ok()) << snap.error().to_string();
+      saved = std::move(*snap);
+      saved_tokens = s.tokens();
+      saved_logits = s.last_logits();
+    }
+    const std::int32_t expect = first_max(s.last_logits());
     auto t = s.step();
     ASSERT_TRUE(t.ok());
+    EXPECT_EQ(*t, expect) << "step " << i << " did not decode the argmax of the last logits";
     generated.push_back(*t);
   }
-  EXPECT_EQ(s.position(), 30);
+  EXPECT_EQ(s.position(), 20 + kSteps);
   EXPECT_EQ(s.tokens().back(), generated.back());
-  // The logits that chose each token were its argmax.
-  EXPECT_EQ(argmax(s.last_logits().data(), 50), argmax(s.last_logits().data(), 50));
+  // Not a constant: greedy decoding of these weights moves between tokens.
+  EXPECT_GT(std::set<std::int32_t>(generated.begin(), generated.end()).size(), 1u);
+
+  // Resume the saved state in a fresh cache and continue to the same length.
+  ASSERT_TRUE(saved.has_value());
+  auto fresh = make_cpu_cache(c, {.context = 256});
+  ASSERT_TRUE(fresh.ok());
+  ASSERT_TRUE(restore(*saved, **fresh).ok());
+  auto resumed = Session::resume(*model, std::move(*fresh), saved_tokens, saved_logits);
+  ASSERT_TRUE(resumed.ok()) << resumed.error().to_string();
+  EXPECT_EQ(resumed->position(), 20 + kSaveAt);
+  for (int i = kSaveAt; i < kSteps; ++i) {
+    auto t = resumed->step();
+    ASSERT_TRUE(t.ok());
+    EXPECT_EQ(*t, generated[static_cast<std::size_t>(i)]) << "resumed step " << i;
+  }
+  EXPECT_TRUE(same_session(*resumed, s));
+  // A resume whose logits belong to another point is still a session, but
+  // not this one: the comparison above can fail.
+  auto other = make_cpu_cache(c, {.context = 256});
+  ASSERT_TRUE(restore(*saved, **other).ok());
+  std::vector<float> shifted = saved_logits;
+  std::rotate(shifted.begin(), shifted.begin() + 1, shifted.end());
+  auto wrong = Session::resume(*model, std::move(*other), saved_tokens, shifted);
+  ASSERT_TRUE(wrong.ok());
+  for (int i = kSaveAt; i < kSteps; ++i) ASSERT_TRUE(wrong->step().ok());
+  EXPECT_FALSE(same_session(*wrong, s));
+
   const float ties[] = {1.0f, 3.0f, NAN, 3.0f};
   EXPECT_EQ(argmax(ties, 4), 1);
   EXPECT_FALSE(s.feed(prompt, 0).ok());

@@ -157,7 +157,8 @@ int free_loopback_port() {
 
 }  // namespace
 
-std::unique_ptr<RedisServer> RedisServer::start(std::string* why) {
+std::unique_ptr<RedisServer> RedisServer::start(std::string* why, const std::string& password,
+                                                bool ipv6) {
   const std::string exe = find_redis_server();
   if (exe.empty()) {
     *why = "redis-server is not installed (scripts/setup.sh installs it)";
@@ -172,6 +173,7 @@ std::unique_ptr<RedisServer> RedisServer::start(std::string* why) {
   for (int attempt = 0; attempt < 5; ++attempt) {
     std::unique_ptr<RedisServer> s(new RedisServer());
     s->dir_ = make_temp_dir("redis");
+    s->password_ = password;
     s->port_ = free_loopback_port();
     const std::string port = std::to_string(s->port_);
     const std::string log = s->dir_ + "/redis.log";
@@ -184,9 +186,16 @@ std::unique_ptr<RedisServer> RedisServer::start(std::string* why) {
         ::dup2(fd, 1);
         ::dup2(fd, 2);
       }
-      ::execl(exe.c_str(), exe.c_str(), "--port", port.c_str(), "--bind", "127.0.0.1", "--save", "",
-              "--appendonly", "no", "--dir", s->dir_.c_str(), "--daemonize", "no",
-              static_cast<char*>(nullptr));
+      std::vector<const char*> args = {exe.c_str(), "--port", port.c_str(), "--bind", "127.0.0.1"};
+      if (ipv6) args.push_back("::1");
+      for (const char* a : {"--save", "", "--appendonly", "no", "--daemonize", "no", "--dir"}) args.push_back(a);
+      args.push_back(s->dir_.c_str());
+      if (!password.empty()) {
+        args.push_back("--requirepass");
+        args.push_back(password.c_str());
+      }
+      args.push_back(nullptr);
+      ::execv(exe.c_str(), const_cast<char* const*>(args.data()));
       ::_exit(127);
     }
     if (pid < 0) {
@@ -201,7 +210,7 @@ std::unique_ptr<RedisServer> RedisServer::start(std::string* why) {
         s->pid_ = -1;
         break;
       }
-      if (open_redis_store("127.0.0.1", s->port_).ok()) return s;
+      if (open_chunk_store(s->url()).ok()) return s;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }

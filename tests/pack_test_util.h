@@ -44,20 +44,27 @@ std::vector<std::int64_t> section_boundaries(const Manifest& m);
 // reader's field checks (not the digest) meet the edit.
 void reseal(std::string* pack);
 
-// A redis-server child on 127.0.0.1 with a temporary directory, stopped on
-// destruction. start() returns null when redis-server is not installed.
+// A redis-server child on 127.0.0.1 (and ::1 with `ipv6`) with a temporary
+// directory, stopped on destruction; with `password`, clients must AUTH.
+// start() returns null when redis-server is not installed.
 class RedisServer {
  public:
-  static std::unique_ptr<RedisServer> start(std::string* why);
+  static std::unique_ptr<RedisServer> start(std::string* why, const std::string& password = "",
+                                            bool ipv6 = false);
   ~RedisServer();
   int port() const { return port_; }
   std::string spec() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+  // spec() with the password, when there is one.
+  std::string url() const {
+    return password_.empty() ? spec()
+                             : "redis://:" + password_ + "@127.0.0.1:" + std::to_string(port_);
+  }
 
  private:
   RedisServer() = default;
   int pid_ = -1;
   int port_ = 0;
-  std::string dir_;
+  std::string dir_, password_;
 };
 
 std::string make_temp_dir(const std::string& tag);

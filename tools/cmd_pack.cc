@@ -8,21 +8,27 @@
 #include "kvring/chunk_store.h"
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
+#include "text.h"
 
 namespace kvring::cli {
 
 namespace {
 
 const char* kPackUsage = R"(usage: kvring pack inspect FILE
-       kvring pack verify FILE [--store dir:PATH | --store redis://HOST:PORT]
+       kvring pack verify FILE [--store STORE]
+       kvring pack [inspect | verify] --help
 )";
 
-// The metadata blob as text when it is printable, else its first bytes in hex.
+// The metadata blob as text when it is printable (escaped as \xNN where a
+// byte could act on a terminal), else its first bytes in hex.
 std::string describe_metadata(const std::string& m) {
   bool text = true;
-  for (unsigned char ch : m) text = text && (ch >= 0x20 || ch == '\n' || ch == '\t') && ch != 0x7f;
+  for (unsigned char ch : m) text = text && ch != 0;
   const std::size_t shown = 160;
-  if (text) return m.size() <= shown ? m : m.substr(0, shown) + "... (" + std::to_string(m.size()) + " bytes)";
+  if (text) {
+    const std::string head = printable(std::string_view(m).substr(0, shown));
+    return m.size() <= shown ? head : head + "... (" + std::to_string(m.size()) + " bytes)";
+  }
   return to_hex(reinterpret_cast<const std::uint8_t*>(m.data()), std::min(m.size(), std::size_t{32})) +
          (m.size() > 32 ? "..." : "") + " (binary)";
 }
@@ -87,32 +93,45 @@ int verify(const std::string& path, const std::string& store_spec) {
     store = std::move(*s);
   }
   auto r = verify_pack(**src, store.get());
+  // Exit 1 says the pack is wrong: damaged, truncated, planted or missing
+  // bytes. What stops the check from being made (a thin pack without its
+  // store, a store that fails or stalls) is an input error, exit 2.
+  const auto verdict = [](const Error& e) {
+    return e.code == ErrorCode::kInvalidArgument || e.code == ErrorCode::kIOError ||
+                   e.code == ErrorCode::kUnsupported
+               ? kExitUsage
+               : kExitVerifyFailed;
+  };
   if (!r) {
-    // A usage error (a thin pack without its store) exits 2 like any other;
-    // a pack that fails verification exits 1.
-    const int rc = fail(r.error());
-    return r.error().code == ErrorCode::kInvalidArgument ? rc : 1;
+    fail(r.error());
+    return verdict(r.error());
   }
   if (r->bad_chunks > 0) {
     fail(r->first_error.error());
     std::fprintf(stderr, "kvring: %s: %lld of %lld chunks are bad\n", path.c_str(),
                  static_cast<long long>(r->bad_chunks), static_cast<long long>(r->chunks));
-    return 1;
+    return verdict(r->first_error.error());
   }
+  // The store is named only when the chunks came from it: a self-contained
+  // pack's chunks are its own, whatever --store says.
+  std::string where;
+  if (r->thin) where = " in " + store->spec();
+  else if (store) where = " in the pack itself (self-contained: " + store->spec() + " was not read)";
   std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", path.c_str(),
-              static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(),
-              store ? (" in " + store->spec()).c_str() : "");
+              static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(), where.c_str());
   return 0;
 }
 
 }  // namespace
 
 int cmd_pack(const std::vector<std::string>& argv) {
-  if (argv.empty() || argv[0] == "help" || argv[0] == "--help") {
-    std::fputs(kPackUsage, argv.empty() ? stderr : stdout);
-    return argv.empty() ? 2 : 0;
+  if (argv.empty()) {
+    std::fputs(kPackUsage, stderr);
+    return kExitUsage;
   }
   const std::string sub = argv[0];
+  if (sub == "help" || sub == "--help" || sub == "-h") return print_help("pack");
+  if ((sub == "inspect" || sub == "verify") && wants_help(argv)) return print_help("pack " + sub);
   auto args = Args::parse({argv.begin() + 1, argv.end()}, {}, {"store"});
   if (!args) return fail(args.error());
   if (sub != "inspect" && sub != "verify") {

@@ -15,14 +15,18 @@
 #include "kvring/footprint.h"
 #include "kvring/model.h"
 #include "kvring/sha256.h"
+#include "handoff_cli.h"
 #include "run_pack.h"
+#include "run_report.h"
 #include "run_summary.h"
+#include "text.h"
 
 namespace kvring::cli {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
 
 class Progress {
  public:
@@ -45,10 +49,13 @@ class Progress {
   std::int64_t total_;
 };
 
+
 Result<RunOptions> parse(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
                        {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
-                        "vocab", "backend", "context", "save", "resume", "store", "sequences"});
+                        "vocab", "backend", "context", "save", "resume", "store", "handoff-to",
+                        "handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message",
+                        "sequences"});
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -65,6 +72,34 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   if (a->has("store") && o.store.empty()) return invalid_argument("--store needs a value");
   if (!o.store.empty() && o.save.empty() && o.resume.empty())
     return invalid_argument("--store is the chunk store of --save or --resume; give one of them");
+  o.handoff_to = a->str("handoff-to");
+  if (a->has("handoff-to")) {
+    if (o.handoff_to.empty()) return invalid_argument("--handoff-to needs HOST:PORT");
+    for (const char* name : {"tokens", "save", "resume", "store"})
+      if (a->has(name))
+        return invalid_argument(std::string("--") + name + " does not go with --handoff-to (the receiver decodes)");
+    o.handoff_schedule = a->str("handoff-schedule", o.handoff_schedule);
+    if (a->has("handoff-rate")) {
+      auto r = parse_positive_double("handoff-rate", a->str("handoff-rate"), false);
+      if (!r) return r.error();
+      o.handoff_rate_gb_s = *r;
+    }
+    if (a->has("handoff-timeout")) {
+      auto r = parse_positive_double("handoff-timeout", a->str("handoff-timeout"), false);
+      if (!r) return r.error();
+      o.handoff_timeout_s = *r;
+    }
+    auto m = a->integer("handoff-message", o.handoff_message_kib, 1, 1 << 20);
+    if (!m) return m.error();
+    o.handoff_message_kib = *m;
+    // The prompt alone sizes the session.
+    auto p = a->integer("prompt-tokens", 256, 1, std::numeric_limits<std::int32_t>::max());
+    if (!p) return p.error();
+    o.tokens = *p;
+  } else {
+    for (const char* name : {"handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message"})
+      if (a->has(name)) return invalid_argument(std::string("--") + name + " needs --handoff-to");
+  }
   if (!o.resume.empty()) {
     // A resumed session is the saved one: what shaped it comes from the pack.
     for (const char* name : {"model", "config", "prompt-tokens", "seed", "chunk", "hidden", "vocab"})
@@ -86,8 +121,8 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
     return invalid_argument("--prompt-tokens = " + std::to_string(o.prompt_tokens) +
                             " exceeds --tokens = " + std::to_string(o.tokens));
   KVRING_RETURN_IF_ERROR(get("chunk", o.chunk, 1, max, o.chunk));
-  KVRING_RETURN_IF_ERROR(get("hidden", o.model.hidden, 1, 16384, o.model.hidden));
-  KVRING_RETURN_IF_ERROR(get("vocab", o.model.vocab, 2, 1 << 20, o.model.vocab));
+  KVRING_RETURN_IF_ERROR(get("hidden", o.model.hidden, 1, kMaxRunHidden, o.model.hidden));
+  KVRING_RETURN_IF_ERROR(get("vocab", o.model.vocab, 2, kMaxRunVocab, o.model.vocab));
   KVRING_RETURN_IF_ERROR(get("context", 0, 0, max, o.context));
   KVRING_RETURN_IF_ERROR(get("sequences", 0, 1, kMaxRunSequences, o.sequences));
   std::int64_t seed = 1;
@@ -109,12 +144,18 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
 }  // namespace
 
 int cmd_run(const std::vector<std::string>& argv) {
+  if (wants_help(argv)) return print_help("run");
   auto opts = parse(argv);
   if (!opts) return fail(opts.error());
   RunOptions& o = *opts;
+  if (!o.save.empty() && !o.store.empty())
+    if (Status s = check_save_store(o.store); !s.ok()) return fail(s.error());
   auto backend = parse_backend(o.backend);
   if (!backend) return fail(backend.error());
-  if (o.sequences > 0) return run_many(o, *backend);
+  if (o.sequences > 0) {
+    if (!o.handoff_to.empty()) return fail("--handoff-to sends one session; it does not take --sequences");
+    return run_many(o, *backend);
+  }
   std::optional<Session> resumed;
   std::vector<std::int32_t> generated;
   if (!o.resume.empty()) {
@@ -142,7 +183,7 @@ int cmd_run(const std::vector<std::string>& argv) {
                 std::to_string(config->max_context));
   if (o.tokens > context)
     return fail("--tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
-                std::to_string(context) + " of model '" + config->name + "'");
+                std::to_string(context) + " of model '" + printable(config->name) + "'");
   std::optional<Session> fresh;
   if (!resumed) {
     auto model = ReferenceModel::create(*config, o.model);
@@ -152,6 +193,13 @@ int cmd_run(const std::vector<std::string>& argv) {
     fresh.emplace(*model, std::move(*cache));
   }
   Session& session = resumed ? *resumed : *fresh;
+  if (!o.handoff_to.empty())
+    return run_handoff_send(session, *config,
+                            {.to = o.handoff_to, .schedule = o.handoff_schedule, .rate_gb_s = o.handoff_rate_gb_s,
+                             .timeout_s = o.handoff_timeout_s, .message_bytes = o.handoff_message_kib * 1024,
+                             .prompt_tokens = o.prompt_tokens, .chunk = o.chunk,
+                             .context = context, .seed = o.seed, .model = o.model, .json = o.json,
+                             .progress = o.progress});
 
   Progress progress(o.progress, o.tokens);
   const auto prompt = resumed ? std::vector<std::int32_t>() : seeded_tokens(o.prompt_tokens, o.model.vocab, o.seed);
@@ -178,16 +226,6 @@ int cmd_run(const std::vector<std::string>& argv) {
 
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
-  const auto& logits = session.last_logits();
-  const std::string logits_sha = to_hex(sha256(logits.data(), logits.size() * sizeof(float)));
-
-  const KvCache& c = session.cache();
-  const PlaneUse use = plane_use(c.store(), c.seq());
-  SummaryFields f{config->name, config->fingerprint_hex(), c.backend(), session.position(),
-                  o.prompt_tokens, o.seed, o.chunk, o.model, context, generated, logits_sha,
-                  use, c.allocated_bytes(), prefill_s, decode_s, prefilled,
-                  static_cast<std::int64_t>(generated.size() - generated_before)};
-  nlohmann::json j = summary_json(f);
   std::string saved;
   if (!o.save.empty()) {
     auto line = save_run(session, RunRecord{config->name, config->rope_theta, o.model, o.seed,
@@ -196,14 +234,49 @@ int cmd_run(const std::vector<std::string>& argv) {
     if (!line) return fail(line.error());
     saved = *line;
   }
-  if (o.json) {
-    std::printf("%s\n", j.dump().c_str());
+  RunReport report;
+  report.config = &*config;
+  report.session = &session;
+  report.prompt_tokens = o.prompt_tokens;
+  report.seed = o.seed;
+  report.chunk = o.chunk;
+  report.model = o.model;
+  report.context = context;
+  report.generated = std::move(generated);
+  report.prefill_s = prefill_s;
+  report.decode_s = decode_s;
+  report.prefilled = prefilled;
+  report.decoded = static_cast<std::int64_t>(report.generated.size() - generated_before);
+  report.json = o.json;
+  report.saved = saved;
+  return print_run_report(report);
+}
+
+int print_run_report(const RunReport& r) {
+  const ModelConfig* config = r.config;
+  const Session& session = *r.session;
+  const std::vector<std::int32_t>& generated = r.generated;
+  const double prefill_s = r.prefill_s, decode_s = r.decode_s;
+  const auto& logits = session.last_logits();
+  const std::string logits_sha = to_hex(sha256(logits.data(), logits.size() * sizeof(float)));
+
+  const KvCache& c = session.cache();
+  const PlaneUse use = plane_use(c.store(), c.seq());
+  nlohmann::json j = summary_json(SummaryFields{
+      config->name, config->fingerprint_hex(), c.backend(), session.position(), r.prompt_tokens,
+      r.seed, r.chunk, r.model, r.context, generated, logits_sha, use, c.allocated_bytes(),
+      prefill_s, decode_s, r.prefilled, r.decoded});
+  j["timing"].update(r.extra_timing);
+  const std::string& saved = r.saved;
+  if (r.json) {
+    // ASCII only: a model name from a pack reaches the terminal as \uXXXX.
+    std::printf("%s\n", j.dump(-1, ' ', /*ensure_ascii=*/true).c_str());
     return 0;
   }
   std::printf("kvring run: model %s on %s, %lld tokens (%lld prompt, %zu generated), chunk %lld\n",
-              config->name.c_str(), backend_name(c.backend()),
-              static_cast<long long>(session.position()), static_cast<long long>(o.prompt_tokens),
-              generated.size(), static_cast<long long>(o.chunk));
+              printable(config->name).c_str(), backend_name(c.backend()),
+              static_cast<long long>(session.position()), static_cast<long long>(r.prompt_tokens),
+              generated.size(), static_cast<long long>(r.chunk));
   std::printf("  prefill      %8.1f tokens/s  (%.3f s)\n",
               j["timing"]["prefill_tokens_per_s"].get<double>(), prefill_s);
   std::printf("  decode       %8.1f tokens/s  (%.3f s)\n",
@@ -219,6 +292,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   std::printf("  generated   %s\n", gen.c_str());
   std::printf("  last logits sha256 %s\n", logits_sha.c_str());
   if (!saved.empty()) std::printf("  saved        %s\n", saved.c_str());
+  for (const std::string& line : r.extra_lines) std::printf("  %s\n", line.c_str());
   return 0;
 }
 

@@ -13,6 +13,20 @@ int cmd_footprint(const std::vector<std::string>& argv);
 int cmd_config(const std::vector<std::string>& argv);
 int cmd_run(const std::vector<std::string>& argv);
 int cmd_pack(const std::vector<std::string>& argv);
+int cmd_handoff(const std::vector<std::string>& argv);
+int cmd_store(const std::vector<std::string>& argv);
+
+// Exit codes (kvring --help): 0 success, 1 verification failed, 2 a usage
+// error or an input that cannot be used.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitVerifyFailed = 1;
+inline constexpr int kExitUsage = 2;
+
+// True when argv asks for help (--help or -h anywhere).
+bool wants_help(const std::vector<std::string>& argv);
+// Prints the help of `command` ("run", "pack verify"; "pack" prints every
+// pack command) to stdout and returns 0.
+int print_help(const std::string& command);
 
 // Prints "kvring: MESSAGE" to stderr and returns the failure exit code 2.
 int fail(const std::string& message);

@@ -15,18 +15,28 @@ namespace kvring::cli {
 
 int fail(const std::string& message) {
   std::fprintf(stderr, "kvring: %s\n", message.c_str());
-  return 2;
+  return kExitUsage;
 }
 int fail(const Error& e) { return fail(e.to_string()); }
+
+bool wants_help(const std::vector<std::string>& argv) {
+  for (const std::string& a : argv)
+    if (a == "--help" || a == "-h") return true;
+  return false;
+}
 
 namespace {
 
 constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
 
-const char* kUsage = R"(usage: kvring COMMAND [options]
-
-commands:
-  footprint  [--model NAME | --config FILE] [--context N] [--slots N]
+// Each command's help: `kvring COMMAND --help` prints its entry, `kvring
+// --help` all of them.
+struct CommandHelp {
+  const char* name;
+  const char* text;
+};
+const CommandHelp kHelp[] = {
+    {"footprint", R"(  footprint  [--model NAME | --config FILE] [--context N] [--slots N]
              KV-cache bytes per token, per plane class, per slot and for N
              slots; without --context, a table for 2048, 32768 and 131072
   footprint  [--model NAME | --config FILE] --fit MEMORY --length L
@@ -34,35 +44,88 @@ commands:
              how many sequences of L tokens fit in MEMORY (bytes, or with a
              unit: 80GiB, 141GB): each holds its sliding rings and its full
              rows rounded up to whole blocks
-  run        [--model NAME | --config FILE] [--tokens N] [--prompt-tokens P]
+)"},
+    {"run", R"(  run        [--model NAME | --config FILE] [--tokens N] [--prompt-tokens P]
              [--seed S] [--chunk C] [--hidden H] [--vocab V] [--context N]
              [--backend cpu|cuda|auto] [--json] [--no-progress]
-             [--save FILE] [--store dir:PATH | --store redis://HOST:PORT]
+             [--save FILE] [--store STORE]
              a session of the reference model: prefill P seeded prompt tokens
              in chunks of C, then decode greedily to N tokens; prints speed,
              cache use, ring states and the SHA-256 of the last logits;
-             --save writes the session as a kvpack (thin over --store)
+             --save writes the session as a kvpack (thin over --store; a store
+             that cannot be written is refused before the session runs)
   run        ... --sequences N
              N sessions in one store, prefilled and decoded in batches:
              sequence i uses seed S+i, prefills max(1, P-3i) tokens and runs
-             to max(its prompt, T-2i) tokens (T: --tokens); one summary per sequence (each
-             equal to a solo run's), then the aggregate tokens per second;
-             --save F / --resume F use F with .i before its extension
-  run        --resume FILE [--tokens N] [--store ...] [--save FILE] [--json]
+             to max(its prompt, T-2i) tokens (T: --tokens); one summary per
+             sequence (each equal to a solo run's), then the aggregate tokens
+             per second; --save F / --resume F use F with .i before its
+             extension
+  run        --resume FILE [--tokens N] [--store STORE] [--save FILE] [--json]
              continues a saved session to N tokens, bit for bit as if it had
              never stopped
-  config     [--model NAME | --config FILE]
+  run        ... --handoff-to HOST:PORT [--handoff-schedule swa-first|paced]
+             [--handoff-rate GB/s] [--handoff-timeout S] [--handoff-message KiB]
+             prefills the prompt and hands the session to `handoff serve`
+             instead of decoding it (no --tokens: the receiver decodes)
+)"},
+    {"handoff plan", R"(  handoff plan (--model NAME | --config FILE) --tokens N
+             [--schedule swa-first|paced] [--rate GB/s] [--chunk C]
+             [--credits MiB] [--message MiB] [--prefill-tps T] [--json]
+             the payload of an N-token prompt by layer class and the send
+             schedule relative to prefill, with the bytes in flight over time
+)"},
+    {"handoff serve", R"(  handoff serve --listen HOST:PORT --tokens N [--model NAME | --config FILE]
+             [--backend cpu|cuda|auto] [--timeout S] [--port-file F] [--json]
+             receives one session (UCX), decodes it greedily to N tokens and
+             prints the summary of `run`; port 0 picks a free port
+)"},
+    {"config", R"(  config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
-  pack inspect FILE
+)"},
+    {"pack inspect", R"(  pack inspect FILE
              a kvpack's header, per-plane ring metadata and chunk table
-  pack verify FILE [--store dir:PATH | --store redis://HOST:PORT]
+)"},
+    {"pack verify", R"(  pack verify FILE [--store STORE]
              checks the manifest digest and every chunk's SHA-256; exits 1
              naming the first bad chunk (thin packs need their --store)
-  help       this text
+)"},
+    {"store gc", R"(  store gc dir:PATH [--min-age SECONDS]
+             removes the temporary files that killed saves left in a
+             directory store: those no writer holds a lock on and not
+             modified for SECONDS (default 600); directories moved aside
+             from chunk names (.quarantine-*) are counted, never removed
+)"},
+    {"help", R"(  help       this text; COMMAND --help prints one command's help
+)"},
+};
+
+const char* kStores = R"(
+stores (STORE):
+  dir:PATH   a directory (created if absent)
+  redis://[USER:PASSWORD@]HOST[:PORT][?timeout_ms=N&deadline_ms=N]
+             HOST a name, an IPv4 address or [IPv6]; PORT 6379 by default;
+             timeout_ms bounds each wait for the server (default 5000),
+             deadline_ms the whole command's use of it (default 600000);
+             the password never appears in messages
+)";
+
+const char* kTail = R"(
+exit status: 0 success; 1 verification failed (pack verify found a damaged,
+missing or planted chunk or manifest); 2 a usage error, or an input that
+cannot be used (a missing or malformed file, an unreachable, stalled or
+unwritable store, a model or cache that cannot be built)
 
 models: muse-glimmer (default), or --config path/to/config.json (Hugging Face
 style: Gemma 3, Cohere 2, gpt-oss)
 )";
+
+void print_usage(std::FILE* out) {
+  std::fputs("usage: kvring COMMAND [options]\n\ncommands:\n", out);
+  for (const CommandHelp& h : kHelp) std::fputs(h.text, out);
+  std::fputs(kStores, out);
+  std::fputs(kTail, out);
+}
 
 void print_footprint(const ModelConfig& c, const Footprint& f) {
   std::printf("model %s: %lld layers (%lld sliding, %lld full), kv_dim %lld, window %lld\n",
@@ -118,7 +181,26 @@ int footprint_fit(const ModelConfig& config, const Args& args) {
   return 0;
 }
 
+int print_help(const std::string& command) {
+  std::printf("usage: kvring %s [options]\n\n", command.c_str());
+  bool any = false;
+  for (const CommandHelp& h : kHelp) {
+    const std::string name = h.name;
+    // "pack" prints "pack inspect" and "pack verify".
+    if (name == command || name.rfind(command + " ", 0) == 0) {
+      std::fputs(h.text, stdout);
+      any = true;
+    }
+  }
+  if (!any) return fail("no help for '" + command + "'");
+  if (command != "config" && command != "footprint" && command != "help" && command != "pack inspect")
+    std::fputs(kStores, stdout);
+  std::fputs(kTail, stdout);
+  return 0;
+}
+
 int cmd_footprint(const std::vector<std::string>& argv) {
+  if (wants_help(argv)) return print_help("footprint");
   auto args = Args::parse(argv, {"json"},
                           {"model", "config", "context", "slots", "fit", "length", "block-rows",
                            "slack"});
@@ -147,27 +229,31 @@ int cmd_footprint(const std::vector<std::string>& argv) {
     print_footprint(*config, *f);
     return 0;
   }
+  // Every row is computed before anything is printed: an error prints
+  // nothing on stdout.
+  std::vector<Footprint> rows;
+  for (std::int64_t ctx : contexts) {
+    auto f = compute_footprint(*config, ctx, *slots);
+    if (!f) return fail(f.error());
+    rows.push_back(*f);
+  }
   std::printf("model %s: %lld layers, %s B per token; %lld slot%s\n", config->name.c_str(),
               static_cast<long long>(config->n_layers),
               with_commas(config->n_layers * config->kv_dim() * 4).c_str(),
               static_cast<long long>(*slots), *slots == 1 ? "" : "s");
   std::printf("%10s %18s %18s %18s %18s\n", "context", "sliding B", "full B", "slot B", "all slots B");
-  for (std::int64_t ctx : contexts) {
-    auto f = compute_footprint(*config, ctx, *slots);
-    if (!f) return fail(f.error());
-    std::printf("%10s %18s %18s %18s %18s\n", with_commas(ctx).c_str(),
-                with_commas(f->sliding_bytes).c_str(), with_commas(f->full_bytes).c_str(),
-                with_commas(f->slot_bytes).c_str(), with_commas(f->total_bytes).c_str());
-  }
-  for (std::int64_t ctx : contexts) {
-    auto f = compute_footprint(*config, ctx, *slots);
-    std::printf("%10s: slot %s; all slots %s\n", with_commas(ctx).c_str(),
-                format_bytes(f->slot_bytes).c_str(), format_bytes(f->total_bytes).c_str());
-  }
+  for (const Footprint& f : rows)
+    std::printf("%10s %18s %18s %18s %18s\n", with_commas(f.context).c_str(),
+                with_commas(f.sliding_bytes).c_str(), with_commas(f.full_bytes).c_str(),
+                with_commas(f.slot_bytes).c_str(), with_commas(f.total_bytes).c_str());
+  for (const Footprint& f : rows)
+    std::printf("%10s: slot %s; all slots %s\n", with_commas(f.context).c_str(),
+                format_bytes(f.slot_bytes).c_str(), format_bytes(f.total_bytes).c_str());
   return 0;
 }
 
 int cmd_config(const std::vector<std::string>& argv) {
+  if (wants_help(argv)) return print_help("config");
   auto args = Args::parse(argv, {}, {"model", "config"});
   if (!args) return fail(args.error());
   auto c = resolve_config(args->str("model"), args->str("config"));
@@ -193,7 +279,7 @@ int cmd_config(const std::vector<std::string>& argv) {
 int main(int argc, char** argv) {
   using namespace kvring::cli;
   if (argc < 2) {
-    std::fputs(kUsage, stderr);
+    print_usage(stderr);
     return 2;
   }
   const std::string cmd = argv[1];
@@ -203,8 +289,17 @@ int main(int argc, char** argv) {
     if (cmd == "config") return cmd_config(rest);
     if (cmd == "run") return cmd_run(rest);
     if (cmd == "pack") return cmd_pack(rest);
+    if (cmd == "handoff") return cmd_handoff(rest);
+    if (cmd == "store") return cmd_store(rest);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
-      std::fputs(kUsage, stdout);
+      // `kvring help COMMAND` is `kvring COMMAND --help`.
+      if (cmd == "help" && wants_help(rest)) return print_help("help");
+      if (!rest.empty()) {
+        std::string topic = rest[0];
+        for (std::size_t i = 1; i < rest.size(); ++i) topic += " " + rest[i];
+        return print_help(topic);
+      }
+      print_usage(stdout);
       return 0;
     }
   } catch (const std::bad_alloc&) {
@@ -212,6 +307,6 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return fail(std::string("internal error: ") + e.what());
   }
-  std::fputs(kUsage, stderr);
+  print_usage(stderr);
   return fail("unknown command '" + cmd + "'");
 }

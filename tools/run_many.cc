@@ -19,6 +19,7 @@
 #include "kvring/snapshot.h"
 #include "run_pack.h"
 #include "run_summary.h"
+#include "text.h"
 
 namespace kvring::cli {
 
@@ -150,6 +151,8 @@ int run_many(const RunOptions& o, BackendKind backend) {
       who.push_back(i);
     }
     if (spans.empty()) break;
+    if (Status s = (*model)->check_chunk(static_cast<std::int64_t>(ids.size())); !s.ok())
+      return fail(s.error());
     logits.resize(ids.size() * static_cast<std::size_t>(vocab));
     const auto t0 = Clock::now();
     if (Status s = (*model)->forward(kv, spans, ids.data(), logits.data()); !s.ok())
@@ -205,7 +208,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
                     model_options, context, m.generated, sha, use, own, prefill_s, decode_s,
                     m.prefilled, m.decoded};
     if (o.json) {
-      std::printf("%s\n", summary_json(f).dump().c_str());
+      std::printf("%s\n", summary_json(f).dump(-1, ' ', /*ensure_ascii=*/true).c_str());
       continue;
     }
     std::string gen;
@@ -229,12 +232,12 @@ int run_many(const RunOptions& o, BackendKind backend) {
                    {"prefill_s", prefill_s},
                    {"decode_s", decode_s},
                    {"tokens_per_s", tokens_per_s}};
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", j.dump(-1, ' ', /*ensure_ascii=*/true).c_str());
     return 0;
   }
   std::printf("kvring run: %lld sequences of model %s on %s, %lld tokens in %.3f s: %.1f tokens/s "
               "(prefill %.3f s, decode %.3f s); store %s\n",
-              static_cast<long long>(n), config.name.c_str(), backend_name(backend),
+              static_cast<long long>(n), printable(config.name).c_str(), backend_name(backend),
               static_cast<long long>(total_tokens), wall_s, tokens_per_s, prefill_s, decode_s,
               format_bytes(kv.allocated_bytes()).c_str());
   return 0;

@@ -9,6 +9,7 @@
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
 #include "kvring/sha256.h"
+#include "text.h"
 
 namespace kvring::cli {
 
@@ -28,7 +29,7 @@ std::string logits_hex(const std::vector<float>& logits) {
 }
 
 Result<std::vector<float>> logits_from_hex(const std::string& hex) {
-  if (hex.size() % 8 != 0) return invalid_argument("last_logits_f32le has " + std::to_string(hex.size()) + " hex digits");
+  if (hex.size() % 8 != 0) return invalid_argument("'last_logits_f32le' has " + std::to_string(hex.size()) + " hex digits");
   auto digit = [](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
@@ -39,7 +40,7 @@ Result<std::vector<float>> logits_from_hex(const std::string& hex) {
     std::uint32_t u = 0;
     for (int b = 0; b < 4; ++b) {
       const int hi = digit(hex[8 * i + 2 * b]), lo = digit(hex[8 * i + 2 * b + 1]);
-      if (hi < 0 || lo < 0) return invalid_argument("last_logits_f32le is not lowercase hex");
+      if (hi < 0 || lo < 0) return invalid_argument("'last_logits_f32le' is not lowercase hex");
       u |= static_cast<std::uint32_t>(hi * 16 + lo) << (8 * b);
     }
     std::memcpy(&out[i], &u, 4);
@@ -70,27 +71,74 @@ std::string encode_run_record(const RunRecord& r) {
   return j.dump();
 }
 
+namespace {
+
+// The key of the last '"key":' that starts before byte `at` of `text`: the
+// field a JSON syntax error at `at` falls in.
+std::string field_before(const std::string& text, std::size_t at) {
+  std::string field;
+  for (std::size_t i = 0; i < text.size() && i < at; ++i) {
+    if (text[i] != '"') continue;
+    std::size_t j = i + 1;
+    while (j < text.size() && j < at && text[j] != '"' && text[j] != '\\') ++j;
+    if (j >= text.size() || j >= at || text[j] != '"') break;
+    std::size_t k = j + 1;
+    while (k < text.size() && (text[k] == ' ' || text[k] == '\t' || text[k] == '\n' || text[k] == '\r')) ++k;
+    if (k < text.size() && text[k] == ':') field = text.substr(i + 1, j - i - 1);
+    i = j;
+  }
+  return field;
+}
+
+}  // namespace
+
 Result<RunRecord> decode_run_record(const std::string& metadata, const std::string& pack) {
   const std::string where = pack + ": metadata: ";
-  nlohmann::json j = nlohmann::json::parse(metadata, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("kvring_run"))
-    return invalid_argument(pack + " was not written by kvring run --save (no run record in its metadata)");
-  if (!j["kvring_run"].is_number_integer() || j["kvring_run"].get<int>() != kRunRecordVersion)
-    return make_error(ErrorCode::kUnsupported, where + "run record version " + j["kvring_run"].dump() +
+  const std::string not_ours = pack + " was not written by kvring run --save";
+  if (metadata.empty()) return invalid_argument(not_ours + " (its metadata is empty)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(metadata);
+  } catch (const nlohmann::json::parse_error& e) {
+    // A record that starts like kvring's but does not parse is a damaged
+    // record: name the field the error falls in, not the writer.
+    if (metadata.find("\"kvring_run\"") == std::string::npos)
+      return invalid_argument(not_ours + " (its metadata is not a JSON run record)");
+    const std::size_t at = e.byte > 0 ? e.byte - 1 : 0;
+    const std::string field = field_before(metadata, at);
+    return invalid_argument(where + "the run record does not parse" +
+                            (field.empty() ? "" : " in field '" + printable(field) + "'") + ": byte " +
+                            std::to_string(at) + " is not valid JSON");
+  } catch (const nlohmann::json::exception& e) {
+    // Not a syntax error: a number too large for a double (out_of_range 406).
+    return invalid_argument(where + "the run record does not parse: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("kvring_run"))
+    return invalid_argument(not_ours + " (no run record in its metadata)");
+  auto shown = [](const nlohmann::json& v) {
+    std::string d = v.dump(-1, ' ', /*ensure_ascii=*/true);
+    return d.size() > 40 ? d.substr(0, 40) + "..." : d;
+  };
+  if (!j["kvring_run"].is_number_integer() || j["kvring_run"].get<std::int64_t>() != kRunRecordVersion)
+    return make_error(ErrorCode::kUnsupported, where + "run record version " + shown(j["kvring_run"]) +
                                                    " (this build reads " + std::to_string(kRunRecordVersion) + ")");
-  RunRecord r;
-  auto need = [&](const char* field, bool ok) -> Status {
-    if (!j.contains(field) || !ok) return invalid_argument(where + "field '" + field + "' is missing or malformed");
+  auto need = [&](const char* field, bool (nlohmann::json::*is)() const noexcept, const char* kind) -> Status {
+    if (!j.contains(field)) return invalid_argument(where + "field '" + field + "' is missing");
+    if (!(j[field].*is)())
+      return invalid_argument(where + "field '" + field + "' must be " + kind + ", got " + shown(j[field]));
     return Status::Ok();
   };
-  KVRING_RETURN_IF_ERROR(need("model", j.contains("model") && j["model"].is_string()));
-  KVRING_RETURN_IF_ERROR(need("rope_theta", j.contains("rope_theta") && j["rope_theta"].is_number()));
+  using J = nlohmann::json;
+  KVRING_RETURN_IF_ERROR(need("model", &J::is_string, "a string"));
+  KVRING_RETURN_IF_ERROR(need("rope_theta", &J::is_number, "a number"));
   for (const char* f : {"hidden", "vocab", "mlp", "prompt_tokens", "chunk"})
-    KVRING_RETURN_IF_ERROR(need(f, j.contains(f) && j[f].is_number_integer()));
+    KVRING_RETURN_IF_ERROR(need(f, &J::is_number_integer, "an integer"));
   for (const char* f : {"weights_seed", "seed"})
-    KVRING_RETURN_IF_ERROR(need(f, j.contains(f) && j[f].is_number_unsigned()));
-  KVRING_RETURN_IF_ERROR(need("last_logits_f32le", j.contains("last_logits_f32le") && j["last_logits_f32le"].is_string()));
+    KVRING_RETURN_IF_ERROR(need(f, &J::is_number_unsigned, "an unsigned integer"));
+  KVRING_RETURN_IF_ERROR(need("last_logits_f32le", &J::is_string, "a string"));
+  RunRecord r;
   r.model = j["model"].get<std::string>();
+  if (r.model.empty()) return invalid_argument(where + "field 'model' is empty (a run names its model)");
   r.rope_theta = j["rope_theta"].get<double>();
   r.options.hidden = j["hidden"].get<std::int64_t>();
   r.options.vocab = j["vocab"].get<std::int64_t>();
@@ -99,10 +147,35 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   r.seed = j["seed"].get<std::uint64_t>();
   r.prompt_tokens = j["prompt_tokens"].get<std::int64_t>();
   r.chunk = j["chunk"].get<std::int64_t>();
-  auto logits = logits_from_hex(j["last_logits_f32le"].get<std::string>());
-  if (!logits) return invalid_argument(where + logits.error().message);
+  // The reference model's bounds, checked here so that nothing is built for
+  // a record that cannot be served.
+  auto range = [&](const char* field, std::int64_t v, std::int64_t lo, std::int64_t hi) -> Status {
+    if (v < lo || v > hi)
+      return invalid_argument(where + "field '" + field + "' = " + std::to_string(v) + " outside [" +
+                              std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return Status::Ok();
+  };
+  KVRING_RETURN_IF_ERROR(range("hidden", r.options.hidden, 1, kMaxRunHidden));
+  KVRING_RETURN_IF_ERROR(range("vocab", r.options.vocab, 2, kMaxRunVocab));
+  KVRING_RETURN_IF_ERROR(range("mlp", r.options.mlp, 0, 4 * kMaxRunHidden));
+  // The last logits are one per vocabulary entry: compared by length before
+  // anything is decoded.
+  // None at all is a session whose receiver computes them (a handoff).
+  const std::string& hex = j["last_logits_f32le"].get_ref<const std::string&>();
+  if (!hex.empty() && hex.size() != static_cast<std::size_t>(r.options.vocab) * 8)
+    return invalid_argument(where + "field 'last_logits_f32le' holds " + std::to_string(hex.size()) +
+                            " hex digits; field 'vocab' = " + std::to_string(r.options.vocab) + " needs " +
+                            std::to_string(r.options.vocab * 8) + " (8 per logit)");
+  auto logits = logits_from_hex(hex);
+  if (!logits) return invalid_argument(where + "field " + logits.error().message);
   r.last_logits = std::move(*logits);
   return r;
+}
+
+Status check_save_store(const std::string& store_spec) {
+  auto store = open_chunk_store(store_spec);
+  if (!store) return store.error();
+  return (*store)->check_writable();
 }
 
 Result<std::string> save_run(const Session& session, const RunRecord& record, const std::string& path,
@@ -136,8 +209,11 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   if (!src) return src.error();
   auto m = read_manifest(**src);
   if (!m) return m.error();
+  // Everything the manifest and the run record can show is checked before
+  // any rows are read or any model is built.
   auto record = decode_run_record(m->header.metadata, path);
   if (!record) return record.error();
+  const std::string model_name = "model '" + printable(record->model) + "'";
   if (static_cast<std::int64_t>(m->header.token_ids.size()) != m->header.token_count || m->header.token_count == 0)
     return invalid_argument(path + ": a run's pack must hold the token ids of its " +
                             std::to_string(m->header.token_count) + " tokens");
@@ -147,23 +223,37 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
                             " outside [1, " + std::to_string(m->header.token_count) + "] (the tokens it holds)");
   if (record->chunk < 1)
     return invalid_argument(path + ": metadata: chunk = " + std::to_string(record->chunk) + " < 1");
+  if (record->last_logits.empty())
+    return invalid_argument(path + ": metadata: field 'last_logits_f32le' is empty; a saved run "
+                            "holds the logits of its last token");
   if (!(record->rope_theta > 0.0) || !std::isfinite(record->rope_theta))
     return invalid_argument(path + ": metadata: rope_theta must be a positive finite number");
+  const auto& ids = m->header.token_ids;
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= record->options.vocab)
+      return invalid_argument(path + ": tokens: token id " + std::to_string(ids[i]) + " at position " +
+                              std::to_string(i) + " is outside the vocabulary [0, " +
+                              std::to_string(record->options.vocab) + ") of " + model_name);
+  auto store = maybe_store(store_spec);
+  if (!store) return store.error();
+  auto snapshot = read_pack(**src, {.store = store->get()});
+  if (!snapshot) return snapshot.error();
   // The geometry comes from the pack; the name and RoPE base, which the
   // fingerprint does not cover, from the run record.
   ModelConfig config = m->header.config;
   config.name = record->model;
   config.rope_theta = record->rope_theta;
+  auto named = [&](const Error& e) -> Error {
+    Error out = e;
+    out.message = path + ": " + model_name + ": " + e.message;
+    return out;
+  };
   auto model = ReferenceModel::create(config, record->options);
-  if (!model) return model.error();
-  auto store = maybe_store(store_spec);
-  if (!store) return store.error();
-  auto snapshot = read_pack(**src, {.store = store->get()});
-  if (!snapshot) return snapshot.error();
+  if (!model) return named(model.error());
   auto cache = restore_detached(*snapshot, backend, context);
-  if (!cache) return cache.error();
+  if (!cache) return named(cache.error());
   auto session = Session::resume(*model, std::move(*cache), snapshot->token_ids, record->last_logits);
-  if (!session) return session.error();
+  if (!session) return named(session.error());
   return ResumedRun{std::move(*record), std::move(*session)};
 }
 

@@ -15,6 +15,11 @@ namespace kvring::cli {
 // What a resumed run needs beside the cache and the token ids: the model's
 // name and weights, the run's parameters, and the last token's logits (the
 // next greedy token comes from them). Kept as JSON in the pack's metadata.
+// The reference model's bounds on a run's hidden size and vocabulary (the
+// --hidden and --vocab ranges); a run record outside them is refused.
+inline constexpr std::int64_t kMaxRunHidden = 16384;
+inline constexpr std::int64_t kMaxRunVocab = std::int64_t{1} << 20;
+
 struct RunRecord {
   std::string model;  // the name the summary reports
   double rope_theta = 0;
@@ -26,7 +31,9 @@ struct RunRecord {
 };
 
 std::string encode_run_record(const RunRecord& record);
-// Errors name the pack and the field.
+// Errors name the pack and the field. Checks each field's type and bounds
+// and the fields against one another (one last logit per vocabulary entry)
+// before decoding the logits.
 Result<RunRecord> decode_run_record(const std::string& metadata, const std::string& pack);
 
 // Writes the session's cache, its token ids and `record` to `path`: a thin
@@ -39,6 +46,9 @@ Result<std::string> save_run(const Session& session, const RunRecord& record,
 Result<std::string> save_sequence(const KvStore& store, SeqId seq,
                                   const std::vector<std::int32_t>& tokens, const RunRecord& record,
                                   const std::string& path, const std::string& store_spec);
+// Fails when save_run could not store chunks in `store_spec` (it cannot be
+// opened, or it cannot be written), so that a run refuses before computing.
+Status check_save_store(const std::string& store_spec);
 
 struct ResumedRun {
   RunRecord record;
@@ -46,6 +56,9 @@ struct ResumedRun {
 };
 // Reads a pack written by save_run and restores it into a new cache on
 // `backend` (context: the pack's when 0) through the detached install path.
+// The manifest and the run record are checked (token ids inside the
+// vocabulary among them) before rows are read or the model is built; errors
+// after the record is read name its model.
 Result<ResumedRun> resume_run(const std::string& path, const std::string& store_spec,
                               BackendKind backend, std::int64_t context);
 

@@ -19,6 +19,9 @@ inline constexpr std::int64_t kMaxRunSequences = 4096;
 struct RunOptions {
   std::string model_name, config_path, backend = "auto";
   std::string save, resume, store;  // kvpack files and the chunk store
+  std::string handoff_to, handoff_schedule = "paced";  // --handoff-to: send instead of decoding
+  double handoff_rate_gb_s = 0, handoff_timeout_s = 10;
+  std::int64_t handoff_message_kib = 4096;
   bool tokens_given = false;
   std::int64_t tokens = 320, prompt_tokens = -1, chunk = 128, context = 0;
   std::int64_t sequences = 0;  // 0: one session, not a batch

@@ -7,6 +7,7 @@
 // key layouts.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -48,8 +49,21 @@ class ChunkStore {
  public:
   virtual ~ChunkStore() = default;
 
-  // "dir:/path" or "redis://host:port", as open_chunk_store accepts it.
+  // "dir:/path" or "redis://host:port", as open_chunk_store accepts it,
+  // never with a password (it is safe to print).
   virtual std::string spec() const = 0;
+
+  // Starts a new operation (a save, a load, a verify): a remote store's
+  // total-time budget (RedisOptions::deadline) restarts, and a server that
+  // timed out during the last operation is tried again. Opening a store
+  // starts the first operation; a caller that keeps a store for several
+  // operations calls this before each. Local stores ignore it.
+  virtual void begin_operation() {}
+
+  // Fails when a put would fail for want of access (a directory store that
+  // is read-only, say), so that a caller can refuse work whose result it
+  // could not store before doing it. Writes nothing that stays.
+  virtual Status check_writable() const { return Status::Ok(); }
 
   // Stores every chunk under its name. Precondition: each name is the SHA-256
   // of the chunk's bytes (the pack writer computes it). A chunk already
@@ -77,10 +91,53 @@ class ChunkStore {
 // A directory store rooted at `path` (created if absent, parent must exist).
 Result<std::unique_ptr<ChunkStore>> open_dir_store(const std::string& path,
                                                    IoOptions io = {});
-// A Redis store at host:port (connects now, to fail early).
+// Temporary files of killed writers in a directory store. A temporary
+// (".tmp-*") is removed only when no writer holds its lock (writers hold an
+// exclusive flock on it until it is renamed into place) and it has not been
+// modified for `min_age` (which also covers writers that take no lock, and
+// the moment between a writer's create and its lock). Directories that a
+// put moved aside from chunk names (".quarantine-*") are counted, never
+// removed: they may hold someone's files.
+struct DirStoreGcReport {
+  std::int64_t removed = 0;
+  std::int64_t kept = 0;  // held by a live writer, or modified within min_age
+  std::int64_t quarantined = 0;
+};
+inline constexpr std::chrono::seconds kDirStoreTempMinAge{600};
+Result<DirStoreGcReport> gc_dir_store(const std::string& path,
+                                      std::chrono::seconds min_age = kDirStoreTempMinAge);
+
+struct RedisOptions {
+  std::string host;  // a name, an IPv4 address or an IPv6 address (no brackets)
+  int port = 6379;
+  // AUTH after connecting when password is set (with user: Redis 6 ACLs).
+  // Neither appears in any message; spec() shows the user only.
+  std::string user, password;
+  // The longest any one wait may take: connecting, sending while the server
+  // reads nothing, waiting while it sends nothing. A server that times out
+  // fails every later call of the same operation at once, so a stalled
+  // server costs one timeout per operation, not one per chunk.
+  std::chrono::milliseconds timeout{5000};
+  // The longest one operation (everything from open_redis_store or
+  // begin_operation on) may take, however the server paces its replies.
+  std::chrono::milliseconds deadline{std::chrono::minutes(10)};
+};
+
+// A Redis store (connects now, to fail early). Replies are checked as they
+// arrive: one that announces a value larger than the call can use (a chunk
+// read: the chunk's size; other commands: kMaxRedisControlBytes) is refused
+// before it is buffered, and the connection dropped.
+Result<std::unique_ptr<ChunkStore>> open_redis_store(const RedisOptions& options);
 Result<std::unique_ptr<ChunkStore>> open_redis_store(const std::string& host, int port);
-// "dir:PATH" or "redis://HOST:PORT" (port 6379 when omitted).
+inline constexpr std::int64_t kMaxRedisControlBytes = std::int64_t{64} << 20;
+
+// "dir:PATH", or "redis://[USER[:PASSWORD]@]HOST[:PORT][/][?OPTIONS]" with
+// HOST a name, an IPv4 address or a bracketed IPv6 address ([::1]), PORT
+// 6379 when omitted, USER and PASSWORD percent-decoded, and OPTIONS
+// "timeout_ms=N" and "deadline_ms=N" (RedisOptions) joined by '&'.
 Result<std::unique_ptr<ChunkStore>> open_chunk_store(std::string_view spec, IoOptions io = {});
+// The Redis part of open_chunk_store: the options a redis:// spec names.
+Result<RedisOptions> parse_redis_spec(std::string_view spec);
 
 // True when this build has the Redis store (hiredis was found).
 bool redis_store_compiled();

@@ -26,6 +26,12 @@ inline constexpr std::int64_t kMaxLayers = 1024;
 inline constexpr std::int64_t kMaxHeads = 1024;
 inline constexpr std::int64_t kMaxHeadDim = 1024;
 inline constexpr std::int64_t kMaxContext = std::int64_t{1} << 24;
+// n_kv_heads * head_dim: one row of K (or V) of one layer, 256 KiB in f32.
+inline constexpr std::int64_t kMaxKvDim = 65536;
+// Fields of a config.json that kvring reads but keeps no geometry for:
+// hidden_size (for head_dim when absent) and vocab_size.
+inline constexpr std::int64_t kMaxHiddenSize = 65536;
+inline constexpr std::int64_t kMaxVocabSize = std::int64_t{1} << 20;
 // Every plane holds at least this many rows (DESIGN.md: max(32, ...)).
 inline constexpr std::int64_t kMinPlaneRows = 32;
 

@@ -51,6 +51,10 @@ class ReferenceModel {
   // batched store and decode a layer), otherwise a ragged prefill; a
   // sequence's bits do not depend on the batch it runs in. A sequence
   // appears at most once.
+  // A chunk of `n` tokens whose activations (logits included) stay under
+  // the model's bound; forward() checks it before anything is stored.
+  Status check_chunk(std::int64_t n) const;
+
   Status forward(KvStore& store, std::span<const SeqSpan> spans, const std::int32_t* tokens,
                  float* logits) const;
 

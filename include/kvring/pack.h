@@ -93,9 +93,13 @@ class PackSource {
   virtual ~PackSource() = default;
   virtual const std::string& name() const = 0;  // for error messages
   virtual std::int64_t size() const = 0;
+  // The bytes the source really holds: below size() for a sparse file. A
+  // reader allocates rows beyond it only after the chunks verified.
+  virtual std::int64_t stored_bytes() const { return size(); }
   // Reads exactly n bytes at offset (within size()).
   virtual Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const = 0;
 };
+// Refuses anything but a regular file (a FIFO, a device) without blocking.
 Result<std::unique_ptr<PackSource>> open_pack_file(const std::string& path);
 // A view of `size` bytes at `data` (not copied; must outlive the source).
 std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t size,
@@ -124,6 +128,7 @@ Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& opti
 Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target);
 
 struct VerifyReport {
+  bool thin = false;            // the chunks were read from the store
   std::int64_t chunks = 0;      // checked
   std::int64_t bytes = 0;       // payload bytes hashed
   std::int64_t bad_chunks = 0;  // missing or not matching their names

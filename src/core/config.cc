@@ -1,12 +1,11 @@
 #include "kvring/config.h"
 
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/file_read.h"
 #include "kvring/sha256.h"
 
 namespace kvring {
@@ -54,6 +53,7 @@ Status ModelConfig::validate() const {
   KVRING_RETURN_IF_ERROR(check_range("num_key_value_heads", n_kv_heads, 1, kMaxHeads));
   KVRING_RETURN_IF_ERROR(check_range("head_dim", head_dim, 1, kMaxHeadDim));
   KVRING_RETURN_IF_ERROR(check_range("max_position_embeddings", max_context, 1, kMaxContext));
+  KVRING_RETURN_IF_ERROR(check_range("num_key_value_heads * head_dim", kv_dim(), 1, kMaxKvDim));
   if (n_heads % n_kv_heads != 0)
     return config_error("num_attention_heads = " + std::to_string(n_heads) +
                         " is not a multiple of num_key_value_heads = " +
@@ -152,6 +152,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     root = json::parse(json_text.begin(), json_text.end());
   } catch (const json::parse_error& e) {
     return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + e.what());
+  } catch (const json::exception& e) {
+    // The parser throws other errors too: a number too large for a double
+    // (out_of_range 406) among them.
+    return config_error(std::string("malformed JSON: ") + e.what());
   }
   if (!root.is_object()) return config_error("config is not a JSON object");
   // Multimodal Gemma 3 configs nest the language model under text_config.
@@ -180,8 +184,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     if (!hidden) return hidden.error();
     if (*hidden == -1)
       return config_error("missing field 'head_dim' (and no 'hidden_size' to derive it from)");
-    if (*hidden <= 0)
-      return config_error("hidden_size = " + std::to_string(*hidden) + " must be positive");
+    KVRING_RETURN_IF_ERROR(check_range("hidden_size", *hidden, 1, kMaxHiddenSize));
     if (*hidden % c.n_heads != 0)
       return config_error("hidden_size = " + std::to_string(*hidden) +
                           " is not divisible by num_attention_heads = " +
@@ -189,6 +192,17 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     c.head_dim = *hidden / c.n_heads;
   } else {
     c.head_dim = *head_dim;
+  }
+
+  if (j.contains("hidden_size") && !j["hidden_size"].is_null()) {
+    auto hidden = int_field(j, "hidden_size", true);
+    if (!hidden) return hidden.error();
+    KVRING_RETURN_IF_ERROR(check_range("hidden_size", *hidden, 1, kMaxHiddenSize));
+  }
+  if (j.contains("vocab_size") && !j["vocab_size"].is_null()) {
+    auto vocab = int_field(j, "vocab_size", true);
+    if (!vocab) return vocab.error();
+    KVRING_RETURN_IF_ERROR(check_range("vocab_size", *vocab, 1, kMaxVocabSize));
   }
 
   auto max_pos = int_field(j, "max_position_embeddings", true);
@@ -246,15 +260,15 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
 }
 
 Result<ModelConfig> load_hf_config(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    return config_error("cannot read config file '" + path + "': it is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return config_error("cannot read config file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return config_error("error reading config file '" + path + "'");
-  auto r = parse_hf_config(ss.str(), path);
+  auto text = file_internal::read_small_file(path, "config file", file_internal::kMaxConfigBytes);
+  if (!text) {
+    // A file that cannot be read is a config that is missing: kConfig, with
+    // the reason (absent, not a regular file, too large) in the message.
+    Error e = text.error();
+    e.code = ErrorCode::kConfig;
+    return e;
+  }
+  auto r = parse_hf_config(*text, path);
   if (!r) {
     Error e = r.error();
     e.message = path + ": " + e.message;

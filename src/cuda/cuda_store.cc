@@ -317,6 +317,20 @@ struct CudaStore::Impl {
     return ConstView{buf.as<void>(), MemorySpace::kDevice, v.dtype, v.rows, v.cols, v.cols};
   }
 
+  // One buffer (which 0: K, 1: V) of a sequence's plane: its slot's ring,
+  // or the pool read through the plane's mirrored block table.
+  cuda::PlaneBuf plane_buf(const KvStore::PlaneRef& plane, std::int64_t fi, int which) const {
+    cuda::PlaneBuf buf;
+    if (fi < 0) {
+      buf.base = (which == 0 ? ring_k : ring_v)[static_cast<std::size_t>(plane.layer)] +
+                 plane.slot * ring_elems;
+    } else {
+      buf.base = which == 0 ? pool_k : pool_v;
+      buf.table = tables + (plane.slot * n_full + fi) * max_blocks;
+    }
+    return buf;
+  }
+
   // Waits for `s` after a failure, so nothing in flight outlives buffers
   // the caller may free; returns the failure.
   Status fail(Status st, cudaStream_t s) {
@@ -838,14 +852,7 @@ Status CudaStore::copy_out(const PlaneRef& plane, const LiveSpans& spans, std::u
   KVRING_RETURN_IF_ERROR(im.pin.reserve(std::max<std::size_t>(bytes, 16)));
   const cuda::SpanMap map = span_map(spans);
   for (int which = 0; which < 2; ++which) {
-    cuda::PlaneBuf buf;
-    if (fi < 0) {
-      buf.base = (which == 0 ? im.ring_k : im.ring_v)[static_cast<std::size_t>(plane.layer)] +
-                 plane.slot * im.ring_elems;
-    } else {
-      buf.base = which == 0 ? im.pool_k : im.pool_v;
-      buf.table = im.tables + (plane.slot * im.n_full + fi) * im.max_blocks;
-    }
+    const cuda::PlaneBuf buf = im.plane_buf(plane, fi, which);
     std::uint16_t* dst = which == 0 ? k : v;
     for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
       const std::int64_t n = std::min(piece, rows - r0);
@@ -878,14 +885,7 @@ Status CudaStore::copy_in(const PlaneRef& plane, const LiveSpans& spans, const s
   KVRING_RETURN_IF_ERROR(im.pin.reserve(std::max<std::size_t>(bytes, 16)));
   const cuda::SpanMap map = span_map(spans);
   for (int which = 0; which < 2; ++which) {
-    cuda::PlaneBuf buf;
-    if (fi < 0) {
-      buf.base = (which == 0 ? im.ring_k : im.ring_v)[static_cast<std::size_t>(plane.layer)] +
-                 plane.slot * im.ring_elems;
-    } else {
-      buf.base = which == 0 ? im.pool_k : im.pool_v;
-      buf.table = im.tables + (plane.slot * im.n_full + fi) * im.max_blocks;
-    }
+    const cuda::PlaneBuf buf = im.plane_buf(plane, fi, which);
     const std::uint16_t* src = which == 0 ? k : v;
     for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
       const std::int64_t n = std::min(piece, rows - r0);

@@ -170,6 +170,15 @@ std::int64_t ReferenceModel::activation_floats_per_row() const {
   return options_.vocab + 4 * options_.hidden + 2 * hq + 2 * config_.kv_dim() + options_.mlp;
 }
 
+Status ReferenceModel::check_chunk(std::int64_t n) const {
+  if (static_cast<double>(n) * static_cast<double>(activation_floats_per_row()) * 4.0 >
+      kMaxActivationBytes)
+    return invalid_argument("a chunk of " + std::to_string(n) + " tokens needs more than " +
+                            format_bytes(static_cast<std::int64_t>(kMaxActivationBytes)) +
+                            " of activations; use smaller chunks");
+  return Status::Ok();
+}
+
 Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens,
                                std::int64_t n, float* logits) const {
   if (n < 1) return invalid_argument("forward: " + std::to_string(n) + " tokens");
@@ -213,11 +222,7 @@ Status ReferenceModel::forward(KvStore& store, std::span<const SeqSpan> spans,
     return make_error(ErrorCode::kCapacityExceeded,
                       "the block pool has " + std::to_string(store.free_blocks()) +
                           " free blocks; this step needs " + std::to_string(*blocks));
-  if (static_cast<double>(n) * static_cast<double>(activation_floats_per_row()) * 4.0 >
-      kMaxActivationBytes)
-    return invalid_argument("a chunk of " + std::to_string(n) + " tokens needs more than " +
-                            format_bytes(static_cast<std::int64_t>(kMaxActivationBytes)) +
-                            " of activations; use smaller chunks");
+  KVRING_RETURN_IF_ERROR(check_chunk(n));
   for (std::int64_t i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= options_.vocab)
       return invalid_argument("token id " + std::to_string(tokens[i]) + " at index " +
@@ -321,6 +326,9 @@ Status Session::feed(const std::vector<std::int32_t>& tokens, std::int64_t chunk
   std::vector<float> logits;
   for (std::size_t at = 0; at < tokens.size();) {
     const std::int64_t n = std::min<std::int64_t>(chunk, static_cast<std::int64_t>(tokens.size() - at));
+    // The chunk's activations, logits included, are checked before the
+    // logits buffer is sized.
+    KVRING_RETURN_IF_ERROR(model_->check_chunk(n));
     logits.resize(static_cast<std::size_t>(n * vocab));
     KVRING_RETURN_IF_ERROR(model_->forward(*cache_, position(), tokens.data() + at, n, logits.data()));
     tokens_.insert(tokens_.end(), tokens.begin() + static_cast<std::ptrdiff_t>(at),

@@ -29,6 +29,133 @@ Status ChunkStore::get(const Digest& name, std::span<std::uint8_t> dst) const {
   return Status::Ok();
 }
 
+namespace {
+
+// `spec` with the password of a SCHEME://USER:PASSWORD@ prefix, if any,
+// replaced by "***": what messages show.
+std::string redacted(std::string_view spec) {
+  const auto scheme = spec.find("://");
+  if (scheme == std::string_view::npos) return std::string(spec);
+  const std::string_view rest = spec.substr(scheme + 3);
+  const std::string_view authority = rest.substr(0, rest.find_first_of("/?"));
+  const auto at = authority.rfind('@');
+  if (at == std::string_view::npos) return std::string(spec);
+  const std::string_view userinfo = authority.substr(0, at);
+  const auto colon = userinfo.find(':');
+  if (colon == std::string_view::npos) return std::string(spec);
+  return std::string(spec.substr(0, scheme + 3)) + std::string(userinfo.substr(0, colon)) + ":***" +
+         std::string(rest.substr(at));
+}
+
+int hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// %XX sequences decoded; false on a malformed one.
+bool percent_decode(std::string_view in, std::string* out) {
+  out->clear();
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    if (in[i] != '%') {
+      out->push_back(in[i]);
+      continue;
+    }
+    const int hi = i + 1 < in.size() ? hex_value(in[i + 1]) : -1;
+    const int lo = i + 2 < in.size() ? hex_value(in[i + 2]) : -1;
+    if (hi < 0 || lo < 0) return false;
+    out->push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return true;
+}
+
+bool parse_int(std::string_view s, std::int64_t lo, std::int64_t hi, std::int64_t* out) {
+  std::int64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) return false;
+  *out = v;
+  return true;
+}
+
+}  // namespace
+
+Result<RedisOptions> parse_redis_spec(std::string_view spec) {
+  if (!spec.starts_with("redis://"))
+    return invalid_argument("chunk store '" + redacted(spec) + "' is not a redis:// URL");
+  const std::string shown = redacted(spec);
+  auto bad = [&](const std::string& why) {
+    return invalid_argument("chunk store '" + shown + "': " + why +
+                            " (redis://[USER[:PASSWORD]@]HOST[:PORT][?timeout_ms=N&deadline_ms=N])");
+  };
+  std::string_view rest = spec.substr(8);
+  RedisOptions o;
+  std::string_view query;
+  if (const auto q = rest.find('?'); q != std::string_view::npos) {
+    query = rest.substr(q + 1);
+    rest = rest.substr(0, q);
+  }
+  if (const auto slash = rest.find('/'); slash != std::string_view::npos) {
+    if (slash + 1 != rest.size()) return bad("database paths are not supported");
+    rest = rest.substr(0, slash);
+  }
+  if (const auto at = rest.rfind('@'); at != std::string_view::npos) {
+    const std::string_view userinfo = rest.substr(0, at);
+    rest = rest.substr(at + 1);
+    const auto colon = userinfo.find(':');
+    if (colon == std::string_view::npos) return bad("a user needs a password (USER:PASSWORD@ or :PASSWORD@)");
+    if (!percent_decode(userinfo.substr(0, colon), &o.user) ||
+        !percent_decode(userinfo.substr(colon + 1), &o.password))
+      return bad("a malformed %XX escape in the user or password");
+    if (o.password.empty()) return bad("the password is empty");
+  }
+  std::string_view host = rest, port;
+  bool has_port = false;
+  if (rest.starts_with("[")) {
+    const auto close = rest.find(']');
+    if (close == std::string_view::npos) return bad("an IPv6 address lacks its ']'");
+    host = rest.substr(1, close - 1);
+    const std::string_view after = rest.substr(close + 1);
+    if (!after.empty()) {
+      if (after[0] != ':') return bad("unexpected text after the IPv6 address");
+      port = after.substr(1);
+      has_port = true;
+    }
+  } else if (const auto colon = rest.find(':'); colon != std::string_view::npos) {
+    if (rest.find(':', colon + 1) != std::string_view::npos)
+      return bad("an IPv6 address goes in brackets (redis://[::1]:6379)");
+    host = rest.substr(0, colon);
+    port = rest.substr(colon + 1);
+    has_port = true;
+  }
+  if (host.empty()) return bad("no host");
+  o.host = std::string(host);
+  if (has_port) {
+    std::int64_t p = 0;
+    if (!parse_int(port, 1, 65535, &p)) return bad("port '" + std::string(port) + "' is not in [1, 65535]");
+    o.port = static_cast<int>(p);
+  }
+  while (!query.empty()) {
+    const auto amp = query.find('&');
+    const std::string_view item = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+    const auto eq = item.find('=');
+    const std::string_view key = item.substr(0, eq);
+    const std::string_view value = eq == std::string_view::npos ? std::string_view() : item.substr(eq + 1);
+    // At most a day: the timeouts must stay well inside poll()'s int range.
+    std::int64_t ms = 0;
+    const bool number = parse_int(value, 1, 86400000, &ms);
+    if (key == "timeout_ms" || key == "deadline_ms") {
+      if (!number) return bad(std::string(key) + " = '" + std::string(value) + "' is not in [1, 86400000]");
+      (key == "timeout_ms" ? o.timeout : o.deadline) = std::chrono::milliseconds(ms);
+    } else {
+      return bad("unknown option '" + std::string(key) + "' (timeout_ms, deadline_ms)");
+    }
+  }
+  return o;
+}
+
 Result<std::unique_ptr<ChunkStore>> open_chunk_store(std::string_view spec, IoOptions io) {
   if (spec.starts_with("dir:")) {
     const std::string path(spec.substr(4));
@@ -36,27 +163,11 @@ Result<std::unique_ptr<ChunkStore>> open_chunk_store(std::string_view spec, IoOp
     return open_dir_store(path, std::move(io));
   }
   if (spec.starts_with("redis://")) {
-    std::string_view rest = spec.substr(8);
-    if (const auto slash = rest.find('/'); slash != std::string_view::npos) {
-      if (slash + 1 != rest.size())
-        return invalid_argument("chunk store '" + std::string(spec) +
-                                "': database paths are not supported (redis://HOST:PORT)");
-      rest = rest.substr(0, slash);
-    }
-    std::string host(rest);
-    int port = 6379;
-    if (const auto colon = rest.rfind(':'); colon != std::string_view::npos) {
-      host = std::string(rest.substr(0, colon));
-      const std::string_view p = rest.substr(colon + 1);
-      auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), port);
-      if (p.empty() || ec != std::errc() || end != p.data() + p.size() || port < 1 || port > 65535)
-        return invalid_argument("chunk store '" + std::string(spec) + "': port '" + std::string(p) +
-                                "' is not in [1, 65535]");
-    }
-    if (host.empty()) return invalid_argument("chunk store '" + std::string(spec) + "' has no host");
-    return open_redis_store(host, port);
+    auto options = parse_redis_spec(spec);
+    if (!options) return options.error();
+    return open_redis_store(*options);
   }
-  return invalid_argument("unknown chunk store '" + std::string(spec) +
+  return invalid_argument("unknown chunk store '" + redacted(spec) +
                           "' (dir:PATH or redis://HOST:PORT)");
 }
 

@@ -1,13 +1,20 @@
 // The directory chunk store: chunk N is the file ROOT/<hex(N)>, written under
 // a ".tmp-" name, fsynced and renamed into place, so a crash mid-write leaves
 // a complete chunk or a temporary file no reader looks at.
+//
+// Nothing under a chunk's name is trusted: it is examined with lstat and
+// opened with O_NOFOLLOW | O_NONBLOCK (a symlink is never followed, a FIFO
+// never blocks), and whatever is not the chunk is replaced on the next put.
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 
 #include "cpu/parallel.h"
 #include "file_io.h"
@@ -25,6 +32,19 @@ bool is_chunk_name(const char* name) {
   for (; name[n] != '\0'; ++n)
     if (!((name[n] >= '0' && name[n] <= '9') || (name[n] >= 'a' && name[n] <= 'f'))) return false;
   return n == 2 * kDigestBytes;
+}
+
+constexpr const char* kTempPrefix = ".tmp-";
+constexpr const char* kQuarantinePrefix = ".quarantine-";
+
+// A name in the store's directory no other writer (thread or process) uses
+// at the same time: `prefix`, the chunk's name, the pid, a counter, a clock.
+std::string unique_name(const std::string& root, const char* prefix, const std::string& what) {
+  static std::atomic<std::uint64_t> counter{0};
+  const auto ticks = static_cast<std::uint64_t>(
+      std::chrono::steady_clock::now().time_since_epoch().count());
+  return root + "/" + prefix + what + "-" + std::to_string(::getpid()) + "-" +
+         std::to_string(counter.fetch_add(1)) + "-" + std::to_string(ticks % 1000000007u);
 }
 
 // Indexes of `chunks` with distinct names (a pack may hold equal chunks).
@@ -53,13 +73,19 @@ class DirStore final : public ChunkStore {
     cpu::parallel_for(static_cast<std::int64_t>(todo.size()), bytes, [&](std::int64_t t) {
       const ChunkData& c = chunks[todo[static_cast<std::size_t>(t)]];
       const std::string path = path_of(c.name);
-      // Already stored only if the file under the name holds bytes that
+      // Already stored only if the name holds a regular file of bytes that
       // hash to the name: a damaged or planted file of the right size must
       // not stop the true bytes from being written. Anything else is replaced.
       struct stat st {};
-      if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-          static_cast<std::size_t>(st.st_size) == c.size() && holds(c.name, c.size()))
-        return;
+      if (::lstat(path.c_str(), &st) == 0) {
+        if (S_ISREG(st.st_mode) && static_cast<std::size_t>(st.st_size) == c.size() &&
+            holds(c.name, c.size()))
+          return;
+        if (Status s = clear_name(path, st); !s.ok()) {
+          status[static_cast<std::size_t>(t)] = s;
+          return;
+        }
+      }
       status[static_cast<std::size_t>(t)] = write_chunk(path, c);
     });
     KVRING_RETURN_IF_ERROR(first_error(status));
@@ -74,9 +100,10 @@ class DirStore final : public ChunkStore {
     return read_raw(name, bytes).ok() && sha256(bytes.data(), bytes.size()) == name;
   }
 
+  // Only a regular file is a chunk; a symlink or a FIFO under the name is not.
   Result<bool> contains(const Digest& name) const override {
     struct stat st {};
-    if (::stat(path_of(name).c_str(), &st) == 0) return true;
+    if (::lstat(path_of(name).c_str(), &st) == 0) return S_ISREG(st.st_mode);
     if (errno == ENOENT) return false;
     return io_error(spec() + ": checking chunk " + to_hex(name) + ": " + errno_text(errno));
   }
@@ -87,6 +114,15 @@ class DirStore final : public ChunkStore {
     return fsync_dir(root_, io_);
   }
 
+  Status check_writable() const override {
+    const std::string probe = unique_name(root_, kTempPrefix, "probe");
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return io_error(spec() + ": cannot write into the store: " + errno_text(errno));
+    ::close(fd);
+    ::unlink(probe.c_str());
+    return Status::Ok();
+  }
+
   Result<StoreStats> stats() const override {
     DIR* d = ::opendir(root_.c_str());
     if (d == nullptr) return io_error(spec() + ": cannot list: " + errno_text(errno));
@@ -94,7 +130,7 @@ class DirStore final : public ChunkStore {
     while (const dirent* e = ::readdir(d)) {
       if (!is_chunk_name(e->d_name)) continue;
       struct stat st {};
-      if (::stat((root_ + "/" + e->d_name).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+      if (::lstat((root_ + "/" + e->d_name).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
       ++s.chunks;
       s.bytes += st.st_size;
     }
@@ -105,16 +141,20 @@ class DirStore final : public ChunkStore {
  protected:
   Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
     const std::string path = path_of(name);
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) {
       const int err = errno;
       if (err == ENOENT) return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
+      if (err == ELOOP)
+        return corruption(spec() + ": chunk " + to_hex(name) + " is a symbolic link, not a chunk file");
       return io_error(spec() + ": opening chunk " + to_hex(name) + ": " + errno_text(err));
     }
     struct stat st {};
     Status s;
     if (::fstat(fd, &st) != 0)
       s = io_error(spec() + ": chunk " + to_hex(name) + ": " + errno_text(errno));
+    else if (!S_ISREG(st.st_mode))
+      s = corruption(spec() + ": chunk " + to_hex(name) + " is not a regular file");
     else if (static_cast<std::size_t>(st.st_size) != dst.size())
       s = corruption(spec() + ": chunk " + to_hex(name) + " holds " + std::to_string(st.st_size) +
                      " bytes, the pack expects " + std::to_string(dst.size()));
@@ -127,13 +167,55 @@ class DirStore final : public ChunkStore {
  private:
   std::string path_of(const Digest& name) const { return root_ + "/" + to_hex(name); }
 
+  // Frees a chunk's name of whatever is not a regular file. A directory may
+  // hold someone's files: it is renamed aside (".quarantine-<name>-..."),
+  // never emptied, and left for its owner. A symlink, a FIFO, a socket or a
+  // device node is only a name in the store's namespace and is unlinked
+  // (unlink never follows a symlink). A regular file is left for the
+  // chunk's rename to replace.
+  Status clear_name(const std::string& path, const struct stat& st) const {
+    if (S_ISREG(st.st_mode)) return Status::Ok();
+    if (S_ISDIR(st.st_mode)) {
+      const std::string aside = unique_name(root_, kQuarantinePrefix, path.substr(root_.size() + 1));
+      if (::rename(path.c_str(), aside.c_str()) != 0 && errno != ENOENT)
+        return io_error(spec() + ": a directory is in the place of chunk " + path +
+                        " and cannot be moved aside: " + errno_text(errno));
+      return Status::Ok();
+    }
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      return io_error(spec() + ": cannot remove the non-file in the place of chunk " + path + ": " +
+                      errno_text(errno));
+    return Status::Ok();
+  }
+
+  // Writes a chunk under a temporary name and renames it into place. The
+  // writer holds an exclusive flock on the temporary from its creation to
+  // after the rename: gc_dir_store removes only temporaries nobody holds.
   Status write_chunk(const std::string& path, const ChunkData& c) const {
-    auto file = AtomicFile::create(path, io_);
-    if (!file) return file.error();
-    KVRING_RETURN_IF_ERROR((*file)->write_at(0, c.part1));
-    if (!c.part2.empty())
-      KVRING_RETURN_IF_ERROR((*file)->write_at(static_cast<std::int64_t>(c.part1.size()), c.part2));
-    return (*file)->commit(/*sync_dir=*/false);
+    const std::string temp = unique_name(root_, kTempPrefix, path.substr(root_.size() + 1));
+    KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kOpen, temp));
+    const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return io_error("creating " + temp + " (for " + path + "): " + errno_text(errno));
+    bool renamed = false;
+    auto step = [&]() -> Status {
+      if (::flock(fd, LOCK_EX | LOCK_NB) != 0)
+        return io_error("locking " + temp + ": " + errno_text(errno));
+      KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kWrite, temp));
+      KVRING_RETURN_IF_ERROR(pwrite_all(fd, c.part1.data(), static_cast<std::int64_t>(c.part1.size()), 0, temp));
+      KVRING_RETURN_IF_ERROR(pwrite_all(fd, c.part2.data(), static_cast<std::int64_t>(c.part2.size()),
+                                        static_cast<std::int64_t>(c.part1.size()), temp));
+      KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kFsync, temp));
+      if (::fsync(fd) != 0) return io_error("syncing " + temp + ": " + errno_text(errno));
+      KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kRename, path));
+      if (::rename(temp.c_str(), path.c_str()) != 0)
+        return io_error("renaming " + temp + " to " + path + ": " + errno_text(errno));
+      renamed = true;
+      return Status::Ok();
+    };
+    const Status s = step();
+    if (!renamed) ::unlink(temp.c_str());
+    if (::close(fd) != 0 && s.ok()) return io_error("closing " + path + ": " + errno_text(errno));
+    return s;
   }
 
   std::string root_;
@@ -141,6 +223,53 @@ class DirStore final : public ChunkStore {
 };
 
 }  // namespace
+
+Result<DirStoreGcReport> gc_dir_store(const std::string& path, std::chrono::seconds min_age) {
+  std::string root = path;
+  while (root.size() > 1 && root.back() == '/') root.pop_back();
+  DIR* d = ::opendir(root.c_str());
+  if (d == nullptr) return io_error("chunk store dir:" + root + ": cannot list: " + errno_text(errno));
+  DirStoreGcReport report;
+  Status failed;
+  const auto now = std::chrono::system_clock::now();
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    const std::string full = root + "/" + name;
+    if (name.rfind(kQuarantinePrefix, 0) == 0) {
+      ++report.quarantined;
+      continue;
+    }
+    if (name.rfind(kTempPrefix, 0) != 0) continue;
+    struct stat st {};
+    if (::lstat(full.c_str(), &st) != 0) continue;  // renamed into place meanwhile
+    if (S_ISLNK(st.st_mode)) {
+      // No writer creates one; unlinking a symlink never touches its target.
+      if (::unlink(full.c_str()) == 0) ++report.removed;
+      continue;
+    }
+    if (!S_ISREG(st.st_mode)) continue;
+    const int fd = ::open(full.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;
+    // The lock is taken before the age is read and held over the unlink, so
+    // a writer that still owns the file cannot be between the two.
+    bool removed = false;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &st) == 0) {
+      const auto modified = std::chrono::system_clock::time_point(
+          std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec));
+      if (now - modified >= min_age) {
+        if (::unlink(full.c_str()) == 0) removed = true;
+        else if (errno != ENOENT && failed.ok())
+          failed = io_error("chunk store dir:" + root + ": removing " + name + ": " + errno_text(errno));
+      }
+    }
+    ::close(fd);
+    ++(removed ? report.removed : report.kept);
+  }
+  ::closedir(d);
+  KVRING_RETURN_IF_ERROR(failed);
+  if (report.removed > 0) KVRING_RETURN_IF_ERROR(fsync_dir(root, {}));
+  return report;
+}
 
 Result<std::unique_ptr<ChunkStore>> open_dir_store(const std::string& path, IoOptions io) {
   std::string root = path;

@@ -2,9 +2,12 @@
 // manifest_len against the limit and the file size), the manifest digest,
 // then every manifest field against the geometry and the bytes that remain,
 // the file size against the chunk table, and each chunk's hash as it is
-// read. No allocation is sized by a field before that field is checked.
-#include <fcntl.h>
-#include <sys/stat.h>
+// read. No allocation is sized by a field before that field is checked, and
+// none by a chunk's claimed size before the chunk is known to exist: a thin
+// pack's chunks are looked up in the store before anything is read, and a
+// self-contained pack whose file holds fewer bytes than its size (a sparse
+// file) has every chunk verified, streamed through bounded buffers, before
+// its rows are allocated.
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +15,7 @@
 #include <new>
 
 #include "coding.h"
+#include "core/file_read.h"
 #include "cpu/parallel.h"
 #include "file_io.h"
 #include "kvring/pack.h"
@@ -31,13 +35,17 @@ constexpr bool kCheckDigests = false;
 constexpr bool kCheckDigests = true;
 #endif
 
+// Hashing a chunk without holding it whole reads it in pieces of this size.
+constexpr std::int64_t kStreamBytes = std::int64_t{1} << 20;
+
 class FileSource final : public PackSource {
  public:
-  FileSource(std::string name, int fd, std::int64_t size)
-      : name_(std::move(name)), fd_(fd), size_(size) {}
+  FileSource(std::string name, int fd, std::int64_t size, std::int64_t stored)
+      : name_(std::move(name)), fd_(fd), size_(size), stored_(stored) {}
   ~FileSource() override { ::close(fd_); }
   const std::string& name() const override { return name_; }
   std::int64_t size() const override { return size_; }
+  std::int64_t stored_bytes() const override { return stored_; }
   Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const override {
     return pread_all(fd_, dst, n, offset, name_);
   }
@@ -45,7 +53,7 @@ class FileSource final : public PackSource {
  private:
   std::string name_;
   int fd_;
-  std::int64_t size_;
+  std::int64_t size_, stored_;
 };
 
 class MemorySource final : public PackSource {
@@ -415,6 +423,53 @@ Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* st
   return Status::Ok();
 }
 
+Status with_chunk(const PackSource& src, const Manifest& m, std::int64_t i, const Status& s) {
+  if (s.ok()) return s;
+  Error e = s.error();
+  e.message = chunk_where(src, m, i) + ": " + e.message;
+  return e;
+}
+
+// Verifies chunk i of a self-contained pack through a buffer of at most
+// kStreamBytes, whatever its byte_length claims.
+Status verify_streamed(const PackSource& src, const Manifest& m, std::int64_t i) {
+  const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min(ch.byte_length, kStreamBytes)));
+  Sha256 h;
+  for (std::int64_t done = 0; done < ch.byte_length;) {
+    const std::int64_t n = std::min(ch.byte_length - done, kStreamBytes);
+    KVRING_RETURN_IF_ERROR(with_chunk(src, m, i, src.read_at(ch.offset + done, n, buf.data())));
+    h.update(buf.data(), static_cast<std::size_t>(n));
+    done += n;
+  }
+  return check_name(src, m, i, h.finish());
+}
+
+// kNotFound, naming the chunk and the store, when chunk i of a thin pack is
+// not in the store. Nothing is read or allocated for it.
+Status check_present(const PackSource& src, const Manifest& m, const ChunkStore& store, std::int64_t i) {
+  const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+  auto has = store.contains(ch.name);
+  if (!has) return with_chunk(src, m, i, has.status());
+  if (!*has)
+    return make_error(ErrorCode::kNotFound, chunk_where(src, m, i) + ": the chunk is missing from " + store.spec());
+  return Status::Ok();
+}
+
+// What must hold before a pack's rows are allocated: every chunk of a thin
+// pack present in its store; every chunk of a self-contained pack verified
+// when the file holds fewer bytes than it claims (st_blocks below st_size).
+// Returns the first failure in table order.
+Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkStore* store) {
+  const bool sparse = src.stored_bytes() < src.size();
+  if (!m.thin && !sparse) return Status::Ok();
+  std::vector<Status> status(m.chunks.size());
+  cpu::parallel_for(static_cast<std::int64_t>(m.chunks.size()), m.payload_bytes, [&](std::int64_t i) {
+    status[static_cast<std::size_t>(i)] = m.thin ? check_present(src, m, *store, i) : verify_streamed(src, m, i);
+  });
+  return first_error(status);
+}
+
 Status need_store(const PackSource& src, const Manifest& m, const ChunkStore* store) {
   if (m.thin && store == nullptr)
     return invalid_argument(src.name() + " is a thin pack: its " + num(static_cast<std::int64_t>(m.chunks.size())) +
@@ -445,7 +500,8 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
     s.planes[l].ring = m.header.planes[l].ring;
   }
   // The rows are sized by checked fields (geometry, rings, file size for a
-  // self-contained pack); a thin pack's claim is also held against memory.
+  // self-contained pack), by chunks known to exist, and held against memory.
+  KVRING_RETURN_IF_ERROR(check_before_rows(src, m, options.store));
   const std::int64_t need = s.row_bytes();
   const std::int64_t limit = std::min(options.max_row_bytes, physical_memory_bytes());
   if (need > limit)
@@ -470,18 +526,9 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
 }  // namespace
 
 Result<std::unique_ptr<PackSource>> open_pack_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    return make_error(err == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIOError,
-                      "cannot open pack " + path + ": " + errno_text(err));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return invalid_argument(path + " is not a regular file");
-  }
-  return std::unique_ptr<PackSource>(new FileSource(path, fd, st.st_size));
+  auto f = file_internal::open_regular_file(path, "pack");
+  if (!f) return f.error();
+  return std::unique_ptr<PackSource>(new FileSource(path, f->fd, f->size, f->stored));
 }
 
 std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t size, std::string name) {
@@ -576,11 +623,20 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
   auto m = read_manifest(source);
   if (!m) return m.error();
   KVRING_RETURN_IF_ERROR(need_store(source, *m, store));
+  // A chunk is read whole only from a store that holds it; a pack's own
+  // chunks are hashed in bounded pieces.
   std::vector<Status> status(m->chunks.size());
   cpu::parallel_for(static_cast<std::int64_t>(m->chunks.size()), m->payload_bytes, [&](std::int64_t i) {
-    status[static_cast<std::size_t>(i)] = read_chunk(source, *m, store, i, nullptr);
+    Status& s = status[static_cast<std::size_t>(i)];
+    if (!m->thin) {
+      s = verify_streamed(source, *m, i);
+      return;
+    }
+    s = check_present(source, *m, *store, i);
+    if (s.ok()) s = read_chunk(source, *m, store, i, nullptr);
   });
   VerifyReport r;
+  r.thin = m->thin;
   r.chunks = static_cast<std::int64_t>(m->chunks.size());
   r.bytes = m->payload_bytes;
   for (const Status& s : status) {

@@ -1,0 +1,339 @@
+// Disaggregated handoff: a prefilled session's KV streamed from a prefill
+// store to a decode store over a transport, paced, verified and bit-exact.
+//
+// The pieces, each usable on its own:
+//   - payload_for / plan_handoff: what a handoff of an N-token prompt carries
+//     and a schedule of when each message is sent relative to prefill's
+//     progress (a pure function; `kvring handoff plan` prints it and the
+//     sender follows its message list and order).
+//   - Transport: whole messages with deadlines; in-process (local_pair) and
+//     between processes (UCX: ucx_listen / ucx_connect).
+//   - HandoffSource / HandoffTarget: the sending session and the detached
+//     receiving one. Today they wrap a KvCache and a Snapshot restored through
+//     restore_detached; a many-sequence store implements the same two
+//     interfaces for its sequences.
+//   - send_session / receive_session: the protocol (docs/DESIGN.md, "Handoff").
+//
+// The payload of an N-token prompt is the first N-1 tokens' rows: the decode
+// side feeds the last prompt token itself as its first step.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvring/cache.h"
+#include "kvring/config.h"
+#include "kvring/snapshot.h"
+#include "kvring/status.h"
+
+namespace kvring::handoff {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+inline Deadline deadline_in(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// ---------------------------------------------------------------- payload
+
+struct LayerPayload {
+  std::int64_t layer = 0;
+  LayerKind kind = LayerKind::kSlidingRope;
+  RingState ring;          // the ring state the receiver installs
+  std::int64_t rows = 0;   // live rows sent (ring.len())
+  std::int64_t bytes = 0;  // rows * kv_dim * 4 (K and V, f16)
+};
+
+struct Payload {
+  std::int64_t prompt_tokens = 0;  // N
+  std::int64_t rows_tokens = 0;    // N - 1: the positions whose rows travel
+  std::int64_t context = 0;        // the cache size the ring capacities follow
+  std::int64_t row_bytes = 0;      // one row of K and V on one layer
+  std::vector<LayerPayload> layers;
+  std::int64_t full_bytes = 0, sliding_bytes = 0, payload_bytes = 0;
+};
+
+// The payload of an `prompt_tokens`-token prompt (>= 1) on a cache of
+// `context` positions (0: the model's max_context).
+Result<Payload> payload_for(const ModelConfig& config, std::int64_t prompt_tokens,
+                            std::int64_t context = 0);
+
+// ---------------------------------------------------------------- schedule
+
+enum class Schedule {
+  kSwaFirst,  // sliding rings as each becomes final; the full bulk after the last layer
+  kPaced,     // every message as soon as its rows are final, through a token bucket
+};
+const char* schedule_name(Schedule schedule);
+Result<Schedule> parse_schedule(const std::string& name);
+
+struct PlanOptions {
+  Schedule schedule = Schedule::kPaced;
+  std::int64_t context = 0;                          // 0: max_context
+  std::int64_t chunk_tokens = 128;                   // prefill chunk: rows become final per chunk
+  std::int64_t message_bytes = std::int64_t{4} << 20;  // largest row message (whole chunks of a layer)
+  // The model of time (used by the timeline, not by the sender):
+  double rate_bytes_per_s = 1.25e9;    // token bucket rate (and link rate)
+  std::int64_t credit_bytes = std::int64_t{64} << 20;  // receiver window: bytes unacknowledged
+  double prefill_tokens_per_s = 8000;  // prefill speed; steps (chunk, layer) take equal time
+  double ack_latency_s = 50e-6;        // from a message's last byte to its credit returning
+};
+
+// One row message: rows [first_row, first_row + rows) of one layer.
+struct PlannedMessage {
+  std::int64_t index = 0;  // position in send order
+  std::int64_t layer = 0;
+  LayerKind kind = LayerKind::kSlidingRope;
+  std::int64_t first_row = 0, rows = 0, bytes = 0;
+  // Prefill step (chunk * n_layers + layer) after which the rows are final,
+  // and after which the schedule releases them (swa-first holds full rows to
+  // the last step).
+  std::int64_t final_step = 0, release_step = 0;
+  // The modelled timeline, seconds from the start of prefill.
+  double final_s = 0, release_s = 0, start_s = 0, end_s = 0, ack_s = 0;
+};
+
+struct Timeline {
+  Payload payload;
+  PlanOptions options;
+  std::int64_t n_chunks = 0, n_steps = 0;
+  double step_s = 0, prefill_end_s = 0, done_s = 0;
+  std::vector<PlannedMessage> messages;  // in send order
+  // Derived by check_timeline's measures.
+  std::int64_t max_in_flight = 0;
+  double max_idle_while_ready_s = 0;  // the longest link idle time while a released message waited
+  double busy_s = 0;                  // link time carrying bytes
+};
+
+// The schedule: messages cut at chunk boundaries (full layers) and at
+// message_bytes, released per the schedule, sent in release order (then layer,
+// then row), each starting when released, when the token bucket allows and
+// when the receiver's credits cover it.
+Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tokens,
+                              const PlanOptions& options);
+
+// Checks a timeline's invariants from its messages alone: every payload byte
+// sent exactly once (per layer the messages tile the live rows), nothing sent
+// before it is released or final, the bytes in flight never above the
+// credits, the link never carrying two messages at once nor faster than the
+// rate, and no idle gap longer than `max_idle_s` while a released message
+// waits. Fills max_in_flight, max_idle_while_ready_s and busy_s.
+Status check_timeline(Timeline& timeline, double max_idle_s);
+
+// ---------------------------------------------------------------- transport
+
+// Where a buffer lives; a transport that cannot reach a kind refuses it
+// (kUnsupported). Device memory is for a later same-GPU transport.
+enum class MemoryKind { kHost, kCudaDevice };
+
+struct Part {
+  const void* data = nullptr;
+  std::size_t size = 0;
+  MemoryKind kind = MemoryKind::kHost;
+};
+
+// Whole messages, in order, both ways. Every call has a deadline; a lost
+// peer, a dropped link or a passed deadline is an error (kIOError) and the
+// transport is unusable after it.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Sends the concatenation of `parts` as one message.
+  virtual Status send_message(const std::vector<Part>& parts, Deadline deadline) = 0;
+  Status send_message(const void* data, std::size_t size, Deadline deadline) {
+    return send_message(std::vector<Part>{{data, size}}, deadline);
+  }
+  // The next message into `out`; a message over max_size is an error.
+  virtual Status recv_message(std::vector<std::uint8_t>& out, Deadline deadline,
+                              std::size_t max_size) = 0;
+  virtual std::string describe() const = 0;  // "ucx 127.0.0.1:4242", for messages
+  // Closes the link; the peer's calls then fail. Idempotent.
+  virtual void close() = 0;
+};
+
+// Two connected in-process endpoints (host memory).
+std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair();
+
+// UCX (ucp tag API, one tagged message per message, over a client-server
+// endpoint made from a TCP sockaddr; UCX picks TCP, shared memory or CMA
+// lanes for the data). kUnsupported when this build has no UCX.
+bool ucx_compiled();
+class UcxListener {
+ public:
+  virtual ~UcxListener() = default;
+  virtual int port() const = 0;  // the bound port (useful when asked for 0)
+  // Waits for one connection.
+  virtual Result<std::unique_ptr<Transport>> accept(Deadline deadline) = 0;
+};
+// "HOST:PORT"; port 0 binds any free port.
+Result<std::unique_ptr<UcxListener>> ucx_listen(const std::string& host_port);
+Result<std::unique_ptr<Transport>> ucx_connect(const std::string& host_port, Deadline deadline);
+Result<std::pair<std::string, int>> parse_host_port(const std::string& host_port);
+
+// ---------------------------------------------------------------- sessions
+
+// The sending side: the header (geometry, context, token ids, metadata, the
+// final ring states; no rows) and the rows of each planned message once final.
+class HandoffSource {
+ public:
+  virtual ~HandoffSource() = default;
+  virtual const Snapshot& header() const = 0;
+  // Waits until the message's rows are final: true, or false when the
+  // deadline came first (the sender then keeps the link alive and waits
+  // again); an error when the source failed (prefill stopped).
+  virtual Result<bool> wait_final(const PlannedMessage& message, Deadline deadline) = 0;
+  // The message's rows in logical order, f16 bits [rows, kv_dim] each. The
+  // pointers stay valid until release(message).
+  virtual Status rows(const PlannedMessage& message, const std::uint16_t** k,
+                      const std::uint16_t** v) = 0;
+  virtual void release(const PlannedMessage& /*message*/) {}
+};
+
+// A finished session: a cache whose first rows_tokens positions are the
+// payload, read in place (nothing is written to it while it is sent).
+class CacheSource : public HandoffSource {
+ public:
+  // `header` gets the ring states of the payload; `token_ids` are the payload's.
+  static Result<std::unique_ptr<CacheSource>> create(const KvCache& cache, const Payload& payload,
+                                                     std::vector<std::int32_t> token_ids,
+                                                     std::string metadata);
+  const Snapshot& header() const override { return header_; }
+  Result<bool> wait_final(const PlannedMessage&, Deadline) override { return true; }
+  Status rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) override;
+
+ private:
+  CacheSource(const KvCache& cache) : cache_(cache) {}
+  const KvCache& cache_;
+  Snapshot header_;
+  std::vector<std::uint16_t> k_, v_;
+};
+
+// A session being prefilled on another thread: the prefill thread, which
+// alone touches the cache, copies each message's rows out when they become
+// final (stage_final), and once prefill is done (finish) the remaining rows
+// are read in place. The sender thread waits on it.
+class PrefillSource : public HandoffSource {
+ public:
+  PrefillSource(const KvCache& cache, const Timeline& timeline, Snapshot header);
+  const Snapshot& header() const override { return header_; }
+  // Prefill thread: copies out every message released before `steps_done`
+  // (chunks done * n_layers). Messages released only at the last step are
+  // left for finish(), after which they are read in place.
+  Status stage_final(std::int64_t steps_done);
+  // Prefill thread: prefill has ended (ok: every row final; otherwise the
+  // sender is told why and stops).
+  void finish(Status prefill_status);
+  Result<bool> wait_final(const PlannedMessage& message, Deadline deadline) override;
+  Status rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) override;
+  void release(const PlannedMessage& m) override;
+  std::int64_t staged_bytes_peak() const;
+
+ private:
+  const KvCache& cache_;
+  const Timeline& timeline_;
+  Snapshot header_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::int64_t next_to_stage_ = 0;
+  bool finished_ = false;
+  Status prefill_status_;
+  std::vector<std::vector<std::uint16_t>> staged_k_, staged_v_;
+  std::vector<bool> staged_;
+  std::int64_t staged_bytes_ = 0, staged_peak_ = 0;
+  std::vector<std::uint16_t> k_, v_;  // in-place reads after finish
+};
+
+// The receiving side: a detached target that takes the header, then rows,
+// and becomes live only at commit. abort() frees what it took.
+class HandoffTarget {
+ public:
+  virtual ~HandoffTarget() = default;
+  // Refuses a header whose geometry or fingerprint the store cannot take.
+  virtual Status begin(const Snapshot& header) = 0;
+  virtual Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                          const std::uint8_t* k, const std::uint8_t* v) = 0;
+  virtual Status commit() = 0;
+  virtual void abort() = 0;
+};
+
+// Rows land in a Snapshot's buffers; commit installs them, either into a
+// new sequence of a running store (`store` set: restore_new_sequence, so
+// the sequence exists only once every row has arrived and verified, and
+// the store's other sequences are never touched) or into a fresh cache
+// (restore_detached), handed out by take().
+class DetachedCacheTarget : public HandoffTarget {
+ public:
+  struct Options {
+    BackendKind backend = BackendKind::kCpu;
+    std::int64_t context = 0;  // 0: the sender's
+    // Set: a session of another geometry is refused (kMismatch).
+    std::optional<ModelConfig> expect;
+    std::int64_t max_row_bytes = std::int64_t{64} << 30;
+    // Set: commit adds the session to this store as a new sequence, and a
+    // session the store cannot take (another geometry, more positions than
+    // its context) is refused at begin().
+    KvStore* store = nullptr;
+  };
+  explicit DetachedCacheTarget(Options options) : options_(std::move(options)) {}
+  Status begin(const Snapshot& header) override;
+  Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                  const std::uint8_t* k, const std::uint8_t* v) override;
+  Status commit() override;
+  void abort() override;
+  // After commit: the live cache (none in store mode), the new sequence
+  // (store mode) and the snapshot header (token ids, metadata).
+  std::unique_ptr<KvCache> take() { return std::move(cache_); }
+  std::optional<SeqId> sequence() const { return seq_; }
+  const Snapshot& header() const { return snapshot_; }
+  std::int64_t held_row_bytes() const;  // what the target holds now (0 after abort)
+
+ private:
+  Options options_;
+  Snapshot snapshot_;
+  std::unique_ptr<KvCache> cache_;
+  std::optional<SeqId> seq_;
+};
+
+struct SendOptions {
+  double timeout_s = 10;        // longest wait for the receiver (accept, credits, done)
+  double rate_bytes_per_s = 0;  // token bucket; 0: unpaced
+};
+
+struct SendReport {
+  std::int64_t messages = 0, payload_bytes = 0, wire_bytes = 0;
+  std::int64_t credit_bytes = 0, max_in_flight = 0;
+  double seconds = 0;  // header sent to commit confirmed
+};
+
+// Sends the session: the header, each planned message once final (rows with
+// their SHA-256), then the end; returns once the receiver confirmed its
+// commit. The source is only read: on any error the session stays usable.
+Result<SendReport> send_session(Transport& transport, HandoffSource& source,
+                                const Timeline& timeline, const SendOptions& options = {});
+
+struct ReceiveOptions {
+  double timeout_s = 10;  // longest wait for any message once connected
+  std::int64_t credit_bytes = std::int64_t{64} << 20;
+  std::int64_t max_message_bytes = std::int64_t{256} << 20;
+};
+
+struct ReceiveReport {
+  std::int64_t messages = 0, payload_bytes = 0;
+  double seconds = 0;  // header received to commit
+};
+
+// Receives one session into `target`: every message verified on arrival,
+// committed only when all rows arrived. On any error the target is aborted
+// (its store as it was), the sender is told why where the link still works,
+// and the error names what went wrong.
+Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& target,
+                                      const ReceiveOptions& options = {});
+
+}  // namespace kvring::handoff

@@ -1,0 +1,39 @@
+// Opening files a user names (packs, configs, resume files) without ever
+// blocking or reading without end: every such file goes through
+// open_regular_file, which refuses anything that is not a regular file
+// (a FIFO, a device, a socket, a directory) before any blocking read.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kvring/status.h"
+
+namespace kvring::file_internal {
+
+// A config file is small; anything larger is not one.
+inline constexpr std::int64_t kMaxConfigBytes = std::int64_t{16} << 20;
+
+struct OpenedFile {
+  int fd = -1;            // O_RDONLY | O_CLOEXEC, blocking; the caller closes it
+  std::int64_t size = 0;  // st_size at open
+  std::int64_t stored = 0;  // bytes the file system holds for it (st_blocks * 512)
+};
+
+// "a FIFO", "a character device", ... for the file type bits of st_mode.
+const char* file_type_name(unsigned mode);
+
+// Opens `path` for reading. The open itself never blocks (O_NONBLOCK, so a
+// FIFO without a writer or a device that waits returns at once); the type
+// comes from fstat of that descriptor, so it is the file that is read, not
+// one swapped in after a check. Errors name `what` ("pack", "config file"),
+// the path and the reason: kNotFound for an absent file, kInvalidArgument
+// for a file that is not regular, kIOError for the rest.
+Result<OpenedFile> open_regular_file(const std::string& path, const std::string& what);
+
+// The whole of a regular file of at most `max_bytes` bytes; a larger file
+// (or one that grows past the limit while it is read) is kInvalidArgument.
+Result<std::string> read_small_file(const std::string& path, const std::string& what,
+                                    std::int64_t max_bytes);
+
+}  // namespace kvring::file_internal

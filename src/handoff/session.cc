@@ -1,0 +1,668 @@
+// The handoff protocol: framing, the sender and the receiver, and today's
+// source and target (a KvCache, a Snapshot restored through restore_detached).
+//
+// Messages (little-endian), each a transport message whose first byte is its type:
+//   HEADER  S->R  magic, version, geometry, fingerprint, context, token ids,
+//                 metadata, ring state per plane, message count, payload
+//                 bytes; SHA-256 of all that
+//   ACCEPT  R->S  the receiver's credits (bytes it takes unacknowledged)
+//   ERROR   R->S  an error code and message: the receiver refused or failed
+//   ROWS    S->R  sequence, layer, first row, rows, SHA-256, then K then V
+//   ACK     R->S  sequence, payload bytes taken so far
+//   KEEP    S->R  nothing yet (prefill still running); keeps the link alive
+//   ABORT   S->R  an error code and message: the sender gives up
+//   END     S->R  message count, payload bytes, the header's digest
+//   DONE    R->S  the session is installed and live
+//   BYE     S->R  DONE was heard; the receiver may close
+// A receiver that ends (DONE or ERROR) lingers until the sender closes or
+// says BYE, briefly: closing at once could let the disconnect overtake its
+// last message.
+#include <bit>
+#include <cstring>
+#include <thread>
+
+#include "kvring/handoff.h"
+#include "kvring/sha256.h"
+#include "pack/coding.h"
+
+namespace kvring::handoff {
+
+static_assert(std::endian::native == std::endian::little, "the wire carries f16 rows little-endian");
+
+namespace {
+
+enum Type : std::uint8_t {
+  kHeader = 1, kAccept = 2, kError = 3, kRows = 4, kAck = 5, kKeep = 6, kAbort = 7, kEnd = 8, kDone = 9,
+  kBye = 10,
+};
+constexpr double kLingerS = 2.0;
+
+// Waits until the peer closes the link or says BYE (or the linger ends).
+void linger(Transport& t, double seconds) {
+  std::vector<std::uint8_t> in;
+  const Deadline end = deadline_in(seconds);
+  while (Clock::now() < end) {
+    if (!t.recv_message(in, end, std::size_t{1} << 30).ok()) return;
+    if (!in.empty() && in[0] == kBye) return;
+  }
+}
+constexpr char kMagic[8] = {'k', 'v', 'h', 'a', 'n', 'd', 'o', 'f'};
+constexpr std::uint16_t kVersion = 1;
+constexpr std::size_t kRowsHead = 1 + 8 + 4 + 8 + 8;  // type, seq, layer, first, rows
+constexpr std::size_t kRowsFixed = kRowsHead + 32;     // + digest
+constexpr std::int64_t kMaxIds = std::int64_t{1} << 26;
+constexpr std::int64_t kMaxMetadata = std::int64_t{64} << 20;
+
+using coding::put_bytes;
+using coding::put_fixed16;
+using coding::put_fixed32;
+using coding::put_fixed64;
+using coding::put_fixed8;
+
+// A bounds-checked reader over one message.
+struct Reader {
+  const std::uint8_t* p;
+  const std::uint8_t* end;
+  bool ok = true;
+  std::uint64_t u(int width) {
+    if (!ok || end - p < width) {
+      ok = false;
+      return 0;
+    }
+    std::uint64_t v = 0;
+    for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
+    p += width;
+    return v;
+  }
+  const std::uint8_t* bytes(std::uint64_t n) {
+    if (!ok || static_cast<std::uint64_t>(end - p) < n) {
+      ok = false;
+      return nullptr;
+    }
+    const std::uint8_t* at = p;
+    p += n;
+    return at;
+  }
+};
+
+Error wire_error(const std::string& what) { return corruption("handoff: " + what); }
+
+std::string encode_header(const Snapshot& h, const Timeline& t) {
+  const ModelConfig& c = h.config;
+  std::string s;
+  put_fixed8(&s, kHeader);
+  put_bytes(&s, kMagic, sizeof kMagic);
+  put_fixed16(&s, kVersion);
+  for (std::int64_t v : {c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window, c.max_context})
+    put_fixed64(&s, static_cast<std::uint64_t>(v));
+  for (LayerKind k : c.layer_kinds) put_fixed8(&s, static_cast<std::uint8_t>(k));
+  const auto fp = c.fingerprint();
+  put_bytes(&s, fp.data(), fp.size());
+  put_fixed64(&s, h.context);
+  put_fixed64(&s, h.token_count);
+  put_fixed64(&s, h.token_ids.size());
+  for (std::int32_t id : h.token_ids) put_fixed32(&s, static_cast<std::uint32_t>(id));
+  put_fixed64(&s, h.metadata.size());
+  put_bytes(&s, h.metadata.data(), h.metadata.size());
+  for (const PlaneSnapshot& p : h.planes) {
+    put_fixed64(&s, p.ring.capacity());
+    put_fixed8(&s, p.ring.wraps() ? 1 : 0);
+    put_fixed64(&s, p.ring.len());
+    put_fixed64(&s, p.ring.origin_logical());
+    put_fixed64(&s, p.ring.origin_physical());
+  }
+  put_fixed64(&s, t.messages.size());
+  put_fixed64(&s, t.payload.payload_bytes);
+  const Digest d = sha256(s.data(), s.size());
+  put_bytes(&s, d.data(), d.size());
+  return s;
+}
+
+struct DecodedHeader {
+  Snapshot header;
+  std::int64_t n_messages = 0, payload_bytes = 0;
+  Digest digest{};
+};
+
+Result<DecodedHeader> decode_header(const std::vector<std::uint8_t>& m) {
+  if (m.size() < 1 + sizeof kMagic + 2 + 32) return wire_error("header of " + std::to_string(m.size()) + " B is truncated");
+  const Digest want = sha256(m.data(), m.size() - 32);
+  if (std::memcmp(want.data(), m.data() + m.size() - 32, 32) != 0) return wire_error("header digest does not match");
+  Reader r{m.data(), m.data() + m.size() - 32};
+  r.u(1);
+  const std::uint8_t* magic = r.bytes(sizeof kMagic);
+  if (!magic || std::memcmp(magic, kMagic, sizeof kMagic) != 0) return wire_error("not a kvring handoff (bad magic)");
+  if (const auto v = r.u(2); v != kVersion)
+    return make_error(ErrorCode::kUnsupported, "handoff: protocol version " + std::to_string(v) + " (this build speaks " +
+                                                   std::to_string(kVersion) + ")");
+  DecodedHeader d;
+  Snapshot& h = d.header;
+  ModelConfig& c = h.config;
+  c.name = "handoff";
+  std::int64_t* fields[] = {&c.n_layers, &c.n_heads, &c.n_kv_heads, &c.head_dim, &c.sliding_window, &c.max_context};
+  for (std::int64_t* f : fields) *f = static_cast<std::int64_t>(r.u(8));
+  if (!r.ok || c.n_layers < 1 || c.n_layers > kMaxLayers) return wire_error("header: bad layer count");
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const auto k = r.u(1);
+    if (k > 1) return wire_error("header: layer " + std::to_string(l) + " has unknown kind " + std::to_string(k));
+    c.layer_kinds.push_back(static_cast<LayerKind>(k));
+  }
+  if (!r.ok) return wire_error("header is truncated");
+  if (Status s = c.validate(); !s.ok()) return make_error(ErrorCode::kMismatch, "handoff: the session's geometry is invalid: " + s.error().message);
+  const std::uint8_t* fp = r.bytes(32);
+  if (!fp) return wire_error("header is truncated");
+  if (std::memcmp(fp, c.fingerprint().data(), 32) != 0) return wire_error("header: fingerprint does not match its geometry");
+  h.context = static_cast<std::int64_t>(r.u(8));
+  h.token_count = static_cast<std::int64_t>(r.u(8));
+  const auto n_ids = static_cast<std::int64_t>(r.u(8));
+  if (!r.ok || n_ids < 0 || n_ids > kMaxIds) return wire_error("header: bad token id count");
+  h.token_ids.resize(static_cast<std::size_t>(n_ids));
+  for (auto& id : h.token_ids) id = static_cast<std::int32_t>(r.u(4));
+  const auto n_meta = static_cast<std::int64_t>(r.u(8));
+  if (!r.ok || n_meta < 0 || n_meta > kMaxMetadata) return wire_error("header: bad metadata length");
+  const std::uint8_t* meta = r.bytes(static_cast<std::uint64_t>(n_meta));
+  if (!r.ok) return wire_error("header is truncated");
+  h.metadata.assign(reinterpret_cast<const char*>(meta), static_cast<std::size_t>(n_meta));
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    PlaneSnapshot p;
+    p.kind = c.kind(l);
+    p.layout = layout_for(p.kind);
+    const auto cap = static_cast<std::int64_t>(r.u(8));
+    const bool wraps = r.u(1) != 0;
+    const auto len = static_cast<std::int64_t>(r.u(8));
+    const auto ol = static_cast<std::int64_t>(r.u(8));
+    const auto op = static_cast<std::int64_t>(r.u(8));
+    if (!r.ok) return wire_error("header is truncated");
+    auto ring = RingState::from_parts(cap, wraps, len, ol, op);
+    if (!ring) return wire_error("header: plane " + std::to_string(l) + ": " + ring.error().message);
+    p.ring = *ring;
+    h.planes.push_back(std::move(p));
+  }
+  d.n_messages = static_cast<std::int64_t>(r.u(8));
+  d.payload_bytes = static_cast<std::int64_t>(r.u(8));
+  if (!r.ok || r.p != r.end) return wire_error("header has a bad length");
+  if (d.n_messages < 0 || d.payload_bytes < 0) return wire_error("header: bad message count");
+  if (Status s = validate_snapshot(h, /*header_only=*/true); !s.ok())
+    return make_error(s.error().code, "handoff: header: " + s.error().message);
+  std::memcpy(d.digest.data(), m.data() + m.size() - 32, 32);
+  return d;
+}
+
+std::string encode_status(std::uint8_t type, const Error& e) {
+  std::string s;
+  put_fixed8(&s, type);
+  put_fixed32(&s, static_cast<std::uint32_t>(e.code));
+  put_bytes(&s, e.message.data(), e.message.size());
+  return s;
+}
+
+Error decode_status(const std::vector<std::uint8_t>& m, const std::string& who) {
+  Reader r{m.data(), m.data() + m.size()};
+  r.u(1);
+  const auto code = r.u(4);
+  if (!r.ok || code > static_cast<std::uint64_t>(ErrorCode::kInternal)) return wire_error(who + " sent a malformed error");
+  return make_error(static_cast<ErrorCode>(code),
+                    who + ": " + std::string(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p)));
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+Error peer_lost(const Status& s, const std::string& who) {
+  return make_error(s.error().code, who + ": " + s.error().message);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ sources
+
+Result<std::unique_ptr<CacheSource>> CacheSource::create(const KvCache& cache, const Payload& payload,
+                                                         std::vector<std::int32_t> token_ids,
+                                                         std::string metadata) {
+  auto next = cache.next_position();
+  if (!next) return next.error();
+  if (*next != payload.rows_tokens)
+    return invalid_argument("handoff: the cache holds " + std::to_string(*next) + " positions; the payload is " +
+                            std::to_string(payload.rows_tokens));
+  if (cache.context() != payload.context)
+    return invalid_argument("handoff: the cache holds " + std::to_string(cache.context()) +
+                            " positions of context; the payload was planned for " + std::to_string(payload.context));
+  if (static_cast<std::int64_t>(token_ids.size()) != payload.rows_tokens)
+    return invalid_argument("handoff: " + std::to_string(token_ids.size()) + " token ids for " +
+                            std::to_string(payload.rows_tokens) + " positions");
+  std::unique_ptr<CacheSource> s(new CacheSource(cache));
+  Snapshot& h = s->header_;
+  h.config = cache.config();
+  h.context = cache.context();
+  h.token_count = payload.rows_tokens;
+  h.token_ids = std::move(token_ids);
+  h.metadata = std::move(metadata);
+  for (const LayerPayload& lp : payload.layers) {
+    if (!(cache.ring(lp.layer) == lp.ring))
+      return invalid_argument("handoff: layer " + std::to_string(lp.layer) + " of the cache is not at the planned ring state");
+    PlaneSnapshot p;
+    p.kind = lp.kind;
+    p.layout = layout_for(lp.kind);
+    p.ring = lp.ring;
+    h.planes.push_back(std::move(p));
+  }
+  KVRING_RETURN_IF_ERROR(validate_snapshot(h, /*header_only=*/true));
+  return s;
+}
+
+Status CacheSource::rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) {
+  const std::size_t n = static_cast<std::size_t>(m.rows * cache_.config().kv_dim());
+  k_.resize(n);
+  v_.resize(n);
+  KVRING_RETURN_IF_ERROR(cache_.read_rows(m.layer, m.first_row, m.rows, k_.data(), v_.data()));
+  *k = k_.data();
+  *v = v_.data();
+  return Status::Ok();
+}
+
+PrefillSource::PrefillSource(const KvCache& cache, const Timeline& timeline, Snapshot header)
+    : cache_(cache), timeline_(timeline), header_(std::move(header)) {
+  const std::size_t n = timeline.messages.size();
+  staged_k_.resize(n);
+  staged_v_.resize(n);
+  staged_.assign(n, false);
+}
+
+Status PrefillSource::stage_final(std::int64_t steps_done) {
+  const auto& ms = timeline_.messages;
+  const std::size_t kv = static_cast<std::size_t>(cache_.config().kv_dim());
+  for (;;) {
+    std::size_t i;
+    {
+      std::lock_guard lock(mu_);
+      i = static_cast<std::size_t>(next_to_stage_);
+    }
+    if (i >= ms.size() || ms[i].release_step >= steps_done || ms[i].release_step == timeline_.n_steps - 1) break;
+    const PlannedMessage& m = ms[i];
+    std::vector<std::uint16_t> k(static_cast<std::size_t>(m.rows) * kv), v(k.size());
+    KVRING_RETURN_IF_ERROR(cache_.read_rows(m.layer, m.first_row, m.rows, k.data(), v.data()));
+    {
+      std::lock_guard lock(mu_);
+      staged_k_[i] = std::move(k);
+      staged_v_[i] = std::move(v);
+      staged_[i] = true;
+      staged_bytes_ += m.bytes;
+      staged_peak_ = std::max(staged_peak_, staged_bytes_);
+      ++next_to_stage_;
+    }
+    cv_.notify_all();
+  }
+  return Status::Ok();
+}
+
+void PrefillSource::finish(Status prefill_status) {
+  {
+    std::lock_guard lock(mu_);
+    finished_ = true;
+    prefill_status_ = std::move(prefill_status);
+  }
+  cv_.notify_all();
+}
+
+Result<bool> PrefillSource::wait_final(const PlannedMessage& m, Deadline deadline) {
+  std::unique_lock lock(mu_);
+  const std::size_t i = static_cast<std::size_t>(m.index);
+  cv_.wait_until(lock, deadline, [&] { return staged_[i] || finished_; });
+  if (finished_ && !prefill_status_.ok()) return prefill_status_.error();
+  return staged_[i] || finished_;
+}
+
+Status PrefillSource::rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) {
+  const std::size_t i = static_cast<std::size_t>(m.index);
+  {
+    std::lock_guard lock(mu_);
+    if (staged_[i]) {
+      *k = staged_k_[i].data();
+      *v = staged_v_[i].data();
+      return Status::Ok();
+    }
+    if (!finished_) return make_error(ErrorCode::kInternal, "handoff: rows read before they are final");
+  }
+  // Prefill is over: nothing writes the cache any more.
+  const std::size_t n = static_cast<std::size_t>(m.rows * cache_.config().kv_dim());
+  k_.resize(n);
+  v_.resize(n);
+  KVRING_RETURN_IF_ERROR(cache_.read_rows(m.layer, m.first_row, m.rows, k_.data(), v_.data()));
+  *k = k_.data();
+  *v = v_.data();
+  return Status::Ok();
+}
+
+void PrefillSource::release(const PlannedMessage& m) {
+  std::lock_guard lock(mu_);
+  const std::size_t i = static_cast<std::size_t>(m.index);
+  if (!staged_[i]) return;
+  staged_bytes_ -= m.bytes;
+  std::vector<std::uint16_t>().swap(staged_k_[i]);
+  std::vector<std::uint16_t>().swap(staged_v_[i]);
+}
+
+std::int64_t PrefillSource::staged_bytes_peak() const {
+  std::lock_guard lock(mu_);
+  return staged_peak_;
+}
+
+// ------------------------------------------------------------ target
+
+Status DetachedCacheTarget::begin(const Snapshot& header) {
+  abort();
+  std::optional<ModelConfig> expect = options_.expect;
+  if (options_.store != nullptr && !expect) expect = options_.store->config();
+  if (expect && expect->fingerprint() != header.config.fingerprint()) {
+    const ModelConfig& a = header.config;
+    const ModelConfig& b = *expect;
+    std::string field = "layer kinds";
+    if (a.n_layers != b.n_layers) field = "n_layers " + std::to_string(a.n_layers) + " vs " + std::to_string(b.n_layers);
+    else if (a.n_kv_heads != b.n_kv_heads) field = "n_kv_heads " + std::to_string(a.n_kv_heads) + " vs " + std::to_string(b.n_kv_heads);
+    else if (a.head_dim != b.head_dim) field = "head_dim " + std::to_string(a.head_dim) + " vs " + std::to_string(b.head_dim);
+    else if (a.n_heads != b.n_heads) field = "n_heads " + std::to_string(a.n_heads) + " vs " + std::to_string(b.n_heads);
+    else if (a.sliding_window != b.sliding_window) field = "sliding_window " + std::to_string(a.sliding_window) + " vs " + std::to_string(b.sliding_window);
+    else if (a.max_context != b.max_context) field = "max_context " + std::to_string(a.max_context) + " vs " + std::to_string(b.max_context);
+    return make_error(ErrorCode::kMismatch, "the session's geometry (fingerprint " + a.fingerprint_hex().substr(0, 16) +
+                                                ") differs from this store's (" + b.fingerprint_hex().substr(0, 16) +
+                                                "): " + field);
+  }
+  const std::int64_t context = options_.context == 0 ? header.context : options_.context;
+  if (context > header.config.max_context || context < 1)
+    return invalid_argument("handoff: context " + std::to_string(context) + " outside the model's [1, " +
+                            std::to_string(header.config.max_context) + "]");
+  const std::int64_t bytes = [&] {
+    std::int64_t b = 0;
+    for (const PlaneSnapshot& p : header.planes) b += p.ring.len() * header.config.kv_dim() * 4;
+    return b;
+  }();
+  if (bytes > options_.max_row_bytes)
+    return invalid_argument("handoff: the session's rows take " + std::to_string(bytes) + " B, above this store's limit of " +
+                            std::to_string(options_.max_row_bytes) + " B");
+  if (options_.store != nullptr) {
+    KVRING_RETURN_IF_ERROR(check_restorable(header, *options_.store));
+    if (options_.store->sequence_count() >= options_.store->options().max_sequences)
+      return make_error(ErrorCode::kCapacityExceeded, "handoff: every sequence slot of the store is taken");
+  }
+  snapshot_ = header;
+  const std::size_t kv = static_cast<std::size_t>(header.config.kv_dim());
+  for (PlaneSnapshot& p : snapshot_.planes) {
+    p.k.resize(static_cast<std::size_t>(p.ring.len()) * kv);
+    p.v.resize(p.k.size());
+  }
+  return Status::Ok();
+}
+
+Status DetachedCacheTarget::put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                                     const std::uint8_t* k, const std::uint8_t* v) {
+  if (layer < 0 || layer >= static_cast<std::int64_t>(snapshot_.planes.size()))
+    return invalid_argument("handoff: rows for layer " + std::to_string(layer));
+  PlaneSnapshot& p = snapshot_.planes[static_cast<std::size_t>(layer)];
+  if (first_row < p.ring.origin_logical() || rows < 0 || first_row + rows > p.ring.next_position())
+    return invalid_argument("handoff: rows [" + std::to_string(first_row) + ", " + std::to_string(first_row + rows) +
+                            ") of layer " + std::to_string(layer) + " are not live");
+  const std::size_t kv = static_cast<std::size_t>(snapshot_.config.kv_dim());
+  const std::size_t at = static_cast<std::size_t>(first_row - p.ring.origin_logical()) * kv;
+  const std::size_t n = static_cast<std::size_t>(rows) * kv * 2;
+  std::memcpy(p.k.data() + at, k, n);
+  std::memcpy(p.v.data() + at, v, n);
+  return Status::Ok();
+}
+
+Status DetachedCacheTarget::commit() {
+  if (options_.store != nullptr) {
+    auto seq = restore_new_sequence(snapshot_, *options_.store);
+    if (!seq) return seq.error();
+    seq_ = *seq;
+  } else {
+    const std::int64_t context = options_.context == 0 ? snapshot_.context : options_.context;
+    auto cache = restore_detached(snapshot_, options_.backend, context);
+    if (!cache) return cache.error();
+    cache_ = std::move(*cache);
+  }
+  for (PlaneSnapshot& p : snapshot_.planes) {
+    RowBuffer().swap(p.k);
+    RowBuffer().swap(p.v);
+  }
+  return Status::Ok();
+}
+
+void DetachedCacheTarget::abort() {
+  snapshot_ = Snapshot{};
+  cache_.reset();
+  seq_.reset();
+}
+
+std::int64_t DetachedCacheTarget::held_row_bytes() const {
+  std::int64_t b = 0;
+  for (const PlaneSnapshot& p : snapshot_.planes) b += static_cast<std::int64_t>((p.k.capacity() + p.v.capacity()) * 2);
+  if (cache_) b += cache_->allocated_bytes();
+  return b;
+}
+
+// ------------------------------------------------------------ sender
+
+Result<SendReport> send_session(Transport& transport, HandoffSource& source, const Timeline& timeline,
+                                const SendOptions& options) {
+  const auto t0 = Clock::now();
+  const std::string who = "receiver at " + transport.describe();
+  const std::string header = encode_header(source.header(), timeline);
+  const Digest header_digest = [&] {
+    Digest d;
+    std::memcpy(d.data(), header.data() + header.size() - 32, 32);
+    return d;
+  }();
+  SendReport report;
+  auto fail_link = [&](const Status& s) -> Error { return peer_lost(s, who); };
+  if (Status s = transport.send_message(header.data(), header.size(), deadline_in(options.timeout_s)); !s.ok())
+    return fail_link(s);
+  report.wire_bytes += static_cast<std::int64_t>(header.size());
+  std::vector<std::uint8_t> in;
+  if (Status s = transport.recv_message(in, deadline_in(options.timeout_s), 1 << 20); !s.ok()) return fail_link(s);
+  if (in.empty()) return wire_error(who + " sent an empty message");
+  if (in[0] == kError) return decode_status(in, who + " refused the session");
+  if (in[0] != kAccept || in.size() != 9) return wire_error(who + " sent message type " + std::to_string(in[0]) + " instead of accepting");
+  Reader r{in.data() + 1, in.data() + in.size()};
+  report.credit_bytes = static_cast<std::int64_t>(r.u(8));
+
+  std::int64_t sent = 0, acked = 0;
+  // Reads one reply: an ACK advances `acked`; an ERROR ends the session.
+  auto read_reply = [&]() -> Status {
+    if (Status s = transport.recv_message(in, deadline_in(options.timeout_s), 1 << 20); !s.ok()) return fail_link(s);
+    if (in.empty()) return wire_error(who + " sent an empty message");
+    if (in[0] == kError) return decode_status(in, who + " failed");
+    if (in[0] == kAck && in.size() == 17) {
+      Reader a{in.data() + 1, in.data() + in.size()};
+      a.u(8);
+      const auto bytes = static_cast<std::int64_t>(a.u(8));
+      if (bytes < acked || bytes > sent) return wire_error(who + " acknowledged " + std::to_string(bytes) + " B of " + std::to_string(sent));
+      acked = bytes;
+      return Status::Ok();
+    }
+    if (in[0] == kDone) return Status::Ok();
+    return wire_error(who + " sent message type " + std::to_string(in[0]));
+  };
+  auto abort_with = [&](const Error& e) -> Error {
+    const std::string s = encode_status(kAbort, e);
+    (void)transport.send_message(s.data(), s.size(), deadline_in(1.0));
+    return e;
+  };
+
+  const std::int64_t kv = source.header().config.kv_dim();
+  const double keepalive_s = std::max(0.05, options.timeout_s / 4);
+  auto allowed_at = Clock::now();
+  for (const PlannedMessage& m : timeline.messages) {
+    for (;;) {
+      auto ready = source.wait_final(m, deadline_in(keepalive_s));
+      if (!ready) return abort_with(make_error(ready.error().code, "the sender's session failed: " + ready.error().message));
+      if (*ready) break;
+      const std::uint8_t keep = kKeep;
+      if (Status s = transport.send_message(&keep, 1, deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
+    }
+    if (m.bytes > report.credit_bytes)
+      return abort_with(invalid_argument("a message of " + std::to_string(m.bytes) + " B exceeds the receiver's credits of " +
+                                         std::to_string(report.credit_bytes) + " B"));
+    while (sent - acked + m.bytes > report.credit_bytes) KVRING_RETURN_IF_ERROR(read_reply());
+    if (options.rate_bytes_per_s > 0) {
+      const auto now = Clock::now();
+      if (allowed_at > now) std::this_thread::sleep_until(allowed_at);
+      allowed_at = std::max(allowed_at, now) +
+                   std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(m.bytes / options.rate_bytes_per_s));
+    }
+    const std::uint16_t *k = nullptr, *v = nullptr;
+    if (Status s = source.rows(m, &k, &v); !s.ok()) return abort_with(s.error());
+    std::uint8_t head[kRowsFixed];
+    head[0] = kRows;
+    coding::encode_fixed64(head + 1, static_cast<std::uint64_t>(m.index));
+    coding::encode_fixed32(head + 9, static_cast<std::uint32_t>(m.layer));
+    coding::encode_fixed64(head + 13, static_cast<std::uint64_t>(m.first_row));
+    coding::encode_fixed64(head + 21, static_cast<std::uint64_t>(m.rows));
+    const std::size_t plane_bytes = static_cast<std::size_t>(m.rows * kv * 2);
+    Sha256 h;
+    h.update(head, kRowsHead);
+    h.update(k, plane_bytes);
+    h.update(v, plane_bytes);
+    const Digest d = h.finish();
+    std::memcpy(head + kRowsHead, d.data(), 32);
+    Status s = transport.send_message({{head, kRowsFixed}, {k, plane_bytes}, {v, plane_bytes}},
+                                      deadline_in(options.timeout_s));
+    source.release(m);
+    if (!s.ok()) return fail_link(s);
+    sent += m.bytes;
+    report.max_in_flight = std::max(report.max_in_flight, sent - acked);
+    report.wire_bytes += static_cast<std::int64_t>(kRowsFixed + 2 * plane_bytes);
+    ++report.messages;
+  }
+  std::string end;
+  put_fixed8(&end, kEnd);
+  put_fixed64(&end, timeline.messages.size());
+  put_fixed64(&end, sent);
+  put_bytes(&end, header_digest.data(), header_digest.size());
+  if (Status s = transport.send_message(end.data(), end.size(), deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
+  for (;;) {
+    KVRING_RETURN_IF_ERROR(read_reply());
+    if (in[0] == kDone) break;
+  }
+  const std::uint8_t bye = kBye;
+  (void)transport.send_message(&bye, 1, deadline_in(1.0));  // the session is live either way
+  report.payload_bytes = sent;
+  report.seconds = seconds_since(t0);
+  return report;
+}
+
+// ------------------------------------------------------------ receiver
+
+Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& target, const ReceiveOptions& options) {
+  const std::string who = "sender at " + transport.describe();
+  std::vector<std::uint8_t> in;
+  bool begun = false;
+  // Every error path: free what the target took, tell the sender (best
+  // effort, the link may be gone), name the error.
+  auto fail = [&](Error e) -> Error {
+    if (begun) target.abort();
+    const std::string s = encode_status(kError, e);
+    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) linger(transport, kLingerS);
+    return e;
+  };
+  auto recv = [&](Deadline d) -> Status {
+    if (Status s = transport.recv_message(in, d, static_cast<std::size_t>(options.max_message_bytes)); !s.ok())
+      return peer_lost(s, who);
+    if (in.empty()) return wire_error(who + " sent an empty message");
+    return Status::Ok();
+  };
+  if (Status s = recv(deadline_in(options.timeout_s)); !s.ok()) return fail(s.error());
+  const auto t0 = Clock::now();
+  if (in[0] != kHeader) return fail(wire_error(who + " did not start with a header (type " + std::to_string(in[0]) + ")"));
+  auto decoded = decode_header(in);
+  if (!decoded) return fail(decoded.error());
+  const Snapshot& h = decoded->header;
+  std::int64_t expected_bytes = 0;
+  for (const PlaneSnapshot& p : h.planes) expected_bytes += p.ring.len() * h.config.kv_dim() * 4;
+  if (expected_bytes != decoded->payload_bytes)
+    return fail(wire_error("header: payload of " + std::to_string(decoded->payload_bytes) + " B, its planes hold " +
+                           std::to_string(expected_bytes) + " B"));
+  begun = true;
+  if (Status s = target.begin(h); !s.ok()) return fail(s.error());
+  {
+    std::string accept;
+    put_fixed8(&accept, kAccept);
+    put_fixed64(&accept, options.credit_bytes);
+    if (Status s = transport.send_message(accept.data(), accept.size(), deadline_in(options.timeout_s)); !s.ok())
+      return fail(peer_lost(s, who));
+  }
+  const std::int64_t kv = h.config.kv_dim();
+  std::vector<std::int64_t> next_row;
+  for (const PlaneSnapshot& p : h.planes) next_row.push_back(p.ring.origin_logical());
+  ReceiveReport report;
+  std::int64_t taken = 0;
+  for (;;) {
+    if (Status s = recv(deadline_in(options.timeout_s)); !s.ok())
+      return fail(make_error(s.error().code, s.error().message + " (after " + std::to_string(report.messages) + " of " +
+                                                 std::to_string(decoded->n_messages) + " messages)"));
+    const std::string at = "message " + std::to_string(report.messages) + ": ";
+    if (in[0] == kKeep && in.size() == 1) continue;
+    if (in[0] == kAbort) return fail(decode_status(in, who + " aborted"));
+    if (in[0] == kRows) {
+      if (in.size() < kRowsFixed) return fail(wire_error(at + "rows message of " + std::to_string(in.size()) + " B is truncated"));
+      Reader r{in.data() + 1, in.data() + kRowsHead};
+      const auto seq = static_cast<std::int64_t>(r.u(8));
+      const auto layer = static_cast<std::int64_t>(r.u(4));
+      const auto first = static_cast<std::int64_t>(r.u(8));
+      const auto rows = static_cast<std::int64_t>(r.u(8));
+      if (seq != report.messages) return fail(wire_error(at + "sequence number " + std::to_string(seq)));
+      if (layer >= h.config.n_layers) return fail(wire_error(at + "layer " + std::to_string(layer)));
+      if (rows < 1 || rows > options.max_message_bytes / (kv * 4) ||
+          in.size() != kRowsFixed + static_cast<std::size_t>(rows * kv * 4))
+        return fail(wire_error(at + std::to_string(in.size()) + " B for " + std::to_string(rows) + " rows"));
+      Sha256 d;
+      d.update(in.data(), kRowsHead);
+      d.update(in.data() + kRowsFixed, in.size() - kRowsFixed);
+      const Digest got = d.finish();
+      if (std::memcmp(got.data(), in.data() + kRowsHead, 32) != 0)
+        return fail(corruption("handoff: " + at + "layer " + std::to_string(layer) + " rows " + std::to_string(first) + ".." +
+                               std::to_string(first + rows - 1) + ": SHA-256 does not match (a corrupted byte)"));
+      const PlaneSnapshot& p = h.planes[static_cast<std::size_t>(layer)];
+      std::int64_t& next = next_row[static_cast<std::size_t>(layer)];
+      if (first != next || first + rows > p.ring.next_position())
+        return fail(wire_error(at + "layer " + std::to_string(layer) + " rows from " + std::to_string(first) +
+                               ", expected " + std::to_string(next) + " (live up to " + std::to_string(p.ring.next_position()) + ")"));
+      const std::uint8_t* k = in.data() + kRowsFixed;
+      if (Status s = target.put_rows(layer, first, rows, k, k + rows * kv * 2); !s.ok()) return fail(s.error());
+      next += rows;
+      taken += rows * kv * 4;
+      ++report.messages;
+      std::string ack;
+      put_fixed8(&ack, kAck);
+      put_fixed64(&ack, seq);
+      put_fixed64(&ack, taken);
+      if (Status s = transport.send_message(ack.data(), ack.size(), deadline_in(options.timeout_s)); !s.ok())
+        return fail(peer_lost(s, who));
+      continue;
+    }
+    if (in[0] == kEnd) {
+      Reader r{in.data() + 1, in.data() + in.size()};
+      const auto n = static_cast<std::int64_t>(r.u(8));
+      const auto bytes = static_cast<std::int64_t>(r.u(8));
+      const std::uint8_t* digest = r.bytes(32);
+      if (!r.ok || r.p != r.end) return fail(wire_error("end message is malformed"));
+      if (std::memcmp(digest, decoded->digest.data(), 32) != 0) return fail(wire_error("end message names another session"));
+      if (n != decoded->n_messages || n != report.messages || bytes != taken || taken != expected_bytes)
+        return fail(wire_error("the stream ended after " + std::to_string(report.messages) + " of " +
+                               std::to_string(decoded->n_messages) + " messages, " + std::to_string(taken) + " of " +
+                               std::to_string(expected_bytes) + " B"));
+      for (std::size_t l = 0; l < h.planes.size(); ++l)
+        if (next_row[l] != h.planes[l].ring.next_position())
+          return fail(wire_error("layer " + std::to_string(l) + " is incomplete"));
+      if (Status s = target.commit(); !s.ok()) return fail(s.error());
+      report.payload_bytes = taken;
+      report.seconds = seconds_since(t0);
+      const std::uint8_t done = kDone;
+      // The session is live; a sender that left before hearing so changes nothing here.
+      if (transport.send_message(&done, 1, deadline_in(options.timeout_s)).ok())
+        linger(transport, std::min(kLingerS, options.timeout_s));
+      return report;
+    }
+    return fail(wire_error(at + "unexpected message type " + std::to_string(in[0])));
+  }
+}
+
+}  // namespace kvring::handoff

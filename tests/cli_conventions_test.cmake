@@ -1,0 +1,96 @@
+# Conventions every kvring command follows: COMMAND --help prints that
+# command's help on stdout and exits 0; exit 0 success, 1 verification
+# failed, 2 a usage error or an unusable input; a save into a store that
+# cannot be written is refused before the session is computed; store gc.
+#
+# Run with -DKVRING=<kvring binary> -DWORK=<scratch directory>.
+file(REMOVE_RECURSE ${WORK})
+file(MAKE_DIRECTORY ${WORK})
+
+# Runs kvring with a time limit; checks the exit code and the output.
+function(expect rc pattern)
+  execute_process(COMMAND ${KVRING} ${ARGN} WORKING_DIRECTORY ${WORK} TIMEOUT 60
+                  RESULT_VARIABLE got OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT "${got}" STREQUAL "${rc}")
+    message(FATAL_ERROR "kvring ${ARGN}: exit '${got}', expected ${rc}:\n${out}${err}")
+  endif()
+  if(NOT "${out}${err}" MATCHES "${pattern}")
+    message(FATAL_ERROR "kvring ${ARGN}: output does not match '${pattern}':\n${out}${err}")
+  endif()
+  set(last_out "${out}" PARENT_SCOPE)
+  set(last_err "${err}" PARENT_SCOPE)
+endfunction()
+
+# --- Help ----------------------------------------------------------------------
+foreach(cmd "footprint" "run" "config" "pack" "pack;inspect" "pack;verify" "store" "store;gc" "help")
+  string(REPLACE ";" " " name "${cmd}")
+  foreach(flag --help -h)
+    expect(0 "usage: kvring ${name}" ${cmd} ${flag})
+    if(NOT last_err STREQUAL "")
+      message(FATAL_ERROR "kvring ${name} ${flag} wrote to stderr: ${last_err}")
+    endif()
+    if(NOT last_out MATCHES "exit status: 0 success; 1 verification failed")
+      message(FATAL_ERROR "kvring ${name} ${flag} does not give the exit codes:\n${last_out}")
+    endif()
+  endforeach()
+endforeach()
+# Help wins over other arguments, also invalid ones.
+expect(0 "usage: kvring run" run --tokens 0 --help)
+expect(0 "pack verify FILE" pack verify no-such.kvpack --help)
+expect(0 "store gc dir:PATH" help store gc)
+expect(0 "pack inspect FILE.*pack verify FILE" help pack)
+expect(0 "commands:.*footprint.*run.*store gc.*exit status" --help)
+expect(2 "no help for 'frob'" help frob)
+
+# --- Exit codes ----------------------------------------------------------------
+expect(2 "usage: kvring COMMAND")
+expect(2 "unknown command 'frob'" frob)
+expect(2 "unknown option --frobs" run --frobs)
+expect(2 "--slots = 0 is outside" footprint --slots 0)
+expect(2 "cannot read pack no-such.kvpack" pack verify no-such.kvpack)
+expect(2 "usage: kvring store gc" store)
+expect(2 "unknown store command 'frob'" store frob)
+expect(2 "store gc takes one store" store gc)
+expect(2 "only directory stores" store gc redis://alice:s3cret@127.0.0.1:1)
+if(last_err MATCHES "s3cret")
+  message(FATAL_ERROR "store gc printed a password: ${last_err}")
+endif()
+expect(2 "cannot list" store gc dir:no-such-store)
+file(WRITE ${WORK}/small.json [=[
+{"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+ "sliding_window": 32, "max_position_embeddings": 256, "sliding_window_pattern": 2}
+]=])
+set(small --config small.json --hidden 16 --vocab 32 --tokens 40 --no-progress)
+expect(0 "saved" run ${small} --save a.kvpack)
+expect(0 "ok: a.kvpack" pack verify a.kvpack)
+file(SIZE ${WORK}/a.kvpack size)
+math(EXPR near_end "${size} - 3")
+execute_process(COMMAND sh -c "printf '\\377\\001' | dd of=a.kvpack bs=1 seek=${near_end} conv=notrunc status=none"
+                WORKING_DIRECTORY ${WORK})
+expect(1 "chunks are bad" pack verify a.kvpack)
+# A store that cannot be reached stops the check: an input error, not a verdict.
+expect(0 "saved" run ${small} --save thin.kvpack --store dir:chunks)
+expect(2 "redis://127.0.0.1:1: cannot connect" pack verify thin.kvpack --store redis://127.0.0.1:1)
+expect(2 "is a thin pack" pack verify thin.kvpack)
+
+# --- Stores are checked before the session is computed ---------------------------
+# muse-glimmer at 100000 tokens would run for hours on a CPU: a quick exit 2
+# shows the store was refused first.
+expect(2 "dir:/proc: cannot write into the store" run --tokens 100000 --backend cpu --save x.kvpack --store dir:/proc)
+file(WRITE ${WORK}/plain "x")
+expect(2 "cannot create the directory" run --tokens 100000 --backend cpu --save x.kvpack --store dir:plain/sub)
+if(EXISTS ${WORK}/x.kvpack)
+  message(FATAL_ERROR "a refused save left x.kvpack")
+endif()
+
+# --- store gc ----------------------------------------------------------------------
+file(WRITE ${WORK}/chunks/.tmp-dead-1-2-3 "partial")
+file(WRITE ${WORK}/chunks/.tmp-fresh-1-2-3 "partial")
+execute_process(COMMAND touch -d "2 hours ago" ${WORK}/chunks/.tmp-dead-1-2-3)
+expect(0 "removed 1 temporary file of dead writers; kept 1" store gc dir:chunks)
+if(EXISTS ${WORK}/chunks/.tmp-dead-1-2-3 OR NOT EXISTS ${WORK}/chunks/.tmp-fresh-1-2-3)
+  message(FATAL_ERROR "store gc removed the wrong temporaries")
+endif()
+expect(0 "removed 1 temporary file" store gc dir:chunks --min-age 0)
+expect(0 "ok: thin.kvpack" pack verify thin.kvpack --store dir:chunks)
+expect(2 "--min-age = -1 is outside" store gc dir:chunks --min-age -1)

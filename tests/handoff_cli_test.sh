@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# kvring handoff plan | serve and kvring run --handoff-to, on loopback.
+#
+# The pair `handoff serve --tokens N --json` + `run --handoff-to` prints the
+# same tokens, logits_sha256 and generated as one `run --tokens N --json`
+# that never moved, for both schedules; a wrong geometry is refused on both
+# sides; a receiver or a sender killed midway is reported by the other side
+# in bounded time; a port where nothing listens fails fast. Ports: the
+# receiver binds port 0 and writes the port it got to a file.
+#
+# usage: handoff_cli_test.sh KVRING WORKDIR
+set -u
+K=$1
+W=$2
+rm -rf "$W"
+mkdir -p "$W"
+cd "$W" || exit 1
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; for f in *.err; do echo "--- $f"; cat "$f"; done; exit 1; }
+
+cat > small.json <<'JSON'
+{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 32, "max_position_embeddings": 1024,
+ "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
+JSON
+cat > wide.json <<'JSON'
+{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 64, "max_position_embeddings": 1024,
+ "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
+JSON
+common=(--config small.json --hidden 32 --vocab 64 --seed 3 --backend cpu --no-progress)
+
+# The fields the pair must agree on.
+fields() {
+  grep -o '"tokens":[0-9]*' "$1" | head -1
+  grep -o '"logits_sha256":"[0-9a-f]*"' "$1"
+  grep -o '"generated":\[[^]]*\]' "$1"
+}
+
+# start_serve NAME ARGS...: a receiver on a free port; sets SERVE_PID and PORT.
+start_serve() {
+  local name=$1
+  shift
+  rm -f "$name.port"
+  "$K" handoff serve --listen 127.0.0.1:0 --port-file "$name.port" --backend cpu "$@" >"$name.out" 2>"$name.err" &
+  SERVE_PID=$!
+  pids+=("$SERVE_PID")
+  for _ in $(seq 100); do
+    [ -s "$name.port" ] && break
+    sleep 0.1
+  done
+  [ -s "$name.port" ] || fail "$name: the receiver wrote no port"
+  PORT=$(cat "$name.port")
+}
+
+# The payload figure of muse-glimmer at 130815 tokens.
+"$K" handoff plan --model muse-glimmer --tokens 130815 --json >plan.json 2>plan.err || fail "handoff plan"
+for want in '"payload_bytes":1823184896' '"full_bytes":1741395968' '"sliding_bytes":81788928'; do
+  grep -q "$want" plan.json || fail "handoff plan: no $want"
+done
+"$K" handoff plan --model muse-glimmer --tokens 130815 --schedule swa-first >plan.txt 2>plan.err || fail "plan swa-first"
+grep -q "1,823,184,896" plan.txt || fail "plan text: no payload figure"
+
+# The pair equals one run, for both schedules and two chunkings.
+for variant in "paced 7" "swa-first 512" "paced 1"; do
+  set -- $variant
+  sched=$1 chunk=$2
+  "$K" run "${common[@]}" --prompt-tokens 100 --chunk "$chunk" --tokens 140 --json >ref.json 2>ref.err || fail "reference run"
+  start_serve pair --tokens 140 --json --timeout 20
+  "$K" run "${common[@]}" --prompt-tokens 100 --chunk "$chunk" --handoff-to "127.0.0.1:$PORT" \
+    --handoff-schedule "$sched" >send.out 2>send.err || fail "run --handoff-to ($variant)"
+  wait "$SERVE_PID" || fail "handoff serve ($variant) exited $?"
+  [ "$(fields pair.out)" = "$(fields ref.json)" ] || fail "($variant) summaries differ: $(fields pair.out) vs $(fields ref.json)"
+  [ -n "$(fields ref.json)" ] || fail "no fields in the reference"
+done
+
+# A receiver that knows its model refuses another geometry; the sender hears why.
+start_serve geometry --tokens 140 --config wide.json --timeout 20
+if "$K" run "${common[@]}" --prompt-tokens 100 --handoff-to "127.0.0.1:$PORT" >geo.out 2>geo_send.err; then
+  fail "a session of another geometry was accepted"
+fi
+wait "$SERVE_PID" && fail "serve accepted another geometry"
+grep -q "refused" geo_send.err || fail "the sender did not report the refusal"
+grep -q "differs from this store" geometry.err || fail "the receiver did not name the mismatch"
+
+# A slow stream of small messages (about 6 s), to kill either side midway.
+slow=(--prompt-tokens 600 --chunk 8 --handoff-message 1 --handoff-rate 0.000015 --handoff-timeout 5)
+
+# The receiver dies: the sender reports it, in bounded time.
+start_serve rkill --tokens 700 --timeout 20
+"$K" run "${common[@]}" "${slow[@]}" --handoff-to "127.0.0.1:$PORT" >rkill_send.out 2>rkill_send.err &
+send_pid=$!
+pids+=("$send_pid")
+sleep 2
+kill -9 "$SERVE_PID"
+start=$SECONDS
+wait "$send_pid" && fail "the sender did not notice the receiver's death"
+[ $((SECONDS - start)) -le 15 ] || fail "the sender took $((SECONDS - start)) s to notice"
+grep -q "receiver" rkill_send.err || fail "the sender's error does not name the receiver"
+grep -q "intact" rkill_send.err || fail "the sender's error does not say its session is intact"
+
+# The sender dies: the receiver reports it, installs nothing, and exits.
+start_serve skill --tokens 700 --timeout 5
+"$K" run "${common[@]}" "${slow[@]}" --handoff-to "127.0.0.1:$PORT" >skill_send.out 2>skill_send.err &
+send_pid=$!
+pids+=("$send_pid")
+sleep 2
+kill -9 "$send_pid"
+start=$SECONDS
+wait "$SERVE_PID" && fail "the receiver did not notice the sender's death"
+[ $((SECONDS - start)) -le 15 ] || fail "the receiver took $((SECONDS - start)) s to notice"
+grep -q "nothing installed" skill.err || fail "the receiver's error: $(cat skill.err)"
+
+# A port where nothing listens (port 1 is privileged; no test binds it).
+start=$SECONDS
+"$K" run "${common[@]}" --prompt-tokens 50 --handoff-to 127.0.0.1:1 --handoff-timeout 3 >none.out 2>none.err &&
+  fail "a handoff to a port where nothing listens succeeded"
+[ $((SECONDS - start)) -le 10 ] || fail "the sender took $((SECONDS - start)) s to fail"
+grep -q "handoff to 127.0.0.1:1 failed" none.err || fail "no error for a closed port: $(cat none.err)"
+
+# A receiver nobody connects to gives up at its timeout.
+"$K" handoff serve --listen 127.0.0.1:0 --tokens 10 --timeout 1 >idle.out 2>idle.err && fail "an idle serve succeeded"
+grep -q "no sender connected.*\|nothing installed" idle.err || fail "idle serve: $(cat idle.err)"
+
+# Argument errors.
+"$K" run "${common[@]}" --handoff-to 127.0.0.1:9 --tokens 5 2>args.err && fail "--tokens with --handoff-to"
+grep -q "does not go with --handoff-to" args.err || fail "args: $(cat args.err)"
+"$K" handoff serve --listen nowhere --tokens 5 2>args.err && fail "a bad --listen"
+grep -q "not HOST:PORT" args.err || fail "args: $(cat args.err)"
+
+echo "cli_handoff: 12 passed, 0 failed"

@@ -1,0 +1,501 @@
+// Handoff of a prefilled session: bit-exact decode on the receiver, over the
+// in-process transport and over UCX on loopback, and each fault on its own:
+// a truncated stream, a flipped byte, a wrong geometry, a sender or receiver
+// that dies midway, a stalled peer, a port where nothing listens.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "kvring/handoff.h"
+#include "kvring/backend.h"
+#include "kvring/model.h"
+#include "test_util.h"
+
+namespace kvring::handoff {
+namespace {
+
+constexpr std::int64_t kPrompt = 100, kTokens = 130, kChunk = 7;
+
+// A transport that passes messages through, with faults on the n-th send or
+// receive (counted from 1).
+class Faulty : public Transport {
+ public:
+  explicit Faulty(Transport& inner) : inner_(inner) {}
+  int drop_at_send = -1, flip_at_send = -1, stall_at_send = -1, drop_at_recv = -1, stall_at_recv = -1;
+  double stall_s = 2;
+
+  Status send_message(const std::vector<Part>& parts, Deadline d) override {
+    ++sends_;
+    if (sends_ == drop_at_send) {
+      inner_.close();
+      return io_error("test: the sender died");
+    }
+    if (sends_ == stall_at_send) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(stall_s));
+      inner_.close();
+      return io_error("test: the sender hung");
+    }
+    if (sends_ == flip_at_send) {
+      std::vector<std::uint8_t> m;
+      for (const Part& p : parts) m.insert(m.end(), static_cast<const std::uint8_t*>(p.data),
+                                          static_cast<const std::uint8_t*>(p.data) + p.size);
+      m[m.size() / 2] ^= 0x10;
+      return inner_.send_message(m.data(), m.size(), d);
+    }
+    return inner_.send_message(parts, d);
+  }
+  Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
+    ++recvs_;
+    if (recvs_ == drop_at_recv) {
+      inner_.close();
+      return io_error("test: the receiver died");
+    }
+    if (recvs_ == stall_at_recv) std::this_thread::sleep_for(std::chrono::duration<double>(stall_s));
+    return inner_.recv_message(out, d, max);
+  }
+  std::string describe() const override { return inner_.describe(); }
+  void close() override { inner_.close(); }
+
+ private:
+  Transport& inner_;
+  int sends_ = 0, recvs_ = 0;
+};
+
+struct Decoded {
+  std::vector<std::int32_t> tokens;
+  std::vector<float> logits;
+};
+
+class Handoff : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = testing::small_config(32, 256);
+    auto m = ReferenceModel::create(config_, {.hidden = 32, .vocab = 64});
+    ASSERT_TRUE(m.ok());
+    model_ = *m;
+    prompt_ = seeded_tokens(kPrompt, 64, 7);
+    // The session that never moves.
+    Session s = fresh();
+    ASSERT_TRUE(s.feed(prompt_, kChunk).ok());
+    reference_ = decode(s);
+  }
+
+  Session fresh() {
+    auto c = make_cpu_cache(config_);
+    EXPECT_TRUE(c.ok());
+    return Session(model_, std::move(*c));
+  }
+  // A session prefilled to the payload: the prompt but its last token.
+  Session prefilled() {
+    Session s = fresh();
+    EXPECT_TRUE(s.feed(std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), kChunk).ok());
+    return s;
+  }
+  Decoded decode(Session& s) {
+    while (s.position() < kTokens) {
+      auto t = s.step();
+      EXPECT_TRUE(t.ok());
+      if (!t.ok()) break;
+    }
+    return {s.tokens(), s.last_logits()};
+  }
+  // Feeds the prompt's last token to a session holding the payload, then decodes.
+  Decoded finish(Session& s) {
+    EXPECT_TRUE(s.feed({prompt_.back()}, 1).ok());
+    return decode(s);
+  }
+  Decoded finish_received(DetachedCacheTarget& target) {
+    auto s = Session::resume(model_, target.take(), target.header().token_ids, std::vector<float>(64, 0.0f));
+    EXPECT_TRUE(s.ok()) << s.error().to_string();
+    return finish(*s);
+  }
+  void expect_reference(const Decoded& d) {
+    EXPECT_EQ(d.tokens, reference_.tokens);
+    ASSERT_EQ(d.logits.size(), reference_.logits.size());
+    EXPECT_EQ(std::memcmp(d.logits.data(), reference_.logits.data(), d.logits.size() * 4), 0) << "logits differ";
+  }
+  Timeline plan(Schedule s = Schedule::kPaced, std::int64_t message_bytes = 4 << 20) {
+    PlanOptions o;
+    o.schedule = s;
+    o.chunk_tokens = kChunk;
+    o.message_bytes = message_bytes;
+    o.credit_bytes = std::max<std::int64_t>(message_bytes, 2 * 7 * 256);
+    auto t = plan_handoff(config_, kPrompt, o);
+    EXPECT_TRUE(t.ok());
+    return *t;
+  }
+  std::unique_ptr<CacheSource> source(const Session& s, const Timeline& t) {
+    auto src = CacheSource::create(s.cache(), t.payload, s.tokens(), "meta");
+    EXPECT_TRUE(src.ok()) << src.error().to_string();
+    return std::move(*src);
+  }
+
+  // Runs the receiver on a thread and the sender here.
+  struct Outcome {
+    Result<SendReport> sent = io_error("not run");
+    Result<ReceiveReport> received = io_error("not run");
+  };
+  Outcome run(Transport& send_end, Transport& recv_end, HandoffSource& src, const Timeline& t,
+              HandoffTarget& target, double timeout_s = 5, std::int64_t credits = 64 << 20) {
+    Outcome o;
+    std::thread receiver([&] {
+      ReceiveOptions ro;
+      ro.timeout_s = timeout_s;
+      ro.credit_bytes = credits;
+      o.received = receive_session(recv_end, target, ro);
+      recv_end.close();
+    });
+    SendOptions so;
+    so.timeout_s = timeout_s;
+    o.sent = send_session(send_end, src, t, so);
+    send_end.close();
+    receiver.join();
+    return o;
+  }
+
+  ModelConfig config_;
+  std::shared_ptr<const ReferenceModel> model_;
+  std::vector<std::int32_t> prompt_;
+  Decoded reference_;
+};
+
+TEST_F(Handoff, InProcessIsBitExact) {
+  for (std::int64_t message_bytes : {std::int64_t{4} << 20, std::int64_t{3 * 256}}) {
+    Session s = prefilled();
+    const Timeline t = plan(Schedule::kPaced, message_bytes);
+    auto src = source(s, t);
+    auto [a, b] = local_pair();
+    DetachedCacheTarget target({});
+    auto o = run(*a, *b, *src, t, target, 5, message_bytes);
+    ASSERT_TRUE(o.sent.ok()) << o.sent.error().to_string();
+    ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
+    EXPECT_EQ(o.sent->payload_bytes, t.payload.payload_bytes);
+    EXPECT_LE(o.sent->max_in_flight, message_bytes);
+    EXPECT_EQ(target.header().metadata, "meta");
+    expect_reference(finish_received(target));
+  }
+}
+
+// The sender streams while prefill runs on this thread, for both schedules.
+TEST_F(Handoff, OverlappedWithPrefillIsBitExact) {
+  for (Schedule sched : {Schedule::kPaced, Schedule::kSwaFirst}) {
+    SCOPED_TRACE(schedule_name(sched));
+    Session s = fresh();
+    const Timeline t = plan(sched, 7 * 256);
+    Snapshot header;
+    header.config = config_;
+    header.context = s.cache().context();
+    header.token_count = kPrompt - 1;
+    header.token_ids.assign(prompt_.begin(), prompt_.end() - 1);
+    for (const auto& lp : t.payload.layers) {
+      PlaneSnapshot p;
+      p.kind = lp.kind;
+      p.layout = layout_for(lp.kind);
+      p.ring = lp.ring;
+      header.planes.push_back(std::move(p));
+    }
+    PrefillSource src(s.cache(), t, header);
+    auto [a, b] = local_pair();
+    DetachedCacheTarget target({});
+    std::optional<Result<ReceiveReport>> received;
+    std::thread receiver([&] { received.emplace(receive_session(*b, target, {})); });
+    std::optional<Result<SendReport>> sent;
+    std::thread sender([&] { sent.emplace(send_session(*a, src, t, {})); });
+    std::int64_t chunks = 0;
+    for (std::int64_t at = 0; at < kPrompt - 1; at += kChunk) {
+      const std::int64_t n = std::min(kChunk, kPrompt - 1 - at);
+      ASSERT_TRUE(s.feed(std::vector<std::int32_t>(prompt_.begin() + at, prompt_.begin() + at + n), kChunk).ok());
+      ++chunks;
+      if (at + n < kPrompt - 1) {
+        ASSERT_TRUE(src.stage_final(chunks * config_.n_layers).ok());
+      }
+    }
+    src.finish(Status::Ok());
+    sender.join();
+    receiver.join();
+    ASSERT_TRUE(sent->ok()) << sent->error().to_string();
+    ASSERT_TRUE(received->ok()) << received->error().to_string();
+    if (sched == Schedule::kPaced) {
+      EXPECT_GT(src.staged_bytes_peak(), 0);
+    }
+    expect_reference(finish_received(target));
+    expect_reference(finish(s));  // and the sender's session is untouched
+  }
+}
+
+TEST_F(Handoff, TruncatedStreamIsRefusedAndFreed) {
+  Session s = prefilled();
+  const Timeline t = plan(Schedule::kPaced, 3 * 256);
+  auto src = source(s, t);
+  auto [a, b] = local_pair();
+  Faulty cut(*a);
+  cut.drop_at_send = 4;  // header, two row messages, then the link goes
+  DetachedCacheTarget target({});
+  auto o = run(cut, *b, *src, t, target);
+  ASSERT_FALSE(o.received.ok());
+  EXPECT_NE(o.received.error().message.find("closed"), std::string::npos) << o.received.error().message;
+  EXPECT_FALSE(o.sent.ok());
+  EXPECT_EQ(target.held_row_bytes(), 0);
+  EXPECT_EQ(target.take(), nullptr);
+}
+
+TEST_F(Handoff, FlippedByteIsCaught) {
+  Session s = prefilled();
+  const Timeline t = plan();
+  auto src = source(s, t);
+  auto [a, b] = local_pair();
+  Faulty flip(*a);
+  flip.flip_at_send = 3;  // the second row message
+  DetachedCacheTarget target({});
+  auto o = run(flip, *b, *src, t, target);
+  ASSERT_FALSE(o.received.ok());
+  EXPECT_EQ(o.received.error().code, ErrorCode::kCorruption);
+  EXPECT_NE(o.received.error().message.find("SHA-256 does not match"), std::string::npos);
+  ASSERT_FALSE(o.sent.ok());  // the sender hears why
+  EXPECT_NE(o.sent.error().message.find("SHA-256"), std::string::npos) << o.sent.error().message;
+  EXPECT_EQ(target.held_row_bytes(), 0);
+  // The sender's session is still usable.
+  expect_reference(finish(s));
+}
+
+// The receiver installs into a new sequence of a running store: the store's
+// other sequence is untouched, and the new one decodes bit for bit as the
+// session that never moved. A damaged stream leaves the store as it was.
+TEST_F(Handoff, InstallsIntoARunningStore) {
+  auto made = make_store(BackendKind::kCpu, config_, {.max_sequences = 3});
+  ASSERT_TRUE(made.ok());
+  KvStore& store = **made;
+  const SeqId other = *store.add_sequence();
+  const auto other_tokens = seeded_tokens(40, 64, 99);
+  std::vector<float> logits(40 * 64);
+  const SeqSpan span{other, 0, 40};
+  ASSERT_TRUE(model_->forward(store, {&span, 1}, other_tokens.data(), logits.data()).ok());
+  auto bytes_of = [&](SeqId seq) {
+    std::vector<std::uint16_t> all;
+    for (std::int64_t l = 0; l < config_.n_layers; ++l) {
+      const RingState r = *store.ring(seq, l);
+      std::vector<std::uint16_t> k(static_cast<std::size_t>(r.len() * config_.kv_dim())), v(k.size());
+      EXPECT_TRUE(store.read_rows(seq, l, r.origin_logical(), r.len(), k.data(), v.data()).ok());
+      all.insert(all.end(), k.begin(), k.end());
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  const auto other_before = bytes_of(other);
+
+  {  // A flipped byte: nothing is added.
+    Session s = prefilled();
+    const Timeline t = plan();
+    auto src = source(s, t);
+    auto [a, b] = local_pair();
+    Faulty flip(*a);
+    flip.flip_at_send = 3;
+    DetachedCacheTarget target({.store = &store});
+    auto o = run(flip, *b, *src, t, target);
+    ASSERT_FALSE(o.received.ok());
+    EXPECT_EQ(store.sequence_count(), 1);
+    EXPECT_FALSE(target.sequence().has_value());
+  }
+
+  Session s = prefilled();
+  const Timeline t = plan();
+  auto src = source(s, t);
+  auto [a, b] = local_pair();
+  DetachedCacheTarget target({.store = &store});
+  auto o = run(*a, *b, *src, t, target);
+  ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
+  ASSERT_TRUE(target.sequence().has_value());
+  EXPECT_EQ(target.take(), nullptr);
+  EXPECT_EQ(store.sequence_count(), 2);
+  EXPECT_EQ(bytes_of(other), other_before);
+  // Decode on the receiver: the prompt's last token, then greedy steps.
+  const SeqId seq = *target.sequence();
+  std::vector<std::int32_t> tokens = target.header().token_ids;
+  std::vector<float> last(64);
+  std::int32_t next = prompt_.back();
+  while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
+    const SeqSpan step{seq, static_cast<std::int64_t>(tokens.size()), 1};
+    ASSERT_TRUE(model_->forward(store, {&step, 1}, &next, last.data()).ok());
+    tokens.push_back(next);
+    next = argmax(last.data(), 64);
+  }
+  EXPECT_EQ(tokens, reference_.tokens);
+  EXPECT_EQ(std::memcmp(last.data(), reference_.logits.data(), 64 * 4), 0) << "logits differ";
+}
+
+TEST_F(Handoff, WrongGeometryIsRefused) {
+  Session s = prefilled();
+  const Timeline t = plan();
+  auto src = source(s, t);
+  auto [a, b] = local_pair();
+  DetachedCacheTarget target({.expect = testing::small_config(64, 256)});
+  auto o = run(*a, *b, *src, t, target);
+  ASSERT_FALSE(o.received.ok());
+  EXPECT_EQ(o.received.error().code, ErrorCode::kMismatch);
+  EXPECT_NE(o.received.error().message.find("sliding_window 32 vs 64"), std::string::npos) << o.received.error().message;
+  ASSERT_FALSE(o.sent.ok());
+  EXPECT_EQ(o.sent.error().code, ErrorCode::kMismatch);
+  EXPECT_NE(o.sent.error().message.find("refused"), std::string::npos) << o.sent.error().message;
+  EXPECT_EQ(target.held_row_bytes(), 0);
+  // The same geometry is accepted.
+  Session s2 = prefilled();
+  auto src2 = source(s2, t);
+  auto [c, d] = local_pair();
+  DetachedCacheTarget same({.expect = config_});
+  auto ok = run(*c, *d, *src2, t, same);
+  EXPECT_TRUE(ok.received.ok());
+}
+
+TEST_F(Handoff, ReceiverDyingMidwayLeavesTheSenderUsable) {
+  Session s = prefilled();
+  const Timeline t = plan(Schedule::kPaced, 3 * 256);
+  auto src = source(s, t);
+  auto [a, b] = local_pair();
+  Faulty dies(*b);
+  dies.drop_at_recv = 3;
+  DetachedCacheTarget target({});
+  auto o = run(*a, dies, *src, t, target);
+  ASSERT_FALSE(o.sent.ok());
+  EXPECT_EQ(o.sent.error().code, ErrorCode::kIOError);
+  EXPECT_NE(o.sent.error().message.find("receiver"), std::string::npos) << o.sent.error().message;
+  EXPECT_EQ(target.held_row_bytes(), 0);
+  expect_reference(finish(s));
+}
+
+TEST_F(Handoff, StalledPeersTimeOut) {
+  {
+    Session s = prefilled();
+    const Timeline t = plan(Schedule::kPaced, 3 * 256);
+    auto src = source(s, t);
+    auto [a, b] = local_pair();
+    Faulty hangs(*a);
+    hangs.stall_at_send = 3;
+    hangs.stall_s = 2;
+    DetachedCacheTarget target({});
+    const auto t0 = Clock::now();
+    Outcome o;
+    std::thread receiver([&] { o.received = receive_session(*b, target, {.timeout_s = 0.3}); });
+    o.sent = send_session(hangs, *src, t, {.timeout_s = 5});
+    receiver.join();
+    ASSERT_FALSE(o.received.ok());
+    EXPECT_NE(o.received.error().message.find("timed out"), std::string::npos) << o.received.error().message;
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 4);
+    EXPECT_EQ(target.held_row_bytes(), 0);
+  }
+  {
+    Session s = prefilled();
+    const Timeline t = plan(Schedule::kPaced, 3 * 256);
+    auto src = source(s, t);
+    auto [a, b] = local_pair();
+    Faulty hangs(*b);
+    hangs.stall_at_recv = 2;
+    hangs.stall_s = 1.5;
+    DetachedCacheTarget target({});
+    Outcome o;
+    std::thread receiver([&] { o.received = receive_session(hangs, target, {.timeout_s = 5, .credit_bytes = 3 * 256}); });
+    o.sent = send_session(*a, *src, t, {.timeout_s = 0.3});
+    a->close();
+    receiver.join();
+    ASSERT_FALSE(o.sent.ok());
+    EXPECT_NE(o.sent.error().message.find("timed out"), std::string::npos) << o.sent.error().message;
+    expect_reference(finish(s));
+  }
+}
+
+// ---------------------------------------------------------------- UCX
+
+TEST_F(Handoff, UcxLoopbackIsBitExact) {
+  if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
+  for (Schedule sched : {Schedule::kPaced, Schedule::kSwaFirst}) {
+    Session s = prefilled();
+    const Timeline t = plan(sched, 3 * 256);
+    auto src = source(s, t);
+    auto listener = ucx_listen("127.0.0.1:0");
+    ASSERT_TRUE(listener.ok()) << listener.error().to_string();
+    const int port = (*listener)->port();
+    ASSERT_GT(port, 0);
+    DetachedCacheTarget target({.expect = config_});
+    std::optional<Result<ReceiveReport>> received;
+    std::thread receiver([&] {
+      auto link = (*listener)->accept(deadline_in(10));
+      if (!link) {
+        received.emplace(link.error());
+        return;
+      }
+      received.emplace(receive_session(**link, target, {.timeout_s = 10, .credit_bytes = 4 * 256}));
+      (*link)->close();
+    });
+    auto link = ucx_connect("127.0.0.1:" + std::to_string(port), deadline_in(10));
+    ASSERT_TRUE(link.ok()) << link.error().to_string();
+    auto sent = send_session(**link, *src, t, {.timeout_s = 10});
+    (*link)->close();  // both ends progress their close (one thread each)
+    receiver.join();
+    ASSERT_TRUE(sent.ok()) << sent.error().to_string();
+    ASSERT_TRUE(received->ok()) << received->error().to_string();
+    EXPECT_LE(sent->max_in_flight, 4 * 256);
+    expect_reference(finish_received(target));
+  }
+}
+
+TEST_F(Handoff, UcxReceiverDroppingTheLinkIsReported) {
+  if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
+  Session s = prefilled();
+  const Timeline t = plan(Schedule::kPaced, 256);
+  auto src = source(s, t);
+  auto listener = ucx_listen("127.0.0.1:0");
+  ASSERT_TRUE(listener.ok());
+  DetachedCacheTarget target({});
+  std::optional<Result<ReceiveReport>> received;
+  std::thread receiver([&] {
+    auto link = (*listener)->accept(deadline_in(10));
+    ASSERT_TRUE(link.ok());
+    Faulty dies(**link);
+    dies.drop_at_recv = 4;
+    received.emplace(receive_session(dies, target, {.timeout_s = 10, .credit_bytes = 256}));
+  });
+  auto link = ucx_connect("127.0.0.1:" + std::to_string((*listener)->port()), deadline_in(10));
+  ASSERT_TRUE(link.ok());
+  const auto t0 = Clock::now();
+  auto sent = send_session(**link, *src, t, {.timeout_s = 5});
+  receiver.join();
+  ASSERT_FALSE(sent.ok());
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 6);
+  ASSERT_FALSE(received->ok());
+  EXPECT_EQ(target.held_row_bytes(), 0);
+  expect_reference(finish(s));
+}
+
+TEST_F(Handoff, UcxPortWhereNothingListens) {
+  if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
+  // A port held bound but not listening: connections to it are refused, and
+  // no other test can take it meanwhile.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  Session s = prefilled();
+  const Timeline t = plan();
+  auto src = source(s, t);
+  const auto t0 = Clock::now();
+  auto link = ucx_connect("127.0.0.1:" + std::to_string(port), deadline_in(3));
+  Result<SendReport> sent = link.ok() ? send_session(**link, *src, t, {.timeout_s = 3}) : Result<SendReport>(link.error());
+  ::close(fd);
+  ASSERT_FALSE(sent.ok());
+  EXPECT_EQ(sent.error().code, ErrorCode::kIOError);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 5);
+  expect_reference(finish(s));
+}
+
+}  // namespace
+}  // namespace kvring::handoff

@@ -1,0 +1,495 @@
+// Chunk stores a user points kvring at that do not behave: a Redis server
+// that accepts and then stalls, or announces replies larger than asked for
+// (fake servers on loopback), credential and IPv6 URLs (redis-server started
+// on loopback), and directory stores with symlinks, FIFOs or directories
+// under chunk names and temporary files of killed writers.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include "kvring/chunk_store.h"
+#include "pack_test_util.h"
+
+namespace kvring {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::span<const std::uint8_t> bytes_of(const std::string& s) {
+  return {reinterpret_cast<const std::uint8_t*>(s.data()), s.size()};
+}
+ChunkData chunk_of(const std::string& bytes) {
+  return ChunkData{sha256(bytes.data(), bytes.size()), bytes_of(bytes), {}};
+}
+std::span<std::uint8_t> span_of(std::string& s) {
+  return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
+}
+
+// A loopback TCP server that answers each read, from whichever connection,
+// with the next reply of `script` and, once the script is spent, reads and
+// never answers.
+class FakeServer {
+ public:
+  static std::unique_ptr<FakeServer> start(const std::string& host, std::vector<std::string> script) {
+    std::unique_ptr<FakeServer> s(new FakeServer());
+    s->script_ = std::move(script);
+    const bool v6 = host.find(':') != std::string::npos;
+    s->listen_ = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s->listen_ < 0) return nullptr;
+    sockaddr_storage addr{};
+    socklen_t len = 0;
+    if (v6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
+      a->sin6_family = AF_INET6;
+      if (::inet_pton(AF_INET6, host.c_str(), &a->sin6_addr) != 1) return nullptr;
+      len = sizeof *a;
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in*>(&addr);
+      a->sin_family = AF_INET;
+      if (::inet_pton(AF_INET, host.c_str(), &a->sin_addr) != 1) return nullptr;
+      len = sizeof *a;
+    }
+    if (::bind(s->listen_, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(s->listen_, 16) != 0)
+      return nullptr;
+    if (::getsockname(s->listen_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return nullptr;
+    s->port_ = ntohs(v6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                        : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+    s->thread_ = std::thread([p = s.get()] { p->serve(); });
+    return s;
+  }
+  ~FakeServer() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    for (int fd : clients_) ::close(fd);
+    if (listen_ >= 0) ::close(listen_);
+  }
+  int port() const { return port_; }
+
+ private:
+  FakeServer() = default;
+
+  // Polls in short steps so that the destructor's stop flag ends it.
+  void serve() {
+    while (!stop_) {
+      std::vector<pollfd> fds = {{listen_, POLLIN, 0}};
+      for (int fd : clients_) fds.push_back({fd, POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), 20) <= 0) continue;
+      if (fds[0].revents & POLLIN) {
+        const int c = ::accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c >= 0) clients_.push_back(c);
+      }
+      for (std::size_t i = 1; i < fds.size(); ++i) {
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        const int fd = clients_[i - 1];
+        char buf[4096];
+        const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+        if (n > 0 && next_ < script_.size()) {
+          const std::string& reply = script_[next_++];
+          (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+        }
+      }
+    }
+  }
+
+  int listen_ = -1, port_ = 0;
+  std::vector<std::string> script_;
+  std::size_t next_ = 0;
+  std::vector<int> clients_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+std::string loopback(const FakeServer& s) { return "127.0.0.1:" + std::to_string(s.port()); }
+
+TEST(RedisHostile, AServerThatNeverAnswersTimesOutNamingIt) {
+  auto server = FakeServer::start("127.0.0.1", {});
+  ASSERT_TRUE(server);
+  const auto t0 = Clock::now();
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=300");
+  const double took = seconds_since(t0);
+  ASSERT_FALSE(store.ok());
+  EXPECT_NE(store.error().message.find("timed out"), std::string::npos) << store.error().to_string();
+  EXPECT_NE(store.error().message.find(loopback(*server)), std::string::npos) << store.error().to_string();
+  EXPECT_GE(took, 0.25);
+  EXPECT_LT(took, 2.0);
+}
+
+// A server that stalls after the handshake costs one timeout per
+// operation, not one per chunk.
+TEST(RedisHostile, AStalledServerCostsOneTimeoutPerOperation) {
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=300");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  std::string buf(64, '\0');
+  auto t0 = Clock::now();
+  for (int i = 0; i < 20; ++i) {
+    const std::string bytes = "chunk " + std::to_string(i);
+    const Status s = (*store)->get(sha256(bytes.data(), bytes.size()), span_of(buf));
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.error().message.find("timed out"), std::string::npos) << s.to_string();
+    EXPECT_NE(s.error().message.find(loopback(*server)), std::string::npos) << s.to_string();
+  }
+  EXPECT_LT(seconds_since(t0), 1.5);  // 20 waits of 300 ms would take 6 s
+  // A new operation tries the server again, and a save fails the same way.
+  (*store)->begin_operation();
+  t0 = Clock::now();
+  const std::string a = "a chunk to save";
+  const std::vector<ChunkData> chunks = {chunk_of(a)};
+  const Status put = (*store)->put(chunks);
+  ASSERT_FALSE(put.ok());
+  EXPECT_NE(put.error().message.find("timed out"), std::string::npos) << put.to_string();
+  EXPECT_GE(seconds_since(t0), 0.25);
+  EXPECT_LT(seconds_since(t0), 2.0);
+}
+
+// deadline_ms bounds an operation whatever timeout_ms allows one wait.
+TEST(RedisHostile, TheDeadlineCapsAnOperation) {
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=20000&deadline_ms=400");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  std::string buf(8, '\0');
+  const auto t0 = Clock::now();
+  const Status s = (*store)->get(sha256("x", 1), span_of(buf));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("timed out"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.error().message.find("deadline_ms"), std::string::npos) << s.to_string();
+  EXPECT_LT(seconds_since(t0), 2.0);
+}
+
+// Replies that announce more than the call can use are refused from their
+// header, long before the (default, 5 s) timeout and without waiting for
+// or buffering the announced bytes.
+TEST(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
+  struct Case {
+    std::string reply, expect;
+  };
+  // The chunk read below expects 100 bytes: GETRANGE asks for 101 at most.
+  for (const Case& c : {Case{":1\r\n$2000000000\r\n", "a value of 2000000000 bytes"},
+                        Case{":1\r\n$102\r\n" + std::string(2000, 'x'), "a value of 102 bytes"},
+                        Case{":1\r\n*2000000000\r\n", "an array of 2000000000 elements"},
+                        Case{":1\r\n+" + std::string(100000, 'y'), "a reply of more than 165 bytes"},
+                        Case{":1\r\n!weird\r\n", "not Redis protocol"}}) {
+    SCOPED_TRACE(c.expect);
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", c.reply});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server));
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    std::string buf(100, '\0');
+    const auto t0 = Clock::now();
+    const Status s = (*store)->get(sha256("x", 1), span_of(buf));
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.error().message.find(c.expect), std::string::npos) << s.to_string();
+    EXPECT_LT(seconds_since(t0), 2.0);
+  }
+  // Commands other than chunk reads are held to kMaxRedisControlBytes.
+  for (const Case& c : {Case{"$2000000000\r\n", "a value of 2000000000 bytes"},
+                        Case{"+" + std::string(100000, 'y'), "a reply line longer than 65536 bytes"}}) {
+    SCOPED_TRACE(c.expect);
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", c.reply});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server));
+    ASSERT_TRUE(store.ok());
+    const auto stats = (*store)->stats();
+    ASSERT_FALSE(stats.ok());
+    EXPECT_NE(stats.error().message.find(c.expect), std::string::npos) << stats.error().to_string();
+  }
+}
+
+TEST(RedisHostile, SpecsAreParsedAndPasswordsNeverShown) {
+  auto o = parse_redis_spec("redis://us%40er:p%3Aw%2Fd@db.example:7000/?timeout_ms=250&deadline_ms=9000");
+  ASSERT_TRUE(o.ok()) << o.error().to_string();
+  EXPECT_EQ(o->user, "us@er");
+  EXPECT_EQ(o->password, "p:w/d");
+  EXPECT_EQ(o->host, "db.example");
+  EXPECT_EQ(o->port, 7000);
+  EXPECT_EQ(o->timeout.count(), 250);
+  EXPECT_EQ(o->deadline.count(), 9000);
+  auto v6 = parse_redis_spec("redis://[::1]:6380");
+  ASSERT_TRUE(v6.ok());
+  EXPECT_EQ(v6->host, "::1");
+  EXPECT_EQ(v6->port, 6380);
+  auto bare = parse_redis_spec("redis://[::1]");
+  ASSERT_TRUE(bare.ok());
+  EXPECT_EQ(bare->port, 6379);
+  EXPECT_EQ(bare->timeout.count(), 5000);
+  for (const auto& [spec, why] : std::vector<std::pair<std::string, std::string>>{
+           {"redis://::1:6379", "IPv6 address goes in brackets"},
+           {"redis://[::1:6379", "lacks its ']'"},
+           {"redis://[::1]x", "unexpected text after"},
+           {"redis://h?timeout_ms=0", "timeout_ms = '0' is not in"},
+           {"redis://h?deadline_ms=soon", "deadline_ms = 'soon'"},
+           {"redis://h?retries=3", "unknown option 'retries'"},
+           {"redis://u:s3cret-pw%zz@h", "malformed %XX"},
+           {"redis://u:s3cret-pw@h:99999", "port '99999'"},
+           {"redis://u:s3cret-pw@h/2", "database paths"},
+           {"redis://user-only@h", "a user needs a password"}}) {
+    auto r = open_chunk_store(spec);
+    ASSERT_FALSE(r.ok()) << spec;
+    EXPECT_EQ(r.error().code, ErrorCode::kInvalidArgument) << spec;
+    EXPECT_NE(r.error().message.find(why), std::string::npos) << r.error().to_string();
+    EXPECT_EQ(r.error().message.find("s3cret-pw"), std::string::npos) << r.error().to_string();
+  }
+  auto unknown = open_chunk_store("rediss://u:s3cret-pw@h");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.error().message.find("s3cret-pw"), std::string::npos) << unknown.error().to_string();
+  if (!redis_store_compiled()) return;
+  // A stalled server reached with credentials: the timeout names it, not them.
+  auto server = FakeServer::start("127.0.0.1", {});
+  ASSERT_TRUE(server);
+  auto stalled = open_chunk_store("redis://alice:s3cret-pw@" + loopback(*server) + "?timeout_ms=200");
+  ASSERT_FALSE(stalled.ok());
+  EXPECT_NE(stalled.error().message.find("timed out"), std::string::npos) << stalled.error().to_string();
+  EXPECT_NE(stalled.error().message.find("redis://alice@" + loopback(*server)), std::string::npos)
+      << stalled.error().to_string();
+  EXPECT_EQ(stalled.error().message.find("s3cret-pw"), std::string::npos) << stalled.error().to_string();
+}
+
+std::unique_ptr<testing::RedisServer> start_redis(const std::string& password, bool ipv6) {
+  std::string why;
+  auto server = testing::RedisServer::start(&why, password, ipv6);
+  if (!server && why.find("not installed") == std::string::npos && why.find("no Redis store") == std::string::npos)
+    ADD_FAILURE() << why;
+  return server;
+}
+
+TEST(RedisHostile, PasswordsAuthenticateAndStaySecret) {
+  const std::string password = "hunter2-very-secret";
+  auto redis = start_redis(password, false);
+  if (!redis) GTEST_SKIP() << "redis-server is not available";
+  const std::string hostport = "127.0.0.1:" + std::to_string(redis->port());
+  for (const std::string& url : {"redis://:" + password + "@" + hostport,
+                                 "redis://default:" + password + "@" + hostport}) {
+    auto store = open_chunk_store(url);
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    EXPECT_EQ((*store)->spec().find(password), std::string::npos) << (*store)->spec();
+    const std::string bytes = "a chunk behind a password";
+    const std::vector<ChunkData> chunks = {chunk_of(bytes)};
+    ASSERT_TRUE((*store)->put(chunks).ok());
+    std::string back(bytes.size(), '\0');
+    ASSERT_TRUE((*store)->get(chunks[0].name, span_of(back)).ok());
+    EXPECT_EQ(back, bytes);
+  }
+  for (const std::string& url : {"redis://" + hostport, "redis://:wrong-" + password + "@" + hostport,
+                                 "redis://mallory:" + password + "@" + hostport}) {
+    auto store = open_chunk_store(url);
+    ASSERT_FALSE(store.ok()) << url;
+    EXPECT_NE(store.error().message.find(hostport), std::string::npos) << store.error().to_string();
+    EXPECT_EQ(store.error().message.find(password), std::string::npos) << store.error().to_string();
+  }
+}
+
+bool ipv6_loopback() {
+  auto s = FakeServer::start("::1", {});
+  return s != nullptr;
+}
+
+TEST(RedisHostile, IPv6Loopback) {
+  if (!ipv6_loopback()) GTEST_SKIP() << "no IPv6 loopback here";
+  auto server = FakeServer::start("::1", {});
+  ASSERT_TRUE(server);
+  const std::string where = "[::1]:" + std::to_string(server->port());
+  auto stalled = open_chunk_store("redis://" + where + "?timeout_ms=200");
+  ASSERT_FALSE(stalled.ok());
+  EXPECT_NE(stalled.error().message.find("timed out"), std::string::npos) << stalled.error().to_string();
+  EXPECT_NE(stalled.error().message.find(where), std::string::npos) << stalled.error().to_string();
+  auto redis = start_redis("", true);
+  if (!redis) GTEST_SKIP() << "redis-server is not available";
+  auto store = open_chunk_store("redis://[::1]:" + std::to_string(redis->port()));
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  EXPECT_EQ((*store)->spec(), "redis://[::1]:" + std::to_string(redis->port()));
+  const std::string bytes = "over IPv6";
+  const std::vector<ChunkData> chunks = {chunk_of(bytes)};
+  ASSERT_TRUE((*store)->put(chunks).ok());
+  EXPECT_TRUE(*(*store)->contains(chunks[0].name));
+}
+
+// --- Directory stores ---------------------------------------------------
+
+class DirStoreHostile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::make_temp_dir("dirhostile");
+    root_ = dir_ + "/store";
+    auto s = open_dir_store(root_);
+    ASSERT_TRUE(s.ok());
+    store_ = std::move(*s);
+    chunk_ = chunk_of(bytes_);
+    path_ = root_ + "/" + to_hex(chunk_.name);
+    // A FIFO opened for reading without O_NONBLOCK would wait for a writer
+    // forever: end the test process instead of hanging.
+    ::alarm(60);
+  }
+  void TearDown() override {
+    ::alarm(0);
+    testing::remove_tree(dir_);
+  }
+
+  // The store reads the chunk back, and the name holds a regular file.
+  void expect_stored() {
+    ASSERT_TRUE(store_->put({&chunk_, 1}).ok());
+    struct stat st {};
+    ASSERT_EQ(::lstat(path_.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISREG(st.st_mode));
+    std::string back(bytes_.size(), '\0');
+    ASSERT_TRUE(store_->get(chunk_.name, span_of(back)).ok());
+    EXPECT_EQ(back, bytes_);
+    EXPECT_TRUE(*store_->contains(chunk_.name));
+  }
+
+  Status get() const {
+    std::string back(bytes_.size(), '\0');
+    return store_->get(chunk_.name, span_of(back));
+  }
+
+  std::string dir_, root_, path_;
+  const std::string bytes_ = "rows that belong under this name";
+  ChunkData chunk_;
+  std::unique_ptr<ChunkStore> store_;
+};
+
+TEST_F(DirStoreHostile, ASymlinkUnderAChunkNameIsReplacedNotFollowed) {
+  const std::string victim = dir_ + "/victim";
+  std::ofstream(victim) << "not the store's";
+  for (const std::string& target : {victim, dir_ + "/nowhere"}) {
+    SCOPED_TRACE(target);
+    ::unlink(path_.c_str());
+    ASSERT_EQ(::symlink(target.c_str(), path_.c_str()), 0);
+    const Status s = get();
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kCorruption);
+    EXPECT_NE(s.error().message.find("symbolic link"), std::string::npos) << s.to_string();
+    EXPECT_FALSE(*store_->contains(chunk_.name));
+    expect_stored();
+  }
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "not the store's");
+  EXPECT_EQ(::access((dir_ + "/nowhere").c_str(), F_OK), -1);
+}
+
+TEST_F(DirStoreHostile, AFifoUnderAChunkNameNeitherBlocksNorStays) {
+  ASSERT_EQ(::mkfifo(path_.c_str(), 0644), 0);
+  const auto t0 = Clock::now();
+  const Status s = get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kCorruption);
+  EXPECT_NE(s.error().message.find("not a regular file"), std::string::npos) << s.to_string();
+  expect_stored();
+  EXPECT_LT(seconds_since(t0), 5.0);
+}
+
+// A directory may hold someone's files: it is moved aside, whole.
+TEST_F(DirStoreHostile, ADirectoryUnderAChunkNameIsMovedAside) {
+  ASSERT_EQ(::mkdir(path_.c_str(), 0755), 0);
+  std::ofstream(path_ + "/keep-me") << "precious";
+  EXPECT_FALSE(get().ok());
+  expect_stored();
+  std::string aside;
+  for (const std::string& n : testing::list_dir(root_))
+    if (n.rfind(".quarantine-" + to_hex(chunk_.name), 0) == 0) aside = n;
+  ASSERT_FALSE(aside.empty());
+  std::ifstream in(root_ + "/" + aside + "/keep-me");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "precious");
+  auto stats = store_->stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->chunks, 1);
+  auto report = gc_dir_store(root_, std::chrono::seconds(0));
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->quarantined, 1);
+  EXPECT_EQ(::access((root_ + "/" + aside + "/keep-me").c_str(), F_OK), 0);
+}
+
+TEST_F(DirStoreHostile, CheckWritableRefusesAStoreThatCannotBeWritten) {
+  EXPECT_TRUE(store_->check_writable().ok());
+  EXPECT_TRUE(testing::list_dir(root_).empty());  // the probe leaves nothing
+  // /proc refuses new files even to root.
+  auto proc = open_dir_store("/proc");
+  ASSERT_TRUE(proc.ok());
+  const Status s = (*proc)->check_writable();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("dir:/proc: cannot write into the store"), std::string::npos) << s.to_string();
+}
+
+void age(const std::string& path, int seconds) {
+  const timespec t[2] = {{::time(nullptr) - seconds, 0}, {::time(nullptr) - seconds, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), t, AT_SYMLINK_NOFOLLOW), 0);
+}
+
+// Temporaries of dead writers go; those of live writers, recent ones, and
+// everything else stay.
+TEST_F(DirStoreHostile, GcRemovesOnlyTemporariesNoWriterOwns) {
+  ASSERT_TRUE(store_->put({&chunk_, 1}).ok());
+  const std::string dead = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-0-1";
+  const std::string held = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-1-1";
+  const std::string fresh = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-2-1";
+  const std::string link = root_ + "/.tmp-link";
+  const std::string victim = dir_ + "/victim";
+  for (const std::string& p : {dead, held, fresh, victim}) std::ofstream(p) << "partial";
+  ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0);
+  age(dead, 3600);
+  age(held, 3600);
+  age(victim, 3600);
+  const int fd = ::open(held.c_str(), O_RDONLY);  // a writer that still holds its lock
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+  auto report = gc_dir_store(root_, std::chrono::seconds(600));
+  ASSERT_TRUE(report.ok()) << report.error().to_string();
+  EXPECT_EQ(report->removed, 2);  // dead, link
+  EXPECT_EQ(report->kept, 2);     // held, fresh
+  EXPECT_EQ(::access(dead.c_str(), F_OK), -1);
+  EXPECT_EQ(::access(held.c_str(), F_OK), 0);
+  EXPECT_EQ(::access(fresh.c_str(), F_OK), 0);
+  EXPECT_EQ(::access(victim.c_str(), F_OK), 0);
+  EXPECT_EQ(::access(path_.c_str(), F_OK), 0);  // chunks are never touched
+  ::close(fd);                                  // the writer died
+  report = gc_dir_store(root_, std::chrono::seconds(600));
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->removed, 1);
+  EXPECT_EQ(::access(held.c_str(), F_OK), -1);
+  EXPECT_EQ(::access(fresh.c_str(), F_OK), 0);
+  EXPECT_TRUE(get().ok());
+  EXPECT_FALSE(gc_dir_store(dir_ + "/absent").ok());
+}
+
+// A gc that runs while a put is between creating its temporary and
+// renaming it, with no age limit at all, leaves the writer's file alone.
+TEST_F(DirStoreHostile, GcNeverRemovesALiveWritersTemporary) {
+  IoOptions io;
+  std::int64_t kept = -1, removed = -1;
+  io.fault = [&](IoStep step, const std::string& path) {
+    if (step == IoStep::kFsync && path.find("/.tmp-") != std::string::npos) {
+      auto r = gc_dir_store(root_, std::chrono::seconds(0));
+      if (r.ok()) {
+        kept = r->kept;
+        removed = r->removed;
+      }
+    }
+    return Status::Ok();
+  };
+  auto store = open_dir_store(root_, io);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->put({&chunk_, 1}).ok());
+  EXPECT_EQ(kept, 1);
+  EXPECT_EQ(removed, 0);
+  EXPECT_TRUE(get().ok());
+}
+
+}  // namespace
+}  // namespace kvring

@@ -1,0 +1,413 @@
+// kvring handoff plan | serve, and the sending side of `kvring run --handoff-to`.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "args.h"
+#include "commands.h"
+#include "handoff_cli.h"
+#include "kvring/backend.h"
+#include "kvring/footprint.h"
+#include "kvring/handoff.h"
+#include "run_pack.h"
+#include "run_report.h"
+
+namespace kvring::cli {
+
+namespace {
+
+using handoff::Clock;
+constexpr std::int64_t kMiB = std::int64_t{1} << 20;
+constexpr std::int64_t kIntMax = std::numeric_limits<std::int32_t>::max();
+// The metadata key that carries the prompt's last token, which the receiver
+// feeds itself.
+constexpr const char* kNextTokenKey = "handoff_next_token";
+
+std::string pct(std::int64_t part, std::int64_t whole) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f%%", whole ? 100.0 * part / whole : 0.0);
+  return b;
+}
+
+int cmd_plan(const std::vector<std::string>& argv) {
+  auto a = Args::parse(argv, {"json"},
+                       {"model", "config", "tokens", "schedule", "rate", "chunk", "credits", "message",
+                        "prefill-tps", "context", "ack-latency-us"});
+  if (!a) return fail(a.error());
+  if (!a->positional().empty()) return fail("handoff plan: unexpected argument '" + a->positional()[0] + "'");
+  if (!a->has("tokens")) return fail("handoff plan needs --tokens N (the prompt length)");
+  auto config = resolve_config(a->str("model"), a->str("config"));
+  if (!config) return fail(config.error());
+  handoff::PlanOptions po;
+  auto schedule = handoff::parse_schedule(a->str("schedule", "paced"));
+  if (!schedule) return fail(schedule.error());
+  po.schedule = *schedule;
+  auto tokens = a->integer("tokens", 0, 1, kIntMax);
+  if (!tokens) return fail(tokens.error());
+  auto chunk = a->integer("chunk", po.chunk_tokens, 1, kIntMax);
+  if (!chunk) return fail(chunk.error());
+  po.chunk_tokens = *chunk;
+  auto credits = a->integer("credits", po.credit_bytes / kMiB, 1, 1 << 20);
+  if (!credits) return fail(credits.error());
+  po.credit_bytes = *credits * kMiB;
+  auto message = a->integer("message", po.message_bytes / kMiB, 1, 1024);
+  if (!message) return fail(message.error());
+  po.message_bytes = *message * kMiB;
+  auto context = a->integer("context", 0, 0, kIntMax);
+  if (!context) return fail(context.error());
+  po.context = *context;
+  if (a->has("rate")) {
+    auto r = parse_positive_double("rate", a->str("rate"), false);
+    if (!r) return fail(r.error());
+    po.rate_bytes_per_s = *r * 1e9;
+  }
+  if (a->has("prefill-tps")) {
+    auto r = parse_positive_double("prefill-tps", a->str("prefill-tps"), false);
+    if (!r) return fail(r.error());
+    po.prefill_tokens_per_s = *r;
+  }
+  if (a->has("ack-latency-us")) {
+    auto r = parse_positive_double("ack-latency-us", a->str("ack-latency-us"), true);
+    if (!r) return fail(r.error());
+    po.ack_latency_s = *r * 1e-6;
+  }
+  auto t = handoff::plan_handoff(*config, *tokens, po);
+  if (!t) return fail(t.error());
+  const handoff::Payload& p = t->payload;
+  // Bytes in flight after every send and acknowledgement.
+  std::vector<std::pair<double, std::int64_t>> events;
+  for (const auto& m : t->messages) {
+    events.emplace_back(m.start_s, m.bytes);
+    events.emplace_back(m.ack_s, -m.bytes);
+  }
+  std::sort(events.begin(), events.end());
+  if (a->flag("json")) {
+    nlohmann::json j;
+    j["model"] = config->name;
+    j["fingerprint"] = config->fingerprint_hex();
+    j["prompt_tokens"] = p.prompt_tokens;
+    j["rows_tokens"] = p.rows_tokens;
+    j["context"] = p.context;
+    j["row_bytes"] = p.row_bytes;
+    j["payload_bytes"] = p.payload_bytes;
+    j["full_bytes"] = p.full_bytes;
+    j["sliding_bytes"] = p.sliding_bytes;
+    j["schedule"] = handoff::schedule_name(po.schedule);
+    j["rate_bytes_per_s"] = po.rate_bytes_per_s;
+    j["credit_bytes"] = po.credit_bytes;
+    j["message_bytes"] = po.message_bytes;
+    j["chunk_tokens"] = po.chunk_tokens;
+    j["prefill_tokens_per_s"] = po.prefill_tokens_per_s;
+    j["ack_latency_s"] = po.ack_latency_s;
+    j["prefill_end_s"] = t->prefill_end_s;
+    j["done_s"] = t->done_s;
+    j["busy_s"] = t->busy_s;
+    j["max_in_flight"] = t->max_in_flight;
+    j["max_idle_while_ready_s"] = t->max_idle_while_ready_s;
+    j["layers"] = nlohmann::json::array();
+    for (const auto& l : p.layers)
+      j["layers"].push_back({{"layer", l.layer}, {"kind", layer_kind_name(l.kind)}, {"rows", l.rows}, {"bytes", l.bytes}});
+    j["messages"] = nlohmann::json::array();
+    for (const auto& m : t->messages)
+      j["messages"].push_back({{"layer", m.layer}, {"first_row", m.first_row}, {"rows", m.rows}, {"bytes", m.bytes},
+                               {"final_s", m.final_s}, {"release_s", m.release_s}, {"start_s", m.start_s},
+                               {"end_s", m.end_s}, {"ack_s", m.ack_s}});
+    j["in_flight"] = nlohmann::json::array();
+    std::int64_t f = 0;
+    for (auto& [time, d] : events) j["in_flight"].push_back({time, f += d});
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  const std::int64_t n_full = config->count(LayerKind::kFullNope), n_sliding = config->count(LayerKind::kSlidingRope);
+  std::printf("kvring handoff plan: model %s, a %s-token prompt (rows of %s tokens travel), schedule %s\n",
+              config->name.c_str(), with_commas(p.prompt_tokens).c_str(), with_commas(p.rows_tokens).c_str(),
+              handoff::schedule_name(po.schedule));
+  std::printf("  payload        %s B\n", with_commas(p.payload_bytes).c_str());
+  std::printf("  full           %s B (%s): %lld layers x %s rows x %s B\n", with_commas(p.full_bytes).c_str(),
+              pct(p.full_bytes, p.payload_bytes).c_str(), static_cast<long long>(n_full),
+              with_commas(p.rows_tokens).c_str(), with_commas(p.row_bytes).c_str());
+  std::int64_t sliding_rows = 0;
+  for (const auto& l : p.layers)
+    if (l.kind == LayerKind::kSlidingRope) sliding_rows = l.rows;
+  std::printf("  sliding        %s B (%s): %lld rings x %s rows x %s B\n", with_commas(p.sliding_bytes).c_str(),
+              pct(p.sliding_bytes, p.payload_bytes).c_str(), static_cast<long long>(n_sliding),
+              with_commas(sliding_rows).c_str(), with_commas(p.row_bytes).c_str());
+  std::printf("  messages       %zu of at most %s B; credits %s B; rate %.3g GB/s\n", t->messages.size(),
+              with_commas(po.message_bytes).c_str(), with_commas(po.credit_bytes).c_str(), po.rate_bytes_per_s / 1e9);
+  std::printf("  prefill        %.3f s modelled (%g tokens/s, chunks of %lld, %lld steps of chunk x layer)\n",
+              t->prefill_end_s, po.prefill_tokens_per_s, static_cast<long long>(po.chunk_tokens),
+              static_cast<long long>(t->n_steps));
+  std::printf("  link           busy %.3f s; last credit back at %.3f s (%.3f s after prefill)\n", t->busy_s,
+              t->done_s, t->done_s - t->prefill_end_s);
+  std::printf("  in flight      peak %s B of %s B credits; longest idle while data was ready %.1f us\n",
+              with_commas(t->max_in_flight).c_str(), with_commas(po.credit_bytes).c_str(),
+              t->max_idle_while_ready_s * 1e6);
+  // Sixteen slices of time: released and sent bytes, and the peak in flight.
+  const int slices = 16;
+  const double span = std::max(t->done_s, 1e-9);
+  std::printf("  %10s %10s %16s %16s %16s\n", "from s", "to s", "released B", "sent B", "peak in flight B");
+  std::size_t e = 0;
+  std::int64_t flight = 0;
+  for (int s = 0; s < slices; ++s) {
+    const double lo = span * s / slices, hi = span * (s + 1) / slices;
+    std::int64_t released = 0, sent = 0, peak = flight;
+    for (const auto& m : t->messages) {
+      if (m.release_s >= lo && (m.release_s < hi || (s == slices - 1 && m.release_s <= hi))) released += m.bytes;
+      // Bytes on the wire in this slice, pro rata.
+      const double a0 = std::max(lo, m.start_s), a1 = std::min(hi, m.end_s);
+      if (a1 > a0 && m.end_s > m.start_s) sent += static_cast<std::int64_t>(m.bytes * (a1 - a0) / (m.end_s - m.start_s));
+      else if (m.end_s == m.start_s && m.start_s >= lo && m.start_s < hi) sent += m.bytes;
+    }
+    for (; e < events.size() && (events[e].first < hi || s == slices - 1); ++e) {
+      flight += events[e].second;
+      peak = std::max(peak, flight);
+    }
+    std::printf("  %10.4f %10.4f %16s %16s %16s\n", lo, hi, with_commas(released).c_str(), with_commas(sent).c_str(),
+                with_commas(peak).c_str());
+  }
+  return 0;
+}
+
+// The receiver: one session, decoded greedily to --tokens.
+int cmd_serve(const std::vector<std::string>& argv) {
+  auto a = Args::parse(argv, {"json", "no-progress"},
+                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "port-file"});
+  if (!a) return fail(a.error());
+  if (!a->positional().empty()) return fail("handoff serve: unexpected argument '" + a->positional()[0] + "'");
+  if (!a->has("listen")) return fail("handoff serve needs --listen HOST:PORT (port 0: any free port)");
+  if (!a->has("tokens")) return fail("handoff serve needs --tokens N (the length to decode to)");
+  auto tokens = a->integer("tokens", 0, 1, kIntMax);
+  if (!tokens) return fail(tokens.error());
+  auto backend = parse_backend(a->str("backend", "auto"));
+  if (!backend) return fail(backend.error());
+  double timeout_s = 30;
+  if (a->has("timeout")) {
+    auto t = parse_positive_double("timeout", a->str("timeout"), false);
+    if (!t) return fail(t.error());
+    timeout_s = *t;
+  }
+  auto credits = a->integer("credits", 64, 1, 1 << 20);
+  if (!credits) return fail(credits.error());
+  handoff::DetachedCacheTarget::Options to;
+  to.backend = *backend;
+  if (a->has("model") || a->has("config")) {
+    auto c = resolve_config(a->str("model"), a->str("config"));
+    if (!c) return fail(c.error());
+    to.expect = *c;
+  }
+  auto listener = handoff::ucx_listen(a->str("listen"));
+  if (!listener) return fail(listener.error());
+  const auto hp = handoff::parse_host_port(a->str("listen"));
+  const std::string where = hp->first + ":" + std::to_string((*listener)->port());
+  if (a->has("port-file")) {
+    // Written whole, then renamed: a reader never sees half a number.
+    const std::string path = a->str("port-file"), tmp = path + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << (*listener)->port() << "\n";
+      if (!f) return fail("cannot write --port-file " + tmp);
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) return fail("cannot write --port-file " + path + ": " + ec.message());
+  }
+  if (!a->flag("json")) std::fprintf(stderr, "kvring handoff serve: listening on %s\n", where.c_str());
+  auto link = (*listener)->accept(handoff::deadline_in(timeout_s));
+  if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
+  handoff::DetachedCacheTarget target(to);
+  handoff::ReceiveOptions ro;
+  ro.timeout_s = timeout_s;
+  ro.credit_bytes = *credits * kMiB;
+  const auto t0 = Clock::now();
+  auto received = handoff::receive_session(**link, target, ro);
+  (*link)->close();
+  if (!received) return fail("handoff from " + (*link)->describe() + " failed, nothing installed: " + received.error().to_string());
+  const Snapshot& header = target.header();
+  auto record = decode_run_record(header.metadata, "the handed-off session");
+  if (!record) return fail(record.error());
+  auto meta = nlohmann::json::parse(header.metadata, nullptr, false);
+  if (!meta.is_object() || !meta.contains(kNextTokenKey) || !meta[kNextTokenKey].is_number_integer())
+    return fail("the handed-off session does not name the prompt's last token");
+  const auto next_token = meta[kNextTokenKey].get<std::int32_t>();
+  if (record->prompt_tokens != header.token_count + 1)
+    return fail("the handed-off session holds " + std::to_string(header.token_count) + " positions of a " +
+                std::to_string(record->prompt_tokens) + "-token prompt");
+  if (*tokens < record->prompt_tokens)
+    return fail("--tokens = " + std::to_string(*tokens) + " is below the prompt's " + std::to_string(record->prompt_tokens) + " tokens");
+  ModelConfig config = header.config;
+  config.name = record->model;
+  config.rope_theta = record->rope_theta;
+  auto cache = target.take();
+  const std::int64_t context = cache->context();
+  if (*tokens > context)
+    return fail("--tokens = " + std::to_string(*tokens) + " exceeds the cache context " + std::to_string(context));
+  auto model = ReferenceModel::create(config, record->options);
+  if (!model) return fail(model.error());
+  auto session = Session::resume(*model, std::move(cache), header.token_ids,
+                                 std::vector<float>(static_cast<std::size_t>(record->options.vocab), 0.0f));
+  if (!session) return fail(session.error());
+  // The prompt's last token: the decode side's first step.
+  if (Status s = session->feed({next_token}, 1); !s.ok()) return fail(s.error());
+  const auto t1 = Clock::now();
+  std::vector<std::int32_t> generated;
+  while (session->position() < *tokens) {
+    auto t = session->step();
+    if (!t) return fail(t.error());
+    generated.push_back(*t);
+  }
+  const auto t2 = Clock::now();
+  RunReport report;
+  report.config = &config;
+  report.session = &*session;
+  report.prompt_tokens = record->prompt_tokens;
+  report.seed = record->seed;
+  report.chunk = record->chunk;
+  report.model = record->options;
+  report.context = context;
+  report.generated = std::move(generated);
+  report.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  report.decode_s = std::chrono::duration<double>(t2 - t1).count();
+  report.prefilled = 1;
+  report.decoded = static_cast<std::int64_t>(report.generated.size());
+  report.json = a->flag("json");
+  report.extra_timing = {{"handoff_s", received->seconds},
+                         {"handoff_bytes", received->payload_bytes},
+                         {"handoff_messages", received->messages}};
+  char line[200];
+  std::snprintf(line, sizeof line, "handoff     %s in %lld messages from %s, %.3f s (%.2f GB/s), verified",
+                format_bytes(received->payload_bytes).c_str(), static_cast<long long>(received->messages),
+                (*link)->describe().c_str(), received->seconds,
+                received->seconds > 0 ? received->payload_bytes / received->seconds / 1e9 : 0.0);
+  report.extra_lines.push_back(line);
+  return print_run_report(report);
+}
+
+}  // namespace
+
+Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero) {
+  char* end = nullptr;
+  const double v = std::strtod(value.c_str(), &end);
+  if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(v) || v < 0 || (!allow_zero && v == 0))
+    return invalid_argument("--" + option + " must be a " + (allow_zero ? "non-negative" : "positive") +
+                            " number, got '" + value + "'");
+  return v;
+}
+
+int run_handoff_send(Session& session, const ModelConfig& config, const HandoffSendOptions& o) {
+  if (session.position() != 0) return fail("--handoff-to needs a fresh session");
+  auto schedule = handoff::parse_schedule(o.schedule);
+  if (!schedule) return fail(schedule.error());
+  handoff::PlanOptions po;
+  po.schedule = *schedule;
+  po.context = session.cache().context();
+  po.chunk_tokens = o.chunk;
+  po.message_bytes = std::max(o.message_bytes, config.kv_dim() * 4);
+  po.credit_bytes = std::max(po.credit_bytes, po.message_bytes);
+  if (o.rate_gb_s > 0) po.rate_bytes_per_s = o.rate_gb_s * 1e9;
+  auto timeline = handoff::plan_handoff(config, o.prompt_tokens, po);
+  if (!timeline) return fail(timeline.error());
+  const auto prompt = seeded_tokens(o.prompt_tokens, o.model.vocab, o.seed);
+  const std::int64_t rows_tokens = o.prompt_tokens - 1;
+
+  Snapshot header;
+  header.config = config;
+  header.context = session.cache().context();
+  header.token_count = rows_tokens;
+  header.token_ids.assign(prompt.begin(), prompt.begin() + rows_tokens);
+  auto meta = nlohmann::json::parse(
+      encode_run_record(RunRecord{config.name, config.rope_theta, o.model, o.seed, o.prompt_tokens, o.chunk, {}}));
+  meta[kNextTokenKey] = prompt.back();
+  header.metadata = meta.dump();
+  for (const auto& lp : timeline->payload.layers) {
+    PlaneSnapshot p;
+    p.kind = lp.kind;
+    p.layout = layout_for(lp.kind);
+    p.ring = lp.ring;
+    header.planes.push_back(std::move(p));
+  }
+  auto link = handoff::ucx_connect(o.to, handoff::deadline_in(o.timeout_s));
+  if (!link) return fail(link.error());
+  handoff::PrefillSource source(session.cache(), *timeline, std::move(header));
+  handoff::SendOptions so;
+  so.timeout_s = o.timeout_s;
+  so.rate_bytes_per_s = o.rate_gb_s * 1e9;
+  std::optional<Result<handoff::SendReport>> sent;
+  std::atomic<bool> sender_done{false};
+  std::thread sender([&] {
+    sent.emplace(handoff::send_session(**link, source, *timeline, so));
+    sender_done = true;
+  });
+  // Prefill the payload's tokens; each chunk's rows are staged as they become final.
+  const std::int64_t L = config.n_layers;
+  const auto t0 = Clock::now();
+  Status prefill;
+  std::int64_t chunks = 0;
+  for (std::int64_t at = 0; at < rows_tokens && !sender_done;) {
+    const std::int64_t n = std::min(o.chunk, rows_tokens - at);
+    std::vector<std::int32_t> part(prompt.begin() + at, prompt.begin() + at + n);
+    prefill = session.feed(part, o.chunk);
+    if (!prefill.ok()) break;
+    at += n;
+    ++chunks;
+    if (at < rows_tokens) {
+      prefill = source.stage_final(chunks * L);
+      if (!prefill.ok()) break;
+    }
+  }
+  const auto t1 = Clock::now();
+  source.finish(prefill);
+  sender.join();
+  (*link)->close();
+  if (!prefill.ok()) return fail(prefill.error());
+  if (!sent->ok())
+    return fail("handoff to " + o.to + " failed: " + sent->error().to_string() + " (the prefilled session of " +
+                std::to_string(session.position()) + " tokens is intact here)");
+  const handoff::SendReport& r = **sent;
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  if (o.json) {
+    nlohmann::json j;
+    j["model"] = config.name;
+    j["fingerprint"] = config.fingerprint_hex();
+    j["prompt_tokens"] = o.prompt_tokens;
+    j["handoff_to"] = o.to;
+    j["schedule"] = handoff::schedule_name(*schedule);
+    j["payload_bytes"] = r.payload_bytes;
+    j["messages"] = r.messages;
+    j["timing"] = {{"prefill_s", prefill_s},
+                   {"handoff_s", r.seconds},
+                   {"max_in_flight", r.max_in_flight},
+                   {"staged_bytes_peak", source.staged_bytes_peak()}};
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("kvring run: model %s, %lld prompt tokens prefilled (%lld sent as rows) and handed to %s\n",
+              config.name.c_str(), static_cast<long long>(o.prompt_tokens), static_cast<long long>(rows_tokens),
+              o.to.c_str());
+  std::printf("  prefill      %.3f s\n", prefill_s);
+  std::printf("  handoff      %s in %lld messages (%s), %.3f s from header to commit; peak in flight %s of %s credits\n",
+              format_bytes(r.payload_bytes).c_str(), static_cast<long long>(r.messages),
+              handoff::schedule_name(*schedule), r.seconds, format_bytes(r.max_in_flight).c_str(),
+              format_bytes(r.credit_bytes).c_str());
+  return 0;
+}
+
+int cmd_handoff(const std::vector<std::string>& argv) {
+  if (wants_help(argv)) {
+    const bool sub = !argv.empty() && (argv[0] == "plan" || argv[0] == "serve");
+    return print_help(sub ? "handoff " + argv[0] : "handoff");
+  }
+  if (argv.empty()) return fail("handoff needs a subcommand: plan or serve");
+  const std::vector<std::string> rest(argv.begin() + 1, argv.end());
+  if (argv[0] == "plan") return cmd_plan(rest);
+  if (argv[0] == "serve") return cmd_serve(rest);
+  return fail("unknown handoff subcommand '" + argv[0] + "' (plan or serve)");
+}
+
+}  // namespace kvring::cli
