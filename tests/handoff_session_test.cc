@@ -296,7 +296,9 @@ TEST_F(Handoff, InstallsIntoARunningStore) {
     auto [a, b] = local_pair();
     Faulty flip(*a);
     flip.flip_at_send = 3;
-    DetachedCacheTarget target({.store = &store});
+    DetachedCacheTarget::Options into_store;
+    into_store.store = &store;
+    DetachedCacheTarget target(into_store);
     auto o = run(flip, *b, *src, t, target);
     ASSERT_FALSE(o.received.ok());
     EXPECT_EQ(store.sequence_count(), 1);
@@ -307,7 +309,9 @@ TEST_F(Handoff, InstallsIntoARunningStore) {
   const Timeline t = plan();
   auto src = source(s, t);
   auto [a, b] = local_pair();
-  DetachedCacheTarget target({.store = &store});
+  DetachedCacheTarget::Options into_store;
+  into_store.store = &store;
+  DetachedCacheTarget target(into_store);
   auto o = run(*a, *b, *src, t, target);
   ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
   ASSERT_TRUE(target.sequence().has_value());
