@@ -3,8 +3,8 @@
 // A snapshot holds each plane's live rows in logical order (f16 bits) and its
 // ring state. Restore installs them at the rotation a sequentially built ring
 // holds (RingState::sequential), which is the rotation every live ring has,
-// so a restored cache is byte-identical to the live one (seed §15.6: the
-// rotation travels with the cache).
+// so a restored cache is byte-identical to the live one: the rotation
+// travels with the cache (docs/DESIGN.md, "Snapshots and kvpack").
 #pragma once
 
 #include <cstddef>
