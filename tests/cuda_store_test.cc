@@ -159,11 +159,10 @@ TEST(CudaStore, ForkAndTruncateKeepSequencesApart) {
       ASSERT_EQ(o.at({0, l, p}), out_x.at({0, l, p})) << l << " " << p;
       ASSERT_EQ(o.at({1, l, p}), out_y.at({0, l, p})) << l << " " << p;
     }
-  // A sequence truncated by 5 tokens and rewritten with other rows equals
-  // one that never held the old rows. (Before its rings wrap: truncating a
-  // wrapped ring is refused by the store's ring bookkeeping, on every
-  // backend.)
-  const std::int64_t n = 30;
+  // A sequence whose rings have wrapped, truncated by 5 tokens (within the
+  // slack of 8) and rewritten with other rows, equals one that never held
+  // the old rows.
+  const std::int64_t n = 100;
   auto z = *st->add_sequence();
   const auto zin = testing::seq_inputs(c, n, 23), zother = testing::seq_inputs(c, n, 24);
   testing::Outputs oz;
