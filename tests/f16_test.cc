@@ -1,6 +1,10 @@
 #include "kvring/f16.h"
+#include "core/f16_rows.h"
 
 #include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
 
 #include <algorithm>
 #include <cmath>
@@ -96,4 +100,23 @@ TEST(F16, MatchesNearestHalfReference) {
 }
 
 }  // namespace
+// The row conversion the CPU store uses (F16C where the processor has it)
+// equals f32_to_f16 on every one of the 2^32 inputs, NaNs included.
+TEST(F16, RowConversionMatchesTheScalarOnEveryInput) {
+  constexpr std::int64_t kBlock = 1 << 20;
+  std::vector<float> in(kBlock);
+  std::vector<std::uint16_t> fast(kBlock), slow(kBlock);
+  for (std::uint64_t base = 0; base < (std::uint64_t{1} << 32); base += kBlock) {
+    for (std::int64_t i = 0; i < kBlock; ++i) {
+      const auto bits = static_cast<std::uint32_t>(base + static_cast<std::uint64_t>(i));
+      std::memcpy(&in[static_cast<std::size_t>(i)], &bits, 4);
+    }
+    // An odd length: the vector loop and its scalar tail both run.
+    detail::f32_to_f16_row(in.data(), fast.data(), kBlock - 3);
+    detail::f32_to_f16_row(in.data() + kBlock - 3, fast.data() + kBlock - 3, 3);
+    detail::f32_to_f16_row_scalar(in.data(), slow.data(), kBlock);
+    ASSERT_EQ(fast, slow) << "inputs from " << base;
+  }
+}
+
 }  // namespace kvring

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/f16_rows.h"
 #include "kvring/f16.h"
 #include "kvring/store.h"
 
@@ -23,11 +24,9 @@ inline void row_to_f16(const ConstView& v, std::int64_t row, std::uint16_t* dst)
   const auto* base = static_cast<const unsigned char*>(v.data) +
                      row * v.row_stride * dtype_bytes(v.dtype);
   switch (v.dtype) {
-    case DType::kF32: {
-      const auto* p = reinterpret_cast<const float*>(base);
-      for (std::int64_t c = 0; c < v.cols; ++c) dst[c] = f32_to_f16(p[c]);
+    case DType::kF32:
+      f32_to_f16_row(reinterpret_cast<const float*>(base), dst, v.cols);
       break;
-    }
     case DType::kF16:
       std::memcpy(dst, base, static_cast<std::size_t>(v.cols) * 2);
       break;

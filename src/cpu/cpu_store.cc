@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "parallel.h"
 #include "core/view_rows.h"
 #include "kvring/store.h"
 
@@ -60,9 +61,17 @@ class CpuStore final : public KvStore {
 
   Status write_rows(std::span<const RowWrite> writes, const ConstView& k, const ConstView& v,
                     cudaStream_t) override {
+    // Writes of one call never share a row (a sequence appears once per
+    // layer), so they run on all cores.
     const std::int64_t kv_dim = config_.kv_dim();
-    std::vector<std::uint16_t> rk(static_cast<std::size_t>(kv_dim)), rv(rk.size());
-    for (const RowWrite& w : writes) {
+    std::int64_t rows = 0;
+    for (const RowWrite& w : writes) rows += w.placement.live_rows;
+    cpu::parallel_for(static_cast<std::int64_t>(writes.size()), rows * kv_dim * 8,
+                      [&](std::int64_t i) {
+      const RowWrite& w = writes[static_cast<std::size_t>(i)];
+      thread_local std::vector<std::uint16_t> rk, rv;
+      rk.resize(static_cast<std::size_t>(kv_dim));
+      rv.resize(rk.size());
       const cpu::PlaneView pv = view(w.plane);
       std::uint16_t* pk = const_cast<std::uint16_t*>(pv.k);
       std::uint16_t* pvv = const_cast<std::uint16_t*>(pv.v);
@@ -75,7 +84,7 @@ class CpuStore final : public KvStore {
           put_row(pv, pk, pvv, span.physical_first + r, rk.data(), rv.data());
         }
       }
-    }
+    });
     return Status::Ok();
   }
 

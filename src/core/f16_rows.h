@@ -1,0 +1,15 @@
+// f32 -> f16 over a row, bit for bit equal to f32_to_f16 (f16.h) on every
+// input: IEEE round to nearest even, overflow to infinity, every NaN to the
+// canonical 0x7fff. Uses the F16C instruction where the processor has it.
+#pragma once
+
+#include <cstdint>
+
+namespace kvring::detail {
+
+void f32_to_f16_row(const float* src, std::uint16_t* dst, std::int64_t n);
+
+// The same, without the F16C path (for tests that compare the two).
+void f32_to_f16_row_scalar(const float* src, std::uint16_t* dst, std::int64_t n);
+
+}  // namespace kvring::detail
