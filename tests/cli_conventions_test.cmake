@@ -22,7 +22,8 @@ function(expect rc pattern)
 endfunction()
 
 # --- Help ----------------------------------------------------------------------
-foreach(cmd "footprint" "run" "config" "pack" "pack;inspect" "pack;verify" "store" "store;gc" "help")
+foreach(cmd "footprint" "run" "config" "pack" "pack;inspect" "pack;verify" "store" "store;gc" "handoff"
+            "handoff;plan" "handoff;serve" "help")
   string(REPLACE ";" " " name "${cmd}")
   foreach(flag --help -h)
     expect(0 "usage: kvring ${name}" ${cmd} ${flag})
