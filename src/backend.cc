@@ -2,13 +2,13 @@
 
 #include <string>
 
+#include "cpu/cpu_store.h"
+
 #if KVRING_HAVE_CUDA
 #include "kvring/cuda_store.h"
 #endif
 
 namespace kvring {
-
-Result<std::unique_ptr<KvStore>> make_cpu_store(const ModelConfig& config, StoreOptions options);
 
 bool cuda_compiled() { return KVRING_HAVE_CUDA != 0; }
 

@@ -198,11 +198,9 @@ int run_many(const RunOptions& o, BackendKind backend) {
         to_hex(sha256(m.last_logits.data(), m.last_logits.size() * sizeof(float)));
     const PlaneUse use = plane_use(kv, m.seq);
     auto blocks = kv.blocks_held(m.seq);
-    std::int64_t n_sliding = 0;
-    for (std::int64_t l = 0; l < config.n_layers; ++l)
-      if (config.kind(l) == LayerKind::kSlidingRope) ++n_sliding;
     // The sequence's own storage: its rings and the blocks it holds.
-    const std::int64_t own = n_sliding * kv.ring_bytes() + (blocks ? *blocks : 0) * kv.block_bytes();
+    const std::int64_t own = config.count(LayerKind::kSlidingRope) * kv.ring_bytes() +
+                             (blocks ? *blocks : 0) * kv.block_bytes();
     SummaryFields f{config.name, config.fingerprint_hex(), backend,
                     static_cast<std::int64_t>(m.tokens.size()), m.prompt_tokens, m.seed, chunk,
                     model_options, context, m.generated, sha, use, own, prefill_s, decode_s,

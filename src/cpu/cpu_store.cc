@@ -4,14 +4,14 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_store.h"
+
 #include "attention_cpu.h"
 #include "parallel.h"
 #include "core/view_rows.h"
 #include "kvring/store.h"
 
 namespace kvring {
-
-Result<std::unique_ptr<KvStore>> make_cpu_store(const ModelConfig& config, StoreOptions options);
 
 namespace {
 
