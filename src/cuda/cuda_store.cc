@@ -185,6 +185,11 @@ struct CudaStore::Impl {
   bool chained = false;
   cudaEvent_t chain = nullptr;
 
+  // Descriptors of the call being enqueued, kept between calls so that a
+  // step allocates nothing.
+  std::vector<cuda::StoreSpan> span_scratch;
+  std::vector<cuda::AttendQueryItem> item_scratch;
+
   // Host-view staging (those calls wait before returning).
   PinnedBuffer pin;
   DeviceBuffer stage_k, stage_v, stage_q, stage_out, stage_rows;
@@ -524,7 +529,8 @@ Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& 
   auto dv = im.stage(v, im.stage_v, s);
   if (!dv) return im.fail(dv.status(), s);
 
-  std::vector<cuda::StoreSpan> spans;
+  std::vector<cuda::StoreSpan>& spans = im.span_scratch;
+  spans.clear();
   std::int64_t rows = 0;
   for (const RowWrite& w : writes) {
     const std::int64_t fi = full_index(w.plane.layer);
@@ -550,14 +556,24 @@ Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& 
     }
   }
   if (spans.empty()) return Status::Ok();
-  const std::size_t bytes = spans.size() * sizeof(cuda::StoreSpan);
-  auto chunk = im.take_chunk(bytes, s);
-  if (!chunk) return im.fail(chunk.status(), s);
-  std::memcpy((*chunk)->host, spans.data(), bytes);
-  Status st = im.upload_chunk(**chunk, bytes, s);
+  // One span travels in the launch's parameters; more through a
+  // descriptor buffer.
+  Impl::Chunk* chunk = nullptr;
+  Status st = Status::Ok();
+  if (spans.size() > 1) {
+    const std::size_t bytes = spans.size() * sizeof(cuda::StoreSpan);
+    auto c = im.take_chunk(bytes, s);
+    if (!c) return im.fail(c.status(), s);
+    chunk = *c;
+    std::memcpy(chunk->host, spans.data(), bytes);
+    st = im.upload_chunk(*chunk, bytes, s);
+  }
   if (st.ok()) {
     cuda::StoreLaunch L;
-    L.spans = reinterpret_cast<const cuda::StoreSpan*>((*chunk)->dev);
+    if (chunk != nullptr)
+      L.spans = reinterpret_cast<const cuda::StoreSpan*>(chunk->dev);
+    else
+      L.single = spans[0];
     L.n_spans = static_cast<std::int32_t>(spans.size());
     L.total_rows = rows;
     L.k = {dk->data, dk->row_stride, dtype_code(dk->dtype)};

@@ -60,12 +60,16 @@ struct StoreSpan {
   std::int64_t first_row;
 };
 
-// Every span of one batch in one launch. `spans` (device memory, n_spans
-// entries) are found per row by binary search over first_row; total_rows
-// is the sum of their rows. `vector` selects 8-element units (head_dim % 8
-// == 0 and 16-byte aligned sources and strides).
+// Every span of one batch in one launch: `spans` (device memory, n_spans
+// entries, ascending first_row), or the one span `single` when spans is
+// null (a launch with nothing to upload). total_rows is the sum of their
+// rows. Each warp stores a contiguous range of rows, finding its first
+// row's span by binary search and walking forward. `vector` selects
+// 8-element units (head_dim % 8 == 0 and 16-byte aligned sources and
+// strides).
 struct StoreLaunch {
   const StoreSpan* spans = nullptr;
+  StoreSpan single{};
   std::int32_t n_spans = 0;
   std::int64_t total_rows = 0;
   SourceRows k, v;

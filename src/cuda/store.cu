@@ -93,26 +93,46 @@ __device__ __forceinline__ void for_each_unit(std::int64_t rows, std::int32_t kv
 }
 
 // Every row of every span: row R of the concatenation belongs to the last
-// span whose first_row <= R.
+// span whose first_row <= R. Warp w of the grid takes rows [w * per, (w +
+// 1) * per); its lanes take a row's units in turn.
 template <int kPer>
 __global__ void __launch_bounds__(kThreads) store_spans_kernel(StoreLaunch a) {
-  for_each_unit<kPer>(a.total_rows, a.shape.kv_dim, [&](std::int64_t R, std::int64_t e) {
-    int lo = 0, hi = a.n_spans - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (a.spans[mid].first_row <= R) lo = mid; else hi = mid - 1;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
+  const std::int64_t warp = blockIdx.x * static_cast<std::int64_t>(kThreads / 32) + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t per = (a.total_rows + warps - 1) / warps;
+  const std::int64_t first = warp * per;
+  const std::int64_t end = min(first + per, a.total_rows);
+  if (first >= end) return;
+  // The one span of a launch without descriptors is read by value (its
+  // address is never taken, so it stays in the parameter space).
+  const int n_spans = a.spans != nullptr ? a.n_spans : 1;
+  auto span_at = [&](int i) { return a.spans != nullptr ? a.spans[i] : a.single; };
+  int lo = 0, hi = n_spans - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.spans[mid].first_row <= first) lo = mid; else hi = mid - 1;
+  }
+  StoreSpan s = span_at(lo);
+  std::int64_t next = lo + 1 < n_spans ? a.spans[lo + 1].first_row : a.total_rows;
+  const std::int32_t kv_dim = a.shape.kv_dim;
+  for (std::int64_t R = first; R < end; ++R) {
+    while (R >= next) {
+      s = a.spans[++lo];
+      next = lo + 1 < n_spans ? a.spans[lo + 1].first_row : a.total_rows;
     }
-    const StoreSpan& s = a.spans[lo];
     const std::int64_t r = R - s.first_row;
-    const std::int64_t dst = plane_offset(s.table, a.shape, a.pool, s.physical_first + r, e);
-    if constexpr (kPer == 8) {
-      *reinterpret_cast<uint4*>(s.k + dst) = source_f16x8(a.k, s.src_row + r, e);
-      *reinterpret_cast<uint4*>(s.v + dst) = source_f16x8(a.v, s.src_row + r, e);
-    } else {
-      s.k[dst] = source_f16(a.k, s.src_row + r, e);
-      s.v[dst] = source_f16(a.v, s.src_row + r, e);
+    for (std::int64_t e = static_cast<std::int64_t>(lane) * kPer; e < kv_dim; e += 32 * kPer) {
+      const std::int64_t dst = plane_offset(s.table, a.shape, a.pool, s.physical_first + r, e);
+      if constexpr (kPer == 8) {
+        *reinterpret_cast<uint4*>(s.k + dst) = source_f16x8(a.k, s.src_row + r, e);
+        *reinterpret_cast<uint4*>(s.v + dst) = source_f16x8(a.v, s.src_row + r, e);
+      } else {
+        s.k[dst] = source_f16(a.k, s.src_row + r, e);
+        s.v[dst] = source_f16(a.v, s.src_row + r, e);
+      }
     }
-  });
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) convert_kernel(SourceRows src, std::int64_t rows,
@@ -156,10 +176,12 @@ cudaError_t launched() { return cudaGetLastError(); }
 
 cudaError_t launch_store_spans(const StoreLaunch& a, cudaStream_t stream) {
   if (a.n_spans <= 0 || a.total_rows <= 0) return cudaSuccess;
+  // One warp a row at the least, up to kMaxBlocks blocks.
+  const unsigned blocks = blocks_for(a.total_rows * 32);
   if (a.vector && vector_rows(a.shape))
-    store_spans_kernel<8><<<blocks_for(a.total_rows * a.shape.kv_dim / 8), kThreads, 0, stream>>>(a);
+    store_spans_kernel<8><<<blocks, kThreads, 0, stream>>>(a);
   else
-    store_spans_kernel<1><<<blocks_for(a.total_rows * a.shape.kv_dim), kThreads, 0, stream>>>(a);
+    store_spans_kernel<1><<<blocks, kThreads, 0, stream>>>(a);
   return launched();
 }
 
