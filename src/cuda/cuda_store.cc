@@ -587,7 +587,7 @@ Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& 
     const cudaError_t e = cuda::launch_store_spans(L, s);
     if (e != cudaSuccess) st = cuda_error("store kernel launch", e);
   }
-  if (st.ok()) st = im.release_chunk(*chunk, s);
+  if (st.ok() && chunk != nullptr) st = im.release_chunk(chunk, s);
   if (st.ok()) st = im.leave(s);
   if (!st.ok()) return im.fail(st, s);
   if (host) KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
@@ -683,7 +683,8 @@ Status CudaStore::attend(const AttendBatch& b) {
   auto rows_seen = [&](std::int64_t p) {
     return window > 0 ? std::min(p + 1, window) : p + 1;
   };
-  std::vector<cuda::AttendQueryItem> items;
+  std::vector<cuda::AttendQueryItem>& items = im.item_scratch;
+  items.clear();
   for (const AttendItem& it : b.items) {
     cuda::AttendQueryItem d{};
     if (full) {
@@ -865,8 +866,10 @@ Status CudaStore::copy_out(const PlaneRef& plane, const LiveSpans& spans, std::u
   const std::int64_t piece = std::max<std::int64_t>(1, static_cast<std::int64_t>(kStageBytes / row_bytes));
   const std::size_t bytes = static_cast<std::size_t>(std::min(rows, piece)) * row_bytes;
   KVRING_RETURN_IF_ERROR(im.stage_rows.reserve(std::max<std::size_t>(bytes, 16), "snapshot staging"));
-  KVRING_RETURN_IF_ERROR(im.pin.reserve(std::max<std::size_t>(bytes, 16)));
   const cuda::SpanMap map = span_map(spans);
+  // Each piece is gathered into device staging and copied straight to the
+  // caller's rows (at the pinned rate when they are pinned); stream order
+  // keeps a piece's copy before the next gather. One wait at the end.
   for (int which = 0; which < 2; ++which) {
     const cuda::PlaneBuf buf = im.plane_buf(plane, fi, which);
     std::uint16_t* dst = which == 0 ? k : v;
@@ -876,12 +879,12 @@ Status CudaStore::copy_out(const PlaneRef& plane, const LiveSpans& spans, std::u
       cudaError_t e = cuda::launch_gather_rows(buf, im.shape, im.pool, map, r0, n,
                                                im.stage_rows.as<std::uint16_t>(), s);
       if (e == cudaSuccess)
-        e = cudaMemcpyAsync(im.pin.data(), im.stage_rows.as<void>(), nb, cudaMemcpyDeviceToHost, s);
-      if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+        e = cudaMemcpyAsync(dst + r0 * kv_dim, im.stage_rows.as<void>(), nb, cudaMemcpyDeviceToHost, s);
       if (e != cudaSuccess) return im.fail(cuda_error("snapshot copy", e), s);
-      std::memcpy(dst + r0 * kv_dim, im.pin.data(), nb);
     }
   }
+  if (const cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess)
+    return im.fail(cuda_error("snapshot copy", e), s);
   return im.leave(s);
 }
 
@@ -898,24 +901,27 @@ Status CudaStore::copy_in(const PlaneRef& plane, const LiveSpans& spans, const s
   const std::int64_t piece = std::max<std::int64_t>(1, static_cast<std::int64_t>(kStageBytes / row_bytes));
   const std::size_t bytes = static_cast<std::size_t>(std::min(rows, piece)) * row_bytes;
   KVRING_RETURN_IF_ERROR(im.stage_rows.reserve(std::max<std::size_t>(bytes, 16), "snapshot staging"));
-  KVRING_RETURN_IF_ERROR(im.pin.reserve(std::max<std::size_t>(bytes, 16)));
   const cuda::SpanMap map = span_map(spans);
+  // Each piece is copied straight from the caller's rows into device
+  // staging and scattered from there; stream order keeps a piece's scatter
+  // before the next copy overwrites the staging. One wait at the end, so
+  // the caller's rows are read before the call returns.
   for (int which = 0; which < 2; ++which) {
     const cuda::PlaneBuf buf = im.plane_buf(plane, fi, which);
     const std::uint16_t* src = which == 0 ? k : v;
     for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
       const std::int64_t n = std::min(piece, rows - r0);
       const std::size_t nb = static_cast<std::size_t>(n) * row_bytes;
-      std::memcpy(im.pin.data(), src + r0 * kv_dim, nb);
       cudaError_t e =
-          cudaMemcpyAsync(im.stage_rows.as<void>(), im.pin.data(), nb, cudaMemcpyHostToDevice, s);
+          cudaMemcpyAsync(im.stage_rows.as<void>(), src + r0 * kv_dim, nb, cudaMemcpyHostToDevice, s);
       if (e == cudaSuccess)
         e = cuda::launch_scatter_rows(buf, im.shape, im.pool, map, r0, n,
                                       im.stage_rows.as<std::uint16_t>(), s);
-      if (e == cudaSuccess) e = cudaStreamSynchronize(s);
       if (e != cudaSuccess) return im.fail(cuda_error("snapshot copy", e), s);
     }
   }
+  if (const cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess)
+    return im.fail(cuda_error("snapshot copy", e), s);
   return im.leave(s);
 }
 
