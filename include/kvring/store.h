@@ -297,6 +297,9 @@ class KvStore {
     std::vector<std::vector<std::int32_t>> tables;  // [n_full][blocks]
   };
   struct Txn;
+  // Working vectors of the batched calls, kept between calls so that a
+  // step allocates (and first-touches) nothing.
+  struct Scratch;
 
   Result<std::int32_t> slot_of(SeqId seq) const;
   Status check_layer(std::int64_t layer) const;
@@ -335,6 +338,7 @@ class KvStore {
   // Guards refs_ and free_ for install() and read_rows() of different
   // layers of one sequence, which may run concurrently (snapshot restore).
   mutable std::mutex pool_mutex_;
+  std::unique_ptr<Scratch> scratch_;
 };
 
 // Resolves and checks options against a geometry (every default filled in).

@@ -127,11 +127,36 @@ struct KvStore::Txn {
     taken.push_back(b);
     return b;
   }
+  // Empties the transaction, keeping its vectors' storage.
+  void clear() {
+    rings.clear();
+    saved.clear();
+    taken.clear();
+    dropped.clear();
+    copies.clear();
+    changes.clear();
+    mirrored = false;
+  }
   void save(KvStore& s, std::int32_t slot, std::int64_t fi) {
     for (const auto& t : saved)
       if (std::get<0>(t) == slot && std::get<1>(t) == fi) return;
     saved.emplace_back(slot, fi,
                        s.slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)]);
+  }
+};
+
+struct KvStore::Scratch {
+  Txn txn;
+  std::vector<RowWrite> writes;
+  std::vector<AttendItem> items;
+  std::vector<RingState> before;
+  // The transaction and vectors of one batched call, emptied.
+  Txn& begin() {
+    txn.clear();
+    writes.clear();
+    items.clear();
+    before.clear();
+    return txn;
   }
 };
 
@@ -155,7 +180,7 @@ void KvStore::rollback(Txn& txn) {
     }
     (void)tables_changed(back, nullptr);
   }
-  txn = Txn{};
+  txn.clear();
 }
 
 void KvStore::commit(Txn& txn) {
@@ -166,7 +191,7 @@ void KvStore::commit(Txn& txn) {
     auto& r = refs_[static_cast<std::size_t>(b)];
     if (--r == 0) free_.push_back(b);
   }
-  txn = Txn{};
+  txn.clear();
 }
 
 Status KvStore::apply_blocks(Txn& txn, cudaStream_t stream) {
@@ -184,7 +209,8 @@ Status KvStore::tables_changed(std::span<const TableChange>, cudaStream_t) {
 
 // ---- Construction -------------------------------------------------------------
 
-KvStore::KvStore(ModelConfig config, StoreOptions o) : config_(std::move(config)), options_(o) {
+KvStore::KvStore(ModelConfig config, StoreOptions o)
+    : config_(std::move(config)), options_(o), scratch_(std::make_unique<Scratch>()) {
   for (std::int64_t l = 0; l < config_.n_layers; ++l)
     full_index_.push_back(config_.kind(l) == LayerKind::kFullNope ? n_full_++ : -1);
   ring_rows_ = config_.plane_capacity(LayerKind::kSlidingRope, o.context) + o.slack;
@@ -583,8 +609,8 @@ Status KvStore::store(std::int64_t layer, std::span<const SeqSpan> spans, const 
   KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows, config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
   if (spans.empty()) return Status::Ok();
-  Txn txn;
-  std::vector<RowWrite> writes;
+  Txn& txn = scratch_->begin();
+  std::vector<RowWrite>& writes = scratch_->writes;
   if (Status st = plan_store(txn, layer, spans, *slots, writes); !st.ok()) {
     rollback(txn);
     return st;
@@ -601,8 +627,10 @@ Status KvStore::store_all_layers(std::span<const SeqSpan> spans, const ConstView
   KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows * n_layers(), config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows * n_layers(), config_.kv_dim()));
   if (spans.empty()) return Status::Ok();
-  Txn txn;
-  std::vector<RowWrite> writes;
+  Txn& txn = scratch_->begin();
+  std::vector<RowWrite>& writes = scratch_->writes;
+  writes.reserve(spans.size() * static_cast<std::size_t>(n_layers()));
+  txn.rings.reserve(writes.capacity());
   for (std::int64_t l = 0; l < n_layers(); ++l) {
     const std::size_t first = writes.size();
     if (Status st = plan_store(txn, l, spans, *slots, writes); !st.ok()) {
@@ -621,7 +649,8 @@ Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> quer
   const auto n = static_cast<std::int64_t>(queries.size());
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, n, width));
   KVRING_RETURN_IF_ERROR(check_out_view("out", out, n, width));
-  std::vector<AttendItem> items;
+  scratch_->begin();
+  std::vector<AttendItem>& items = scratch_->items;
   items.reserve(queries.size());
   for (std::int64_t i = 0; i < n; ++i) {
     const SeqQuery& query = queries[static_cast<std::size_t>(i)];
@@ -659,18 +688,18 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   if (chunks.empty()) return Status::Ok();
   // The rings as before the chunks: attention reads the rows before each
   // chunk from the plane and the chunk's own rows from k and v.
-  std::vector<RingState> before;
+  Txn& txn = scratch_->begin();
+  std::vector<RowWrite>& writes = scratch_->writes;
+  std::vector<RingState>& before = scratch_->before;
+  std::vector<AttendItem>& items = scratch_->items;
   for (std::size_t i = 0; i < chunks.size(); ++i)
     before.push_back(
         slots_[static_cast<std::size_t>((*slots)[i])].rings[static_cast<std::size_t>(layer)]);
-  Txn txn;
-  std::vector<RowWrite> writes;
   if (Status st = plan_store(txn, layer, chunks, *slots, writes); !st.ok()) {
     rollback(txn);
     return st;
   }
   seal(txn);
-  std::vector<AttendItem> items;
   std::int64_t row = 0;
   for (std::size_t i = 0; i < chunks.size(); ++i) {
     writes[i].plane = plane_ref((*slots)[i], layer);
