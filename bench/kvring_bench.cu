@@ -1,7 +1,8 @@
 // kvring-bench: the CUDA backend's figures, each beside a ceiling measured
 // in the same run (docs/PERFORMANCE.md).
 //
-//   kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill]
+//   kvring-bench [--json FILE] [--quick]
+//                [--only store|decode|ring|prefill|batch|step|memory]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -10,7 +11,11 @@
 // decode attention on a full plane at 2048, 32768 and 131072 tokens and on
 // a wrapped 2048-row sliding ring; snapshot out and restore in of a full
 // muse-glimmer slot at 131072 tokens; prefill attention of a 512-token
-// chunk at 4096, 32768 and 131072 tokens (no target). Device events after
+// chunk at 4096, 32768 and 131072 tokens (no target); many sequences:
+// batched decode (32 x 32768, 4 x 131072, 64 mixed lengths, 128 wrapped
+// rings), a decode step's stores for 64 sequences beside an empty kernel,
+// a ragged prefill store; one sequence's whole decode step at 131072 in a
+// CUDA graph; the device memory of 64 x 8192 against 4 x 131072. Device events after
 // warm-up, median of many runs, random data; decode and prefill runs start
 // with a cold L2 unless named "warm" or "back to back": a 256 MiB buffer is
 // read before each run, which evicts the L2 and leaves clean lines.
@@ -27,6 +32,7 @@
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
@@ -52,6 +58,7 @@ class CudaCache {
   cudaStream_t stream() const { return cuda_->stream(); }
   kvring::Status synchronize() const { return s_->synchronize(); }
   kvring::Status reset() { return s_->reset_sequence(seq_); }
+  kvring::Status truncate(std::int64_t tokens) { return s_->truncate_sequence(seq_, tokens); }
   kvring::RingState ring(std::int64_t l) const { return *s_->ring(seq_, l); }
   kvring::Status read_rows(std::int64_t l, std::int64_t first, std::int64_t n, std::uint16_t* k,
                            std::uint16_t* v) const {
@@ -131,6 +138,17 @@ __global__ void read_all(const uint4* p, std::int64_t n, unsigned* sink) {
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
+__global__ void empty_kernel() {}
+
+// The seeded draw of the mixed-length batch (splitmix64 of 20261201 + i);
+// bench/sdpa_peer.py draws the same lengths.
+std::uint64_t mixed_length_draw(std::uint64_t i) {
+  std::uint64_t z = 20261201ull + 0x9e3779b97f4a7c15ull * (i + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 __global__ void fill_uniform(float* p, std::int64_t n, std::uint64_t seed, float scale) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -152,6 +170,10 @@ T* device_alloc(std::size_t n) {
   void* p = nullptr;
   CHECK_CUDA(cudaMalloc(&p, n * sizeof(T)));
   return static_cast<T*>(p);
+}
+
+void free_device(std::initializer_list<void*> ptrs) {
+  for (void* p : ptrs) CHECK_CUDA(cudaFree(p));
 }
 
 double median(std::vector<double> v) {
@@ -196,6 +218,20 @@ double wall_us(int warmup, int runs, const std::function<void()>& call) {
     const auto t0 = std::chrono::steady_clock::now();
     call();
     t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return median(t);
+}
+
+// Median microseconds the host spends in `call` (an enqueue), each run
+// followed by an untimed `sync`.
+double enqueue_us(int runs, const std::function<void()>& call, const std::function<void()>& sync) {
+  std::vector<double> t;
+  for (int i = 0; i < runs + 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    const auto t1 = std::chrono::steady_clock::now();
+    sync();
+    if (i >= 3) t.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
   return median(t);
 }
@@ -250,19 +286,36 @@ void write_json(const std::string& path, const std::string& device, int sms) {
   std::fclose(f);
 }
 
-std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context) {
-  auto c = kvring::make_store(kvring::BackendKind::kCuda, cfg, {.max_sequences = 1, .context = context});
+std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0) {
+  auto c = kvring::make_store(kvring::BackendKind::kCuda, cfg,
+                              {.max_sequences = 1, .context = context, .slack = slack});
   check(c.status(), "creating a store");
   auto seq = (*c)->add_sequence();
   check(seq.status(), "adding a sequence");
   return std::make_unique<CudaCache>(std::move(*c), *seq);
 }
 
+// A CUDA store holding counts.size() new sequences, and one span per
+// sequence: from position 0, counts[i] rows.
+std::pair<std::unique_ptr<kvring::KvStore>, std::vector<SeqSpan>> store_with(
+    const kvring::ModelConfig& cfg, std::int64_t context, const std::vector<std::int64_t>& counts) {
+  auto st = kvring::make_store(kvring::BackendKind::kCuda, cfg,
+                               {.max_sequences = static_cast<std::int64_t>(counts.size()), .context = context});
+  check(st.status(), "creating a store");
+  std::vector<SeqSpan> spans;
+  for (const std::int64_t c : counts) {
+    auto id = (*st)->add_sequence();
+    check(id.status(), "adding a sequence");
+    spans.push_back({*id, 0, c});
+  }
+  return {std::move(*st), std::move(spans)};
+}
+
 // The help text, printed by --help (to stdout, exit 0) and after a bad
 // argument (to stderr, exit 2).
 void print_usage(std::FILE* out) {
   std::fputs(
-      "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill]\n"
+      "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|step|memory]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
@@ -579,10 +632,7 @@ int main(int argc, char** argv) {
         if (l % 4 != 3) check(c->attend_decode_device(l, n - 1, q, out), "decode");
     }) / 39.0;
     add({"decode 39 sliding rings back to back, per ring", per_layer, 2048.0 * 1024, "D2D copy", d2d});
-    CHECK_CUDA(cudaFree(sk));
-    CHECK_CUDA(cudaFree(sv));
-    CHECK_CUDA(cudaFree(q));
-    CHECK_CUDA(cudaFree(out));
+    free_device({sk, sv, q, out});
   }
 
   // ---- Prefill attention (no target): a 512-token chunk at the end of full planes --
@@ -621,10 +671,284 @@ int main(int argc, char** argv) {
                    flush_c),
            static_cast<double>(n) * 1024, "D2D copy", d2d});
     }
+    free_device({sk, sv, q, out});
+  }
+
+  // ---- Many sequences: batched decode, ring batch, batched stores ---------------
+  // Every figure here is one call of the store's batched API (one launch per
+  // layer). Attention bytes: each sequence's visible rows x 1 KiB, read once.
+  if (section("batch")) {
+    const std::int64_t fill_chunk = 4096;
+    float* sk = device_alloc<float>(static_cast<std::size_t>(fill_chunk * 64 * kv));
+    float* sv = device_alloc<float>(static_cast<std::size_t>(fill_chunk * 64 * kv));
+    fill(sk, fill_chunk * 64 * kv, 31, 2.0f);
+    fill(sv, fill_chunk * 64 * kv, 32, 2.0f);
+    const std::int64_t src_rows = fill_chunk * 64;
+    // A store of n sequences, `layer` filled to lens[i] rows (random rows,
+    // sources rotated so sequences differ).
+    auto filled = [&](std::int64_t context, const std::vector<std::int64_t>& lens, std::int64_t layer) {
+      auto made = store_with(muse, context, lens);
+      auto& st = made.first;
+      std::vector<SeqId> ids;
+      for (const SeqSpan& sp : made.second) ids.push_back(sp.seq);
+      std::vector<std::int64_t> done(lens.size(), 0);
+      std::int64_t offset = 0;
+      for (bool more = true; more;) {
+        more = false;
+        std::vector<SeqSpan> spans;
+        std::int64_t rows_in = 0;
+        for (std::size_t i = 0; i < lens.size(); ++i) {
+          const std::int64_t n = std::min(fill_chunk, lens[i] - done[i]);
+          if (n <= 0) continue;
+          if (rows_in + n > src_rows) {
+            more = true;
+            break;
+          }
+          spans.push_back({ids[i], done[i], n});
+          done[i] += n;
+          rows_in += n;
+        }
+        if (spans.empty()) break;
+        const std::int64_t off = offset % (src_rows - rows_in + 1);
+        offset += 7919;
+        check(st->store(layer, spans, kvring::device_view(sk + off * kv, rows_in, kv),
+                        kvring::device_view(sv + off * kv, rows_in, kv)),
+              "fill");
+        for (std::size_t i = 0; i < lens.size(); ++i) more = more || done[i] < lens[i];
+      }
+      check(st->synchronize(), "fill");
+      return std::make_pair(std::move(st), ids);
+    };
+    // Decode of one query per sequence, each at its last stored position.
+    auto decode_batch = [&](const std::string& name, std::int64_t context, const std::vector<std::int64_t>& lens,
+                            std::int64_t layer, std::int64_t visible_cap, const std::string& target,
+                            double need) {
+      auto filled_store = filled(context, lens, layer);
+      auto& st = filled_store.first;
+      auto& ids = filled_store.second;
+      const std::int64_t nq = static_cast<std::int64_t>(ids.size());
+      std::vector<SeqQuery> qs;
+      double bytes = 0;
+      for (std::int64_t i = 0; i < nq; ++i) {
+        qs.push_back({ids[static_cast<std::size_t>(i)], lens[static_cast<std::size_t>(i)] - 1});
+        bytes += static_cast<double>(std::min(lens[static_cast<std::size_t>(i)], visible_cap)) * 1024;
+      }
+      float* q = device_alloc<float>(static_cast<std::size_t>(nq * qn));
+      float* out = device_alloc<float>(static_cast<std::size_t>(nq * qn));
+      fill(q, nq * qn, 33);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      auto cuda = dynamic_cast<kvring::CudaStore*>(st.get());
+      const cudaStream_t cs = cuda->stream();
+      add({name,
+           time_us(cs, 5, reps,
+                   [&] {
+                     check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn),
+                                             kvring::device_view(out, nq, qn)),
+                           "decode");
+                   },
+                   [&] { read_flush(cs); }),
+           bytes, "D2D copy", d2d, target, need > 0 ? 0 : -1});
+      if (need > 0) rows.back().met = rows.back().ratio() >= need;
+      std::printf("  host time in the call: %.2f us\n",
+                  enqueue_us(20, [&] {
+                    check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn),
+                                            kvring::device_view(out, nq, qn)),
+                          "decode");
+                  }, [&] { CHECK_CUDA(cudaStreamSynchronize(cs)); }));
+      CHECK_CUDA(cudaFree(q));
+      CHECK_CUDA(cudaFree(out));
+    };
+    decode_batch("batch decode 32 seqs x 32768, full layer", 32768, std::vector<std::int64_t>(32, 32768), 3,
+                 1 << 30, ">= 85% of copy", 0.85);
+    decode_batch("batch decode 4 seqs x 131072, full layer", ctx, std::vector<std::int64_t>(4, ctx), 3, 1 << 30,
+                 ">= 85% of copy", 0.85);
+    {
+      // Lengths uniform in 1..32768, seeded (bench/sdpa_peer.py draws the same).
+      std::vector<std::int64_t> lens;
+      for (std::uint64_t i = 0; i < 64; ++i) lens.push_back(1 + static_cast<std::int64_t>(mixed_length_draw(i) % 32768));
+      decode_batch("batch decode 64 seqs, lengths 1..32768, full", 32768, lens, 3, 1 << 30, ">= 75% of copy", 0.75);
+    }
+    // Rings wrapped: 3000 tokens in a 2048-row ring (origin_physical 952).
+    decode_batch("batch decode 128 wrapped 2048-row rings", 4096, std::vector<std::int64_t>(128, 3000), 0, 2048,
+                 ">= 70% of copy", 0.70);
+
+    // A decode step's stores: 64 sequences x one token x 52 layers, one call.
+    {
+      const std::int64_t n = 64;
+      auto made = store_with(muse, 4096, std::vector<std::int64_t>(n, 1));
+      auto& st = made.first;
+      auto& spans = made.second;
+      auto cuda = dynamic_cast<kvring::CudaStore*>(st.get());
+      const cudaStream_t cs = cuda->stream();
+      int run = 0;
+      add({"empty kernel (launch floor)", time_us(cs, 10, 200, [&] {
+             empty_kernel<<<1, 32, 0, cs>>>();
+             CHECK_CUDA(cudaGetLastError());
+           })});
+      const double floor_us = rows.back().us;
+      const double step_bytes = static_cast<double>(n * L * kv) * 2 * (4 + 2);
+      auto step_store = [&] {
+        const std::int64_t off = (run % 64) * n * L * kv;
+        check(st->store_all_layers(spans, kvring::device_view(sk + off, n * L, kv),
+                                   kvring::device_view(sv + off, n * L, kv)),
+              "store");
+        for (auto& sp : spans) ++sp.start;
+        ++run;
+      };
+      add({"decode-step store 64 seqs x 1 token x 52 layers", time_us(cs, 10, 200, step_store), step_bytes,
+           "D2D copy", d2d});
+      std::printf("  decode-step store: %.2fx the launch floor\n", rows.back().us / floor_us);
+      std::printf("  host time in the call: %.2f us\n", enqueue_us(20, step_store, [&] {
+                    CHECK_CUDA(cudaStreamSynchronize(cs));
+                  }));
+    }
+
+    // A ragged prefill store: 4096 tokens over 5 sequences x 52 layers, one call.
+    {
+      const std::vector<std::int64_t> counts = {1000, 700, 1200, 596, 600};
+      const std::int64_t total = 4096;
+      auto made = store_with(muse, 32768, counts);
+      auto& st = made.first;
+      auto& spans = made.second;
+      std::int64_t stored_rows = 0;
+      for (std::int64_t l = 0; l < L; ++l)
+        for (std::int64_t c : counts) stored_rows += std::min(c, muse.plane_capacity(l, 32768));
+      const double bytes = static_cast<double>(stored_rows * kv) * 2 * (4 + 2);
+      // Sources [L * 4096, kv] in two windows of the fill buffers (src_rows = 64 * 4096).
+      auto cuda = dynamic_cast<kvring::CudaStore*>(st.get());
+      const cudaStream_t cs = cuda->stream();
+      int run = 0;
+      add({"ragged prefill store 4096 tokens / 5 seqs x 52 layers",
+           time_us(cs, 2, 20,
+                   [&] {
+                     const std::int64_t off = (run % 2) * (src_rows - L * total) * kv;
+                     check(st->store_all_layers(spans, kvring::device_view(sk + off, L * total, kv),
+                                                   kvring::device_view(sv + off, L * total, kv)),
+                           "store");
+                     for (std::size_t i = 0; i < spans.size(); ++i) spans[i].start += counts[i];
+                     ++run;
+                   }),
+           bytes, "D2D copy", d2d, ">= 85% of copy", 0});
+      rows.back().met = rows.back().ratio() >= 0.85;
+    }
     CHECK_CUDA(cudaFree(sk));
     CHECK_CUDA(cudaFree(sv));
-    CHECK_CUDA(cudaFree(q));
-    CHECK_CUDA(cudaFree(out));
+  }
+
+  // ---- One sequence's whole decode step at 131072 in one CUDA graph ----------------
+  // Per layer: the token's K/V stored, then its decode attention; 52 layers
+  // captured once and replayed (a replay rewrites the captured position).
+  // Bytes: each layer's visible rows read once plus the stores' sources and
+  // rows. Also the same step as 52 one-token prefill calls (store and
+  // attention in one call per layer).
+  if (section("step")) {
+    // Slack 1: the step's token is rolled back between the two figures.
+    auto c = make(muse, ctx, 1);
+    const cudaStream_t cs = c->stream();
+    float* sk = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
+    float* sv = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
+    const std::int64_t pos = ctx - 1;
+    for (std::int64_t l = 0; l < L; ++l) {
+      fill(sk, ctx * kv, 300 + static_cast<std::uint64_t>(l), 2.0f);
+      fill(sv, ctx * kv, 400 + static_cast<std::uint64_t>(l), 2.0f);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      check(c->store_batch_device(l, 0, pos, sk, sv), "fill");
+      check(c->synchronize(), "fill");
+    }
+    float* q = device_alloc<float>(static_cast<std::size_t>(L * qn));
+    float* out = device_alloc<float>(static_cast<std::size_t>(L * qn));
+    fill(q, L * qn, 41);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    double bytes = 0;
+    for (std::int64_t l = 0; l < L; ++l)
+      bytes += static_cast<double>(std::min(pos + 1, muse.plane_capacity(l, ctx))) * 1024 + kv * 2 * (4 + 2);
+    auto step = [&] {
+      for (std::int64_t l = 0; l < L; ++l) {
+        check(c->store_token_device(l, pos, sk + l * kv, sv + l * kv), "store");
+        check(c->attend_decode_device(l, pos, q + l * qn, out + l * qn), "decode");
+      }
+    };
+    auto graph_time = [&](const std::function<void()>& body) {
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeRelaxed));
+      body();
+      CHECK_CUDA(cudaStreamEndCapture(cs, &graph));
+      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      const double us = time_us(cs, 5, reps, [&] { CHECK_CUDA(cudaGraphLaunch(exec, cs)); }, [&] { read_flush(cs); });
+      CHECK_CUDA(cudaGraphExecDestroy(exec));
+      CHECK_CUDA(cudaGraphDestroy(graph));
+      return us;
+    };
+    add({"decode step at 131072, 52 x (store + attend), graph", graph_time(step), bytes, "D2D copy", d2d,
+         "<= 1.3x the bytes at copy", 0});
+    rows.back().met = rows.back().ratio() >= 1 / 1.3;
+    check(c->truncate(1), "truncate");
+    auto step_prefill = [&] {
+      for (std::int64_t l = 0; l < L; ++l)
+        check(c->prefill_device(l, pos, 1, sk + l * kv, sv + l * kv, q + l * qn, out + l * qn), "prefill");
+    };
+    add({"decode step at 131072, 52 one-token prefills, graph", graph_time(step_prefill), bytes, "D2D copy", d2d});
+    {
+      const double sliding_us = time_us(cs, 5, reps, [&] {
+        for (std::int64_t l = 0; l < L; ++l)
+          if (muse.kind(l) == kvring::LayerKind::kSlidingRope) check(c->attend_decode_device(l, pos, q, out), "decode");
+      }) / static_cast<double>(muse.count(kvring::LayerKind::kSlidingRope));
+      add({"  of which: one sliding layer's attention (in a row)", sliding_us, 2048.0 * 1024, "D2D copy", d2d});
+    }
+    free_device({sk, sv, q, out});
+  }
+
+  // ---- Memory: 64 sequences of 8192 tokens against 4 of 131072 --------------------
+  // Device memory each store takes at creation (cudaMemGetInfo), and the
+  // full-attention blocks each holds once filled.
+  if (section("memory")) {
+    float* sk = device_alloc<float>(static_cast<std::size_t>(8192 * kv));
+    float* sv = device_alloc<float>(static_cast<std::size_t>(8192 * kv));
+    fill(sk, 8192 * kv, 51);
+    fill(sv, 8192 * kv, 52);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const std::int64_t n_full = muse.count(kvring::LayerKind::kFullNope);
+    std::int64_t full_bytes[2] = {0, 0};
+    const std::int64_t shapes[2][2] = {{64, 8192}, {4, 131072}};
+    for (int k = 0; k < 2; ++k) {
+      const std::int64_t n = shapes[k][0], len = shapes[k][1];
+      std::size_t free0 = 0, free1 = 0, total = 0;
+      CHECK_CUDA(cudaMemGetInfo(&free0, &total));
+      auto st = kvring::make_store(kvring::BackendKind::kCuda, muse, {.max_sequences = n, .context = len});
+      check(st.status(), "creating a store");
+      CHECK_CUDA(cudaMemGetInfo(&free1, &total));
+      std::int64_t held = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        auto id = (*st)->add_sequence();
+        check(id.status(), "adding a sequence");
+        for (std::int64_t at = 0; at < len; at += 8192) {
+          const SeqSpan span{*id, at, 8192};
+          for (std::int64_t l = 0; l < L; ++l)
+            check((*st)->store(l, std::span(&span, 1), kvring::device_view(sk, 8192, kv),
+                               kvring::device_view(sv, 8192, kv)),
+                  "fill");
+        }
+        held += *(*st)->blocks_held(*id);
+      }
+      check((*st)->synchronize(), "fill");
+      full_bytes[k] = held * (*st)->block_bytes();
+      const std::int64_t live = n * len * n_full * 1024;
+      std::printf("  %3lld seqs x %6lld: store takes %.3f GiB of device memory at creation (%.3f GiB of planes: "
+                  "pool %lld blocks of %lld B, rings), filled: %lld blocks = %lld B of full-attention rows "
+                  "(live rows %lld B, over by %lld B = %.2f blocks per sequence per full layer)\n",
+                  static_cast<long long>(n), static_cast<long long>(len), (free0 - free1) / 1073741824.0,
+                  (*st)->allocated_bytes() / 1073741824.0, static_cast<long long>((*st)->pool_blocks()),
+                  static_cast<long long>((*st)->block_bytes()), static_cast<long long>(held),
+                  static_cast<long long>(full_bytes[k]), static_cast<long long>(live),
+                  static_cast<long long>(full_bytes[k] - live),
+                  static_cast<double>(full_bytes[k] - live) / (*st)->block_bytes() / (n * n_full));
+    }
+    std::printf("  full-attention bytes, 64 x 8192 vs 4 x 131072: %lld vs %lld (%s)\n",
+                static_cast<long long>(full_bytes[0]), static_cast<long long>(full_bytes[1]),
+                full_bytes[0] == full_bytes[1] ? "equal" : "DIFFER");
+    CHECK_CUDA(cudaFree(sk));
+    CHECK_CUDA(cudaFree(sv));
   }
 
   std::printf("\n%-46s %10s %12s %8s  %s\n", "figure", "median us", "GB/s", "ratio", "target");

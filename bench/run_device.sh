@@ -4,10 +4,13 @@
 #   bash bench/run_device.sh BIN_DIR [STEPS]
 # BIN_DIR holds kvring_cuda_tests and kvring-bench built with
 # -DKVRING_STATIC_DEPS=ON (and the kvring tool); STEPS is a subset of "tests
-# bench sdpa cli memcheck initcheck ncu racecheck" (default: all).
+# bench batch sdpa cli memcheck initcheck ncu racecheck" (default: all;
+# "bench" runs every part of kvring-bench, "batch" only the many-sequence
+# parts).
 set -uo pipefail
 bin=$1
 steps=${2:-"tests bench sdpa cli memcheck initcheck ncu racecheck"}
+# SAN_FILTER (a --gtest_filter=...) overrides the sanitizers' test filter.
 # Logs go to a scratch folder, packed into $OUT/logs.tgz after every step
 # (few files come back from a device call, and a step may be cut short).
 dest=${OUT:-/tmp/out}
@@ -21,7 +24,10 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     tests) timeout 200 "$bin/kvring_cuda_tests" 2>&1 | tee "$out/tests.log" | grep -E "^\[  (FAILED|PASSED) |worst|Failure|error" ;;
-    bench) timeout 150 "$bin/kvring-bench" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -22 ;;
+    bench) timeout 300 "$bin/kvring-bench" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -40 ;;
+    batch) for part in batch step memory; do
+             timeout 200 "$bin/kvring-bench" --only $part --json "$out/bench-$part.json" 2>&1 | tee "$out/bench-$part.log"
+           done ;;
     cli) timeout 120 cmake -DKVRING="$bin/kvring" -P "$here/../tests/cli_run_cuda_test.cmake" 2>&1 | tee "$out/cli.log" | tail -3
          echo "exit ${PIPESTATUS[0]}"
          "$bin/kvring" run --model muse-glimmer --tokens 2100 --prompt-tokens 2050 --context 4096 --chunk 512 --backend cuda --no-progress 2>&1 | tee -a "$out/cli.log" | tail -12 ;;
@@ -34,6 +40,7 @@ for step in $steps; do
       # racecheck tracks shared memory, which only the attention kernels use.
       filter=$san_filter
       [ "$step" = racecheck ] && filter='--gtest_filter=CudaBatch.*'
+      filter=${SAN_FILTER:-$filter}
       # racecheck needs about 5 minutes for the attention tests.
       limit=150
       [ "$step" = racecheck ] && limit=450
