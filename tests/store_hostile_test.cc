@@ -115,9 +115,17 @@ class FakeServer {
   std::thread thread_;
 };
 
+// The Redis store's tests, skipped by a build without it.
+class RedisHostile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!redis_store_compiled()) GTEST_SKIP() << "this build has no Redis store (hiredis was not found)";
+  }
+};
+
 std::string loopback(const FakeServer& s) { return "127.0.0.1:" + std::to_string(s.port()); }
 
-TEST(RedisHostile, AServerThatNeverAnswersTimesOutNamingIt) {
+TEST_F(RedisHostile, AServerThatNeverAnswersTimesOutNamingIt) {
   auto server = FakeServer::start("127.0.0.1", {});
   ASSERT_TRUE(server);
   const auto t0 = Clock::now();
@@ -132,7 +140,7 @@ TEST(RedisHostile, AServerThatNeverAnswersTimesOutNamingIt) {
 
 // A server that stalls after the handshake costs one timeout per
 // operation, not one per chunk.
-TEST(RedisHostile, AStalledServerCostsOneTimeoutPerOperation) {
+TEST_F(RedisHostile, AStalledServerCostsOneTimeoutPerOperation) {
   auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n"});
   ASSERT_TRUE(server);
   auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=300");
@@ -160,7 +168,7 @@ TEST(RedisHostile, AStalledServerCostsOneTimeoutPerOperation) {
 }
 
 // deadline_ms bounds an operation whatever timeout_ms allows one wait.
-TEST(RedisHostile, TheDeadlineCapsAnOperation) {
+TEST_F(RedisHostile, TheDeadlineCapsAnOperation) {
   auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n"});
   ASSERT_TRUE(server);
   auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=20000&deadline_ms=400");
@@ -177,7 +185,7 @@ TEST(RedisHostile, TheDeadlineCapsAnOperation) {
 // Replies that announce more than the call can use are refused from their
 // header, long before the (default, 5 s) timeout and without waiting for
 // or buffering the announced bytes.
-TEST(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
+TEST_F(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
   struct Case {
     std::string reply, expect;
   };
@@ -213,7 +221,7 @@ TEST(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
   }
 }
 
-TEST(RedisHostile, SpecsAreParsedAndPasswordsNeverShown) {
+TEST_F(RedisHostile, SpecsAreParsedAndPasswordsNeverShown) {
   auto o = parse_redis_spec("redis://us%40er:p%3Aw%2Fd@db.example:7000/?timeout_ms=250&deadline_ms=9000");
   ASSERT_TRUE(o.ok()) << o.error().to_string();
   EXPECT_EQ(o->user, "us@er");
@@ -270,7 +278,7 @@ std::unique_ptr<testing::RedisServer> start_redis(const std::string& password, b
   return server;
 }
 
-TEST(RedisHostile, PasswordsAuthenticateAndStaySecret) {
+TEST_F(RedisHostile, PasswordsAuthenticateAndStaySecret) {
   const std::string password = "hunter2-very-secret";
   auto redis = start_redis(password, false);
   if (!redis) GTEST_SKIP() << "redis-server is not available";
@@ -301,7 +309,7 @@ bool ipv6_loopback() {
   return s != nullptr;
 }
 
-TEST(RedisHostile, IPv6Loopback) {
+TEST_F(RedisHostile, IPv6Loopback) {
   if (!ipv6_loopback()) GTEST_SKIP() << "no IPv6 loopback here";
   auto server = FakeServer::start("::1", {});
   ASSERT_TRUE(server);
