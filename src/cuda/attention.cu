@@ -32,6 +32,7 @@
 #include <mutex>
 
 #include "kernels.h"
+#include "ptx.cuh"
 #include "testing.h"
 
 namespace kvring::cuda {
@@ -356,13 +357,6 @@ __device__ void combine_splits(const Partials& src, float* out, int n, int heads
   }
 }
 
-// The cluster's barrier: arrivals release this CTA's shared-memory writes,
-// the wait acquires the others'.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
 // A CTA of a cluster launch whose split does not exist for its query still
 // takes part in the cluster's two barriers.
 __device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
@@ -414,13 +408,11 @@ __device__ __forceinline__ std::uint64_t tag(float v, unsigned epoch) {
   return (static_cast<std::uint64_t>(epoch) << 32) | __float_as_uint(v);
 }
 __device__ __forceinline__ void store_tagged2(std::uint64_t* p, float a, float b, unsigned epoch) {
-  asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};\n" ::"l"(p), "l"(tag(a, epoch)),
-               "l"(tag(b, epoch))
-               : "memory");
+  st_relaxed_v2_b64(p, tag(a, epoch), tag(b, epoch));
 }
 __device__ __forceinline__ void load_tagged2(const std::uint64_t* p, std::uint64_t& a,
                                              std::uint64_t& b) {
-  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+  ld_relaxed_v2_b64(p, a, b);
 }
 __device__ __forceinline__ bool tagged(std::uint64_t w, unsigned epoch) {
   return static_cast<unsigned>(w >> 32) == epoch;
@@ -680,39 +672,6 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, WarpOut
 // A query's arithmetic is the same instruction sequence whatever else the
 // warp holds: the other rows of an MMA never enter its dot products.
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)[4],
-                                         std::uint32_t b0, std::uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four transposed 8x8 f16 matrices; lane 8m + r gives the address of row r
-// of matrix m and receives word m.
-__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&d)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ uint4 lds128(unsigned addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
-}
-
-// cp.async: 16 bytes global -> shared (a shared-space address) without
-// registers, under an L2 eviction policy (tile_policy); a source size of 0
-// writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid,
-                                           std::uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
-               "l"(src), "r"(valid ? 16 : 0), "l"(policy)
-               : "memory");
-}
 // The L2 policy of the tiles. When each row is read by one CTA (one query,
 // and at most 8 query heads per KV head), they are marked evict-first:
 // they, rather than the kernel's code, parameters and partials, then make
@@ -721,17 +680,9 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool v
 // CTAs read again (other queries', or other head sets') keep the default
 // priority.
 __device__ __forceinline__ std::uint64_t tile_policy(bool read_once) {
-  std::uint64_t first, normal;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
-  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(normal));
+  const std::uint64_t first = l2_evict_first_policy();
+  const std::uint64_t normal = l2_evict_normal_policy();
   return read_once ? first : normal;
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 struct Halves {
