@@ -1,12 +1,22 @@
-// What a CTA of an attention kernel works on: the launch's arguments, its
-// query and split, and where the rows of its KV head lie (docs/CUDA.md,
-// "Attention"). Shared by both kernels; device code and the host's view of
-// the kernel arguments.
+// Batched decode and prefill attention: every query of a batch of
+// sequences in one launch, each over its own plane (a slot's sliding ring
+// or a block table into the shared pool) read in place through its ring
+// state, plus the rows of its prefill chunk. Each query finds its item
+// (AttendQueryItem, device memory) by binary search on its index.
+//
+// This header: what a CTA of either kernel works on, the launch's
+// arguments, its query and split, and where the rows of its KV head lie
+// (docs/CUDA.md, "Attention"). The kernels are attend_hd128.cu and
+// attend_general.cu, their combine combine.cuh, their launch launch.cu.
 //
 // Grid: x = split of the query's visible rows, y = work item (query heads
 // that share a KV head), z = query (x and z swapped in query-major
-// launches, FirstTiles). Every boundary is a function of the query's
-// logical range alone (kernels.h).
+// launches, FirstTiles). Each warp of a CTA reduces its own rows of the
+// split (kernels.h) in logical order with an online softmax. Every
+// boundary is a function of the query's logical range alone (kernels.h).
+//
+// Numerics: f32 scores, softmax and accumulation, exp2 with the scale
+// log2(e)/sqrt(head_dim) folded into the scores.
 #pragma once
 
 #include <cmath>
