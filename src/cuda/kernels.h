@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kvring/layout.h"
+#include "launch_policy.h"
 
 namespace kvring::cuda {
 
@@ -257,14 +258,11 @@ inline std::int64_t attend_tagged_words(int n_heads, int n_kv_heads, int head_di
   return static_cast<std::int64_t>(attend_grid(n_heads, n_kv_heads, head_dim).heads_per_item) *
          (head_dim + 2);
 }
-// The most CTAs of a resident grid for head_dim on the current device (0:
-// attention with that head_dim never runs as one).
-int attend_resident_ctas(int head_dim);
-
-cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream);
-
-// The epoch a test set for the next launch (testing.h), once; 0: none.
-std::uint32_t testing_next_epoch();
+// Launches attention on the current device, on the combine path and in
+// the grid order `policy` gives (launch_policy.h), which counts the launch
+// in policy.stats.
+cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy,
+                          cudaStream_t stream);
 
 // A kernel of this build runs on the current device (its image was built
 // for the device's architecture); false with the error cleared otherwise.

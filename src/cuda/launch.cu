@@ -2,7 +2,6 @@
 // each launch takes, and what a device offers them (docs/CUDA.md,
 // "Attention").
 #include <algorithm>
-#include <atomic>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -11,7 +10,7 @@
 #include "attend_hd128.cuh"
 #include "attend_rows.cuh"
 #include "kernels.h"
-#include "testing.h"
+#include "launch_policy.h"
 
 namespace kvring::cuda {
 
@@ -67,13 +66,6 @@ int max_cluster(Kernel kernel, std::size_t smem) {
   return 1;
 }
 
-// Launches by combine path, for the tests.
-struct PathCounters {
-  std::atomic<long> resident{0}, cluster{0}, last_arrival{0}, query_major{0};
-};
-PathCounters path_counts;
-std::atomic<std::uint32_t> next_epoch{0};
-
 // The FirstTiles of a launch.
 FirstTiles first_tiles(const AttendParams& P) {
   FirstTiles f{};
@@ -93,9 +85,12 @@ FirstTiles first_tiles(const AttendParams& P) {
 // arrival, as they also do when the device turns the cooperative launch
 // down (too large, or not supported or permitted here); a last-arrival
 // launch of several queries runs query-major when `query_major_ok` says so.
+// A launch of several splits is counted in `stats` (when not null) by the
+// path it took.
 template <class Kernel>
 cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool query_major_ok,
-                   dim3 grid, std::size_t smem, AttendParams params, cudaStream_t stream) {
+                   dim3 grid, std::size_t smem, AttendParams params, AttendStats* stats,
+                   cudaStream_t stream) {
   const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
   const bool resident = grid.x >= 2 && params.tagged != nullptr &&
                         ctas <= std::min(resident_ctas, params.tagged_ctas);
@@ -125,14 +120,13 @@ cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool que
   if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
                    e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
-    return launch(kernel, cluster_limit, 0, query_major_ok, grid, smem, params, stream);
+    return launch(kernel, cluster_limit, 0, query_major_ok, grid, smem, params, stats, stream);
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
-  } else if (grid.x >= 2) {
-    (resident ? path_counts.resident : cluster ? path_counts.cluster : path_counts.last_arrival)
-        .fetch_add(1, std::memory_order_relaxed);
-    if (first.query_major) path_counts.query_major.fetch_add(1, std::memory_order_relaxed);
+  } else if (grid.x >= 2 && stats != nullptr) {
+    ++(resident ? stats->resident : cluster ? stats->cluster : stats->last_arrival);
+    if (first.query_major) ++stats->query_major;
   }
   return e;
 }
@@ -154,20 +148,15 @@ int resident_capacity(Kernel kernel, std::size_t smem) {
   return cooperative ? sms * per_sm : 0;
 }
 
-std::atomic<int> cluster_cap{0};
-std::atomic<bool> resident_allowed{true};
-
-// What a device's launches need, set up on its first launch: the
+// What a device offers attention launches, set up once per device: the
 // tensor-core kernel's opt-in to more than the 48 KB default of shared
-// memory (a per-device attribute), each kernel's largest cluster, and how
-// many CTAs of the tensor-core kernel a resident grid may have (the
-// general kernel always combines by last arrival).
+// memory (a per-device attribute, which every launch needs), each kernel's
+// largest cluster, how many CTAs of the tensor-core kernel a resident grid
+// may have (the general kernel always combines by last arrival), and the
+// L2's size: the device's launch policy.
 struct DeviceSetup {
   cudaError_t opted_in = cudaSuccess;
-  int hd128_cluster = 1;
-  int general_cluster = 1;
-  int hd128_resident = 0;
-  std::int64_t l2_bytes = 0;  // 0: unknown
+  LaunchPolicy policy;
 };
 
 cudaError_t device_setup(DeviceSetup& out) {
@@ -192,13 +181,13 @@ cudaError_t device_setup(DeviceSetup& out) {
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
     if (s.opted_in != cudaSuccess) (void)cudaGetLastError();
     if (s.opted_in == cudaSuccess) {
-      s.hd128_cluster = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
-      s.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
+      s.policy.hd128_cluster = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
+      s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
-    s.general_cluster = max_cluster(attend_general_kernel, 0);
+    s.policy.general_cluster = max_cluster(attend_general_kernel, 0);
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) == cudaSuccess) {
-      s.l2_bytes = l2;
+      s.policy.l2_bytes = l2;
     } else {
       (void)cudaGetLastError();
     }
@@ -210,65 +199,32 @@ cudaError_t device_setup(DeviceSetup& out) {
   return cudaSuccess;
 }
 
-// The cluster limit of the attention kernel for `head_dim`, capped for tests.
-int cluster_limit(const DeviceSetup& s, int head_dim) {
-  const int limit = head_dim == kTensorHeadDim ? s.hd128_cluster : s.general_cluster;
-  const int cap = cluster_cap.load();
-  return cap > 0 ? std::min(cap, limit) : limit;
-}
-
-// The most CTAs of a resident grid of the kernel for `head_dim` (only the
-// tensor-core kernel runs as one), and the most a launch may have now (0
-// while a test turns resident grids off).
-int resident_ctas(const DeviceSetup& s, int head_dim) {
-  return head_dim == kTensorHeadDim ? s.hd128_resident : 0;
-}
-int resident_limit(const DeviceSetup& s, int head_dim) {
-  return resident_allowed.load() ? resident_ctas(s, head_dim) : 0;
-}
-
-// Whether a last-arrival launch of several queries runs query-major: when
-// the K and V rows its last query sees outgrow the L2 (or as a test set).
-std::atomic<int> query_major_mode{0};
-bool query_major_wanted(const DeviceSetup& s, const AttendParams& P) {
-  const int mode = query_major_mode.load();
-  if (mode != 0) return mode > 0;
-  return s.l2_bytes > 0 && P.most_rows * P.kv_dim * 4 > s.l2_bytes;
-}
-
 }  // namespace
 
-namespace testing {
-void set_attend_cluster_cap(int cap) { cluster_cap.store(cap); }
-void set_attend_resident(bool allowed) { resident_allowed.store(allowed); }
-void set_attend_query_major(int mode) { query_major_mode.store(mode); }
-AttendPathCounts attend_path_counts() {
-  return {path_counts.resident.load(), path_counts.cluster.load(), path_counts.last_arrival.load(),
-          path_counts.query_major.load()};
-}
-int attend_splits_for(std::int64_t n) { return static_cast<int>(attend_splits(n)); }
-void set_attend_next_epoch(std::uint32_t epoch) { next_epoch.store(epoch); }
-int attend_resident_limit(int head_dim) {
-  DeviceSetup s;
-  if (device_setup(s) != cudaSuccess) return 0;
-  return resident_limit(s, head_dim);
-}
-int attend_cluster_limit(int head_dim) {
-  DeviceSetup s;
-  if (device_setup(s) != cudaSuccess) return 0;
-  if (head_dim == kTensorHeadDim && s.opted_in != cudaSuccess) return 0;
-  return cluster_limit(s, head_dim);
-}
-}  // namespace testing
-
-std::uint32_t testing_next_epoch() { return next_epoch.exchange(0); }
-
-int attend_resident_ctas(int head_dim) {
-  DeviceSetup s;
-  return device_setup(s) == cudaSuccess ? resident_ctas(s, head_dim) : 0;
+int LaunchPolicy::cluster_limit(int head_dim) const {
+  return head_dim == kTensorHeadDim ? hd128_cluster : general_cluster;
 }
 
-cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
+int LaunchPolicy::resident_limit(int head_dim) const {
+  return head_dim == kTensorHeadDim ? hd128_resident : 0;
+}
+
+bool LaunchPolicy::query_major_for(std::int64_t most_rows, std::int64_t kv_dim) const {
+  if (query_major != QueryMajor::kPastL2) return query_major == QueryMajor::kAlways;
+  return l2_bytes > 0 && most_rows * kv_dim * 4 > l2_bytes;
+}
+
+LaunchPolicy device_launch_policy() {
+  DeviceSetup s;
+  if (device_setup(s) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return LaunchPolicy{};
+  }
+  return s.policy;
+}
+
+cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy,
+                          cudaStream_t stream) {
   if (params.n_queries <= 0) return cudaSuccess;
   const AttendGrid g = attend_grid(params.n_heads, params.n_kv_heads, params.head_dim);
   const dim3 grid(static_cast<unsigned>(params.max_splits), static_cast<unsigned>(g.items),
@@ -276,14 +232,15 @@ cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream) {
   DeviceSetup s;
   const cudaError_t e = device_setup(s);
   if (e != cudaSuccess) return e;
+  const int cluster_limit = policy.cluster_limit(params.head_dim);
+  const bool query_major = policy.query_major_for(params.most_rows, params.kv_dim);
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
-    return launch(attend_hd128_kernel, cluster_limit(s, params.head_dim),
-                  resident_limit(s, params.head_dim), query_major_wanted(s, params), grid,
-                  sizeof(TensorSmem), params, stream);
+    return launch(attend_hd128_kernel, cluster_limit, policy.resident_limit(params.head_dim),
+                  query_major, grid, sizeof(TensorSmem), params, policy.stats, stream);
   }
-  return launch(attend_general_kernel, cluster_limit(s, params.head_dim), 0,
-                query_major_wanted(s, params), grid, 0, params, stream);
+  return launch(attend_general_kernel, cluster_limit, 0, query_major, grid, 0, params,
+                policy.stats, stream);
 }
 
 }  // namespace kvring::cuda
