@@ -16,7 +16,6 @@
 #include "core/view_rows.h"
 #include "kernels.h"
 #include "launch_policy.h"
-#include "testing.h"
 
 #ifndef KVRING_CUDA_TARGETS
 #define KVRING_CUDA_TARGETS "sm_90a"
@@ -112,8 +111,9 @@ class PinnedBuffer {
   std::size_t bytes_ = 0;
 };
 
-// The capability check's message (testing.h exposes it).
-Status capability_status(int device, const char* name, int major, int minor, bool runs) {
+}  // namespace
+
+Status cuda::capability_status(int device, const char* name, int major, int minor, bool runs) {
   if (runs) return Status::Ok();
   return make_error(ErrorCode::kUnsupported,
                     "GPU " + std::to_string(device) + " (" + name + ") has compute capability " +
@@ -121,8 +121,6 @@ Status capability_status(int device, const char* name, int major, int minor, boo
                         "; this build of kvring has kernels only for " KVRING_CUDA_TARGETS
                         " (rebuild with KVRING_CUDA_GENCODE for this GPU)");
 }
-
-}  // namespace
 
 int cuda_device_count() {
   int n = 0;
@@ -132,12 +130,6 @@ int cuda_device_count() {
   }
   return n;
 }
-
-namespace cuda::testing {
-Status check_capability(int major, int minor, bool kernels_run) {
-  return capability_status(0, "test", major, minor, kernels_run);
-}
-}  // namespace cuda::testing
 
 struct CudaStore::Impl {
   int device = 0;
@@ -377,7 +369,7 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
   cudaDeviceProp prop{};
   KVRING_CUDA_CHECK("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, device));
   KVRING_RETURN_IF_ERROR(
-      capability_status(device, prop.name, prop.major, prop.minor, cuda::kernels_run_here()));
+      cuda::capability_status(device, prop.name, prop.major, prop.minor, cuda::kernels_run_here()));
 
   std::unique_ptr<CudaStore> store(new CudaStore(config, *o));
   Impl& im = *store->impl_;

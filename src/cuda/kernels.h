@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kvring/layout.h"
+#include "kvring/status.h"
 #include "launch_policy.h"
 
 namespace kvring::cuda {
@@ -267,5 +268,11 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
 // A kernel of this build runs on the current device (its image was built
 // for the device's architecture); false with the error cleared otherwise.
 bool kernels_run_here();
+
+// The capability check of store creation for GPU `device` (`name`, compute
+// capability major.minor) on which this build's kernels do or do not run:
+// ok, or kUnsupported naming the capability and the build's targets
+// (cuda_store.cc).
+Status capability_status(int device, const char* name, int major, int minor, bool kernels_run);
 
 }  // namespace kvring::cuda

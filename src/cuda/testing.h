@@ -1,5 +1,7 @@
 // Hooks for the CUDA tests: device-side checks that have no place in the
-// store's interface.
+// store's interface. They live in the kvring_cuda_testing library, which
+// only the test binary links; the store's own library holds no test code
+// (tests force attention's paths through a LaunchPolicy, launch_policy.h).
 #pragma once
 
 #include <cstdint>
