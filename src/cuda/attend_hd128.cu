@@ -14,13 +14,11 @@
 namespace kvring::cuda {
 namespace {
 
-
 // The tensor-core kernel's warps take the tiles of the split in turn: warp
 // w reads the tiles at a + w * kAttendTile, then every kWarpStride rows on,
 // up to b. The CTA's 8 warps thus stream one window of rows together, not
 // 8 ranges an eighth of a split apart, and no warp runs on alone at the
-// end: at 131072 rows the decode ends about 1.7 us sooner on the H200
-// (docs/PERFORMANCE.md).
+// end (docs/PERFORMANCE.md, "Tiles in turn").
 constexpr std::int64_t kWarpStride = kAttendWarps * kAttendTile;
 
 // ---- head_dim 128 on tensor cores ------------------------------------------
@@ -48,10 +46,9 @@ constexpr std::int64_t kWarpStride = kAttendWarps * kAttendTile;
 // The L2 policy of the tiles. When each row is read by one CTA (one query,
 // and at most 8 query heads per KV head), they are marked evict-first:
 // they, rather than the kernel's code, parameters and partials, then make
-// room for the tiles behind them, and a cold decode of a long plane ends
-// about 1.4 us sooner on the H200 (docs/PERFORMANCE.md). Rows that other
-// CTAs read again (other queries', or other head sets') keep the default
-// priority.
+// room for the tiles behind them (docs/CUDA.md; the gain is in
+// docs/PERFORMANCE.md). Rows that other CTAs read again (other queries',
+// or other head sets') keep the default priority.
 __device__ __forceinline__ std::uint64_t tile_policy(bool read_once) {
   const std::uint64_t first = l2_evict_first_policy();
   const std::uint64_t normal = l2_evict_normal_policy();
@@ -171,8 +168,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   const int g = lane >> 2, t = lane & 3;
 
   // Query g's dims 32i + 8t + [0, 8) as qv[8i + ...]. Its loads go out
-  // first: behind the first tiles of every CTA (16 MB at 131072 rows) they
-  // would come back microseconds later, with the tiles already waiting.
+  // first: behind the first tiles of every CTA they would come back late,
+  // with the tiles already waiting.
   float qv[32];
   if (g < heads_valid) {
     const float4* src = reinterpret_cast<const float4*>(

@@ -11,11 +11,9 @@
 
 namespace kvring::cuda {
 
-
 // Each warp streams its tiles through kStages shared-memory stages with
-// cp.async, kStages - 1 tiles ahead of the one it computes: 16 KB in flight
-// per warp on top of the registers, which the 8 warps an SM holds (about
-// 250 registers a lane) could not keep in flight alone.
+// cp.async, kStages - 1 tiles ahead of the one it computes: more rows in
+// flight than the registers of the 8 warps an SM holds could keep.
 //
 // A stage holds the tile's 16 head rows of K, then of V, 256 bytes (16
 // pieces of 16 bytes) a row. Lane l copies piece l % 16 of rows 2k + l / 16

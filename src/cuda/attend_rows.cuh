@@ -41,9 +41,9 @@ struct FirstTiles {
   // query): set for last-arrival launches of several queries whose rows
   // outgrow the L2, so that the CTAs that run at once are one split's of
   // many queries, which read the same rows, and those rows come from L2
-  // for all but the first. A 512-token prefill at 131072 rows took 43%
-  // less time on the H200; at 32768 rows, whose plane the L2 holds, it was
-  // 3.5% slower, hence the size rule (docs/PERFORMANCE.md).
+  // for all but the first. Where the L2 holds the rows, the split-major
+  // order is the faster, hence the size rule (LaunchPolicy::query_major;
+  // docs/PERFORMANCE.md).
   std::int32_t query_major;
 };
 struct KernelArgs {

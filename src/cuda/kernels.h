@@ -120,11 +120,9 @@ cudaError_t launch_scatter_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, 
 // the chunk the query came in, the other queries of the launch, the order
 // CTAs ran in, or which path the splits met on (a resident grid's tagged
 // partials, a cluster's shared memory or the global workspace).
-// At most 64 splits of a KV head: at 131072 rows the 2 x 64 CTAs of 8 warps
-// (one per SM) fill one wave of an H200's 132 SMs. At least 128 rows a
-// split (one tile a warp): a 2048-row window spreads over 32 CTAs, since at
-// that size every warp's chain of dependent steps, not bandwidth, sets the
-// time.
+// At most kAttendMaxSplits splits of a KV head and at least
+// kAttendMinSplitRows rows a split (one tile a warp); docs/CUDA.md, "The
+// split rule", gives the reasons.
 inline constexpr int kAttendWarps = 8;
 inline constexpr int kAttendThreads = 32 * kAttendWarps;
 inline constexpr int kAttendTile = 16;
