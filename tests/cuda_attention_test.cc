@@ -8,7 +8,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "cuda/testing.h"
+#include "cuda/kernels.h"
+#include "cuda/launch_policy.h"
 #include "cuda_test_util.h"
 
 namespace kvring {
@@ -111,41 +112,81 @@ TEST(CudaBatch, BatchesEqualSoloRunsAndTheCpuBackend) {
   }
 }
 
-// One long sequence decoded with many splits: resident grids, clusters and
-// the global workspace give the same bits, and so does a batch around it.
+// The device's launch policy with the resident and cluster combines off:
+// every launch of several splits combines by last arrival.
+cuda::LaunchPolicy last_arrival_only() {
+  cuda::LaunchPolicy p = cuda::device_launch_policy();
+  p.hd128_resident = 0;
+  p.hd128_cluster = 1;
+  p.general_cluster = 1;
+  return p;
+}
+
+// One long sequence decoded with many splits: resident grids (with the
+// epoch count wrapping too), clusters and the global workspace, in either
+// grid order, give the same bits, and so does a batch around it. Each
+// store runs under a policy that forces its path, and its launches are
+// counted by the path they took.
 TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   KVRING_SKIP_WITHOUT_GPU();
   const Case cs{make_hybrid_config("tc-long", 2, 2, 16, 2, 128, 64, 8192), 256};
   const std::int64_t len = testing::quick() ? 2100 : 5000;  // 17+ splits: two-level combine
   const std::vector<SeqInputs> seqs = {testing::seq_inputs(cs.config, len, 5),
                                        testing::seq_inputs(cs.config, 150, 6)};
+  const cuda::LaunchPolicy device = cuda::device_launch_policy();
+  enum Path { kResident, kEpochWrap, kCluster, kLastArrival, kQueryMajor };
+  const char* const names[] = {"resident", "resident across the epoch wrap", "cluster",
+                               "last arrival", "last arrival, query-major"};
   std::vector<Outputs> runs;
-  struct Mode {
-    int cluster_cap;
-    bool resident;
-  };
-  for (const Mode m : {Mode{0, true}, Mode{0, false}, Mode{1, false}}) {
-    cuda::testing::set_attend_cluster_cap(m.cluster_cap);
-    cuda::testing::set_attend_resident(m.resident);
-    auto store = testing::new_store(BackendKind::kCuda, cs.config, {.max_sequences = 2, .context = 8192, .block_rows = cs.block_rows});
+  std::vector<cuda::AttendStats> stats(5);
+  for (const Path path : {kResident, kEpochWrap, kCluster, kLastArrival, kQueryMajor}) {
+    SCOPED_TRACE(names[path]);
+    cuda::LaunchPolicy policy = path >= kLastArrival ? last_arrival_only() : device;
+    if (path == kEpochWrap) policy.first_epoch = 0xffffffffu;  // the second launch wraps
+    if (path == kCluster) policy.hd128_resident = 0;
+    if (path == kLastArrival) policy.query_major = cuda::QueryMajor::kNever;
+    if (path == kQueryMajor) policy.query_major = cuda::QueryMajor::kAlways;
+    policy.stats = &stats[path];
+    auto store = testing::new_cuda_store(cs.config, {.max_sequences = 2, .context = 8192, .block_rows = cs.block_rows}, policy);
     ASSERT_TRUE(store);
     std::vector<SeqId> ids = {*store->add_sequence(), *store->add_sequence()};
-    // A prefill of most of it, then decodes of both.
-    std::vector<testing::Step> plan = {{false, {{0, len - 4}, {1, 146}}}};
+    // A prefill of most of both, then decodes of both together and of
+    // each alone (the short one's two splits fit any resident grid or
+    // cluster).
+    std::vector<testing::Step> plan = {{false, {{0, len - 6}, {1, 144}}}};
     for (int i = 0; i < 4; ++i) plan.push_back({true, {{1, 1}, {0, 1}}});
+    for (int i = 0; i < 2; ++i) plan.push_back({true, {{0, 1}}});
+    for (int i = 0; i < 2; ++i) plan.push_back({true, {{1, 1}}});
     Outputs o;
     testing::run_plan(*store, ids, seqs, plan, o, true);
     runs.push_back(std::move(o));
+    const cuda::AttendStats& n = stats[path];
+    std::printf("  %s: launches by path: resident %ld, cluster %ld, last arrival %ld (query-major %ld)\n",
+                names[path], n.resident, n.cluster, n.last_arrival, n.query_major);
   }
-  cuda::testing::set_attend_cluster_cap(0);
-  cuda::testing::set_attend_resident(true);
   for (std::size_t r = 1; r < runs.size(); ++r)
     for (const auto& [key, val] : runs[0])
-      ASSERT_TRUE(same_bits(val, runs[r].at(key))) << "mode " << r << " position " << std::get<2>(key);
-  const auto counts = cuda::testing::attend_path_counts();
-  std::printf("  launches by path: resident %ld, cluster %ld, last arrival %ld\n", counts.resident,
-              counts.cluster, counts.last_arrival);
-  EXPECT_GT(counts.last_arrival, 0);
+      ASSERT_TRUE(same_bits(val, runs[r].at(key))) << names[r] << ", position " << std::get<2>(key);
+
+  // Each forced path was taken where the device runs it: at least the
+  // short sequence's decodes alone (two splits of each work item) are
+  // resident grids, or else clusters of two.
+  const int short_decode_ctas = 2 * cuda::attend_grid(16, 2, 128).items;
+  if (device.hd128_resident >= short_decode_ctas) {
+    EXPECT_GT(stats[kResident].resident, 0);
+    EXPECT_GT(stats[kEpochWrap].resident, 1);
+  }
+  EXPECT_EQ(stats[kCluster].resident, 0);
+  if (device.hd128_cluster >= 2) {
+    EXPECT_GT(stats[kCluster].cluster, 0);
+  }
+  for (const Path path : {kLastArrival, kQueryMajor}) {
+    EXPECT_EQ(stats[path].resident, 0);
+    EXPECT_EQ(stats[path].cluster, 0);
+    EXPECT_GT(stats[path].last_arrival, 0);
+  }
+  EXPECT_EQ(stats[kLastArrival].query_major, 0);
+  EXPECT_GT(stats[kQueryMajor].query_major, 0);
 }
 
 // A decode batch is one attention launch per layer, whatever its size.
@@ -153,7 +194,10 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   KVRING_SKIP_WITHOUT_GPU();
   const Case cs = cases()[0];
   const int n = testing::quick() ? 4 : 12;
-  auto store = testing::new_store(BackendKind::kCuda, cs.config, {.max_sequences = n, .context = 1024, .block_rows = 16});
+  cuda::AttendStats stats;
+  cuda::LaunchPolicy policy = last_arrival_only();
+  policy.stats = &stats;
+  auto store = testing::new_cuda_store(cs.config, {.max_sequences = n, .context = 1024, .block_rows = 16}, policy);
   ASSERT_TRUE(store);
   const auto seqs = inputs(cs.config, 9, n, testing::quick() ? 300 : 600);
   std::vector<SeqId> ids;
@@ -162,9 +206,7 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   for (int i = 0; i < n; ++i) plan[0].chunks.emplace_back(i, seqs[static_cast<std::size_t>(i)].len);
   Outputs o;
   testing::run_plan(*store, ids, seqs, plan, o, true);
-  cuda::testing::set_attend_cluster_cap(1);
-  cuda::testing::set_attend_resident(false);
-  const auto before = cuda::testing::attend_path_counts();
+  const cuda::AttendStats before = stats;
   std::vector<SeqQuery> queries;
   for (int i = 0; i < n; ++i) queries.push_back({ids[static_cast<std::size_t>(i)], seqs[static_cast<std::size_t>(i)].len - 1});
   const std::int64_t width = cs.config.n_heads * cs.config.head_dim;
@@ -172,12 +214,9 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   for (std::int64_t l = 0; l < cs.config.n_layers; ++l)
     ASSERT_TRUE(store->attend_decode(l, queries, testing::device_in(q.get(), n, width), device_view(out.get(), n, width)).ok());
   ASSERT_TRUE(store->synchronize().ok());
-  const auto after = cuda::testing::attend_path_counts();
-  cuda::testing::set_attend_cluster_cap(0);
-  cuda::testing::set_attend_resident(true);
   // Sliding layers see 48 rows (one split, no combine); each full layer's
   // decode of all the sequences is one last-arrival launch.
-  EXPECT_EQ(after.last_arrival - before.last_arrival, cs.config.n_layers / 2);
+  EXPECT_EQ(stats.last_arrival - before.last_arrival, cs.config.n_layers / 2);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda/launch_policy.h"
 #include "kvring/cuda_store.h"
 #include "kvring/f16.h"
 #include "kvring/store.h"
@@ -72,6 +73,15 @@ inline std::unique_ptr<KvStore> new_store(BackendKind kind, const ModelConfig& c
   auto r = make_store(kind, c, o);
   EXPECT_TRUE(r.ok()) << r.error().to_string();
   return r.ok() ? std::move(*r) : nullptr;
+}
+
+// A CUDA store whose attention launches under `policy` instead of the
+// device's own.
+inline std::unique_ptr<KvStore> new_cuda_store(const ModelConfig& c, StoreOptions o,
+                                               const cuda::LaunchPolicy& policy) {
+  auto r = CudaStore::create(c, o, &policy);
+  EXPECT_TRUE(r.ok()) << r.error().to_string();
+  return r.ok() ? std::unique_ptr<KvStore>(std::move(*r)) : nullptr;
 }
 
 // Every ring state and plane image of one sequence.

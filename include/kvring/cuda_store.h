@@ -18,6 +18,10 @@
 
 namespace kvring {
 
+namespace cuda {
+struct LaunchPolicy;  // src/cuda/launch_policy.h
+}
+
 // GPUs visible to this process; 0 when there is none or no usable driver.
 // Never aborts.
 int cuda_device_count();
@@ -31,9 +35,12 @@ class CudaStore final : public KvStore {
   // Errors: invalid options (resolve_store_options), kUnsupported when no
   // GPU is visible or the current device's compute capability is not one
   // this build has kernels for, kCuda when the device refuses (out of
-  // memory).
+  // memory). Attention launches under `policy` (src/cuda/launch_policy.h;
+  // the library's tests pass one to force each combine path), null: the
+  // device's own.
   static Result<std::unique_ptr<CudaStore>> create(const ModelConfig& config,
-                                                   StoreOptions options = {});
+                                                   StoreOptions options = {},
+                                                   const cuda::LaunchPolicy* policy = nullptr);
   ~CudaStore() override;
 
   BackendKind backend() const override { return BackendKind::kCuda; }

@@ -15,7 +15,7 @@
 
 #include "core/view_rows.h"
 #include "kernels.h"
-#include "testing.h"
+#include "launch_policy.h"
 
 #ifndef KVRING_CUDA_TARGETS
 #define KVRING_CUDA_TARGETS "sm_90a"
@@ -111,8 +111,9 @@ class PinnedBuffer {
   std::size_t bytes_ = 0;
 };
 
-// The capability check's message (testing.h exposes it).
-Status capability_status(int device, const char* name, int major, int minor, bool runs) {
+}  // namespace
+
+Status cuda::capability_status(int device, const char* name, int major, int minor, bool runs) {
   if (runs) return Status::Ok();
   return make_error(ErrorCode::kUnsupported,
                     "GPU " + std::to_string(device) + " (" + name + ") has compute capability " +
@@ -120,8 +121,6 @@ Status capability_status(int device, const char* name, int major, int minor, boo
                         "; this build of kvring has kernels only for " KVRING_CUDA_TARGETS
                         " (rebuild with KVRING_CUDA_GENCODE for this GPU)");
 }
-
-}  // namespace
 
 int cuda_device_count() {
   int n = 0;
@@ -131,12 +130,6 @@ int cuda_device_count() {
   }
   return n;
 }
-
-namespace cuda::testing {
-Status check_capability(int major, int minor, bool kernels_run) {
-  return capability_status(0, "test", major, minor, kernels_run);
-}
-}  // namespace cuda::testing
 
 struct CudaStore::Impl {
   int device = 0;
@@ -156,8 +149,10 @@ struct CudaStore::Impl {
   cuda::Shape shape;
   cuda::PoolGeometry pool;
 
-  // Attention: workspace slots (attend_slot_floats floats each, o then ml),
-  // arrival counters (zero between launches), tagged partials and epochs.
+  // Attention: the launch policy, workspace slots (attend_slot_floats
+  // floats each, o then ml), arrival counters (zero between launches),
+  // tagged partials and the epoch of the last resident launch.
+  cuda::LaunchPolicy policy;
   float* ws = nullptr;
   std::int64_t ws_slots = 0;
   unsigned* counters = nullptr;
@@ -368,7 +363,8 @@ std::int64_t CudaStore::workspace_bytes() const {
 }
 
 Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
-                                                     StoreOptions options) {
+                                                     StoreOptions options,
+                                                     const cuda::LaunchPolicy* policy) {
   auto o = resolve_store_options(config, options);
   if (!o) return o.error();
   if (cuda_device_count() == 0)
@@ -378,11 +374,14 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
   cudaDeviceProp prop{};
   KVRING_CUDA_CHECK("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, device));
   KVRING_RETURN_IF_ERROR(
-      capability_status(device, prop.name, prop.major, prop.minor, cuda::kernels_run_here()));
+      cuda::capability_status(device, prop.name, prop.major, prop.minor, cuda::kernels_run_here()));
 
   std::unique_ptr<CudaStore> store(new CudaStore(config, *o));
   Impl& im = *store->impl_;
   im.device = device;
+  im.policy = policy != nullptr ? *policy : cuda::device_launch_policy();
+  // The first resident launch takes policy.first_epoch (attend).
+  im.epoch = im.policy.first_epoch - 1;
   KVRING_CUDA_CHECK("cudaStreamCreateWithFlags",
                     cudaStreamCreateWithFlags(&im.stream, cudaStreamNonBlocking));
   KVRING_CUDA_CHECK("cudaEventCreateWithFlags",
@@ -450,7 +449,7 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
     KVRING_CUDA_CHECK("cudaMemsetAsync", cudaMemsetAsync(im.counters, 0, static_cast<std::size_t>(counter_bytes), im.stream));
     // Resident grids are an optimisation: without room for their tagged
     // partials, attention takes the other combine paths.
-    const int resident = cuda::attend_resident_ctas(hd);
+    const int resident = im.policy.resident_limit(hd);
     if (resident > 0) {
       const std::int64_t bytes = resident * cuda::attend_tagged_words(n_heads, n_kv, hd) * 8;
       if (cudaMalloc(reinterpret_cast<void**>(&im.tagged), static_cast<std::size_t>(bytes)) == cudaSuccess &&
@@ -791,7 +790,6 @@ Status CudaStore::attend(const AttendBatch& b) {
       // A fresh epoch per launch; when the count wraps, the words are
       // zeroed (in stream order) so no old word can carry a reused epoch.
       std::uint32_t epoch = im.epoch + 1;
-      if (const std::uint32_t next = cuda::testing_next_epoch(); next != 0) epoch = next;
       if (epoch == 0) {
         const cudaError_t e = cudaMemsetAsync(im.tagged, 0, static_cast<std::size_t>(im.tagged_bytes), s);
         if (e != cudaSuccess) {
@@ -805,7 +803,7 @@ Status CudaStore::attend(const AttendBatch& b) {
       P.tagged_ctas = im.tagged_ctas;
       P.epoch = epoch;
     }
-    const cudaError_t e = cuda::launch_attend(P, s);
+    const cudaError_t e = cuda::launch_attend(P, im.policy, s);
     if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
   }
   if (desc != nullptr && st.ok()) st = im.release_chunk(desc, s);

@@ -8,6 +8,8 @@
 #include <cstdint>
 
 #include "kvring/layout.h"
+#include "kvring/status.h"
+#include "launch_policy.h"
 
 namespace kvring::cuda {
 
@@ -122,11 +124,9 @@ cudaError_t launch_scatter_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, 
 // the chunk the query came in, the other queries of the launch, the order
 // CTAs ran in, or which path the splits met on (a resident grid's tagged
 // partials, a cluster's shared memory or the global workspace).
-// At most 64 splits of a KV head: at 131072 rows the 2 x 64 CTAs of 8 warps
-// (one per SM) fill one wave of an H200's 132 SMs. At least 128 rows a
-// split (one tile a warp): a 2048-row window spreads over 32 CTAs, since at
-// that size every warp's chain of dependent steps, not bandwidth, sets the
-// time.
+// At most kAttendMaxSplits splits of a KV head and at least
+// kAttendMinSplitRows rows a split (one tile a warp); docs/CUDA.md, "The
+// split rule", gives the reasons.
 inline constexpr int kAttendWarps = 8;
 inline constexpr int kAttendThreads = 32 * kAttendWarps;
 inline constexpr int kAttendTile = 16;
@@ -261,17 +261,20 @@ inline std::int64_t attend_tagged_words(int n_heads, int n_kv_heads, int head_di
   return static_cast<std::int64_t>(attend_grid(n_heads, n_kv_heads, head_dim).heads_per_item) *
          (head_dim + 2);
 }
-// The most CTAs of a resident grid for head_dim on the current device (0:
-// attention with that head_dim never runs as one).
-int attend_resident_ctas(int head_dim);
-
-cudaError_t launch_attend(const AttendParams& params, cudaStream_t stream);
-
-// The epoch a test set for the next launch (testing.h), once; 0: none.
-std::uint32_t testing_next_epoch();
+// Launches attention on the current device, on the combine path and in
+// the grid order `policy` gives (launch_policy.h), which counts the launch
+// in policy.stats.
+cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy,
+                          cudaStream_t stream);
 
 // A kernel of this build runs on the current device (its image was built
 // for the device's architecture); false with the error cleared otherwise.
 bool kernels_run_here();
+
+// The capability check of store creation for GPU `device` (`name`, compute
+// capability major.minor) on which this build's kernels do or do not run:
+// ok, or kUnsupported naming the capability and the build's targets
+// (cuda_store.cc).
+Status capability_status(int device, const char* name, int major, int minor, bool kernels_run);
 
 }  // namespace kvring::cuda

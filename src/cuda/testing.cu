@@ -82,4 +82,8 @@ Result<F16Sweep> sweep_f16_conversion() {
   return s;
 }
 
+Status check_capability(int major, int minor, bool kernels_run) {
+  return capability_status(0, "test", major, minor, kernels_run);
+}
+
 }  // namespace kvring::cuda::testing

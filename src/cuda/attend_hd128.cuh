@@ -1,0 +1,58 @@
+// The tensor-core attention kernel (head_dim 128): its shared-memory
+// layout and its declaration (attend_hd128.cu; docs/CUDA.md, "head_dim
+// 128, on tensor cores").
+#pragma once
+
+#include <cstddef>
+
+#include "attend_rows.cuh"
+#include "combine.cuh"
+#include "kernels.h"
+
+namespace kvring::cuda {
+
+// Each warp streams its tiles through kStages shared-memory stages with
+// cp.async, kStages - 1 tiles ahead of the one it computes: more rows in
+// flight than the registers of the 8 warps an SM holds could keep.
+//
+// A stage holds the tile's 16 head rows of K, then of V, 256 bytes (16
+// pieces of 16 bytes) a row. Lane l copies piece l % 16 of rows 2k + l / 16
+// (k < 8) of both, so each copy instruction of the warp moves two whole
+// rows: whole sectors, one 128-byte line of shared memory per 8 lanes, and
+// one pointer with constant steps when the tile's rows lie evenly spaced.
+// Piece c of row r lands at c ^ swizzle(r), which stays within the piece's
+// 128-byte half of the row and puts the reads of every quarter warp on 8
+// distinct bank groups: K is read as pieces 4i + t of rows g and 8 + g
+// (swizzle 4(r & 1)), V by ldmatrix as one piece of 8 consecutive rows
+// (swizzle r & 7).
+constexpr int kStages = 3;
+constexpr int kRowBytes = kTensorHeadDim * 2;
+constexpr int kTileBytes = kAttendTile * kRowBytes;
+constexpr int kStageBytes = 2 * kTileBytes;       // K, then V
+constexpr int kWarpArea = kStages * kStageBytes;  // bytes per warp
+static_assert(kAttendTile == 16 && kRowBytes == 256, "the swizzles assume 16 rows of 16 pieces");
+
+__device__ __forceinline__ int k_swizzle(int row) { return (row & 1) << 2; }
+__device__ __forceinline__ int v_swizzle(int row) { return row & 7; }
+
+struct TensorSmem {
+  Shared sh;
+  // Per warp; its output partial [head * 128 + dim] after the loop, and in
+  // warp 0's, behind its partial, the CTA's partial for a cluster combine.
+  alignas(128) unsigned char area[kAttendWarps][kWarpArea];
+};
+constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
+// Warp 0's area after the loop: its output partial, then the CTA's combine
+// space.
+struct Warp0Finish {
+  float partial[kTensorHeads * kTensorHeadDim];
+  CombineSpace combine;
+};
+static_assert(offsetof(Warp0Finish, combine) == kPartialBytes &&
+                  sizeof(Warp0Finish) == kPartialBytes + sizeof(CombineSpace) &&
+                  sizeof(Warp0Finish) <= kWarpArea,
+              "warp 0's area holds its partial and the combine space");
+
+__global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A);
+
+}  // namespace kvring::cuda

@@ -1,0 +1,189 @@
+// Batched decode and prefill attention: every query of a batch of
+// sequences in one launch, each over its own plane (a slot's sliding ring
+// or a block table into the shared pool) read in place through its ring
+// state, plus the rows of its prefill chunk. Each query finds its item
+// (AttendQueryItem, device memory) by binary search on its index.
+//
+// This header: what a CTA of either kernel works on, the launch's
+// arguments, its query and split, and where the rows of its KV head lie
+// (docs/CUDA.md, "Attention"). The kernels are attend_hd128.cu and
+// attend_general.cu, their combine combine.cuh, their launch launch.cu.
+//
+// Grid: x = split of the query's visible rows, y = work item (query heads
+// that share a KV head), z = query (x and z swapped in query-major
+// launches, FirstTiles). Each warp of a CTA reduces its own rows of the
+// split (kernels.h) in logical order with an online softmax. Every
+// boundary is a function of the query's logical range alone (kernels.h).
+//
+// Numerics: f32 scores, softmax and accumulation, exp2 with the scale
+// log2(e)/sqrt(head_dim) folded into the scores.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace kvring::cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// The launch-wide part of what a CTA needs to address its rows, computed
+// once on the host from AttendParams; the per-query part comes from the
+// query's item (QueryRange).
+struct FirstTiles {
+  std::int64_t reach;        // a query at p sees rows from max(0, p - reach)
+  std::int32_t group;        // query heads per KV head
+  std::int32_t sets;         // work items per KV head
+  std::int32_t n_heads;
+  std::int32_t read_once;    // every row is read by one CTA
+  // grid.x = query and grid.z = split (else grid.x = split, grid.z =
+  // query): set for last-arrival launches of several queries whose rows
+  // outgrow the L2, so that the CTAs that run at once are one split's of
+  // many queries, which read the same rows, and those rows come from L2
+  // for all but the first. Where the L2 holds the rows, the split-major
+  // order is the faster, hence the size rule (LaunchPolicy::query_major;
+  // docs/PERFORMANCE.md).
+  std::int32_t query_major;
+};
+struct KernelArgs {
+  FirstTiles F;
+  AttendParams P;
+};
+static_assert(sizeof(KernelArgs) <= 4000, "kernel parameters over 4 KB");
+
+struct QueryRange {
+  int qi;                  // query index in the launch (its row of q and out)
+  std::int64_t p;          // its logical position
+  std::int64_t lo;         // first visible row
+  std::int64_t split_rows;
+  int n_splits;
+  int split;               // this CTA's split
+  // Its plane and chunk (AttendQueryItem).
+  const std::uint16_t* plane_k;
+  const std::uint16_t* plane_v;
+  const std::int32_t* table;
+  std::int64_t shift, capacity, chunk_start, chunk_row;
+  // Its workspace: slots of item_splits splits from ws_slot on, counters
+  // from ws_counter on.
+  int item_splits;
+  std::int64_t ws_slot, ws_counter;
+};
+
+// This CTA's query and split, but the split count; false when the split
+// does not exist for its query (the grid is sized for the query with the
+// most splits): a split exists when its first row is visible.
+__device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendParams& P,
+                                            QueryRange& r) {
+  r.qi = static_cast<int>(F.query_major ? blockIdx.x : blockIdx.z);
+  int lo = 0, hi = P.n_items - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (P.items[mid].q_first <= r.qi) lo = mid; else hi = mid - 1;
+  }
+  const AttendQueryItem& it = P.items[lo];
+  const int i = r.qi - it.q_first;
+  r.p = it.first_position + i;
+  r.lo = max(std::int64_t{0}, r.p - F.reach);
+  r.split_rows = attend_split_rows(r.p - r.lo + 1);
+  r.split = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x);
+  r.plane_k = it.k;
+  r.plane_v = it.v;
+  r.table = it.table;
+  r.shift = it.shift;
+  r.capacity = it.capacity;
+  r.chunk_start = it.chunk_start;
+  r.chunk_row = it.chunk_row;
+  r.item_splits = it.max_splits;
+  r.ws_slot = it.ws_slot + static_cast<std::int64_t>(i) * attend_slots(it.max_splits);
+  r.ws_counter = it.ws_counter + static_cast<std::int64_t>(i) * attend_counters(it.max_splits);
+  return r.lo + r.split * r.split_rows <= r.p;
+}
+// The query's split count: a division, which the tensor-core kernel does
+// once its first tiles are out.
+__device__ __forceinline__ int split_count(const QueryRange& r) {
+  return static_cast<int>((r.p - r.lo + r.split_rows) / r.split_rows);
+}
+
+// Rows [a, b) of the CTA's split.
+__device__ __forceinline__ void split_rows_of(const QueryRange& r, std::int64_t& a,
+                                              std::int64_t& b) {
+  a = r.lo + r.split * r.split_rows;
+  b = min(a + r.split_rows, r.p + 1);
+}
+
+// The general kernel's warps: rows [a, b) of warp `warp` (possibly empty),
+// a multiple of kAttendTile rows from lo.
+__device__ __forceinline__ void warp_rows(const QueryRange& r, int warp, std::int64_t& a,
+                                          std::int64_t& b) {
+  std::int64_t split_end;
+  split_rows_of(r, a, split_end);
+  const std::int64_t per_warp = r.split_rows / kAttendWarps;
+  a += warp * per_warp;
+  b = min(a + per_warp, split_end);
+}
+
+struct RowPtr {
+  const std::uint16_t* k;
+  const std::uint16_t* v;
+};
+
+// Where the head rows of one KV head of one query's plane lie (layout.h's
+// formulas, factored): a ring's row `physical` at physical * kv_dim +
+// head_offset; a full plane's in block table[physical >> block_shift] at
+// (physical & block_mask) * head_dim + head_offset inside it; chunk row i at
+// (chunk_row + i) * kv_dim + chunk_offset.
+struct HeadRows {
+  const std::uint16_t* k;
+  const std::uint16_t* v;
+  const std::int32_t* table;  // null: a ring
+  std::int64_t shift, capacity, chunk_start;
+  std::int64_t row_stride, head_offset, chunk_offset;
+  std::int64_t block_elems, block_mask;
+  int block_shift;
+  __device__ HeadRows(const AttendParams& P, const QueryRange& r, int head_dim, int kv_head)
+      : k(r.plane_k),
+        v(r.plane_v),
+        table(P.full ? r.table : nullptr),
+        shift(r.shift),
+        capacity(r.capacity),
+        chunk_start(r.chunk_start),
+        row_stride(P.full ? head_dim : P.kv_dim),
+        head_offset(P.full ? (static_cast<std::int64_t>(kv_head) << P.pool.block_shift) * head_dim
+                           : static_cast<std::int64_t>(kv_head) * head_dim),
+        chunk_offset(r.chunk_row * P.kv_dim + static_cast<std::int64_t>(kv_head) * head_dim -
+                     r.chunk_start * P.kv_dim),
+        block_elems(P.pool.block_elems),
+        block_mask((std::int64_t{1} << P.pool.block_shift) - 1),
+        block_shift(P.pool.block_shift) {}
+  // Offset of plane row `physical` of the head, in k and v.
+  __device__ __forceinline__ std::int64_t plane_offset(std::int64_t physical) const {
+    if (table == nullptr) return physical * row_stride + head_offset;
+    return static_cast<std::int64_t>(table[physical >> block_shift]) * block_elems + head_offset +
+           (physical & block_mask) * row_stride;
+  }
+};
+
+// The head row of logical position L: from the chunk when L >= chunk_start,
+// else from the plane at the physical row the explicit origins give.
+// Precondition: L is live in the ring or inside the chunk.
+__device__ __forceinline__ RowPtr row_at(const AttendParams& P, const HeadRows& h,
+                                         std::int64_t L) {
+  if (L >= h.chunk_start) {
+    const std::int64_t off = L * P.kv_dim + h.chunk_offset;
+    return {P.chunk_k + off, P.chunk_v + off};
+  }
+  std::int64_t physical = L + h.shift;
+  if (physical >= h.capacity) physical -= h.capacity;
+  const std::int64_t off = h.plane_offset(physical);
+  return {h.k + off, h.v + off};
+}
+
+// The softmax weight exp2(m - max) of a score or partial maximum m under
+// the running maximum `max`; 0 for an empty partial (m = -inf), so no
+// -inf - -inf is ever taken.
+__device__ __forceinline__ float weight_of(float m, float max) {
+  return m == -INFINITY ? 0.0f : exp2f(m - max);
+}
+
+}  // namespace kvring::cuda

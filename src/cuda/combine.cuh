@@ -1,0 +1,505 @@
+// How the partials of a CTA's warps, and then of a query's splits, combine
+// (docs/CUDA.md, "The order of reduction"): the CTA's warps in warp order,
+// then the splits in a fixed tree of their count (in two levels beyond
+// kAttendSingleLevel splits), on one of three paths:
+//  - resident grid: every split stores its partial as epoch-tagged words,
+//    waits for the others' and combines a share of the output
+//    (finish_resident, the stage in ResidentStage);
+//  - thread-block cluster: the item's splits form one cluster and read
+//    each other's partials through distributed shared memory
+//    (ClusterPartials, the partial in CombineSpace::part_o);
+//  - last arrival: partials in the global workspace, combined by the last
+//    CTA to arrive (GlobalPartials, arrive_last).
+// Every path runs the same arithmetic in the same order, and no value is
+// ever accumulated in arrival order, so the bits of a query's output do
+// not depend on the path.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "attend_rows.cuh"
+#include "kernels.h"
+#include "ptx.cuh"
+
+namespace kvring::cuda {
+
+// Partials of the warps of one CTA, then of the splits of one item.
+struct Shared {
+  float m[kAttendWarps][kTensorHeads];  // running max (log2 units)
+  float l[kAttendWarps][kTensorHeads];  // sum of weights
+  float weight[kAttendWarps][kTensorHeads];
+  float head_m[kTensorHeads];
+  float head_l[kTensorHeads];
+  float part_ml[kTensorHeads * 2];  // this CTA's [head][m, l] in a cluster
+  int last;
+};
+// This CTA's partial [head * head_dim + dim] (16-byte aligned) when the
+// splits combine through the cluster's shared memory.
+inline constexpr int kPartFloats = kTensorHeads * kTensorHeadDim;
+// Each warp's unnormalised output, [head * head_dim + dim], lies at
+// o + warp * stride (floats) in shared memory.
+struct WarpOutputs {
+  const float* o;
+  int stride;
+};
+static_assert(kTensorHeads <= kAttendWarps, "one warp per head in the final combine");
+static_assert(kPartFloats >= kGeneralMaxHeadDim, "part_o holds any one head");
+
+// Element i (head h) of the CTA's result: its warps combined in warp order.
+__device__ __forceinline__ float cta_value(const Shared& sh, WarpOutputs wo, int i, int h) {
+  float o = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kAttendWarps; ++w) o = __fmaf_rn(wo.o[w * wo.stride + i], sh.weight[w][h], o);
+  return o;
+}
+
+// Where the split partials of an item lie: in the global workspace, or in
+// the shared memory of the cluster's CTAs (split s in CTA rank s).
+struct GlobalPartials {
+  const float* o;   // [split][heads * hd]
+  const float* ml;  // [split][heads][m, l]
+  int total;
+  __device__ float m_of(int s, int h, int heads) const { return __ldcg(ml + (s * heads + h) * 2); }
+  __device__ float l_of(int s, int h, int heads) const { return __ldcg(ml + (s * heads + h) * 2 + 1); }
+  __device__ float4 o4(int s, int u) const {
+    return __ldcg(reinterpret_cast<const float4*>(o + static_cast<std::int64_t>(s) * total) + u);
+  }
+  __device__ float o1(int s, int i) const { return __ldcg(o + static_cast<std::int64_t>(s) * total + i); }
+};
+struct ClusterPartials {
+  const Shared* sh;    // this CTA's; rank s's through the cluster's shared window
+  const float* part_o;
+  template <class T>
+  __device__ static const T* at(const T* p, int s) {
+    return cooperative_groups::this_cluster().map_shared_rank(p, static_cast<unsigned>(s));
+  }
+  __device__ float m_of(int s, int h, int) const { return at(sh, s)->part_ml[2 * h]; }
+  __device__ float l_of(int s, int h, int) const { return at(sh, s)->part_ml[2 * h + 1]; }
+  __device__ float4 o4(int s, int u) const { return reinterpret_cast<const float4*>(at(part_o, s))[u]; }
+  __device__ float o1(int s, int i) const { return at(part_o, s)[i]; }
+};
+
+// Combines the n split partials of an item and writes output elements
+// [begin, end) (of heads_valid * hd). Each thread loads every split's m of
+// its element's head and the partials and l of kChunk splits at once (all
+// of them on the tensor-core kernel), then computes the maximum, each split's weight exp2(m_s - max), the
+// weight sum and the weighted sum of partials, each in split order: the
+// same arithmetic for every element of a head, wherever the partials lie.
+// With `out_ml`, the result is itself a partial: unnormalised sums to
+// `out`, each head's maximum and weight sum to out_ml.
+template <int kChunk, class Partials>
+__device__ __forceinline__ void combine_element(const Partials& src, int n, int heads, int h,
+                                                int u, float4& acc, float& max, float& sum) {
+  float4 v[kChunk];
+  float m[kAttendSingleLevel], l[kChunk];
+#pragma unroll
+  for (int s = 0; s < kAttendSingleLevel; ++s)
+    if (s < n) m[s] = src.m_of(s, h, heads);
+#pragma unroll
+  for (int s = 0; s < kChunk; ++s) {
+    if (s < n) {
+      v[s] = src.o4(s, u);
+      l[s] = src.l_of(s, h, heads);
+    }
+  }
+  max = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kAttendSingleLevel; ++s)
+    if (s < n) max = fmaxf(max, m[s]);
+  // Sums start at -0, so that fma(x, 1, -0) == x for every x, -0 included:
+  // one partial combines to exactly the CTA's own result.
+  sum = -0.0f;
+  acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
+#pragma unroll
+  for (int s0 = 0; s0 < kAttendSingleLevel; s0 += kChunk) {
+    if (s0 > 0) {
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        if (s0 + c < n) {
+          v[c] = src.o4(s0 + c, u);
+          l[c] = src.l_of(s0 + c, h, heads);
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      if (s0 + c < n) {
+        const float wt = weight_of(m[s0 + c], max);
+        sum = __fmaf_rn(l[c], wt, sum);
+        acc.x = __fmaf_rn(v[c].x, wt, acc.x);
+        acc.y = __fmaf_rn(v[c].y, wt, acc.y);
+        acc.z = __fmaf_rn(v[c].z, wt, acc.z);
+        acc.w = __fmaf_rn(v[c].w, wt, acc.w);
+      }
+    }
+  }
+}
+
+// Vector partials as float4 (kVec: always, as for head_dim 128); scalar
+// ones (head_dim not a multiple of 4) through the same arithmetic one
+// element at a time.
+template <class Partials>
+struct ScalarView {
+  const Partials& p;
+  __device__ float4 o4(int s, int i) const { return make_float4(p.o1(s, i), 0.0f, 0.0f, 0.0f); }
+  __device__ float m_of(int s, int h, int heads) const { return p.m_of(s, h, heads); }
+  __device__ float l_of(int s, int h, int heads) const { return p.l_of(s, h, heads); }
+};
+
+// At most kAttendSingleLevel partials meet in one combine.
+static_assert(kAttendGroup <= kAttendSingleLevel &&
+              (kAttendMaxSplits + kAttendGroup - 1) / kAttendGroup <= kAttendSingleLevel);
+template <bool kVec, class Partials>
+__device__ void combine_splits(const Partials& src, float* out, int n, int heads, int hd,
+                               int begin, int end, float* out_ml = nullptr) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const bool vec = kVec || (hd & 3) == 0;
+  const int stride = vec ? 4 : 1;
+  for (int e = begin + tid * stride; e < end; e += threads * stride) {
+    const int h = e / hd;
+    float4 acc;
+    float max, sum;
+    if (vec) {
+      combine_element<kVec ? kAttendSingleLevel : 4>(src, n, heads, h, e / 4, acc, max, sum);
+      reinterpret_cast<float4*>(out)[e / 4] =
+          out_ml != nullptr ? acc
+                            : make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+    } else if constexpr (!kVec) {
+      const ScalarView<Partials> view{src};
+      combine_element<4>(view, n, heads, h, e, acc, max, sum);
+      out[e] = out_ml != nullptr ? acc.x : acc.x / sum;
+    }
+    if (out_ml != nullptr && e % hd == 0) {
+      out_ml[2 * h] = max;
+      out_ml[2 * h + 1] = sum;
+    }
+  }
+}
+
+// A CTA of a cluster launch whose split does not exist for its query still
+// takes part in the cluster's two barriers.
+__device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
+  if (P.cluster) {
+    cluster_sync();
+    cluster_sync();
+  }
+}
+
+// combine_element's arithmetic over n partials of one output unit staged
+// in shared memory, `stride` apart (split s's sums o[s * stride], maximum
+// ml[2 s stride] and weight sum ml[2 s stride + 1]), in short loops rather
+// than unrolled code: its sum, maximum and weight sum, and the sum divided
+// by the weight sum (the output, when this is the last level). One copy of
+// the code (not inlined) serves every level of the resident combine, and
+// every call computes the quotient, so that the last level, which is on
+// the launch's critical path, finds all of its code in the instruction
+// cache where the calls of an earlier level brought it.
+struct Staged {
+  float4 acc;
+  float max, sum;
+  float4 out;
+};
+static __device__ __noinline__ Staged combine_staged(const float4* o, const float* ml, int n, int stride) {
+  Staged r;
+  r.max = -INFINITY;
+#pragma unroll 4
+  for (int s = 0; s < n; ++s) r.max = fmaxf(r.max, ml[2 * s * stride]);
+  r.sum = -0.0f;
+  r.acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
+#pragma unroll 4
+  for (int s = 0; s < n; ++s) {
+    const float wt = weight_of(ml[2 * s * stride], r.max);
+    const float4 v = o[s * stride];
+    r.sum = __fmaf_rn(ml[2 * s * stride + 1], wt, r.sum);
+    r.acc.x = __fmaf_rn(v.x, wt, r.acc.x);
+    r.acc.y = __fmaf_rn(v.y, wt, r.acc.y);
+    r.acc.z = __fmaf_rn(v.z, wt, r.acc.z);
+    r.acc.w = __fmaf_rn(v.w, wt, r.acc.w);
+  }
+  r.out = make_float4(r.acc.x / r.sum, r.acc.y / r.sum, r.acc.z / r.sum, r.acc.w / r.sum);
+  return r;
+}
+
+// Tagged partials: a float in the low half of a 64-bit word whose high half
+// is the launch's epoch, stored and loaded whole (single-copy atomic), so a
+// reader that sees the epoch sees the value, with no fence or counter.
+__device__ __forceinline__ std::uint64_t tag(float v, unsigned epoch) {
+  return (static_cast<std::uint64_t>(epoch) << 32) | __float_as_uint(v);
+}
+__device__ __forceinline__ void store_tagged2(std::uint64_t* p, float a, float b, unsigned epoch) {
+  st_relaxed_v2_b64(p, tag(a, epoch), tag(b, epoch));
+}
+__device__ __forceinline__ void load_tagged2(const std::uint64_t* p, std::uint64_t& a,
+                                             std::uint64_t& b) {
+  ld_relaxed_v2_b64(p, a, b);
+}
+__device__ __forceinline__ bool tagged(std::uint64_t w, unsigned epoch) {
+  return static_cast<unsigned>(w >> 32) == epoch;
+}
+__device__ __forceinline__ float untag(std::uint64_t w) {
+  return __uint_as_float(static_cast<unsigned>(w));
+}
+
+// The most splits x output units of a resident share, and its stage: the
+// units of a share over n splits number ceil(units / n), so units + n pairs
+// at most; then, for two levels, 16 units (n >= 17) times 8 groups.
+inline constexpr int kUnitsMax = kTensorHeads * kTensorHeadDim / 4;
+inline constexpr int kResidentPairs = kUnitsMax + kAttendMaxSplits;
+inline constexpr int kMaxGroups = attend_groups(kAttendMaxSplits);
+inline constexpr int kResidentGroupPairs =
+    (kUnitsMax + kAttendSingleLevel) / (kAttendSingleLevel + 1) * kMaxGroups;
+static_assert(kMaxGroups <= kAttendWarps, "a warp per level-one group");
+
+// The shared-memory stage of a resident combine: the (split, unit) pairs
+// of the CTA's share as [split][unit] (a unit's sums, and its head's m
+// and l), then the level-one results as [unit][group].
+struct ResidentStage {
+  float4 o[kResidentPairs];
+  float ml[kResidentPairs][2];
+  float4 group_o[kResidentGroupPairs];
+  float group_ml[kResidentGroupPairs][2];
+};
+static_assert(sizeof(ResidentStage) == (kResidentPairs + kResidentGroupPairs) * 24 &&
+                  offsetof(ResidentStage, ml) == 16 * kResidentPairs &&
+                  offsetof(ResidentStage, group_o) == 24 * kResidentPairs &&
+                  offsetof(ResidentStage, group_ml) ==
+                      24 * kResidentPairs + 16 * kResidentGroupPairs,
+              "the stage is packed: no padding between its arrays");
+
+// A CTA's space for the combine of its item's splits, in its shared
+// memory: its partial, which the other CTAs of a cluster read, then the
+// stage of a resident combine (the tensor-core kernel's only: the general
+// kernel never runs as a resident grid and holds the partial alone).
+struct CombineSpace {
+  alignas(16) float part_o[kPartFloats];
+  ResidentStage resident;
+};
+static_assert(offsetof(CombineSpace, resident) == kPartFloats * 4 &&
+                  sizeof(CombineSpace) == kPartFloats * 4 + sizeof(ResidentStage),
+              "the stage follows the partial");
+
+// Waits until the tagged words of output unit u in split `src`'s partial
+// carry the epoch, and stages them at o[at], ml[2 at] (m, l). Every word
+// carries its own tag, so the three loads go out together.
+__device__ __forceinline__ void gather_unit(const std::uint64_t* src, int total, int hd, int u,
+                                            unsigned epoch, float4* o, float* ml, int at) {
+  std::uint64_t m, l, o0, o1, o2, o3;
+  for (;;) {
+    load_tagged2(src + total + 2 * (u * 4 / hd), m, l);
+    load_tagged2(src + 4 * u, o0, o1);
+    load_tagged2(src + 4 * u + 2, o2, o3);
+    if (tagged(m, epoch) && tagged(l, epoch) && tagged(o0, epoch) && tagged(o1, epoch) &&
+        tagged(o2, epoch) && tagged(o3, epoch))
+      break;
+    __nanosleep(32);
+  }
+  o[at] = make_float4(untag(o0), untag(o1), untag(o2), untag(o3));
+  ml[2 * at] = untag(m);
+  ml[2 * at + 1] = untag(l);
+}
+
+// Resident-grid finish of a CTA (hd % 4 == 0): it stores its partial as
+// tagged words at its place in P.tagged, then combines the split-th share
+// of the item's output, in whole float4 units, from every split's tagged
+// words, staged in shared memory as [split][unit] once they carry the
+// epoch, in the same tree and arithmetic as the last-arrival combine. With
+// one level, a thread per (unit, split) stages and, after a barrier, a
+// thread per unit combines. With two, warp w stages group w's splits and
+// combines them (level one) as soon as they are in, so the groups that
+// finished early are combined while the last split is still running; then
+// a thread per unit combines the groups. Every CTA of the grid is resident,
+// so every wait ends.
+static __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOutputs wo,
+                                ResidentStage& stage, const QueryRange& r, int heads,
+                                int heads_valid, float* out) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int hd = P.head_dim;
+  const int n = r.n_splits;
+  const int total = heads * hd;
+  const std::int64_t words = total + 2 * heads;
+  std::uint64_t* item = P.tagged + ((static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) *
+                                    gridDim.x) * words;
+  const unsigned epoch = P.epoch;
+  {
+    // (A loop, not unrolled: one copy of its code to fetch.)
+    std::uint64_t* mine = item + r.split * words;
+#pragma unroll 1
+    for (int i = 2 * tid; i < heads_valid * hd; i += 2 * blockDim.x)
+      store_tagged2(mine + i, cta_value(sh, wo, i, i / hd), cta_value(sh, wo, i + 1, i / hd), epoch);
+    if (tid < heads_valid) store_tagged2(mine + total + 2 * tid, sh.head_m[tid], sh.head_l[tid], epoch);
+  }
+  const int units = heads_valid * hd / 4;
+  const int share = (units + n - 1) / n;
+  const int u0 = min(r.split * share, units);
+  const int count = min(u0 + share, units) - u0;
+  // Staged as [split][unit], so the threads of consecutive units read
+  // consecutive words.
+  float4* st_o = stage.o;
+  float* st_ml = &stage.ml[0][0];  // [split][unit][m, l]
+  float4* out4 = reinterpret_cast<float4*>(out);
+  const int groups = attend_groups(n);
+  if (groups == 0) {
+    for (int i = tid; i < count * n; i += blockDim.x) {
+      const int s = i / count, j = i - s * count;
+      gather_unit(item + s * words, total, hd, u0 + j, epoch, st_o, st_ml, i);
+    }
+    __syncthreads();
+    for (int j = tid; j < count; j += blockDim.x) {
+      out4[u0 + j] = combine_staged(st_o + j, st_ml + 2 * j, n, count).out;
+    }
+    return;
+  }
+  // Level one, in the warp of the group; its results as [unit][group].
+  float4* g_o = stage.group_o;
+  float* g_ml = &stage.group_ml[0][0];
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < groups) {
+    const int first = warp * kAttendGroup;
+    const int members = min(kAttendGroup, n - first);
+    for (int i = lane; i < count * members; i += 32) {
+      const int k = i / count, j = i - k * count;
+      gather_unit(item + (first + k) * words, total, hd, u0 + j, epoch, st_o, st_ml,
+                  (first + k) * count + j);
+    }
+    __syncwarp();
+    for (int j = lane; j < count; j += 32) {
+      const int at = first * count + j;
+      const Staged c = combine_staged(st_o + at, st_ml + 2 * at, members, count);
+      const int g = j * groups + warp;
+      g_o[g] = c.acc;
+      g_ml[2 * g] = c.max;
+      g_ml[2 * g + 1] = c.sum;
+    }
+  }
+  __syncthreads();
+  for (int j = tid; j < count; j += blockDim.x) {
+    out4[u0 + j] = combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, 1).out;
+  }
+}
+
+// Counts this CTA in at `counter` after its writes so far (by any of its
+// threads) are published; true for the last of `expected` arrivals, which
+// then sees every arrival's writes and resets the counter for the next
+// launch.
+__device__ __forceinline__ bool arrive_last(unsigned& counter, int expected, Shared& sh) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned arrived = atomicAdd(&counter, 1u);
+    const bool last = arrived == static_cast<unsigned>(expected - 1);
+    if (last) {
+      counter = 0;
+      __threadfence();
+    }
+    sh.last = last;
+  }
+  __syncthreads();
+  return sh.last;
+}
+
+// Combines the CTA's warp partials (in sh, after a barrier) for `heads`
+// query heads head0.. of `heads_valid` real ones, and either writes the
+// output (one split) or the split's partial, which is combined with the
+// others in the fixed tree: as a resident grid (finish_resident), through
+// the cluster's shared memory when the item's splits form one cluster
+// (each CTA then writes a share of the output), else through the global
+// workspace by the last split to arrive. part_o is the CTA's partial
+// (CombineSpace::part_o), `stage` its resident stage (kVec only: null in the
+// general kernel).
+template <bool kVec>
+__device__ void finish(const AttendParams& P, Shared& sh, float* part_o, ResidentStage* stage,
+                       WarpOutputs wo, const QueryRange& r, int heads, int heads_valid,
+                       int head0) {
+  const int hd = P.head_dim;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < heads) {
+    float max = -INFINITY;
+    for (int w = 0; w < kAttendWarps; ++w) max = fmaxf(max, sh.m[w][tid]);
+    float sum = 0.0f;
+    for (int w = 0; w < kAttendWarps; ++w) {
+      const float wt = weight_of(sh.m[w][tid], max);
+      sh.weight[w][tid] = wt;
+      sum = __fmaf_rn(sh.l[w][tid], wt, sum);
+    }
+    sh.head_m[tid] = max;
+    sh.head_l[tid] = sum;
+  }
+  __syncthreads();
+  const int total = heads * hd;
+  float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
+               static_cast<std::int64_t>(head0) * hd;
+  if (r.n_splits == 1 && !P.cluster) {
+    for (int i = tid; i < heads_valid * hd; i += blockDim.x) {
+      const int h = i / hd;
+      out[i] = cta_value(sh, wo, i, h) / sh.head_l[h];
+    }
+    return;
+  }
+
+  if constexpr (kVec) {
+    if (P.resident) {
+      finish_resident(P, sh, wo, *stage, r, heads, heads_valid, out);
+      return;
+    }
+  }
+  if (P.cluster) {
+    for (int i = tid; i < total; i += blockDim.x) part_o[i] = cta_value(sh, wo, i, i / hd);
+    if (tid < heads) {
+      sh.part_ml[2 * tid] = sh.head_m[tid];
+      sh.part_ml[2 * tid + 1] = sh.head_l[tid];
+    }
+    cluster_sync();
+    // Rank s writes the s-th share of the output, in whole float4 units.
+    const int units = (heads_valid * hd + 3) / 4;
+    const int share = (units + r.n_splits - 1) / r.n_splits;
+    const int begin = min(r.split * share, units) * 4;
+    const int end = min((r.split + 1) * share * 4, heads_valid * hd);
+    combine_splits<kVec>(ClusterPartials{&sh, part_o}, out, r.n_splits, heads, hd, begin, end);
+    cluster_sync();  // no CTA leaves while another reads its partial
+    return;
+  }
+
+  // Global workspace: this split's partial, then arrivals counted.
+  // The query's slots of every work item from r.ws_slot on, this item's
+  // from blockIdx.y on: [item][slot][...].
+  const int slots = attend_slots(r.item_splits);
+  const std::int64_t item = r.ws_slot * gridDim.y + static_cast<std::int64_t>(blockIdx.y) * slots;
+  float* ws_o = P.ws_o + item * total;          // [slot][heads * hd]
+  float* ws_ml = P.ws_ml + item * heads * 2;    // [slot][heads][m, l]
+  unsigned* counters = P.counters + r.ws_counter * gridDim.y +
+                       static_cast<std::int64_t>(blockIdx.y) * attend_counters(r.item_splits);
+  for (int i = tid; i < total; i += blockDim.x)
+    ws_o[static_cast<std::int64_t>(r.split) * total + i] = cta_value(sh, wo, i, i / hd);
+  if (tid < heads) {
+    ws_ml[(r.split * heads + tid) * 2] = sh.head_m[tid];
+    ws_ml[(r.split * heads + tid) * 2 + 1] = sh.head_l[tid];
+  }
+  const int n = r.n_splits;
+  const int groups = attend_groups(n);
+  if (groups == 0) {
+    if (!arrive_last(counters[0], n, sh)) return;
+    combine_splits<kVec>(GlobalPartials{ws_o, ws_ml, total}, out, n, heads, hd, 0, heads_valid * hd);
+    return;
+  }
+  // Two levels: the last split of a group to arrive combines the group into
+  // the group's slot; the last group to arrive combines the groups.
+  const int group = r.split / kAttendGroup;
+  const int first = group * kAttendGroup;
+  const int members = min(kAttendGroup, n - first);
+  if (!arrive_last(counters[1 + group], members, sh)) return;
+  const int slot = r.item_splits + group;
+  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(first) * total,
+                                ws_ml + first * heads * 2, total},
+                 ws_o + static_cast<std::int64_t>(slot) * total, members, heads, hd, 0, total,
+                 ws_ml + slot * heads * 2);
+  if (!arrive_last(counters[0], groups, sh)) return;
+  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(r.item_splits) * total,
+                                ws_ml + r.item_splits * heads * 2, total},
+                 out, groups, heads, hd, 0, heads_valid * hd);
+}
+}  // namespace kvring::cuda

@@ -1,0 +1,246 @@
+// Attention launches: the grid of a batch, the combine path and grid order
+// each launch takes, and what a device offers them (docs/CUDA.md,
+// "Attention").
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <mutex>
+
+#include "attend_general.cuh"
+#include "attend_hd128.cuh"
+#include "attend_rows.cuh"
+#include "kernels.h"
+#include "launch_policy.h"
+
+namespace kvring::cuda {
+
+AttendGrid attend_grid(int n_heads, int n_kv_heads, int head_dim) {
+  if (head_dim == kTensorHeadDim) {
+    const int group = n_heads / n_kv_heads;
+    return {n_kv_heads * ((group + kTensorHeads - 1) / kTensorHeads), kTensorHeads};
+  }
+  return {n_heads, 1};
+}
+
+std::int64_t attend_slot_floats(int n_heads, int n_kv_heads, int head_dim) {
+  const AttendGrid g = attend_grid(n_heads, n_kv_heads, head_dim);
+  return static_cast<std::int64_t>(g.items) * g.heads_per_item * (head_dim + 2);
+}
+
+bool kernels_run_here() {
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, attend_general_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+namespace {
+
+// The largest cluster of CTAs of `kernel` this device runs at once (1: no
+// clusters). Queried once per kernel; a failed query clears its error.
+template <class Kernel>
+int max_cluster(Kernel kernel, std::size_t smem) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  for (int size : {16, 8, 4, 2}) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(size), 1, 1);
+    cfg.blockDim = dim3(kAttendThreads, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(size);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+    if (e == cudaSuccess && clusters >= 1) return size;
+    (void)cudaGetLastError();
+  }
+  return 1;
+}
+
+// The FirstTiles of a launch.
+FirstTiles first_tiles(const AttendParams& P) {
+  FirstTiles f{};
+  f.reach = P.window > 0 ? P.window - 1 : std::numeric_limits<std::int64_t>::max() / 2;
+  f.group = P.n_heads / P.n_kv_heads;
+  f.sets = (f.group + kTensorHeads - 1) / kTensorHeads;
+  f.n_heads = P.n_heads;
+  f.read_once = P.n_queries == 1 && f.sets == 1 ? 1 : 0;
+  return f;
+}
+
+// Launches `kernel` over `grid` (x = split, y = item, z = query). When the
+// grid has at most `resident_ctas` CTAs (and the tagged partials have
+// room), it is a resident grid through a cooperative launch; else the
+// splits of each item (grid.x of them) form one cluster when there are
+// several and a cluster that large runs; else they combine by last
+// arrival, as they also do when the device turns the cooperative launch
+// down (too large, or not supported or permitted here); a last-arrival
+// launch of several queries runs query-major when `query_major_ok` says so.
+// A launch of several splits is counted in `stats` (when not null) by the
+// path it took.
+template <class Kernel>
+cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool query_major_ok,
+                   dim3 grid, std::size_t smem, AttendParams params, AttendStats* stats,
+                   cudaStream_t stream) {
+  const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
+  const bool resident = grid.x >= 2 && params.tagged != nullptr &&
+                        ctas <= std::min(resident_ctas, params.tagged_ctas);
+  const bool cluster = !resident && grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit;
+  params.cluster = cluster ? 1 : 0;
+  params.resident = resident ? 1 : 0;
+  FirstTiles first = first_tiles(params);
+  first.query_major = query_major_ok && !resident && !cluster && grid.x >= 2 && grid.z >= 2 ? 1 : 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = first.query_major ? dim3(grid.z, grid.y, grid.x) : grid;
+  cfg.blockDim = dim3(kAttendThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  if (cluster) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = grid.x;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+  } else {
+    attr.id = cudaLaunchAttributeCooperative;
+    attr.val.cooperative = 1;
+  }
+  cfg.attrs = &attr;
+  cfg.numAttrs = cluster || resident ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, KernelArgs{first, params});
+  if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
+                   e == cudaErrorNotPermitted)) {
+    (void)cudaGetLastError();
+    return launch(kernel, cluster_limit, 0, query_major_ok, grid, smem, params, stats, stream);
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // reported here, not by a later call
+  } else if (grid.x >= 2 && stats != nullptr) {
+    ++(resident ? stats->resident : cluster ? stats->cluster : stats->last_arrival);
+    if (first.query_major) ++stats->query_major;
+  }
+  return e;
+}
+
+// The CTAs of `kernel` this device holds at once, when it takes
+// cooperative launches (0 otherwise, or when a query fails; its error is
+// cleared).
+template <class Kernel>
+int resident_capacity(Kernel kernel, std::size_t smem) {
+  int device = 0, cooperative = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttendThreads, smem) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return cooperative ? sms * per_sm : 0;
+}
+
+// What a device offers attention launches, set up once per device: the
+// tensor-core kernel's opt-in to more than the 48 KB default of shared
+// memory (a per-device attribute, which every launch needs), each kernel's
+// largest cluster, how many CTAs of the tensor-core kernel a resident grid
+// may have (the general kernel always combines by last arrival), and the
+// L2's size: the device's launch policy.
+struct DeviceSetup {
+  cudaError_t opted_in = cudaSuccess;
+  LaunchPolicy policy;
+};
+
+cudaError_t device_setup(DeviceSetup& out) {
+  int device = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  // The last device this thread launched on, so that a launch takes the
+  // lock only on a thread's first launch or a change of device.
+  thread_local int cached_device = -1;
+  thread_local DeviceSetup cached;
+  if (device == cached_device) {
+    out = cached;
+    return cudaSuccess;
+  }
+  static std::mutex mu;
+  static std::map<int, DeviceSetup> by_device;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = by_device.find(device);
+  if (it == by_device.end()) {
+    DeviceSetup s;
+    s.opted_in = cudaFuncSetAttribute(attend_hd128_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
+    if (s.opted_in != cudaSuccess) (void)cudaGetLastError();
+    if (s.opted_in == cudaSuccess) {
+      s.policy.hd128_cluster = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
+      s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
+    }
+    s.policy.general_cluster = max_cluster(attend_general_kernel, 0);
+    int l2 = 0;
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) == cudaSuccess) {
+      s.policy.l2_bytes = l2;
+    } else {
+      (void)cudaGetLastError();
+    }
+    it = by_device.emplace(device, s).first;
+  }
+  cached_device = device;
+  cached = it->second;
+  out = cached;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+int LaunchPolicy::cluster_limit(int head_dim) const {
+  return head_dim == kTensorHeadDim ? hd128_cluster : general_cluster;
+}
+
+int LaunchPolicy::resident_limit(int head_dim) const {
+  return head_dim == kTensorHeadDim ? hd128_resident : 0;
+}
+
+bool LaunchPolicy::query_major_for(std::int64_t most_rows, std::int64_t kv_dim) const {
+  if (query_major != QueryMajor::kPastL2) return query_major == QueryMajor::kAlways;
+  return l2_bytes > 0 && most_rows * kv_dim * 4 > l2_bytes;
+}
+
+LaunchPolicy device_launch_policy() {
+  DeviceSetup s;
+  if (device_setup(s) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return LaunchPolicy{};
+  }
+  return s.policy;
+}
+
+cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy,
+                          cudaStream_t stream) {
+  if (params.n_queries <= 0) return cudaSuccess;
+  const AttendGrid g = attend_grid(params.n_heads, params.n_kv_heads, params.head_dim);
+  const dim3 grid(static_cast<unsigned>(params.max_splits), static_cast<unsigned>(g.items),
+                  static_cast<unsigned>(params.n_queries));
+  DeviceSetup s;
+  const cudaError_t e = device_setup(s);
+  if (e != cudaSuccess) return e;
+  const int cluster_limit = policy.cluster_limit(params.head_dim);
+  const bool query_major = policy.query_major_for(params.most_rows, params.kv_dim);
+  if (params.head_dim == kTensorHeadDim) {
+    if (s.opted_in != cudaSuccess) return s.opted_in;
+    return launch(attend_hd128_kernel, cluster_limit, policy.resident_limit(params.head_dim),
+                  query_major, grid, sizeof(TensorSmem), params, policy.stats, stream);
+  }
+  return launch(attend_general_kernel, cluster_limit, 0, query_major, grid, 0, params,
+                policy.stats, stream);
+}
+
+}  // namespace kvring::cuda

@@ -1,0 +1,72 @@
+// The launch policy of attention: which combine paths a launch may take
+// and in which grid order it runs (docs/CUDA.md, "The launch policy").
+//
+// It is a value, not a setting: a CudaStore holds one, the policy of its
+// device (device_launch_policy) unless its creator passes another
+// (CudaStore::create). The tests make policies with paths turned off to
+// force each combine path, and count the paths taken through `stats`.
+// Whatever the policy, a query's output bits are the same (kernels.h).
+//
+// Host code only; no CUDA headers.
+#pragma once
+
+#include <cstdint>
+
+namespace kvring::cuda {
+
+// Attention launches by the path their splits combined on (a launch of one
+// split per query is none of them), and how many of the last-arrival ones
+// ran query-major.
+struct AttendStats {
+  long resident = 0;
+  long cluster = 0;
+  long last_arrival = 0;
+  long query_major = 0;
+};
+
+// When a last-arrival launch of several queries runs query-major (grid.x
+// the query and grid.z the split, so that the CTAs that run at once are one
+// split's of many queries and read the same rows).
+enum class QueryMajor {
+  kPastL2,  // when the K and V rows its last query sees outgrow the L2
+  kAlways,
+  kNever,
+};
+
+struct LaunchPolicy {
+  // The largest thread-block cluster the splits of a work item may form,
+  // for the tensor-core kernel (head_dim 128) and for the general one: 1,
+  // no cluster combine. At most what the device runs.
+  int hd128_cluster = 1;
+  int general_cluster = 1;
+  // The most CTAs of a resident grid of the tensor-core kernel (the
+  // general kernel never runs as one): 0, no resident combine. At most what
+  // the device holds at once. A store allocates its tagged partials for
+  // this many CTAs.
+  int hd128_resident = 0;
+  // The device's L2 in bytes (0: unknown, so kPastL2 never holds).
+  std::int64_t l2_bytes = 0;
+  QueryMajor query_major = QueryMajor::kPastL2;
+  // The epoch of the store's first resident-grid launch; the next ones
+  // count on from it, and where the count wraps to 0 the tagged words are
+  // zeroed and the count starts again at 1 (0xffffffff: the second launch
+  // wraps).
+  std::uint32_t first_epoch = 1;
+  // Where the store counts its attention launches (null: nowhere), under
+  // the store's lock; the counter outlives the store's calls.
+  AttendStats* stats = nullptr;
+
+  // The cluster and resident-grid limits of attention with `head_dim`.
+  int cluster_limit(int head_dim) const;
+  int resident_limit(int head_dim) const;
+  // Whether a last-arrival launch of several queries, whose last query
+  // sees `most_rows` rows of `kv_dim` elements, runs query-major.
+  bool query_major_for(std::int64_t most_rows, std::int64_t kv_dim) const;
+};
+
+// The policy of the current device: every combine path it runs,
+// query-major past its L2. A device that cannot be queried gets the
+// default value (last arrival only), its error cleared.
+LaunchPolicy device_launch_policy();
+
+}  // namespace kvring::cuda
