@@ -134,16 +134,21 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   const std::vector<SeqInputs> seqs = {testing::seq_inputs(cs.config, len, 5),
                                        testing::seq_inputs(cs.config, 150, 6)};
   const cuda::LaunchPolicy device = cuda::device_launch_policy();
-  enum Path { kResident, kEpochWrap, kCluster, kLastArrival, kQueryMajor };
+  enum Path { kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor };
   const char* const names[] = {"resident", "resident across the epoch wrap", "cluster",
-                               "last arrival", "last arrival, query-major"};
+                               "cluster within one wave, else last arrival", "last arrival",
+                               "last arrival, query-major"};
+  const int short_decode_ctas = 2 * cuda::attend_grid(16, 2, 128).items;
   std::vector<Outputs> runs;
-  std::vector<cuda::AttendStats> stats(5);
-  for (const Path path : {kResident, kEpochWrap, kCluster, kLastArrival, kQueryMajor}) {
+  std::vector<cuda::AttendStats> stats(6);
+  for (const Path path : {kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor}) {
     SCOPED_TRACE(names[path]);
     cuda::LaunchPolicy policy = path >= kLastArrival ? last_arrival_only() : device;
     if (path == kEpochWrap) policy.first_epoch = 0xffffffffu;  // the second launch wraps
-    if (path == kCluster) policy.hd128_resident = 0;
+    if (path == kCluster || path == kClusterWave) policy.hd128_resident = 0;
+    // Clusters only while the launch's CTAs run at once: the short
+    // sequence's solo decodes; every larger launch by last arrival.
+    if (path == kClusterWave) policy.hd128_cluster_ctas = short_decode_ctas;
     if (path == kLastArrival) policy.query_major = cuda::QueryMajor::kNever;
     if (path == kQueryMajor) policy.query_major = cuda::QueryMajor::kAlways;
     policy.stats = &stats[path];
@@ -171,7 +176,6 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   // Each forced path was taken where the device runs it: at least the
   // short sequence's decodes alone (two splits of each work item) are
   // resident grids, or else clusters of two.
-  const int short_decode_ctas = 2 * cuda::attend_grid(16, 2, 128).items;
   if (device.hd128_resident >= short_decode_ctas) {
     EXPECT_GT(stats[kResident].resident, 0);
     EXPECT_GT(stats[kEpochWrap].resident, 1);
@@ -179,7 +183,10 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   EXPECT_EQ(stats[kCluster].resident, 0);
   if (device.hd128_cluster >= 2) {
     EXPECT_GT(stats[kCluster].cluster, 0);
+    EXPECT_GT(stats[kClusterWave].cluster, 0);
+    EXPECT_GT(stats[kClusterWave].last_arrival, 0);
   }
+  EXPECT_EQ(stats[kClusterWave].resident, 0);
   for (const Path path : {kLastArrival, kQueryMajor}) {
     EXPECT_EQ(stats[path].resident, 0);
     EXPECT_EQ(stats[path].cluster, 0);

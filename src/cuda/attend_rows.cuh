@@ -81,7 +81,9 @@ __device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendPar
     const int mid = (lo + hi + 1) >> 1;
     if (P.items[mid].q_first <= r.qi) lo = mid; else hi = mid - 1;
   }
-  const AttendQueryItem& it = P.items[lo];
+  // The one item of a launch without descriptors is read by value from the
+  // parameters.
+  const AttendQueryItem it = P.items != nullptr ? P.items[lo] : P.single;
   const int i = r.qi - it.q_first;
   r.p = it.first_position + i;
   r.lo = max(std::int64_t{0}, r.p - F.reach);

@@ -742,8 +742,10 @@ Status CudaStore::attend(const AttendBatch& b) {
   // The items' counters use ws_counter * gridDim.y + item * counters: a
   // query's slots hold at least as many entries.
 
+  // One item travels in the launch's parameters; more through a
+  // descriptor buffer.
   Impl::Chunk* desc = nullptr;
-  if (st.ok()) {
+  if (st.ok() && items.size() > 1) {
     const std::size_t bytes = items.size() * sizeof(cuda::AttendQueryItem);
     auto c = im.take_chunk(bytes, s);
     if (!c) {
@@ -758,7 +760,10 @@ Status CudaStore::attend(const AttendBatch& b) {
   for (const Launch& L : launches) {
     if (!st.ok()) break;
     cuda::AttendParams P;
-    P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev) + L.first;
+    if (desc != nullptr)
+      P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev) + L.first;
+    else
+      P.single = items[L.first];
     P.n_items = static_cast<std::int32_t>(L.count);
     P.full = full ? 1 : 0;
     P.pool = im.pool;

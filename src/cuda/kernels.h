@@ -196,8 +196,10 @@ struct AttendQueryItem {
 };
 
 struct AttendParams {
-  // The launch's items (device memory).
+  // The launch's items (device memory), or its one item `single` when
+  // items is null (a launch with nothing to upload; n_items is then 1).
   const AttendQueryItem* items = nullptr;
+  AttendQueryItem single{};
   std::int32_t n_items = 0;
   std::int32_t full = 0;  // the layer's planes are block tables
   PoolGeometry pool;

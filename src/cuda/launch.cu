@@ -38,13 +38,18 @@ bool kernels_run_here() {
 
 namespace {
 
-// The largest cluster of CTAs of `kernel` this device runs at once (1: no
-// clusters). Queried once per kernel; a failed query clears its error.
+// The largest cluster of CTAs of `kernel` this device runs (size 1: no
+// clusters), and how many CTAs of such clusters it runs at once. Queried
+// once per kernel; a failed query clears its error.
+struct ClusterLimit {
+  int size = 1;
+  int ctas = 0;
+};
 template <class Kernel>
-int max_cluster(Kernel kernel, std::size_t smem) {
+ClusterLimit max_cluster(Kernel kernel, std::size_t smem) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     (void)cudaGetLastError();
-    return 1;
+    return {};
   }
   for (int size : {16, 8, 4, 2}) {
     cudaLaunchConfig_t cfg{};
@@ -60,10 +65,10 @@ int max_cluster(Kernel kernel, std::size_t smem) {
     cfg.numAttrs = 1;
     int clusters = 0;
     const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-    if (e == cudaSuccess && clusters >= 1) return size;
+    if (e == cudaSuccess && clusters >= 1) return {size, clusters * size};
     (void)cudaGetLastError();
   }
-  return 1;
+  return {};
 }
 
 // The FirstTiles of a launch.
@@ -81,20 +86,22 @@ FirstTiles first_tiles(const AttendParams& P) {
 // grid has at most `resident_ctas` CTAs (and the tagged partials have
 // room), it is a resident grid through a cooperative launch; else the
 // splits of each item (grid.x of them) form one cluster when there are
-// several and a cluster that large runs; else they combine by last
-// arrival, as they also do when the device turns the cooperative launch
-// down (too large, or not supported or permitted here); a last-arrival
-// launch of several queries runs query-major when `query_major_ok` says so.
-// A launch of several splits is counted in `stats` (when not null) by the
-// path it took.
+// several, a cluster that large runs and the grid's clusters all run at
+// once (at most `cluster_ctas` CTAs; 0: no bound); else they combine by
+// last arrival, as they also do when the device turns the cooperative
+// launch down (too large, or not supported or permitted here); a
+// last-arrival launch of several queries runs query-major when
+// `query_major_ok` says so. A launch of several splits is counted in
+// `stats` (when not null) by the path it took.
 template <class Kernel>
-cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool query_major_ok,
-                   dim3 grid, std::size_t smem, AttendParams params, AttendStats* stats,
-                   cudaStream_t stream) {
+cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, int resident_ctas,
+                   bool query_major_ok, dim3 grid, std::size_t smem, AttendParams params,
+                   AttendStats* stats, cudaStream_t stream) {
   const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
   const bool resident = grid.x >= 2 && params.tagged != nullptr &&
                         ctas <= std::min(resident_ctas, params.tagged_ctas);
-  const bool cluster = !resident && grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit;
+  const bool cluster = !resident && grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit &&
+                       (cluster_ctas <= 0 || ctas <= cluster_ctas);
   params.cluster = cluster ? 1 : 0;
   params.resident = resident ? 1 : 0;
   FirstTiles first = first_tiles(params);
@@ -120,7 +127,8 @@ cudaError_t launch(Kernel kernel, int cluster_limit, int resident_ctas, bool que
   if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
                    e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
-    return launch(kernel, cluster_limit, 0, query_major_ok, grid, smem, params, stats, stream);
+    return launch(kernel, cluster_limit, cluster_ctas, 0, query_major_ok, grid, smem, params, stats,
+                  stream);
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
@@ -181,10 +189,14 @@ cudaError_t device_setup(DeviceSetup& out) {
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
     if (s.opted_in != cudaSuccess) (void)cudaGetLastError();
     if (s.opted_in == cudaSuccess) {
-      s.policy.hd128_cluster = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
+      const ClusterLimit c = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
+      s.policy.hd128_cluster = c.size;
+      s.policy.hd128_cluster_ctas = c.ctas;
       s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
-    s.policy.general_cluster = max_cluster(attend_general_kernel, 0);
+    const ClusterLimit g = max_cluster(attend_general_kernel, 0);
+    s.policy.general_cluster = g.size;
+    s.policy.general_cluster_ctas = g.ctas;
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) == cudaSuccess) {
       s.policy.l2_bytes = l2;
@@ -203,6 +215,10 @@ cudaError_t device_setup(DeviceSetup& out) {
 
 int LaunchPolicy::cluster_limit(int head_dim) const {
   return head_dim == kTensorHeadDim ? hd128_cluster : general_cluster;
+}
+
+std::int64_t LaunchPolicy::cluster_wave(int head_dim) const {
+  return head_dim == kTensorHeadDim ? hd128_cluster_ctas : general_cluster_ctas;
 }
 
 int LaunchPolicy::resident_limit(int head_dim) const {
@@ -236,11 +252,12 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
   const bool query_major = policy.query_major_for(params.most_rows, params.kv_dim);
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
-    return launch(attend_hd128_kernel, cluster_limit, policy.resident_limit(params.head_dim),
-                  query_major, grid, sizeof(TensorSmem), params, policy.stats, stream);
+    return launch(attend_hd128_kernel, cluster_limit, policy.cluster_wave(params.head_dim),
+                  policy.resident_limit(params.head_dim), query_major, grid, sizeof(TensorSmem),
+                  params, policy.stats, stream);
   }
-  return launch(attend_general_kernel, cluster_limit, 0, query_major, grid, 0, params,
-                policy.stats, stream);
+  return launch(attend_general_kernel, cluster_limit, policy.cluster_wave(params.head_dim), 0,
+                query_major, grid, 0, params, policy.stats, stream);
 }
 
 }  // namespace kvring::cuda

@@ -39,6 +39,12 @@ struct LaunchPolicy {
   // no cluster combine. At most what the device runs.
   int hd128_cluster = 1;
   int general_cluster = 1;
+  // The most CTAs of a launch that combines in clusters: what the device
+  // runs at once in clusters of the largest size (0: no bound). A launch
+  // of more (a large batch) would run its clusters in waves, each waiting
+  // for a cluster's worth of SMs, and combines by last arrival instead.
+  std::int64_t hd128_cluster_ctas = 0;
+  std::int64_t general_cluster_ctas = 0;
   // The most CTAs of a resident grid of the tensor-core kernel (the
   // general kernel never runs as one): 0, no resident combine. At most what
   // the device holds at once. A store allocates its tagged partials for
@@ -58,6 +64,7 @@ struct LaunchPolicy {
 
   // The cluster and resident-grid limits of attention with `head_dim`.
   int cluster_limit(int head_dim) const;
+  std::int64_t cluster_wave(int head_dim) const;
   int resident_limit(int head_dim) const;
   // Whether a last-arrival launch of several queries, whose last query
   // sees `most_rows` rows of `kv_dim` elements, runs query-major.
