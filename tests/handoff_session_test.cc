@@ -333,6 +333,123 @@ TEST_F(Handoff, InstallsIntoARunningStore) {
   EXPECT_EQ(std::memcmp(last.data(), reference_.logits.data(), 64 * 4), 0) << "logits differ";
 }
 
+// A sequence of a store prefilled to the payload: the prompt but its last token.
+SeqId prefill_in(const ReferenceModel& model, KvStore& store, const std::vector<std::int32_t>& prompt) {
+  const SeqId seq = *store.add_sequence();
+  std::vector<float> logits(static_cast<std::size_t>(kChunk) * 64);
+  for (std::int64_t at = 0; at < kPrompt - 1; at += kChunk) {
+    const SeqSpan span{seq, at, std::min(kChunk, kPrompt - 1 - at)};
+    EXPECT_TRUE(model.forward(store, {&span, 1}, prompt.data() + at, logits.data()).ok());
+  }
+  return seq;
+}
+
+// Every live row of every layer of a sequence.
+std::vector<std::uint16_t> store_bytes(const KvStore& store, SeqId seq) {
+  std::vector<std::uint16_t> all;
+  for (std::int64_t l = 0; l < store.n_layers(); ++l) {
+    const RingState r = *store.ring(seq, l);
+    std::vector<std::uint16_t> k(static_cast<std::size_t>(r.len() * store.config().kv_dim())), v(k.size());
+    EXPECT_TRUE(store.read_rows(seq, l, r.origin_logical(), r.len(), k.data(), v.data()).ok());
+    all.insert(all.end(), k.begin(), k.end());
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+// A store's sequence handed to a detached sequence of another running store
+// (StoreSource -> StoreTarget, rows written where they belong as they
+// arrive): it decodes bit for bit as the session that never moved, into a
+// store of another block size.
+TEST_F(Handoff, StoreToStoreIsBitExact) {
+  auto from = make_store(BackendKind::kCpu, config_, {.max_sequences = 2});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = prefill_in(*model_, **from, prompt_);
+  auto to = make_store(BackendKind::kCpu, config_, {.max_sequences = 2, .block_rows = 16});
+  ASSERT_TRUE(to.ok());
+  KvStore& store = **to;
+  const SeqId other = prefill_in(*model_, store, seeded_tokens(kPrompt, 64, 5));
+  const auto other_before = store_bytes(store, other);
+  for (std::int64_t message_bytes : {std::int64_t{4} << 20, std::int64_t{3 * 256}}) {
+    const Timeline t = plan(Schedule::kPaced, message_bytes);
+    std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+    auto src = StoreSource::create(**from, seq, t, ids, "meta");
+    ASSERT_TRUE(src.ok()) << src.error().to_string();
+    EXPECT_EQ((*src)->digest(), RowDigest::kSha256);
+    auto [a, b] = local_pair();
+    StoreTarget target(store, {.expect = config_});
+    auto o = run(*a, *b, **src, t, target, 5, message_bytes);
+    ASSERT_TRUE(o.sent.ok()) << o.sent.error().to_string();
+    ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
+    ASSERT_TRUE(target.sequence().has_value());
+    EXPECT_EQ(target.header().metadata, "meta");
+    EXPECT_EQ(store_bytes(store, other), other_before);
+    const SeqId got = *target.sequence();
+    std::vector<std::int32_t> tokens = target.header().token_ids;
+    std::vector<float> last(64);
+    std::int32_t next = prompt_.back();
+    while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
+      const SeqSpan step{got, static_cast<std::int64_t>(tokens.size()), 1};
+      ASSERT_TRUE(model_->forward(store, {&step, 1}, &next, last.data()).ok());
+      tokens.push_back(next);
+      next = argmax(last.data(), 64);
+    }
+    EXPECT_EQ(tokens, reference_.tokens);
+    EXPECT_EQ(std::memcmp(last.data(), reference_.logits.data(), 64 * 4), 0) << "logits differ";
+    ASSERT_TRUE(store.remove_sequence(got).ok());
+  }
+}
+
+// Every way a session into a store fails leaves the store as it was: the
+// same sequences, the same bytes, the same free blocks.
+TEST_F(Handoff, StoreTargetFaultsLeaveTheStoreAsItWas) {
+  auto from = make_store(BackendKind::kCpu, config_, {.max_sequences = 1});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = prefill_in(*model_, **from, prompt_);
+  const Timeline t = plan(Schedule::kPaced, 3 * 256);
+  std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+  auto to = make_store(BackendKind::kCpu, config_, {.max_sequences = 2, .block_rows = 16});
+  ASSERT_TRUE(to.ok());
+  KvStore& store = **to;
+  const SeqId other = prefill_in(*model_, store, seeded_tokens(kPrompt, 64, 5));
+  const auto before = store_bytes(store, other);
+  const std::int64_t free_before = store.free_blocks();
+  auto attempt = [&](KvStore& into, auto&& fault) {
+    auto src = StoreSource::create(**from, seq, t, ids, "");
+    EXPECT_TRUE(src.ok());
+    auto [a, b] = local_pair();
+    Faulty faulty(*a);
+    fault(faulty);
+    StoreTarget target(into);
+    auto o = run(faulty, *b, **src, t, target, 1.0, 3 * 256);
+    EXPECT_FALSE(o.received.ok());
+    EXPECT_FALSE(o.sent.ok());
+    EXPECT_FALSE(target.sequence().has_value());
+    return o.received.ok() ? ErrorCode::kInternal : o.received.error().code;
+  };
+  EXPECT_EQ(attempt(store, [](Faulty& f) { f.flip_at_send = 5; }), ErrorCode::kCorruption);
+  EXPECT_EQ(store.sequence_count(), 1);
+  EXPECT_EQ(store.free_blocks(), free_before);
+  EXPECT_EQ(store_bytes(store, other), before);
+  EXPECT_EQ(attempt(store, [](Faulty& f) { f.drop_at_send = 6; }), ErrorCode::kIOError);
+  EXPECT_EQ(store.sequence_count(), 1);
+  EXPECT_EQ(store.free_blocks(), free_before);
+  EXPECT_EQ(store_bytes(store, other), before);
+  // A store whose pool cannot hold the session refuses it at the header.
+  auto tight = make_store(BackendKind::kCpu, config_, {.max_sequences = 2, .block_rows = 16, .pool_blocks = 4});
+  ASSERT_TRUE(tight.ok());
+  EXPECT_EQ(attempt(**tight, [](Faulty&) {}), ErrorCode::kCapacityExceeded);
+  EXPECT_EQ((*tight)->free_blocks(), 4);
+  EXPECT_EQ((*tight)->sequence_count(), 0);
+  // And so does a store of another geometry, or with no free slot.
+  auto wrong = make_store(BackendKind::kCpu, testing::small_config(64, 256), {.max_sequences = 2});
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_EQ(attempt(**wrong, [](Faulty&) {}), ErrorCode::kMismatch);
+  ASSERT_TRUE(store.add_sequence().ok());
+  EXPECT_EQ(attempt(store, [](Faulty&) {}), ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(store_bytes(store, other), before);
+}
+
 TEST_F(Handoff, WrongGeometryIsRefused) {
   Session s = prefilled();
   const Timeline t = plan();

@@ -516,5 +516,90 @@ TEST(Store, SnapshotsMoveOneSequenceBetweenStores) {
   EXPECT_EQ(small->sequence_count(), 0);
 }
 
+// A detached sequence takes a slot and blocks but is invisible and refused
+// by every batched operation until attached; its planes are installed in
+// pieces (install_plane, then install_rows in any order) and end up equal to
+// one install() of the same rows; removing it gives everything back.
+TEST(Store, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  auto s = cpu_store(c, {.max_sequences = 3, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 70}}}, out);
+  auto snap = take_snapshot(*s, a);
+  ASSERT_TRUE(snap.ok());
+  const auto a_bytes = live_bytes(*s, a);
+  const std::int64_t free_before = s->free_blocks();
+
+  auto d = s->add_detached_sequence();
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(s->is_detached(*d));
+  EXPECT_FALSE(s->contains(*d));
+  EXPECT_EQ(s->sequence_count(), 1);
+  EXPECT_EQ(s->sequences(), std::vector<SeqId>{a});
+  // Nothing reads or extends it while it is detached.
+  const std::int64_t kv = c.kv_dim();
+  std::vector<float> x(static_cast<std::size_t>(kv), 0.5f);
+  const SeqSpan span{*d, 0, 1};
+  EXPECT_EQ(s->store(0, {&span, 1}, host_view(x.data(), 1, kv), host_view(x.data(), 1, kv)).error().code,
+            ErrorCode::kNotFound);
+  EXPECT_EQ(s->fork_sequence(*d).error().code, ErrorCode::kNotFound);
+  EXPECT_EQ(s->reset_sequence(*d).error().code, ErrorCode::kNotFound);
+  EXPECT_EQ(s->truncate_sequence(*d, 0).error().code, ErrorCode::kNotFound);
+  // install_rows and install_plane take only a detached sequence.
+  const RingState r0 = *restore_ring(*snap, 0, *s);
+  EXPECT_EQ(s->install_plane(a, 0, r0).error().code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s->install_rows(a, 0, 69, 1, snap->planes[0].k.data(), snap->planes[0].v.data()).error().code,
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(live_bytes(*s, a), a_bytes);
+
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    auto ring = restore_ring(*snap, l, *s);
+    ASSERT_TRUE(ring.ok()) << ring.error().to_string();
+    ASSERT_TRUE(s->install_plane(*d, l, *ring).ok());
+    const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
+    const std::int64_t skip = ring->origin_logical() - p.ring.origin_logical();
+    // Rows outside the plane are refused; the rest arrive back to front in
+    // pieces of 5.
+    EXPECT_FALSE(s->install_rows(*d, l, ring->origin_logical() - 1, 1, p.k.data(), p.v.data()).ok());
+    EXPECT_FALSE(s->install_rows(*d, l, ring->next_position(), 1, p.k.data(), p.v.data()).ok());
+    for (std::int64_t end = ring->next_position(); end > ring->origin_logical(); end -= 5) {
+      const std::int64_t first = std::max(ring->origin_logical(), end - 5);
+      const auto at = static_cast<std::size_t>((first - ring->origin_logical() + skip) * kv);
+      ASSERT_TRUE(s->install_rows(*d, l, first, end - first, p.k.data() + at, p.v.data() + at).ok());
+    }
+  }
+  EXPECT_LT(s->free_blocks(), free_before);
+  EXPECT_EQ(live_bytes(*s, *d), a_bytes);
+  // Removed instead of attached: every block is back, nothing else changed.
+  ASSERT_TRUE(s->remove_sequence(*d).ok());
+  EXPECT_EQ(s->free_blocks(), free_before);
+  EXPECT_EQ(s->sequence_count(), 1);
+  EXPECT_EQ(live_bytes(*s, a), a_bytes);
+
+  // Attached: live, and it decodes as the sequence it was copied from.
+  auto e = s->add_detached_sequence();
+  ASSERT_TRUE(e.ok());
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const RingState ring = *restore_ring(*snap, l, *s);
+    const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
+    const auto at = static_cast<std::size_t>((ring.origin_logical() - p.ring.origin_logical()) * kv);
+    ASSERT_TRUE(s->install(*e, l, ring, p.k.data() + at, p.v.data() + at).ok());
+  }
+  ASSERT_TRUE(s->attach_sequence(*e).ok());
+  EXPECT_FALSE(s->attach_sequence(*e).ok());
+  EXPECT_TRUE(s->contains(*e));
+  EXPECT_EQ(s->sequence_count(), 2);
+  Outputs o1, o2;
+  run_batch(*s, {{6, SeqSpan{a, 70, 9}}}, o1);
+  run_batch(*s, {{6, SeqSpan{*e, 70, 9}}}, o2);
+  EXPECT_EQ(o1, o2);
+  // A detached sequence takes a slot: with every slot taken, none is added.
+  auto f = s->add_detached_sequence();
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(s->add_detached_sequence().error().code, ErrorCode::kCapacityExceeded);
+}
+
 }  // namespace
 }  // namespace kvring

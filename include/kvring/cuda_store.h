@@ -60,9 +60,9 @@ class CudaStore final : public KvStore {
                     cudaStream_t stream) override;
   Status attend(const AttendBatch& batch) override;
   Status copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
-                  std::uint16_t* v) const override;
+                  std::uint16_t* v, MemorySpace space, cudaStream_t stream) const override;
   Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,
-                 const std::uint16_t* v) override;
+                 const std::uint16_t* v, MemorySpace space, cudaStream_t stream) override;
   Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
                    std::uint16_t* v) const override;
   Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) override;

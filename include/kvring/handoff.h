@@ -6,12 +6,14 @@
 //     and a schedule of when each message is sent relative to prefill's
 //     progress (a pure function; `kvring handoff plan` prints it and the
 //     sender follows its message list and order).
-//   - Transport: whole messages with deadlines; in-process (local_pair) and
-//     between processes (UCX: ucx_listen / ucx_connect).
+//   - Transport: whole messages with deadlines; in-process (local_pair, and
+//     local_device_pair, which carries device memory of one GPU) and between
+//     processes (UCX: ucx_listen / ucx_connect).
 //   - HandoffSource / HandoffTarget: the sending session and the detached
-//     receiving one. Today they wrap a KvCache and a Snapshot restored through
-//     restore_detached; a many-sequence store implements the same two
-//     interfaces for its sequences.
+//     receiving one: a sequence of a store read where it lies (StoreSource)
+//     and installed straight into a detached sequence (StoreTarget), on
+//     either backend; a KvCache (CacheSource, PrefillSource) and a fresh
+//     cache (DetachedCacheTarget) for the command-line pair.
 //   - send_session / receive_session: the protocol (docs/DESIGN.md, "Handoff").
 //
 // The payload of an N-token prompt is the first N-1 tokens' rows: the decode
@@ -34,6 +36,11 @@
 #include "kvring/status.h"
 
 namespace kvring::handoff {
+
+namespace device {
+class SourceSlots;
+class TargetSlots;
+}  // namespace device
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
@@ -130,13 +137,38 @@ Status check_timeline(Timeline& timeline, double max_idle_s);
 // ---------------------------------------------------------------- transport
 
 // Where a buffer lives; a transport that cannot reach a kind refuses it
-// (kUnsupported). Device memory is for a later same-GPU transport.
+// (kUnsupported). Device memory is the current GPU's.
 enum class MemoryKind { kHost, kCudaDevice };
 
 struct Part {
   const void* data = nullptr;
   std::size_t size = 0;
   MemoryKind kind = MemoryKind::kHost;
+  // A device part's bytes are ready in this stream's order: the transport
+  // enqueues its copy there. Every device part of one message names the
+  // same stream.
+  cudaStream_t stream = nullptr;
+};
+
+// Bytes a transport left in device memory for the receiver. Destroying the
+// object frees them once the work enqueued on the streams they were made
+// ready on has run (stream-ordered: no wait).
+class DeviceBytes {
+ public:
+  virtual ~DeviceBytes() = default;
+  virtual const void* data() const = 0;
+  virtual std::size_t size() const = 0;
+  // Work enqueued on `stream` after this call sees the bytes (a device-side
+  // wait, not a host one).
+  virtual Status ready_on(cudaStream_t stream) = 0;
+};
+
+struct ReceivedMessage {
+  // The whole message, or its bytes before its first device part.
+  std::vector<std::uint8_t> host;
+  // The bytes from its first device part on, where the transport left them
+  // in device memory; null otherwise.
+  std::unique_ptr<DeviceBytes> device;
 };
 
 // Whole messages, in order, both ways. Every call has a deadline; a lost
@@ -156,10 +188,29 @@ class Transport {
   virtual std::string describe() const = 0;  // "ucx 127.0.0.1:4242", for messages
   // Closes the link; the peer's calls then fail. Idempotent.
   virtual void close() = 0;
+  // Whether send_message takes parts of `kind` (every transport takes host).
+  virtual bool carries(MemoryKind kind) const { return kind == MemoryKind::kHost; }
+  // The next message. With keep_device, the bytes a sender sent from device
+  // memory stay in device memory where this transport carries them
+  // (out.device); otherwise every byte arrives in out.host.
+  virtual Status recv(ReceivedMessage& out, Deadline deadline, std::size_t max_size,
+                      bool keep_device) {
+    (void)keep_device;
+    out.device.reset();
+    return recv_message(out.host, deadline, max_size);
+  }
 };
 
 // Two connected in-process endpoints (host memory).
 std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair();
+
+// Two connected in-process endpoints that also carry device memory of the
+// current GPU: a message's device parts are copied device to device
+// (enqueued on their stream, no host wait) into memory the receiver gets as
+// DeviceBytes, or, when it asks for host bytes, copied to the host on
+// receipt. Host parts travel as in local_pair. kUnsupported in a build
+// without CUDA or where no GPU is visible.
+Result<std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>>> local_device_pair();
 
 // UCX (ucp tag API, one tagged message per message, over a client-server
 // endpoint made from a TCP sockaddr; UCX picks TCP, shared memory or CMA
@@ -179,12 +230,32 @@ Result<std::pair<std::string, int>> parse_host_port(const std::string& host_port
 
 // ---------------------------------------------------------------- sessions
 
+// How each row message is verified on arrival (docs/DESIGN.md, "Handoff"):
+// SHA-256 of host rows, or digest64 (src/core/digest64.h), which both sides
+// compute where the rows lie, on the GPU for device rows.
+enum class RowDigest : std::uint8_t { kSha256 = 0, kDigest64 = 1 };
+const char* row_digest_name(RowDigest digest);
+
+// A message's rows as a source hands them out: K and V, f16 [rows, kv_dim].
+struct SourceRows {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  MemoryKind kind = MemoryKind::kHost;
+  cudaStream_t stream = nullptr;  // device rows are ready in this stream's order
+  // digest64's words of K (seed 1) plus those of V (seed 2), where the
+  // source computed them; device rows must carry them (the sender never
+  // reads device rows itself).
+  std::optional<std::uint64_t> digest_words;
+};
+
 // The sending side: the header (geometry, context, token ids, metadata, the
 // final ring states; no rows) and the rows of each planned message once final.
 class HandoffSource {
  public:
   virtual ~HandoffSource() = default;
   virtual const Snapshot& header() const = 0;
+  // The digest the session's row messages carry.
+  virtual RowDigest digest() const { return RowDigest::kSha256; }
   // Waits until the message's rows are final: true, or false when the
   // deadline came first (the sender then keeps the link alive and waits
   // again); an error when the source failed (prefill stopped).
@@ -193,7 +264,51 @@ class HandoffSource {
   // pointers stay valid until release(message).
   virtual Status rows(const PlannedMessage& message, const std::uint16_t** k,
                       const std::uint16_t** v) = 0;
+  // The same, in device memory where `device_ok` (the transport carries it)
+  // and the source holds its rows there. Messages are asked for in send
+  // order. The default hands out rows().
+  virtual Status message_rows(const PlannedMessage& message, bool device_ok, SourceRows* out);
   virtual void release(const PlannedMessage& /*message*/) {}
+};
+
+// The header of a session whose payload one sequence of a store holds
+// (every planned row, up to its next position): the geometry, context,
+// token ids, metadata and ring states a source sends.
+Result<Snapshot> session_header(const KvStore& store, SeqId seq, const Payload& payload,
+                                std::vector<std::int32_t> token_ids, std::string metadata);
+
+// A finished session in one sequence of a store (either backend), read
+// where it lies. On the CUDA backend each message's rows are gathered on the
+// GPU into one of two staging slots and digested there (digest64), then
+// handed out in device memory (a transport that carries it) or copied into
+// pinned host memory (UCX): the next message is gathered and copied while
+// the current one is sent. On the CPU backend rows are read into host
+// buffers and the session carries SHA-256. The store, the sequence and
+// `timeline` must outlive the source, and the caller makes no other call on
+// the store while the session is sent.
+class StoreSource : public HandoffSource {
+ public:
+  static Result<std::unique_ptr<StoreSource>> create(const KvStore& store, SeqId seq,
+                                                     const Timeline& timeline,
+                                                     std::vector<std::int32_t> token_ids,
+                                                     std::string metadata);
+  ~StoreSource() override;
+  const Snapshot& header() const override { return header_; }
+  RowDigest digest() const override;
+  Result<bool> wait_final(const PlannedMessage&, Deadline) override { return true; }
+  Status rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) override;
+  Status message_rows(const PlannedMessage& m, bool device_ok, SourceRows* out) override;
+
+ private:
+  StoreSource(const KvStore& store, SeqId seq, const Timeline& timeline);
+  const KvStore& store_;
+  SeqId seq_;
+  const Timeline& timeline_;
+  Snapshot header_;
+  std::vector<std::uint16_t> k_, v_;
+  std::unique_ptr<device::SourceSlots> slots_;  // the CUDA backend's staging
+  std::int64_t prepared_ = -1;  // the message gathered ahead into its slot
+  bool prepared_host_ = false;
 };
 
 // A finished session: a cache whose first rows_tokens positions are the
@@ -259,8 +374,60 @@ class HandoffTarget {
   virtual Status begin(const Snapshot& header) = 0;
   virtual Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
                           const std::uint8_t* k, const std::uint8_t* v) = 0;
+  // Rows in device memory of the current GPU (the transport left them
+  // there), taken on `stream` without a host wait: only where
+  // accepts_device(). commit() waits for them.
+  virtual bool accepts_device() const { return false; }
+  virtual Status put_device_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                                 const void* k, const void* v, cudaStream_t stream);
   virtual Status commit() = 0;
   virtual void abort() = 0;
+};
+
+// Installs straight into a detached sequence of a running store (either
+// backend; KvStore::add_detached_sequence): begin() refuses a session the
+// store cannot take (another geometry, more positions than its context, no
+// free slot or too few free blocks) and otherwise takes a slot and every
+// plane's blocks; each message's rows are written where they belong as they
+// arrive (once: no snapshot buffer; only a ring the rows do not fill is
+// cleared, as install() does); commit() waits for the
+// device and makes the sequence live; abort() removes it, leaving the store
+// as it was. On the CUDA backend, host rows go through two pinned and device
+// staging slots, so one message's copy to the GPU and its install run while
+// the next is received; device rows are installed where they lie. The
+// caller makes no other call on the store until commit or abort.
+class StoreTarget : public HandoffTarget {
+ public:
+  struct Options {
+    // Set: a session of another geometry is refused (kMismatch); the
+    // store's geometry is always required.
+    std::optional<ModelConfig> expect;
+    std::int64_t max_row_bytes = std::int64_t{64} << 30;
+  };
+  explicit StoreTarget(KvStore& store);
+  StoreTarget(KvStore& store, Options options);
+  ~StoreTarget() override;  // aborts a session not committed
+  Status begin(const Snapshot& header) override;
+  Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                  const std::uint8_t* k, const std::uint8_t* v) override;
+  bool accepts_device() const override;
+  Status put_device_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                         const void* k, const void* v, cudaStream_t stream) override;
+  Status commit() override;
+  void abort() override;
+  // After commit: the new live sequence, and the header (token ids, metadata).
+  std::optional<SeqId> sequence() const { return committed_ ? seq_ : std::nullopt; }
+  const Snapshot& header() const { return header_; }
+
+ private:
+  KvStore& store_;
+  Options options_;
+  Snapshot header_;  // no rows
+  std::optional<SeqId> seq_;
+  bool committed_ = false;
+  std::vector<std::int64_t> skip_;  // per layer: the first position the store keeps
+  cudaStream_t device_stream_ = nullptr;  // the stream device rows were taken on
+  std::unique_ptr<device::TargetSlots> slots_;  // the CUDA backend's staging
 };
 
 // Rows land in a Snapshot's buffers; commit installs them, either into a

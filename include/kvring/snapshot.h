@@ -93,6 +93,10 @@ Status validate_snapshot(const Snapshot& snapshot, bool header_only = false);
 // the snapshot to hold every row its ring would hold.
 Status check_restorable(const Snapshot& header, const KvStore& target);
 Status check_restorable(const Snapshot& header, const KvCache& target);
+// The ring plane `layer` of `target` gets when `header` is restored into it
+// (what restore() installs: the last of the snapshot's rows the target's
+// plane holds, at a sequentially built ring's rotation), or why it cannot.
+Result<RingState> restore_ring(const Snapshot& header, std::int64_t layer, const KvStore& target);
 
 // Replaces every plane of `target` with the snapshot's rows. Everything is
 // checked first; on an error in the input the target is left exactly as it

@@ -8,8 +8,9 @@
 // only moves bytes to the placements it is given and attends over them
 // (docs/DESIGN.md, "Many sequences").
 //
-// Threads: calls on one store are made one at a time, except read_rows()
-// and install() of different layers, which may run concurrently.
+// Threads: calls on one store are made one at a time, except read_rows(),
+// install(), install_plane() and install_rows() of different layers, which
+// may run concurrently.
 //
 // Failure contract: an operation that returns an error has changed nothing,
 // for any sequence it names. Should a backend fail part-way (a device
@@ -194,10 +195,29 @@ class KvStore {
   // Waits for the work this store enqueued on `stream` (null: its own).
   virtual Status synchronize(cudaStream_t stream = nullptr) const = 0;
 
-  // ---- Rows of one sequence (host memory, f16 bits) ------------------------
+  // ---- Detached sequences ---------------------------------------------------
+  // A sequence being installed from elsewhere (a handoff's receiving side):
+  // it holds a slot and the blocks its planes take, but it is not live.
+  // Only install, install_plane, install_rows, read_rows, read_plane, ring,
+  // next_position, blocks_held and remove_sequence reach it; sequences(),
+  // sequence_count() and contains() leave it out, and every batched
+  // operation, fork, truncate and reset refuse it (kNotFound), so nothing
+  // reads or extends rows that are still arriving. attach_sequence makes it
+  // live; remove_sequence frees it and everything it took instead.
+  // Errors: kCapacityExceeded when every slot is taken.
+  Result<SeqId> add_detached_sequence();
+  Status attach_sequence(SeqId seq);
+  bool is_detached(SeqId seq) const;
+
+  // ---- Rows of one sequence (f16 bits) --------------------------------------
+  // Rows are in host memory, or with MemorySpace::kDevice in device memory
+  // of the store's GPU (the CUDA backend): such a call is enqueued on
+  // `stream` (null: the store's own) and does not wait for the device; a
+  // host call on the CUDA backend waits for its copies.
   // Live rows [first, first + count) in logical order: k, v [count, kv_dim].
   Status read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
-                   std::uint16_t* k, std::uint16_t* v) const;
+                   std::uint16_t* k, std::uint16_t* v, MemorySpace space = MemorySpace::kHost,
+                   cudaStream_t stream = nullptr) const;
   // The physical image of a plane, [capacity * kv_dim] each, layout-indexed
   // (layout.h): a sliding ring's storage as it is; a full plane's rows
   // [0, len) from its blocks and zeros past them.
@@ -207,7 +227,19 @@ class KvStore {
   // rotation is origin_logical % capacity (a sliding ring) or zero (full).
   // Should the backend fail while copying, the plane is left empty.
   Status install(SeqId seq, std::int64_t layer, const RingState& ring, const std::uint16_t* k,
-                 const std::uint16_t* v);
+                 const std::uint16_t* v, MemorySpace space = MemorySpace::kHost,
+                 cudaStream_t stream = nullptr);
+  // install() in two steps, for a detached sequence whose rows arrive in
+  // pieces: install_plane sets the plane to `ring` (install's rules; blocks
+  // taken, a ring that is not full cleared) with its live rows not yet
+  // written, and install_rows writes live rows [first, first + count) of it
+  // (k, v [count, kv_dim], logical order). A live sequence is refused: its
+  // rows would be readable before they were written.
+  Status install_plane(SeqId seq, std::int64_t layer, const RingState& ring,
+                       cudaStream_t stream = nullptr);
+  Status install_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
+                      const std::uint16_t* k, const std::uint16_t* v,
+                      MemorySpace space = MemorySpace::kHost, cudaStream_t stream = nullptr);
 
  protected:
   KvStore(ModelConfig config, StoreOptions resolved);
@@ -265,10 +297,13 @@ class KvStore {
   virtual Status write_rows(std::span<const RowWrite> writes, const ConstView& k,
                             const ConstView& v, cudaStream_t stream) = 0;
   virtual Status attend(const AttendBatch& batch) = 0;
+  // Rows of a plane to or from packed f16 [rows, kv_dim] in caller memory
+  // of `space` (checked by check_view); device copies are enqueued on
+  // `stream` (null: the backend's own) and do not wait.
   virtual Status copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
-                          std::uint16_t* v) const = 0;
+                          std::uint16_t* v, MemorySpace space, cudaStream_t stream) const = 0;
   virtual Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,
-                         const std::uint16_t* v) = 0;
+                         const std::uint16_t* v, MemorySpace space, cudaStream_t stream) = 0;
   // The whole storage of a slot's ring (token-major, [ring rows * kv_dim]).
   virtual Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
                            std::uint16_t* v) const = 0;
@@ -291,6 +326,7 @@ class KvStore {
  private:
   struct Sequence {
     bool live = false;
+    bool detached = false;  // taken by add_detached_sequence, not yet attached
     bool used = false;  // held a sequence since the store was created
     std::uint32_t generation = 0;
     std::vector<RingState> rings;                    // [n_layers]
@@ -301,7 +337,23 @@ class KvStore {
   // step allocates (and first-touches) nothing.
   struct Scratch;
 
+  // The slot of a live sequence; slot_any also finds a detached one.
   Result<std::int32_t> slot_of(SeqId seq) const;
+  Result<std::int32_t> slot_any(SeqId seq) const;
+  Result<SeqId> add_slot(bool detached);
+  // Install's two halves before the rows: plan_plane takes the blocks a
+  // plane of `state` needs (bookkeeping only; on an error roll back), and
+  // ready_plane mirrors the tables and clears a ring the rows do not fill.
+  Status plan_plane(Txn& txn, std::int32_t slot, std::int64_t layer, const RingState& state);
+  Status ready_plane(Txn& txn, std::int32_t slot, std::int64_t layer, const RingState& state,
+                     cudaStream_t stream);
+  // A plane left empty after a backend failed part-way through an install.
+  void empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer);
+  Status check_rows_memory(MemorySpace space, const std::uint16_t* k,
+                           const std::uint16_t* v) const;
+  // Rows [first, first + count) are live in ring `r` of the sequence.
+  Status check_live(SeqId seq, std::int64_t layer, const RingState& r, std::int64_t first,
+                    std::int64_t count) const;
   Status check_layer(std::int64_t layer) const;
   PlaneRef plane_ref(std::int32_t slot, std::int64_t layer) const;
   Status check_rows_view(const char* what, const ConstView& v, std::int64_t rows,

@@ -249,7 +249,7 @@ RingState KvStore::fresh_ring(std::int64_t layer) const {
 
 // ---- Sequences ---------------------------------------------------------------------
 
-Result<std::int32_t> KvStore::slot_of(SeqId seq) const {
+Result<std::int32_t> KvStore::slot_any(SeqId seq) const {
   const std::uint32_t slot = slot_part(seq);
   if (slot >= slots_.size() || !slots_[slot].live ||
       slots_[slot].generation != generation_part(seq))
@@ -258,21 +258,47 @@ Result<std::int32_t> KvStore::slot_of(SeqId seq) const {
   return static_cast<std::int32_t>(slot);
 }
 
+Result<std::int32_t> KvStore::slot_of(SeqId seq) const {
+  auto slot = slot_any(seq);
+  if (slot && slots_[static_cast<std::size_t>(*slot)].detached)
+    return make_error(ErrorCode::kNotFound,
+                      seq_name(seq) + " is detached (still being installed); attach it first");
+  return slot;
+}
+
 bool KvStore::contains(SeqId seq) const { return slot_of(seq).ok(); }
 
 std::vector<SeqId> KvStore::sequences() const {
   std::vector<SeqId> out;
   for (std::size_t i = 0; i < slots_.size(); ++i)
-    if (slots_[i].live) out.push_back(make_seq(static_cast<std::uint32_t>(i), slots_[i].generation));
+    if (slots_[i].live && !slots_[i].detached)
+      out.push_back(make_seq(static_cast<std::uint32_t>(i), slots_[i].generation));
   return out;
 }
 
 std::int64_t KvStore::sequence_count() const {
-  return static_cast<std::int64_t>(
-      std::count_if(slots_.begin(), slots_.end(), [](const Sequence& s) { return s.live; }));
+  return static_cast<std::int64_t>(std::count_if(
+      slots_.begin(), slots_.end(), [](const Sequence& s) { return s.live && !s.detached; }));
 }
 
-Result<SeqId> KvStore::add_sequence() {
+Result<SeqId> KvStore::add_sequence() { return add_slot(false); }
+Result<SeqId> KvStore::add_detached_sequence() { return add_slot(true); }
+
+bool KvStore::is_detached(SeqId seq) const {
+  auto slot = slot_any(seq);
+  return slot && slots_[static_cast<std::size_t>(*slot)].detached;
+}
+
+Status KvStore::attach_sequence(SeqId seq) {
+  auto slot = slot_any(seq);
+  if (!slot) return slot.error();
+  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  if (!s.detached) return invalid_argument(seq_name(seq) + " is already live");
+  s.detached = false;
+  return Status::Ok();
+}
+
+Result<SeqId> KvStore::add_slot(bool detached) {
   std::size_t i = 0;
   while (i < slots_.size() && slots_[i].live) ++i;
   if (i == slots_.size())
@@ -286,6 +312,7 @@ Result<SeqId> KvStore::add_sequence() {
       if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(clear_ring(slot, l, nullptr));
   Sequence& s = slots_[i];
   s.live = true;
+  s.detached = detached;
   s.used = true;
   s.rings.clear();
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings.push_back(fresh_ring(l));
@@ -306,11 +333,12 @@ void KvStore::release_tables(Sequence& s) {
 }
 
 Status KvStore::remove_sequence(SeqId seq) {
-  auto slot = slot_of(seq);
+  auto slot = slot_any(seq);
   if (!slot) return slot.error();
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   release_tables(s);
   s.live = false;
+  s.detached = false;
   s.rings.clear();
   ++s.generation;
   return Status::Ok();
@@ -404,7 +432,7 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
 }
 
 Result<std::int64_t> KvStore::next_position(SeqId seq) const {
-  auto slot = slot_of(seq);
+  auto slot = slot_any(seq);
   if (!slot) return slot.error();
   const auto& rings = slots_[static_cast<std::size_t>(*slot)].rings;
   if (rings.empty()) return invalid_argument("the store has no layers");
@@ -416,14 +444,14 @@ Result<std::int64_t> KvStore::next_position(SeqId seq) const {
 }
 
 Result<RingState> KvStore::ring(SeqId seq, std::int64_t layer) const {
-  auto slot = slot_of(seq);
+  auto slot = slot_any(seq);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   return slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
 }
 
 Result<std::int64_t> KvStore::blocks_held(SeqId seq) const {
-  auto slot = slot_of(seq);
+  auto slot = slot_any(seq);
   if (!slot) return slot.error();
   std::int64_t n = 0;
   for (const auto& t : slots_[static_cast<std::size_t>(*slot)].tables)
@@ -727,14 +755,15 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
 
 // ---- Rows of one sequence ------------------------------------------------------------
 
-Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
-                          std::uint16_t* k, std::uint16_t* v) const {
-  auto slot = slot_of(seq);
-  if (!slot) return slot.error();
-  KVRING_RETURN_IF_ERROR(check_layer(layer));
-  if (count == 0) return Status::Ok();
-  if (k == nullptr || v == nullptr) return invalid_argument("read_rows: null buffer");
-  const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
+Status KvStore::check_rows_memory(MemorySpace space, const std::uint16_t* k,
+                                  const std::uint16_t* v) const {
+  if (k == nullptr || v == nullptr) return invalid_argument("rows: null buffer");
+  KVRING_RETURN_IF_ERROR(check_view("k", space, DType::kF16, k));
+  return check_view("v", space, DType::kF16, v);
+}
+
+Status KvStore::check_live(SeqId seq, std::int64_t layer, const RingState& r, std::int64_t first,
+                           std::int64_t count) const {
   if (count < 0 || count > r.len() || first < r.origin_logical() ||
       first > r.next_position() - count)
     return invalid_argument(seq_name(seq) + ", layer " + std::to_string(layer) + ": " +
@@ -742,12 +771,25 @@ Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std
                             std::to_string(first) + " are not all live (live: [" +
                             std::to_string(r.origin_logical()) + ", " +
                             std::to_string(r.next_position()) + "))");
-  return copy_out(plane_ref(*slot, layer), r.spans(first, count), k, v);
+  return Status::Ok();
+}
+
+Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
+                          std::uint16_t* k, std::uint16_t* v, MemorySpace space,
+                          cudaStream_t stream) const {
+  auto slot = slot_any(seq);
+  if (!slot) return slot.error();
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  if (count == 0) return Status::Ok();
+  KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
+  const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
+  KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
+  return copy_out(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream);
 }
 
 Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
                            std::uint16_t* v) const {
-  auto slot = slot_of(seq);
+  auto slot = slot_any(seq);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   if (k == nullptr || v == nullptr) return invalid_argument("read_plane: null buffer");
@@ -761,7 +803,8 @@ Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   if (r.len() == 0) return Status::Ok();
   std::vector<std::uint16_t> rk(static_cast<std::size_t>(r.len() * kv_dim)), rv(rk.size());
-  KVRING_RETURN_IF_ERROR(copy_out(plane_ref(*slot, layer), r.live_spans(), rk.data(), rv.data()));
+  KVRING_RETURN_IF_ERROR(copy_out(plane_ref(*slot, layer), r.live_spans(), rk.data(), rv.data(),
+                                  MemorySpace::kHost, nullptr));
   for (std::int64_t row = 0; row < r.len(); ++row)
     for (std::int64_t h = 0; h < config_.n_kv_heads; ++h)
       for (std::int64_t d = 0; d < hd; ++d) {
@@ -777,32 +820,34 @@ Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
   return Status::Ok();
 }
 
-Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
-                        const std::uint16_t* k, const std::uint16_t* v) {
-  auto slot = slot_of(seq);
-  if (!slot) return slot.error();
-  KVRING_RETURN_IF_ERROR(check_layer(layer));
-  const bool sliding = full_index(layer) < 0;
-  if (state.capacity() != capacity(layer) || state.wraps() != sliding)
+namespace {
+
+// A ring state install() accepts for a plane of `capacity` (sliding or full).
+Status check_install_ring(std::int64_t layer, const RingState& state, std::int64_t capacity,
+                          bool sliding) {
+  if (state.capacity() != capacity || state.wraps() != sliding)
     return make_error(ErrorCode::kMismatch,
                       "layer " + std::to_string(layer) + ": plane of capacity " +
                           std::to_string(state.capacity()) + " (" +
                           (state.wraps() ? "sliding" : "full") + ") does not fit capacity " +
-                          std::to_string(capacity(layer)) + " (" +
-                          (sliding ? "sliding" : "full") + ")");
+                          std::to_string(capacity) + " (" + (sliding ? "sliding" : "full") + ")");
   const std::int64_t rotation = sliding ? state.origin_logical() % state.capacity() : 0;
   if (state.origin_physical() != rotation || (!sliding && state.origin_logical() != 0))
     return invalid_argument("layer " + std::to_string(layer) +
                             ": ring state is not the rotation of a sequentially built ring");
-  if (state.len() > 0 && (k == nullptr || v == nullptr))
-    return invalid_argument("install: null buffer");
-  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
-  Txn txn;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status KvStore::plan_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
+                           const RingState& state) {
+  Sequence& s = slots_[static_cast<std::size_t>(slot)];
   const std::int64_t fi = full_index(layer);
-  if (!sliding) {
+  if (fi >= 0) {
     // The rows go into the blocks the plane holds alone, then into new
     // ones; blocks it shares are replaced, blocks past the rows released.
-    txn.save(*this, *slot, fi);
+    txn.save(*this, slot, fi);
     auto& table = s.tables[static_cast<std::size_t>(fi)];
     const auto blocks = static_cast<std::size_t>(ceil_div(state.len(), options_.block_rows));
     for (std::size_t b = blocks; b < table.size(); ++b) txn.dropped.push_back(table[b]);
@@ -810,10 +855,7 @@ Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
     for (std::size_t b = 0; b < blocks; ++b) {
       if (b < table.size() && refs_[static_cast<std::size_t>(table[b])] == 1) continue;
       auto got = txn.take(*this);
-      if (!got) {
-        rollback(txn);
-        return got.error();
-      }
+      if (!got) return got.error();
       if (b < table.size()) {
         txn.dropped.push_back(table[b]);
         table[b] = *got;
@@ -823,23 +865,93 @@ Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
     }
     if (blocks > 0)
       txn.changes.push_back(
-          TableChange{*slot, fi, table.data(), 0, static_cast<std::int64_t>(blocks)});
+          TableChange{slot, fi, table.data(), 0, static_cast<std::int64_t>(blocks)});
   }
-  Status st = apply_blocks(txn, nullptr);
+  return Status::Ok();
+}
+
+Status KvStore::ready_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
+                            const RingState& state, cudaStream_t stream) {
+  KVRING_RETURN_IF_ERROR(apply_blocks(txn, stream));
   // Rows the install does not overwrite read as in a fresh ring.
-  if (st.ok() && sliding && state.len() < state.capacity())
-    st = clear_ring(*slot, layer, nullptr);
-  if (st.ok()) st = copy_in(plane_ref(*slot, layer), state.live_spans(), k, v);
-  if (!st.ok()) {
-    // Rows of reused blocks may have changed: the plane is left empty.
+  if (full_index(layer) < 0 && state.len() < state.capacity())
+    return clear_ring(slot, layer, stream);
+  return Status::Ok();
+}
+
+void KvStore::empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer) {
+  // Rows of reused blocks may have changed: the plane is left empty.
+  rollback(txn);
+  Sequence& s = slots_[static_cast<std::size_t>(slot)];
+  s.rings[static_cast<std::size_t>(layer)] = fresh_ring(layer);
+  const std::int64_t fi = full_index(layer);
+  if (fi >= 0) {
+    std::lock_guard<std::mutex> lock(pool_mutex_);
+    release_table(s.tables[static_cast<std::size_t>(fi)]);
+  }
+}
+
+Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
+                        const std::uint16_t* k, const std::uint16_t* v, MemorySpace space,
+                        cudaStream_t stream) {
+  auto slot = slot_any(seq);
+  if (!slot) return slot.error();
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  KVRING_RETURN_IF_ERROR(check_install_ring(layer, state, capacity(layer), full_index(layer) < 0));
+  if (state.len() > 0) KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
+  Txn txn;
+  if (Status st = plan_plane(txn, *slot, layer, state); !st.ok()) {
     rollback(txn);
-    s.rings[static_cast<std::size_t>(layer)] = fresh_ring(layer);
-    if (!sliding) release_table(s.tables[static_cast<std::size_t>(fi)]);
+    return st;
+  }
+  Status st = ready_plane(txn, *slot, layer, state, stream);
+  if (st.ok()) st = copy_in(plane_ref(*slot, layer), state.live_spans(), k, v, space, stream);
+  if (!st.ok()) {
+    empty_plane(txn, *slot, layer);
     return st;
   }
   txn.rings.emplace_back(*slot, layer, state);
   commit(txn);
   return Status::Ok();
+}
+
+Status KvStore::install_plane(SeqId seq, std::int64_t layer, const RingState& state,
+                              cudaStream_t stream) {
+  auto slot = slot_any(seq);
+  if (!slot) return slot.error();
+  if (!slots_[static_cast<std::size_t>(*slot)].detached)
+    return invalid_argument("install_plane: " + seq_name(seq) +
+                            " is live; only a detached sequence takes a plane before its rows");
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  KVRING_RETURN_IF_ERROR(check_install_ring(layer, state, capacity(layer), full_index(layer) < 0));
+  Txn txn;
+  if (Status st = plan_plane(txn, *slot, layer, state); !st.ok()) {
+    rollback(txn);
+    return st;
+  }
+  if (Status st = ready_plane(txn, *slot, layer, state, stream); !st.ok()) {
+    empty_plane(txn, *slot, layer);
+    return st;
+  }
+  txn.rings.emplace_back(*slot, layer, state);
+  commit(txn);
+  return Status::Ok();
+}
+
+Status KvStore::install_rows(SeqId seq, std::int64_t layer, std::int64_t first,
+                             std::int64_t count, const std::uint16_t* k, const std::uint16_t* v,
+                             MemorySpace space, cudaStream_t stream) {
+  auto slot = slot_any(seq);
+  if (!slot) return slot.error();
+  if (!slots_[static_cast<std::size_t>(*slot)].detached)
+    return invalid_argument("install_rows: " + seq_name(seq) +
+                            " is live; rows are written into a detached sequence only");
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  if (count == 0) return Status::Ok();
+  KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
+  const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
+  KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
+  return copy_in(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream);
 }
 
 }  // namespace kvring

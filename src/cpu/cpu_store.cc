@@ -125,8 +125,9 @@ class CpuStore final : public KvStore {
     return Status::Ok();
   }
 
+  // Host memory only: the base class refused device rows (check_view).
   Status copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
-                  std::uint16_t* v) const override {
+                  std::uint16_t* v, MemorySpace, cudaStream_t) const override {
     const cpu::PlaneView pv = view(plane);
     const std::int64_t kv_dim = config_.kv_dim(), hd = config_.head_dim;
     std::int64_t out_row = 0;
@@ -143,7 +144,7 @@ class CpuStore final : public KvStore {
   }
 
   Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,
-                 const std::uint16_t* v) override {
+                 const std::uint16_t* v, MemorySpace, cudaStream_t) override {
     const cpu::PlaneView pv = view(plane);
     std::int64_t in_row = 0;
     for (int s = 0; s < spans.n_spans; ++s) {

@@ -111,6 +111,22 @@ class PinnedBuffer {
   std::size_t bytes_ = 0;
 };
 
+cuda::SpanMap span_map(const LiveSpans& spans) {
+  cuda::SpanMap m;
+  if (spans.n_spans >= 1) {
+    m.physical[0] = spans.spans[0].physical_first;
+    m.rows0 = spans.spans[0].rows;
+  }
+  if (spans.n_spans == 2) m.physical[1] = spans.spans[1].physical_first;
+  return m;
+}
+
+std::int64_t span_rows(const LiveSpans& spans) {
+  std::int64_t n = 0;
+  for (int s = 0; s < spans.n_spans; ++s) n += spans.spans[static_cast<std::size_t>(s)].rows;
+  return n;
+}
+
 }  // namespace
 
 Status cuda::capability_status(int device, const char* name, int major, int minor, bool runs) {
@@ -329,6 +345,64 @@ struct CudaStore::Impl {
       buf.table = tables + (plane.slot * n_full + fi) * max_blocks;
     }
     return buf;
+  }
+
+  // Rows of a plane to (gather) or from packed f16 [rows, kv_dim] rows.
+  // Device rows: one gather or scatter kernel per buffer straight between
+  // the plane and the caller's rows, enqueued on the caller's stream, no
+  // wait. Host rows: through device and pinned staging in pieces on the
+  // store's stream, waiting for each.
+  Status move_rows(const KvStore::PlaneRef& plane, std::int64_t fi, const LiveSpans& spans,
+                   std::uint16_t* k, std::uint16_t* v, MemorySpace space, cudaStream_t stream,
+                   bool gather) {
+    const std::lock_guard<std::recursive_mutex> lock(mu);
+    const bool device = space == MemorySpace::kDevice;
+    const cudaStream_t s = device ? pick(stream) : this->stream;
+    KVRING_RETURN_IF_ERROR(enter(s));
+    const std::size_t row_bytes = static_cast<std::size_t>(shape.kv_dim) * 2;
+    const std::int64_t rows = span_rows(spans);
+    const cuda::SpanMap map = span_map(spans);
+    auto launch = [&](const cuda::PlaneBuf& buf, std::int64_t r0, std::int64_t n, std::uint16_t* rows_at) {
+      return gather ? cuda::launch_gather_rows(buf, shape, pool, map, r0, n, rows_at, s)
+                    : cuda::launch_scatter_rows(buf, shape, pool, map, r0, n, rows_at, s);
+    };
+    if (device) {
+      for (int which = 0; which < 2; ++which) {
+        const cudaError_t e = launch(plane_buf(plane, fi, which), 0, rows, which == 0 ? k : v);
+        if (e != cudaSuccess) return fail(cuda_error("row copy", e), s);
+      }
+      return leave(s);
+    }
+    const std::int64_t piece = std::max<std::int64_t>(1, static_cast<std::int64_t>(kStageBytes / row_bytes));
+    const std::size_t bytes = static_cast<std::size_t>(std::min(rows, piece)) * row_bytes;
+    KVRING_RETURN_IF_ERROR(stage_rows.reserve(std::max<std::size_t>(bytes, 16), "snapshot staging"));
+    // Host rows move through device staging in pieces, copied straight to
+    // or from the caller's memory (at the pinned rate when it is pinned);
+    // stream order keeps each piece's copy and its gather or scatter in
+    // turn. One wait at the end: the caller's rows are written (or read)
+    // before the call returns.
+    for (int which = 0; which < 2; ++which) {
+      const cuda::PlaneBuf buf = plane_buf(plane, fi, which);
+      std::uint16_t* host = which == 0 ? k : v;
+      for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
+        const std::int64_t n = std::min(piece, rows - r0);
+        const std::size_t nb = static_cast<std::size_t>(n) * row_bytes;
+        std::uint16_t* staged = stage_rows.as<std::uint16_t>();
+        std::uint16_t* at = host + r0 * shape.kv_dim;
+        cudaError_t e = cudaSuccess;
+        if (gather) {
+          e = launch(buf, r0, n, staged);
+          if (e == cudaSuccess) e = cudaMemcpyAsync(at, staged, nb, cudaMemcpyDeviceToHost, s);
+        } else {
+          e = cudaMemcpyAsync(staged, at, nb, cudaMemcpyHostToDevice, s);
+          if (e == cudaSuccess) e = launch(buf, r0, n, staged);
+        }
+        if (e != cudaSuccess) return fail(cuda_error("snapshot copy", e), s);
+      }
+    }
+    if (const cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess)
+      return fail(cuda_error("snapshot copy", e), s);
+    return leave(s);
   }
 
   // Waits for `s` after a failure, so nothing in flight outlives buffers
@@ -836,96 +910,17 @@ Status CudaStore::attend(const AttendBatch& b) {
 
 // ---- Snapshot copies and plane housekeeping ----------------------------------------
 
-namespace {
-
-cuda::SpanMap span_map(const LiveSpans& spans) {
-  cuda::SpanMap m;
-  if (spans.n_spans >= 1) {
-    m.physical[0] = spans.spans[0].physical_first;
-    m.rows0 = spans.spans[0].rows;
-  }
-  if (spans.n_spans == 2) m.physical[1] = spans.spans[1].physical_first;
-  return m;
-}
-
-std::int64_t span_rows(const LiveSpans& spans) {
-  std::int64_t n = 0;
-  for (int s = 0; s < spans.n_spans; ++s) n += spans.spans[static_cast<std::size_t>(s)].rows;
-  return n;
-}
-
-}  // namespace
 
 Status CudaStore::copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
-                           std::uint16_t* v) const {
-  Impl& im = *impl_;
-  const std::lock_guard<std::recursive_mutex> lock(im.mu);
-  const cudaStream_t s = im.stream;
-  KVRING_RETURN_IF_ERROR(im.enter(s));
-  const std::int64_t fi = full_index(plane.layer);
-  const std::int64_t kv_dim = config_.kv_dim();
-  const std::size_t row_bytes = static_cast<std::size_t>(kv_dim) * 2;
-  const std::int64_t rows = span_rows(spans);
-  const std::int64_t piece = std::max<std::int64_t>(1, static_cast<std::int64_t>(kStageBytes / row_bytes));
-  const std::size_t bytes = static_cast<std::size_t>(std::min(rows, piece)) * row_bytes;
-  KVRING_RETURN_IF_ERROR(im.stage_rows.reserve(std::max<std::size_t>(bytes, 16), "snapshot staging"));
-  const cuda::SpanMap map = span_map(spans);
-  // Each piece is gathered into device staging and copied straight to the
-  // caller's rows (at the pinned rate when they are pinned); stream order
-  // keeps a piece's copy before the next gather. One wait at the end.
-  for (int which = 0; which < 2; ++which) {
-    const cuda::PlaneBuf buf = im.plane_buf(plane, fi, which);
-    std::uint16_t* dst = which == 0 ? k : v;
-    for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
-      const std::int64_t n = std::min(piece, rows - r0);
-      const std::size_t nb = static_cast<std::size_t>(n) * row_bytes;
-      cudaError_t e = cuda::launch_gather_rows(buf, im.shape, im.pool, map, r0, n,
-                                               im.stage_rows.as<std::uint16_t>(), s);
-      if (e == cudaSuccess)
-        e = cudaMemcpyAsync(dst + r0 * kv_dim, im.stage_rows.as<void>(), nb, cudaMemcpyDeviceToHost, s);
-      if (e != cudaSuccess) return im.fail(cuda_error("snapshot copy", e), s);
-    }
-  }
-  if (const cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess)
-    return im.fail(cuda_error("snapshot copy", e), s);
-  return im.leave(s);
+                           std::uint16_t* v, MemorySpace space, cudaStream_t stream) const {
+  return impl_->move_rows(plane, full_index(plane.layer), spans, k, v, space, stream, true);
 }
 
 Status CudaStore::copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,
-                          const std::uint16_t* v) {
-  Impl& im = *impl_;
-  const std::lock_guard<std::recursive_mutex> lock(im.mu);
-  const cudaStream_t s = im.stream;
-  KVRING_RETURN_IF_ERROR(im.enter(s));
-  const std::int64_t fi = full_index(plane.layer);
-  const std::int64_t kv_dim = config_.kv_dim();
-  const std::size_t row_bytes = static_cast<std::size_t>(kv_dim) * 2;
-  const std::int64_t rows = span_rows(spans);
-  const std::int64_t piece = std::max<std::int64_t>(1, static_cast<std::int64_t>(kStageBytes / row_bytes));
-  const std::size_t bytes = static_cast<std::size_t>(std::min(rows, piece)) * row_bytes;
-  KVRING_RETURN_IF_ERROR(im.stage_rows.reserve(std::max<std::size_t>(bytes, 16), "snapshot staging"));
-  const cuda::SpanMap map = span_map(spans);
-  // Each piece is copied straight from the caller's rows into device
-  // staging and scattered from there; stream order keeps a piece's scatter
-  // before the next copy overwrites the staging. One wait at the end, so
-  // the caller's rows are read before the call returns.
-  for (int which = 0; which < 2; ++which) {
-    const cuda::PlaneBuf buf = im.plane_buf(plane, fi, which);
-    const std::uint16_t* src = which == 0 ? k : v;
-    for (std::int64_t r0 = 0; r0 < rows; r0 += piece) {
-      const std::int64_t n = std::min(piece, rows - r0);
-      const std::size_t nb = static_cast<std::size_t>(n) * row_bytes;
-      cudaError_t e =
-          cudaMemcpyAsync(im.stage_rows.as<void>(), src + r0 * kv_dim, nb, cudaMemcpyHostToDevice, s);
-      if (e == cudaSuccess)
-        e = cuda::launch_scatter_rows(buf, im.shape, im.pool, map, r0, n,
-                                      im.stage_rows.as<std::uint16_t>(), s);
-      if (e != cudaSuccess) return im.fail(cuda_error("snapshot copy", e), s);
-    }
-  }
-  if (const cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess)
-    return im.fail(cuda_error("snapshot copy", e), s);
-  return im.leave(s);
+                          const std::uint16_t* v, MemorySpace space, cudaStream_t stream) {
+  // move_rows only reads the rows when it scatters.
+  return impl_->move_rows(plane, full_index(plane.layer), spans, const_cast<std::uint16_t*>(k),
+                          const_cast<std::uint16_t*>(v), space, stream, false);
 }
 
 Status CudaStore::read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,

@@ -1,39 +1,67 @@
-// In-process transport: two endpoints over a pair of message queues in host
-// memory (the CPU backend's same-process handoff).
+// In-process transport: two endpoints over a pair of message queues (the
+// same-process handoff). local_pair carries host memory; local_device_pair
+// also carries device memory of the current GPU, copied device to device
+// (device.h) so that rows never bounce through the host.
 #include <cstring>
 #include <deque>
 
+#include "device.h"
 #include "kvring/handoff.h"
 
 namespace kvring::handoff {
 
 namespace {
 
+struct Message {
+  std::vector<std::uint8_t> host;
+  std::unique_ptr<DeviceBytes> device;  // the bytes of its device parts, in order
+  std::size_t size() const { return host.size() + (device ? device->size() : 0); }
+};
+
 struct Link {
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::vector<std::uint8_t>> queue[2];  // queue[i]: messages to endpoint i
+  std::deque<Message> queue[2];  // queue[i]: messages to endpoint i
   bool closed = false;
 };
 
 class LocalTransport : public Transport {
  public:
-  LocalTransport(std::shared_ptr<Link> link, int self) : link_(std::move(link)), self_(self) {}
+  LocalTransport(std::shared_ptr<Link> link, int self, bool device)
+      : link_(std::move(link)), self_(self), device_(device) {}
   ~LocalTransport() override { close(); }
 
+  bool carries(MemoryKind kind) const override { return kind == MemoryKind::kHost || device_; }
+
   Status send_message(const std::vector<Part>& parts, Deadline) override {
-    std::vector<std::uint8_t> m;
-    std::size_t n = 0;
-    for (const Part& p : parts) {
-      if (p.kind != MemoryKind::kHost)
+    Message m;
+    std::size_t host_bytes = 0, first_device = parts.size();
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      if (p.kind == MemoryKind::kHost) {
+        if (first_device < parts.size())
+          return invalid_argument("in-process link: a host part after a device part");
+        host_bytes += p.size;
+      } else if (!device_) {
         return make_error(ErrorCode::kUnsupported, "the in-process transport carries host memory only");
-      n += p.size;
+      } else if (first_device == parts.size()) {
+        first_device = i;
+      }
     }
-    m.resize(n);
+    {
+      std::lock_guard lock(link_->mu);
+      if (link_->closed) return io_error("in-process link is closed");
+    }
+    m.host.resize(host_bytes);
     std::size_t at = 0;
-    for (const Part& p : parts) {
-      if (p.size) std::memcpy(m.data() + at, p.data, p.size);
-      at += p.size;
+    for (std::size_t i = 0; i < first_device; ++i) {
+      if (parts[i].size) std::memcpy(m.host.data() + at, parts[i].data, parts[i].size);
+      at += parts[i].size;
+    }
+    if (first_device < parts.size()) {
+      auto block = device::copy_parts({parts.begin() + static_cast<std::ptrdiff_t>(first_device), parts.end()});
+      if (!block) return block.error();
+      m.device = std::move(*block);
     }
     {
       std::lock_guard lock(link_->mu);
@@ -44,21 +72,38 @@ class LocalTransport : public Transport {
     return Status::Ok();
   }
 
-  Status recv_message(std::vector<std::uint8_t>& out, Deadline deadline, std::size_t max_size) override {
-    std::unique_lock lock(link_->mu);
-    auto& q = link_->queue[self_];
-    if (!link_->cv.wait_until(lock, deadline, [&] { return !q.empty() || link_->closed; }))
-      return io_error("in-process link: timed out waiting for a message");
-    if (q.empty()) return io_error("in-process link closed by the peer");
-    if (q.front().size() > max_size)
-      return io_error("in-process link: a message of " + std::to_string(q.front().size()) + " B exceeds " +
-                      std::to_string(max_size) + " B");
-    out = std::move(q.front());
-    q.pop_front();
+  Status recv(ReceivedMessage& out, Deadline deadline, std::size_t max_size, bool keep_device) override {
+    Message m;
+    {
+      std::unique_lock lock(link_->mu);
+      auto& q = link_->queue[self_];
+      if (!link_->cv.wait_until(lock, deadline, [&] { return !q.empty() || link_->closed; }))
+        return io_error("in-process link: timed out waiting for a message");
+      if (q.empty()) return io_error("in-process link closed by the peer");
+      if (q.front().size() > max_size)
+        return io_error("in-process link: a message of " + std::to_string(q.front().size()) + " B exceeds " +
+                        std::to_string(max_size) + " B");
+      m = std::move(q.front());
+      q.pop_front();
+    }
+    out.host = std::move(m.host);
+    out.device.reset();
+    if (m.device && keep_device) {
+      out.device = std::move(m.device);
+    } else if (m.device) {
+      KVRING_RETURN_IF_ERROR(device::append_to_host(*m.device, out.host));
+    }
     return Status::Ok();
   }
 
-  std::string describe() const override { return "in-process link"; }
+  Status recv_message(std::vector<std::uint8_t>& out, Deadline deadline, std::size_t max_size) override {
+    ReceivedMessage m;
+    KVRING_RETURN_IF_ERROR(recv(m, deadline, max_size, false));
+    out = std::move(m.host);
+    return Status::Ok();
+  }
+
+  std::string describe() const override { return device_ ? "in-process device link" : "in-process link"; }
 
   void close() override {
     {
@@ -71,13 +116,23 @@ class LocalTransport : public Transport {
  private:
   std::shared_ptr<Link> link_;
   int self_;
+  bool device_;
 };
+
+std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> make_pair(bool device) {
+  auto link = std::make_shared<Link>();
+  return {std::make_unique<LocalTransport>(link, 0, device), std::make_unique<LocalTransport>(link, 1, device)};
+}
 
 }  // namespace
 
-std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair() {
-  auto link = std::make_shared<Link>();
-  return {std::make_unique<LocalTransport>(link, 0), std::make_unique<LocalTransport>(link, 1)};
+std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair() { return make_pair(false); }
+
+Result<std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>>> local_device_pair() {
+  if (!device::usable())
+    return make_error(ErrorCode::kUnsupported,
+                      "the in-process device transport needs the CUDA backend and a visible GPU");
+  return make_pair(true);
 }
 
 }  // namespace kvring::handoff

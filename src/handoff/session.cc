@@ -1,13 +1,14 @@
-// The handoff protocol: framing, the sender and the receiver, and today's
-// source and target (a KvCache, a Snapshot restored through restore_detached).
+// The handoff protocol: framing, the sender and the receiver, and the
+// KvCache source and target (a Snapshot restored through restore_detached).
 //
 // Messages (little-endian), each a transport message whose first byte is its type:
-//   HEADER  S->R  magic, version, geometry, fingerprint, context, token ids,
-//                 metadata, ring state per plane, message count, payload
-//                 bytes; SHA-256 of all that
+//   HEADER  S->R  magic, version, row digest, geometry, fingerprint,
+//                 context, token ids, metadata, ring state per plane, message
+//                 count, payload bytes; SHA-256 of all that
 //   ACCEPT  R->S  the receiver's credits (bytes it takes unacknowledged)
 //   ERROR   R->S  an error code and message: the receiver refused or failed
-//   ROWS    S->R  sequence, layer, first row, rows, SHA-256, then K then V
+//   ROWS    S->R  sequence, layer, first row, rows, digest (32 B: SHA-256, or
+//                 digest64 and 24 zero bytes), then K then V
 //   ACK     R->S  sequence, payload bytes taken so far
 //   KEEP    S->R  nothing yet (prefill still running); keeps the link alive
 //   ABORT   S->R  an error code and message: the sender gives up
@@ -21,6 +22,8 @@
 #include <cstring>
 #include <thread>
 
+#include "core/digest64.h"
+#include "device.h"
 #include "kvring/handoff.h"
 #include "kvring/sha256.h"
 #include "pack/coding.h"
@@ -47,7 +50,8 @@ void linger(Transport& t, double seconds) {
   }
 }
 constexpr char kMagic[8] = {'k', 'v', 'h', 'a', 'n', 'd', 'o', 'f'};
-constexpr std::uint16_t kVersion = 1;
+// Version 2 added the row digest to the header.
+constexpr std::uint16_t kVersion = 2;
 constexpr std::size_t kRowsHead = 1 + 8 + 4 + 8 + 8;  // type, seq, layer, first, rows
 constexpr std::size_t kRowsFixed = kRowsHead + 32;     // + digest
 constexpr std::int64_t kMaxIds = std::int64_t{1} << 26;
@@ -87,12 +91,13 @@ struct Reader {
 
 Error wire_error(const std::string& what) { return corruption("handoff: " + what); }
 
-std::string encode_header(const Snapshot& h, const Timeline& t) {
+std::string encode_header(const Snapshot& h, const Timeline& t, RowDigest digest) {
   const ModelConfig& c = h.config;
   std::string s;
   put_fixed8(&s, kHeader);
   put_bytes(&s, kMagic, sizeof kMagic);
   put_fixed16(&s, kVersion);
+  put_fixed8(&s, static_cast<std::uint8_t>(digest));
   for (std::int64_t v : {c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window, c.max_context})
     put_fixed64(&s, static_cast<std::uint64_t>(v));
   for (LayerKind k : c.layer_kinds) put_fixed8(&s, static_cast<std::uint8_t>(k));
@@ -120,6 +125,7 @@ std::string encode_header(const Snapshot& h, const Timeline& t) {
 
 struct DecodedHeader {
   Snapshot header;
+  RowDigest rows = RowDigest::kSha256;
   std::int64_t n_messages = 0, payload_bytes = 0;
   Digest digest{};
 };
@@ -136,6 +142,10 @@ Result<DecodedHeader> decode_header(const std::vector<std::uint8_t>& m) {
     return make_error(ErrorCode::kUnsupported, "handoff: protocol version " + std::to_string(v) + " (this build speaks " +
                                                    std::to_string(kVersion) + ")");
   DecodedHeader d;
+  if (const auto digest = r.u(1); digest > static_cast<std::uint8_t>(RowDigest::kDigest64))
+    return make_error(ErrorCode::kUnsupported, "handoff: row digest " + std::to_string(digest) + " is unknown");
+  else
+    d.rows = static_cast<RowDigest>(digest);
   Snapshot& h = d.header;
   ModelConfig& c = h.config;
   c.name = "handoff";
@@ -211,41 +221,48 @@ Error peer_lost(const Status& s, const std::string& who) {
   return make_error(s.error().code, who + ": " + s.error().message);
 }
 
+// A ROWS message's digest field: SHA-256 of its head fields, K and V; or
+// digest64 of the head fields (seed 0), K (seed 1) and V (seed 2), given K's
+// and V's words, in 8 little-endian bytes and 24 zero bytes.
+void put_digest64(std::uint8_t* field, const std::uint8_t* head, std::uint64_t kv_words,
+                  std::size_t plane_bytes) {
+  const std::uint64_t d = digest64::finish(digest64::segment(head, kRowsHead, 0) + kv_words +
+                                           digest64::length_term(plane_bytes, 1) +
+                                           digest64::length_term(plane_bytes, 2));
+  std::memset(field, 0, 32);
+  coding::encode_fixed64(field, d);
+}
+std::uint64_t host_words(const void* k, const void* v, std::size_t plane_bytes) {
+  return digest64::words(k, plane_bytes, 1) + digest64::words(v, plane_bytes, 2);
+}
+
 }  // namespace
+
+const char* row_digest_name(RowDigest digest) {
+  return digest == RowDigest::kSha256 ? "SHA-256" : "digest64";
+}
+
+Status HandoffSource::message_rows(const PlannedMessage& m, bool, SourceRows* out) {
+  const std::uint16_t *k = nullptr, *v = nullptr;
+  KVRING_RETURN_IF_ERROR(rows(m, &k, &v));
+  *out = SourceRows{k, v, MemoryKind::kHost, nullptr, std::nullopt};
+  return Status::Ok();
+}
+
+Status HandoffTarget::put_device_rows(std::int64_t, std::int64_t, std::int64_t, const void*, const void*,
+                                      cudaStream_t) {
+  return make_error(ErrorCode::kUnsupported, "handoff: this target takes rows in host memory only");
+}
 
 // ------------------------------------------------------------ sources
 
 Result<std::unique_ptr<CacheSource>> CacheSource::create(const KvCache& cache, const Payload& payload,
                                                          std::vector<std::int32_t> token_ids,
                                                          std::string metadata) {
-  auto next = cache.next_position();
-  if (!next) return next.error();
-  if (*next != payload.rows_tokens)
-    return invalid_argument("handoff: the cache holds " + std::to_string(*next) + " positions; the payload is " +
-                            std::to_string(payload.rows_tokens));
-  if (cache.context() != payload.context)
-    return invalid_argument("handoff: the cache holds " + std::to_string(cache.context()) +
-                            " positions of context; the payload was planned for " + std::to_string(payload.context));
-  if (static_cast<std::int64_t>(token_ids.size()) != payload.rows_tokens)
-    return invalid_argument("handoff: " + std::to_string(token_ids.size()) + " token ids for " +
-                            std::to_string(payload.rows_tokens) + " positions");
+  auto header = session_header(cache.store(), cache.seq(), payload, std::move(token_ids), std::move(metadata));
+  if (!header) return header.error();
   std::unique_ptr<CacheSource> s(new CacheSource(cache));
-  Snapshot& h = s->header_;
-  h.config = cache.config();
-  h.context = cache.context();
-  h.token_count = payload.rows_tokens;
-  h.token_ids = std::move(token_ids);
-  h.metadata = std::move(metadata);
-  for (const LayerPayload& lp : payload.layers) {
-    if (!(cache.ring(lp.layer) == lp.ring))
-      return invalid_argument("handoff: layer " + std::to_string(lp.layer) + " of the cache is not at the planned ring state");
-    PlaneSnapshot p;
-    p.kind = lp.kind;
-    p.layout = layout_for(lp.kind);
-    p.ring = lp.ring;
-    h.planes.push_back(std::move(p));
-  }
-  KVRING_RETURN_IF_ERROR(validate_snapshot(h, /*header_only=*/true));
+  s->header_ = std::move(*header);
   return s;
 }
 
@@ -445,7 +462,8 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
                                 const SendOptions& options) {
   const auto t0 = Clock::now();
   const std::string who = "receiver at " + transport.describe();
-  const std::string header = encode_header(source.header(), timeline);
+  const RowDigest digest = source.digest();
+  const std::string header = encode_header(source.header(), timeline, digest);
   const Digest header_digest = [&] {
     Digest d;
     std::memcpy(d.data(), header.data() + header.size() - 32, 32);
@@ -488,6 +506,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   };
 
   const std::int64_t kv = source.header().config.kv_dim();
+  const bool device_ok = transport.carries(MemoryKind::kCudaDevice);
   const double keepalive_s = std::max(0.05, options.timeout_s / 4);
   auto allowed_at = Clock::now();
   for (const PlannedMessage& m : timeline.messages) {
@@ -508,8 +527,8 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
       allowed_at = std::max(allowed_at, now) +
                    std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(m.bytes / options.rate_bytes_per_s));
     }
-    const std::uint16_t *k = nullptr, *v = nullptr;
-    if (Status s = source.rows(m, &k, &v); !s.ok()) return abort_with(s.error());
+    SourceRows rows;
+    if (Status s = source.message_rows(m, device_ok, &rows); !s.ok()) return abort_with(s.error());
     std::uint8_t head[kRowsFixed];
     head[0] = kRows;
     coding::encode_fixed64(head + 1, static_cast<std::uint64_t>(m.index));
@@ -517,13 +536,25 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     coding::encode_fixed64(head + 13, static_cast<std::uint64_t>(m.first_row));
     coding::encode_fixed64(head + 21, static_cast<std::uint64_t>(m.rows));
     const std::size_t plane_bytes = static_cast<std::size_t>(m.rows * kv * 2);
-    Sha256 h;
-    h.update(head, kRowsHead);
-    h.update(k, plane_bytes);
-    h.update(v, plane_bytes);
-    const Digest d = h.finish();
-    std::memcpy(head + kRowsHead, d.data(), 32);
-    Status s = transport.send_message({{head, kRowsFixed}, {k, plane_bytes}, {v, plane_bytes}},
+    const bool host_rows = rows.kind == MemoryKind::kHost;
+    if (digest == RowDigest::kSha256) {
+      if (!host_rows)
+        return abort_with(make_error(ErrorCode::kInternal, "handoff: a SHA-256 session's rows are in device memory"));
+      Sha256 h;
+      h.update(head, kRowsHead);
+      h.update(rows.k, plane_bytes);
+      h.update(rows.v, plane_bytes);
+      const Digest d = h.finish();
+      std::memcpy(head + kRowsHead, d.data(), 32);
+    } else {
+      if (!rows.digest_words && !host_rows)
+        return abort_with(make_error(ErrorCode::kInternal, "handoff: device rows came without their digest"));
+      put_digest64(head + kRowsHead, head,
+                   rows.digest_words ? *rows.digest_words : host_words(rows.k, rows.v, plane_bytes), plane_bytes);
+    }
+    Status s = transport.send_message({{head, kRowsFixed},
+                                       {rows.k, plane_bytes, rows.kind, rows.stream},
+                                       {rows.v, plane_bytes, rows.kind, rows.stream}},
                                       deadline_in(options.timeout_s));
     source.release(m);
     if (!s.ok()) return fail_link(s);
@@ -553,7 +584,14 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
 
 Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& target, const ReceiveOptions& options) {
   const std::string who = "sender at " + transport.describe();
-  std::vector<std::uint8_t> in;
+  // Rows may stay in device memory when both the link and the target can
+  // hold them there; they are then digested and installed on `stream`
+  // (declared first: a message's device bytes are freed in its order).
+  const bool keep_device = target.accepts_device() && transport.carries(MemoryKind::kCudaDevice);
+  std::unique_ptr<device::Stream> stream;
+  std::unique_ptr<device::Digester> digester;
+  ReceivedMessage msg;
+  std::vector<std::uint8_t>& in = msg.host;
   bool begun = false;
   // Every error path: free what the target took, tell the sender (best
   // effort, the link may be gone), name the error.
@@ -564,7 +602,7 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     return e;
   };
   auto recv = [&](Deadline d) -> Status {
-    if (Status s = transport.recv_message(in, d, static_cast<std::size_t>(options.max_message_bytes)); !s.ok())
+    if (Status s = transport.recv(msg, d, static_cast<std::size_t>(options.max_message_bytes), keep_device); !s.ok())
       return peer_lost(s, who);
     if (in.empty()) return wire_error(who + " sent an empty message");
     return Status::Ok();
@@ -602,7 +640,9 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     if (in[0] == kKeep && in.size() == 1) continue;
     if (in[0] == kAbort) return fail(decode_status(in, who + " aborted"));
     if (in[0] == kRows) {
-      if (in.size() < kRowsFixed) return fail(wire_error(at + "rows message of " + std::to_string(in.size()) + " B is truncated"));
+      const std::size_t size = in.size() + (msg.device ? msg.device->size() : 0);
+      if (in.size() < kRowsFixed || (msg.device && in.size() != kRowsFixed))
+        return fail(wire_error(at + "rows message of " + std::to_string(size) + " B is truncated"));
       Reader r{in.data() + 1, in.data() + kRowsHead};
       const auto seq = static_cast<std::int64_t>(r.u(8));
       const auto layer = static_cast<std::int64_t>(r.u(4));
@@ -611,22 +651,51 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       if (seq != report.messages) return fail(wire_error(at + "sequence number " + std::to_string(seq)));
       if (layer >= h.config.n_layers) return fail(wire_error(at + "layer " + std::to_string(layer)));
       if (rows < 1 || rows > options.max_message_bytes / (kv * 4) ||
-          in.size() != kRowsFixed + static_cast<std::size_t>(rows * kv * 4))
-        return fail(wire_error(at + std::to_string(in.size()) + " B for " + std::to_string(rows) + " rows"));
-      Sha256 d;
-      d.update(in.data(), kRowsHead);
-      d.update(in.data() + kRowsFixed, in.size() - kRowsFixed);
-      const Digest got = d.finish();
-      if (std::memcmp(got.data(), in.data() + kRowsHead, 32) != 0)
-        return fail(corruption("handoff: " + at + "layer " + std::to_string(layer) + " rows " + std::to_string(first) + ".." +
-                               std::to_string(first + rows - 1) + ": SHA-256 does not match (a corrupted byte)"));
+          size != kRowsFixed + static_cast<std::size_t>(rows * kv * 4))
+        return fail(wire_error(at + std::to_string(size) + " B for " + std::to_string(rows) + " rows"));
       const PlaneSnapshot& p = h.planes[static_cast<std::size_t>(layer)];
       std::int64_t& next = next_row[static_cast<std::size_t>(layer)];
       if (first != next || first + rows > p.ring.next_position())
         return fail(wire_error(at + "layer " + std::to_string(layer) + " rows from " + std::to_string(first) +
                                ", expected " + std::to_string(next) + " (live up to " + std::to_string(p.ring.next_position()) + ")"));
-      const std::uint8_t* k = in.data() + kRowsFixed;
-      if (Status s = target.put_rows(layer, first, rows, k, k + rows * kv * 2); !s.ok()) return fail(s.error());
+      const std::size_t plane_bytes = static_cast<std::size_t>(rows * kv * 2);
+      const std::uint8_t* k = msg.device ? static_cast<const std::uint8_t*>(msg.device->data()) : in.data() + kRowsFixed;
+      const std::uint8_t* v = k + plane_bytes;
+      std::uint8_t want[32];
+      if (decoded->rows == RowDigest::kSha256) {
+        if (msg.device) return fail(wire_error(at + "a SHA-256 session's rows arrived in device memory"));
+        Sha256 d;
+        d.update(in.data(), kRowsHead);
+        d.update(k, 2 * plane_bytes);
+        const Digest got = d.finish();
+        std::memcpy(want, got.data(), 32);
+      } else if (!msg.device) {
+        put_digest64(want, in.data(), host_words(k, v, plane_bytes), plane_bytes);
+      } else {
+        // Device rows: digested on the GPU and installed on the same stream
+        // before the digest is known; a mismatch aborts the detached
+        // sequence they went into.
+        if (!stream) {
+          auto made = device::Stream::create();
+          if (!made) return fail(made.error());
+          stream = std::move(*made);
+          auto d = device::Digester::create();
+          if (!d) return fail(d.error());
+          digester = std::move(*d);
+        }
+        if (Status s = msg.device->ready_on(stream->get()); !s.ok()) return fail(s.error());
+        if (Status s = digester->start(k, v, plane_bytes, stream->get()); !s.ok()) return fail(s.error());
+        if (Status s = target.put_device_rows(layer, first, rows, k, v, stream->get()); !s.ok()) return fail(s.error());
+        auto words = digester->wait();
+        if (!words) return fail(words.error());
+        put_digest64(want, in.data(), *words, plane_bytes);
+      }
+      if (std::memcmp(want, in.data() + kRowsHead, 32) != 0)
+        return fail(corruption("handoff: " + at + "layer " + std::to_string(layer) + " rows " + std::to_string(first) + ".." +
+                               std::to_string(first + rows - 1) + ": " + row_digest_name(decoded->rows) +
+                               " does not match (a corrupted byte)"));
+      if (!msg.device)
+        if (Status s = target.put_rows(layer, first, rows, k, v); !s.ok()) return fail(s.error());
       next += rows;
       taken += rows * kv * 4;
       ++report.messages;

@@ -245,6 +245,14 @@ Status check_restorable(const Snapshot& header, const KvStore& target) {
   return Status::Ok();
 }
 
+Result<RingState> restore_ring(const Snapshot& header, std::int64_t layer, const KvStore& target) {
+  if (layer < 0 || layer >= target.n_layers() || layer >= static_cast<std::int64_t>(header.planes.size()))
+    return invalid_argument(layer_str(layer) + " is not a layer of both the snapshot and the store");
+  auto placement = place(header, layer, target);
+  if (!placement) return placement.error();
+  return placement->ring;
+}
+
 Status check_restorable(const Snapshot& header, const KvCache& target) {
   return check_restorable(header, target.store());
 }
