@@ -493,7 +493,7 @@ struct SendReport {
 };
 
 // Sends the session: the header, each planned message once final (rows with
-// their SHA-256), then the end; returns once the receiver confirmed its
+// their digest), then the end; returns once the receiver confirmed its
 // commit. The source is only read: on any error the session stays usable.
 Result<SendReport> send_session(Transport& transport, HandoffSource& source,
                                 const Timeline& timeline, const SendOptions& options = {});
