@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One device call: the CUDA tests, kvring-bench, the SDPA peer and
-# compute-sanitizer over the CUDA tests, each log under $OUT.
+# One device call: the CUDA tests, kvring-bench, the handoff bench, the SDPA
+# peer and compute-sanitizer over the CUDA tests, each log under $OUT.
 #   bash bench/run_device.sh BIN_DIR [STEPS]
-# BIN_DIR holds kvring_cuda_tests and kvring-bench built with
-# -DKVRING_STATIC_DEPS=ON (and the kvring tool); STEPS is a subset of "tests
-# bench batch sdpa cli memcheck initcheck ncu racecheck" (default: all;
-# "bench" runs every part of kvring-bench, "batch" only the many-sequence
-# parts).
+# BIN_DIR holds kvring_cuda_tests, kvring-bench and kvring-handoff-cuda-bench
+# built with -DKVRING_STATIC_DEPS=ON (and the kvring tool; the handoff pieces
+# link libucx's shared libraries unless built with -DKVRING_UCX=OFF); STEPS
+# is a subset of "tests bench batch handoff sdpa cli memcheck initcheck ncu
+# racecheck" (default: all; "bench" runs every part of kvring-bench, "batch"
+# only the many-sequence parts).
 set -uo pipefail
 bin=$1
-steps=${2:-"tests bench sdpa cli memcheck initcheck ncu racecheck"}
+steps=${2:-"tests bench handoff sdpa cli memcheck initcheck ncu racecheck"}
 # SAN_FILTER (a --gtest_filter=...) overrides the sanitizers' test filter.
 # Logs go to a scratch folder, packed into $OUT/logs.tgz after every step
 # (few files come back from a device call, and a step may be cut short).
@@ -28,6 +29,7 @@ for step in $steps; do
     batch) for part in batch step memory; do
              timeout 200 "$bin/kvring-bench" --only $part --json "$out/bench-$part.json" 2>&1 | tee "$out/bench-$part.log"
            done ;;
+    handoff) timeout 240 "$bin/kvring-handoff-cuda-bench" --json "$out/handoff.json" 2>&1 | tee "$out/handoff.log" | tail -8 ;;
     cli) timeout 120 cmake -DKVRING="$bin/kvring" -P "$here/../tests/cli_run_cuda_test.cmake" 2>&1 | tee "$out/cli.log" | tail -3
          echo "exit ${PIPESTATUS[0]}"
          "$bin/kvring" run --model muse-glimmer --tokens 2100 --prompt-tokens 2050 --context 4096 --chunk 512 --backend cuda --no-progress 2>&1 | tee -a "$out/cli.log" | tail -12 ;;

@@ -517,9 +517,10 @@ TEST(Store, SnapshotsMoveOneSequenceBetweenStores) {
 }
 
 // A detached sequence takes a slot and blocks but is invisible and refused
-// by every batched operation until attached; its planes are installed in
-// pieces (install_plane, then install_rows in any order) and end up equal to
-// one install() of the same rows; removing it gives everything back.
+// by every batched operation and every read until attached; its planes are
+// installed in pieces (install_plane, then install_rows in any order) and
+// end up equal to the sequence they were copied from; removing it gives
+// everything back.
 TEST(Store, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
   const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
   auto s = cpu_store(c, {.max_sequences = 3, .block_rows = 16});
@@ -530,6 +531,25 @@ TEST(Store, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
   ASSERT_TRUE(snap.ok());
   const auto a_bytes = live_bytes(*s, a);
   const std::int64_t free_before = s->free_blocks();
+  const std::int64_t kv = c.kv_dim();
+  // Every plane of `d` from the snapshot, rows back to front in pieces of 5.
+  auto install_in_pieces = [&](SeqId d) {
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      auto ring = restore_ring(*snap, l, *s);
+      ASSERT_TRUE(ring.ok()) << ring.error().to_string();
+      ASSERT_TRUE(s->install_plane(d, l, *ring).ok());
+      const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
+      const std::int64_t skip = ring->origin_logical() - p.ring.origin_logical();
+      // Rows outside the plane are refused.
+      EXPECT_FALSE(s->install_rows(d, l, ring->origin_logical() - 1, 1, p.k.data(), p.v.data()).ok());
+      EXPECT_FALSE(s->install_rows(d, l, ring->next_position(), 1, p.k.data(), p.v.data()).ok());
+      for (std::int64_t end = ring->next_position(); end > ring->origin_logical(); end -= 5) {
+        const std::int64_t first = std::max(ring->origin_logical(), end - 5);
+        const auto at = static_cast<std::size_t>((first - ring->origin_logical() + skip) * kv);
+        ASSERT_TRUE(s->install_rows(d, l, first, end - first, p.k.data() + at, p.v.data() + at).ok());
+      }
+    }
+  };
 
   auto d = s->add_detached_sequence();
   ASSERT_TRUE(d.ok());
@@ -538,7 +558,6 @@ TEST(Store, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
   EXPECT_EQ(s->sequence_count(), 1);
   EXPECT_EQ(s->sequences(), std::vector<SeqId>{a});
   // Nothing reads or extends it while it is detached.
-  const std::int64_t kv = c.kv_dim();
   std::vector<float> x(static_cast<std::size_t>(kv), 0.5f);
   const SeqSpan span{*d, 0, 1};
   EXPECT_EQ(s->store(0, {&span, 1}, host_view(x.data(), 1, kv), host_view(x.data(), 1, kv)).error().code,
@@ -552,44 +571,26 @@ TEST(Store, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
   EXPECT_EQ(s->install_rows(a, 0, 69, 1, snap->planes[0].k.data(), snap->planes[0].v.data()).error().code,
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(live_bytes(*s, a), a_bytes);
-
-  for (std::int64_t l = 0; l < c.n_layers; ++l) {
-    auto ring = restore_ring(*snap, l, *s);
-    ASSERT_TRUE(ring.ok()) << ring.error().to_string();
-    ASSERT_TRUE(s->install_plane(*d, l, *ring).ok());
-    const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
-    const std::int64_t skip = ring->origin_logical() - p.ring.origin_logical();
-    // Rows outside the plane are refused; the rest arrive back to front in
-    // pieces of 5.
-    EXPECT_FALSE(s->install_rows(*d, l, ring->origin_logical() - 1, 1, p.k.data(), p.v.data()).ok());
-    EXPECT_FALSE(s->install_rows(*d, l, ring->next_position(), 1, p.k.data(), p.v.data()).ok());
-    for (std::int64_t end = ring->next_position(); end > ring->origin_logical(); end -= 5) {
-      const std::int64_t first = std::max(ring->origin_logical(), end - 5);
-      const auto at = static_cast<std::size_t>((first - ring->origin_logical() + skip) * kv);
-      ASSERT_TRUE(s->install_rows(*d, l, first, end - first, p.k.data() + at, p.v.data() + at).ok());
-    }
-  }
+  install_in_pieces(*d);
   EXPECT_LT(s->free_blocks(), free_before);
-  EXPECT_EQ(live_bytes(*s, *d), a_bytes);
+  std::vector<std::uint16_t> k(static_cast<std::size_t>(kv)), v(k.size());
+  EXPECT_EQ(s->read_rows(*d, 0, 69, 1, k.data(), v.data()).error().code, ErrorCode::kNotFound);
   // Removed instead of attached: every block is back, nothing else changed.
   ASSERT_TRUE(s->remove_sequence(*d).ok());
   EXPECT_EQ(s->free_blocks(), free_before);
   EXPECT_EQ(s->sequence_count(), 1);
   EXPECT_EQ(live_bytes(*s, a), a_bytes);
 
-  // Attached: live, and it decodes as the sequence it was copied from.
+  // Attached: live, holding the rows it was copied from, and it decodes as
+  // that sequence.
   auto e = s->add_detached_sequence();
   ASSERT_TRUE(e.ok());
-  for (std::int64_t l = 0; l < c.n_layers; ++l) {
-    const RingState ring = *restore_ring(*snap, l, *s);
-    const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
-    const auto at = static_cast<std::size_t>((ring.origin_logical() - p.ring.origin_logical()) * kv);
-    ASSERT_TRUE(s->install(*e, l, ring, p.k.data() + at, p.v.data() + at).ok());
-  }
+  install_in_pieces(*e);
   ASSERT_TRUE(s->attach_sequence(*e).ok());
   EXPECT_FALSE(s->attach_sequence(*e).ok());
   EXPECT_TRUE(s->contains(*e));
   EXPECT_EQ(s->sequence_count(), 2);
+  EXPECT_EQ(live_bytes(*s, *e), a_bytes);
   Outputs o1, o2;
   run_batch(*s, {{6, SeqSpan{a, 70, 9}}}, o1);
   run_batch(*s, {{6, SeqSpan{*e, 70, 9}}}, o2);

@@ -31,6 +31,9 @@ class KvCache {
   // A store of one sequence on `kind`, with that sequence added.
   static Result<std::unique_ptr<KvCache>> create(BackendKind kind, const ModelConfig& config,
                                                  CacheOptions options = {});
+  // A cache over a store of one slot and its live sequence `seq` (say, one
+  // a handoff installed into).
+  static Result<std::unique_ptr<KvCache>> adopt(std::unique_ptr<KvStore> store, SeqId seq);
 
   BackendKind backend() const { return store_->backend(); }
   const ModelConfig& config() const { return store_->config(); }

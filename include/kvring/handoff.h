@@ -406,6 +406,8 @@ class StoreTarget : public HandoffTarget {
   };
   explicit StoreTarget(KvStore& store);
   StoreTarget(KvStore& store, Options options);
+  // begin()'s checks that need no store: the expected geometry, the size.
+  static Status check_session(const Snapshot& header, const Options& options);
   ~StoreTarget() override;  // aborts a session not committed
   Status begin(const Snapshot& header) override;
   Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
@@ -417,6 +419,8 @@ class StoreTarget : public HandoffTarget {
   void abort() override;
   // After commit: the new live sequence, and the header (token ids, metadata).
   std::optional<SeqId> sequence() const { return committed_ ? seq_ : std::nullopt; }
+  // Blocks of the pool a session not yet committed holds (0 when none).
+  std::int64_t pending_blocks() const;
   const Snapshot& header() const { return header_; }
 
  private:
@@ -430,11 +434,12 @@ class StoreTarget : public HandoffTarget {
   std::unique_ptr<device::TargetSlots> slots_;  // the CUDA backend's staging
 };
 
-// Rows land in a Snapshot's buffers; commit installs them, either into a
-// new sequence of a running store (`store` set: restore_new_sequence, so
-// the sequence exists only once every row has arrived and verified, and
-// the store's other sequences are never touched) or into a fresh cache
-// (restore_detached), handed out by take().
+// The tool's receiver: a StoreTarget into a new sequence of a running store
+// (`store` set: the sequence exists, live, only once every row has arrived
+// and verified, and the store's other sequences are never touched), or into
+// a fresh one-sequence store made at begin() without zero-fill (only a ring
+// the rows do not fill is cleared), handed out by take() as a cache after
+// commit. Either way each row is written once, where it stays.
 class DetachedCacheTarget : public HandoffTarget {
  public:
   struct Options {
@@ -445,25 +450,33 @@ class DetachedCacheTarget : public HandoffTarget {
     std::int64_t max_row_bytes = std::int64_t{64} << 30;
     // Set: commit adds the session to this store as a new sequence, and a
     // session the store cannot take (another geometry, more positions than
-    // its context) is refused at begin().
+    // its context, no free slot, too few free blocks) is refused at begin().
     KvStore* store = nullptr;
   };
-  explicit DetachedCacheTarget(Options options) : options_(std::move(options)) {}
+  explicit DetachedCacheTarget(Options options);
+  ~DetachedCacheTarget() override;
   Status begin(const Snapshot& header) override;
   Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
                   const std::uint8_t* k, const std::uint8_t* v) override;
+  bool accepts_device() const override;
+  Status put_device_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                         const void* k, const void* v, cudaStream_t stream) override;
   Status commit() override;
   void abort() override;
   // After commit: the live cache (none in store mode), the new sequence
   // (store mode) and the snapshot header (token ids, metadata).
   std::unique_ptr<KvCache> take() { return std::move(cache_); }
   std::optional<SeqId> sequence() const { return seq_; }
-  const Snapshot& header() const { return snapshot_; }
-  std::int64_t held_row_bytes() const;  // what the target holds now (0 after abort)
+  const Snapshot& header() const { return header_; }
+  // Bytes the target holds now: a pending session's blocks (store mode) or
+  // its fresh store, or the cache not yet taken; 0 after abort.
+  std::int64_t held_row_bytes() const;
 
  private:
   Options options_;
-  Snapshot snapshot_;
+  Snapshot header_;
+  std::unique_ptr<KvStore> own_;  // the fresh store, until commit
+  std::unique_ptr<StoreTarget> target_;
   std::unique_ptr<KvCache> cache_;
   std::optional<SeqId> seq_;
 };
@@ -480,7 +493,7 @@ struct SendReport {
 };
 
 // Sends the session: the header, each planned message once final (rows with
-// their SHA-256), then the end; returns once the receiver confirmed its
+// their digest), then the end; returns once the receiver confirmed its
 // commit. The source is only read: on any error the session stays usable.
 Result<SendReport> send_session(Transport& transport, HandoffSource& source,
                                 const Timeline& timeline, const SendOptions& options = {});

@@ -198,12 +198,13 @@ class KvStore {
   // ---- Detached sequences ---------------------------------------------------
   // A sequence being installed from elsewhere (a handoff's receiving side):
   // it holds a slot and the blocks its planes take, but it is not live.
-  // Only install, install_plane, install_rows, read_rows, read_plane, ring,
-  // next_position, blocks_held and remove_sequence reach it; sequences(),
-  // sequence_count() and contains() leave it out, and every batched
-  // operation, fork, truncate and reset refuse it (kNotFound), so nothing
-  // reads or extends rows that are still arriving. attach_sequence makes it
-  // live; remove_sequence frees it and everything it took instead.
+  // Only install, install_plane, install_rows, ring, next_position,
+  // blocks_held and remove_sequence reach it; sequences(), sequence_count()
+  // and contains() leave it out, and every batched operation, read_rows,
+  // read_plane, fork, truncate and reset refuse it (kNotFound), so nothing
+  // reads or extends rows that are still arriving (nor, in blocks taken
+  // from the pool, rows some removed sequence left there). attach_sequence
+  // makes it live; remove_sequence frees it and everything it took instead.
   // Errors: kCapacityExceeded when every slot is taken.
   Result<SeqId> add_detached_sequence();
   Status attach_sequence(SeqId seq);

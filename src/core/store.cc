@@ -777,7 +777,8 @@ Status KvStore::check_live(SeqId seq, std::int64_t layer, const RingState& r, st
 Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
                           std::uint16_t* k, std::uint16_t* v, MemorySpace space,
                           cudaStream_t stream) const {
-  auto slot = slot_any(seq);
+  // A detached sequence's rows may not all be written yet: not readable.
+  auto slot = slot_of(seq);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   if (count == 0) return Status::Ok();
@@ -789,7 +790,7 @@ Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std
 
 Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
                            std::uint16_t* v) const {
-  auto slot = slot_any(seq);
+  auto slot = slot_of(seq);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   if (k == nullptr || v == nullptr) return invalid_argument("read_plane: null buffer");

@@ -118,6 +118,34 @@ Status StoreSource::message_rows(const PlannedMessage& m, bool device_ok, Source
 
 // ------------------------------------------------------------ target
 
+namespace {
+
+// A session of another geometry than `expect`, naming the first field that differs.
+Error geometry_mismatch(const ModelConfig& a, const ModelConfig& b) {
+  std::string field = "layer kinds";
+  if (a.n_layers != b.n_layers) field = "n_layers " + std::to_string(a.n_layers) + " vs " + std::to_string(b.n_layers);
+  else if (a.n_kv_heads != b.n_kv_heads) field = "n_kv_heads " + std::to_string(a.n_kv_heads) + " vs " + std::to_string(b.n_kv_heads);
+  else if (a.head_dim != b.head_dim) field = "head_dim " + std::to_string(a.head_dim) + " vs " + std::to_string(b.head_dim);
+  else if (a.n_heads != b.n_heads) field = "n_heads " + std::to_string(a.n_heads) + " vs " + std::to_string(b.n_heads);
+  else if (a.sliding_window != b.sliding_window) field = "sliding_window " + std::to_string(a.sliding_window) + " vs " + std::to_string(b.sliding_window);
+  else if (a.max_context != b.max_context) field = "max_context " + std::to_string(a.max_context) + " vs " + std::to_string(b.max_context);
+  return make_error(ErrorCode::kMismatch, "the session's geometry (fingerprint " + a.fingerprint_hex().substr(0, 16) +
+                                              ") differs from this store's (" + b.fingerprint_hex().substr(0, 16) + "): " + field);
+}
+
+}  // namespace
+
+Status StoreTarget::check_session(const Snapshot& header, const Options& options) {
+  if (options.expect && options.expect->fingerprint() != header.config.fingerprint())
+    return geometry_mismatch(header.config, *options.expect);
+  std::int64_t bytes = 0;
+  for (const PlaneSnapshot& p : header.planes) bytes += p.ring.len() * header.config.kv_dim() * 4;
+  if (bytes > options.max_row_bytes)
+    return invalid_argument("handoff: the session's rows take " + std::to_string(bytes) +
+                            " B, above this target's limit of " + std::to_string(options.max_row_bytes) + " B");
+  return Status::Ok();
+}
+
 StoreTarget::StoreTarget(KvStore& store) : store_(store) {}
 StoreTarget::StoreTarget(KvStore& store, Options options) : store_(store), options_(std::move(options)) {}
 
@@ -127,16 +155,9 @@ Status StoreTarget::begin(const Snapshot& header) {
   abort();
   seq_.reset();  // a committed session's sequence is the store's now
   committed_ = false;
-  if (options_.expect && options_.expect->fingerprint() != header.config.fingerprint())
-    return make_error(ErrorCode::kMismatch, "handoff: the session's geometry (fingerprint " +
-                                                header.config.fingerprint_hex().substr(0, 16) +
-                                                ") is not the expected one (" +
-                                                options_.expect->fingerprint_hex().substr(0, 16) + ")");
-  std::int64_t bytes = 0;
-  for (const PlaneSnapshot& p : header.planes) bytes += p.ring.len() * header.config.kv_dim() * 4;
-  if (bytes > options_.max_row_bytes)
-    return invalid_argument("handoff: the session's rows take " + std::to_string(bytes) +
-                            " B, above this target's limit of " + std::to_string(options_.max_row_bytes) + " B");
+  KVRING_RETURN_IF_ERROR(check_session(header, options_));
+  if (!options_.expect && store_.config().fingerprint() != header.config.fingerprint())
+    return geometry_mismatch(header.config, store_.config());
   KVRING_RETURN_IF_ERROR(check_restorable(header, store_));
   auto seq = store_.add_detached_sequence();
   if (!seq) return make_error(seq.error().code, "handoff: " + seq.error().message);
@@ -184,6 +205,12 @@ Status StoreTarget::put_rows(std::int64_t layer, std::int64_t first_row, std::in
   return slots_->put(store_, *seq_, layer, first_row + skip, n, rk, rv);
 }
 
+std::int64_t StoreTarget::pending_blocks() const {
+  if (!seq_ || committed_) return 0;
+  auto held = store_.blocks_held(*seq_);
+  return held ? *held : 0;
+}
+
 bool StoreTarget::accepts_device() const { return store_.backend() == BackendKind::kCuda; }
 
 Status StoreTarget::put_device_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows, const void* k,
@@ -227,6 +254,93 @@ void StoreTarget::abort() {
   if (!committed_) seq_.reset();
   device_stream_ = nullptr;
   slots_.reset();
+}
+
+// ------------------------------------------------------------ the tool's target
+
+DetachedCacheTarget::DetachedCacheTarget(Options options) : options_(std::move(options)) {}
+
+DetachedCacheTarget::~DetachedCacheTarget() { abort(); }
+
+Status DetachedCacheTarget::begin(const Snapshot& header) {
+  abort();
+  const std::int64_t context = options_.context == 0 ? header.context : options_.context;
+  if (context > header.config.max_context || context < 1)
+    return invalid_argument("handoff: context " + std::to_string(context) + " outside the model's [1, " +
+                            std::to_string(header.config.max_context) + "]");
+  StoreTarget::Options to;
+  to.expect = options_.expect;
+  if (options_.store != nullptr && !to.expect) to.expect = options_.store->config();
+  to.max_row_bytes = options_.max_row_bytes;
+  // The cheap checks before a fresh store is allocated.
+  KVRING_RETURN_IF_ERROR(StoreTarget::check_session(header, to));
+  KvStore* into = options_.store;
+  if (into == nullptr) {
+    // Every row a reader can see is installed, and a ring the rows do not
+    // fill is cleared: no zero-fill.
+    auto made = make_store(options_.backend, header.config,
+                           {.max_sequences = 1, .context = context, .zero_fill = false});
+    if (!made) return made.error();
+    own_ = std::move(*made);
+    into = own_.get();
+  }
+  target_ = std::make_unique<StoreTarget>(*into, to);
+  if (Status st = target_->begin(header); !st.ok()) {
+    abort();
+    return st;
+  }
+  header_ = header;
+  return Status::Ok();
+}
+
+Status DetachedCacheTarget::put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                                     const std::uint8_t* k, const std::uint8_t* v) {
+  if (!target_) return make_error(ErrorCode::kInternal, "handoff: rows before begin");
+  return target_->put_rows(layer, first_row, rows, k, v);
+}
+
+bool DetachedCacheTarget::accepts_device() const {
+  return (options_.store ? options_.store->backend() : options_.backend) == BackendKind::kCuda;
+}
+
+Status DetachedCacheTarget::put_device_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows,
+                                            const void* k, const void* v, cudaStream_t stream) {
+  if (!target_) return make_error(ErrorCode::kInternal, "handoff: rows before begin");
+  return target_->put_device_rows(layer, first_row, rows, k, v, stream);
+}
+
+Status DetachedCacheTarget::commit() {
+  if (!target_) return make_error(ErrorCode::kInternal, "handoff: commit without a session");
+  if (Status st = target_->commit(); !st.ok()) {
+    abort();
+    return st;
+  }
+  const SeqId seq = *target_->sequence();
+  target_.reset();  // committed: the sequence stays
+  if (own_) {
+    auto cache = KvCache::adopt(std::move(own_), seq);
+    if (!cache) return cache.error();
+    cache_ = std::move(*cache);
+  } else {
+    seq_ = seq;
+  }
+  return Status::Ok();
+}
+
+void DetachedCacheTarget::abort() {
+  target_.reset();  // removes a session not committed from its store
+  own_.reset();
+  cache_.reset();
+  seq_.reset();
+  header_ = Snapshot{};
+}
+
+std::int64_t DetachedCacheTarget::held_row_bytes() const {
+  std::int64_t b = 0;
+  if (own_) b += own_->allocated_bytes();
+  else if (target_ && options_.store) b += target_->pending_blocks() * options_.store->block_bytes();
+  if (cache_) b += cache_->allocated_bytes();
+  return b;
 }
 
 }  // namespace kvring::handoff
