@@ -19,15 +19,9 @@ bool usable();
 
 // ---- The same-GPU transport's halves ----------------------------------------
 
-// Stream-ordered device memory for one link's messages: a pool of its own
-// that keeps freed memory for the next messages (the device's default pool
-// would hand it back to the driver at every synchronization, and the
-// receiver synchronizes once a message). Outstanding messages outlive it.
-class MessagePool;
-Result<std::shared_ptr<MessagePool>> make_message_pool();
 // `parts` (device parts, all on one stream) copied device to device, in
-// order, into one new allocation from `pool` (stream-ordered on that stream).
-Result<std::unique_ptr<DeviceBytes>> copy_parts(MessagePool& pool, const std::vector<Part>& parts);
+// order, into one new allocation (stream-ordered on that stream).
+Result<std::unique_ptr<DeviceBytes>> copy_parts(const std::vector<Part>& parts);
 // The bytes appended to `out` (waits for them).
 Status append_to_host(DeviceBytes& bytes, std::vector<std::uint8_t>& out);
 

@@ -302,30 +302,7 @@ class CudaTargetSlots : public TargetSlots {
 
 bool usable() { return cuda_device_count() > 0; }
 
-class MessagePool {
- public:
-  ~MessagePool() {
-    // Deferred by the runtime until every allocation from it is freed.
-    if (pool) cudaMemPoolDestroy(pool);
-  }
-  cudaMemPool_t pool = nullptr;
-};
-
-Result<std::shared_ptr<MessagePool>> make_message_pool() {
-  int device = 0;
-  HANDOFF_CUDA("cudaGetDevice", cudaGetDevice(&device));
-  cudaMemPoolProps props{};
-  props.allocType = cudaMemAllocationTypePinned;
-  props.location.type = cudaMemLocationTypeDevice;
-  props.location.id = device;
-  auto p = std::make_shared<MessagePool>();
-  HANDOFF_CUDA("cudaMemPoolCreate", cudaMemPoolCreate(&p->pool, &props));
-  std::uint64_t keep = ~std::uint64_t{0};
-  HANDOFF_CUDA("cudaMemPoolSetAttribute", cudaMemPoolSetAttribute(p->pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  return p;
-}
-
-Result<std::unique_ptr<DeviceBytes>> copy_parts(MessagePool& pool, const std::vector<Part>& parts) {
+Result<std::unique_ptr<DeviceBytes>> copy_parts(const std::vector<Part>& parts) {
   std::size_t total = 0;
   cudaStream_t s = parts.empty() ? nullptr : parts[0].stream;
   for (const Part& p : parts) {
@@ -334,8 +311,8 @@ Result<std::unique_ptr<DeviceBytes>> copy_parts(MessagePool& pool, const std::ve
     total += p.size;
   }
   void* block = nullptr;
-  HANDOFF_CUDA("cudaMallocFromPoolAsync of " + std::to_string(total) + " B for a message",
-               cudaMallocFromPoolAsync(&block, std::max<std::size_t>(total, 1), pool.pool, s));
+  HANDOFF_CUDA("cudaMallocAsync of " + std::to_string(total) + " B for a message",
+               cudaMallocAsync(&block, std::max<std::size_t>(total, 1), s));
   cudaEvent_t ready = nullptr;
   if (const cudaError_t e = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming); e != cudaSuccess) {
     cudaFreeAsync(block, s);

@@ -23,13 +23,12 @@ struct Link {
   std::condition_variable cv;
   std::deque<Message> queue[2];  // queue[i]: messages to endpoint i
   bool closed = false;
-  std::shared_ptr<device::MessagePool> pool;  // a link that carries device memory
 };
 
 class LocalTransport : public Transport {
  public:
-  LocalTransport(std::shared_ptr<Link> link, int self)
-      : link_(std::move(link)), self_(self), device_(link_->pool != nullptr) {}
+  LocalTransport(std::shared_ptr<Link> link, int self, bool device)
+      : link_(std::move(link)), self_(self), device_(device) {}
   ~LocalTransport() override { close(); }
 
   bool carries(MemoryKind kind) const override { return kind == MemoryKind::kHost || device_; }
@@ -60,8 +59,7 @@ class LocalTransport : public Transport {
       at += parts[i].size;
     }
     if (first_device < parts.size()) {
-      auto block = device::copy_parts(*link_->pool,
-                                      {parts.begin() + static_cast<std::ptrdiff_t>(first_device), parts.end()});
+      auto block = device::copy_parts({parts.begin() + static_cast<std::ptrdiff_t>(first_device), parts.end()});
       if (!block) return block.error();
       m.device = std::move(*block);
     }
@@ -121,24 +119,20 @@ class LocalTransport : public Transport {
   bool device_;
 };
 
-std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> connected_pair(
-    std::shared_ptr<device::MessagePool> pool) {
+std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> make_pair(bool device) {
   auto link = std::make_shared<Link>();
-  link->pool = std::move(pool);
-  return {std::make_unique<LocalTransport>(link, 0), std::make_unique<LocalTransport>(link, 1)};
+  return {std::make_unique<LocalTransport>(link, 0, device), std::make_unique<LocalTransport>(link, 1, device)};
 }
 
 }  // namespace
 
-std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair() { return connected_pair(nullptr); }
+std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair() { return make_pair(false); }
 
 Result<std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>>> local_device_pair() {
   if (!device::usable())
     return make_error(ErrorCode::kUnsupported,
                       "the in-process device transport needs the CUDA backend and a visible GPU");
-  auto pool = device::make_message_pool();
-  if (!pool) return pool.error();
-  return connected_pair(std::move(*pool));
+  return make_pair(true);
 }
 
 }  // namespace kvring::handoff
