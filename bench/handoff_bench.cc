@@ -9,7 +9,11 @@
 //   raw      the same transport, the same message sizes and count, nothing
 //            hashed, acknowledged or installed: the ceiling of this link
 //   handoff  send_session -> receive_session into a detached target, every
-//            message hashed on both sides, committed through restore_detached
+//            message hashed on both sides: into a fresh CPU store (cold: each
+//            page of the store is first touched by the install), and into a
+//            store that has held a session of the same length before (warm:
+//            the session's sequence removed, its rings and blocks reused, as
+//            in a decode server that has run a while)
 // With --perftest, ucx_perftest (ucx-utils) measures UCX's own stream
 // bandwidth on loopback at the same message size in the same run.
 #include <sys/wait.h>
@@ -24,6 +28,7 @@
 
 #include "kvring/handoff.h"
 #include "kvring/sha256.h"
+#include "kvring/store.h"
 
 using namespace kvring;
 using namespace kvring::handoff;
@@ -37,14 +42,54 @@ double now_s() { return std::chrono::duration<double>(Clock::now().time_since_ep
   std::exit(2);
 }
 
+// The seeded rows of the bench's sessions, one 512-row chunk of K and V.
+constexpr std::int64_t kChunk = 512;
+void chunk_rows(const ModelConfig& config, std::vector<float>& k, std::vector<float>& v) {
+  k.resize(static_cast<std::size_t>(kChunk * config.kv_dim()));
+  v.resize(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<float>((i * 2654435761u) % 1000) / 997.0f - 0.5f;
+    v[i] = static_cast<float>((i * 40503u) % 1000) / 991.0f - 0.5f;
+  }
+}
+
+// A CPU store at `context` that has held a session of rows_tokens positions
+// on every layer: the sequence is removed again, its pages stay mapped.
+std::unique_ptr<KvStore> warm_store(const ModelConfig& config, std::int64_t context,
+                                    std::int64_t rows_tokens) {
+  auto store = make_store(BackendKind::kCpu, config, {.max_sequences = 1, .context = context});
+  if (!store) die(store.error().to_string());
+  auto seq = (*store)->add_sequence();
+  if (!seq) die(seq.error().to_string());
+  std::vector<float> k, v;
+  chunk_rows(config, k, v);
+  for (std::int64_t at = 0; at < rows_tokens; at += kChunk) {
+    const std::int64_t n = std::min(kChunk, rows_tokens - at);
+    const SeqSpan span{*seq, at, n};
+    for (std::int64_t l = 0; l < config.n_layers; ++l)
+      if (Status s = (*store)->store(l, std::span(&span, 1), host_view(k.data(), n, config.kv_dim()),
+                                     host_view(v.data(), n, config.kv_dim()));
+          !s.ok())
+        die(s.to_string());
+  }
+  if (Status s = (*store)->remove_sequence(*seq); !s.ok()) die(s.to_string());
+  return std::move(*store);
+}
+
+enum class Receiver { kRaw, kCold, kWarm };
+
 // Child: listens on port 0, writes the port, serves one link, writes a result line.
-pid_t spawn_receiver(bool raw, int* port, int* result_fd) {
+pid_t spawn_receiver(Receiver mode, const ModelConfig& config, std::int64_t context,
+                     std::int64_t rows_tokens, int* port, int* result_fd) {
+  const bool raw = mode == Receiver::kRaw;
   int to_parent[2];
   if (pipe(to_parent) != 0) die("pipe");
   const pid_t pid = fork();
   if (pid < 0) die("fork");
   if (pid == 0) {
     close(to_parent[0]);
+    std::unique_ptr<KvStore> store;
+    if (mode == Receiver::kWarm) store = warm_store(config, context, rows_tokens);
     auto listener = ucx_listen("127.0.0.1:0");
     if (!listener) die(listener.error().to_string());
     const int p = (*listener)->port();
@@ -72,7 +117,9 @@ pid_t spawn_receiver(bool raw, int* port, int* result_fd) {
       // Wait for the sender to close before closing.
       (void)(*link)->recv_message(m, deadline_in(2), 16);
     } else {
-      DetachedCacheTarget target({});
+      DetachedCacheTarget::Options options;
+      options.store = store.get();  // null: a fresh store of the session's own
+      DetachedCacheTarget target(options);
       auto r = receive_session(**link, target, {.timeout_s = 30});
       if (!r) die(r.error().to_string());
       std::snprintf(line, sizeof line, "%lld %.6f", static_cast<long long>(r->payload_bytes), r->seconds);
@@ -144,14 +191,10 @@ int main(int argc, char** argv) {
   auto cache = make_cpu_cache(config, {.context = tokens});
   if (!cache) die(cache.error().to_string());
   {
-    const std::int64_t kv = config.kv_dim(), step = 512;
-    std::vector<float> k(static_cast<std::size_t>(step * kv)), v(k.size());
-    for (std::size_t i = 0; i < k.size(); ++i) {
-      k[i] = static_cast<float>((i * 2654435761u) % 1000) / 997.0f - 0.5f;
-      v[i] = static_cast<float>((i * 40503u) % 1000) / 991.0f - 0.5f;
-    }
-    for (std::int64_t at = 0; at < payload.rows_tokens; at += step) {
-      const std::int64_t n = std::min(step, payload.rows_tokens - at);
+    std::vector<float> k, v;
+    chunk_rows(config, k, v);
+    for (std::int64_t at = 0; at < payload.rows_tokens; at += kChunk) {
+      const std::int64_t n = std::min(kChunk, payload.rows_tokens - at);
       for (std::int64_t l = 0; l < config.n_layers; ++l)
         if (Status s = (*cache)->store_batch(l, at, n, k.data(), v.data()); !s.ok()) die(s.to_string());
     }
@@ -177,7 +220,7 @@ int main(int argc, char** argv) {
   // Raw: the transport alone, the same messages.
   {
     int port = 0, fd = -1;
-    const pid_t pid = spawn_receiver(true, &port, &fd);
+    const pid_t pid = spawn_receiver(Receiver::kRaw, config, tokens, payload.rows_tokens, &port, &fd);
     auto link = ucx_connect("127.0.0.1:" + std::to_string(port), deadline_in(10));
     if (!link) die(link.error().to_string());
     const double setup = hello(**link);
@@ -198,21 +241,22 @@ int main(int argc, char** argv) {
                 payload.payload_bytes / s / 1e9, static_cast<long long>(bytes), recv_s, setup);
   }
 
-  // The handoff.
-  {
+  // The handoff, into a fresh store and into a warm one.
+  for (const Receiver mode : {Receiver::kCold, Receiver::kWarm}) {
     int port = 0, fd = -1;
-    const pid_t pid = spawn_receiver(false, &port, &fd);
-    auto link = ucx_connect("127.0.0.1:" + std::to_string(port), deadline_in(10));
+    const pid_t pid = spawn_receiver(mode, config, tokens, payload.rows_tokens, &port, &fd);
+    auto link = ucx_connect("127.0.0.1:" + std::to_string(port), deadline_in(60));
     if (!link) die(link.error().to_string());
     const double setup = hello(**link);
     auto r = send_session(**link, **source, *timeline, {.timeout_s = 30});
     if (!r) die(r.error().to_string());
     (*link)->close();
     auto [bytes, recv_s] = finish_receiver(pid, fd);
-    std::printf("  handoff       %.3f s  %.2f GB/s (header to commit confirmed; %lld B verified and installed, "
+    std::printf("  handoff, %s %.3f s  %.2f GB/s (header to commit confirmed; %lld B verified and installed, "
                 "the receiver's view %.3f s; peak unacknowledged %lld B of %lld B credits; link set-up %.3f s)\n",
-                r->seconds, payload.payload_bytes / r->seconds / 1e9, static_cast<long long>(bytes), recv_s,
-                static_cast<long long>(r->max_in_flight), static_cast<long long>(r->credit_bytes), setup);
+                mode == Receiver::kCold ? "cold" : "warm", r->seconds, payload.payload_bytes / r->seconds / 1e9,
+                static_cast<long long>(bytes), recv_s, static_cast<long long>(r->max_in_flight),
+                static_cast<long long>(r->credit_bytes), setup);
   }
 
   if (perftest) {
