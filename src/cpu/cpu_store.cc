@@ -1,4 +1,5 @@
 // The CPU backend: rings and the block pool in host memory.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -62,26 +63,33 @@ class CpuStore final : public KvStore {
   Status write_rows(std::span<const RowWrite> writes, const ConstView& k, const ConstView& v,
                     cudaStream_t) override {
     // Writes of one call never share a row (a sequence appears once per
-    // layer), so they run on all cores.
+    // layer), so they run on all cores: each task takes a run of
+    // consecutive writes of at least kRowsPerTask rows in all (a decode
+    // step's thousands of one-row writes are then tens of tasks, not
+    // thousands).
+    constexpr std::int64_t kRowsPerTask = 64;
     const std::int64_t kv_dim = config_.kv_dim();
+    const auto n = static_cast<std::int64_t>(writes.size());
     std::int64_t rows = 0;
     for (const RowWrite& w : writes) rows += w.placement.live_rows;
-    cpu::parallel_for(static_cast<std::int64_t>(writes.size()), rows * kv_dim * 8,
-                      [&](std::int64_t i) {
-      const RowWrite& w = writes[static_cast<std::size_t>(i)];
+    const std::int64_t tasks = std::clamp<std::int64_t>(rows / kRowsPerTask, 1, n);
+    cpu::parallel_for(tasks, rows * kv_dim * 8, [&](std::int64_t t) {
       thread_local std::vector<std::uint16_t> rk, rv;
       rk.resize(static_cast<std::size_t>(kv_dim));
       rv.resize(rk.size());
-      const cpu::PlaneView pv = view(w.plane);
-      std::uint16_t* pk = const_cast<std::uint16_t*>(pv.k);
-      std::uint16_t* pvv = const_cast<std::uint16_t*>(pv.v);
-      for (int s = 0; s < w.placement.n_spans; ++s) {
-        const PhysicalSpan& span = w.placement.spans[static_cast<std::size_t>(s)];
-        for (std::int64_t r = 0; r < span.rows; ++r) {
-          const std::int64_t src = w.source_row + span.source_first + r;
-          detail::row_to_f16(k, src, rk.data());
-          detail::row_to_f16(v, src, rv.data());
-          put_row(pv, pk, pvv, span.physical_first + r, rk.data(), rv.data());
+      for (std::int64_t i = t * n / tasks; i < (t + 1) * n / tasks; ++i) {
+        const RowWrite& w = writes[static_cast<std::size_t>(i)];
+        const cpu::PlaneView pv = view(w.plane);
+        std::uint16_t* pk = const_cast<std::uint16_t*>(pv.k);
+        std::uint16_t* pvv = const_cast<std::uint16_t*>(pv.v);
+        for (int s = 0; s < w.placement.n_spans; ++s) {
+          const PhysicalSpan& span = w.placement.spans[static_cast<std::size_t>(s)];
+          for (std::int64_t r = 0; r < span.rows; ++r) {
+            const std::int64_t src = w.source_row + span.source_first + r;
+            detail::row_to_f16(k, src, rk.data());
+            detail::row_to_f16(v, src, rv.data());
+            put_row(pv, pk, pvv, span.physical_first + r, rk.data(), rv.data());
+          }
         }
       }
     });
