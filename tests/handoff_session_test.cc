@@ -115,6 +115,21 @@ class Handoff : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.error().to_string();
     return finish(*s);
   }
+  // Decodes sequence `seq` of `store`, which holds the payload and
+  // `tokens`, greedily to kTokens: the prompt's last token, then argmax steps.
+  Decoded decode_in(KvStore& store, SeqId seq, std::vector<std::int32_t> tokens) {
+    std::vector<float> last(64);
+    std::int32_t next = prompt_.back();
+    while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
+      const SeqSpan step{seq, static_cast<std::int64_t>(tokens.size()), 1};
+      const Status st = model_->forward(store, {&step, 1}, &next, last.data());
+      EXPECT_TRUE(st.ok()) << st.to_string();
+      if (!st.ok()) break;
+      tokens.push_back(next);
+      next = argmax(last.data(), 64);
+    }
+    return {tokens, last};
+  }
   void expect_reference(const Decoded& d) {
     EXPECT_EQ(d.tokens, reference_.tokens);
     ASSERT_EQ(d.logits.size(), reference_.logits.size());
@@ -319,18 +334,7 @@ TEST_F(Handoff, InstallsIntoARunningStore) {
   EXPECT_EQ(store.sequence_count(), 2);
   EXPECT_EQ(bytes_of(other), other_before);
   // Decode on the receiver: the prompt's last token, then greedy steps.
-  const SeqId seq = *target.sequence();
-  std::vector<std::int32_t> tokens = target.header().token_ids;
-  std::vector<float> last(64);
-  std::int32_t next = prompt_.back();
-  while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
-    const SeqSpan step{seq, static_cast<std::int64_t>(tokens.size()), 1};
-    ASSERT_TRUE(model_->forward(store, {&step, 1}, &next, last.data()).ok());
-    tokens.push_back(next);
-    next = argmax(last.data(), 64);
-  }
-  EXPECT_EQ(tokens, reference_.tokens);
-  EXPECT_EQ(std::memcmp(last.data(), reference_.logits.data(), 64 * 4), 0) << "logits differ";
+  expect_reference(decode_in(store, *target.sequence(), target.header().token_ids));
 }
 
 // A sequence of a store prefilled to the payload: the prompt but its last token.
@@ -385,17 +389,7 @@ TEST_F(Handoff, StoreToStoreIsBitExact) {
     EXPECT_EQ(target.header().metadata, "meta");
     EXPECT_EQ(store_bytes(store, other), other_before);
     const SeqId got = *target.sequence();
-    std::vector<std::int32_t> tokens = target.header().token_ids;
-    std::vector<float> last(64);
-    std::int32_t next = prompt_.back();
-    while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
-      const SeqSpan step{got, static_cast<std::int64_t>(tokens.size()), 1};
-      ASSERT_TRUE(model_->forward(store, {&step, 1}, &next, last.data()).ok());
-      tokens.push_back(next);
-      next = argmax(last.data(), 64);
-    }
-    EXPECT_EQ(tokens, reference_.tokens);
-    EXPECT_EQ(std::memcmp(last.data(), reference_.logits.data(), 64 * 4), 0) << "logits differ";
+    expect_reference(decode_in(store, got, target.header().token_ids));
     ASSERT_TRUE(store.remove_sequence(got).ok());
   }
 }
