@@ -208,7 +208,9 @@ TEST_F(CudaHandoff, DeviceToDeviceIsBitExact) {
     EXPECT_EQ(live_bytes(*to, other), other_before);
     // Decoded on the receiver, it is the session that never moved.
     const SeqId moved = *target.sequence();
-    const SeqId stay = *from->fork_sequence(seq);
+    const auto stay_or = from->fork_sequence(seq);
+  ASSERT_TRUE(stay_or.ok()) << stay_or.error().to_string();
+  const SeqId stay = *stay_or;
     const auto [want_tokens, want_logits] = decode(*from, stay);
     const auto [tokens, logits] = decode(*to, moved);
     EXPECT_EQ(tokens, want_tokens);
@@ -308,7 +310,7 @@ TEST_F(CudaHandoff, MixedBackendsAndPinnedStagingStoreTheSendersBytes) {
 TEST_F(CudaHandoff, UcxLoopbackStagesThroughPinnedMemory) {
   KVRING_SKIP_WITHOUT_GPU();
   if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
-  auto from = store(BackendKind::kCuda, 1);
+  auto from = store(BackendKind::kCuda);  // room for the fork that decodes below
   auto to = store(BackendKind::kCuda);
   ASSERT_TRUE(from && to);
   const SeqId seq = prefilled(*from, prompt_);
@@ -337,7 +339,9 @@ TEST_F(CudaHandoff, UcxLoopbackStagesThroughPinnedMemory) {
   ASSERT_TRUE(received->ok()) << received->error().to_string();
   ASSERT_TRUE(target.sequence().has_value());
   EXPECT_EQ(live_bytes(*to, *target.sequence()), live_bytes(*from, seq));
-  const SeqId stay = *from->fork_sequence(seq);
+  const auto stay_or = from->fork_sequence(seq);
+  ASSERT_TRUE(stay_or.ok()) << stay_or.error().to_string();
+  const SeqId stay = *stay_or;
   const auto want = decode(*from, stay);
   const auto got = decode(*to, *target.sequence());
   EXPECT_EQ(got.first, want.first);

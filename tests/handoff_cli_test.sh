@@ -8,10 +8,12 @@
 # in bounded time; a port where nothing listens fails fast. Ports: the
 # receiver binds port 0 and writes the port it got to a file.
 #
-# usage: handoff_cli_test.sh KVRING WORKDIR
+# usage: handoff_cli_test.sh KVRING WORKDIR [BACKEND]
+# BACKEND (cpu by default; cuda on a GPU) runs both sides and the reference.
 set -u
-K=$1
+K=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 W=$2
+B=${3:-cpu}
 rm -rf "$W"
 mkdir -p "$W"
 cd "$W" || exit 1
@@ -30,7 +32,7 @@ cat > wide.json <<'JSON'
  "sliding_window": 64, "max_position_embeddings": 1024,
  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
 JSON
-common=(--config small.json --hidden 32 --vocab 64 --seed 3 --backend cpu --no-progress)
+common=(--config small.json --hidden 32 --vocab 64 --seed 3 --backend "$B" --no-progress)
 
 # The fields the pair must agree on.
 fields() {
@@ -44,7 +46,7 @@ start_serve() {
   local name=$1
   shift
   rm -f "$name.port"
-  "$K" handoff serve --listen 127.0.0.1:0 --port-file "$name.port" --backend cpu "$@" >"$name.out" 2>"$name.err" &
+  "$K" handoff serve --listen 127.0.0.1:0 --port-file "$name.port" --backend "$B" "$@" >"$name.out" 2>"$name.err" &
   SERVE_PID=$!
   pids+=("$SERVE_PID")
   for _ in $(seq 100); do
