@@ -320,7 +320,7 @@ void print_usage(std::FILE* out) {
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
       "  --quick      fewer repetitions\n"
-      "  --only PART  run one part\n"
+      "  --only PARTS run these parts (comma-separated)\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -400,7 +400,10 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaFreeHost(pinned));
   CHECK_CUDA(cudaFree(a));
 
-  auto section = [&](const char* name) { return only.empty() || only == name; };
+  // --only takes one part or a comma-separated list of parts.
+  auto section = [&](const char* name) {
+    return only.empty() || ("," + only + ",").find("," + std::string(name) + ",") != std::string::npos;
+  };
 
   // ---- Stores -------------------------------------------------------------------
   if (section("store")) {
@@ -677,7 +680,9 @@ int main(int argc, char** argv) {
   // ---- Many sequences: batched decode, ring batch, batched stores ---------------
   // Every figure here is one call of the store's batched API (one launch per
   // layer). Attention bytes: each sequence's visible rows x 1 KiB, read once.
-  if (section("batch")) {
+  // "rings" runs the ring batch alone (for a profiler).
+  if (section("batch") || section("rings")) {
+    const bool all = section("batch");
     const std::int64_t fill_chunk = 4096;
     float* sk = device_alloc<float>(static_cast<std::size_t>(fill_chunk * 64 * kv));
     float* sv = device_alloc<float>(static_cast<std::size_t>(fill_chunk * 64 * kv));
@@ -755,14 +760,26 @@ int main(int argc, char** argv) {
                                             kvring::device_view(out, nq, qn)),
                           "decode");
                   }, [&] { CHECK_CUDA(cudaStreamSynchronize(cs)); }));
+      // The same call without the cache flush before it, and ten calls back
+      // to back (per call).
+      const auto call = [&] {
+        check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn), kvring::device_view(out, nq, qn)),
+              "decode");
+      };
+      std::printf("  warm L2: %.2f us; back to back: %.2f us a call\n", time_us(cs, 3, 20, call),
+                  time_us(cs, 1, 10, [&] {
+                    for (int i = 0; i < 10; ++i) call();
+                  }) / 10);
       CHECK_CUDA(cudaFree(q));
       CHECK_CUDA(cudaFree(out));
     };
+    if (all) {
     decode_batch("batch decode 32 seqs x 32768, full layer", 32768, std::vector<std::int64_t>(32, 32768), 3,
                  1 << 30, ">= 85% of copy", 0.85);
     decode_batch("batch decode 4 seqs x 131072, full layer", ctx, std::vector<std::int64_t>(4, ctx), 3, 1 << 30,
                  ">= 85% of copy", 0.85);
-    {
+    }
+    if (all) {
       // Lengths uniform in 1..32768, seeded (bench/sdpa_peer.py draws the same).
       std::vector<std::int64_t> lens;
       for (std::uint64_t i = 0; i < 64; ++i) lens.push_back(1 + static_cast<std::int64_t>(mixed_length_draw(i) % 32768));
@@ -773,7 +790,7 @@ int main(int argc, char** argv) {
                  ">= 70% of copy", 0.70);
 
     // A decode step's stores: 64 sequences x one token x 52 layers, one call.
-    {
+    if (all) {
       const std::int64_t n = 64;
       auto made = store_with(muse, 4096, std::vector<std::int64_t>(n, 1));
       auto& st = made.first;
@@ -804,10 +821,11 @@ int main(int argc, char** argv) {
     }
 
     // A ragged prefill store: 4096 tokens over 5 sequences x 52 layers, one call.
-    {
+    if (all) {
       const std::vector<std::int64_t> counts = {1000, 700, 1200, 596, 600};
       const std::int64_t total = 4096;
-      auto made = store_with(muse, 32768, counts);
+      // Room for every timed call's rows (27 calls of up to 1200).
+      auto made = store_with(muse, 65536, counts);
       auto& st = made.first;
       auto& spans = made.second;
       std::int64_t stored_rows = 0;
@@ -818,18 +836,74 @@ int main(int argc, char** argv) {
       auto cuda = dynamic_cast<kvring::CudaStore*>(st.get());
       const cudaStream_t cs = cuda->stream();
       int run = 0;
-      add({"ragged prefill store 4096 tokens / 5 seqs x 52 layers",
-           time_us(cs, 2, 20,
-                   [&] {
-                     const std::int64_t off = (run % 2) * (src_rows - L * total) * kv;
-                     check(st->store_all_layers(spans, kvring::device_view(sk + off, L * total, kv),
-                                                   kvring::device_view(sv + off, L * total, kv)),
-                           "store");
-                     for (std::size_t i = 0; i < spans.size(); ++i) spans[i].start += counts[i];
-                     ++run;
-                   }),
-           bytes, "D2D copy", d2d, ">= 85% of copy", 0});
+      auto ragged_store = [&] {
+        const std::int64_t off = (run % 2) * (src_rows - L * total) * kv;
+        check(st->store_all_layers(spans, kvring::device_view(sk + off, L * total, kv),
+                                   kvring::device_view(sv + off, L * total, kv)),
+              "store");
+        for (std::size_t i = 0; i < spans.size(); ++i) spans[i].start += counts[i];
+        ++run;
+      };
+      add({"ragged prefill store 4096 tokens / 5 seqs x 52 layers", time_us(cs, 2, 20, ragged_store), bytes,
+           "D2D copy", d2d, ">= 85% of copy", 0});
       rows.back().met = rows.back().ratio() >= 0.85;
+      std::printf("  host time in the call: %.2f us\n",
+                  enqueue_us(5, ragged_store, [&] { CHECK_CUDA(cudaStreamSynchronize(cs)); }));
+    }
+
+    // Ragged prefill attention: several sequences' chunks in one call, each
+    // chunk ending at row `end`, beside one sequence's chunk of the same
+    // query rows; one full layer a call, timed over the full layers (each
+    // filled first). Bytes: each chunk's visible rows x 1 KiB.
+    auto ragged_prefill = [&](const std::string& name, const std::vector<std::int64_t>& chunks,
+                              std::int64_t end) {
+      std::vector<std::int64_t> before;
+      std::int64_t q_rows = 0;
+      for (const std::int64_t c : chunks) {
+        before.push_back(end - c);
+        q_rows += c;
+      }
+      auto made = store_with(muse, end, before);
+      auto& st = made.first;
+      std::vector<SeqSpan> fill_spans = made.second, chunk_spans;
+      for (std::size_t i = 0; i < chunks.size(); ++i) chunk_spans.push_back({fill_spans[i].seq, before[i], chunks[i]});
+      std::int64_t fill_rows = 0;
+      for (const std::int64_t b : before) fill_rows += b;
+      if (fill_rows > src_rows)
+        check(kvring::invalid_argument("more rows than the fill buffers hold"), "ragged prefill");
+      int full_layers = 0;
+      for (std::int64_t l = 3; l < L; l += 4, ++full_layers)
+        check(st->store(l, fill_spans, kvring::device_view(sk, fill_rows, kv), kvring::device_view(sv, fill_rows, kv)),
+              "fill");
+      float* q = device_alloc<float>(static_cast<std::size_t>(q_rows * qn));
+      float* out = device_alloc<float>(static_cast<std::size_t>(q_rows * qn));
+      fill(q, q_rows * qn, 35);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      auto cuda = dynamic_cast<kvring::CudaStore*>(st.get());
+      const cudaStream_t cs = cuda->stream();
+      std::int64_t layer = 3;
+      add({name,
+           time_us(cs, 1, full_layers - 1,
+                   [&] {
+                     check(st->prefill(layer, chunk_spans, kvring::device_view(sk + fill_rows * kv, q_rows, kv),
+                                       kvring::device_view(sv + fill_rows * kv, q_rows, kv),
+                                       kvring::device_view(q, q_rows, qn), kvring::device_view(out, q_rows, qn)),
+                           "prefill");
+                     layer += 4;
+                   },
+                   [&] { read_flush(cs); }),
+           static_cast<double>(end) * 1024 * static_cast<double>(chunks.size()), "D2D copy", d2d});
+      free_device({q, out});
+      return rows.back().us;
+    };
+    if (all) {
+      const double one = ragged_prefill("prefill attention, one sequence's 512-token chunk at 32768", {512}, 32768);
+      const double four = ragged_prefill("prefill attention, 4 sequences' 128-token chunks at 32768, one call",
+                                         {128, 128, 128, 128}, 32768);
+      const double mixed = ragged_prefill("prefill attention, chunks of 64, 192, 96, 160 at 32768, one call",
+                                          {64, 192, 96, 160}, 32768);
+      std::printf("  ragged prefill / one sequence, same query rows: %.3f (4 x 128), %.3f (mixed); target <= 1.15\n",
+                  four / one, mixed / one);
     }
     CHECK_CUDA(cudaFree(sk));
     CHECK_CUDA(cudaFree(sv));

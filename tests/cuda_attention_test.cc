@@ -125,10 +125,10 @@ cuda::LaunchPolicy last_arrival_only() {
 
 // One long sequence decoded with many splits: resident grids (with the
 // epoch count wrapping too), clusters and the global workspace, in either
-// grid order, give the same bits, and so does a batch around it. Each
+// grid order, with a CTA a split or runs of splits a CTA, give the same bits, and so does a batch around it. Each
 // store runs under a policy that forces its path, and its launches are
 // counted by the path they took. KVRING_COMBINE_PATH=N runs path N alone
-// (0-5), so a sanitizer can take the paths in parallel processes; the bits
+// (0-7), so a sanitizer can take the paths in parallel processes; the bits
 // are compared across paths only when all of them run.
 TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   KVRING_SKIP_WITHOUT_GPU();
@@ -137,27 +137,33 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   const std::vector<SeqInputs> seqs = {testing::seq_inputs(cs.config, len, 5),
                                        testing::seq_inputs(cs.config, 150, 6)};
   const cuda::LaunchPolicy device = cuda::device_launch_policy();
-  enum Path { kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor };
+  enum Path { kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor, kRuns, kRunsQueryMajor };
+  constexpr int kPaths = 8;
   const char* const names[] = {"resident", "resident across the epoch wrap", "cluster",
                                "cluster within one wave, else last arrival", "last arrival",
-                               "last arrival, query-major"};
+                               "last arrival, query-major", "last arrival, runs of 4 splits a CTA",
+                               "last arrival, runs of up to 32 splits a CTA, query-major"};
   const int short_decode_ctas = 2 * cuda::attend_grid(16, 2, 128).items;
   std::vector<Outputs> runs;
-  std::vector<cuda::AttendStats> stats(6);
+  std::vector<cuda::AttendStats> stats(kPaths);
   const char* only = std::getenv("KVRING_COMBINE_PATH");
   const int only_path = only != nullptr ? std::atoi(only) : -1;
-  ASSERT_LT(only_path, 6) << "KVRING_COMBINE_PATH names a path 0-5";
-  for (const Path path : {kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor}) {
+  ASSERT_LT(only_path, kPaths) << "KVRING_COMBINE_PATH names a path 0-" << kPaths - 1;
+  for (const Path path : {kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor, kRuns,
+                          kRunsQueryMajor}) {
     if (only_path >= 0 && path != only_path) continue;
     SCOPED_TRACE(names[path]);
     cuda::LaunchPolicy policy = path >= kLastArrival ? last_arrival_only() : device;
+    policy.split_run = 1;  // a CTA a split but where the path says otherwise
     if (path == kEpochWrap) policy.first_epoch = 0xffffffffu;  // the second launch wraps
     if (path == kCluster || path == kClusterWave) policy.hd128_resident = 0;
     // Clusters only while the launch's CTAs run at once: the short
     // sequence's solo decodes; every larger launch by last arrival.
     if (path == kClusterWave) policy.hd128_cluster_ctas = short_decode_ctas;
     if (path == kLastArrival) policy.query_major = cuda::QueryMajor::kNever;
-    if (path == kQueryMajor) policy.query_major = cuda::QueryMajor::kAlways;
+    if (path == kQueryMajor || path == kRunsQueryMajor) policy.query_major = cuda::QueryMajor::kAlways;
+    if (path == kRuns) policy.split_run = 4;
+    if (path == kRunsQueryMajor) policy.split_run = 32;
     policy.stats = &stats[path];
     auto store = testing::new_cuda_store(cs.config, {.max_sequences = 2, .context = 8192, .block_rows = cs.block_rows}, policy);
     ASSERT_TRUE(store);
@@ -187,8 +193,9 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
     testing::run_plan(*store, ids, seqs, plan, o, true, nullptr, &at);
     runs.push_back(std::move(o));
     const cuda::AttendStats& n = stats[path];
-    std::printf("  %s: launches by path: resident %ld, cluster %ld, last arrival %ld (query-major %ld)\n",
-                names[path], n.resident, n.cluster, n.last_arrival, n.query_major);
+    std::printf("  %s: launches by path: resident %ld, cluster %ld, last arrival %ld (query-major %ld, "
+                "runs of splits %ld)\n",
+                names[path], n.resident, n.cluster, n.last_arrival, n.query_major, n.split_runs);
   }
   if (only_path >= 0) {
     std::printf("  path %d alone: the cross-path comparison needs all six\n", only_path);
@@ -212,13 +219,102 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
     EXPECT_GT(stats[kClusterWave].last_arrival, 0);
   }
   EXPECT_EQ(stats[kClusterWave].resident, 0);
-  for (const Path path : {kLastArrival, kQueryMajor}) {
+  for (const Path path : {kLastArrival, kQueryMajor, kRuns, kRunsQueryMajor}) {
     EXPECT_EQ(stats[path].resident, 0);
     EXPECT_EQ(stats[path].cluster, 0);
     EXPECT_GT(stats[path].last_arrival, 0);
   }
   EXPECT_EQ(stats[kLastArrival].query_major, 0);
   EXPECT_GT(stats[kQueryMajor].query_major, 0);
+  EXPECT_GT(stats[kRunsQueryMajor].query_major, 0);
+  for (const Path path : {kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor})
+    EXPECT_EQ(stats[path].split_runs, 0) << names[path];
+  // Every launch of several splits ran in runs (the long sequence's 17 or
+  // more splits combine in two levels; runs of 16 or 32 owe group
+  // combines until their end).
+  EXPECT_EQ(stats[kRuns].split_runs, stats[kRuns].last_arrival);
+  EXPECT_EQ(stats[kRunsQueryMajor].split_runs, stats[kRunsQueryMajor].last_arrival);
+}
+
+// The rule for runs of splits: powers of two, never longer than the
+// splits; in decode launches where every query has as many splits, the
+// shortest run of at most 8 that fits one wave; else the longest of at
+// most 8 that leaves two waves; a CTA a split in prefill launches and on a
+// device of unknown size; a forced run as long as the splits allow.
+TEST(CudaBatch, RunsOfSplitsFollowTheRule) {
+  cuda::LaunchPolicy p;
+  p.hd128_wave = 132;
+  EXPECT_EQ(p.split_run_for(2 * 64, 64, 64, true), 1);          // one sequence at 131072 rows: 128 CTAs
+  EXPECT_EQ(p.split_run_for(4 * 2 * 64, 64, 64, true), 4);      // 4 x 131072: 128 CTAs of 4 splits
+  EXPECT_EQ(p.split_run_for(32 * 2 * 64, 64, 64, true), 8);     // 32 x 32768: no run of 8 fits a wave
+  EXPECT_EQ(p.split_run_for(128 * 2 * 16, 16, 16, true), 8);    // 128 rings
+  EXPECT_EQ(p.split_run_for(64 * 2 * 64, 64, 1, true), 8);      // mixed lengths
+  EXPECT_EQ(p.split_run_for(10 * 2 * 64, 64, 1, true), 4);      // 320 CTAs of 4 splits; 8 leaves 160
+  EXPECT_EQ(p.split_run_for(1024 * 2 * 1, 1, 1, true), 1);
+  EXPECT_EQ(p.split_run_for(1024 * 2 * 3, 3, 3, true), 2);
+  EXPECT_EQ(p.split_run_for(512 * 2 * 64, 64, 64, false), 1);   // a prefill chunk
+  p.hd128_wave = 0;  // unknown device: a CTA a split
+  EXPECT_EQ(p.split_run_for(32 * 2 * 64, 64, 64, true), 1);
+  p.split_run = 6;   // forced: the longest power of two up to it and the splits
+  EXPECT_EQ(p.split_run_for(2, 1, 1, true), 1);
+  EXPECT_EQ(p.split_run_for(16, 16, 16, false), 4);
+  p.split_run = 32;
+  EXPECT_EQ(p.split_run_for(17 * 2, 17, 3, true), 16);
+  EXPECT_EQ(p.split_run_for(5 * 2, 5, 5, true), 4);
+}
+
+// A batch in runs of splits gives each sequence its solo bits: lengths
+// from one split to two-level combines, decoded together, by the rule
+// (with a wave of 2 CTAs), and equal lengths in forced runs of 16 splits,
+// whose group combines wait for the run's end (pay_owed).
+TEST(CudaBatch, RunsOfSplitsGiveTheSoloBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const Case cs{make_hybrid_config("tc-runs", 2, 2, 16, 2, 128, 64, 4096), 64};
+  for (const bool equal : {false, true}) {
+    SCOPED_TRACE(equal ? "equal lengths" : "lengths that differ");
+    const int n = testing::quick() ? 5 : 9;
+    std::vector<SeqInputs> seqs = inputs(cs.config, 31, n, 3000);
+    if (equal)
+      for (int i = 1; i < n; ++i)
+        seqs[static_cast<std::size_t>(i)] = testing::seq_inputs(cs.config, 3000, 300 + static_cast<std::uint64_t>(i));
+    cuda::AttendStats stats;
+    cuda::LaunchPolicy policy = last_arrival_only();
+    policy.hd128_wave = 2;
+    if (equal) policy.split_run = 16;
+    policy.stats = &stats;
+    auto batch = testing::new_cuda_store(cs.config, {.max_sequences = n, .context = 4096, .block_rows = 64}, policy);
+    ASSERT_TRUE(batch);
+    std::vector<SeqId> ids;
+    for (int i = 0; i < n; ++i) ids.push_back(*batch->add_sequence());
+    // All but each sequence's last 3 rows in one prefill, then 3 decodes of all.
+    std::vector<testing::Step> plan(1);
+    for (int i = 0; i < n; ++i) {
+      const std::int64_t len = seqs[static_cast<std::size_t>(i)].len;
+      if (len > 3) plan[0].chunks.emplace_back(i, len - 3);
+    }
+    for (int d = 0; d < 3; ++d) {
+      plan.push_back({true, {}});
+      for (int i = 0; i < n; ++i)
+        if (seqs[static_cast<std::size_t>(i)].len > 2 - d) plan.back().chunks.emplace_back(i, 1);
+    }
+    Outputs together;
+    testing::run_plan(*batch, ids, seqs, plan, together, true);
+    EXPECT_GT(stats.split_runs, 0);
+    for (int i = 0; i < n; ++i) {
+      SCOPED_TRACE("sequence " + std::to_string(i));
+      auto solo = testing::new_cuda_store(cs.config, {.max_sequences = 1, .context = 4096, .block_rows = 64},
+                                          cuda::device_launch_policy());
+      ASSERT_TRUE(solo);
+      const std::vector<SeqInputs> one = {seqs[static_cast<std::size_t>(i)]};
+      Outputs o;
+      testing::run_plan(*solo, {*solo->add_sequence()}, one,
+                        testing::random_plan(one, 40 + static_cast<std::uint64_t>(i), 700), o, true);
+      for (const auto& [key, val] : o) {
+        const auto& [s, l, p] = key;
+        ASSERT_TRUE(same_bits(val, together.at({i, l, p}))) << "layer " << l << " position " << p;
+      }
+    }
+  }
 }
 
 // A decode batch is one attention launch per layer, whatever its size.

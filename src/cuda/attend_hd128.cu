@@ -188,8 +188,11 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
     for (int i = 0; i < 32; ++i) qv[i] = 0.0f;
   }
   // Then the first tiles, before the query is used.
-  std::int64_t a, b;
-  split_rows_of(r, a, b);
+  // Rows [a, b) of the CTA's run of splits (one split unless F.split_run
+  // says more); the current split ends at split_end.
+  std::int64_t a = r.lo + r.split * r.split_rows;
+  const std::int64_t b = min(a + F.split_run * r.split_rows, r.p + 1);
+  std::int64_t split_end = a + r.split_rows;
   a += warp * kAttendTile;
   const HeadRows rows(P, r, HD, kv_head);
   const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
@@ -254,6 +257,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
   int stage = 0;
+  unsigned owed = 0;  // group combines owed by the run (finish_in_run)
 #pragma unroll 1
   for (std::int64_t base = a; base < b; base += kWarpStride) {
     // Lanes read pieces other lanes copied: every lane's reads of the
@@ -336,6 +340,34 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
       mma16816(o[2 * jj], pa, vb[0], vb[1]);
       mma16816(o[2 * jj + 1], pa, vb[2], vb[3]);
     }
+    if (base + kWarpStride >= split_end && split_end < b) {
+      // The split ends with this tile and another split of the run follows.
+      // Every warp took the same number of tiles of this (whole) split, so
+      // all of them are here, and the stage just read is free in each
+      // warp's area until the next tile refills it: the warp partials go
+      // there, and the CTA's partial goes out as a split's would on its own.
+      __syncwarp();
+      float lsum = l;
+      lsum += __shfl_xor_sync(kFullMask, lsum, 1);
+      lsum += __shfl_xor_sync(kFullMask, lsum, 2);
+      if (t == 0) {
+        sh.m[warp][g] = m;
+        sh.l[warp][g] = lsum;
+      }
+      float* po = reinterpret_cast<float*>(S.area[warp] + stage_off) + g * HD + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<float2*>(po + 8 * j) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
+      __syncthreads();
+      owed |= finish_in_run(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0] + stage_off), kWarpArea / 4},
+                            r, kTensorHeads);
+      ++r.split;
+      split_end += r.split_rows;
+      m = -INFINITY;
+      l = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    }
   }
   cp_async_wait<0>();  // nothing may still land in the area the partial reuses
   __syncwarp();
@@ -357,6 +389,9 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   finish<true>(P, sh, space.part_o, &space.resident,
                WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4}, r,
                kTensorHeads, heads_valid, head0);
+  if (owed != 0)
+    pay_owed(sh, workspace_of(P, r, kTensorHeads), r.n_splits, r.item_splits, owed, kTensorHeads, HD, heads_valid,
+             P.out + static_cast<std::int64_t>(r.qi) * P.out_stride + static_cast<std::int64_t>(head0) * HD);
 }
 
 }  // namespace kvring::cuda

@@ -45,6 +45,11 @@ struct FirstTiles {
   // order is the faster, hence the size rule (LaunchPolicy::query_major;
   // docs/PERFORMANCE.md).
   std::int32_t query_major;
+  // Consecutive splits of one query each CTA takes (1 but in last-arrival
+  // launches of the tensor-core kernel): CTA c takes splits [c * run,
+  // c * run + run). Each split still yields its own partial, by the same
+  // arithmetic, and combines in the same tree (launch.cu gives the rule).
+  std::int32_t split_run;
 };
 struct KernelArgs {
   FirstTiles F;
@@ -58,7 +63,7 @@ struct QueryRange {
   std::int64_t lo;         // first visible row
   std::int64_t split_rows;
   int n_splits;
-  int split;               // this CTA's split
+  int split;               // this CTA's split (its first, with F.split_run > 1)
   // Its plane and chunk (AttendQueryItem).
   const std::uint16_t* plane_k;
   const std::uint16_t* plane_v;
@@ -88,7 +93,7 @@ __device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendPar
   r.p = it.first_position + i;
   r.lo = max(std::int64_t{0}, r.p - F.reach);
   r.split_rows = attend_split_rows(r.p - r.lo + 1);
-  r.split = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x);
+  r.split = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x) * F.split_run;
   r.plane_k = it.k;
   r.plane_v = it.v;
   r.table = it.table;

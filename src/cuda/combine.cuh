@@ -411,11 +411,9 @@ __device__ __forceinline__ bool arrive_last(unsigned& counter, int expected, Sha
 // workspace by the last split to arrive. part_o is the CTA's partial
 // (CombineSpace::part_o), `stage` its resident stage (kVec only: null in the
 // general kernel).
-template <bool kVec>
-__device__ void finish(const AttendParams& P, Shared& sh, float* part_o, ResidentStage* stage,
-                       WarpOutputs wo, const QueryRange& r, int heads, int heads_valid,
-                       int head0) {
-  const int hd = P.head_dim;
+// Each head's maximum and weight sum over the CTA's warps, and each warp's
+// weight (sh.head_m, head_l, weight), for `heads` heads; a barrier follows.
+__device__ __forceinline__ void combine_warps(Shared& sh, int heads) {
   const int tid = static_cast<int>(threadIdx.x);
   if (tid < heads) {
     float max = -INFINITY;
@@ -430,6 +428,88 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, Residen
     sh.head_l[tid] = sum;
   }
   __syncthreads();
+}
+
+// Where an item's split partials and arrival counters lie in the global
+// workspace: the query's slots of every work item from r.ws_slot on, this
+// item's (blockIdx.y) among them, [item][slot][...].
+struct Workspace {
+  float* o;            // [slot][heads * hd]
+  float* ml;           // [slot][heads][m, l]
+  unsigned* counters;  // the item's, then one per group
+};
+__device__ __forceinline__ Workspace workspace_of(const AttendParams& P, const QueryRange& r, int heads) {
+  const int slots = attend_slots(r.item_splits);
+  const std::int64_t item = r.ws_slot * gridDim.y + static_cast<std::int64_t>(blockIdx.y) * slots;
+  return {P.ws_o + item * heads * P.head_dim, P.ws_ml + item * heads * 2,
+          P.counters + r.ws_counter * gridDim.y +
+              static_cast<std::int64_t>(blockIdx.y) * attend_counters(r.item_splits)};
+}
+
+// The CTA's partial of split r.split into its workspace slot.
+__device__ __forceinline__ void publish_split(const Shared& sh, WarpOutputs wo, const QueryRange& r,
+                                              const Workspace& ws, int heads, int hd) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int total = heads * hd;
+  for (int i = tid; i < total; i += blockDim.x)
+    ws.o[static_cast<std::int64_t>(r.split) * total + i] = cta_value(sh, wo, i, i / hd);
+  if (tid < heads) {
+    ws.ml[(r.split * heads + tid) * 2] = sh.head_m[tid];
+    ws.ml[(r.split * heads + tid) * 2 + 1] = sh.head_l[tid];
+  }
+}
+
+// Group `group` of a two-level combine is complete (its last split has
+// arrived): its splits' partials combine into the group's slot, which then
+// arrives at the item's counter; the last group to arrive combines the
+// groups into the output.
+template <bool kVec>
+__device__ __forceinline__ void group_done(Shared& sh, const Workspace& ws, int n, int item_splits, int group,
+                                           int heads, int hd, int heads_valid, float* out) {
+  const int total = heads * hd;
+  const int first = group * kAttendGroup;
+  const int members = min(kAttendGroup, n - first);
+  const int slot = item_splits + group;
+  combine_splits<kVec>(GlobalPartials{ws.o + static_cast<std::int64_t>(first) * total,
+                                      ws.ml + first * heads * 2, total},
+                       ws.o + static_cast<std::int64_t>(slot) * total, members, heads, hd, 0, total,
+                       ws.ml + slot * heads * 2);
+  if (!arrive_last(ws.counters[0], attend_groups(n), sh)) return;
+  combine_splits<kVec>(GlobalPartials{ws.o + static_cast<std::int64_t>(item_splits) * total,
+                                      ws.ml + item_splits * heads * 2, total},
+                       out, attend_groups(n), heads, hd, 0, heads_valid * hd);
+}
+
+// The finish of a split that another split of the CTA's run follows (the
+// tensor-core kernel's last-arrival launches; launch.cu): its partial goes
+// out and arrives at its group's counter (the item's with one level). With
+// one level the arrival is never the last: the run's next split, of the
+// same item, has not arrived. With two, it is the last exactly when the
+// split ends its group and the group's other splits are in; the group's
+// combine is then owed (the returned bit, 1 << group), and the CTA pays
+// it after its last split (pay_owed), so that no combine runs inside the
+// tile loop. A barrier at the end keeps the warps' partials until every
+// thread has read them.
+__device__ __forceinline__ unsigned finish_in_run(const AttendParams& P, Shared& sh, WarpOutputs wo,
+                                                  const QueryRange& r, int heads) {
+  combine_warps(sh, heads);
+  const Workspace ws = workspace_of(P, r, heads);
+  publish_split(sh, wo, r, ws, heads, P.head_dim);
+  const int groups = attend_groups(r.n_splits);
+  const int group = r.split / kAttendGroup;
+  const int members = groups == 0 ? r.n_splits : min(kAttendGroup, r.n_splits - group * kAttendGroup);
+  if (!arrive_last(ws.counters[groups == 0 ? 0 : 1 + group], members, sh)) return 0;
+  if (groups == 0) __trap();
+  return 1u << group;
+}
+
+template <bool kVec>
+__device__ void finish(const AttendParams& P, Shared& sh, float* part_o, ResidentStage* stage,
+                       WarpOutputs wo, const QueryRange& r, int heads, int heads_valid,
+                       int head0) {
+  const int hd = P.head_dim;
+  const int tid = static_cast<int>(threadIdx.x);
+  combine_warps(sh, heads);
   const int total = heads * hd;
   float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
                static_cast<std::int64_t>(head0) * hd;
@@ -465,20 +545,11 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, Residen
   }
 
   // Global workspace: this split's partial, then arrivals counted.
-  // The query's slots of every work item from r.ws_slot on, this item's
-  // from blockIdx.y on: [item][slot][...].
-  const int slots = attend_slots(r.item_splits);
-  const std::int64_t item = r.ws_slot * gridDim.y + static_cast<std::int64_t>(blockIdx.y) * slots;
-  float* ws_o = P.ws_o + item * total;          // [slot][heads * hd]
-  float* ws_ml = P.ws_ml + item * heads * 2;    // [slot][heads][m, l]
-  unsigned* counters = P.counters + r.ws_counter * gridDim.y +
-                       static_cast<std::int64_t>(blockIdx.y) * attend_counters(r.item_splits);
-  for (int i = tid; i < total; i += blockDim.x)
-    ws_o[static_cast<std::int64_t>(r.split) * total + i] = cta_value(sh, wo, i, i / hd);
-  if (tid < heads) {
-    ws_ml[(r.split * heads + tid) * 2] = sh.head_m[tid];
-    ws_ml[(r.split * heads + tid) * 2 + 1] = sh.head_l[tid];
-  }
+  const Workspace ws = workspace_of(P, r, heads);
+  float* ws_o = ws.o;
+  float* ws_ml = ws.ml;
+  unsigned* counters = ws.counters;
+  publish_split(sh, wo, r, ws, heads, hd);
   const int n = r.n_splits;
   const int groups = attend_groups(n);
   if (groups == 0) {
@@ -492,14 +563,18 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, Residen
   const int first = group * kAttendGroup;
   const int members = min(kAttendGroup, n - first);
   if (!arrive_last(counters[1 + group], members, sh)) return;
-  const int slot = r.item_splits + group;
-  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(first) * total,
-                                ws_ml + first * heads * 2, total},
-                 ws_o + static_cast<std::int64_t>(slot) * total, members, heads, hd, 0, total,
-                 ws_ml + slot * heads * 2);
-  if (!arrive_last(counters[0], groups, sh)) return;
-  combine_splits<kVec>(GlobalPartials{ws_o + static_cast<std::int64_t>(r.item_splits) * total,
-                                ws_ml + r.item_splits * heads * 2, total},
-                 out, groups, heads, hd, 0, heads_valid * hd);
+  group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out);
+}
+
+// The group combines a CTA of a run owes (bit g of `owed`: group g, whose
+// last split arrived in the run before the run's end; finish_in_run), in
+// group order, after the finish of the run's last split, for a query of n
+// splits (item_splits its item's bound) whose output is `out`. Out of line
+// and given values alone, so that the kernel's registers and parameters
+// stay as they are.
+static __device__ __noinline__ void pay_owed(Shared& sh, Workspace ws, int n, int item_splits, unsigned owed, int heads,
+                                      int hd, int heads_valid, float* out) {
+  for (int group = 0; group < attend_groups(n); ++group)
+    if ((owed >> group) & 1u) group_done<true>(sh, ws, n, item_splits, group, heads, hd, heads_valid, out);
 }
 }  // namespace kvring::cuda

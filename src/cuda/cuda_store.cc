@@ -791,7 +791,7 @@ Status CudaStore::attend(const AttendBatch& b) {
   struct Launch {
     std::size_t first, count;
     std::int64_t q0, queries, slots, most_rows;
-    int max_splits;
+    int max_splits, least_splits;
   };
   std::vector<Launch> launches;
   for (std::size_t i = 0; i < items.size(); ++i) {
@@ -799,7 +799,7 @@ Status CudaStore::attend(const AttendBatch& b) {
     const std::int64_t need = static_cast<std::int64_t>(it.n_queries) * cuda::attend_slots(it.max_splits);
     if (launches.empty() || launches.back().queries + it.n_queries > kMaxQueriesPerLaunch ||
         launches.back().slots + need > im.ws_slots)
-      launches.push_back(Launch{i, 0, it.q_first, 0, 0, 0, 1});
+      launches.push_back(Launch{i, 0, it.q_first, 0, 0, 0, 1, cuda::kAttendMaxSplits});
     Launch& L = launches.back();
     const std::int64_t global_q = it.q_first;
     it.q_first = static_cast<std::int32_t>(global_q - L.q0);
@@ -812,6 +812,8 @@ Status CudaStore::attend(const AttendBatch& b) {
     L.count += 1;
     L.max_splits = std::max(L.max_splits, static_cast<int>(it.max_splits));
     L.most_rows = std::max(L.most_rows, rows_seen(it.first_position + it.n_queries - 1));
+    // An item's first query sees its fewest rows.
+    L.least_splits = std::min(L.least_splits, static_cast<int>(cuda::attend_splits(rows_seen(it.first_position))));
   }
   // The items' counters use ws_counter * gridDim.y + item * counters: a
   // query's slots hold at least as many entries.
@@ -862,6 +864,7 @@ Status CudaStore::attend(const AttendBatch& b) {
     P.counters = im.counters;
     P.max_splits = L.max_splits;
     P.most_rows = L.most_rows;
+    P.least_splits = L.least_splits;
     // A resident grid needs an epoch no earlier launch used. A launch
     // captured into a CUDA graph would replay with the epoch it was
     // captured with, so captured launches take the other combine paths.

@@ -242,8 +242,11 @@ struct AttendParams {
   // waits for the other splits' words to carry the epoch and combines a
   // share of the output; the workspace is then unused.
   std::int32_t resident = 0;
-  // The most rows one query of the launch sees (for the query-major rule).
+  // The most rows one query of the launch sees (for the query-major rule),
+  // and the fewest splits of any of its queries (for the rule of runs of
+  // splits): host-side facts about the launch.
   std::int64_t most_rows = 0;
+  std::int32_t least_splits = 0;
 };
 
 // Work items per query (grid.y) and query heads per item for a geometry.

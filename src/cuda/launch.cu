@@ -82,7 +82,8 @@ FirstTiles first_tiles(const AttendParams& P) {
   return f;
 }
 
-// Launches `kernel` over `grid` (x = split, y = item, z = query). When the
+// Launches `kernel` over `grid` (x = split, y = item, z = query), each CTA
+// of a last-arrival launch taking `split_run` consecutive splits. When the
 // grid has at most `resident_ctas` CTAs (and the tagged partials have
 // room), it is a resident grid through a cooperative launch; else the
 // splits of each item (grid.x of them) form one cluster when there are
@@ -95,8 +96,8 @@ FirstTiles first_tiles(const AttendParams& P) {
 // `stats` (when not null) by the path it took.
 template <class Kernel>
 cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, int resident_ctas,
-                   bool query_major_ok, dim3 grid, std::size_t smem, AttendParams params,
-                   AttendStats* stats, cudaStream_t stream) {
+                   bool query_major_ok, int split_run, dim3 grid, std::size_t smem,
+                   AttendParams params, AttendStats* stats, cudaStream_t stream) {
   const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
   const bool resident = grid.x >= 2 && params.tagged != nullptr &&
                         ctas <= std::min(resident_ctas, params.tagged_ctas);
@@ -106,8 +107,11 @@ cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, 
   params.resident = resident ? 1 : 0;
   FirstTiles first = first_tiles(params);
   first.query_major = query_major_ok && !resident && !cluster && grid.x >= 2 && grid.z >= 2 ? 1 : 0;
+  first.split_run = !resident && !cluster && grid.x >= 2 ? std::max(1, split_run) : 1;
+  const dim3 runs((grid.x + static_cast<unsigned>(first.split_run) - 1) / static_cast<unsigned>(first.split_run),
+                  grid.y, grid.z);
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = first.query_major ? dim3(grid.z, grid.y, grid.x) : grid;
+  cfg.gridDim = first.query_major ? dim3(runs.z, runs.y, runs.x) : runs;
   cfg.blockDim = dim3(kAttendThreads, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -127,33 +131,44 @@ cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, 
   if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
                    e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
-    return launch(kernel, cluster_limit, cluster_ctas, 0, query_major_ok, grid, smem, params, stats,
-                  stream);
+    return launch(kernel, cluster_limit, cluster_ctas, 0, query_major_ok, split_run, grid, smem, params,
+                  stats, stream);
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
   } else if (grid.x >= 2 && stats != nullptr) {
     ++(resident ? stats->resident : cluster ? stats->cluster : stats->last_arrival);
     if (first.query_major) ++stats->query_major;
+    if (first.split_run > 1) ++stats->split_runs;
   }
   return e;
 }
 
-// The CTAs of `kernel` this device holds at once, when it takes
-// cooperative launches (0 otherwise, or when a query fails; its error is
-// cleared).
+// The CTAs of `kernel` this device holds at once (0 when a query fails;
+// its error is cleared).
 template <class Kernel>
-int resident_capacity(Kernel kernel, std::size_t smem) {
-  int device = 0, cooperative = 0, sms = 0, per_sm = 0;
+int wave_capacity(Kernel kernel, std::size_t smem) {
+  int device = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttendThreads, smem) !=
           cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  return cooperative ? sms * per_sm : 0;
+  return sms * per_sm;
+}
+
+// As many, when the device takes cooperative launches (0 otherwise).
+template <class Kernel>
+int resident_capacity(Kernel kernel, std::size_t smem) {
+  int device = 0, cooperative = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return cooperative ? wave_capacity(kernel, smem) : 0;
 }
 
 // What a device offers attention launches, set up once per device: the
@@ -193,6 +208,7 @@ cudaError_t device_setup(DeviceSetup& out) {
       s.policy.hd128_cluster = c.size;
       s.policy.hd128_cluster_ctas = c.ctas;
       s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
+      s.policy.hd128_wave = wave_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
     const ClusterLimit g = max_cluster(attend_general_kernel, 0);
     s.policy.general_cluster = g.size;
@@ -225,6 +241,29 @@ int LaunchPolicy::resident_limit(int head_dim) const {
   return head_dim == kTensorHeadDim ? hd128_resident : 0;
 }
 
+int LaunchPolicy::split_run_for(std::int64_t ctas, int max_splits, int least_splits, bool decode) const {
+  // A power of two and never longer than the splits.
+  auto pow2_within = [&](int n) {
+    int run = 1;
+    while (2 * run <= std::min(n, max_splits)) run *= 2;
+    return run;
+  };
+  if (split_run > 0) return pow2_within(split_run);
+  if (!decode || hd128_wave <= 0 || max_splits < 2) return 1;
+  const std::int64_t per_split = ctas / max_splits;  // CTAs of one split, over items and queries
+  auto runs = [&](int run) { return per_split * ((max_splits + run - 1) / run); };
+  const int longest = pow2_within(kAttendGroup);
+  if (least_splits == max_splits) {
+    // The shortest run that fits the launch in one wave.
+    for (int run = 1; run <= longest; run *= 2)
+      if (runs(run) <= hd128_wave) return run;
+  }
+  // The longest run that leaves two waves.
+  int run = 1;
+  while (2 * run <= longest && runs(2 * run) >= 2 * hd128_wave) run *= 2;
+  return run;
+}
+
 bool LaunchPolicy::query_major_for(std::int64_t most_rows, std::int64_t kv_dim) const {
   if (query_major != QueryMajor::kPastL2) return query_major == QueryMajor::kAlways;
   return l2_bytes > 0 && most_rows * kv_dim * 4 > l2_bytes;
@@ -252,12 +291,17 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
   const bool query_major = policy.query_major_for(params.most_rows, params.kv_dim);
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
+    const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
     return launch(attend_hd128_kernel, cluster_limit, policy.cluster_wave(params.head_dim),
-                  policy.resident_limit(params.head_dim), query_major, grid, sizeof(TensorSmem),
-                  params, policy.stats, stream);
+                  policy.resident_limit(params.head_dim), query_major,
+                  policy.split_run_for(ctas, params.max_splits, params.least_splits,
+                                       params.n_queries == params.n_items),
+                  grid, sizeof(TensorSmem), params,
+                  policy.stats, stream);
   }
+  // The general kernel takes one split a CTA.
   return launch(attend_general_kernel, cluster_limit, policy.cluster_wave(params.head_dim), 0,
-                query_major, grid, 0, params, policy.stats, stream);
+                query_major, 1, grid, 0, params, policy.stats, stream);
 }
 
 }  // namespace kvring::cuda

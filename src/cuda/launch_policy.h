@@ -22,6 +22,8 @@ struct AttendStats {
   long cluster = 0;
   long last_arrival = 0;
   long query_major = 0;
+  // Last-arrival launches whose CTAs each took a run of several splits.
+  long split_runs = 0;
 };
 
 // When a last-arrival launch of several queries runs query-major (grid.x
@@ -50,6 +52,12 @@ struct LaunchPolicy {
   // the device holds at once. A store allocates its tagged partials for
   // this many CTAs.
   int hd128_resident = 0;
+  // The CTAs of the tensor-core kernel the device holds at once (0:
+  // unknown), and the splits each CTA of a last-arrival launch of that
+  // kernel takes: 0, the rule of split_run_for; n, the longest power of
+  // two up to n and the launch's split bound.
+  std::int64_t hd128_wave = 0;
+  int split_run = 0;
   // The device's L2 in bytes (0: unknown, so kPastL2 never holds).
   std::int64_t l2_bytes = 0;
   QueryMajor query_major = QueryMajor::kPastL2;
@@ -69,6 +77,17 @@ struct LaunchPolicy {
   // Whether a last-arrival launch of several queries, whose last query
   // sees `most_rows` rows of `kv_dim` elements, runs query-major.
   bool query_major_for(std::int64_t most_rows, std::int64_t kv_dim) const;
+  // The run of splits each CTA of a last-arrival launch of the tensor-core
+  // kernel takes, for a grid of `ctas` CTAs of one split each whose queries
+  // have from `least_splits` to `max_splits` splits, `decode` when every
+  // item of the launch is one query: a power of two, at most max_splits.
+  // Prefill launches (whose CTAs share rows through the L2) keep a CTA a
+  // split. A decode launch where every query has as many splits takes the
+  // shortest run of at most 8 that fits it in one wave of the device; else
+  // (or where none fits) the longest run of at most 8 that still leaves
+  // two waves, so that CTAs of unequal work balance; a small launch keeps a
+  // CTA a split (docs/CUDA.md, "Runs of splits", gives the measurements).
+  int split_run_for(std::int64_t ctas, int max_splits, int least_splits, bool decode) const;
 };
 
 // The policy of the current device: every combine path it runs,
