@@ -317,6 +317,60 @@ TEST(CudaBatch, RunsOfSplitsGiveTheSoloBits) {
   }
 }
 
+// The split count is not monotonic in the rows seen (8192 rows: 64 splits;
+// 8193: 33): the most and fewest splits of a range of row counts are those
+// of every count in it.
+TEST(CudaBatch, SplitCountsOfARangeAreItsMostAndFewest) {
+  for (const std::int64_t n0 : {1, 100, 8000, 8192, 8193, 16000, 16384, 16385, 30000, 131000})
+    for (const std::int64_t len : {0, 1, 5, 191, 192, 193, 300, 9000, 20000}) {
+      const std::int64_t n1 = n0 + len;
+      std::int64_t most = 0, least = cuda::kAttendMaxSplits + 1;
+      for (std::int64_t n = n0; n <= n1; ++n) {
+        most = std::max(most, cuda::attend_splits(n));
+        least = std::min(least, cuda::attend_splits(n));
+      }
+      EXPECT_EQ(cuda::attend_splits_most(n0, n1), most) << n0 << ".." << n1;
+      EXPECT_EQ(cuda::attend_splits_least(n0, n1), least) << n0 << ".." << n1;
+    }
+}
+
+// A prefill chunk across 8192 rows, where a query's split count drops from
+// 64 to 33: the launch is sized for the most splits of any of its queries,
+// and every query gets the bits of its one-token decode.
+TEST(CudaBatch, PrefillAcrossASplitBandGivesDecodeBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = make_hybrid_config("tc-band", 2, 2, 16, 2, 128, 64, 8448);
+  const std::int64_t len = 8300, before = 8100, kv = c.kv_dim();
+  const std::vector<SeqInputs> seqs = {testing::seq_inputs(c, len, 77)};
+  Outputs chunked, decoded;
+  for (const bool decode : {false, true}) {
+    auto store = testing::new_cuda_store(c, {.max_sequences = 1, .context = 8448, .block_rows = 256},
+                                         cuda::device_launch_policy());
+    ASSERT_TRUE(store);
+    const std::vector<SeqId> ids = {*store->add_sequence()};
+    // Rows before the chunk stored without attention.
+    const SeqInputs& s = seqs[0];
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      const SeqSpan span{ids[0], 0, before};
+      ASSERT_TRUE(store->store(l, std::span(&span, 1), testing::host_in(s.k.data() + l * len * kv, before, kv),
+                               testing::host_in(s.v.data() + l * len * kv, before, kv)).ok());
+    }
+    std::vector<std::int64_t> at = {before};
+    std::vector<testing::Step> plan;
+    if (decode) {
+      for (std::int64_t i = before; i < len; ++i) plan.push_back({true, {{0, 1}}});
+    } else {
+      plan.push_back({false, {{0, len - before}}});
+    }
+    testing::run_plan(*store, ids, seqs, plan, decode ? decoded : chunked, true, nullptr, &at);
+  }
+  ASSERT_EQ(chunked.size(), decoded.size());
+  for (const auto& [key, val] : chunked) {
+    for (const float x : val) ASSERT_TRUE(std::isfinite(x)) << "position " << std::get<2>(key);
+    ASSERT_TRUE(same_bits(val, decoded.at(key))) << "layer " << std::get<1>(key) << ", position " << std::get<2>(key);
+  }
+}
+
 // A decode batch is one attention launch per layer, whatever its size.
 TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   KVRING_SKIP_WITHOUT_GPU();

@@ -773,8 +773,10 @@ Status CudaStore::attend(const AttendBatch& b) {
     d.capacity = it.ring.capacity();
     d.chunk_start = it.chunk_start;
     d.chunk_row = it.chunk_row;
-    const int most = static_cast<int>(
-        cuda::attend_splits(rows_seen(it.first_position + it.n_queries - 1)));
+    // Split counts are not monotonic in the rows seen (kernels.h): the
+    // item's bound is the most of any of its queries.
+    const int most = static_cast<int>(cuda::attend_splits_most(
+        rows_seen(it.first_position), rows_seen(it.first_position + it.n_queries - 1)));
     const std::int64_t per_query =
         std::min<std::int64_t>(kMaxQueriesPerLaunch,
                                im.ws_slots / cuda::attend_slots(most));
@@ -783,8 +785,8 @@ Status CudaStore::attend(const AttendBatch& b) {
       part.first_position = it.first_position + i0;
       part.n_queries = static_cast<std::int32_t>(std::min(per_query, it.n_queries - i0));
       part.q_first = static_cast<std::int32_t>(it.q_row + i0);  // rebased per launch below
-      part.max_splits = static_cast<std::int32_t>(
-          cuda::attend_splits(rows_seen(part.first_position + part.n_queries - 1)));
+      part.max_splits = static_cast<std::int32_t>(cuda::attend_splits_most(
+          rows_seen(part.first_position), rows_seen(part.first_position + part.n_queries - 1)));
       items.push_back(part);
     }
   }
@@ -812,8 +814,8 @@ Status CudaStore::attend(const AttendBatch& b) {
     L.count += 1;
     L.max_splits = std::max(L.max_splits, static_cast<int>(it.max_splits));
     L.most_rows = std::max(L.most_rows, rows_seen(it.first_position + it.n_queries - 1));
-    // An item's first query sees its fewest rows.
-    L.least_splits = std::min(L.least_splits, static_cast<int>(cuda::attend_splits(rows_seen(it.first_position))));
+    L.least_splits = std::min(L.least_splits, static_cast<int>(cuda::attend_splits_least(
+        rows_seen(it.first_position), rows_seen(it.first_position + it.n_queries - 1))));
   }
   // The items' counters use ws_counter * gridDim.y + item * counters: a
   // query's slots hold at least as many entries.

@@ -143,6 +143,33 @@ KVRING_HD constexpr std::int64_t attend_splits(std::int64_t n) {
   return (n + attend_split_rows(n) - 1) / attend_split_rows(n);
 }
 
+// The split count is not monotonic in n. Split rows are kAttendMinSplitRows
+// x m for n in (B (m - 1), B m], B = kAttendMaxSplits x kAttendMinSplitRows:
+// within each such band the count grows with n, up to kAttendMaxSplits at
+// n = B m, and it drops just past (8193 rows: 33 splits of 256). So the
+// most splits of a range of n reach kAttendMaxSplits wherever the range
+// holds a multiple of B, and the fewest are at its start or just past its
+// first multiple of B (the counts just past B m, m = 1, 2, ..., grow with
+// m). A launch sizes grids and workspaces by these, not by its ends.
+static_assert(kAttendMinSplitRows == kAttendWarps * kAttendTile,
+              "split rows are whole multiples of the minimum: the bands below");
+inline constexpr std::int64_t kAttendSplitBand = kAttendMaxSplits * kAttendMinSplitRows;
+// The most splits of any n in [n0, n1] (1 <= n0 <= n1).
+constexpr std::int64_t attend_splits_most(std::int64_t n0, std::int64_t n1) {
+  const std::int64_t top = n1 / kAttendSplitBand * kAttendSplitBand;
+  return top >= n0 && top > 0 ? attend_splits(top) : attend_splits(n1);
+}
+// The fewest splits of any n in [n0, n1] (1 <= n0 <= n1).
+constexpr std::int64_t attend_splits_least(std::int64_t n0, std::int64_t n1) {
+  const std::int64_t band_end = (n0 + kAttendSplitBand - 1) / kAttendSplitBand * kAttendSplitBand;
+  const std::int64_t at_start = attend_splits(n0);
+  if (band_end + 1 > n1) return at_start;
+  const std::int64_t past = attend_splits(band_end + 1);
+  return past < at_start ? past : at_start;
+}
+static_assert(attend_splits(8192) == 64 && attend_splits(8193) == 33 && attend_splits_most(8000, 8300) == 64 &&
+              attend_splits_least(8000, 8300) == 33);
+
 // A query with more than kAttendSingleLevel splits combines them in two
 // levels: each group of kAttendGroup consecutive splits, then the groups in
 // group order (so one CTA never reads more than a few partials). The tree
@@ -186,8 +213,8 @@ struct AttendQueryItem {
   std::int64_t chunk_row;
   std::int32_t q_first;
   std::int32_t n_queries;
-  // The item's split bound (the splits of its last query, which sees the
-  // most rows): its queries' workspace slots and counters are that many
+  // The item's split bound (the most splits of any of its queries,
+  // attend_splits_most): its queries' workspace slots and counters are that many
   // apart, from ws_slot (in units of one (query, slot) of every work item)
   // and ws_counter (one (query) of every work item's counters) on.
   std::int32_t max_splits;
