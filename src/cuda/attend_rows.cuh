@@ -9,9 +9,9 @@
 // (docs/CUDA.md, "Attention"). The kernels are attend_hd128.cu and
 // attend_general.cu, their combine combine.cuh, their launch launch.cu.
 //
-// Grid: x = split of the query's visible rows, y = work item (query heads
-// that share a KV head), z = query (x and z swapped in query-major
-// launches, FirstTiles). Each warp of a CTA reduces its own rows of the
+// Grid: x = split of the query's visible rows (a run of F.split_run
+// splits), y = work item (query heads that share a KV head), z = query (x
+// and z swapped in query-major launches, FirstTiles). Each warp of a CTA reduces its own rows of the
 // split (kernels.h) in logical order with an online softmax. Every
 // boundary is a function of the query's logical range alone (kernels.h).
 //

@@ -488,7 +488,7 @@ __device__ __forceinline__ void group_done(Shared& sh, const Workspace& ws, int 
 // split ends its group and the group's other splits are in; the group's
 // combine is then owed (the returned bit, 1 << group), and the CTA pays
 // it after its last split (pay_owed), so that no combine runs inside the
-// tile loop. A barrier at the end keeps the warps' partials until every
+// tile loop. arrive_last's barriers keep the warps' partials until every
 // thread has read them.
 __device__ __forceinline__ unsigned finish_in_run(const AttendParams& P, Shared& sh, WarpOutputs wo,
                                                   const QueryRange& r, int heads) {

@@ -85,8 +85,9 @@ struct LaunchPolicy {
   // split. A decode launch where every query has as many splits takes the
   // shortest run of at most 8 that fits it in one wave of the device; else
   // (or where none fits) the longest run of at most 8 that still leaves
-  // two waves, so that CTAs of unequal work balance; a small launch keeps a
-  // CTA a split (docs/CUDA.md, "Runs of splits", gives the measurements).
+  // two waves, so that CTAs of unequal work balance; a launch that fits one
+  // wave a CTA a split keeps it (docs/CUDA.md, "Runs of splits", gives the
+  // measurements).
   int split_run_for(std::int64_t ctas, int max_splits, int least_splits, bool decode) const;
 };
 
