@@ -744,28 +744,17 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaDeviceSynchronize());
       auto cuda = dynamic_cast<kvring::CudaStore*>(st.get());
       const cudaStream_t cs = cuda->stream();
-      add({name,
-           time_us(cs, 5, reps,
-                   [&] {
-                     check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn),
-                                             kvring::device_view(out, nq, qn)),
-                           "decode");
-                   },
-                   [&] { read_flush(cs); }),
-           bytes, "D2D copy", d2d, target, need > 0 ? 0 : -1});
-      if (need > 0) rows.back().met = rows.back().ratio() >= need;
-      std::printf("  host time in the call: %.2f us\n",
-                  enqueue_us(20, [&] {
-                    check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn),
-                                            kvring::device_view(out, nq, qn)),
-                          "decode");
-                  }, [&] { CHECK_CUDA(cudaStreamSynchronize(cs)); }));
-      // The same call without the cache flush before it, and ten calls back
-      // to back (per call).
       const auto call = [&] {
         check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn), kvring::device_view(out, nq, qn)),
               "decode");
       };
+      add({name, time_us(cs, 5, reps, call, [&] { read_flush(cs); }), bytes, "D2D copy", d2d, target,
+           need > 0 ? 0 : -1});
+      if (need > 0) rows.back().met = rows.back().ratio() >= need;
+      std::printf("  host time in the call: %.2f us\n",
+                  enqueue_us(20, call, [&] { CHECK_CUDA(cudaStreamSynchronize(cs)); }));
+      // The same call without the cache flush before it, and ten calls back
+      // to back (per call).
       std::printf("  warm L2: %.2f us; back to back: %.2f us a call\n", time_us(cs, 3, 20, call),
                   time_us(cs, 1, 10, [&] {
                     for (int i = 0; i < 10; ++i) call();
@@ -774,12 +763,10 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaFree(out));
     };
     if (all) {
-    decode_batch("batch decode 32 seqs x 32768, full layer", 32768, std::vector<std::int64_t>(32, 32768), 3,
-                 1 << 30, ">= 85% of copy", 0.85);
-    decode_batch("batch decode 4 seqs x 131072, full layer", ctx, std::vector<std::int64_t>(4, ctx), 3, 1 << 30,
-                 ">= 85% of copy", 0.85);
-    }
-    if (all) {
+      decode_batch("batch decode 32 seqs x 32768, full layer", 32768, std::vector<std::int64_t>(32, 32768), 3,
+                   1 << 30, ">= 85% of copy", 0.85);
+      decode_batch("batch decode 4 seqs x 131072, full layer", ctx, std::vector<std::int64_t>(4, ctx), 3,
+                   1 << 30, ">= 85% of copy", 0.85);
       // Lengths uniform in 1..32768, seeded (bench/sdpa_peer.py draws the same).
       std::vector<std::int64_t> lens;
       for (std::uint64_t i = 0; i < 64; ++i) lens.push_back(1 + static_cast<std::int64_t>(mixed_length_draw(i) % 32768));
