@@ -153,18 +153,8 @@ class CudaHandoff : public ::testing::Test {
   }
   // Feeds the prompt's last token, then decodes greedily to kTokens.
   std::pair<std::vector<std::int32_t>, std::vector<float>> decode(KvStore& s, SeqId seq) {
-    std::vector<std::int32_t> tokens(prompt_.begin(), prompt_.end() - 1);
-    std::vector<float> last(kVocab);
-    std::int32_t next = prompt_.back();
-    while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
-      const SeqSpan step{seq, static_cast<std::int64_t>(tokens.size()), 1};
-      const Status st = model_->forward(s, {&step, 1}, &next, last.data());
-      EXPECT_TRUE(st.ok()) << st.to_string();
-      if (!st.ok()) break;
-      tokens.push_back(next);
-      next = argmax(last.data(), kVocab);
-    }
-    return {tokens, last};
+    return kvring::testing::greedy_decode(*model_, s, seq, {prompt_.begin(), prompt_.end() - 1}, prompt_.back(),
+                                          kTokens);
   }
   std::unique_ptr<StoreSource> source(const KvStore& s, SeqId seq, const Timeline& t) {
     auto src = StoreSource::create(s, seq, t, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "meta");

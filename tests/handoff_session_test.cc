@@ -118,17 +118,8 @@ class Handoff : public ::testing::Test {
   // Decodes sequence `seq` of `store`, which holds the payload and
   // `tokens`, greedily to kTokens: the prompt's last token, then argmax steps.
   Decoded decode_in(KvStore& store, SeqId seq, std::vector<std::int32_t> tokens) {
-    std::vector<float> last(64);
-    std::int32_t next = prompt_.back();
-    while (static_cast<std::int64_t>(tokens.size()) < kTokens) {
-      const SeqSpan step{seq, static_cast<std::int64_t>(tokens.size()), 1};
-      const Status st = model_->forward(store, {&step, 1}, &next, last.data());
-      EXPECT_TRUE(st.ok()) << st.to_string();
-      if (!st.ok()) break;
-      tokens.push_back(next);
-      next = argmax(last.data(), 64);
-    }
-    return {tokens, last};
+    auto [t, logits] = testing::greedy_decode(*model_, store, seq, std::move(tokens), prompt_.back(), kTokens);
+    return {std::move(t), std::move(logits)};
   }
   void expect_reference(const Decoded& d) {
     EXPECT_EQ(d.tokens, reference_.tokens);

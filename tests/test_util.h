@@ -5,10 +5,13 @@
 
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kvring/cache.h"
 #include "kvring/config.h"
+#include "kvring/model.h"
+#include "kvring/store.h"
 
 namespace kvring::testing {
 
@@ -19,6 +22,25 @@ inline std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float
   std::vector<float> v(n);
   for (auto& x : v) x = dist(rng);
   return v;
+}
+
+// Decodes sequence `seq` of `store`, which holds the K/V of `tokens`,
+// greedily until it holds `until` tokens: `next` first, then the argmax of
+// each step's logits. Returns the tokens and the last step's logits.
+inline std::pair<std::vector<std::int32_t>, std::vector<float>> greedy_decode(
+    const ReferenceModel& model, KvStore& store, SeqId seq, std::vector<std::int32_t> tokens,
+    std::int32_t next, std::int64_t until) {
+  const std::int64_t vocab = model.options().vocab;
+  std::vector<float> last(static_cast<std::size_t>(vocab));
+  while (static_cast<std::int64_t>(tokens.size()) < until) {
+    const SeqSpan step{seq, static_cast<std::int64_t>(tokens.size()), 1};
+    const Status st = model.forward(store, {&step, 1}, &next, last.data());
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    if (!st.ok()) break;
+    tokens.push_back(next);
+    next = argmax(last.data(), vocab);
+  }
+  return {std::move(tokens), std::move(last)};
 }
 
 // A small hybrid: layer % 4 == 3 full, the rest sliding.
