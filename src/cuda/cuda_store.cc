@@ -995,24 +995,25 @@ Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStrea
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
   KVRING_RETURN_IF_ERROR(im.enter(s));
-  auto chunk = im.take_chunk(entries * 4, s);
+  // Every entry of every change goes up in one copy and lands in the
+  // mirror with one launch: a batched operation changes many tables.
+  const std::size_t bytes = entries * sizeof(cuda::TableWrite);
+  auto chunk = im.take_chunk(bytes, s);
   if (!chunk) return chunk.error();
-  // The entries go from the pinned chunk straight into the mirror, each
-  // change one contiguous run.
-  std::size_t at = 0;
-  Status st = Status::Ok();
+  auto* w = reinterpret_cast<cuda::TableWrite*>((*chunk)->host);
   for (const TableChange& c : changes) {
-    if (c.count <= 0) continue;
-    const std::size_t n = static_cast<std::size_t>(c.count) * 4;
-    std::memcpy((*chunk)->host + at, c.table + c.first, n);
-    std::int32_t* dst = im.tables + (c.slot * im.n_full + c.full_index) * im.max_blocks + c.first;
-    const cudaError_t e = cudaMemcpyAsync(dst, (*chunk)->host + at, n, cudaMemcpyHostToDevice, s);
+    const std::int64_t row = (c.slot * im.n_full + c.full_index) * im.max_blocks;
+    for (std::int64_t i = c.first; i < c.first + c.count; ++i) *w++ = {row + i, c.table[i], 0};
+  }
+  Status st = im.upload_chunk(**chunk, bytes, s);
+  if (st.ok()) {
+    const cudaError_t e = cuda::launch_table_writes(
+        reinterpret_cast<const cuda::TableWrite*>((*chunk)->dev), static_cast<std::int64_t>(entries),
+        im.tables, s);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       st = cuda_error("block table upload", e);
-      break;
     }
-    at += n;
   }
   if (st.ok()) st = im.release_chunk(*chunk, s);
   if (st.ok()) st = im.leave(s);

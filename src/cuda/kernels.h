@@ -86,6 +86,19 @@ cudaError_t launch_store_spans(const StoreLaunch& launch, cudaStream_t stream);
 cudaError_t launch_convert_rows(SourceRows src, std::int64_t rows, std::int32_t cols,
                                 std::uint16_t* dst, cudaStream_t stream);
 
+// ---- Block tables ------------------------------------------------------------
+
+// One entry of the device's block-table mirror: tables[at] = block.
+struct TableWrite {
+  std::int64_t at = 0;
+  std::int32_t block = 0;
+  std::int32_t unused = 0;
+};
+// Applies writes [0, n), all of one batched operation's table changes in
+// one launch.
+cudaError_t launch_table_writes(const TableWrite* writes, std::int64_t n, std::int32_t* tables,
+                                cudaStream_t stream);
+
 // ---- Snapshot copies ----------------------------------------------------------
 
 // Logical rows of a plane as (at most) two physical spans: row j of the

@@ -172,6 +172,14 @@ __global__ void __launch_bounds__(kThreads) copy_rows_kernel(CopyRows a) {
 
 cudaError_t launched() { return cudaGetLastError(); }
 
+// Applies the table writes with a grid-stride loop.
+__global__ void __launch_bounds__(kThreads)
+    table_writes_kernel(const TableWrite* writes, std::int64_t n, std::int32_t* tables) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * kThreads)
+    tables[writes[i].at] = writes[i].block;
+}
+
 }  // namespace
 
 cudaError_t launch_store_spans(const StoreLaunch& a, cudaStream_t stream) {
@@ -189,6 +197,13 @@ cudaError_t launch_convert_rows(SourceRows src, std::int64_t rows, std::int32_t 
                                 std::uint16_t* dst, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   convert_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(src, rows, cols, dst);
+  return launched();
+}
+
+cudaError_t launch_table_writes(const TableWrite* writes, std::int64_t n, std::int32_t* tables,
+                                cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  table_writes_kernel<<<blocks_for(n), kThreads, 0, stream>>>(writes, n, tables);
   return launched();
 }
 
