@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <random>
@@ -181,6 +182,13 @@ TEST(Store, OptionsAreChecked) {
   EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.block_rows = 24}).ok());
   EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.block_rows = 8}).ok());
   EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.pool_blocks = -1}).ok());
+  const auto bad = make_store(BackendKind::kCpu, c, {.attention = static_cast<AttentionNumeric>(7)});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("attention numeric 7"), std::string::npos) << bad.error().message;
+  EXPECT_EQ(*parse_attention_numeric("f16"), AttentionNumeric::kF16);
+  EXPECT_EQ(*parse_attention_numeric("f32"), AttentionNumeric::kF32);
+  EXPECT_FALSE(parse_attention_numeric("fp8").ok());
+  EXPECT_STREQ(attention_numeric_name(AttentionNumeric::kF16), "f16");
   auto s = make_store(BackendKind::kCpu, c, {.max_sequences = 3, .block_rows = 16});
   ASSERT_TRUE(s.ok());
   // One full layer of 256 positions: 16 blocks a sequence.
@@ -251,6 +259,90 @@ TEST(Store, BitsNeverDependOnTheBatch) {
     for (int i = 0; i < n_seq; ++i)
       EXPECT_EQ(live_bytes(*s, seqs[static_cast<std::size_t>(i)]), solo_bytes[static_cast<std::size_t>(i)]);
   }
+}
+
+// The f16 numeric keeps every invariance of the f32 one: sequences that
+// cross two splits (kF16AttendSplitRows positions each) and wrap a small
+// ring give the bits of
+// their solo token-by-token runs in any batch and chunking.
+TEST(Store, F16NumericBitsNeverDependOnTheBatch) {
+  const ModelConfig c = make_hybrid_config("f16-small", 2, 2, 4, 2, 16, 100, 4608);
+  const StoreOptions o{.max_sequences = 4, .block_rows = 16, .attention = AttentionNumeric::kF16};
+  std::mt19937_64 rng(5);
+  const std::vector<std::int64_t> length = {2 * kF16AttendSplitRows + 170, 1 + static_cast<std::int64_t>(rng() % 300),
+                                            1 + static_cast<std::int64_t>(rng() % 300)};
+  const int n_seq = static_cast<int>(length.size());
+  Outputs solo_out;
+  std::vector<std::vector<std::uint16_t>> solo_bytes(length.size());
+  for (int i = 0; i < n_seq; ++i)
+    run_solo(c, o, 200 + i, length[static_cast<std::size_t>(i)], solo_out, solo_bytes[static_cast<std::size_t>(i)]);
+  auto s = cpu_store(c, o);
+  std::vector<SeqId> seqs;
+  for (int i = 0; i < n_seq; ++i) seqs.push_back(*s->add_sequence());
+  std::vector<std::int64_t> done(length.size(), 0);
+  Outputs out;
+  while (true) {
+    std::vector<int> ready;
+    for (int i = 0; i < n_seq; ++i)
+      if (done[static_cast<std::size_t>(i)] < length[static_cast<std::size_t>(i)]) ready.push_back(i);
+    if (ready.empty()) break;
+    std::shuffle(ready.begin(), ready.end(), rng);
+    ready.resize(std::uniform_int_distribution<std::size_t>(1, ready.size())(rng));
+    const bool decode = rng() % 4 == 0;
+    std::vector<std::pair<std::uint64_t, SeqSpan>> batch;
+    for (int i : ready) {
+      const auto u = static_cast<std::size_t>(i);
+      const std::int64_t left = length[u] - done[u];
+      const std::int64_t count =
+          decode ? 1 : std::uniform_int_distribution<std::int64_t>(1, std::min<std::int64_t>(left, 700))(rng);
+      batch.push_back({200 + static_cast<std::uint64_t>(i), SeqSpan{seqs[u], done[u], count}});
+      done[u] += count;
+    }
+    run_batch(*s, batch, out);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_EQ(out.size(), solo_out.size());
+  for (const auto& [key, value] : solo_out) {
+    auto it = out.find(key);
+    ASSERT_NE(it, out.end());
+    ASSERT_EQ(0, std::memcmp(it->second.data(), value.data(), value.size() * 4))
+        << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
+        << std::get<2>(key);
+  }
+  for (int i = 0; i < n_seq; ++i)
+    EXPECT_EQ(live_bytes(*s, seqs[static_cast<std::size_t>(i)]), solo_bytes[static_cast<std::size_t>(i)]);
+}
+
+// The f16 numeric is attention to within its roundings: queries and
+// weights in f16 (11 significant bits) move an output by a few parts in
+// 10^4 of the values' scale against the f32 numeric.
+TEST(Store, F16NumericIsAttentionWithinF16Rounding) {
+  const ModelConfig c = make_hybrid_config("f16-small", 2, 2, 4, 2, 16, 100, 4608);
+  Outputs f32_out, f16_out;
+  std::vector<std::uint16_t> f32_bytes, f16_bytes;
+  const std::int64_t len = 2 * kF16AttendSplitRows + 300;
+  for (const auto numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
+    const bool f16 = numeric == AttentionNumeric::kF16;
+    auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 64, .attention = numeric});
+    const SeqId seq = *s->add_sequence();
+    for (std::int64_t p = 0; p < len; p += 512)
+      run_batch(*s, {{7, SeqSpan{seq, p, std::min<std::int64_t>(512, len - p)}}}, f16 ? f16_out : f32_out);
+    (f16 ? f16_bytes : f32_bytes) = live_bytes(*s, seq);
+  }
+  EXPECT_EQ(f16_bytes, f32_bytes);  // the numeric is attention's, never the store's
+  ASSERT_EQ(f16_out.size(), f32_out.size());
+  double worst = 0, differ = 0;
+  for (const auto& [key, ref] : f32_out) {
+    const auto& got = f16_out.at(key);
+    for (std::size_t e = 0; e < ref.size(); ++e) {
+      ASSERT_TRUE(std::isfinite(got[e]));
+      const double d = std::abs(double(got[e]) - ref[e]);
+      worst = std::max(worst, d);
+      differ += got[e] != ref[e];
+    }
+  }
+  EXPECT_LE(worst, 2e-3);
+  EXPECT_GT(differ, 0);  // the numerics are not the same arithmetic
 }
 
 // A sequence's full-attention memory is its live rows rounded up to one

@@ -23,6 +23,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvring/config.h"
@@ -91,6 +92,27 @@ struct SeqQuery {
   std::int64_t position = 0;
 };
 
+// How attention computes its outputs (StoreOptions::attention). Within one
+// numeric, a query's bits depend only on its position, its visible rows'
+// values and its own query values: not on chunking, rotation, batch, slot
+// or blocks, and a prefilled token equals a decoded one (docs/DESIGN.md,
+// "Attention numerics").
+enum class AttentionNumeric : std::uint8_t {
+  // f32 queries, scores, softmax and accumulation (the default).
+  kF32,
+  // Each query head scaled by a power of two and rounded to f16, the
+  // softmax weights rounded to f16, both products on f16 tensor cores with
+  // f32 accumulation; scores, softmax and sums in f32. The rows are taken
+  // in tiles of kF16AttendTile at multiples of that position, in splits of
+  // kF16AttendSplitRows at multiples of that position, the splits combined
+  // in order. Head dims of 128 on the GPU.
+  kF16,
+};
+const char* attention_numeric_name(AttentionNumeric numeric);
+Result<AttentionNumeric> parse_attention_numeric(std::string_view name);
+inline constexpr std::int64_t kF16AttendTile = 64;
+inline constexpr std::int64_t kF16AttendSplitRows = 2048;
+
 struct StoreOptions {
   // Sequences the store holds at once (slots; each holds its sliding rings).
   std::int64_t max_sequences = 1;
@@ -109,6 +131,7 @@ struct StoreOptions {
   // added. Only a detached install, which overwrites every row a reader can
   // see, may turn this off.
   bool zero_fill = true;
+  AttentionNumeric attention = AttentionNumeric::kF32;
 };
 
 // ---- The store ------------------------------------------------------------

@@ -14,6 +14,16 @@ const char* backend_name(BackendKind kind) {
   return kind == BackendKind::kCpu ? "cpu" : "cuda";
 }
 
+const char* attention_numeric_name(AttentionNumeric numeric) {
+  return numeric == AttentionNumeric::kF32 ? "f32" : "f16";
+}
+
+Result<AttentionNumeric> parse_attention_numeric(std::string_view name) {
+  if (name == "f32") return AttentionNumeric::kF32;
+  if (name == "f16") return AttentionNumeric::kF16;
+  return invalid_argument("unknown attention numeric '" + std::string(name) + "' (f32 or f16)");
+}
+
 const char* dtype_name(DType dtype) {
   switch (dtype) {
     case DType::kF32: return "f32";
@@ -73,6 +83,9 @@ Result<StoreOptions> resolve_store_options(const ModelConfig& config, StoreOptio
   if (o.max_sequences < 1 || o.max_sequences > kMaxSequences)
     return invalid_argument("max_sequences " + std::to_string(o.max_sequences) +
                             " outside [1, " + std::to_string(kMaxSequences) + "]");
+  if (o.attention != AttentionNumeric::kF32 && o.attention != AttentionNumeric::kF16)
+    return invalid_argument("attention numeric " + std::to_string(static_cast<int>(o.attention)) +
+                            " is neither f32 nor f16");
   if (o.slack < 0 || o.slack > config.sliding_window)
     return invalid_argument("slack " + std::to_string(o.slack) + " outside [0, " +
                             std::to_string(config.sliding_window) + "] (the sliding window)");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -15,6 +16,7 @@
 #endif
 
 #include "kvring/f16.h"
+#include "kvring/store.h"
 #include "parallel.h"
 
 namespace kvring::cpu {
@@ -711,6 +713,113 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
     });
     i0 = i1;
   }
+}
+
+namespace {
+
+// The power-of-two scale of a query head under the f16 numeric: 2^k with
+// the head's largest magnitude times 2^k in [2^14, 2^15), k in [-126, 126].
+float f16_query_scale(float amax, float& down) {
+  const int e = static_cast<int>((std::bit_cast<std::uint32_t>(amax) >> 23) & 0xffu) - 126;
+  const int shift = std::min(std::max(15 - e, -126), 126);
+  down = std::bit_cast<float>(static_cast<std::uint32_t>(127 - shift) << 23);
+  return std::bit_cast<float>(static_cast<std::uint32_t>(127 + shift) << 23);
+}
+
+float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }
+
+}  // namespace
+
+void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
+                std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,
+                const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
+                std::int64_t q_stride, float* out, std::int64_t out_stride) {
+  if (n_queries <= 0) return;
+  const std::int64_t hd = shape.head_dim;
+  const std::int64_t G = shape.n_heads / shape.n_kv_heads;
+  const std::int64_t n_kv = shape.n_kv_heads;
+  const float scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(hd)));
+  const float* f16 = f16_table();
+  const std::int64_t work = n_queries * shape.n_heads * hd * 2 *
+                            (shape.window > 0 ? shape.window : first_position + n_queries);
+  parallel_for(n_queries * n_kv, work, [&](std::int64_t task) {
+    const std::int64_t i = task / n_kv, g = task % n_kv;
+    const std::int64_t p = first_position + i;
+    const std::int64_t lo = shape.window > 0 ? std::max<std::int64_t>(0, p - shape.window + 1) : 0;
+    const std::int64_t rows = p - lo + 1;
+    thread_local std::vector<const std::uint16_t*> kp, vp;
+    thread_local std::vector<float> q16, x, part, acc;
+    kp.resize(static_cast<std::size_t>(rows));
+    vp.resize(static_cast<std::size_t>(rows));
+    gather_rows(plane, ring, chunk_start, chunk_k, chunk_v, g, lo, p + 1, kp.data(), vp.data());
+    const std::int64_t s0 = lo / kF16AttendSplitRows, s1 = p / kF16AttendSplitRows;
+    const std::int64_t n_splits = s1 - s0 + 1;
+    q16.resize(static_cast<std::size_t>(hd));
+    x.resize(static_cast<std::size_t>(kF16AttendTile));
+    part.resize(static_cast<std::size_t>(n_splits * (hd + 2)));  // per split: m, l, o[hd]
+    acc.resize(static_cast<std::size_t>(hd));
+    for (std::int64_t h = g * G; h < (g + 1) * G; ++h) {
+      const float* qh = q + i * q_stride + h * hd;
+      float amax = 0.0f;
+      for (std::int64_t d = 0; d < hd; ++d) amax = std::fmax(amax, std::fabs(qh[d]));
+      float down = 0.0f;
+      const float up = f16_query_scale(amax, down);
+      for (std::int64_t d = 0; d < hd; ++d) q16[static_cast<std::size_t>(d)] = f16_round(qh[d] * up);
+      const float c = down * scale_log2;
+      for (std::int64_t s = s0; s <= s1; ++s) {
+        const std::int64_t a = std::max(s * kF16AttendSplitRows, lo);
+        const std::int64_t b = std::min((s + 1) * kF16AttendSplitRows, p + 1);
+        // m: the running maximum of the dot products; mc = m c.
+        float m = -INFINITY, mc = -INFINITY, l = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (std::int64_t t = a / kF16AttendTile * kF16AttendTile; t < b; t += kF16AttendTile) {
+          const std::int64_t r0 = std::max(t, a), r1 = std::min(t + kF16AttendTile, b);
+          float m_tile = -INFINITY;
+          for (std::int64_t L = r0; L < r1; ++L) {
+            const std::uint16_t* k = kp[static_cast<std::size_t>(L - lo)];
+            float dot = 0.0f;
+            for (std::int64_t d = 0; d < hd; ++d) dot += q16[static_cast<std::size_t>(d)] * f16[k[d]];
+            x[static_cast<std::size_t>(L - r0)] = dot;
+            m_tile = std::fmax(m_tile, dot);
+          }
+          const float m_new = std::fmax(m, m_tile);
+          if (m_new == -INFINITY) continue;  // nothing seen yet: the state stays empty
+          const float mc_new = m_new * c;
+          const float alpha = m_new == m ? 1.0f : std::exp2(mc - mc_new);
+          float sum = 0.0f;
+          for (float& a_d : acc) a_d *= alpha;
+          for (std::int64_t L = r0; L < r1; ++L) {
+            const float w = f16_round(std::exp2(std::fma(x[static_cast<std::size_t>(L - r0)], c, -mc_new)));
+            sum += w;
+            const std::uint16_t* v = vp[static_cast<std::size_t>(L - lo)];
+            for (std::int64_t d = 0; d < hd; ++d) acc[static_cast<std::size_t>(d)] += w * f16[v[d]];
+          }
+          l = l * alpha + sum;
+          m = m_new;
+          mc = mc_new;
+        }
+        float* ps = part.data() + (s - s0) * (hd + 2);
+        ps[0] = mc;
+        ps[1] = l;
+        std::copy(acc.begin(), acc.end(), ps + 2);
+      }
+      float M = -INFINITY;
+      for (std::int64_t s = 0; s < n_splits; ++s) M = std::fmax(M, part[static_cast<std::size_t>(s * (hd + 2))]);
+      float L = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (std::int64_t s = 0; s < n_splits; ++s) {
+        const float* ps = part.data() + s * (hd + 2);
+        const float w = ps[0] == -INFINITY ? 0.0f : std::exp2(ps[0] - M);
+        L += ps[1] * w;
+        for (std::int64_t d = 0; d < hd; ++d) acc[static_cast<std::size_t>(d)] += ps[2 + d] * w;
+      }
+      float* oh = out + i * out_stride + h * hd;
+      for (std::int64_t d = 0; d < hd; ++d) {
+        const float o = acc[static_cast<std::size_t>(d)] / L;
+        oh[d] = o == 0.0f ? 0.0f : o;
+      }
+    }
+  });
 }
 
 }  // namespace kvring::cpu

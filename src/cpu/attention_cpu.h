@@ -72,4 +72,18 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
             const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
             std::int64_t q_stride, float* out, std::int64_t out_stride);
 
+// The f16 numeric (AttentionNumeric::kF16), same arguments as attend: per
+// query head, the query scaled by 2^k (its largest magnitude into
+// [2^14, 2^15)) and rounded to f16; s the f32 dot products with the f16
+// rows and c = 2^-k log2(e) / sqrt(head_dim); rows in splits of
+// kF16AttendSplitRows and tiles of kF16AttendTile at multiples of those
+// positions, each tile one step of the online softmax: m the running
+// maximum of s, weights exp2(fma(s, c, -m c)) rounded to f16, their f32
+// sum; splits combined in order; a zero output is +0. The GPU kernel takes
+// the same steps (docs/DESIGN.md, "Attention numerics").
+void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
+                std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,
+                const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
+                std::int64_t q_stride, float* out, std::int64_t out_stride);
+
 }  // namespace kvring::cpu

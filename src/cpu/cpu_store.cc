@@ -126,9 +126,10 @@ class CpuStore final : public KvStore {
         q_stride = width;
       }
       float* op = static_cast<float*>(b.out->data) + it.q_row * b.out->row_stride;
-      cpu::attend(view(it.plane), it.ring, shape, it.first_position, it.n_queries,
-                  it.chunk_start, b.chunk_k ? ck.data() : nullptr,
-                  b.chunk_k ? cv.data() : nullptr, qp, q_stride, op, b.out->row_stride);
+      const auto run = options().attention == AttentionNumeric::kF16 ? cpu::attend_f16 : cpu::attend;
+      run(view(it.plane), it.ring, shape, it.first_position, it.n_queries, it.chunk_start,
+          b.chunk_k ? ck.data() : nullptr, b.chunk_k ? cv.data() : nullptr, qp, q_stride, op,
+          b.out->row_stride);
     }
     return Status::Ok();
   }
