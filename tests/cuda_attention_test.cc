@@ -401,5 +401,102 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   EXPECT_EQ(stats.last_arrival - before.last_arrival, cs.config.n_layers / 2);
 }
 
+// ---- The f16 numeric ----------------------------------------------------------
+
+// Outputs of the f16 numeric differ from the CPU backend's f16 numeric by
+// the order of f32 sums (and the weights' f16 rounding where a weight lies
+// at a rounding boundary).
+constexpr double kF16Tolerance = 1e-3;
+
+// The f16 numeric refuses geometries its kernel does not take, by name.
+TEST(CudaF16, RefusesHeadDimsOtherThan128) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const auto r = make_store(BackendKind::kCuda, make_hybrid_config("hd64", 2, 2, 8, 2, 64, 33, 4096),
+                            {.attention = AttentionNumeric::kF16});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, ErrorCode::kUnsupported);
+  EXPECT_NE(r.error().message.find("head_dim 128"), std::string::npos) << r.error().message;
+}
+
+// Sequences in random batches and chunks (device views, churned slots and
+// blocks) give the bits of their solo token-by-token decodes (97-token
+// chunks under a sanitizer), across two splits and many wraps of a 300-row
+// ring; outputs agree with the CPU backend's f16 numeric, past the splits
+// too.
+TEST(CudaF16, BitsNeverDependOnTheBatchAndAgreeWithTheCpu) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = make_hybrid_config("f16-gqa8", 2, 2, 16, 2, 128, 300, 4608);
+  const bool quick = testing::quick();
+  const std::int64_t longest = 2 * kF16AttendSplitRows + (quick ? 70 : 400);
+  std::mt19937_64 rng(31);
+  std::vector<SeqInputs> seqs = {testing::seq_inputs(c, longest, 91)};
+  for (int i = 0; i < (quick ? 2 : 4); ++i)
+    seqs.push_back(testing::seq_inputs(c, 1 + static_cast<std::int64_t>(rng() % 500), 92 + static_cast<std::uint64_t>(i)));
+  const int n = static_cast<int>(seqs.size());
+  const StoreOptions o{.max_sequences = n + 3, .context = 4608, .block_rows = 16,
+                       .attention = AttentionNumeric::kF16};
+  Outputs solo;
+  for (int i = 0; i < n; ++i) {
+    StoreOptions one = o;
+    one.max_sequences = 1;
+    auto store = testing::new_store(BackendKind::kCuda, c, one);
+    ASSERT_TRUE(store);
+    const std::vector<SeqId> ids = {*store->add_sequence()};
+    std::vector<testing::Step> plan;
+    for (std::int64_t p = 0, len = seqs[static_cast<std::size_t>(i)].len; p < len;) {
+      const std::int64_t n = quick ? std::min<std::int64_t>(97, len - p) : 1;
+      plan.push_back({n == 1, {{0, n}}});
+      p += n;
+    }
+    Outputs out;
+    testing::run_plan(*store, ids, {seqs[static_cast<std::size_t>(i)]}, plan, out);
+    for (auto& [key, val] : out) solo[{i, std::get<1>(key), std::get<2>(key)}] = val;
+  }
+  auto gpu = testing::new_store(BackendKind::kCuda, c, o);
+  ASSERT_TRUE(gpu);
+  const auto ids = testing::add_with_churn(*gpu, n, 33);
+  Outputs batched;
+  testing::run_plan(*gpu, ids, seqs, testing::random_plan(seqs, 35, 600), batched, true);
+  ASSERT_EQ(batched.size(), solo.size());
+  for (const auto& [key, val] : batched) {
+    for (const float x : val) ASSERT_TRUE(std::isfinite(x));
+    ASSERT_TRUE(same_bits(val, solo.at(key)))
+        << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
+        << std::get<2>(key) << " differs from its solo decode";
+  }
+
+  // The CPU backend: the short sequences whole, and the long one's last
+  // 8 positions (its rows before them stored without attention).
+  auto cpu = testing::new_store(BackendKind::kCpu, c, o);
+  ASSERT_TRUE(cpu);
+  std::vector<SeqInputs> short_seqs(seqs.begin() + 1, seqs.end());
+  std::vector<SeqId> cids;
+  for (int i = 1; i < n; ++i) cids.push_back(*cpu->add_sequence());
+  Outputs c_short;
+  testing::run_plan(*cpu, cids, short_seqs, testing::random_plan(short_seqs, 37, 100), c_short);
+  const SeqId long_id = *cpu->add_sequence();
+  const std::int64_t kv = c.kv_dim(), before = longest - 8;
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const SeqSpan span{long_id, 0, before};
+    ASSERT_TRUE(cpu->store(l, std::span(&span, 1), testing::host_in(seqs[0].k.data() + l * longest * kv, before, kv),
+                           testing::host_in(seqs[0].v.data() + l * longest * kv, before, kv)).ok());
+  }
+  Outputs c_long;
+  std::vector<std::int64_t> at = {before};
+  testing::run_plan(*cpu, {long_id}, {seqs[0]}, {{false, {{0, 8}}}}, c_long, false, nullptr, &at);
+  double worst = 0;
+  std::size_t compared = 0;
+  auto compare = [&](const std::vector<float>& got, const std::vector<float>& ref) {
+    for (std::size_t e = 0; e < ref.size(); ++e)
+      worst = std::max(worst, std::abs(double(got[e]) - ref[e]) / std::max(1.0, std::abs(double(ref[e]))));
+    ++compared;
+  };
+  for (const auto& [key, ref] : c_short) compare(batched.at({std::get<0>(key) + 1, std::get<1>(key), std::get<2>(key)}), ref);
+  for (const auto& [key, ref] : c_long) compare(batched.at({0, std::get<1>(key), std::get<2>(key)}), ref);
+  EXPECT_EQ(compared, c_short.size() + 8 * static_cast<std::size_t>(c.n_layers));
+  EXPECT_LE(worst, kF16Tolerance);
+  std::printf("  f16 numeric: CUDA vs CPU worst %.2e over %zu outputs\n", worst, compared);
+}
+
 }  // namespace
 }  // namespace kvring

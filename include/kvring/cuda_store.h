@@ -72,6 +72,12 @@ class CudaStore final : public KvStore {
   Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream) override;
 
  private:
+  // attend's launches under each numeric, on stream s, after the queries,
+  // outputs and chunk are in device memory.
+  Status attend_f32(const AttendBatch& batch, const float* q, std::int64_t q_stride, float* out,
+                    std::int64_t out_stride, const std::uint16_t* chunk, cudaStream_t s);
+  Status attend_f16(const AttendBatch& batch, const float* q, std::int64_t q_stride, float* out,
+                    std::int64_t out_stride, const std::uint16_t* chunk, cudaStream_t s);
   struct Impl;
   CudaStore(ModelConfig config, StoreOptions resolved);
   std::unique_ptr<Impl> impl_;

@@ -230,12 +230,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(qv[i]));
   amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-  // amax in [2^(e-1), 2^e) for e = biased exponent - 126; both factors are
-  // normal powers of two, so scaling and unscaling are exact.
-  const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
-  const int shift = min(max(15 - e, -126), 126);
-  const float up = __uint_as_float(static_cast<unsigned>(127 + shift) << 23);
-  const float down = __uint_as_float(static_cast<unsigned>(127 - shift) << 23);
+  float down;
+  const float up = query_scale(amax, down);
   std::uint32_t qa[8][4];
 #pragma unroll
   for (int s = 0; s < 8; ++s) {

@@ -186,6 +186,17 @@ __device__ __forceinline__ RowPtr row_at(const AttendParams& P, const HeadRows& 
   return {h.k + off, h.v + off};
 }
 
+// A query head's power-of-two scale 2^k (returned; 2^-k in `down`) for its
+// largest magnitude amax: amax 2^k lies in [2^14, 2^15), k in [-126, 126],
+// so both factors are normal and scaling and unscaling are exact.
+__device__ __forceinline__ float query_scale(float amax, float& down) {
+  // amax in [2^(e-1), 2^e) for e = biased exponent - 126.
+  const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
+  const int shift = min(max(15 - e, -126), 126);
+  down = __uint_as_float(static_cast<unsigned>(127 - shift) << 23);
+  return __uint_as_float(static_cast<unsigned>(127 + shift) << 23);
+}
+
 // The softmax weight exp2(m - max) of a score or partial maximum m under
 // the running maximum `max`; 0 for an empty partial (m = -inf), so no
 // -inf - -inf is ever taken.

@@ -44,6 +44,8 @@ constexpr std::size_t kStageBytes = std::size_t{8} << 20;
 // prefills of a few thousand queries with many splits run in one launch.
 constexpr std::int64_t kWorkspaceBudget = std::int64_t{64} << 20;
 constexpr std::int64_t kMaxQueriesPerLaunch = 65535;  // grid.z
+// Bytes of f16-numeric partials one launch may take (attend_f16).
+constexpr std::int64_t kF16WorkspaceBudget = std::int64_t{512} << 20;
 // Descriptor buffers made at creation, and the smallest one made later.
 constexpr int kInitialChunks = 4;
 constexpr std::size_t kChunkBytes = std::size_t{64} << 10;
@@ -200,6 +202,7 @@ struct CudaStore::Impl {
   // step allocates nothing.
   std::vector<cuda::StoreSpan> span_scratch;
   std::vector<cuda::AttendQueryItem> item_scratch;
+  std::vector<cuda::F16Tile> f16_tiles;
 
   // Host-view staging (those calls wait before returning).
   PinnedBuffer pin;
@@ -449,6 +452,16 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
   KVRING_CUDA_CHECK("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, device));
   KVRING_RETURN_IF_ERROR(
       cuda::capability_status(device, prop.name, prop.major, prop.minor, cuda::kernels_run_here()));
+
+  if (o->attention == AttentionNumeric::kF16 &&
+      (config.head_dim != cuda::kTensorHeadDim ||
+       config.n_heads / config.n_kv_heads > cuda::kF16Rows))
+    return make_error(ErrorCode::kUnsupported,
+                      "the f16 attention numeric on the GPU needs head_dim " +
+                          std::to_string(cuda::kTensorHeadDim) + " and at most " +
+                          std::to_string(cuda::kF16Rows) + " query heads per KV head; model '" +
+                          config.name + "' has head_dim " + std::to_string(config.head_dim) +
+                          " and " + std::to_string(config.n_heads / config.n_kv_heads));
 
   std::unique_ptr<CudaStore> store(new CudaStore(config, *o));
   Impl& im = *store->impl_;
@@ -749,6 +762,40 @@ Status CudaStore::attend(const AttendBatch& b) {
     if (e != cudaSuccess) st = cuda_error("convert kernel launch", e);
   }
 
+  if (options_.attention == AttentionNumeric::kF16) {
+    if (st.ok()) st = attend_f16(b, dq, q_stride, dout, out_stride, chunk, s);
+  } else if (st.ok()) {
+    st = attend_f32(b, dq, q_stride, dout, out_stride, chunk, s);
+  }
+  if (chunk != nullptr) {
+    const cudaError_t e = cudaFreeAsync(chunk, s);
+    if (e != cudaSuccess && st.ok()) st = cuda_error("cudaFreeAsync", e);
+  }
+  if (st.ok()) st = im.leave(s);
+  if (!st.ok()) return im.fail(st, s);
+  if (host_out) {
+    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
+    KVRING_RETURN_IF_ERROR(im.pin.reserve(bytes));
+    KVRING_CUDA_CHECK("device-to-host copy",
+                      cudaMemcpyAsync(im.pin.data(), dout, bytes, cudaMemcpyDeviceToHost, s));
+    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+    for (std::int64_t r = 0; r < n_queries; ++r)
+      std::memcpy(static_cast<float*>(out.data) + r * out.row_stride,
+                  reinterpret_cast<const float*>(im.pin.data()) + r * width,
+                  static_cast<std::size_t>(width) * 4);
+  } else if (host) {
+    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+  }
+  return Status::Ok();
+}
+
+// The f32 numeric's launches (kernels.h, "Attention").
+Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t q_stride,
+                             float* dout, std::int64_t out_stride, const std::uint16_t* chunk,
+                             cudaStream_t s) {
+  Impl& im = *impl_;
+  const std::int64_t kv_dim = config_.kv_dim();
+  Status st = Status::Ok();
   // Items, cut where one launch's queries or workspace would not fit, then
   // grouped into launches.
   const bool full = full_index(b.layer) >= 0;
@@ -891,26 +938,144 @@ Status CudaStore::attend(const AttendBatch& b) {
     if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
   }
   if (desc != nullptr && st.ok()) st = im.release_chunk(desc, s);
-  if (chunk != nullptr) {
-    const cudaError_t e = cudaFreeAsync(chunk, s);
+  return st;
+}
+
+// The f16 numeric's launches: tiles of consecutive queries of one item, a
+// workspace of one partial per (query, split, head) taken stream-ordered
+// for the call, and the kernel and its combine per launch (kernels.h, "The
+// f16 numeric").
+Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t q_stride,
+                             float* dout, std::int64_t out_stride, const std::uint16_t* chunk,
+                             cudaStream_t s) {
+  Impl& im = *impl_;
+  const bool full = full_index(b.layer) >= 0;
+  const std::int64_t window = full ? 0 : config_.sliding_window;
+  const std::int64_t R = kF16AttendSplitRows;
+  auto lo_of = [&](std::int64_t p) { return window > 0 ? std::max<std::int64_t>(0, p - window + 1) : 0; };
+  auto splits_of = [&](std::int64_t p) { return p / R - lo_of(p) / R + 1; };
+  const int group = static_cast<int>(config_.n_heads / config_.n_kv_heads);
+  const int per_tile = cuda::f16_tile_queries(group);
+  const std::int64_t part_bytes = config_.n_heads * cuda::kF16PartFloats * 4;
+
+  std::vector<cuda::AttendQueryItem>& items = im.item_scratch;
+  items.clear();
+  std::vector<cuda::F16Tile>& tiles = im.f16_tiles;
+  tiles.clear();
+  // The most splits of any query (the workspace's stride) and of any tile
+  // (the grid).
+  std::int64_t query_splits = 1;
+  for (const AttendItem& it : b.items) {
+    cuda::AttendQueryItem d{};
+    if (full) {
+      d.k = im.pool_k;
+      d.v = im.pool_v;
+      d.table = im.tables + (it.plane.slot * im.n_full + full_index(b.layer)) * im.max_blocks;
+    } else {
+      d.k = im.ring_k[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
+      d.v = im.ring_v[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
+    }
+    d.shift = it.ring.origin_physical() - it.ring.origin_logical();
+    d.capacity = it.ring.capacity();
+    d.chunk_start = it.chunk_start;
+    d.chunk_row = it.chunk_row;
+    d.first_position = it.first_position;
+    d.q_first = static_cast<std::int32_t>(it.q_row);
+    d.n_queries = static_cast<std::int32_t>(it.n_queries);
+    for (std::int64_t i0 = 0; i0 < it.n_queries; i0 += per_tile) {
+      cuda::F16Tile t{};
+      t.position = it.first_position + i0;
+      t.item = static_cast<std::int32_t>(items.size());
+      t.q_first = static_cast<std::int32_t>(it.q_row + i0);
+      t.n_queries = static_cast<std::int32_t>(std::min<std::int64_t>(per_tile, it.n_queries - i0));
+      t.first_split = static_cast<std::int32_t>(lo_of(t.position) / R);
+      tiles.push_back(t);
+    }
+    for (std::int64_t i = 0; i < it.n_queries; ++i)
+      query_splits = std::max(query_splits, splits_of(it.first_position + i));
+    items.push_back(d);
+  }
+  // Launches of whole tiles whose partials fit kF16WorkspaceBudget (one
+  // tile at least), at most 65535 tiles each.
+  struct Launch {
+    std::size_t first, count;
+    std::int64_t q0, queries;
+    int max_splits;
+  };
+  std::vector<Launch> launches;
+  const std::int64_t per_query = query_splits * part_bytes;
+  std::int64_t most_queries = 0;
+  for (std::size_t i = 0; i < tiles.size(); ++i) {
+    cuda::F16Tile& t = tiles[i];
+    if (launches.empty() || launches.back().count >= 65535 ||
+        (launches.back().queries + t.n_queries) * per_query > kF16WorkspaceBudget)
+      launches.push_back(Launch{i, 0, t.q_first, 0, 1});
+    Launch& L = launches.back();
+    t.q_first -= static_cast<std::int32_t>(L.q0);
+    L.count += 1;
+    L.queries += t.n_queries;
+    const std::int64_t p_last = t.position + t.n_queries - 1;
+    L.max_splits = std::max(L.max_splits, static_cast<int>(p_last / R - t.first_split + 1));
+    most_queries = std::max(most_queries, L.queries);
+  }
+
+  // Items, then tiles, in one descriptor upload.
+  const std::size_t item_bytes = items.size() * sizeof(cuda::AttendQueryItem);
+  const std::size_t tile_bytes = tiles.size() * sizeof(cuda::F16Tile);
+  auto c = im.take_chunk(item_bytes + tile_bytes, s);
+  if (!c) return c.status();
+  Impl::Chunk* desc = *c;
+  std::memcpy(desc->host, items.data(), item_bytes);
+  std::memcpy(desc->host + item_bytes, tiles.data(), tile_bytes);
+  Status st = im.upload_chunk(*desc, item_bytes + tile_bytes, s);
+  float* ws = nullptr;
+  if (st.ok()) {
+    const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&ws),
+                                          static_cast<std::size_t>(most_queries * per_query), s);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      st = cuda_error("cudaMallocAsync of the attention workspace", e);
+    }
+  }
+  const std::int64_t kv_dim = config_.kv_dim();
+  for (const Launch& L : launches) {
+    if (!st.ok()) break;
+    cuda::F16Params F;
+    cuda::AttendParams& P = F.P;
+    P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev);
+    P.n_items = static_cast<std::int32_t>(items.size());
+    P.full = full ? 1 : 0;
+    P.pool = im.pool;
+    if (chunk != nullptr) {
+      P.chunk_k = chunk;
+      P.chunk_v = chunk + b.chunk_k->rows * kv_dim;
+    }
+    P.q = dq + L.q0 * q_stride;
+    P.out = dout + L.q0 * out_stride;
+    P.q_stride = q_stride;
+    P.out_stride = out_stride;
+    P.n_queries = static_cast<std::int32_t>(L.queries);
+    P.n_heads = static_cast<std::int32_t>(config_.n_heads);
+    P.n_kv_heads = static_cast<std::int32_t>(config_.n_kv_heads);
+    P.head_dim = static_cast<std::int32_t>(config_.head_dim);
+    P.kv_dim = static_cast<std::int32_t>(kv_dim);
+    P.window = window;
+    P.scale_log2 = static_cast<float>(1.4426950408889634 /
+                                      std::sqrt(static_cast<double>(config_.head_dim)));
+    F.tiles = reinterpret_cast<const cuda::F16Tile*>(desc->dev + item_bytes) + L.first;
+    F.n_tiles = static_cast<std::int32_t>(L.count);
+    F.max_splits = L.max_splits;
+    F.ws = ws;
+    F.query_splits = static_cast<std::int32_t>(query_splits);
+    const cudaError_t e = cuda::launch_attend_f16(F, s);
+    if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
+  }
+  if (ws != nullptr) {
+    const cudaError_t e = cudaFreeAsync(ws, s);
     if (e != cudaSuccess && st.ok()) st = cuda_error("cudaFreeAsync", e);
   }
-  if (st.ok()) st = im.leave(s);
-  if (!st.ok()) return im.fail(st, s);
-  if (host_out) {
-    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
-    KVRING_RETURN_IF_ERROR(im.pin.reserve(bytes));
-    KVRING_CUDA_CHECK("device-to-host copy",
-                      cudaMemcpyAsync(im.pin.data(), dout, bytes, cudaMemcpyDeviceToHost, s));
-    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
-    for (std::int64_t r = 0; r < n_queries; ++r)
-      std::memcpy(static_cast<float*>(out.data) + r * out.row_stride,
-                  reinterpret_cast<const float*>(im.pin.data()) + r * width,
-                  static_cast<std::size_t>(width) * 4);
-  } else if (host) {
-    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
-  }
-  return Status::Ok();
+  if (st.ok()) st = im.release_chunk(desc, s);
+  return st;
 }
 
 // ---- Snapshot copies and plane housekeeping ----------------------------------------

@@ -289,6 +289,40 @@ struct AttendParams {
   std::int32_t least_splits = 0;
 };
 
+// ---- The f16 numeric ---------------------------------------------------------
+
+// (query, head) rows of one CTA of the f16 kernel: a tile holds up to
+// kF16Rows / group consecutive queries of one item, all heads of one KV
+// head each.
+inline constexpr int kF16Rows = 64;
+KVRING_HD constexpr int f16_tile_queries(int group) { return kF16Rows / group; }
+// Floats of one (query, split, head) partial in the f16 workspace: m, l,
+// two unused, then the head_dim (128) unnormalized outputs.
+inline constexpr int kF16PartFloats = 4 + kTensorHeadDim;
+
+struct F16Tile {
+  std::int64_t position;     // of the tile's first query
+  std::int32_t item;         // its item in AttendParams
+  std::int32_t q_first;      // its first query's row of q and out
+  std::int32_t n_queries;
+  std::int32_t first_split;  // the split of its first query's first visible row
+};
+struct F16Params {
+  // The launch's items, planes, chunk, queries, outputs and geometry (the
+  // split-path fields are unused).
+  AttendParams P;
+  const F16Tile* tiles = nullptr;  // device memory
+  std::int32_t n_tiles = 0;
+  std::int32_t max_splits = 0;     // grid.z: the most splits of any tile
+  // Partials [query][split of the query][head][kF16PartFloats], split
+  // counted from the query's first; query_splits of them a query.
+  float* ws = nullptr;
+  std::int32_t query_splits = 0;
+};
+// The f16 kernel over every tile, then the combine of every query (two
+// launches on `stream`).
+cudaError_t launch_attend_f16(const F16Params& params, cudaStream_t stream);
+
 // Work items per query (grid.y) and query heads per item for a geometry.
 struct AttendGrid {
   int items = 0;

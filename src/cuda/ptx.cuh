@@ -42,6 +42,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 f16 matrices; lane 8m + r gives the address of row r of matrix
+// m and receives word m (row lane / 4, columns 2 (lane % 4) + {0, 1}).
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&d)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+
 // Four transposed 8x8 f16 matrices; lane 8m + r gives the address of row r
 // of matrix m and receives word m.
 __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&d)[4], unsigned addr) {
@@ -68,6 +76,12 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool v
                                            std::uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
                "l"(src), "r"(valid ? 16 : 0), "l"(policy)
+               : "memory");
+}
+// The same without an L2 policy (the default priority).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {

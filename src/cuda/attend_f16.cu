@@ -1,0 +1,416 @@
+// Attention under the f16 numeric (AttentionNumeric::kF16; docs/CUDA.md,
+// "The f16 numeric"): FlashAttention's blocking on f16 tensor cores, with
+// every boundary at a fixed multiple of the position so that a query's
+// arithmetic never depends on the tile of queries it came in.
+//
+// A CTA takes one tile of queries (F16Tile: consecutive queries of one
+// item, all query heads of one KV head as kF16Rows (query, head) rows, 16
+// a warp) and one split of kF16AttendSplitRows positions, and streams that
+// split's 64-row key tiles (at multiples of 64) through shared memory. Each
+// tile is one step of every row's online softmax: f32 scores, the row's
+// maximum, weights exp2(x - max) rounded to f16, the f32 sum of the
+// rounded weights, and the weights times V on the tensor cores. Rows a
+// query does not see (past it, before its window, outside the split) are
+// masked to weight 0; a tile wholly masked for a row leaves its state as
+// it was (the rescale factor is exactly 1 and the weights are zeros), so
+// the tiles a row runs through are in effect its own. Each (query, split,
+// head) partial goes to the workspace; a second kernel combines a query's
+// splits in split order.
+//
+// The query rows are independent in the MMAs: an output element is the dot
+// product of its own A row with B, whatever the other rows hold, so a query
+// decoded alone gives the bits it gives inside a prefill tile.
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attend_rows.cuh"
+#include "kernels.h"
+#include "kvring/store.h"
+#include "ptx.cuh"
+
+namespace kvring::cuda {
+namespace {
+
+constexpr int HD = kTensorHeadDim;
+constexpr int kWarps = kF16Rows / 16;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kKeys = static_cast<int>(kF16AttendTile);
+constexpr std::int64_t kSplitRows = kF16AttendSplitRows;
+constexpr int kRowBytes = HD * 2;             // one f16 head row
+constexpr int kChunks = kRowBytes / 16;       // 16-byte pieces a row
+constexpr int kTileBytes = kKeys * kRowBytes;
+constexpr int kStages = 2;
+static_assert(kSplitRows % kKeys == 0, "a split is whole tiles");
+static_assert(kThreads * 8 == kKeys * kChunks, "each thread copies 8 pieces of K and of V a tile");
+
+// Shared memory: K and V tiles per stage, rows of 16-byte pieces with piece
+// c of row r at c ^ (r % 8), so the 8 rows an ldmatrix reads lie in
+// distinct banks.
+struct F16Smem {
+  uint4 k[kStages][kTileBytes / 16];
+  uint4 v[kStages][kTileBytes / 16];
+};
+constexpr std::size_t kSmemBytes = sizeof(F16Smem);
+
+__device__ __forceinline__ unsigned piece(int row, int c) {
+  return static_cast<unsigned>(row * kRowBytes + ((c ^ (row & 7)) << 4));
+}
+__device__ __forceinline__ std::uint32_t pack_f16(float lo, float hi) {
+  return static_cast<std::uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+         (static_cast<std::uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+}
+
+// What a CTA reads: the planes of its item, the chunk, the split's rows.
+struct TileRows {
+  HeadRows rows;
+  std::int64_t lo, hi;  // rows [lo, hi] hold data some row of the tile sees
+};
+
+// Enqueues key tile `base` into a stage: rows outside [lo, hi] are
+// written as zeros. A tile wholly inside the chunk, or inside the plane
+// without crossing the ring's end or a block's, is evenly spaced rows.
+__device__ __forceinline__ void issue(const AttendParams& P, const TileRows& T, std::int64_t base,
+                                      unsigned k_stage, unsigned v_stage) {
+  const int c = static_cast<int>(threadIdx.x) & (kChunks - 1);
+  const int r0 = static_cast<int>(threadIdx.x) / kChunks;
+  constexpr int kRowStep = kThreads / kChunks;
+  const HeadRows& h = T.rows;
+  const std::uint16_t* k0 = nullptr;
+  const std::uint16_t* v0 = nullptr;
+  std::int64_t stride = 0;
+  if (base >= T.lo && base + kKeys - 1 <= T.hi) {
+    if (base >= h.chunk_start) {
+      const std::int64_t off = base * P.kv_dim + h.chunk_offset;
+      k0 = P.chunk_k + off;
+      v0 = P.chunk_v + off;
+      stride = P.kv_dim;
+    } else if (base + kKeys <= h.chunk_start) {
+      std::int64_t physical = base + h.shift;
+      if (physical >= h.capacity) physical -= h.capacity;
+      const bool even = h.table == nullptr ? physical + kKeys <= h.capacity
+                                           : (physical & h.block_mask) + kKeys <= h.block_mask + 1;
+      if (even) {
+        const std::int64_t off = h.plane_offset(physical);
+        k0 = h.k + off;
+        v0 = h.v + off;
+        stride = h.row_stride;
+      }
+    }
+  }
+  if (k0 != nullptr) {
+    const std::int64_t off = r0 * stride + 8 * c;
+    k0 += off;
+    v0 += off;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const unsigned at = piece(r0 + j * kRowStep, c);
+      cp_async16(k_stage + at, k0, true);
+      cp_async16(v_stage + at, v0, true);
+      k0 += kRowStep * stride;
+      v0 += kRowStep * stride;
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int r = r0 + j * kRowStep;
+    const std::int64_t L = base + r;
+    const bool ok = L >= T.lo && L <= T.hi;
+    const RowPtr row = ok ? row_at(P, h, L) : RowPtr{h.k, h.k};
+    const unsigned at = piece(r, c);
+    cp_async16(k_stage + at, row.k + (ok ? 8 * c : 0), ok);
+    cp_async16(v_stage + at, row.v + (ok ? 8 * c : 0), ok);
+  }
+}
+
+}  // namespace
+
+__global__ void __launch_bounds__(kThreads, 2) attend_f16_kernel(const F16Params A) {
+  const AttendParams& P = A.P;
+  const F16Tile tile = A.tiles[blockIdx.x];
+  const AttendQueryItem it = P.items != nullptr ? P.items[tile.item] : P.single;
+  const int kv_head = static_cast<int>(blockIdx.y);
+  const int G = P.n_heads / P.n_kv_heads;
+  const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
+  const std::int64_t p_first = tile.position;
+  const std::int64_t p_last = tile.position + tile.n_queries - 1;
+  const std::int64_t lo_first = max(std::int64_t{0}, p_first - reach);
+  const std::int64_t s = tile.first_split + static_cast<std::int64_t>(blockIdx.z);
+  const std::int64_t split_a = s * kSplitRows;
+  if (split_a > p_last) return;
+  const std::int64_t a = max(split_a, lo_first);
+  const std::int64_t b = min(split_a + kSplitRows, p_last + 1);
+  const std::int64_t t0 = a / kKeys * kKeys;
+  const int n_tiles = static_cast<int>((b - t0 + kKeys - 1) / kKeys);
+
+  extern __shared__ uint4 smem_raw[];
+  F16Smem& S = *reinterpret_cast<F16Smem*>(smem_raw);
+  QueryRange qr{};
+  qr.plane_k = it.k;
+  qr.plane_v = it.v;
+  qr.table = it.table;
+  qr.shift = it.shift;
+  qr.capacity = it.capacity;
+  qr.chunk_start = it.chunk_start;
+  qr.chunk_row = it.chunk_row;
+  const TileRows T{HeadRows(P, qr, HD, kv_head), a, b - 1};
+  const unsigned k_base = static_cast<unsigned>(__cvta_generic_to_shared(S.k[0]));
+  const unsigned v_base = static_cast<unsigned>(__cvta_generic_to_shared(S.v[0]));
+  issue(P, T, t0, k_base, v_base);
+  cp_async_commit();
+
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+
+  // The lane's two rows, g and g + 8 of the warp's 16: (query, head), the
+  // rows each sees, and whether split s is one of its splits.
+  std::int64_t lo_r[2], p_r[2];
+  bool live[2];
+  int qrow[2], head[2];
+  float q[2][32];  // dims 16 kk + 2t + {0, 1, 8, 9} as q[.][4 kk + {0, 1, 2, 3}]
+  float c_r[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int row = warp * 16 + g + 8 * rr;
+    const int ql = row / G;
+    const bool valid = ql < tile.n_queries;
+    qrow[rr] = tile.q_first + ql;
+    head[rr] = kv_head * G + row % G;
+    p_r[rr] = p_first + ql;
+    lo_r[rr] = max(std::int64_t{0}, p_r[rr] - reach);
+    live[rr] = valid && s >= lo_r[rr] / kSplitRows && s <= p_r[rr] / kSplitRows;
+    if (valid) {
+      const float* src = P.q + static_cast<std::int64_t>(qrow[rr]) * P.q_stride +
+                         static_cast<std::int64_t>(head[rr]) * HD + 2 * t;
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        const float2 x0 = *reinterpret_cast<const float2*>(src + 16 * kk);
+        const float2 x1 = *reinterpret_cast<const float2*>(src + 16 * kk + 8);
+        q[rr][4 * kk] = x0.x;
+        q[rr][4 * kk + 1] = x0.y;
+        q[rr][4 * kk + 2] = x1.x;
+        q[rr][4 * kk + 3] = x1.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) q[rr][i] = 0.0f;
+    }
+  }
+  __syncwarp();
+  // Each row's power-of-two scale (over its 128 dims: the quad's lanes),
+  // then its f16 A fragments: a0a1 row g dims 16kk + 2t + {0,1}, a2a3 row
+  // g + 8, a4a5 row g dims 16kk + 8 + 2t + {0,1}, a6a7 row g + 8.
+  std::uint32_t qf[8][4];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(q[rr][i]));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+    float down;
+    const float up = query_scale(amax, down);
+    c_r[rr] = down * P.scale_log2;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      qf[kk][rr] = pack_f16(q[rr][4 * kk] * up, q[rr][4 * kk + 1] * up);
+      qf[kk][2 + rr] = pack_f16(q[rr][4 * kk + 2] * up, q[rr][4 * kk + 3] * up);
+    }
+  }
+
+  float o[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  // Per row: the running maximum of its dot products m, m times c (mc),
+  // and the sum of its weights as a ones column on the tensor cores (ls:
+  // elements 0 and 2 are rows g and g + 8).
+  float m[2] = {-INFINITY, -INFINITY}, mc[2] = {-INFINITY, -INFINITY};
+  float ls[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  constexpr std::uint32_t kOnes = 0x3c003c00u;  // f16 1.0 twice
+  // Tiles inside every row's range need no masks: rows [lo_max, p_min] are
+  // seen by every query of the tile (and by the rows past its last query,
+  // which are never written).
+  const std::int64_t lo_max = max(std::int64_t{0}, p_last - reach);
+  const std::int64_t p_min = p_first;
+  // The lane's ldmatrix addresses inside a stage: K rows 8j + lane % 8,
+  // piece 4 kk2 + lane / 8; V rows 16 kk + lane % 8 + 8 ((lane / 8) % 2),
+  // piece 2 jj + lane / 16.
+  const int k_row = lane & 7, k_piece = lane >> 3;
+  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_piece = lane >> 4;
+
+  for (int ti = 0; ti < n_tiles; ++ti) {
+    const int st = ti & 1;
+    if (ti + 1 < n_tiles)
+      issue(P, T, t0 + static_cast<std::int64_t>(ti + 1) * kKeys, k_base + (st ^ 1) * kTileBytes,
+            v_base + (st ^ 1) * kTileBytes);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncwarp();  // the copies' per-row branches end before the barrier
+    __syncthreads();
+    const unsigned ks = k_base + st * kTileBytes, vs = v_base + st * kTileBytes;
+    const std::int64_t base = t0 + static_cast<std::int64_t>(ti) * kKeys;
+
+    // Dot products: sc[j] holds keys 8j + 2t + {0, 1} of rows g (0, 1)
+    // and g + 8 (2, 3).
+    float sc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+      for (int kk2 = 0; kk2 < 4; ++kk2) {
+        std::uint32_t kb[4];
+        ldmatrix_x4(kb, ks + piece(8 * j + k_row, 4 * kk2 + k_piece));
+        mma16816(sc[j], qf[2 * kk2], kb[0], kb[1]);
+        mma16816(sc[j], qf[2 * kk2 + 1], kb[2], kb[3]);
+      }
+    }
+    if (base < lo_max || base + kKeys - 1 > p_min) {
+      // A tile at a range's edge: rows a row does not see are -inf.
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int first = live[rr] ? static_cast<int>(max(std::int64_t{-1}, min(lo_r[rr] - base, std::int64_t{kKeys}))) : kKeys;
+        const int last = live[rr] ? static_cast<int>(max(std::int64_t{-1}, min(p_r[rr] - base, std::int64_t{kKeys}))) : -1;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * t + e;
+            sc[j][2 * rr + e] = col >= first && col <= last ? sc[j][2 * rr + e] : -INFINITY;
+          }
+        }
+      }
+    }
+    __syncwarp();
+    // One online-softmax step per row: weights exp2(s c - m c) in f16.
+    float alpha[2];
+    std::uint32_t pw[8][2];  // f16 pairs: pw[j][rr] = keys 8j + 2t + {0, 1} of row rr
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mt = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mt = fmaxf(mt, fmaxf(sc[j][2 * rr], sc[j][2 * rr + 1]));
+      mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 1));
+      mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 2));
+      const float m_new = fmaxf(m[rr], mt);
+      const float mc_new = m_new * c_r[rr];
+      alpha[rr] = m_new == m[rr] ? 1.0f : exp2f(mc[rr] - mc_new);
+      // With nothing seen yet (m_new = -inf) every weight is exp2(-inf) = 0.
+      const float shift = m_new == -INFINITY ? 0.0f : -mc_new;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const __half2 w = __floats2half2_rn(exp2f(fmaf(sc[j][2 * rr], c_r[rr], shift)),
+                                            exp2f(fmaf(sc[j][2 * rr + 1], c_r[rr], shift)));
+        pw[j][rr] = *reinterpret_cast<const std::uint32_t*>(&w);
+      }
+      m[rr] = m_new;
+      mc[rr] = mc_new;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+    ls[0] *= alpha[0];
+    ls[1] *= alpha[0];
+    ls[2] *= alpha[1];
+    ls[3] *= alpha[1];
+    // Weights times V: k-step kk is keys 16kk .. 16kk + 15 (score tiles 2kk
+    // and 2kk + 1, whose C layout is the A layout); dim tiles 2jj, 2jj + 1
+    // from one transposed ldmatrix; the weights' sums against ones.
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const std::uint32_t pa[4] = {pw[2 * kk][0], pw[2 * kk][1], pw[2 * kk + 1][0], pw[2 * kk + 1][1]};
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        std::uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vs + piece(16 * kk + v_row, 2 * jj + v_piece));
+        mma16816(o[2 * jj], pa, vb[0], vb[1]);
+        mma16816(o[2 * jj + 1], pa, vb[2], vb[3]);
+      }
+      mma16816(ls, pa, kOnes, kOnes);
+    }
+    __syncthreads();  // the stage is refilled next step
+  }
+  const float l[2] = {ls[0], ls[2]};
+
+  // Each live row's partial: m, l, then its 128 unnormalized outputs.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    if (!live[rr]) continue;
+    const std::int64_t entry =
+        ((static_cast<std::int64_t>(qrow[rr]) * A.query_splits + (s - lo_r[rr] / kSplitRows)) *
+             P.n_heads +
+         head[rr]) *
+        kF16PartFloats;
+    float* dst = A.ws + entry;
+    if (t == 0) *reinterpret_cast<float2*>(dst) = make_float2(mc[rr], l[rr]);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      *reinterpret_cast<float2*>(dst + 4 + 8 * j + 2 * t) = make_float2(o[j][2 * rr], o[j][2 * rr + 1]);
+  }
+}
+
+// One warp per (query, head) of a tile: its splits in split order, lane
+// i holding dims 4i .. 4i + 3. A zero output is written as +0.
+__global__ void __launch_bounds__(kThreads) attend_f16_combine_kernel(const F16Params A) {
+  const AttendParams& P = A.P;
+  const F16Tile tile = A.tiles[blockIdx.x];
+  const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  for (int pair = warp; pair < tile.n_queries * P.n_heads; pair += kWarps) {
+    const int ql = pair / P.n_heads, h = pair % P.n_heads;
+    const int qi = tile.q_first + ql;
+    const std::int64_t p = tile.position + ql;
+    const std::int64_t lo = max(std::int64_t{0}, p - reach);
+    const int n = static_cast<int>(p / kSplitRows - lo / kSplitRows) + 1;
+    const float* part = A.ws + (static_cast<std::int64_t>(qi) * A.query_splits * P.n_heads + h) *
+                                   kF16PartFloats;
+    const std::int64_t step = static_cast<std::int64_t>(P.n_heads) * kF16PartFloats;
+    float M = -INFINITY;
+    for (int i = 0; i < n; ++i) M = fmaxf(M, part[i * step]);
+    float L = 0.0f;
+    float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i = 0; i < n; ++i) {
+      const float* e = part + i * step;
+      const float w = weight_of(e[0], M);
+      L += e[1] * w;
+      const float4 x = *reinterpret_cast<const float4*>(e + 4 + 4 * lane);
+      O.x += x.x * w;
+      O.y += x.y * w;
+      O.z += x.z * w;
+      O.w += x.w * w;
+    }
+    float4 r = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+    r.x = r.x == 0.0f ? 0.0f : r.x;
+    r.y = r.y == 0.0f ? 0.0f : r.y;
+    r.z = r.z == 0.0f ? 0.0f : r.z;
+    r.w = r.w == 0.0f ? 0.0f : r.w;
+    *reinterpret_cast<float4*>(P.out + static_cast<std::int64_t>(qi) * P.out_stride +
+                               static_cast<std::int64_t>(h) * HD + 4 * lane) = r;
+  }
+}
+
+cudaError_t launch_attend_f16(const F16Params& params, cudaStream_t stream) {
+  if (params.n_tiles <= 0) return cudaSuccess;
+  // Per device, so set on every launch (a host-side attribute write).
+  const cudaError_t opted_in = cudaFuncSetAttribute(
+      attend_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
+  if (opted_in != cudaSuccess) return opted_in;
+  // Tiles fastest: the CTAs that run at once are one split's of many tiles,
+  // which read the same rows, so those come from L2 for all but the first.
+  const dim3 grid(static_cast<unsigned>(params.n_tiles), static_cast<unsigned>(params.P.n_kv_heads),
+                  static_cast<unsigned>(params.max_splits));
+  attend_f16_kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  attend_f16_combine_kernel<<<static_cast<unsigned>(params.n_tiles), kThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace kvring::cuda
