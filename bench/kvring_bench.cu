@@ -286,9 +286,10 @@ void write_json(const std::string& path, const std::string& device, int sms) {
   std::fclose(f);
 }
 
-std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0) {
+std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0,
+                                kvring::AttentionNumeric numeric = kvring::AttentionNumeric::kF32) {
   auto c = kvring::make_store(kvring::BackendKind::kCuda, cfg,
-                              {.max_sequences = 1, .context = context, .slack = slack});
+                              {.max_sequences = 1, .context = context, .slack = slack, .attention = numeric});
   check(c.status(), "creating a store");
   auto seq = (*c)->add_sequence();
   check(seq.status(), "adding a sequence");
@@ -638,15 +639,16 @@ int main(int argc, char** argv) {
     free_device({sk, sv, q, out});
   }
 
-  // ---- Prefill attention (no target): a 512-token chunk at the end of full planes --
-  // Each of the 13 full layers holds n - 512 rows; one chunked prefill
+  // ---- Prefill attention: 512-token chunks, under each numeric ----------------
+  // Full layers: each of the 13 holds n - 512 rows; one chunked prefill
   // (convert, attention over the plane and the chunk, store) per layer,
-  // cold L2, the first as warm-up. Bytes: the plane's rows once (n x 1 KiB),
-  // which every query reads in full.
+  // cold L2, the first as warm-up. Sliding layers: each ring holds 3000 rows
+  // (wrapped), and the chunk's queries see 2048 rows each. Then a whole
+  // 131072-token prompt in 512-token chunks through one full and one
+  // sliding layer, once (host time included). Bytes: the rows once (n x
+  // 1 KiB); FLOPs: 4 x head_dim x query heads per (query, visible row).
   if (section("prefill")) {
     const std::int64_t chunk = 512;
-    auto c = make(muse, ctx);
-    const cudaStream_t cs = c->stream();
     float* sk = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
     float* sv = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
     float* q = device_alloc<float>(static_cast<std::size_t>(chunk * qn));
@@ -655,24 +657,81 @@ int main(int argc, char** argv) {
     fill(sv, ctx * kv, 22, 2.0f);
     fill(q, chunk * qn, 23);
     CHECK_CUDA(cudaDeviceSynchronize());
-    auto flush_c = [&] { read_flush(cs); };
-    int full_layers = 0;
-    for (std::int64_t l = 3; l < L; l += 4) ++full_layers;
-    for (std::int64_t n : {std::int64_t{4096}, std::int64_t{32768}, ctx}) {
-      check(c->reset(), "reset");
-      const std::int64_t start = n - chunk;
-      for (std::int64_t l = 3; l < L; l += 4) check(c->store_batch_device(l, 0, start, sk, sv), "fill");
-      check(c->synchronize(), "fill");
-      std::int64_t layer = 3;
-      add({"prefill attention, 512 tokens at " + std::to_string(n),
-           time_us(cs, 1, full_layers - 1,
-                   [&] {
-                     check(c->prefill_device(layer, start, chunk, sk + start * kv, sv + start * kv, q, out),
-                           "prefill");
-                     layer += 4;
-                   },
-                   flush_c),
-           static_cast<double>(n) * 1024, "D2D copy", d2d});
+    const double flop_row = 4.0 * static_cast<double>(qn);  // per (query, visible row)
+    auto tflops = [&](double flops, double us) { return flops / us / 1e6; };
+    for (const auto numeric : {kvring::AttentionNumeric::kF32, kvring::AttentionNumeric::kF16}) {
+      const std::string tag = std::string(" (") + kvring::attention_numeric_name(numeric) + ")";
+      auto c = make(muse, ctx, 0, numeric);
+      const cudaStream_t cs = c->stream();
+      auto flush_c = [&] { read_flush(cs); };
+      int full_layers = 0;
+      for (std::int64_t l = 3; l < L; l += 4) ++full_layers;
+      for (std::int64_t n : {std::int64_t{4096}, std::int64_t{32768}, ctx}) {
+        check(c->reset(), "reset");
+        const std::int64_t start = n - chunk;
+        for (std::int64_t l = 3; l < L; l += 4) check(c->store_batch_device(l, 0, start, sk, sv), "fill");
+        check(c->synchronize(), "fill");
+        std::int64_t layer = 3;
+        add({"prefill attention, 512 tokens at " + std::to_string(n) + tag,
+             time_us(cs, 1, full_layers - 1,
+                     [&] {
+                       check(c->prefill_device(layer, start, chunk, sk + start * kv, sv + start * kv, q, out),
+                             "prefill");
+                       layer += 4;
+                     },
+                     flush_c),
+             static_cast<double>(n) * 1024, "D2D copy", d2d});
+        const double visible = static_cast<double>(chunk) * static_cast<double>(start) +
+                               static_cast<double>(chunk) * (chunk + 1) / 2;
+        std::printf("  %.1f TFLOP/s\n", tflops(visible * flop_row, rows.back().us));
+      }
+      // Sliding layers: rings wrapped at 3000 rows, a 512-token chunk on top.
+      {
+        check(c->reset(), "reset");
+        const std::int64_t start = 3000;
+        std::vector<std::int64_t> sliding;
+        for (std::int64_t l = 0; l < L; ++l)
+          if (l % 4 != 3) sliding.push_back(l);
+        for (const std::int64_t l : sliding) check(c->store_batch_device(l, 0, start, sk, sv), "fill");
+        check(c->synchronize(), "fill");
+        std::size_t next = 0;
+        add({"prefill attention, 512 tokens on a wrapped 2048 ring" + tag,
+             time_us(cs, 1, static_cast<int>(std::min<std::size_t>(sliding.size(), 21)) - 1,
+                     [&] {
+                       check(c->prefill_device(sliding[next++], start, chunk, sk + start * kv, sv + start * kv, q,
+                                               out),
+                             "prefill");
+                     },
+                     flush_c),
+             2048.0 * 1024, "D2D copy", d2d});
+        std::printf("  %.1f TFLOP/s\n", tflops(512.0 * 2048 * flop_row, rows.back().us));
+      }
+      // A whole prompt through one full and one sliding layer.
+      {
+        check(c->reset(), "reset");
+        check(c->synchronize(), "reset");
+        cudaEvent_t e0, e1;
+        CHECK_CUDA(cudaEventCreate(&e0));
+        CHECK_CUDA(cudaEventCreate(&e1));
+        CHECK_CUDA(cudaEventRecord(e0, cs));
+        for (std::int64_t start = 0; start < ctx; start += chunk)
+          for (const std::int64_t l : {std::int64_t{3}, std::int64_t{0}})
+            check(c->prefill_device(l, start, chunk, sk + start * kv, sv + start * kv, q, out), "prefill");
+        CHECK_CUDA(cudaEventRecord(e1, cs));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        CHECK_CUDA(cudaEventDestroy(e0));
+        CHECK_CUDA(cudaEventDestroy(e1));
+        add({"prefill attention, 131072-token prompt, one full + one sliding layer" + tag, 1000.0 * ms});
+        double full_rows = 0, sliding_rows = 0;
+        for (std::int64_t p = 0; p < ctx; ++p) {
+          full_rows += static_cast<double>(p + 1);
+          sliding_rows += static_cast<double>(std::min<std::int64_t>(p + 1, muse.sliding_window));
+        }
+        std::printf("  %.1f TFLOP/s (visible rows %.3g full, %.3g sliding)\n",
+                    tflops((full_rows + sliding_rows) * flop_row, rows.back().us), full_rows, sliding_rows);
+      }
     }
     free_device({sk, sv, q, out});
   }

@@ -153,6 +153,33 @@ def main():
         prefill.append({"tokens": n, "queries": 512, "gqa_us": round(t, 3)})
         print(f"SDPA prefill of 512 queries over {n:>6} tokens (no mask): gqa {t:10.2f} us")
         del k, v
+    if part("prefill"):
+        # A sliding layer's chunk: 512 queries over 2048 rows each (no mask).
+        k = torch.randn(1, 2, 2048, 128, device=dev, dtype=torch.float16)
+        v = torch.randn(1, 2, 2048, 128, device=dev, dtype=torch.float16)
+        q = torch.randn(1, 16, 512, 128, device=dev, dtype=torch.float16)
+        with torch.no_grad():
+            t = time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), max(args.runs // 5, 5),
+                        read_flush)
+        prefill.append({"tokens": 2048, "queries": 512, "sliding": True, "gqa_us": round(t, 3)})
+        print(f"SDPA prefill of 512 queries over 2048 rows each (a sliding layer's chunk): gqa {t:10.2f} us")
+        # A whole 131072-token prompt in 512-token chunks through one full
+        # layer (each chunk over every row up to its end, no mask) and one
+        # sliding layer (over the last 2560 rows at most, no mask), once.
+        n = 131072
+        k = torch.randn(1, 2, n, 128, device=dev, dtype=torch.float16)
+        v = torch.randn(1, 2, n, 128, device=dev, dtype=torch.float16)
+
+        def prompt():
+            for start in range(0, n, 512):
+                F.scaled_dot_product_attention(q, k[:, :, :start + 512], v[:, :, :start + 512], enable_gqa=True)
+                lo = max(0, start + 512 - 2560)
+                F.scaled_dot_product_attention(q, k[:, :, lo:start + 512], v[:, :, lo:start + 512], enable_gqa=True)
+        with torch.no_grad():
+            t = time_us(prompt, 3, read_flush)
+        prefill.append({"tokens": n, "queries": n, "whole_prompt": True, "gqa_us": round(t, 3)})
+        print(f"SDPA whole {n}-token prompt in 512-token chunks, one full + one sliding layer: {t / 1000:10.2f} ms")
+        del k, v
     batch = []
     if part("batch"):
         batch.append(batch_peer("batch decode 32 seqs x 32768", [32768] * 32, args.runs, read_flush, dev))
