@@ -3,6 +3,7 @@
 //
 //   kvring-bench [--json FILE] [--quick]
 //                [--only store|decode|ring|prefill|batch|step|memory]
+//                [--numeric f32|f16]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -317,11 +318,13 @@ std::pair<std::unique_ptr<kvring::KvStore>, std::vector<SeqSpan>> store_with(
 void print_usage(std::FILE* out) {
   std::fputs(
       "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|step|memory]\n"
+      "                    [--numeric f32|f16]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
       "  --quick      fewer repetitions\n"
       "  --only PARTS run these parts (comma-separated)\n"
+      "  --numeric N  prefill figures under attention numeric N only (f32 or f16)\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -329,7 +332,7 @@ void print_usage(std::FILE* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json, only;
+  std::string json, only, numeric;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -339,6 +342,12 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
+    } else if (a == "--numeric" && i + 1 < argc) {
+      numeric = argv[++i];
+      if (!kvring::parse_attention_numeric(numeric).ok()) {
+        print_usage(stderr);
+        return 2;
+      }
     } else if (a == "--help" || a == "-h") {
       print_usage(stdout);
       return 0;
@@ -648,6 +657,7 @@ int main(int argc, char** argv) {
   // sliding layer, once (host time included). Bytes: the rows once (n x
   // 1 KiB); FLOPs: 4 x head_dim x query heads per (query, visible row).
   if (section("prefill")) {
+    const std::string& only_numeric = numeric;
     const std::int64_t chunk = 512;
     float* sk = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
     float* sv = device_alloc<float>(static_cast<std::size_t>(ctx * kv));
@@ -660,6 +670,7 @@ int main(int argc, char** argv) {
     const double flop_row = 4.0 * static_cast<double>(qn);  // per (query, visible row)
     auto tflops = [&](double flops, double us) { return flops / us / 1e6; };
     for (const auto numeric : {kvring::AttentionNumeric::kF32, kvring::AttentionNumeric::kF16}) {
+      if (!only_numeric.empty() && only_numeric != kvring::attention_numeric_name(numeric)) continue;
       const std::string tag = std::string(" (") + kvring::attention_numeric_name(numeric) + ")";
       auto c = make(muse, ctx, 0, numeric);
       const cudaStream_t cs = c->stream();

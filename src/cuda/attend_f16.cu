@@ -158,8 +158,14 @@ __global__ void __launch_bounds__(kThreads, 2) attend_f16_kernel(const F16Params
   const TileRows T{HeadRows(P, qr, HD, kv_head), a, b - 1};
   const unsigned k_base = static_cast<unsigned>(__cvta_generic_to_shared(S.k[0]));
   const unsigned v_base = static_cast<unsigned>(__cvta_generic_to_shared(S.v[0]));
-  issue(P, T, t0, k_base, v_base);
-  cp_async_commit();
+  // The first kStages - 1 tiles go out before the query is read.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n_tiles)
+      issue(P, T, t0 + static_cast<std::int64_t>(st) * kKeys, k_base + st * kTileBytes,
+            v_base + st * kTileBytes);
+    cp_async_commit();
+  }
 
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -242,12 +248,13 @@ __global__ void __launch_bounds__(kThreads, 2) attend_f16_kernel(const F16Params
   const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_piece = lane >> 4;
 
   for (int ti = 0; ti < n_tiles; ++ti) {
-    const int st = ti & 1;
-    if (ti + 1 < n_tiles)
-      issue(P, T, t0 + static_cast<std::int64_t>(ti + 1) * kKeys, k_base + (st ^ 1) * kTileBytes,
-            v_base + (st ^ 1) * kTileBytes);
+    const int st = ti % kStages;
+    const int ahead = ti + kStages - 1;  // the tile this step sends for
+    if (ahead < n_tiles)
+      issue(P, T, t0 + static_cast<std::int64_t>(ahead) * kKeys, k_base + (ahead % kStages) * kTileBytes,
+            v_base + (ahead % kStages) * kTileBytes);
     cp_async_commit();
-    cp_async_wait<1>();
+    cp_async_wait<kStages - 1>();
     __syncwarp();  // the copies' per-row branches end before the barrier
     __syncthreads();
     const unsigned ks = k_base + st * kTileBytes, vs = v_base + st * kTileBytes;
