@@ -196,6 +196,50 @@ TEST(Store, OptionsAreChecked) {
   EXPECT_EQ((*s)->capacity(0), c.sliding_window);
 }
 
+// Runs sequences ids id0 + i (handles seqs[i], length[i] tokens) in random
+// batches: each step some of the unfinished sequences, in random order,
+// advance one token each (decode, with odds 1 in decode_odds) or by a
+// chunk of 1..max_chunk tokens (a ragged prefill).
+void run_random_batches(KvStore& s, const std::vector<SeqId>& seqs, const std::vector<std::int64_t>& length,
+                        std::uint64_t id0, std::mt19937_64& rng, int decode_odds, std::int64_t max_chunk,
+                        Outputs& out) {
+  const int n_seq = static_cast<int>(seqs.size());
+  std::vector<std::int64_t> done(seqs.size(), 0);
+  while (true) {
+    std::vector<int> ready;
+    for (int i = 0; i < n_seq; ++i)
+      if (done[static_cast<std::size_t>(i)] < length[static_cast<std::size_t>(i)]) ready.push_back(i);
+    if (ready.empty()) break;
+    std::shuffle(ready.begin(), ready.end(), rng);
+    ready.resize(std::uniform_int_distribution<std::size_t>(1, ready.size())(rng));
+    const bool decode = rng() % static_cast<std::uint64_t>(decode_odds) == 0;
+    std::vector<std::pair<std::uint64_t, SeqSpan>> batch;
+    for (int i : ready) {
+      const auto u = static_cast<std::size_t>(i);
+      const std::int64_t left = length[u] - done[u];
+      const std::int64_t count =
+          decode ? 1 : std::uniform_int_distribution<std::int64_t>(1, std::min<std::int64_t>(left, max_chunk))(rng);
+      batch.push_back({id0 + static_cast<std::uint64_t>(i), SeqSpan{seqs[u], done[u], count}});
+      done[u] += count;
+    }
+    run_batch(s, batch, out);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// Every output of `solo` is in `out` with the same bits, and `out` holds
+// nothing more.
+void expect_solo_bits(const Outputs& out, const Outputs& solo) {
+  EXPECT_EQ(out.size(), solo.size());
+  for (const auto& [key, value] : solo) {
+    auto it = out.find(key);
+    ASSERT_NE(it, out.end());
+    ASSERT_EQ(0, std::memcmp(it->second.data(), value.data(), value.size() * 4))
+        << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
+        << std::get<2>(key);
+  }
+}
+
 // Seeded random batch compositions against solo runs: stored bytes and
 // every attention output, bit for bit, whatever the batch, order, slot,
 // chunking and blocks.
@@ -219,7 +263,6 @@ TEST(Store, BitsNeverDependOnTheBatch) {
     std::vector<SeqId> filler;
     for (int i = 0; i < static_cast<int>(seed % 3); ++i) filler.push_back(*s->add_sequence());
     std::vector<SeqId> seqs;
-    std::vector<std::int64_t> done(n_seq, 0);
     for (int i = 0; i < n_seq; ++i) {
       if (i == 2 && !filler.empty()) {
         ASSERT_TRUE(s->remove_sequence(filler.back()).ok());
@@ -228,34 +271,9 @@ TEST(Store, BitsNeverDependOnTheBatch) {
       seqs.push_back(*s->add_sequence());
     }
     Outputs out;
-    while (true) {
-      std::vector<int> ready;
-      for (int i = 0; i < n_seq; ++i)
-        if (done[static_cast<std::size_t>(i)] < length[static_cast<std::size_t>(i)]) ready.push_back(i);
-      if (ready.empty()) break;
-      std::shuffle(ready.begin(), ready.end(), rng);
-      ready.resize(std::uniform_int_distribution<std::size_t>(1, ready.size())(rng));
-      const bool decode = rng() % 2 == 0;
-      std::vector<std::pair<std::uint64_t, SeqSpan>> batch;
-      for (int i : ready) {
-        const auto u = static_cast<std::size_t>(i);
-        const std::int64_t left = length[u] - done[u];
-        const std::int64_t count =
-            decode ? 1 : std::uniform_int_distribution<std::int64_t>(1, std::min<std::int64_t>(left, 40))(rng);
-        batch.push_back({100 + static_cast<std::uint64_t>(i), SeqSpan{seqs[u], done[u], count}});
-        done[u] += count;
-      }
-      run_batch(*s, batch, out);
-      if (::testing::Test::HasFatalFailure()) return;
-    }
-    EXPECT_EQ(out.size(), solo_out.size());
-    for (const auto& [key, value] : solo_out) {
-      auto it = out.find(key);
-      ASSERT_NE(it, out.end());
-      ASSERT_EQ(0, std::memcmp(it->second.data(), value.data(), value.size() * 4))
-          << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
-          << std::get<2>(key);
-    }
+    run_random_batches(*s, seqs, length, 100, rng, 2, 40, out);
+    if (::testing::Test::HasFatalFailure()) return;
+    expect_solo_bits(out, solo_out);
     for (int i = 0; i < n_seq; ++i)
       EXPECT_EQ(live_bytes(*s, seqs[static_cast<std::size_t>(i)]), solo_bytes[static_cast<std::size_t>(i)]);
   }
@@ -263,8 +281,8 @@ TEST(Store, BitsNeverDependOnTheBatch) {
 
 // The f16 numeric keeps every invariance of the f32 one: sequences that
 // cross two splits (kF16AttendSplitRows positions each) and wrap a small
-// ring give the bits of
-// their solo token-by-token runs in any batch and chunking.
+// ring give the bits of their solo token-by-token runs in any batch and
+// chunking.
 TEST(Store, F16NumericBitsNeverDependOnTheBatch) {
   const ModelConfig c = make_hybrid_config("f16-small", 2, 2, 4, 2, 16, 100, 4608);
   const StoreOptions o{.max_sequences = 4, .block_rows = 16, .attention = AttentionNumeric::kF16};
@@ -279,36 +297,10 @@ TEST(Store, F16NumericBitsNeverDependOnTheBatch) {
   auto s = cpu_store(c, o);
   std::vector<SeqId> seqs;
   for (int i = 0; i < n_seq; ++i) seqs.push_back(*s->add_sequence());
-  std::vector<std::int64_t> done(length.size(), 0);
   Outputs out;
-  while (true) {
-    std::vector<int> ready;
-    for (int i = 0; i < n_seq; ++i)
-      if (done[static_cast<std::size_t>(i)] < length[static_cast<std::size_t>(i)]) ready.push_back(i);
-    if (ready.empty()) break;
-    std::shuffle(ready.begin(), ready.end(), rng);
-    ready.resize(std::uniform_int_distribution<std::size_t>(1, ready.size())(rng));
-    const bool decode = rng() % 4 == 0;
-    std::vector<std::pair<std::uint64_t, SeqSpan>> batch;
-    for (int i : ready) {
-      const auto u = static_cast<std::size_t>(i);
-      const std::int64_t left = length[u] - done[u];
-      const std::int64_t count =
-          decode ? 1 : std::uniform_int_distribution<std::int64_t>(1, std::min<std::int64_t>(left, 700))(rng);
-      batch.push_back({200 + static_cast<std::uint64_t>(i), SeqSpan{seqs[u], done[u], count}});
-      done[u] += count;
-    }
-    run_batch(*s, batch, out);
-    if (::testing::Test::HasFatalFailure()) return;
-  }
-  EXPECT_EQ(out.size(), solo_out.size());
-  for (const auto& [key, value] : solo_out) {
-    auto it = out.find(key);
-    ASSERT_NE(it, out.end());
-    ASSERT_EQ(0, std::memcmp(it->second.data(), value.data(), value.size() * 4))
-        << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
-        << std::get<2>(key);
-  }
+  run_random_batches(*s, seqs, length, 200, rng, 4, 700, out);
+  if (::testing::Test::HasFatalFailure()) return;
+  expect_solo_bits(out, solo_out);
   for (int i = 0; i < n_seq; ++i)
     EXPECT_EQ(live_bytes(*s, seqs[static_cast<std::size_t>(i)]), solo_bytes[static_cast<std::size_t>(i)]);
 }
