@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "kvring/cache.h"
 #include "test_util.h"
 
@@ -38,6 +40,31 @@ TEST(RunPack, ResumeRefusesRunRecordsOutOfRange) {
     ASSERT_FALSE(r.ok()) << b.names;
     EXPECT_NE(r.error().message.find(b.names), std::string::npos) << r.error().message;
   }
+}
+
+// The attention numeric travels in the record: absent (records written
+// before it existed) it is f32, and a name this build does not know is
+// refused with the field named.
+TEST(RunPack, RunRecordsCarryTheAttentionNumeric) {
+  RunRecord r{"m", 10000.0, {.hidden = 8, .vocab = 4, .mlp = 0, .seed = 1}, 1, 3, 2, {0.5f, -1.0f, 2.0f, 0.0f},
+              AttentionNumeric::kF16};
+  const std::string text = encode_run_record(r);
+  auto back = decode_run_record(text, "p.kvpack");
+  ASSERT_TRUE(back.ok()) << back.error().message;
+  EXPECT_EQ(back->attention, AttentionNumeric::kF16);
+  nlohmann::json j = nlohmann::json::parse(text);
+  j.erase("attention");
+  auto old = decode_run_record(j.dump(), "p.kvpack");
+  ASSERT_TRUE(old.ok()) << old.error().message;
+  EXPECT_EQ(old->attention, AttentionNumeric::kF32);
+  j["attention"] = "fp8";
+  auto bad = decode_run_record(j.dump(), "p.kvpack");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("field 'attention'"), std::string::npos) << bad.error().message;
+  j["attention"] = 16;
+  bad = decode_run_record(j.dump(), "p.kvpack");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("'attention' must be a string"), std::string::npos) << bad.error().message;
 }
 
 }  // namespace

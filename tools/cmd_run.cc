@@ -55,7 +55,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
                        {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
                         "vocab", "backend", "context", "save", "resume", "store", "handoff-to",
                         "handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message",
-                        "sequences"});
+                        "sequences", "attention"});
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -72,10 +72,15 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   if (a->has("store") && o.store.empty()) return invalid_argument("--store needs a value");
   if (!o.store.empty() && o.save.empty() && o.resume.empty())
     return invalid_argument("--store is the chunk store of --save or --resume; give one of them");
+  if (a->has("attention")) {
+    auto numeric = parse_attention_numeric(a->str("attention"));
+    if (!numeric) return invalid_argument("--attention: " + numeric.error().message);
+    o.attention = *numeric;
+  }
   o.handoff_to = a->str("handoff-to");
   if (a->has("handoff-to")) {
     if (o.handoff_to.empty()) return invalid_argument("--handoff-to needs HOST:PORT");
-    for (const char* name : {"tokens", "save", "resume", "store"})
+    for (const char* name : {"tokens", "save", "resume", "store", "attention"})
       if (a->has(name))
         return invalid_argument(std::string("--") + name + " does not go with --handoff-to (the receiver decodes)");
     o.handoff_schedule = a->str("handoff-schedule", o.handoff_schedule);
@@ -102,7 +107,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   }
   if (!o.resume.empty()) {
     // A resumed session is the saved one: what shaped it comes from the pack.
-    for (const char* name : {"model", "config", "prompt-tokens", "seed", "chunk", "hidden", "vocab"})
+    for (const char* name : {"model", "config", "prompt-tokens", "seed", "chunk", "hidden", "vocab", "attention"})
       if (a->has(name))
         return invalid_argument(std::string("--") + name + " comes from the pack on --resume and cannot be changed");
   }
@@ -165,6 +170,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     o.seed = r->record.seed;
     o.prompt_tokens = r->record.prompt_tokens;
     o.chunk = r->record.chunk;
+    o.attention = r->record.attention;
     resumed.emplace(std::move(r->session));
     const auto& held = resumed->tokens();
     if (!o.tokens_given) o.tokens = resumed->position();
@@ -188,7 +194,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (!resumed) {
     auto model = ReferenceModel::create(*config, o.model);
     if (!model) return fail(model.error());
-    auto cache = make_cache(*backend, *config, {.context = context});
+    auto cache = make_cache(*backend, *config, {.context = context, .attention = o.attention});
     if (!cache) return fail(cache.error());
     fresh.emplace(*model, std::move(*cache));
   }
@@ -229,7 +235,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   std::string saved;
   if (!o.save.empty()) {
     auto line = save_run(session, RunRecord{config->name, config->rope_theta, o.model, o.seed,
-                                            o.prompt_tokens, o.chunk, session.last_logits()},
+                                            o.prompt_tokens, o.chunk, session.last_logits(), o.attention},
                          o.save, o.store);
     if (!line) return fail(line.error());
     saved = *line;
@@ -265,7 +271,7 @@ int print_run_report(const RunReport& r) {
   nlohmann::json j = summary_json(SummaryFields{
       config->name, config->fingerprint_hex(), c.backend(), session.position(), r.prompt_tokens,
       r.seed, r.chunk, r.model, r.context, generated, logits_sha, use, c.allocated_bytes(),
-      prefill_s, decode_s, r.prefilled, r.decoded});
+      prefill_s, decode_s, r.prefilled, r.decoded, c.store().options().attention});
   j["timing"].update(r.extra_timing);
   const std::string& saved = r.saved;
   if (r.json) {
@@ -273,10 +279,12 @@ int print_run_report(const RunReport& r) {
     std::printf("%s\n", j.dump(-1, ' ', /*ensure_ascii=*/true).c_str());
     return 0;
   }
-  std::printf("kvring run: model %s on %s, %lld tokens (%lld prompt, %zu generated), chunk %lld\n",
+  std::printf("kvring run: model %s on %s, %lld tokens (%lld prompt, %zu generated), chunk %lld, "
+              "attention %s\n",
               printable(config->name).c_str(), backend_name(c.backend()),
               static_cast<long long>(session.position()), static_cast<long long>(r.prompt_tokens),
-              generated.size(), static_cast<long long>(r.chunk));
+              generated.size(), static_cast<long long>(r.chunk),
+              attention_numeric_name(c.store().options().attention));
   std::printf("  prefill      %8.1f tokens/s  (%.3f s)\n",
               j["timing"]["prefill_tokens_per_s"].get<double>(), prefill_s);
   std::printf("  decode       %8.1f tokens/s  (%.3f s)\n",

@@ -47,13 +47,16 @@ const CommandHelp kHelp[] = {
 )"},
     {"run", R"(  run        [--model NAME | --config FILE] [--tokens N] [--prompt-tokens P]
              [--seed S] [--chunk C] [--hidden H] [--vocab V] [--context N]
-             [--backend cpu|cuda|auto] [--json] [--no-progress]
-             [--save FILE] [--store STORE]
+             [--backend cpu|cuda|auto] [--attention f32|f16] [--json]
+             [--no-progress] [--save FILE] [--store STORE]
              a session of the reference model: prefill P seeded prompt tokens
              in chunks of C, then decode greedily to N tokens; prints speed,
              cache use, ring states and the SHA-256 of the last logits;
-             --save writes the session as a kvpack (thin over --store; a store
-             that cannot be written is refused before the session runs)
+             --attention picks the store's attention numeric (default f32;
+             f16: f16-rounded queries and weights on tensor cores, recorded
+             in --save's pack); --save writes the session as a kvpack (thin
+             over --store; a store that cannot be written is refused before
+             the session runs)
   run        ... --sequences N
              N sessions in one store, prefilled and decoded in batches:
              sequence i uses seed S+i, prefills max(1, P-3i) tokens and runs

@@ -53,6 +53,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
   ModelConfig config;
   ModelOptions model_options = o.model;
   std::int64_t chunk = o.chunk;
+  AttentionNumeric attention = o.attention;
   std::vector<Snapshot> resumed;
   if (!o.resume.empty()) {
     // Every pack of the run resumes on the CPU, then moves into the store.
@@ -65,11 +66,16 @@ int run_many(const RunOptions& o, BackendKind backend) {
         config = r->session.model().config();
         model_options = r->record.options;
         chunk = r->record.chunk;
+        attention = r->record.attention;
       } else if (r->session.model().config().fingerprint() != config.fingerprint() ||
                  r->record.options.hidden != model_options.hidden ||
                  r->record.options.vocab != model_options.vocab ||
                  r->record.options.seed != model_options.seed) {
         return fail(path + " holds a session of another model than " + indexed_path(o.resume, 0));
+      } else if (r->record.attention != attention) {
+        return fail(path + " ran under the " + attention_numeric_name(r->record.attention) +
+                    " attention numeric, " + indexed_path(o.resume, 0) + " under " +
+                    attention_numeric_name(attention));
       }
       m.seed = r->record.seed;
       m.prompt_tokens = r->record.prompt_tokens;
@@ -107,7 +113,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
 
   auto model = ReferenceModel::create(config, model_options);
   if (!model) return fail(model.error());
-  auto store = make_store(backend, config, {.max_sequences = n, .context = context});
+  auto store = make_store(backend, config, {.max_sequences = n, .context = context, .attention = attention});
   if (!store) return fail(store.error());
   KvStore& kv = **store;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -185,7 +191,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
     const Member& m = members[static_cast<std::size_t>(i)];
     auto line = save_sequence(kv, m.seq, m.tokens,
                               RunRecord{config.name, config.rope_theta, model_options, m.seed,
-                                        m.prompt_tokens, chunk, m.last_logits},
+                                        m.prompt_tokens, chunk, m.last_logits, attention},
                               indexed_path(o.save, i), o.store);
     if (!line) return fail(line.error());
     saved.push_back(*line);
@@ -204,7 +210,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
     SummaryFields f{config.name, config.fingerprint_hex(), backend,
                     static_cast<std::int64_t>(m.tokens.size()), m.prompt_tokens, m.seed, chunk,
                     model_options, context, m.generated, sha, use, own, prefill_s, decode_s,
-                    m.prefilled, m.decoded};
+                    m.prefilled, m.decoded, attention};
     if (o.json) {
       std::printf("%s\n", summary_json(f).dump(-1, ' ', /*ensure_ascii=*/true).c_str());
       continue;

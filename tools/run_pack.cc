@@ -67,6 +67,7 @@ std::string encode_run_record(const RunRecord& r) {
   j["seed"] = r.seed;
   j["prompt_tokens"] = r.prompt_tokens;
   j["chunk"] = r.chunk;
+  j["attention"] = attention_numeric_name(r.attention);
   j["last_logits_f32le"] = logits_hex(r.last_logits);
   return j.dump();
 }
@@ -147,6 +148,12 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   r.seed = j["seed"].get<std::uint64_t>();
   r.prompt_tokens = j["prompt_tokens"].get<std::int64_t>();
   r.chunk = j["chunk"].get<std::int64_t>();
+  if (j.contains("attention")) {
+    KVRING_RETURN_IF_ERROR(need("attention", &J::is_string, "a string"));
+    auto numeric = parse_attention_numeric(j["attention"].get<std::string>());
+    if (!numeric) return invalid_argument(where + "field 'attention': " + numeric.error().message);
+    r.attention = *numeric;
+  }
   // The reference model's bounds, checked here so that nothing is built for
   // a record that cannot be served.
   auto range = [&](const char* field, std::int64_t v, std::int64_t lo, std::int64_t hi) -> Status {
@@ -250,7 +257,7 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   };
   auto model = ReferenceModel::create(config, record->options);
   if (!model) return named(model.error());
-  auto cache = restore_detached(*snapshot, backend, context);
+  auto cache = restore_detached(*snapshot, backend, context, record->attention);
   if (!cache) return named(cache.error());
   auto session = Session::resume(*model, std::move(*cache), snapshot->token_ids, record->last_logits);
   if (!session) return named(session.error());

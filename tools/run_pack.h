@@ -28,6 +28,9 @@ struct RunRecord {
   std::int64_t prompt_tokens = 0;
   std::int64_t chunk = 0;
   std::vector<float> last_logits;
+  // The store's attention numeric (absent in records written before it
+  // existed: f32).
+  AttentionNumeric attention = AttentionNumeric::kF32;
 };
 
 std::string encode_run_record(const RunRecord& record);

@@ -44,6 +44,7 @@ nlohmann::json summary_json(const SummaryFields& f) {
   j["hidden"] = f.options.hidden;
   j["vocab"] = f.options.vocab;
   j["context"] = f.context;
+  j["attention"] = attention_numeric_name(f.attention);
   j["generated"] = f.generated;
   j["logits_sha256"] = f.logits_sha256;
   j["cache"] = {{"sliding_bytes_in_use", f.use.sliding_bytes},

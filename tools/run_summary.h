@@ -25,6 +25,7 @@ struct RunOptions {
   bool tokens_given = false;
   std::int64_t tokens = 320, prompt_tokens = -1, chunk = 128, context = 0;
   std::int64_t sequences = 0;  // 0: one session, not a batch
+  AttentionNumeric attention = AttentionNumeric::kF32;
   std::uint64_t seed = 1;
   ModelOptions model;
   bool json = false, progress = true;
@@ -53,6 +54,7 @@ struct SummaryFields {
   std::int64_t allocated_bytes;
   double prefill_s, decode_s;
   std::int64_t prefilled, decoded;
+  AttentionNumeric attention;
 };
 // Everything outside "timing" is deterministic.
 nlohmann::json summary_json(const SummaryFields& f);

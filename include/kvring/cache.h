@@ -24,6 +24,8 @@ struct CacheOptions {
   // StoreOptions::slack and StoreOptions::block_rows.
   std::int64_t slack = 0;
   std::int64_t block_rows = 0;
+  // StoreOptions::attention.
+  AttentionNumeric attention = AttentionNumeric::kF32;
 };
 
 class KvCache {

@@ -112,11 +112,12 @@ Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq);
 Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target);
 
 // The detached install path: a new cache on `backend` (context: the
-// snapshot's, or `context` when non-zero) allocated without the zero-fill,
-// since the install overwrites every row a reader can see and clears the
-// planes it does not fill.
+// snapshot's, or `context` when non-zero; attention under `attention`)
+// allocated without the zero-fill, since the install overwrites every row a
+// reader can see and clears the planes it does not fill.
 Result<std::unique_ptr<KvCache>> restore_detached(const Snapshot& snapshot,
                                                   BackendKind backend = BackendKind::kCpu,
-                                                  std::int64_t context = 0);
+                                                  std::int64_t context = 0,
+                                                  AttentionNumeric attention = AttentionNumeric::kF32);
 
 }  // namespace kvring

@@ -28,6 +28,7 @@ Result<std::unique_ptr<KvCache>> KvCache::create(BackendKind kind, const ModelCo
   o.zero_fill = options.zero_fill;
   o.slack = options.slack;
   o.block_rows = options.block_rows;
+  o.attention = options.attention;
   auto store = make_store(kind, config, o);
   if (!store) return store.error();
   auto seq = (*store)->add_sequence();

@@ -300,12 +300,13 @@ Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
 }
 
 Result<std::unique_ptr<KvCache>> restore_detached(const Snapshot& snapshot, BackendKind backend,
-                                                  std::int64_t context) {
+                                                  std::int64_t context, AttentionNumeric attention) {
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   // Every plane is either filled completely by install() or cleared by it
   // first (a ring that is not full), so no uninitialized row is ever visible.
   auto cache = make_cache(backend, snapshot.config,
-                          {.context = context == 0 ? snapshot.context : context, .zero_fill = false});
+                          {.context = context == 0 ? snapshot.context : context, .zero_fill = false,
+                           .attention = attention});
   if (!cache) return cache.error();
   KVRING_RETURN_IF_ERROR(restore(snapshot, **cache));
   return std::move(*cache);
