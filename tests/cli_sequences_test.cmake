@@ -80,6 +80,44 @@ foreach(i RANGE ${last})
   endif()
 endforeach()
 
+# Under the f16 attention numeric too: each line equals its solo run, and a
+# batch saved under it resumes under it (a pack of another numeric in the
+# batch is refused).
+run_lines(lines16 ${model} --sequences 3 --seed 11 --prompt-tokens 40 --tokens 60 --attention f16)
+foreach(i 0 1 2)
+  list(GET lines16 ${i} line)
+  line_fields(batched "${line}")
+  string(JSON numeric GET "${line}" attention)
+  math(EXPR seed "11 + ${i}")
+  math(EXPR prompt "40 - 3 * ${i}")
+  math(EXPR tokens "60 - 2 * ${i}")
+  run_lines(solo ${model} --seed ${seed} --prompt-tokens ${prompt} --tokens ${tokens} --attention f16)
+  line_fields(alone "${solo}")
+  if(NOT batched STREQUAL alone OR NOT numeric STREQUAL "f16")
+    message(FATAL_ERROR "f16 sequence ${i} differs from its solo run:\n${batched}\n${alone}")
+  endif()
+  if(batched STREQUAL full_${i})
+    message(FATAL_ERROR "f16 sequence ${i} has the f32 numeric's summary")
+  endif()
+  set(f16_${i} "${batched}")
+endforeach()
+run_lines(f16_half ${model} --sequences 3 --seed 11 --prompt-tokens 40 --tokens 50 --attention f16
+          --save ${WORK}/f16.kvpack)
+run_lines(f16_resumed --resume ${WORK}/f16.kvpack --sequences 3 --tokens 60 --backend cpu)
+foreach(i 0 1 2)
+  list(GET f16_resumed ${i} line)
+  line_fields(r "${line}")
+  if(NOT r STREQUAL f16_${i})
+    message(FATAL_ERROR "resumed f16 sequence ${i} differs:\n${r}\n${f16_${i}}")
+  endif()
+endforeach()
+file(COPY_FILE ${WORK}/batch.1.kvpack ${WORK}/f16.1.kvpack)
+execute_process(COMMAND ${KVRING} run --resume ${WORK}/f16.kvpack --sequences 3 --backend cpu
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT err MATCHES "f16.1.kvpack ran under the f32 attention numeric")
+  message(FATAL_ERROR "a pack of another numeric in the batch: exit ${rc}: ${err}")
+endif()
+
 # Refusals: a count out of range, a missing pack of the batch.
 foreach(bad 0 -1 4097 x)
   execute_process(COMMAND ${KVRING} run ${model} --sequences ${bad} RESULT_VARIABLE rc
