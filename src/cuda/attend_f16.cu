@@ -7,9 +7,10 @@
 // item, all query heads of one KV head as kF16Rows (query, head) rows, 16
 // a warp) and one split of kF16AttendSplitRows positions, and streams that
 // split's 64-row key tiles (at multiples of 64) through shared memory. Each
-// tile is one step of every row's online softmax: f32 scores, the row's
-// maximum, weights exp2(x - max) rounded to f16, the f32 sum of the
-// rounded weights, and the weights times V on the tensor cores. Rows a
+// tile is one step of every row's online softmax: f32 dot products s, the
+// row's running maximum m, weights exp2(fma(s, c, -m c)) rounded to f16,
+// and on the tensor cores (f32 accumulation) their sum against a ones
+// column and the weights times V. Rows a
 // query does not see (past it, before its window, outside the split) are
 // masked to weight 0; a tile wholly masked for a row leaves its state as
 // it was (the rescale factor is exactly 1 and the weights are zeros), so
