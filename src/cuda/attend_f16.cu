@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attend_f16.cuh"
 #include "attend_rows.cuh"
 #include "kernels.h"
 #include "kvring/store.h"
@@ -35,8 +36,9 @@ namespace kvring::cuda {
 namespace {
 
 constexpr int HD = kTensorHeadDim;
-constexpr int kWarps = kF16Rows / 16;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kThreads = kF16Threads;
+constexpr int kWarps = kThreads / 32;
+static_assert(kWarps * 16 == kF16Rows, "16 rows a warp");
 constexpr int kKeys = static_cast<int>(kF16AttendTile);
 constexpr std::int64_t kSplitRows = kF16AttendSplitRows;
 constexpr int kRowBytes = HD * 2;             // one f16 head row
@@ -53,7 +55,7 @@ struct F16Smem {
   uint4 k[kStages][kTileBytes / 16];
   uint4 v[kStages][kTileBytes / 16];
 };
-constexpr std::size_t kSmemBytes = sizeof(F16Smem);
+static_assert(sizeof(F16Smem) == f16_smem_bytes(), "the launch's shared memory");
 
 __device__ __forceinline__ unsigned piece(int row, int c) {
   return static_cast<unsigned>(row * kRowBytes + ((c ^ (row & 7)) << 4));
@@ -128,7 +130,7 @@ __device__ __forceinline__ void issue(const AttendParams& P, const TileRows& T, 
 
 }  // namespace
 
-__global__ void __launch_bounds__(kThreads, 2) attend_f16_kernel(const F16Params A) {
+__global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Params A) {
   const AttendParams& P = A.P;
   const F16Tile tile = A.tiles[blockIdx.x];
   const AttendQueryItem it = P.items != nullptr ? P.items[tile.item] : P.single;
@@ -149,13 +151,7 @@ __global__ void __launch_bounds__(kThreads, 2) attend_f16_kernel(const F16Params
   extern __shared__ uint4 smem_raw[];
   F16Smem& S = *reinterpret_cast<F16Smem*>(smem_raw);
   QueryRange qr{};
-  qr.plane_k = it.k;
-  qr.plane_v = it.v;
-  qr.table = it.table;
-  qr.shift = it.shift;
-  qr.capacity = it.capacity;
-  qr.chunk_start = it.chunk_start;
-  qr.chunk_row = it.chunk_row;
+  take_plane(qr, it);
   const TileRows T{HeadRows(P, qr, HD, kv_head), a, b - 1};
   const unsigned k_base = static_cast<unsigned>(__cvta_generic_to_shared(S.k[0]));
   const unsigned v_base = static_cast<unsigned>(__cvta_generic_to_shared(S.v[0]));
@@ -365,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 2) attend_f16_kernel(const F16Params
 
 // One warp per (query, head) of a tile: its splits in split order, lane
 // i holding dims 4i .. 4i + 3. A zero output is written as +0.
-__global__ void __launch_bounds__(kThreads) attend_f16_combine_kernel(const F16Params A) {
+__global__ void __launch_bounds__(kF16Threads) attend_f16_combine_kernel(const F16Params A) {
   const AttendParams& P = A.P;
   const F16Tile tile = A.tiles[blockIdx.x];
   const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
@@ -402,23 +398,6 @@ __global__ void __launch_bounds__(kThreads) attend_f16_combine_kernel(const F16P
     *reinterpret_cast<float4*>(P.out + static_cast<std::int64_t>(qi) * P.out_stride +
                                static_cast<std::int64_t>(h) * HD + 4 * lane) = r;
   }
-}
-
-cudaError_t launch_attend_f16(const F16Params& params, cudaStream_t stream) {
-  if (params.n_tiles <= 0) return cudaSuccess;
-  // Per device, so set on every launch (a host-side attribute write).
-  const cudaError_t opted_in = cudaFuncSetAttribute(
-      attend_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
-  if (opted_in != cudaSuccess) return opted_in;
-  // Tiles fastest: the CTAs that run at once are one split's of many tiles,
-  // which read the same rows, so those come from L2 for all but the first.
-  const dim3 grid(static_cast<unsigned>(params.n_tiles), static_cast<unsigned>(params.P.n_kv_heads),
-                  static_cast<unsigned>(params.max_splits));
-  attend_f16_kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  attend_f16_combine_kernel<<<static_cast<unsigned>(params.n_tiles), kThreads, 0, stream>>>(params);
-  return cudaGetLastError();
 }
 
 }  // namespace kvring::cuda

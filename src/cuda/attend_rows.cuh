@@ -75,6 +75,17 @@ struct QueryRange {
   std::int64_t ws_slot, ws_counter;
 };
 
+// A query's plane and chunk, from its item.
+__device__ __forceinline__ void take_plane(QueryRange& r, const AttendQueryItem& it) {
+  r.plane_k = it.k;
+  r.plane_v = it.v;
+  r.table = it.table;
+  r.shift = it.shift;
+  r.capacity = it.capacity;
+  r.chunk_start = it.chunk_start;
+  r.chunk_row = it.chunk_row;
+}
+
 // This CTA's query and split, but the split count; false when the split
 // does not exist for its query (the grid is sized for the query with the
 // most splits): a split exists when its first row is visible.
@@ -94,13 +105,7 @@ __device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendPar
   r.lo = max(std::int64_t{0}, r.p - F.reach);
   r.split_rows = attend_split_rows(r.p - r.lo + 1);
   r.split = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x) * F.split_run;
-  r.plane_k = it.k;
-  r.plane_v = it.v;
-  r.table = it.table;
-  r.shift = it.shift;
-  r.capacity = it.capacity;
-  r.chunk_start = it.chunk_start;
-  r.chunk_row = it.chunk_row;
+  take_plane(r, it);
   r.item_splits = it.max_splits;
   r.ws_slot = it.ws_slot + static_cast<std::int64_t>(i) * attend_slots(it.max_splits);
   r.ws_counter = it.ws_counter + static_cast<std::int64_t>(i) * attend_counters(it.max_splits);

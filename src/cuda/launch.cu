@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 
+#include "attend_f16.cuh"
 #include "attend_general.cuh"
 #include "attend_hd128.cuh"
 #include "attend_rows.cuh"
@@ -172,13 +173,14 @@ int resident_capacity(Kernel kernel, std::size_t smem) {
 }
 
 // What a device offers attention launches, set up once per device: the
-// tensor-core kernel's opt-in to more than the 48 KB default of shared
-// memory (a per-device attribute, which every launch needs), each kernel's
+// tensor-core and f16 kernels' opt-ins to more than the 48 KB default of
+// shared memory (a per-device attribute, which every launch needs), each kernel's
 // largest cluster, how many CTAs of the tensor-core kernel a resident grid
 // may have (the general kernel always combines by last arrival), and the
 // L2's size: the device's launch policy.
 struct DeviceSetup {
   cudaError_t opted_in = cudaSuccess;
+  cudaError_t f16_opted_in = cudaSuccess;  // the f16 numeric's kernel
   LaunchPolicy policy;
 };
 
@@ -210,6 +212,9 @@ cudaError_t device_setup(DeviceSetup& out) {
       s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
       s.policy.hd128_wave = wave_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
+    s.f16_opted_in = cudaFuncSetAttribute(attend_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(f16_smem_bytes()));
+    if (s.f16_opted_in != cudaSuccess) (void)cudaGetLastError();
     const ClusterLimit g = max_cluster(attend_general_kernel, 0);
     s.policy.general_cluster = g.size;
     s.policy.general_cluster_ctas = g.ctas;
@@ -302,6 +307,23 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
   // The general kernel takes one split a CTA.
   return launch(attend_general_kernel, cluster_limit, policy.cluster_wave(params.head_dim), 0,
                 query_major, 1, grid, 0, params, policy.stats, stream);
+}
+
+cudaError_t launch_attend_f16(const F16Params& params, cudaStream_t stream) {
+  if (params.n_tiles <= 0) return cudaSuccess;
+  DeviceSetup s;
+  cudaError_t e = device_setup(s);
+  if (e != cudaSuccess) return e;
+  if (s.f16_opted_in != cudaSuccess) return s.f16_opted_in;
+  // Tiles fastest: the CTAs that run at once are one split's of many tiles,
+  // which read the same rows, so those come from L2 for all but the first.
+  const dim3 grid(static_cast<unsigned>(params.n_tiles), static_cast<unsigned>(params.P.n_kv_heads),
+                  static_cast<unsigned>(params.max_splits));
+  attend_f16_kernel<<<grid, kF16Threads, f16_smem_bytes(), stream>>>(params);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  attend_f16_combine_kernel<<<static_cast<unsigned>(params.n_tiles), kF16Threads, 0, stream>>>(params);
+  return cudaGetLastError();
 }
 
 }  // namespace kvring::cuda
