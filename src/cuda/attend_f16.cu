@@ -1,26 +1,30 @@
 // Attention under the f16 numeric (AttentionNumeric::kF16; docs/CUDA.md,
-// "The f16 numeric"): FlashAttention's blocking on f16 tensor cores, with
-// every boundary at a fixed multiple of the position so that a query's
-// arithmetic never depends on the tile of queries it came in.
+// "The f16 numeric"): FlashAttention's blocking on Hopper's warpgroup
+// tensor-core instructions (wgmma), with every boundary at a fixed multiple
+// of the position so that a query's arithmetic never depends on the tile of
+// queries it came in.
 //
-// A CTA takes one tile of queries (F16Tile: consecutive queries of one
-// item, all query heads of one KV head as kF16Rows (query, head) rows, 16
-// a warp) and one split of kF16AttendSplitRows positions, and streams that
-// split's 64-row key tiles (at multiples of 64) through shared memory. Each
-// tile is one step of every row's online softmax: f32 dot products s, the
-// row's running maximum m, weights exp2(fma(s, c, -m c)) rounded to f16,
-// and on the tensor cores (f32 accumulation) their sum against a ones
-// column and the weights times V. Rows a
-// query does not see (past it, before its window, outside the split) are
-// masked to weight 0; a tile wholly masked for a row leaves its state as
-// it was (the rescale factor is exactly 1 and the weights are zeros), so
-// the tiles a row runs through are in effect its own. Each (query, split,
-// head) partial goes to the workspace; a second kernel combines a query's
-// splits in split order.
+// A CTA is one warpgroup. It takes one tile of queries (F16Tile:
+// consecutive queries of one item, all query heads of one KV head as
+// kF16Rows (query, head) rows, 16 a warp) and one split of
+// kF16AttendSplitRows positions, and streams that split's 64-row key tiles
+// (at multiples of 64) through shared memory. Each tile is one step of
+// every row's online softmax: f32 dot products s (wgmma, the query's f16
+// rows from registers and K from shared memory), the row's running maximum
+// m, weights exp2(fma(s, c, -m c)) rounded to f16, their sum against a ones
+// column (mma.m16n8k16) and the weights times V (wgmma), with f32
+// accumulation. Rows a query does not see (past it, before its window,
+// outside the split) are masked to weight 0; a tile wholly masked for a row
+// leaves its state as it was (the rescale factor is exactly 1 and the
+// weights are zeros), so the tiles a row runs through are in effect its
+// own. Each (query, split, head) partial goes to the workspace; a second
+// kernel combines a query's splits in split order.
 //
 // The query rows are independent in the MMAs: an output element is the dot
 // product of its own A row with B, whatever the other rows hold, so a query
-// decoded alone gives the bits it gives inside a prefill tile.
+// decoded alone gives the bits it gives inside a prefill tile. Decode and
+// prefill under this numeric run this kernel alone, so every output comes
+// from the same instructions.
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -48,17 +52,19 @@ constexpr int kStages = 2;
 static_assert(kSplitRows % kKeys == 0, "a split is whole tiles");
 static_assert(kThreads * 8 == kKeys * kChunks, "each thread copies 8 pieces of K and of V a tile");
 
-// Shared memory: K and V tiles per stage, rows of 16-byte pieces with piece
-// c of row r at c ^ (r % 8), so the 8 rows an ldmatrix reads lie in
-// distinct banks.
+// Shared memory: K and V tiles per stage, each as two 64-dim halves of
+// 128-byte rows (the wgmma 128-byte swizzle's layout; ptx.cuh): piece c of
+// row r at half c / 8, piece (c % 8) ^ (r % 8). K is the K-major B of
+// the dot products, V the N-major B of the weights times V.
 struct F16Smem {
   uint4 k[kStages][kTileBytes / 16];
   uint4 v[kStages][kTileBytes / 16];
 };
 static_assert(sizeof(F16Smem) == f16_smem_bytes(), "the launch's shared memory");
+constexpr unsigned kHalfBytes = kKeys * 128;  // one 64-dim half of a tile
 
 __device__ __forceinline__ unsigned piece(int row, int c) {
-  return static_cast<unsigned>(row * kRowBytes + ((c ^ (row & 7)) << 4));
+  return static_cast<unsigned>((c >> 3) * kHalfBytes + row * 128 + (((c & 7) ^ (row & 7)) << 4));
 }
 __device__ __forceinline__ std::uint32_t pack_f16(float lo, float hi) {
   return static_cast<std::uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
@@ -130,7 +136,7 @@ __device__ __forceinline__ void issue(const AttendParams& P, const TileRows& T, 
 
 }  // namespace
 
-__global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Params A) {
+__global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Params A) {
   const AttendParams& P = A.P;
   const F16Tile tile = A.tiles[blockIdx.x];
   const AttendQueryItem it = P.items != nullptr ? P.items[tile.item] : P.single;
@@ -148,7 +154,7 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
   const std::int64_t t0 = a / kKeys * kKeys;
   const int n_tiles = static_cast<int>((b - t0 + kKeys - 1) / kKeys);
 
-  extern __shared__ uint4 smem_raw[];
+  extern __shared__ __align__(1024) uint4 smem_raw[];
   F16Smem& S = *reinterpret_cast<F16Smem*>(smem_raw);
   QueryRange qr{};
   take_plane(qr, it);
@@ -224,9 +230,11 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
     }
   }
 
-  float o[16][4];
+  // Outputs: o[4 j + e] is dims 8j + 2t + {0, 1} of rows g (e = 0, 1) and
+  // g + 8 (e = 2, 3), the C layout of 16 m16n8 tiles.
+  float o[64];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
   // Per row: the running maximum of its dot products m, m times c (mc),
   // and the sum of its weights as a ones column on the tensor cores (ls:
   // elements 0 and 2 are rows g and g + 8).
@@ -238,11 +246,6 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
   // which are never written).
   const std::int64_t lo_max = max(std::int64_t{0}, p_last - reach);
   const std::int64_t p_min = p_first;
-  // The lane's ldmatrix addresses inside a stage: K rows 8j + lane % 8,
-  // piece 4 kk2 + lane / 8; V rows 16 kk + lane % 8 + 8 ((lane / 8) % 2),
-  // piece 2 jj + lane / 16.
-  const int k_row = lane & 7, k_piece = lane >> 3;
-  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_piece = lane >> 4;
 
   for (int ti = 0; ti < n_tiles; ++ti) {
     const int st = ti % kStages;
@@ -252,25 +255,24 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
             v_base + (ahead % kStages) * kTileBytes);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
+    fence_proxy_async_shared();  // the tile's copies, to the tensor cores' reads
     __syncwarp();  // the copies' per-row branches end before the barrier
     __syncthreads();
     const unsigned ks = k_base + st * kTileBytes, vs = v_base + st * kTileBytes;
     const std::int64_t base = t0 + static_cast<std::int64_t>(ti) * kKeys;
 
-    // Dot products: sc[j] holds keys 8j + 2t + {0, 1} of rows g (0, 1)
-    // and g + 8 (2, 3).
-    float sc[8][4];
+    // Dot products on the warpgroup: sc[4 j + e] holds keys 8j + 2t + {0,
+    // 1} of rows g (e = 0, 1) and g + 8 (e = 2, 3), accumulated over the
+    // dims in order of k-step kq (32 bytes of a K row, in its half kq / 4).
+    float sc[32];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+    for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
+    wgmma_fence();
 #pragma unroll
-      for (int kk2 = 0; kk2 < 4; ++kk2) {
-        std::uint32_t kb[4];
-        ldmatrix_x4(kb, ks + piece(8 * j + k_row, 4 * kk2 + k_piece));
-        mma16816(sc[j], qf[2 * kk2], kb[0], kb[1]);
-        mma16816(sc[j], qf[2 * kk2 + 1], kb[2], kb[3]);
-      }
-    }
+    for (int kq = 0; kq < 8; ++kq)
+      wgmma_m64n64k16(sc, qf[kq], wgmma_desc_sw128(ks + (kq >> 2) * kHalfBytes + (kq & 3) * 32, 16, 1024));
+    wgmma_commit();
+    wgmma_wait<0>();
     if (base < lo_max || base + kKeys - 1 > p_min) {
       // A tile at a range's edge: rows a row does not see are -inf.
 #pragma unroll
@@ -282,7 +284,7 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = 8 * j + 2 * t + e;
-            sc[j][2 * rr + e] = col >= first && col <= last ? sc[j][2 * rr + e] : -INFINITY;
+            sc[4 * j + 2 * rr + e] = col >= first && col <= last ? sc[4 * j + 2 * rr + e] : -INFINITY;
           }
         }
       }
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
     for (int rr = 0; rr < 2; ++rr) {
       float mt = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) mt = fmaxf(mt, fmaxf(sc[j][2 * rr], sc[j][2 * rr + 1]));
+      for (int j = 0; j < 8; ++j) mt = fmaxf(mt, fmaxf(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]));
       mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 1));
       mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 2));
       const float m_new = fmaxf(m[rr], mt);
@@ -305,8 +307,8 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
       const float shift = m_new == -INFINITY ? 0.0f : -mc_new;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const __half2 w = __floats2half2_rn(exp2f(fmaf(sc[j][2 * rr], c_r[rr], shift)),
-                                            exp2f(fmaf(sc[j][2 * rr + 1], c_r[rr], shift)));
+        const __half2 w = __floats2half2_rn(exp2f(fmaf(sc[4 * j + 2 * rr], c_r[rr], shift)),
+                                            exp2f(fmaf(sc[4 * j + 2 * rr + 1], c_r[rr], shift)));
         pw[j][rr] = *reinterpret_cast<const std::uint32_t*>(&w);
       }
       m[rr] = m_new;
@@ -314,30 +316,31 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
+      o[4 * j] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
     }
     ls[0] *= alpha[0];
     ls[1] *= alpha[0];
     ls[2] *= alpha[1];
     ls[3] *= alpha[1];
-    // Weights times V: k-step kk is keys 16kk .. 16kk + 15 (score tiles 2kk
-    // and 2kk + 1, whose C layout is the A layout); dim tiles 2jj, 2jj + 1
-    // from one transposed ldmatrix; the weights' sums against ones.
+    // Weights times V on the warpgroup: k-step kk is keys 16kk .. 16kk +
+    // 15 (score tiles 2kk and 2kk + 1, whose C layout is the A layout),
+    // V's rows 16kk on as the N-major B; the weights' sums against ones.
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const std::uint32_t pa[4] = {pw[2 * kk][0], pw[2 * kk][1], pw[2 * kk + 1][0], pw[2 * kk + 1][1]};
+      wgmma_m64n128k16_nb(o, pa, wgmma_desc_sw128(vs + kk * 16 * 128, kHalfBytes, 1024));
+    }
+    wgmma_commit();
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        std::uint32_t vb[4];
-        ldmatrix_x4_trans(vb, vs + piece(16 * kk + v_row, 2 * jj + v_piece));
-        mma16816(o[2 * jj], pa, vb[0], vb[1]);
-        mma16816(o[2 * jj + 1], pa, vb[2], vb[3]);
-      }
+    for (int kk = 0; kk < 4; ++kk) {
+      const std::uint32_t pa[4] = {pw[2 * kk][0], pw[2 * kk][1], pw[2 * kk + 1][0], pw[2 * kk + 1][1]};
       mma16816(ls, pa, kOnes, kOnes);
     }
+    wgmma_wait<0>();
     __syncthreads();  // the stage is refilled next step
   }
   const float l[2] = {ls[0], ls[2]};
@@ -355,7 +358,7 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Par
     if (t == 0) *reinterpret_cast<float2*>(dst) = make_float2(mc[rr], l[rr]);
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      *reinterpret_cast<float2*>(dst + 4 + 8 * j + 2 * t) = make_float2(o[j][2 * rr], o[j][2 * rr + 1]);
+      *reinterpret_cast<float2*>(dst + 4 + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * rr], o[4 * j + 2 * rr + 1]);
   }
 }
 

@@ -16,7 +16,7 @@ KVRING_HD constexpr std::size_t f16_smem_bytes() {
 }
 
 // A CTA a tile of kF16Rows (query, head) rows and a split.
-__global__ void __launch_bounds__(kF16Threads, 2) attend_f16_kernel(const F16Params A);
+__global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Params A);
 // Each query's splits in split order, one CTA a tile.
 __global__ void __launch_bounds__(kF16Threads) attend_f16_combine_kernel(const F16Params A);
 
