@@ -3,7 +3,7 @@
 //
 //   kvring-bench [--json FILE] [--quick]
 //                [--only store|decode|ring|prefill|batch|step|memory]
-//                [--numeric f32|f16]
+//                [--numeric f32|f16] [--f16-stages 2|3]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "kvring/config.h"
+#include "cuda/launch_policy.h"
 #include "kvring/cuda_store.h"
 
 namespace {
@@ -287,14 +288,18 @@ void write_json(const std::string& path, const std::string& device, int sms) {
   std::fclose(f);
 }
 
+// The launch policy of the single-sequence stores: the device's, with
+// --f16-stages forcing the f16 numeric's kernel.
+kvring::cuda::LaunchPolicy g_policy;
+
 std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0,
                                 kvring::AttentionNumeric numeric = kvring::AttentionNumeric::kF32) {
-  auto c = kvring::make_store(kvring::BackendKind::kCuda, cfg,
-                              {.max_sequences = 1, .context = context, .slack = slack, .attention = numeric});
+  auto c = kvring::CudaStore::create(
+      cfg, {.max_sequences = 1, .context = context, .slack = slack, .attention = numeric}, &g_policy);
   check(c.status(), "creating a store");
   auto seq = (*c)->add_sequence();
   check(seq.status(), "adding a sequence");
-  return std::make_unique<CudaCache>(std::move(*c), *seq);
+  return std::make_unique<CudaCache>(std::unique_ptr<kvring::KvStore>(std::move(*c)), *seq);
 }
 
 // A CUDA store holding counts.size() new sequences, and one span per
@@ -318,13 +323,14 @@ std::pair<std::unique_ptr<kvring::KvStore>, std::vector<SeqSpan>> store_with(
 void print_usage(std::FILE* out) {
   std::fputs(
       "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|step|memory]\n"
-      "                    [--numeric f32|f16]\n"
+      "                    [--numeric f32|f16] [--f16-stages 2|3]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
       "  --quick      fewer repetitions\n"
       "  --only PARTS run these parts (comma-separated)\n"
       "  --numeric N  prefill figures under attention numeric N only (f32 or f16)\n"
+      "  --f16-stages S  the f16 numeric's kernel of S stages (2 or 3), not the launch rule's\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -334,6 +340,7 @@ void print_usage(std::FILE* out) {
 int main(int argc, char** argv) {
   std::string json, only, numeric;
   bool quick = false;
+  int f16_stages = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -348,6 +355,13 @@ int main(int argc, char** argv) {
         print_usage(stderr);
         return 2;
       }
+    } else if (a == "--f16-stages" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v != "2" && v != "3") {
+        print_usage(stderr);
+        return 2;
+      }
+      f16_stages = std::stoi(v);
     } else if (a == "--help" || a == "-h") {
       print_usage(stdout);
       return 0;
@@ -360,6 +374,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvring-bench: no GPU visible\n");
     return 1;
   }
+  g_policy = kvring::cuda::device_launch_policy();
+  g_policy.f16_stages = f16_stages;
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB; kvring-bench%s\n\n", prop.name, prop.multiProcessorCount,

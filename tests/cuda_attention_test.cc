@@ -236,6 +236,23 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   EXPECT_EQ(stats[kRunsQueryMajor].split_runs, stats[kRunsQueryMajor].last_arrival);
 }
 
+// The f16 numeric's kernel: the deep one where a launch fits one wave of
+// it, never on a device of unknown size, and either where forced.
+TEST(CudaF16, KernelFollowsTheRule) {
+  cuda::LaunchPolicy p;
+  p.f16_deep_wave = 264;
+  EXPECT_TRUE(p.f16_deep_for(1));
+  EXPECT_TRUE(p.f16_deep_for(264));
+  EXPECT_FALSE(p.f16_deep_for(265));
+  p.f16_deep_wave = 0;
+  EXPECT_FALSE(p.f16_deep_for(1));
+  p.f16_stages = 3;
+  EXPECT_TRUE(p.f16_deep_for(1 << 20));
+  p.f16_stages = 2;
+  p.f16_deep_wave = 264;
+  EXPECT_FALSE(p.f16_deep_for(1));
+}
+
 // The rule for runs of splits: powers of two, never longer than the
 // splits; in decode launches where every query has as many splits, the
 // shortest run of at most 8 that fits one wave; else the longest of at
@@ -452,17 +469,25 @@ TEST(CudaF16, BitsNeverDependOnTheBatchAndAgreeWithTheCpu) {
     testing::run_plan(*store, ids, {seqs[static_cast<std::size_t>(i)]}, plan, out);
     for (auto& [key, val] : out) solo[{i, std::get<1>(key), std::get<2>(key)}] = val;
   }
-  auto gpu = testing::new_store(BackendKind::kCuda, c, o);
-  ASSERT_TRUE(gpu);
-  const auto ids = testing::add_with_churn(*gpu, n, 33);
+  // The batch under either kernel (copies one or two tiles ahead) gives
+  // the solo decodes' bits, whichever kernel the rule gave those.
   Outputs batched;
-  testing::run_plan(*gpu, ids, seqs, testing::random_plan(seqs, 35, 600), batched, true);
-  ASSERT_EQ(batched.size(), solo.size());
-  for (const auto& [key, val] : batched) {
-    for (const float x : val) ASSERT_TRUE(std::isfinite(x));
-    ASSERT_TRUE(same_bits(val, solo.at(key)))
-        << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
-        << std::get<2>(key) << " differs from its solo decode";
+  for (const int stages : {2, 3}) {
+    SCOPED_TRACE("the kernel of " + std::to_string(stages) + " stages");
+    cuda::LaunchPolicy policy = cuda::device_launch_policy();
+    policy.f16_stages = stages;
+    auto gpu = testing::new_cuda_store(c, o, policy);
+    ASSERT_TRUE(gpu);
+    const auto ids = testing::add_with_churn(*gpu, n, 33);
+    batched.clear();
+    testing::run_plan(*gpu, ids, seqs, testing::random_plan(seqs, 35, 600), batched, true);
+    ASSERT_EQ(batched.size(), solo.size());
+    for (const auto& [key, val] : batched) {
+      for (const float x : val) ASSERT_TRUE(std::isfinite(x));
+      ASSERT_TRUE(same_bits(val, solo.at(key)))
+          << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position "
+          << std::get<2>(key) << " differs from its solo decode";
+    }
   }
 
   // The CPU backend: the short sequences whole, and the long one's last

@@ -48,7 +48,6 @@ constexpr std::int64_t kSplitRows = kF16AttendSplitRows;
 constexpr int kRowBytes = HD * 2;             // one f16 head row
 constexpr int kChunks = kRowBytes / 16;       // 16-byte pieces a row
 constexpr int kTileBytes = kKeys * kRowBytes;
-constexpr int kStages = 2;
 static_assert(kSplitRows % kKeys == 0, "a split is whole tiles");
 static_assert(kThreads * 8 == kKeys * kChunks, "each thread copies 8 pieces of K and of V a tile");
 
@@ -56,11 +55,11 @@ static_assert(kThreads * 8 == kKeys * kChunks, "each thread copies 8 pieces of K
 // 128-byte rows (the wgmma 128-byte swizzle's layout; ptx.cuh): piece c of
 // row r at half c / 8, piece (c % 8) ^ (r % 8). K is the K-major B of
 // the dot products, V the N-major B of the weights times V.
+template <int kStages>
 struct F16Smem {
   uint4 k[kStages][kTileBytes / 16];
   uint4 v[kStages][kTileBytes / 16];
 };
-static_assert(sizeof(F16Smem) == f16_smem_bytes(), "the launch's shared memory");
 constexpr unsigned kHalfBytes = kKeys * 128;  // one 64-dim half of a tile
 
 __device__ __forceinline__ unsigned piece(int row, int c) {
@@ -136,7 +135,10 @@ __device__ __forceinline__ void issue(const AttendParams& P, const TileRows& T, 
 
 }  // namespace
 
-__global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Params A) {
+// A CTA whose copies run kStages - 1 tiles ahead of its MMAs.
+template <int kStages>
+__device__ __forceinline__ void attend_f16_body(const F16Params& A) {
+  static_assert(sizeof(F16Smem<kStages>) == f16_smem_bytes(kStages), "the launch's shared memory");
   const AttendParams& P = A.P;
   const F16Tile tile = A.tiles[blockIdx.x];
   const AttendQueryItem it = P.items != nullptr ? P.items[tile.item] : P.single;
@@ -155,7 +157,7 @@ __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Par
   const int n_tiles = static_cast<int>((b - t0 + kKeys - 1) / kKeys);
 
   extern __shared__ __align__(1024) uint4 smem_raw[];
-  F16Smem& S = *reinterpret_cast<F16Smem*>(smem_raw);
+  F16Smem<kStages>& S = *reinterpret_cast<F16Smem<kStages>*>(smem_raw);
   QueryRange qr{};
   take_plane(qr, it);
   const TileRows T{HeadRows(P, qr, HD, kv_head), a, b - 1};
@@ -265,14 +267,14 @@ __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Par
     // 1} of rows g (e = 0, 1) and g + 8 (e = 2, 3), accumulated over the
     // dims in order of k-step kq (32 bytes of a K row, in its half kq / 4).
     float sc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 8; ++kq)
-      wgmma_m64n64k16(sc, qf[kq], wgmma_desc_sw128(ks + (kq >> 2) * kHalfBytes + (kq & 3) * 32, 16, 1024));
+      wgmma_m64n64k16(sc, qf[kq], wgmma_desc_sw128(ks + (kq >> 2) * kHalfBytes + (kq & 3) * 32, 16, 1024),
+                      kq > 0);
     wgmma_commit();
     wgmma_wait<0>();
+    wgmma_fence_operands(sc);
     if (base < lo_max || base + kKeys - 1 > p_min) {
       // A tile at a range's edge: rows a row does not see are -inf.
 #pragma unroll
@@ -295,9 +297,15 @@ __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Par
     std::uint32_t pw[8][2];  // f16 pairs: pw[j][rr] = keys 8j + 2t + {0, 1} of row rr
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      float mt = -INFINITY;
+      // The tile's maximum as a tree (fmaxf is exact, so any order).
+      float mx[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) mt = fmaxf(mt, fmaxf(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]));
+      for (int j = 0; j < 8; ++j) mx[j] = fmaxf(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]);
+#pragma unroll
+      for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+        for (int j = 0; j < w; ++j) mx[j] = fmaxf(mx[j], mx[j + w]);
+      float mt = mx[0];
       mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 1));
       mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 2));
       const float m_new = fmaxf(m[rr], mt);
@@ -314,12 +322,16 @@ __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Par
       m[rr] = m_new;
       mc[rr] = mc_new;
     }
+    // Where every row of the warp keeps its maximum the factor is 1 and
+    // the products are skipped.
+    if (!__all_sync(kFullMask, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      o[4 * j] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
+      for (int j = 0; j < 16; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
     }
     ls[0] *= alpha[0];
     ls[1] *= alpha[0];
@@ -341,6 +353,7 @@ __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Par
       mma16816(ls, pa, kOnes, kOnes);
     }
     wgmma_wait<0>();
+    wgmma_fence_operands(o);
     __syncthreads();  // the stage is refilled next step
   }
   const float l[2] = {ls[0], ls[2]};
@@ -360,6 +373,13 @@ __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Par
     for (int j = 0; j < 16; ++j)
       *reinterpret_cast<float2*>(dst + 4 + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * rr], o[4 * j + 2 * rr + 1]);
   }
+}
+
+__global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Params A) {
+  attend_f16_body<2>(A);
+}
+__global__ void __launch_bounds__(kF16Threads, 2) attend_f16_deep_kernel(const F16Params A) {
+  attend_f16_body<3>(A);
 }
 
 // One warp per (query, head) of a tile: its splits in split order, lane

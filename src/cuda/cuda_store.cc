@@ -1001,6 +1001,7 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
     std::size_t first, count;
     std::int64_t q0, queries;
     int max_splits;
+    std::int64_t ctas;
   };
   std::vector<Launch> launches;
   const std::int64_t per_query = query_splits * part_bytes;
@@ -1009,13 +1010,14 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
     cuda::F16Tile& t = tiles[i];
     if (launches.empty() || launches.back().count >= 65535 ||
         (launches.back().queries + t.n_queries) * per_query > kF16WorkspaceBudget)
-      launches.push_back(Launch{i, 0, t.q_first, 0, 1});
+      launches.push_back(Launch{i, 0, t.q_first, 0, 1, 0});
     Launch& L = launches.back();
     t.q_first -= static_cast<std::int32_t>(L.q0);
     L.count += 1;
     L.queries += t.n_queries;
     const std::int64_t p_last = t.position + t.n_queries - 1;
     L.max_splits = std::max(L.max_splits, static_cast<int>(p_last / R - t.first_split + 1));
+    L.ctas += (p_last / R - t.first_split + 1) * config_.n_kv_heads;
     most_queries = std::max(most_queries, L.queries);
   }
 
@@ -1064,10 +1066,11 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
                                       std::sqrt(static_cast<double>(config_.head_dim)));
     F.tiles = reinterpret_cast<const cuda::F16Tile*>(desc->dev + item_bytes) + L.first;
     F.n_tiles = static_cast<std::int32_t>(L.count);
+    F.ctas = L.ctas;
     F.max_splits = L.max_splits;
     F.ws = ws;
     F.query_splits = static_cast<std::int32_t>(query_splits);
-    const cudaError_t e = cuda::launch_attend_f16(F, s);
+    const cudaError_t e = cuda::launch_attend_f16(F, im.policy, s);
     if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
   }
   if (ws != nullptr) {

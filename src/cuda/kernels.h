@@ -313,6 +313,9 @@ struct F16Params {
   AttendParams P;
   const F16Tile* tiles = nullptr;  // device memory
   std::int32_t n_tiles = 0;
+  // CTAs with rows to read: over tiles, the splits a tile's queries see,
+  // times the KV heads (host-side, for the launch rule).
+  std::int64_t ctas = 0;
   std::int32_t max_splits = 0;     // grid.z: the most splits of any tile
   // Partials [query][split of the query][head][kF16PartFloats], split
   // counted from the query's first; query_splits of them a query.
@@ -320,8 +323,8 @@ struct F16Params {
   std::int32_t query_splits = 0;
 };
 // The f16 kernel over every tile, then the combine of every query (two
-// launches on `stream`).
-cudaError_t launch_attend_f16(const F16Params& params, cudaStream_t stream);
+// launches on `stream`), the kernel by `policy` (launch_policy.h).
+cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& policy, cudaStream_t stream);
 
 // Work items per query (grid.y) and query heads per item for a geometry.
 struct AttendGrid {

@@ -180,7 +180,7 @@ int resident_capacity(Kernel kernel, std::size_t smem) {
 // L2's size: the device's launch policy.
 struct DeviceSetup {
   cudaError_t opted_in = cudaSuccess;
-  cudaError_t f16_opted_in = cudaSuccess;  // the f16 numeric's kernel
+  cudaError_t f16_opted_in = cudaSuccess;  // the f16 numeric's kernels
   LaunchPolicy policy;
 };
 
@@ -213,8 +213,13 @@ cudaError_t device_setup(DeviceSetup& out) {
       s.policy.hd128_wave = wave_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
     s.f16_opted_in = cudaFuncSetAttribute(attend_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(f16_smem_bytes()));
+                                          static_cast<int>(f16_smem_bytes(2)));
+    if (s.f16_opted_in == cudaSuccess)
+      s.f16_opted_in = cudaFuncSetAttribute(attend_f16_deep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(f16_smem_bytes(3)));
     if (s.f16_opted_in != cudaSuccess) (void)cudaGetLastError();
+    if (s.f16_opted_in == cudaSuccess)
+      s.policy.f16_deep_wave = wave_capacity(attend_f16_deep_kernel, f16_smem_bytes(3));
     const ClusterLimit g = max_cluster(attend_general_kernel, 0);
     s.policy.general_cluster = g.size;
     s.policy.general_cluster_ctas = g.ctas;
@@ -269,6 +274,11 @@ int LaunchPolicy::split_run_for(std::int64_t ctas, int max_splits, int least_spl
   return run;
 }
 
+bool LaunchPolicy::f16_deep_for(std::int64_t ctas) const {
+  if (f16_stages == 2 || f16_stages == 3) return f16_stages == 3;
+  return ctas <= f16_deep_wave;
+}
+
 bool LaunchPolicy::query_major_for(std::int64_t most_rows, std::int64_t kv_dim) const {
   if (query_major != QueryMajor::kPastL2) return query_major == QueryMajor::kAlways;
   return l2_bytes > 0 && most_rows * kv_dim * 4 > l2_bytes;
@@ -309,7 +319,7 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
                 query_major, 1, grid, 0, params, policy.stats, stream);
 }
 
-cudaError_t launch_attend_f16(const F16Params& params, cudaStream_t stream) {
+cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& policy, cudaStream_t stream) {
   if (params.n_tiles <= 0) return cudaSuccess;
   DeviceSetup s;
   cudaError_t e = device_setup(s);
@@ -319,7 +329,11 @@ cudaError_t launch_attend_f16(const F16Params& params, cudaStream_t stream) {
   // which read the same rows, so those come from L2 for all but the first.
   const dim3 grid(static_cast<unsigned>(params.n_tiles), static_cast<unsigned>(params.P.n_kv_heads),
                   static_cast<unsigned>(params.max_splits));
-  attend_f16_kernel<<<grid, kF16Threads, f16_smem_bytes(), stream>>>(params);
+  if (policy.f16_deep_for(params.ctas)) {
+    attend_f16_deep_kernel<<<grid, kF16Threads, f16_smem_bytes(3), stream>>>(params);
+  } else {
+    attend_f16_kernel<<<grid, kF16Threads, f16_smem_bytes(2), stream>>>(params);
+  }
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   attend_f16_combine_kernel<<<static_cast<unsigned>(params.n_tiles), kF16Threads, 0, stream>>>(params);

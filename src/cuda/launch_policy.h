@@ -58,6 +58,12 @@ struct LaunchPolicy {
   // two up to n and the launch's split bound.
   std::int64_t hd128_wave = 0;
   int split_run = 0;
+  // The f16 numeric's kernel: 0, the rule of f16_deep_for; 2, the kernel
+  // whose copies run one tile ahead (three CTAs an SM); 3, the deep one
+  // (two tiles ahead, two CTAs an SM). And the CTAs the device holds at
+  // once of the deep kernel (0: unknown, so the rule never takes it).
+  int f16_stages = 0;
+  std::int64_t f16_deep_wave = 0;
   // The device's L2 in bytes (0: unknown, so kPastL2 never holds).
   std::int64_t l2_bytes = 0;
   QueryMajor query_major = QueryMajor::kPastL2;
@@ -88,6 +94,11 @@ struct LaunchPolicy {
   // two waves, so that CTAs of unequal work balance; a launch that fits one
   // wave a CTA a split keeps it (docs/CUDA.md, "Runs of splits", gives the
   // measurements).
+  // Whether an f16 launch of `ctas` CTAs takes the deep kernel: where it
+  // fits one wave of it, so that the SMs run two CTAs or fewer and each
+  // CTA's wait for its rows, not the SM's throughput, sets the time
+  // (docs/CUDA.md, "The f16 numeric").
+  bool f16_deep_for(std::int64_t ctas) const;
   int split_run_for(std::int64_t ctas, int max_splits, int least_splits, bool decode) const;
 };
 
