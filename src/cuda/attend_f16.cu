@@ -382,15 +382,17 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_deep_kernel(const F
   attend_f16_body<3>(A);
 }
 
-// One warp per (query, head) of a tile: its splits in split order, lane
-// i holding dims 4i .. 4i + 3. A zero output is written as +0.
+// One warp per (query, head): pair blockIdx.y * 4 + warp of tile
+// blockIdx.x, its splits in split order, lane i holding dims 4i .. 4i + 3.
+// A zero output is written as +0.
 __global__ void __launch_bounds__(kF16Threads) attend_f16_combine_kernel(const F16Params A) {
   const AttendParams& P = A.P;
   const F16Tile tile = A.tiles[blockIdx.x];
   const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  for (int pair = warp; pair < tile.n_queries * P.n_heads; pair += kWarps) {
+  const int pair = static_cast<int>(blockIdx.y) * kWarps + warp;
+  if (pair < tile.n_queries * P.n_heads) {
     const int ql = pair / P.n_heads, h = pair % P.n_heads;
     const int qi = tile.q_first + ql;
     const std::int64_t p = tile.position + ql;

@@ -336,7 +336,11 @@ cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& polic
   }
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  attend_f16_combine_kernel<<<static_cast<unsigned>(params.n_tiles), kF16Threads, 0, stream>>>(params);
+  // The combine: a warp per (query, head) of a tile.
+  const int pairs = f16_tile_queries(params.P.n_heads / params.P.n_kv_heads) * params.P.n_heads;
+  constexpr int kWarps = kF16Threads / 32;
+  const dim3 combine(static_cast<unsigned>(params.n_tiles), static_cast<unsigned>((pairs + kWarps - 1) / kWarps));
+  attend_f16_combine_kernel<<<combine, kF16Threads, 0, stream>>>(params);
   return cudaGetLastError();
 }
 
