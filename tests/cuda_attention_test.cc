@@ -236,6 +236,44 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   EXPECT_EQ(stats[kRunsQueryMajor].split_runs, stats[kRunsQueryMajor].last_arrival);
 }
 
+// Under the f16 numeric, a 512-token chunk at the end of a long context
+// (131072 rows; 32768 quick), whose launch takes the kernel of many waves,
+// gives every query the bits of its one-token decode, which takes the
+// deep kernel.
+TEST(CudaF16, LongChunkGivesDecodeBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const std::int64_t len = testing::quick() ? 32768 : 131072, before = len - 512;
+  const ModelConfig c = make_hybrid_config("f16-long", 2, 2, 16, 2, 128, 64, len);
+  const std::int64_t kv = c.kv_dim();
+  const std::vector<SeqInputs> seqs = {testing::seq_inputs(c, len, 79)};
+  Outputs chunked, decoded;
+  for (const bool decode : {false, true}) {
+    auto store = testing::new_store(BackendKind::kCuda, c,
+                                    {.max_sequences = 1, .context = len, .attention = AttentionNumeric::kF16});
+    ASSERT_TRUE(store);
+    const std::vector<SeqId> ids = {*store->add_sequence()};
+    const SeqInputs& s = seqs[0];
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      const SeqSpan span{ids[0], 0, before};
+      ASSERT_TRUE(store->store(l, std::span(&span, 1), testing::host_in(s.k.data() + l * len * kv, before, kv),
+                               testing::host_in(s.v.data() + l * len * kv, before, kv)).ok());
+    }
+    std::vector<std::int64_t> at = {before};
+    std::vector<testing::Step> plan;
+    if (decode) {
+      for (std::int64_t i = before; i < len; ++i) plan.push_back({true, {{0, 1}}});
+    } else {
+      plan.push_back({false, {{0, len - before}}});
+    }
+    testing::run_plan(*store, ids, seqs, plan, decode ? decoded : chunked, true, nullptr, &at);
+  }
+  ASSERT_EQ(chunked.size(), decoded.size());
+  for (const auto& [key, val] : chunked) {
+    for (const float x : val) ASSERT_TRUE(std::isfinite(x)) << "position " << std::get<2>(key);
+    ASSERT_TRUE(same_bits(val, decoded.at(key))) << "layer " << std::get<1>(key) << ", position " << std::get<2>(key);
+  }
+}
+
 // The f16 numeric's kernel: the deep one where a launch fits one wave of
 // it, never on a device of unknown size, and either where forced.
 TEST(CudaF16, KernelFollowsTheRule) {
