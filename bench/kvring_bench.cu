@@ -737,20 +737,12 @@ int main(int argc, char** argv) {
       {
         check(c->reset(), "reset");
         check(c->synchronize(), "reset");
-        cudaEvent_t e0, e1;
-        CHECK_CUDA(cudaEventCreate(&e0));
-        CHECK_CUDA(cudaEventCreate(&e1));
-        CHECK_CUDA(cudaEventRecord(e0, cs));
-        for (std::int64_t start = 0; start < ctx; start += chunk)
-          for (const std::int64_t l : {std::int64_t{3}, std::int64_t{0}})
-            check(c->prefill_device(l, start, chunk, sk + start * kv, sv + start * kv, q, out), "prefill");
-        CHECK_CUDA(cudaEventRecord(e1, cs));
-        CHECK_CUDA(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        CHECK_CUDA(cudaEventDestroy(e0));
-        CHECK_CUDA(cudaEventDestroy(e1));
-        add({"prefill attention, 131072-token prompt, one full + one sliding layer" + tag, 1000.0 * ms});
+        const double us = time_us(cs, 0, 1, [&] {
+          for (std::int64_t start = 0; start < ctx; start += chunk)
+            for (const std::int64_t l : {std::int64_t{3}, std::int64_t{0}})
+              check(c->prefill_device(l, start, chunk, sk + start * kv, sv + start * kv, q, out), "prefill");
+        });
+        add({"prefill attention, 131072-token prompt, one full + one sliding layer" + tag, us});
         double full_rows = 0, sliding_rows = 0;
         for (std::int64_t p = 0; p < ctx; ++p) {
           full_rows += static_cast<double>(p + 1);

@@ -19,7 +19,9 @@
 namespace kvring {
 
 namespace cuda {
-struct LaunchPolicy;  // src/cuda/launch_policy.h
+struct LaunchPolicy;     // src/cuda/launch_policy.h
+struct AttendParams;     // src/cuda/kernels.h
+struct AttendQueryItem;  // src/cuda/kernels.h
 }
 
 // GPUs visible to this process; 0 when there is none or no usable driver.
@@ -78,6 +80,13 @@ class CudaStore final : public KvStore {
                     std::int64_t out_stride, const std::uint16_t* chunk, cudaStream_t s);
   Status attend_f16(const AttendBatch& batch, const float* q, std::int64_t q_stride, float* out,
                     std::int64_t out_stride, const std::uint16_t* chunk, cudaStream_t s);
+  // What both numerics' launches share: an item's plane, ring state and
+  // chunk rows; a launch's queries, outputs, chunk and geometry (its
+  // queries from q0 on, n of them).
+  void plane_of(const AttendBatch& batch, const AttendItem& item, cuda::AttendQueryItem& d) const;
+  void launch_params(const AttendBatch& batch, const float* q, std::int64_t q_stride, float* out,
+                     std::int64_t out_stride, const std::uint16_t* chunk, std::int64_t q0,
+                     std::int64_t n, cuda::AttendParams& P) const;
   struct Impl;
   CudaStore(ModelConfig config, StoreOptions resolved);
   std::unique_ptr<Impl> impl_;

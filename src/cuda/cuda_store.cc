@@ -790,11 +790,52 @@ Status CudaStore::attend(const AttendBatch& b) {
 }
 
 // The f32 numeric's launches (kernels.h, "Attention").
+void CudaStore::plane_of(const AttendBatch& b, const AttendItem& it, cuda::AttendQueryItem& d) const {
+  const Impl& im = *impl_;
+  const std::int64_t full = full_index(b.layer);
+  if (full >= 0) {
+    d.k = im.pool_k;
+    d.v = im.pool_v;
+    d.table = im.tables + (it.plane.slot * im.n_full + full) * im.max_blocks;
+  } else {
+    d.k = im.ring_k[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
+    d.v = im.ring_v[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
+    d.table = nullptr;
+  }
+  d.shift = it.ring.origin_physical() - it.ring.origin_logical();
+  d.capacity = it.ring.capacity();
+  d.chunk_start = it.chunk_start;
+  d.chunk_row = it.chunk_row;
+}
+
+void CudaStore::launch_params(const AttendBatch& b, const float* dq, std::int64_t q_stride, float* dout,
+                              std::int64_t out_stride, const std::uint16_t* chunk, std::int64_t q0,
+                              std::int64_t n, cuda::AttendParams& P) const {
+  const std::int64_t kv_dim = config_.kv_dim();
+  const bool full = full_index(b.layer) >= 0;
+  P.full = full ? 1 : 0;
+  P.pool = impl_->pool;
+  if (chunk != nullptr) {
+    P.chunk_k = chunk;
+    P.chunk_v = chunk + b.chunk_k->rows * kv_dim;
+  }
+  P.q = dq + q0 * q_stride;
+  P.out = dout + q0 * out_stride;
+  P.q_stride = q_stride;
+  P.out_stride = out_stride;
+  P.n_queries = static_cast<std::int32_t>(n);
+  P.n_heads = static_cast<std::int32_t>(config_.n_heads);
+  P.n_kv_heads = static_cast<std::int32_t>(config_.n_kv_heads);
+  P.head_dim = static_cast<std::int32_t>(config_.head_dim);
+  P.kv_dim = static_cast<std::int32_t>(kv_dim);
+  P.window = full ? 0 : config_.sliding_window;
+  P.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(config_.head_dim)));
+}
+
 Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t q_stride,
                              float* dout, std::int64_t out_stride, const std::uint16_t* chunk,
                              cudaStream_t s) {
   Impl& im = *impl_;
-  const std::int64_t kv_dim = config_.kv_dim();
   Status st = Status::Ok();
   // Items, cut where one launch's queries or workspace would not fit, then
   // grouped into launches.
@@ -807,19 +848,7 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
   items.clear();
   for (const AttendItem& it : b.items) {
     cuda::AttendQueryItem d{};
-    if (full) {
-      d.k = im.pool_k;
-      d.v = im.pool_v;
-      d.table = im.tables + (it.plane.slot * im.n_full + full_index(b.layer)) * im.max_blocks;
-    } else {
-      d.k = im.ring_k[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
-      d.v = im.ring_v[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
-      d.table = nullptr;
-    }
-    d.shift = it.ring.origin_physical() - it.ring.origin_logical();
-    d.capacity = it.ring.capacity();
-    d.chunk_start = it.chunk_start;
-    d.chunk_row = it.chunk_row;
+    plane_of(b, it, d);
     // Split counts are not monotonic in the rows seen (kernels.h): the
     // item's bound is the most of any of its queries.
     const int most = static_cast<int>(cuda::attend_splits_most(
@@ -890,24 +919,7 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
     else
       P.single = items[L.first];
     P.n_items = static_cast<std::int32_t>(L.count);
-    P.full = full ? 1 : 0;
-    P.pool = im.pool;
-    if (chunk != nullptr) {
-      P.chunk_k = chunk;
-      P.chunk_v = chunk + b.chunk_k->rows * kv_dim;
-    }
-    P.q = dq + L.q0 * q_stride;
-    P.out = dout + L.q0 * out_stride;
-    P.q_stride = q_stride;
-    P.out_stride = out_stride;
-    P.n_queries = static_cast<std::int32_t>(L.queries);
-    P.n_heads = static_cast<std::int32_t>(config_.n_heads);
-    P.n_kv_heads = static_cast<std::int32_t>(config_.n_kv_heads);
-    P.head_dim = static_cast<std::int32_t>(config_.head_dim);
-    P.kv_dim = static_cast<std::int32_t>(kv_dim);
-    P.window = window;
-    P.scale_log2 = static_cast<float>(1.4426950408889634 /
-                                      std::sqrt(static_cast<double>(config_.head_dim)));
+    launch_params(b, dq, q_stride, dout, out_stride, chunk, L.q0, L.queries, P);
     P.ws_o = im.ws;
     P.ws_ml = im.ws + im.ws_slots * (im.slot_floats / (config_.head_dim + 2) * config_.head_dim);
     P.counters = im.counters;
@@ -967,18 +979,7 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
   std::int64_t query_splits = 1;
   for (const AttendItem& it : b.items) {
     cuda::AttendQueryItem d{};
-    if (full) {
-      d.k = im.pool_k;
-      d.v = im.pool_v;
-      d.table = im.tables + (it.plane.slot * im.n_full + full_index(b.layer)) * im.max_blocks;
-    } else {
-      d.k = im.ring_k[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
-      d.v = im.ring_v[static_cast<std::size_t>(b.layer)] + it.plane.slot * im.ring_elems;
-    }
-    d.shift = it.ring.origin_physical() - it.ring.origin_logical();
-    d.capacity = it.ring.capacity();
-    d.chunk_start = it.chunk_start;
-    d.chunk_row = it.chunk_row;
+    plane_of(b, it, d);
     d.first_position = it.first_position;
     d.q_first = static_cast<std::int32_t>(it.q_row);
     d.n_queries = static_cast<std::int32_t>(it.n_queries);
@@ -1039,31 +1040,13 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
       st = cuda_error("cudaMallocAsync of the attention workspace", e);
     }
   }
-  const std::int64_t kv_dim = config_.kv_dim();
   for (const Launch& L : launches) {
     if (!st.ok()) break;
     cuda::F16Params F;
     cuda::AttendParams& P = F.P;
     P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev);
     P.n_items = static_cast<std::int32_t>(items.size());
-    P.full = full ? 1 : 0;
-    P.pool = im.pool;
-    if (chunk != nullptr) {
-      P.chunk_k = chunk;
-      P.chunk_v = chunk + b.chunk_k->rows * kv_dim;
-    }
-    P.q = dq + L.q0 * q_stride;
-    P.out = dout + L.q0 * out_stride;
-    P.q_stride = q_stride;
-    P.out_stride = out_stride;
-    P.n_queries = static_cast<std::int32_t>(L.queries);
-    P.n_heads = static_cast<std::int32_t>(config_.n_heads);
-    P.n_kv_heads = static_cast<std::int32_t>(config_.n_kv_heads);
-    P.head_dim = static_cast<std::int32_t>(config_.head_dim);
-    P.kv_dim = static_cast<std::int32_t>(kv_dim);
-    P.window = window;
-    P.scale_log2 = static_cast<float>(1.4426950408889634 /
-                                      std::sqrt(static_cast<double>(config_.head_dim)));
+    launch_params(b, dq, q_stride, dout, out_stride, chunk, L.q0, L.queries, P);
     F.tiles = reinterpret_cast<const cuda::F16Tile*>(desc->dev + item_bytes) + L.first;
     F.n_tiles = static_cast<std::int32_t>(L.count);
     F.ctas = L.ctas;
