@@ -236,44 +236,6 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   EXPECT_EQ(stats[kRunsQueryMajor].split_runs, stats[kRunsQueryMajor].last_arrival);
 }
 
-// Under the f16 numeric, a 512-token chunk at the end of a long context
-// (131072 rows; 32768 quick), whose launch takes the kernel of many waves,
-// gives every query the bits of its one-token decode, which takes the
-// deep kernel.
-TEST(CudaF16, LongChunkGivesDecodeBits) {
-  KVRING_SKIP_WITHOUT_GPU();
-  const std::int64_t len = testing::quick() ? 32768 : 131072, before = len - 512;
-  const ModelConfig c = make_hybrid_config("f16-long", 2, 2, 16, 2, 128, 64, len);
-  const std::int64_t kv = c.kv_dim();
-  const std::vector<SeqInputs> seqs = {testing::seq_inputs(c, len, 79)};
-  Outputs chunked, decoded;
-  for (const bool decode : {false, true}) {
-    auto store = testing::new_store(BackendKind::kCuda, c,
-                                    {.max_sequences = 1, .context = len, .attention = AttentionNumeric::kF16});
-    ASSERT_TRUE(store);
-    const std::vector<SeqId> ids = {*store->add_sequence()};
-    const SeqInputs& s = seqs[0];
-    for (std::int64_t l = 0; l < c.n_layers; ++l) {
-      const SeqSpan span{ids[0], 0, before};
-      ASSERT_TRUE(store->store(l, std::span(&span, 1), testing::host_in(s.k.data() + l * len * kv, before, kv),
-                               testing::host_in(s.v.data() + l * len * kv, before, kv)).ok());
-    }
-    std::vector<std::int64_t> at = {before};
-    std::vector<testing::Step> plan;
-    if (decode) {
-      for (std::int64_t i = before; i < len; ++i) plan.push_back({true, {{0, 1}}});
-    } else {
-      plan.push_back({false, {{0, len - before}}});
-    }
-    testing::run_plan(*store, ids, seqs, plan, decode ? decoded : chunked, true, nullptr, &at);
-  }
-  ASSERT_EQ(chunked.size(), decoded.size());
-  for (const auto& [key, val] : chunked) {
-    for (const float x : val) ASSERT_TRUE(std::isfinite(x)) << "position " << std::get<2>(key);
-    ASSERT_TRUE(same_bits(val, decoded.at(key))) << "layer " << std::get<1>(key) << ", position " << std::get<2>(key);
-  }
-}
-
 // The f16 numeric's kernel: the deep one where a launch fits one wave of
 // it, never on a device of unknown size, and either where forced.
 TEST(CudaF16, KernelFollowsTheRule) {
@@ -389,21 +351,18 @@ TEST(CudaBatch, SplitCountsOfARangeAreItsMostAndFewest) {
     }
 }
 
-// A prefill chunk across 8192 rows, where a query's split count drops from
-// 64 to 33: the launch is sized for the most splits of any of its queries,
-// and every query gets the bits of its one-token decode.
-TEST(CudaBatch, PrefillAcrossASplitBandGivesDecodeBits) {
-  KVRING_SKIP_WITHOUT_GPU();
-  const ModelConfig c = make_hybrid_config("tc-band", 2, 2, 16, 2, 128, 64, 8448);
-  const std::int64_t len = 8300, before = 8100, kv = c.kv_dim();
-  const std::vector<SeqInputs> seqs = {testing::seq_inputs(c, len, 77)};
+// One sequence of `len` rows whose rows before `before` are stored without
+// attention: the rest as one prefill chunk gives every query the bits of
+// its one-token decode, in a store of options `o`.
+void expect_chunk_gives_decode_bits(const ModelConfig& c, std::int64_t len, std::int64_t before,
+                                    const StoreOptions& o, std::uint64_t seed) {
+  const std::int64_t kv = c.kv_dim();
+  const std::vector<SeqInputs> seqs = {testing::seq_inputs(c, len, seed)};
   Outputs chunked, decoded;
   for (const bool decode : {false, true}) {
-    auto store = testing::new_cuda_store(c, {.max_sequences = 1, .context = 8448, .block_rows = 256},
-                                         cuda::device_launch_policy());
+    auto store = testing::new_cuda_store(c, o, cuda::device_launch_policy());
     ASSERT_TRUE(store);
     const std::vector<SeqId> ids = {*store->add_sequence()};
-    // Rows before the chunk stored without attention.
     const SeqInputs& s = seqs[0];
     for (std::int64_t l = 0; l < c.n_layers; ++l) {
       const SeqSpan span{ids[0], 0, before};
@@ -424,6 +383,26 @@ TEST(CudaBatch, PrefillAcrossASplitBandGivesDecodeBits) {
     for (const float x : val) ASSERT_TRUE(std::isfinite(x)) << "position " << std::get<2>(key);
     ASSERT_TRUE(same_bits(val, decoded.at(key))) << "layer " << std::get<1>(key) << ", position " << std::get<2>(key);
   }
+}
+
+// A prefill chunk across 8192 rows, where a query's split count drops from
+// 64 to 33: the launch is sized for the most splits of any of its queries,
+// and every query gets the bits of its one-token decode.
+TEST(CudaBatch, PrefillAcrossASplitBandGivesDecodeBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  expect_chunk_gives_decode_bits(make_hybrid_config("tc-band", 2, 2, 16, 2, 128, 64, 8448), 8300, 8100,
+                                 {.max_sequences = 1, .context = 8448, .block_rows = 256}, 77);
+}
+
+// Under the f16 numeric, a 512-token chunk at the end of a long context
+// (131072 rows; 32768 quick), whose launch takes the kernel of many waves,
+// gives every query the bits of its one-token decode, which takes the
+// deep kernel.
+TEST(CudaF16, LongChunkGivesDecodeBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const std::int64_t len = testing::quick() ? 32768 : 131072;
+  expect_chunk_gives_decode_bits(make_hybrid_config("f16-long", 2, 2, 16, 2, 128, 64, len), len, len - 512,
+                                 {.max_sequences = 1, .context = len, .attention = AttentionNumeric::kF16}, 79);
 }
 
 // A decode batch is one attention launch per layer, whatever its size.
