@@ -9,6 +9,7 @@
 // layers of which 13 full). It measures
 //   - decode attention over one full layer holding 2048, 32768 and 131072
 //     rows (one sequence, one query): bytes = rows x 1 KiB (K + V, f16);
+//     and at 131072 rows under the f16 attention numeric;
 //   - one attend_decode call with 8 queries, 8 sequences x 32768 rows;
 //   - stores: a decode step of 64 sequences x 1 token x 52 layers
 //     (store_all_layers), and a 4096-token prefill chunk x 52 layers, as
@@ -64,7 +65,8 @@ constexpr const char* kUsage =
     "                        [--json FILE]\n"
     "\n"
     "The CPU backend (muse-glimmer geometry) through the KvStore API: decode\n"
-    "attention over a full layer of 2048, 32768 and 131072 rows, a batch of 8\n"
+    "attention over a full layer of 2048, 32768 and 131072 rows (and 131072 under\n"
+    "the f16 numeric), a batch of 8\n"
     "sequences x 32768 rows in one call, a decode step's store (64 sequences x\n"
     "52 layers) and a 4096-token prefill chunk's store, each beside a streaming\n"
     "read of the same number of bytes by the same threads, timed alternately;\n"
@@ -194,26 +196,32 @@ std::vector<Row> bench_decode(const ModelConfig& c, ReadCeiling& ceiling, int wa
   const std::int64_t width = c.n_heads * c.head_dim;
   std::vector<float> q(static_cast<std::size_t>(width)), out(q.size());
   random_floats(q, 7);
-  for (std::int64_t n : {2048, 32768, 131072}) {
+  // Under the default numeric at each size, and under the f16 numeric at
+  // the largest.
+  auto one = [&](std::int64_t n, AttentionNumeric numeric) {
     StoreOptions o;
     o.context = n;
+    o.attention = numeric;
     auto store = make_store(BackendKind::kCpu, c, o);
     check(store.status(), "make_store");
     auto seq = (*store)->add_sequence();
     check(seq.status(), "add_sequence");
     fill_layer(**store, layer, {*seq}, n, 100 + static_cast<std::uint64_t>(n));
     const SeqQuery query{*seq, n - 1};
+    const bool f16 = numeric == AttentionNumeric::kF16;
     rows.push_back(measure(
-        "decode, full layer, " + std::to_string(n) + " rows", n * c.kv_dim() * 2 * 2, ceiling,
-        warmup, runs,
+        "decode, full layer, " + std::to_string(n) + " rows" + (f16 ? " (f16 numeric)" : ""),
+        n * c.kv_dim() * 2 * 2, ceiling, warmup, runs,
         [&] {
           check((*store)->attend_decode(layer, {&query, 1}, host_view(q.data(), 1, width),
                                         host_view(out.data(), 1, width)),
                 "attend_decode");
         },
         [] {}));
-    rows.back().peer_name = "decode_" + std::to_string(n);
-  }
+    if (!f16) rows.back().peer_name = "decode_" + std::to_string(n);
+  };
+  for (std::int64_t n : {2048, 32768, 131072}) one(n, AttentionNumeric::kF32);
+  one(131072, AttentionNumeric::kF16);
   return rows;
 }
 

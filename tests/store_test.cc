@@ -13,6 +13,7 @@
 
 #include "kvring/backend.h"
 #include "kvring/f16.h"
+#include "cpu/attention_cpu.h"
 #include "kvring/snapshot.h"
 #include "test_util.h"
 
@@ -279,11 +280,20 @@ TEST(Store, BitsNeverDependOnTheBatch) {
   }
 }
 
-// The f16 numeric keeps every invariance of the f32 one: sequences that
-// cross two splits (kF16AttendSplitRows positions each) and wrap a small
-// ring give the bits of their solo token-by-token runs in any batch and
-// chunking.
-TEST(Store, F16NumericBitsNeverDependOnTheBatch) {
+// Runs `f` under every attention path this CPU has (scalar, AVX2,
+// AVX-512), then restores the machine's.
+template <class F>
+void for_each_attention_isa(F&& f) {
+  const cpu::AttentionIsa saved = cpu::attention_isa();
+  for (const auto isa : {cpu::AttentionIsa::kScalar, cpu::AttentionIsa::kAvx2, cpu::AttentionIsa::kAvx512}) {
+    if (!cpu::set_attention_isa(isa)) continue;
+    SCOPED_TRACE("attention path " + std::to_string(static_cast<int>(isa)));
+    f();
+  }
+  cpu::set_attention_isa(saved);
+}
+
+void f16_bits_never_depend_on_the_batch() {
   const ModelConfig c = make_hybrid_config("f16-small", 2, 2, 4, 2, 16, 100, 4608);
   const StoreOptions o{.max_sequences = 4, .block_rows = 16, .attention = AttentionNumeric::kF16};
   std::mt19937_64 rng(5);
@@ -305,36 +315,47 @@ TEST(Store, F16NumericBitsNeverDependOnTheBatch) {
     EXPECT_EQ(live_bytes(*s, seqs[static_cast<std::size_t>(i)]), solo_bytes[static_cast<std::size_t>(i)]);
 }
 
-// The f16 numeric is attention to within its roundings: queries and
-// weights in f16 (11 significant bits) move an output by a few parts in
-// 10^4 of the values' scale against the f32 numeric.
+// The f16 numeric keeps every invariance of the f32 one, on every
+// attention path: sequences that cross two splits (kF16AttendSplitRows
+// positions each) and wrap a small ring give the bits of their solo
+// token-by-token runs in any batch and chunking.
+TEST(Store, F16NumericBitsNeverDependOnTheBatch) {
+  for_each_attention_isa([] { f16_bits_never_depend_on_the_batch(); });
+}
+
+// The f16 numeric is attention to within its roundings, on every
+// attention path: queries and weights in f16 (11 significant bits) move an
+// output by a few parts in 10^4 of the values' scale against the f32
+// numeric.
 TEST(Store, F16NumericIsAttentionWithinF16Rounding) {
-  const ModelConfig c = make_hybrid_config("f16-small", 2, 2, 4, 2, 16, 100, 4608);
-  Outputs f32_out, f16_out;
-  std::vector<std::uint16_t> f32_bytes, f16_bytes;
-  const std::int64_t len = 2 * kF16AttendSplitRows + 300;
-  for (const auto numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
-    const bool f16 = numeric == AttentionNumeric::kF16;
-    auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 64, .attention = numeric});
-    const SeqId seq = *s->add_sequence();
-    for (std::int64_t p = 0; p < len; p += 512)
-      run_batch(*s, {{7, SeqSpan{seq, p, std::min<std::int64_t>(512, len - p)}}}, f16 ? f16_out : f32_out);
-    (f16 ? f16_bytes : f32_bytes) = live_bytes(*s, seq);
-  }
-  EXPECT_EQ(f16_bytes, f32_bytes);  // the numeric is attention's, never the store's
-  ASSERT_EQ(f16_out.size(), f32_out.size());
-  double worst = 0, differ = 0;
-  for (const auto& [key, ref] : f32_out) {
-    const auto& got = f16_out.at(key);
-    for (std::size_t e = 0; e < ref.size(); ++e) {
-      ASSERT_TRUE(std::isfinite(got[e]));
-      const double d = std::abs(double(got[e]) - ref[e]);
-      worst = std::max(worst, d);
-      differ += got[e] != ref[e];
+  for_each_attention_isa([] {
+    const ModelConfig c = make_hybrid_config("f16-small", 2, 2, 4, 2, 16, 100, 4608);
+    Outputs f32_out, f16_out;
+    std::vector<std::uint16_t> f32_bytes, f16_bytes;
+    const std::int64_t len = 2 * kF16AttendSplitRows + 300;
+    for (const auto numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
+      const bool f16 = numeric == AttentionNumeric::kF16;
+      auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 64, .attention = numeric});
+      const SeqId seq = *s->add_sequence();
+      for (std::int64_t p = 0; p < len; p += 512)
+        run_batch(*s, {{7, SeqSpan{seq, p, std::min<std::int64_t>(512, len - p)}}}, f16 ? f16_out : f32_out);
+      (f16 ? f16_bytes : f32_bytes) = live_bytes(*s, seq);
     }
-  }
-  EXPECT_LE(worst, 2e-3);
-  EXPECT_GT(differ, 0);  // the numerics are not the same arithmetic
+    EXPECT_EQ(f16_bytes, f32_bytes);  // the numeric is attention's, never the store's
+    ASSERT_EQ(f16_out.size(), f32_out.size());
+    double worst = 0, differ = 0;
+    for (const auto& [key, ref] : f32_out) {
+      const auto& got = f16_out.at(key);
+      for (std::size_t e = 0; e < ref.size(); ++e) {
+        ASSERT_TRUE(std::isfinite(got[e]));
+        const double d = std::abs(double(got[e]) - ref[e]);
+        worst = std::max(worst, d);
+        differ += got[e] != ref[e];
+      }
+    }
+    EXPECT_LE(worst, 2e-3);
+    EXPECT_GT(differ, 0);  // the numerics are not the same arithmetic
+  });
 }
 
 // A sequence's full-attention memory is its live rows rounded up to one

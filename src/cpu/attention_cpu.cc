@@ -48,6 +48,17 @@ const float* f16_table() {
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
+// The power-of-two scale of a query head under the f16 numeric: 2^k with
+// the head's largest magnitude times 2^k in [2^14, 2^15), k in [-126, 126].
+float f16_query_scale(float amax, float& down) {
+  const int e = static_cast<int>((std::bit_cast<std::uint32_t>(amax) >> 23) & 0xffu) - 126;
+  const int shift = std::min(std::max(15 - e, -126), 126);
+  down = std::bit_cast<float>(static_cast<std::uint32_t>(127 - shift) << 23);
+  return std::bit_cast<float>(static_cast<std::uint32_t>(127 + shift) << 23);
+}
+
+float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }
+
 // Combines n split partials (stride floats apart, each m[Gp], l[Gp],
 // o[G * hd]) in split order into out ([G * hd], normalized).
 struct CombineJob {
@@ -81,6 +92,13 @@ struct Kernels {
   void (*scores)(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd, float scale,
                  const std::uint16_t* const* kp, std::int64_t n, float* sc, Ahead ahead);
   void (*weights)(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l);
+  // The f16 numeric's step over one tile of n rows (docs/DESIGN.md,
+  // "Attention numerics"), per head lane t of Gp: m the running maximum of
+  // the scores, mc = m c[t], l the weights' sum; alpha[t] the factor that
+  // rescales the head's outputs, and sc's scores replaced by the weights
+  // f16(exp2(fma(s, c, -mc))).
+  void (*weights_f16)(float* sc, std::int64_t n, std::int64_t Gp, const float* c, float* m,
+                      float* mc, float* l, float* alpha);
   void (*accumulate)(const std::uint16_t* const* vp, std::int64_t n, const float* w,
                      std::int64_t G, std::int64_t Gp, std::int64_t hd, float* o, Ahead ahead);
   void (*combine)(const CombineJob& c);
@@ -138,6 +156,28 @@ void weights_scalar(float* sc, std::int64_t n, std::int64_t Gp, float* m, float*
   }
 }
 
+void weights_f16_scalar(float* sc, std::int64_t n, std::int64_t Gp, const float* c, float* m,
+                        float* mc, float* l, float* alpha) {
+  for (std::int64_t t = 0; t < Gp; ++t) {
+    float mx = -INFINITY;
+    for (std::int64_t j = 0; j < n; ++j) mx = std::fmax(mx, sc[j * Gp + t]);
+    const float m_new = std::fmax(m[t], mx);
+    const float mc_new = m_new * c[t];
+    alpha[t] = m_new == m[t] ? 1.0f : std::exp2(mc[t] - mc_new);
+    // With nothing seen yet (m_new = -inf) every weight is exp2(-inf) = 0.
+    const float shift = m_new == -INFINITY ? 0.0f : -mc_new;
+    float sum = 0.0f;
+    for (std::int64_t j = 0; j < n; ++j) {
+      const float w = f16_round(std::exp2(std::fma(sc[j * Gp + t], c[t], shift)));
+      sc[j * Gp + t] = w;
+      sum += w;
+    }
+    l[t] = l[t] * alpha[t] + sum;
+    m[t] = m_new;
+    mc[t] = mc_new;
+  }
+}
+
 void accumulate_scalar(const std::uint16_t* const* vp, std::int64_t n, const float* w,
                        std::int64_t G, std::int64_t Gp, std::int64_t hd, float* o, Ahead ahead) {
   const float* table = f16_table();
@@ -171,7 +211,8 @@ void combine_scalar(const CombineJob& C) {
   }
 }
 
-constexpr Kernels kScalarKernels{scores_by_row<score_row_scalar>, weights_scalar, accumulate_scalar, combine_scalar};
+constexpr Kernels kScalarKernels{scores_by_row<score_row_scalar>, weights_scalar, weights_f16_scalar,
+                                 accumulate_scalar, combine_scalar};
 
 // ---- The vector paths: AVX2 (with FMA and F16C) and AVX-512 ----------------
 // Lane u of a head's dot product sums dimensions u, u + W, ... by FMA (W =
@@ -308,6 +349,54 @@ KVRING_AVX2 void weights_avx2(float* sc, std::int64_t n, std::int64_t Gp, float*
     }
     _mm256_storeu_ps(m + t, mx);
     _mm256_storeu_ps(l + t, sum);
+  }
+}
+
+// 2^x to about 2 ulp: 2^round(x) times a degree-6 polynomial in the
+// fraction (in [-1/2, 1/2]); x at or below -127 (and -inf) gives 0.
+KVRING_AVX2 inline __m256 exp2_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(127.0f));
+  const __m256 fi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, fi);
+  __m256 y = _mm256_set1_ps(1.5403530393381606e-4f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// weights_f16_scalar's step for 8 head lanes at once, with exp2_8 for exp2.
+KVRING_AVX2 void weights_f16_avx2(float* sc, std::int64_t n, std::int64_t Gp, const float* c, float* m,
+                                  float* mc, float* l, float* alpha) {
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  for (std::int64_t t = 0; t < Gp; t += 8) {
+    __m256 mx = neg_inf;
+    for (std::int64_t j = 0; j < n; ++j) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + j * Gp + t));
+    const __m256 ct = _mm256_loadu_ps(c + t), m_old = _mm256_loadu_ps(m + t);
+    const __m256 m_new = _mm256_max_ps(m_old, mx);
+    const __m256 mc_new = _mm256_mul_ps(m_new, ct);
+    const __m256 kept = _mm256_cmp_ps(m_new, m_old, _CMP_EQ_OQ);
+    const __m256 a = _mm256_blendv_ps(exp2_8(_mm256_sub_ps(_mm256_loadu_ps(mc + t), mc_new)),
+                                      _mm256_set1_ps(1.0f), kept);
+    const __m256 empty = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
+    const __m256 shift = _mm256_blendv_ps(_mm256_sub_ps(_mm256_setzero_ps(), mc_new), _mm256_setzero_ps(), empty);
+    __m256 sum = _mm256_setzero_ps();
+    for (std::int64_t j = 0; j < n; ++j) {
+      const __m256 e = exp2_8(_mm256_fmadd_ps(_mm256_loadu_ps(sc + j * Gp + t), ct, shift));
+      const __m256 w = _mm256_cvtph_ps(_mm256_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm256_storeu_ps(sc + j * Gp + t, w);
+      sum = _mm256_add_ps(sum, w);
+    }
+    _mm256_storeu_ps(alpha + t, a);
+    _mm256_storeu_ps(l + t, _mm256_fmadd_ps(_mm256_loadu_ps(l + t), a, sum));
+    _mm256_storeu_ps(m + t, m_new);
+    _mm256_storeu_ps(mc + t, mc_new);
   }
 }
 
@@ -536,8 +625,9 @@ KVRING_AVX512 void accumulate_avx512(const std::uint16_t* const* vp, std::int64_
 
 #pragma GCC diagnostic pop
 
-constexpr Kernels kAvx2Kernels{scores_by_row<score_row_avx2>, weights_avx2, accumulate_avx2, combine_avx2};
-constexpr Kernels kAvx512Kernels{scores_avx512, weights_avx2, accumulate_avx512, combine_avx2};
+constexpr Kernels kAvx2Kernels{scores_by_row<score_row_avx2>, weights_avx2, weights_f16_avx2, accumulate_avx2,
+                               combine_avx2};
+constexpr Kernels kAvx512Kernels{scores_avx512, weights_avx2, weights_f16_avx2, accumulate_avx512, combine_avx2};
 
 bool cpu_has(AttentionIsa isa) {
   if (isa == AttentionIsa::kScalar) return true;
@@ -715,20 +805,6 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
   }
 }
 
-namespace {
-
-// The power-of-two scale of a query head under the f16 numeric: 2^k with
-// the head's largest magnitude times 2^k in [2^14, 2^15), k in [-126, 126].
-float f16_query_scale(float amax, float& down) {
-  const int e = static_cast<int>((std::bit_cast<std::uint32_t>(amax) >> 23) & 0xffu) - 126;
-  const int shift = std::min(std::max(15 - e, -126), 126);
-  down = std::bit_cast<float>(static_cast<std::uint32_t>(127 - shift) << 23);
-  return std::bit_cast<float>(static_cast<std::uint32_t>(127 + shift) << 23);
-}
-
-float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }
-
-}  // namespace
 
 void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
                 std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,
@@ -737,86 +813,95 @@ void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionSh
   if (n_queries <= 0) return;
   const std::int64_t hd = shape.head_dim;
   const std::int64_t G = shape.n_heads / shape.n_kv_heads;
+  const std::int64_t Gp = round_up(G, 8);
   const std::int64_t n_kv = shape.n_kv_heads;
   const float scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(hd)));
-  const float* f16 = f16_table();
+  const Kernels& K = kernels_for(attention_isa(), hd);
   const std::int64_t work = n_queries * shape.n_heads * hd * 2 *
                             (shape.window > 0 ? shape.window : first_position + n_queries);
+  // A task is one (query, KV head): its G heads through every split, the
+  // splits' partials combined in split order.
   parallel_for(n_queries * n_kv, work, [&](std::int64_t task) {
     const std::int64_t i = task / n_kv, g = task % n_kv;
     const std::int64_t p = first_position + i;
     const std::int64_t lo = shape.window > 0 ? std::max<std::int64_t>(0, p - shape.window + 1) : 0;
     const std::int64_t rows = p - lo + 1;
     thread_local std::vector<const std::uint16_t*> kp, vp;
-    thread_local std::vector<float> q16, x, part, acc;
+    // q16: the heads' scaled f16 queries [G][hd]; per head lane c, m, mc,
+    // l, alpha; sc a tile's scores then weights [tile row][Gp]; part per
+    // split and head m c, l, o[hd]; o a split's outputs [G][hd].
+    thread_local std::vector<float> q16, lanes, sc, part, o;
     kp.resize(static_cast<std::size_t>(rows));
     vp.resize(static_cast<std::size_t>(rows));
     gather_rows(plane, ring, chunk_start, chunk_k, chunk_v, g, lo, p + 1, kp.data(), vp.data());
     const std::int64_t s0 = lo / kF16AttendSplitRows, s1 = p / kF16AttendSplitRows;
     const std::int64_t n_splits = s1 - s0 + 1;
-    q16.resize(static_cast<std::size_t>(hd));
-    x.resize(static_cast<std::size_t>(kF16AttendTile));
-    part.resize(static_cast<std::size_t>(n_splits * (hd + 2)));  // per split: m, l, o[hd]
-    acc.resize(static_cast<std::size_t>(hd));
-    for (std::int64_t h = g * G; h < (g + 1) * G; ++h) {
-      const float* qh = q + i * q_stride + h * hd;
+    q16.resize(static_cast<std::size_t>(G * hd));
+    lanes.assign(static_cast<std::size_t>(5 * Gp), 0.0f);
+    sc.resize(static_cast<std::size_t>(kF16AttendTile * Gp));
+    part.resize(static_cast<std::size_t>(n_splits * G * (hd + 2)));
+    o.resize(static_cast<std::size_t>(G * hd));
+    float* const c = lanes.data();
+    float* const m = c + Gp;
+    float* const mc = m + Gp;
+    float* const l = mc + Gp;
+    float* const alpha = l + Gp;
+    for (std::int64_t t = 0; t < G; ++t) {
+      const float* qh = q + i * q_stride + (g * G + t) * hd;
       float amax = 0.0f;
       for (std::int64_t d = 0; d < hd; ++d) amax = std::fmax(amax, std::fabs(qh[d]));
       float down = 0.0f;
       const float up = f16_query_scale(amax, down);
-      for (std::int64_t d = 0; d < hd; ++d) q16[static_cast<std::size_t>(d)] = f16_round(qh[d] * up);
-      const float c = down * scale_log2;
-      for (std::int64_t s = s0; s <= s1; ++s) {
-        const std::int64_t a = std::max(s * kF16AttendSplitRows, lo);
-        const std::int64_t b = std::min((s + 1) * kF16AttendSplitRows, p + 1);
-        // m: the running maximum of the dot products; mc = m c.
-        float m = -INFINITY, mc = -INFINITY, l = 0.0f;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (std::int64_t t = a / kF16AttendTile * kF16AttendTile; t < b; t += kF16AttendTile) {
-          const std::int64_t r0 = std::max(t, a), r1 = std::min(t + kF16AttendTile, b);
-          float m_tile = -INFINITY;
-          for (std::int64_t L = r0; L < r1; ++L) {
-            const std::uint16_t* k = kp[static_cast<std::size_t>(L - lo)];
-            float dot = 0.0f;
-            for (std::int64_t d = 0; d < hd; ++d) dot += q16[static_cast<std::size_t>(d)] * f16[k[d]];
-            x[static_cast<std::size_t>(L - r0)] = dot;
-            m_tile = std::fmax(m_tile, dot);
-          }
-          const float m_new = std::fmax(m, m_tile);
-          if (m_new == -INFINITY) continue;  // nothing seen yet: the state stays empty
-          const float mc_new = m_new * c;
-          const float alpha = m_new == m ? 1.0f : std::exp2(mc - mc_new);
-          float sum = 0.0f;
-          for (float& a_d : acc) a_d *= alpha;
-          for (std::int64_t L = r0; L < r1; ++L) {
-            const float w = f16_round(std::exp2(std::fma(x[static_cast<std::size_t>(L - r0)], c, -mc_new)));
-            sum += w;
-            const std::uint16_t* v = vp[static_cast<std::size_t>(L - lo)];
-            for (std::int64_t d = 0; d < hd; ++d) acc[static_cast<std::size_t>(d)] += w * f16[v[d]];
-          }
-          l = l * alpha + sum;
-          m = m_new;
-          mc = mc_new;
-        }
-        float* ps = part.data() + (s - s0) * (hd + 2);
-        ps[0] = mc;
-        ps[1] = l;
-        std::copy(acc.begin(), acc.end(), ps + 2);
+      for (std::int64_t d = 0; d < hd; ++d) q16[static_cast<std::size_t>(t * hd + d)] = f16_round(qh[d] * up);
+      c[t] = down * scale_log2;
+    }
+    for (std::int64_t s = s0; s <= s1; ++s) {
+      const std::int64_t a = std::max(s * kF16AttendSplitRows, lo);
+      const std::int64_t b = std::min((s + 1) * kF16AttendSplitRows, p + 1);
+      std::fill(m, m + Gp, -INFINITY);
+      std::fill(mc, mc + Gp, -INFINITY);
+      std::fill(l, l + Gp, 0.0f);
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (std::int64_t t0 = a / kF16AttendTile * kF16AttendTile; t0 < b; t0 += kF16AttendTile) {
+        const std::int64_t r0 = std::max(t0, a), n = std::min(t0 + kF16AttendTile, b) - r0;
+        // The dot products are exact scores (scale 1); the step, then the
+        // outputs rescaled and the weights times V added.
+        // The scores prefetch the tile's V rows, the products the next
+        // tile's K rows.
+        const std::int64_t next = std::min(std::max<std::int64_t>(0, b - r0 - n), kF16AttendTile);
+        K.scores(q16.data(), G, Gp, hd, 1.0f, kp.data() + (r0 - lo), n, sc.data(),
+                 Ahead{vp.data() + (r0 - lo), n});
+        K.weights_f16(sc.data(), n, Gp, c, m, mc, l, alpha);
+        for (std::int64_t t = 0; t < G; ++t)
+          if (alpha[t] != 1.0f)
+            for (std::int64_t d = 0; d < hd; ++d) o[static_cast<std::size_t>(t * hd + d)] *= alpha[t];
+        K.accumulate(vp.data() + (r0 - lo), n, sc.data(), G, Gp, hd, o.data(),
+                     Ahead{kp.data() + (r0 - lo) + n, next});
       }
+      for (std::int64_t t = 0; t < G; ++t) {
+        float* ps = part.data() + ((s - s0) * G + t) * (hd + 2);
+        ps[0] = mc[t];
+        ps[1] = l[t];
+        std::copy(o.begin() + t * hd, o.begin() + (t + 1) * hd, ps + 2);
+      }
+    }
+    for (std::int64_t t = 0; t < G; ++t) {
       float M = -INFINITY;
-      for (std::int64_t s = 0; s < n_splits; ++s) M = std::fmax(M, part[static_cast<std::size_t>(s * (hd + 2))]);
+      for (std::int64_t s = 0; s < n_splits; ++s)
+        M = std::fmax(M, part[static_cast<std::size_t>((s * G + t) * (hd + 2))]);
       float L = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      float* acc = o.data();
+      std::fill(acc, acc + hd, 0.0f);
       for (std::int64_t s = 0; s < n_splits; ++s) {
-        const float* ps = part.data() + s * (hd + 2);
+        const float* ps = part.data() + (s * G + t) * (hd + 2);
         const float w = ps[0] == -INFINITY ? 0.0f : std::exp2(ps[0] - M);
         L += ps[1] * w;
-        for (std::int64_t d = 0; d < hd; ++d) acc[static_cast<std::size_t>(d)] += ps[2 + d] * w;
+        for (std::int64_t d = 0; d < hd; ++d) acc[d] += ps[2 + d] * w;
       }
-      float* oh = out + i * out_stride + h * hd;
+      float* oh = out + i * out_stride + (g * G + t) * hd;
       for (std::int64_t d = 0; d < hd; ++d) {
-        const float o = acc[static_cast<std::size_t>(d)] / L;
-        oh[d] = o == 0.0f ? 0.0f : o;
+        const float r = acc[d] / L;
+        oh[d] = r == 0.0f ? 0.0f : r;
       }
     }
   });
