@@ -42,6 +42,27 @@ TEST(CudaStore, CapabilityCheckNamesTheCapability) {
   ASSERT_TRUE(s.ok()) << s.error().to_string();
 }
 
+// The f16 numeric runs where wgmma does: a 9.0 device with a build for
+// sm_90a. Elsewhere the store refuses it, naming the capability and the
+// build's targets.
+TEST(CudaStore, F16NumericNeedsSm90a) {
+  EXPECT_TRUE(cuda::testing::check_f16_numeric(9, 0, "-gencode=arch=compute_90a,code=sm_90a").ok());
+  struct Case {
+    int major, minor;
+    const char* targets;
+  };
+  for (const Case& c : {Case{9, 0, "-gencode=arch=compute_90,code=sm_90"},
+                        Case{10, 0, "-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a"},
+                        Case{8, 0, "-gencode=arch=compute_90a,code=sm_90a"}}) {
+    const Status refused = cuda::testing::check_f16_numeric(c.major, c.minor, c.targets);
+    ASSERT_FALSE(refused.ok()) << c.major << "." << c.minor << " " << c.targets;
+    EXPECT_EQ(refused.error().code, ErrorCode::kUnsupported);
+    EXPECT_NE(refused.to_string().find(std::to_string(c.major) + "." + std::to_string(c.minor)), std::string::npos)
+        << refused.to_string();
+    EXPECT_NE(refused.to_string().find(c.targets), std::string::npos) << refused.to_string();
+  }
+}
+
 TEST(CudaStore, F16ConversionMatchesTheSharedFunctionOnEveryInput) {
   KVRING_SKIP_WITHOUT_GPU();
   auto r = cuda::testing::sweep_f16_conversion();

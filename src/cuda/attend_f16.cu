@@ -65,7 +65,7 @@ constexpr unsigned kHalfBytes = kKeys * 128;  // one 64-dim half of a tile
 __device__ __forceinline__ unsigned piece(int row, int c) {
   return static_cast<unsigned>((c >> 3) * kHalfBytes + row * 128 + (((c & 7) ^ (row & 7)) << 4));
 }
-__device__ __forceinline__ std::uint32_t pack_f16(float lo, float hi) {
+[[maybe_unused]] __device__ __forceinline__ std::uint32_t pack_f16(float lo, float hi) {
   return static_cast<std::uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
          (static_cast<std::uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
 }
@@ -79,8 +79,9 @@ struct TileRows {
 // Enqueues key tile `base` into a stage: rows outside [lo, hi] are
 // written as zeros. A tile wholly inside the chunk, or inside the plane
 // without crossing the ring's end or a block's, is evenly spaced rows.
-__device__ __forceinline__ void issue(const AttendParams& P, const TileRows& T, std::int64_t base,
-                                      unsigned k_stage, unsigned v_stage) {
+[[maybe_unused]] __device__ __forceinline__ void issue(const AttendParams& P, const TileRows& T,
+                                                      std::int64_t base, unsigned k_stage,
+                                                      unsigned v_stage) {
   const int c = static_cast<int>(threadIdx.x) & (kChunks - 1);
   const int r0 = static_cast<int>(threadIdx.x) / kChunks;
   constexpr int kRowStep = kThreads / kChunks;
@@ -375,11 +376,22 @@ __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
   }
 }
 
+// wgmma exists in sm_90a code only: code for other targets traps, and the
+// store refuses the f16 numeric where its device would run that code
+// (f16_numeric_status).
 __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Params A) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   attend_f16_body<2>(A);
+#else
+  __trap();
+#endif
 }
 __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_deep_kernel(const F16Params A) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   attend_f16_body<3>(A);
+#else
+  __trap();
+#endif
 }
 
 // One warp per (query, head): pair blockIdx.y * 4 + warp of tile

@@ -11,6 +11,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/view_rows.h"
@@ -138,6 +139,15 @@ Status cuda::capability_status(int device, const char* name, int major, int mino
                         std::to_string(major) + "." + std::to_string(minor) +
                         "; this build of kvring has kernels only for " KVRING_CUDA_TARGETS
                         " (rebuild with KVRING_CUDA_GENCODE for this GPU)");
+}
+
+Status cuda::f16_numeric_status(int major, int minor, const char* targets) {
+  if (major == 9 && minor == 0 && std::string_view(targets).find("90a") != std::string_view::npos)
+    return Status::Ok();
+  return make_error(ErrorCode::kUnsupported,
+                    "the f16 attention numeric on the GPU needs compute capability 9.0 and a build for "
+                    "sm_90a (its kernels are wgmma); this GPU has " + std::to_string(major) + "." +
+                        std::to_string(minor) + " and this build's targets are " + targets);
 }
 
 int cuda_device_count() {
@@ -453,6 +463,8 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
   KVRING_RETURN_IF_ERROR(
       cuda::capability_status(device, prop.name, prop.major, prop.minor, cuda::kernels_run_here()));
 
+  if (o->attention == AttentionNumeric::kF16)
+    KVRING_RETURN_IF_ERROR(cuda::f16_numeric_status(prop.major, prop.minor, KVRING_CUDA_TARGETS));
   if (o->attention == AttentionNumeric::kF16 &&
       (config.head_dim != cuda::kTensorHeadDim ||
        config.n_heads / config.n_kv_heads > cuda::kF16Rows))

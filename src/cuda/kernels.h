@@ -359,4 +359,10 @@ bool kernels_run_here();
 // (cuda_store.cc).
 Status capability_status(int device, const char* name, int major, int minor, bool kernels_run);
 
+// Whether the f16 numeric's kernels (wgmma, which only sm_90a code has)
+// run on a device of compute capability major.minor with a build for
+// `targets` (KVRING_CUDA_GENCODE): ok on a 9.0 device where the targets
+// include 90a; else kUnsupported naming both (cuda_store.cc).
+Status f16_numeric_status(int major, int minor, const char* targets);
+
 }  // namespace kvring::cuda

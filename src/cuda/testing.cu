@@ -86,4 +86,8 @@ Status check_capability(int major, int minor, bool kernels_run) {
   return capability_status(0, "test", major, minor, kernels_run);
 }
 
+Status check_f16_numeric(int major, int minor, const char* targets) {
+  return f16_numeric_status(major, minor, targets);
+}
+
 }  // namespace kvring::cuda::testing

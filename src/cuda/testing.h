@@ -27,4 +27,8 @@ Result<F16Sweep> sweep_f16_conversion();
 // ok, or kUnsupported naming the capability and the build's targets.
 Status check_capability(int major, int minor, bool kernels_run);
 
+// The f16 numeric's check of store creation for a device of compute
+// capability major.minor and a build for `targets`.
+Status check_f16_numeric(int major, int minor, const char* targets);
+
 }  // namespace kvring::cuda::testing
