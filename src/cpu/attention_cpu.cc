@@ -805,7 +805,6 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
   }
 }
 
-
 void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionShape& shape,
                 std::int64_t first_position, std::int64_t n_queries, std::int64_t chunk_start,
                 const std::uint16_t* chunk_k, const std::uint16_t* chunk_v, const float* q,
