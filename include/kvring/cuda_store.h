@@ -52,7 +52,10 @@ class CudaStore final : public KvStore {
   int device() const;
   cudaStream_t stream() const;
   // Device bytes beside the planes: attention workspace, tagged partials,
-  // the block-table mirror and descriptor buffers (staging included).
+  // the block-table mirror, descriptor buffers (staging included) and the
+  // attention scratch the store keeps between calls (the most one call
+  // took: a prefill chunk's f16 rows and, under the f16 numeric, at most
+  // 512 MiB of partials).
   std::int64_t workspace_bytes() const;
 
  protected:

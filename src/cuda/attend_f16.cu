@@ -17,8 +17,10 @@
 // outside the split) are masked to weight 0; a tile wholly masked for a row
 // leaves its state as it was (the rescale factor is exactly 1 and the
 // weights are zeros), so the tiles a row runs through are in effect its
-// own. Each (query, split, head) partial goes to the workspace; a second
-// kernel combines a query's splits in split order.
+// own. A query of one split has its outputs written by its CTA; a query
+// of more has each (query, split, head) partial go to the workspace, and
+// the last CTA of its tile's splits to arrive combines them in split
+// order: a second kernel.
 //
 // The query rows are independent in the MMAs: an output element is the dot
 // product of its own A row with B, whatever the other rows hold, so a query
@@ -134,6 +136,54 @@ struct TileRows {
   }
 }
 
+// Tile x of the launch (F16Params::tiles).
+__device__ __forceinline__ F16Tile tile_of(const F16Params& A, int x, std::int64_t reach) {
+  if (A.tiles != nullptr) return A.tiles[x];
+  const AttendQueryItem& it = A.P.single;
+  const int per = f16_tile_queries(A.P.n_heads / A.P.n_kv_heads);
+  const std::int32_t i0 = (A.first_tile + x) * per;
+  F16Tile t;
+  t.position = it.first_position + i0;
+  t.item = 0;
+  t.q_first = it.q_first + i0;
+  t.n_queries = min(per, it.n_queries - i0);
+  t.first_split = static_cast<std::int32_t>(max(std::int64_t{0}, t.position - reach) / kSplitRows);
+  return t;
+}
+
+// Output row `qi` (position p), head h: its splits' partials in split
+// order, lane i holding dims 4i .. 4i + 3. A zero output is written as +0.
+__device__ __forceinline__ void combine(const F16Params& A, int qi, std::int64_t p, int h, int lane,
+                                        std::int64_t reach) {
+  const AttendParams& P = A.P;
+  const std::int64_t lo = max(std::int64_t{0}, p - reach);
+  const int n = static_cast<int>(p / kSplitRows - lo / kSplitRows) + 1;
+  const float* part =
+      A.ws + (static_cast<std::int64_t>(qi) * A.query_splits * P.n_heads + h) * kF16PartFloats;
+  const std::int64_t step = static_cast<std::int64_t>(P.n_heads) * kF16PartFloats;
+  float M = -INFINITY;
+  for (int i = 0; i < n; ++i) M = fmaxf(M, __ldcg(part + i * step));
+  float L = 0.0f;
+  float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int i = 0; i < n; ++i) {
+    const float* e = part + i * step;
+    const float w = weight_of(__ldcg(e), M);
+    L += __ldcg(e + 1) * w;
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(e + 4 + 4 * lane));
+    O.x += x.x * w;
+    O.y += x.y * w;
+    O.z += x.z * w;
+    O.w += x.w * w;
+  }
+  float4 r = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+  r.x = r.x == 0.0f ? 0.0f : r.x;
+  r.y = r.y == 0.0f ? 0.0f : r.y;
+  r.z = r.z == 0.0f ? 0.0f : r.z;
+  r.w = r.w == 0.0f ? 0.0f : r.w;
+  *reinterpret_cast<float4*>(P.out + static_cast<std::int64_t>(qi) * P.out_stride +
+                             static_cast<std::int64_t>(h) * HD + 4 * lane) = r;
+}
+
 }  // namespace
 
 // A CTA whose copies run kStages - 1 tiles ahead of its MMAs.
@@ -141,11 +191,11 @@ template <int kStages>
 __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
   static_assert(sizeof(F16Smem<kStages>) == f16_smem_bytes(kStages), "the launch's shared memory");
   const AttendParams& P = A.P;
-  const F16Tile tile = A.tiles[blockIdx.x];
+  const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
+  const F16Tile tile = tile_of(A, static_cast<int>(blockIdx.x), reach);
   const AttendQueryItem it = P.items != nullptr ? P.items[tile.item] : P.single;
   const int kv_head = static_cast<int>(blockIdx.y);
   const int G = P.n_heads / P.n_kv_heads;
-  const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
   const std::int64_t p_first = tile.position;
   const std::int64_t p_last = tile.position + tile.n_queries - 1;
   const std::int64_t lo_first = max(std::int64_t{0}, p_first - reach);
@@ -359,10 +409,25 @@ __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
   }
   const float l[2] = {ls[0], ls[2]};
 
-  // Each live row's partial: m, l, then its 128 unnormalized outputs.
+  // Each live row of a query with one split: its output, o / l, as the
+  // combine of one partial gives it (weight 1) and with zero written as
+  // +0. Of a query with more: its partial, m c, l, then its 128
+  // unnormalized outputs.
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     if (!live[rr]) continue;
+    if (p_r[rr] / kSplitRows == lo_r[rr] / kSplitRows) {
+      float* dst = P.out + static_cast<std::int64_t>(qrow[rr]) * P.out_stride +
+                   static_cast<std::int64_t>(head[rr]) * HD + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        float2 r = make_float2(o[4 * j + 2 * rr] / l[rr], o[4 * j + 2 * rr + 1] / l[rr]);
+        r.x = r.x == 0.0f ? 0.0f : r.x;
+        r.y = r.y == 0.0f ? 0.0f : r.y;
+        *reinterpret_cast<float2*>(dst + 8 * j) = r;
+      }
+      continue;
+    }
     const std::int64_t entry =
         ((static_cast<std::int64_t>(qrow[rr]) * A.query_splits + (s - lo_r[rr] / kSplitRows)) *
              P.n_heads +
@@ -394,47 +459,18 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_deep_kernel(const F
 #endif
 }
 
-// One warp per (query, head): pair blockIdx.y * 4 + warp of tile
-// blockIdx.x, its splits in split order, lane i holding dims 4i .. 4i + 3.
-// A zero output is written as +0.
+// One warp per (query, head) of a query with more than one split: pair
+// blockIdx.y * 4 + warp of tile blockIdx.x.
 __global__ void __launch_bounds__(kF16Threads) attend_f16_combine_kernel(const F16Params A) {
   const AttendParams& P = A.P;
-  const F16Tile tile = A.tiles[blockIdx.x];
   const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
-  const int warp = static_cast<int>(threadIdx.x) >> 5;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int pair = static_cast<int>(blockIdx.y) * kWarps + warp;
-  if (pair < tile.n_queries * P.n_heads) {
-    const int ql = pair / P.n_heads, h = pair % P.n_heads;
-    const int qi = tile.q_first + ql;
-    const std::int64_t p = tile.position + ql;
-    const std::int64_t lo = max(std::int64_t{0}, p - reach);
-    const int n = static_cast<int>(p / kSplitRows - lo / kSplitRows) + 1;
-    const float* part = A.ws + (static_cast<std::int64_t>(qi) * A.query_splits * P.n_heads + h) *
-                                   kF16PartFloats;
-    const std::int64_t step = static_cast<std::int64_t>(P.n_heads) * kF16PartFloats;
-    float M = -INFINITY;
-    for (int i = 0; i < n; ++i) M = fmaxf(M, part[i * step]);
-    float L = 0.0f;
-    float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int i = 0; i < n; ++i) {
-      const float* e = part + i * step;
-      const float w = weight_of(e[0], M);
-      L += e[1] * w;
-      const float4 x = *reinterpret_cast<const float4*>(e + 4 + 4 * lane);
-      O.x += x.x * w;
-      O.y += x.y * w;
-      O.z += x.z * w;
-      O.w += x.w * w;
-    }
-    float4 r = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
-    r.x = r.x == 0.0f ? 0.0f : r.x;
-    r.y = r.y == 0.0f ? 0.0f : r.y;
-    r.z = r.z == 0.0f ? 0.0f : r.z;
-    r.w = r.w == 0.0f ? 0.0f : r.w;
-    *reinterpret_cast<float4*>(P.out + static_cast<std::int64_t>(qi) * P.out_stride +
-                               static_cast<std::int64_t>(h) * HD + 4 * lane) = r;
-  }
+  const F16Tile tile = tile_of(A, static_cast<int>(blockIdx.x), reach);
+  const int pair = static_cast<int>(blockIdx.y) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
+  if (pair >= tile.n_queries * P.n_heads) return;
+  const int ql = pair / P.n_heads;
+  const std::int64_t p = tile.position + ql;
+  if (p / kSplitRows == max(std::int64_t{0}, p - reach) / kSplitRows) return;  // written by its CTA
+  combine(A, tile.q_first + ql, p, pair % P.n_heads, static_cast<int>(threadIdx.x) & 31, reach);
 }
 
 }  // namespace kvring::cuda

@@ -22,8 +22,9 @@ KVRING_HD constexpr std::size_t f16_smem_bytes(int stages) {
 // is all they differ in.
 __global__ void __launch_bounds__(kF16Threads, 3) attend_f16_kernel(const F16Params A);
 __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_deep_kernel(const F16Params A);
-// Each query's splits in split order: grid.x the tile, a warp per (query,
-// head) of it.
+// The splits of each query of more than one in split order, where the
+// kernel did not combine them: grid.x the tile, a warp per (query, head)
+// of it.
 __global__ void __launch_bounds__(kF16Threads) attend_f16_combine_kernel(const F16Params A);
 
 }  // namespace kvring::cuda

@@ -52,6 +52,11 @@ constexpr int kInitialChunks = 4;
 constexpr std::size_t kChunkBytes = std::size_t{64} << 10;
 
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+// Rows the store kernels may read 16 bytes at a time: an aligned start and
+// a stride of whole 16-byte units.
+bool vector_source(const ConstView& x) {
+  return aligned16(x.data) && (x.row_stride * dtype_bytes(x.dtype)) % 16 == 0;
+}
 
 std::int32_t dtype_code(DType d) {
   return d == DType::kF32 ? 0 : d == DType::kF16 ? 1 : 2;
@@ -208,6 +213,13 @@ struct CudaStore::Impl {
   bool chained = false;
   cudaEvent_t chain = nullptr;
 
+  // The stream-ordered scratch of attention calls (the prefill chunk's f16
+  // rows, f16-numeric partials): a pool of the store's that keeps what it
+  // has mapped between calls, so that a call reuses memory rather than
+  // mapping it anew after each synchronization; released with the store.
+  // Null where the device has no pools: the device's default pool.
+  cudaMemPool_t scratch = nullptr;
+
   // Descriptors of the call being enqueued, kept between calls so that a
   // step allocates nothing.
   std::vector<cuda::StoreSpan> span_scratch;
@@ -236,6 +248,7 @@ struct CudaStore::Impl {
     }
     if (chain) cudaEventDestroy(chain);
     if (stream) cudaStreamDestroy(stream);
+    if (scratch) cudaMemPoolDestroy(scratch);
   }
 
   Status activate() const {
@@ -245,6 +258,16 @@ struct CudaStore::Impl {
     return Status::Ok();
   }
   cudaStream_t pick(cudaStream_t s) const { return s ? s : stream; }
+
+  // `bytes` of scratch, stream-ordered on `s`; freed with cudaFreeAsync.
+  Status take_scratch(void** p, std::size_t bytes, const char* what, cudaStream_t s) {
+    const cudaError_t e = scratch != nullptr ? cudaMallocFromPoolAsync(p, bytes, scratch, s)
+                                             : cudaMallocAsync(p, bytes, s);
+    if (e == cudaSuccess) return Status::Ok();
+    *p = nullptr;
+    (void)cudaGetLastError();
+    return cuda_error(std::string("allocating ") + std::to_string(bytes) + " bytes of " + what, e);
+  }
 
   static bool capturing(cudaStream_t s) {
     cudaStreamCaptureStatus c = cudaStreamCaptureStatusNone;
@@ -446,6 +469,13 @@ std::int64_t CudaStore::workspace_bytes() const {
   for (const auto& c : im.chunks) n += static_cast<std::int64_t>(c.bytes);
   for (const DeviceBuffer* b : {&im.stage_k, &im.stage_v, &im.stage_q, &im.stage_out, &im.stage_rows})
     n += static_cast<std::int64_t>(b->bytes());
+  std::uint64_t kept = 0;
+  if (im.scratch != nullptr) {
+    if (cudaMemPoolGetAttribute(im.scratch, cudaMemPoolAttrReservedMemCurrent, &kept) == cudaSuccess)
+      n += static_cast<std::int64_t>(kept);
+    else
+      (void)cudaGetLastError();
+  }
   return n;
 }
 
@@ -485,6 +515,20 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
                     cudaStreamCreateWithFlags(&im.stream, cudaStreamNonBlocking));
   KVRING_CUDA_CHECK("cudaEventCreateWithFlags",
                     cudaEventCreateWithFlags(&im.chain, cudaEventDisableTiming));
+  {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    std::uint64_t keep = UINT64_MAX;
+    if (cudaMemPoolCreate(&im.scratch, &props) != cudaSuccess ||
+        cudaMemPoolSetAttribute(im.scratch, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (im.scratch) cudaMemPoolDestroy(im.scratch);
+      im.scratch = nullptr;
+    }
+  }
   const std::int64_t kv_dim = config.kv_dim();
   const std::int64_t slots = o->max_sequences;
   im.shape = {static_cast<std::int32_t>(kv_dim), static_cast<std::int32_t>(config.head_dim)};
@@ -678,10 +722,7 @@ Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& 
     L.v = {dv->data, dv->row_stride, dtype_code(dv->dtype)};
     L.shape = im.shape;
     L.pool = im.pool;
-    auto vec_ok = [](const ConstView& x) {
-      return aligned16(x.data) && (x.row_stride * dtype_bytes(x.dtype)) % 16 == 0;
-    };
-    L.vector = vec_ok(*dk) && vec_ok(*dv);
+    L.vector = vector_source(*dk) && vector_source(*dv);
     const cudaError_t e = cuda::launch_store_spans(L, s);
     if (e != cudaSuccess) st = cuda_error("store kernel launch", e);
   }
@@ -764,13 +805,12 @@ Status CudaStore::attend(const AttendBatch& b) {
     auto cv = im.stage(*b.chunk_v, im.stage_v, s);
     if (!cv) return im.fail(cv.status(), s);
     const std::size_t elems = static_cast<std::size_t>(ck->rows * kv_dim);
-    KVRING_CUDA_CHECK("cudaMallocAsync of the prefill chunk",
-                      cudaMallocAsync(reinterpret_cast<void**>(&chunk), elems * 4, s));
-    cudaError_t e = cuda::launch_convert_rows({ck->data, ck->row_stride, dtype_code(ck->dtype)},
-                                              ck->rows, static_cast<std::int32_t>(kv_dim), chunk, s);
-    if (e == cudaSuccess)
-      e = cuda::launch_convert_rows({cv->data, cv->row_stride, dtype_code(cv->dtype)}, cv->rows,
-                                    static_cast<std::int32_t>(kv_dim), chunk + elems, s);
+    if (Status a = im.take_scratch(reinterpret_cast<void**>(&chunk), elems * 4, "the prefill chunk's rows", s);
+        !a.ok())
+      return im.fail(a, s);
+    const cudaError_t e = cuda::launch_convert_kv(
+        {ck->data, ck->row_stride, dtype_code(ck->dtype)}, {cv->data, cv->row_stride, dtype_code(cv->dtype)},
+        ck->rows, static_cast<std::int32_t>(kv_dim), vector_source(*ck) && vector_source(*cv), chunk, s);
     if (e != cudaSuccess) st = cuda_error("convert kernel launch", e);
   }
 
@@ -968,7 +1008,8 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
 // The f16 numeric's launches: tiles of consecutive queries of one item, a
 // workspace of one partial per (query, split, head) taken stream-ordered
 // for the call, and the kernel and its combine per launch (kernels.h, "The
-// f16 numeric").
+// f16 numeric"). A call of one item uploads nothing: the kernels derive
+// its tiles from the item.
 Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t q_stride,
                              float* dout, std::int64_t out_stride, const std::uint16_t* chunk,
                              cudaStream_t s) {
@@ -1028,38 +1069,46 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
     t.q_first -= static_cast<std::int32_t>(L.q0);
     L.count += 1;
     L.queries += t.n_queries;
-    const std::int64_t p_last = t.position + t.n_queries - 1;
-    L.max_splits = std::max(L.max_splits, static_cast<int>(p_last / R - t.first_split + 1));
-    L.ctas += (p_last / R - t.first_split + 1) * config_.n_kv_heads;
+    const int splits = static_cast<int>((t.position + t.n_queries - 1) / R - t.first_split + 1);
+    L.max_splits = std::max(L.max_splits, splits);
+    L.ctas += splits * config_.n_kv_heads;
     most_queries = std::max(most_queries, L.queries);
   }
 
-  // Items, then tiles, in one descriptor upload.
+  // Items, then tiles, in one descriptor upload, where there is more than
+  // one item.
+  const bool single = items.size() == 1;
   const std::size_t item_bytes = items.size() * sizeof(cuda::AttendQueryItem);
   const std::size_t tile_bytes = tiles.size() * sizeof(cuda::F16Tile);
-  auto c = im.take_chunk(item_bytes + tile_bytes, s);
-  if (!c) return c.status();
-  Impl::Chunk* desc = *c;
-  std::memcpy(desc->host, items.data(), item_bytes);
-  std::memcpy(desc->host + item_bytes, tiles.data(), tile_bytes);
-  Status st = im.upload_chunk(*desc, item_bytes + tile_bytes, s);
+  Impl::Chunk* desc = nullptr;
+  Status st = Status::Ok();
+  if (!single) {
+    auto c = im.take_chunk(item_bytes + tile_bytes, s);
+    if (!c) return c.status();
+    desc = *c;
+    std::memcpy(desc->host, items.data(), item_bytes);
+    std::memcpy(desc->host + item_bytes, tiles.data(), tile_bytes);
+    st = im.upload_chunk(*desc, item_bytes + tile_bytes, s);
+  }
   float* ws = nullptr;
-  if (st.ok()) {
-    const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&ws),
-                                          static_cast<std::size_t>(most_queries * per_query), s);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      st = cuda_error("cudaMallocAsync of the attention workspace", e);
-    }
+  if (st.ok() && query_splits > 1) {
+    st = im.take_scratch(reinterpret_cast<void**>(&ws), static_cast<std::size_t>(most_queries * per_query),
+                         "the attention workspace", s);
   }
   for (const Launch& L : launches) {
     if (!st.ok()) break;
     cuda::F16Params F;
     cuda::AttendParams& P = F.P;
-    P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev);
+    if (single) {
+      P.single = items[0];
+      P.single.q_first -= static_cast<std::int32_t>(L.q0);
+      F.first_tile = static_cast<std::int32_t>(L.first);
+    } else {
+      P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev);
+      F.tiles = reinterpret_cast<const cuda::F16Tile*>(desc->dev + item_bytes) + L.first;
+    }
     P.n_items = static_cast<std::int32_t>(items.size());
     launch_params(b, dq, q_stride, dout, out_stride, chunk, L.q0, L.queries, P);
-    F.tiles = reinterpret_cast<const cuda::F16Tile*>(desc->dev + item_bytes) + L.first;
     F.n_tiles = static_cast<std::int32_t>(L.count);
     F.ctas = L.ctas;
     F.max_splits = L.max_splits;
@@ -1072,7 +1121,7 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
     const cudaError_t e = cudaFreeAsync(ws, s);
     if (e != cudaSuccess && st.ok()) st = cuda_error("cudaFreeAsync", e);
   }
-  if (st.ok()) st = im.release_chunk(desc, s);
+  if (desc != nullptr && st.ok()) st = im.release_chunk(desc, s);
   return st;
 }
 

@@ -81,10 +81,12 @@ struct StoreLaunch {
 };
 cudaError_t launch_store_spans(const StoreLaunch& launch, cudaStream_t stream);
 
-// Source rows [0, rows) -> f16 [rows, kv_dim] packed (the prefill chunk),
-// with the store's conversion.
-cudaError_t launch_convert_rows(SourceRows src, std::int64_t rows, std::int32_t cols,
-                                std::uint16_t* dst, cudaStream_t stream);
+// Source rows [0, rows) of K and of V -> f16 [rows, cols] packed, K's at
+// dst and V's after them (the prefill chunk), with the store's conversion;
+// one launch. `vector`: cols % 8 == 0 and 16-byte aligned sources and
+// strides.
+cudaError_t launch_convert_kv(SourceRows k, SourceRows v, std::int64_t rows, std::int32_t cols,
+                              bool vector, std::uint16_t* dst, cudaStream_t stream);
 
 // ---- Block tables ------------------------------------------------------------
 
@@ -311,19 +313,26 @@ struct F16Params {
   // The launch's items, planes, chunk, queries, outputs and geometry (the
   // split-path fields are unused).
   AttendParams P;
-  const F16Tile* tiles = nullptr;  // device memory
+  // The launch's tiles in device memory; or, when null, the tiles of the
+  // one item P.single from its tile first_tile on (P.single.q_first is
+  // then the item's first query row relative to the launch's).
+  const F16Tile* tiles = nullptr;
+  std::int32_t first_tile = 0;
   std::int32_t n_tiles = 0;
   // CTAs with rows to read: over tiles, the splits a tile's queries see,
   // times the KV heads (host-side, for the launch rule).
   std::int64_t ctas = 0;
   std::int32_t max_splits = 0;     // grid.z: the most splits of any tile
   // Partials [query][split of the query][head][kF16PartFloats], split
-  // counted from the query's first; query_splits of them a query.
+  // counted from the query's first; query_splits of them a query. Unused
+  // by queries of one split, whose CTAs write their outputs themselves
+  // (null when every query has one).
   float* ws = nullptr;
   std::int32_t query_splits = 0;
 };
-// The f16 kernel over every tile, then the combine of every query (two
-// launches on `stream`), the kernel by `policy` (launch_policy.h).
+// The f16 kernel over every tile, the kernel by `policy`
+// (launch_policy.h), then where a query has more than one split the
+// combine (two launches on `stream`).
 cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& policy, cudaStream_t stream);
 
 // Work items per query (grid.y) and query heads per item for a geometry.

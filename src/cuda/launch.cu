@@ -335,7 +335,7 @@ cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& polic
     attend_f16_kernel<<<grid, kF16Threads, f16_smem_bytes(2), stream>>>(params);
   }
   e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
+  if (e != cudaSuccess || params.ws == nullptr) return e;
   // The combine: a warp per (query, head) of a tile.
   const int pairs = f16_tile_queries(params.P.n_heads / params.P.n_kv_heads) * params.P.n_heads;
   constexpr int kWarps = kF16Threads / 32;

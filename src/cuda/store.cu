@@ -135,10 +135,20 @@ __global__ void __launch_bounds__(kThreads) store_spans_kernel(StoreLaunch a) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) convert_kernel(SourceRows src, std::int64_t rows,
-                                                           std::int32_t cols, std::uint16_t* dst) {
-  for_each_unit<1>(rows, cols, [&](std::int64_t r, std::int64_t e) {
-    dst[r * cols + e] = source_f16(src, r, e);
+// Rows [0, rows) are K's, [rows, 2 rows) V's; dst holds them in that
+// order.
+template <int kPer>
+__global__ void __launch_bounds__(kThreads) convert_kv_kernel(SourceRows k, SourceRows v,
+                                                              std::int64_t rows, std::int32_t cols,
+                                                              std::uint16_t* dst) {
+  for_each_unit<kPer>(2 * rows, cols, [&](std::int64_t r, std::int64_t e) {
+    const bool is_v = r >= rows;
+    const SourceRows src = is_v ? v : k;
+    const std::int64_t sr = is_v ? r - rows : r;
+    if constexpr (kPer == 8)
+      *reinterpret_cast<uint4*>(dst + r * cols + e) = source_f16x8(src, sr, e);
+    else
+      dst[r * cols + e] = source_f16(src, sr, e);
   });
 }
 
@@ -193,10 +203,13 @@ cudaError_t launch_store_spans(const StoreLaunch& a, cudaStream_t stream) {
   return launched();
 }
 
-cudaError_t launch_convert_rows(SourceRows src, std::int64_t rows, std::int32_t cols,
-                                std::uint16_t* dst, cudaStream_t stream) {
+cudaError_t launch_convert_kv(SourceRows k, SourceRows v, std::int64_t rows, std::int32_t cols,
+                              bool vector, std::uint16_t* dst, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  convert_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(src, rows, cols, dst);
+  if (vector && cols % 8 == 0)
+    convert_kv_kernel<8><<<blocks_for(2 * rows * cols / 8), kThreads, 0, stream>>>(k, v, rows, cols, dst);
+  else
+    convert_kv_kernel<1><<<blocks_for(2 * rows * cols), kThreads, 0, stream>>>(k, v, rows, cols, dst);
   return launched();
 }
 

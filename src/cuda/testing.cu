@@ -71,10 +71,11 @@ Result<F16Sweep> sweep_f16_conversion() {
     // The device's answer for that input, for the report.
     std::uint16_t* d16 = nullptr;
     float* dx = nullptr;
-    if (cudaMalloc(&d16, sizeof(std::uint16_t)) == cudaSuccess &&
+    if (cudaMalloc(&d16, 2 * sizeof(std::uint16_t)) == cudaSuccess &&
         cudaMalloc(&dx, sizeof(float)) == cudaSuccess &&
         cudaMemcpy(dx, &x, sizeof x, cudaMemcpyHostToDevice) == cudaSuccess &&
-        launch_convert_rows(SourceRows{dx, 1, 0}, 1, 1, d16, nullptr) == cudaSuccess)
+        launch_convert_kv(SourceRows{dx, 1, 0}, SourceRows{dx, 1, 0}, 1, 1, false, d16, nullptr) ==
+            cudaSuccess)
       cudaMemcpy(&s.first_device, d16, sizeof(std::uint16_t), cudaMemcpyDeviceToHost);
     cudaFree(d16);
     cudaFree(dx);
