@@ -212,6 +212,25 @@ double time_us(cudaStream_t stream, int warmup, int runs, const std::function<vo
   return median(t);
 }
 
+// Median microseconds of `body`'s work captured once into a CUDA graph on
+// `stream` and replayed, each replay after `flush` where one is given.
+double graph_us(cudaStream_t stream, int runs, const std::function<void()>& body,
+                const std::function<void(cudaStream_t)>& flush = {}) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  body();
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const double us = time_us(stream, 5, runs, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); },
+                            [&] {
+                              if (flush) flush(stream);
+                            });
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return us;
+}
+
 // Median microseconds of a synchronous host call, by the host clock.
 double wall_us(int warmup, int runs, const std::function<void()>& call) {
   for (int i = 0; i < warmup; ++i) call();
@@ -456,15 +475,7 @@ int main(int argc, char** argv) {
     add({"store 1 token, 52 layers: 52 launches", time_us(cs, 5, 100, store_all_loop)});
     // The same 52 launches captured once and replayed: a replay rewrites the
     // rows of the captured position (the graph holds fixed arguments).
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeRelaxed));
-    store_all_loop();
-    CHECK_CUDA(cudaStreamEndCapture(cs, &graph));
-    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    add({"store 1 token, 52 layers: CUDA graph", time_us(cs, 10, 200, [&] { CHECK_CUDA(cudaGraphLaunch(exec, cs)); })});
-    CHECK_CUDA(cudaGraphExecDestroy(exec));
-    CHECK_CUDA(cudaGraphDestroy(graph));
+    add({"store 1 token, 52 layers: CUDA graph", graph_us(cs, 200, store_all_loop)});
     // One fused launch: sources [L, kv].
     add({"store 1 token, 52 layers: one fused launch",
          time_us(cs, 10, 200, [&] { check(c->store_token_all_layers_device(pos, sk, sv), "store"); ++pos; })});
@@ -494,15 +505,9 @@ int main(int argc, char** argv) {
       add({name + ": launches", time_us(cs, 2, chunk_runs, store_chunk), bytes, "D2D copy", d2d,
            chunk == max_chunk ? ">= 70% of copy" : "", chunk == max_chunk ? 0 : -1});
       if (chunk == max_chunk) rows.back().met = rows.back().ratio() >= 0.70;
-      CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeRelaxed));
-      store_chunk();
-      CHECK_CUDA(cudaStreamEndCapture(cs, &graph));
-      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-      add({name + ": CUDA graph", time_us(cs, 3, 20, [&] { CHECK_CUDA(cudaGraphLaunch(exec, cs)); }), bytes,
-           "D2D copy", d2d, chunk == max_chunk ? ">= 70% of copy" : "", -1});
+      add({name + ": CUDA graph", graph_us(cs, 20, store_chunk), bytes, "D2D copy", d2d,
+           chunk == max_chunk ? ">= 70% of copy" : "", -1});
       if (chunk == max_chunk) rows.back().met = rows.back().ratio() >= 0.70;
-      CHECK_CUDA(cudaGraphExecDestroy(exec));
-      CHECK_CUDA(cudaGraphDestroy(graph));
       // Every layer's rows in one call: sources [L, chunk, kv], window run %
       // windows of the buffer.
       check(c->reset(), "reset");
@@ -732,6 +737,27 @@ int main(int argc, char** argv) {
                      flush_c),
              2048.0 * 1024, "D2D copy", d2d});
         std::printf("  %.1f TFLOP/s\n", tflops(512.0 * 2048 * flop_row, rows.back().us));
+        // The same call's device work alone (captured once into a graph),
+        // and the host's time to enqueue it, on layers not yet used.
+        const std::int64_t graph_layer = sliding[next++];
+        add({"prefill attention, 512 tokens on a wrapped 2048 ring, graph" + tag,
+             graph_us(cs, reps,
+                      [&] {
+                        check(c->prefill_device(graph_layer, start, chunk, sk + start * kv, sv + start * kv, q,
+                                                out),
+                              "prefill");
+                      },
+                      read_flush),
+             2048.0 * 1024, "D2D copy", d2d});
+        add({"prefill attention, 512 tokens on a wrapped 2048 ring, host enqueue" + tag,
+             enqueue_us(
+                 static_cast<int>(std::min<std::size_t>(sliding.size() - next, 13)) - 3,
+                 [&] {
+                   check(c->prefill_device(sliding[next++], start, chunk, sk + start * kv, sv + start * kv, q,
+                                           out),
+                         "prefill");
+                 },
+                 [&] { check(c->synchronize(), "prefill"); })});
       }
       // A whole prompt through one full and one sliding layer.
       {
@@ -1007,18 +1033,7 @@ int main(int argc, char** argv) {
         check(c->attend_decode_device(l, pos, q + l * qn, out + l * qn), "decode");
       }
     };
-    auto graph_time = [&](const std::function<void()>& body) {
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeRelaxed));
-      body();
-      CHECK_CUDA(cudaStreamEndCapture(cs, &graph));
-      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-      const double us = time_us(cs, 5, reps, [&] { CHECK_CUDA(cudaGraphLaunch(exec, cs)); }, [&] { read_flush(cs); });
-      CHECK_CUDA(cudaGraphExecDestroy(exec));
-      CHECK_CUDA(cudaGraphDestroy(graph));
-      return us;
-    };
+    auto graph_time = [&](const std::function<void()>& body) { return graph_us(cs, reps, body, read_flush); };
     add({"decode step at 131072, 52 x (store + attend), graph", graph_time(step), bytes, "D2D copy", d2d,
          "<= 1.3x the bytes at copy", 0});
     rows.back().met = rows.back().ratio() >= 1 / 1.3;
