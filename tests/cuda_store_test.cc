@@ -279,6 +279,38 @@ TEST(CudaStore, SnapshotsRoundTripAfterWraps) {
 }
 
 // Refused calls change nothing.
+// The scratch of a prefill call (its chunk's f16 rows) stays with the
+// store, counted by workspace_bytes, until release_scratch hands it back;
+// calls after that take it again and give the same outputs.
+TEST(CudaStore, ScratchStaysUntilReleased) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = config();
+  auto made = CudaStore::create(c, options());
+  ASSERT_TRUE(made.ok()) << made.error().to_string();
+  CudaStore& st = **made;
+  const std::int64_t n = 100, kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  const std::vector<float> k = random_floats(static_cast<std::size_t>(n * kv), 1);
+  const std::vector<float> v = random_floats(static_cast<std::size_t>(n * kv), 2);
+  const std::vector<float> q = random_floats(static_cast<std::size_t>(n * width), 3);
+  std::vector<float> first(static_cast<std::size_t>(n * width)), again(first.size());
+  auto prefill = [&](std::int64_t layer, std::vector<float>& out) {
+    auto id = st.add_sequence();
+    ASSERT_TRUE(id.ok());
+    const SeqSpan span{*id, 0, n};
+    ASSERT_TRUE(st.prefill(layer, std::span(&span, 1), host_view(k.data(), n, kv), host_view(v.data(), n, kv),
+                           host_view(q.data(), n, width), host_view(out.data(), n, width))
+                    .ok());
+  };
+  prefill(0, first);
+  const std::int64_t kept = st.workspace_bytes();
+  ASSERT_TRUE(st.release_scratch().ok());
+  const std::int64_t released = st.workspace_bytes();
+  EXPECT_GE(kept - released, n * kv * 2 * 2) << "the chunk's f16 K and V rows";
+  prefill(0, again);
+  EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(float)), 0);
+  EXPECT_EQ(st.workspace_bytes(), kept);
+}
+
 TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = config();

@@ -57,6 +57,10 @@ class CudaStore final : public KvStore {
   // took: a prefill chunk's f16 rows and, under the f16 numeric, at most
   // 512 MiB of partials).
   std::int64_t workspace_bytes() const;
+  // Hands the attention scratch the store keeps between calls back to the
+  // device, once the work enqueued on the store so far is done (waits for
+  // it); the next call that needs scratch maps it again.
+  Status release_scratch();
 
  protected:
   Status check_view(const char* what, MemorySpace space, DType dtype,

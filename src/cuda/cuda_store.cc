@@ -479,6 +479,19 @@ std::int64_t CudaStore::workspace_bytes() const {
   return n;
 }
 
+Status CudaStore::release_scratch() {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  if (im.scratch == nullptr) return Status::Ok();
+  KVRING_RETURN_IF_ERROR(im.activate());
+  // Scratch freed on a stream returns to the pool when that stream reaches
+  // the free: the store's last work, which `chain` follows.
+  if (im.chained) KVRING_CUDA_CHECK("cudaEventSynchronize", cudaEventSynchronize(im.chain));
+  KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(im.stream));
+  KVRING_CUDA_CHECK("cudaMemPoolTrimTo", cudaMemPoolTrimTo(im.scratch, 0));
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
                                                      StoreOptions options,
                                                      const cuda::LaunchPolicy* policy) {
