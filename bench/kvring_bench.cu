@@ -3,7 +3,7 @@
 //
 //   kvring-bench [--json FILE] [--quick]
 //                [--only store|decode|ring|prefill|batch|step|memory]
-//                [--numeric f32|f16] [--f16-stages 2|3]
+//                [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -307,8 +307,8 @@ void write_json(const std::string& path, const std::string& device, int sms) {
   std::fclose(f);
 }
 
-// The launch policy of the single-sequence stores: the device's, with
-// --f16-stages forcing the f16 numeric's kernel.
+// The launch policy of the stores: the device's, with --f16-stages forcing
+// the f16 numeric's kernel and --split-run the runs of splits.
 kvring::cuda::LaunchPolicy g_policy;
 
 std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0,
@@ -325,8 +325,8 @@ std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t con
 // sequence: from position 0, counts[i] rows.
 std::pair<std::unique_ptr<kvring::KvStore>, std::vector<SeqSpan>> store_with(
     const kvring::ModelConfig& cfg, std::int64_t context, const std::vector<std::int64_t>& counts) {
-  auto st = kvring::make_store(kvring::BackendKind::kCuda, cfg,
-                               {.max_sequences = static_cast<std::int64_t>(counts.size()), .context = context});
+  auto st = kvring::CudaStore::create(
+      cfg, {.max_sequences = static_cast<std::int64_t>(counts.size()), .context = context}, &g_policy);
   check(st.status(), "creating a store");
   std::vector<SeqSpan> spans;
   for (const std::int64_t c : counts) {
@@ -342,7 +342,7 @@ std::pair<std::unique_ptr<kvring::KvStore>, std::vector<SeqSpan>> store_with(
 void print_usage(std::FILE* out) {
   std::fputs(
       "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|step|memory]\n"
-      "                    [--numeric f32|f16] [--f16-stages 2|3]\n"
+      "                    [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
@@ -350,6 +350,7 @@ void print_usage(std::FILE* out) {
       "  --only PARTS run these parts (comma-separated)\n"
       "  --numeric N  prefill figures under attention numeric N only (f32 or f16)\n"
       "  --f16-stages S  the f16 numeric's kernel of S stages (2 or 3), not the launch rule's\n"
+      "  --split-run N   decode CTAs take runs of up to N splits (1-64), not the launch rule's\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -360,6 +361,7 @@ int main(int argc, char** argv) {
   std::string json, only, numeric;
   bool quick = false;
   int f16_stages = 0;
+  int split_run = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -381,6 +383,14 @@ int main(int argc, char** argv) {
         return 2;
       }
       f16_stages = std::stoi(v);
+    } else if (a == "--split-run" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v.empty() || v.size() > 2 || v.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoi(v) < 1 || std::stoi(v) > 64) {
+        print_usage(stderr);
+        return 2;
+      }
+      split_run = std::stoi(v);
     } else if (a == "--help" || a == "-h") {
       print_usage(stdout);
       return 0;
@@ -395,6 +405,7 @@ int main(int argc, char** argv) {
   }
   g_policy = kvring::cuda::device_launch_policy();
   g_policy.f16_stages = f16_stages;
+  g_policy.split_run = split_run;
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB; kvring-bench%s\n\n", prop.name, prop.multiProcessorCount,
