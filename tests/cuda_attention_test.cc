@@ -405,12 +405,13 @@ TEST(CudaF16, LongChunkGivesDecodeBits) {
                                  {.max_sequences = 1, .context = len, .attention = AttentionNumeric::kF16}, 79);
 }
 
-// Under the f16 numeric with a window of 4 rows, a chunk across position
-// 2048 holds a tile of queries that spans two splits while each of its
-// queries sees one: every query gets the bits of its one-token decode.
+// Under the f16 numeric with a window of one row, a chunk across position
+// 2048 holds, on the sliding layer, a tile of queries that spans two
+// splits while each of its queries sees one (the call has no workspace);
+// every query gets the bits of its one-token decode.
 TEST(CudaF16, TileAcrossASplitOfOneSplitQueriesGivesDecodeBits) {
   KVRING_SKIP_WITHOUT_GPU();
-  expect_chunk_gives_decode_bits(make_hybrid_config("f16-w4", 2, 2, 16, 2, 128, 4, 2304), 2100, 2001,
+  expect_chunk_gives_decode_bits(make_hybrid_config("f16-w1", 2, 2, 16, 2, 128, 1, 2304), 2100, 2001,
                                  {.max_sequences = 1, .context = 2304, .attention = AttentionNumeric::kF16}, 81);
 }
 

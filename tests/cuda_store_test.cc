@@ -278,7 +278,6 @@ TEST(CudaStore, SnapshotsRoundTripAfterWraps) {
   }
 }
 
-// Refused calls change nothing.
 // The scratch of a prefill call (its chunk's f16 rows) stays with the
 // store, counted by workspace_bytes, until release_scratch hands it back;
 // calls after that take it again and give the same outputs.
@@ -308,9 +307,10 @@ TEST(CudaStore, ScratchStaysUntilReleased) {
   EXPECT_GE(kept - released, n * kv * 2 * 2) << "the chunk's f16 K and V rows";
   prefill(0, again);
   EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(float)), 0);
-  EXPECT_EQ(st.workspace_bytes(), kept);
+  EXPECT_GE(st.workspace_bytes(), released + n * kv * 2 * 2);
 }
 
+// Refused calls change nothing.
 TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = config();

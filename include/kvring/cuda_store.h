@@ -53,13 +53,15 @@ class CudaStore final : public KvStore {
   cudaStream_t stream() const;
   // Device bytes beside the planes: attention workspace, tagged partials,
   // the block-table mirror, descriptor buffers (staging included) and the
-  // attention scratch the store keeps between calls (the most one call
-  // took: a prefill chunk's f16 rows and, under the f16 numeric, at most
-  // 512 MiB of partials).
+  // attention scratch the store keeps between calls: what its pool has
+  // mapped, at least the most one call took (a prefill chunk's f16 rows
+  // and, under the f16 numeric, at most 512 MiB of partials), until
+  // release_scratch.
   std::int64_t workspace_bytes() const;
   // Hands the attention scratch the store keeps between calls back to the
   // device, once the work enqueued on the store so far is done (waits for
-  // it); the next call that needs scratch maps it again.
+  // it); the next call that needs scratch maps it again. Refused while the
+  // store's last stream is being captured into a graph.
   Status release_scratch();
 
  protected:

@@ -18,9 +18,8 @@
 // leaves its state as it was (the rescale factor is exactly 1 and the
 // weights are zeros), so the tiles a row runs through are in effect its
 // own. A query of one split has its outputs written by its CTA; a query
-// of more has each (query, split, head) partial go to the workspace, and
-// the last CTA of its tile's splits to arrive combines them in split
-// order: a second kernel.
+// of more has each (query, split, head) partial go to the workspace, and a
+// second kernel combines them in split order.
 //
 // The query rows are independent in the MMAs: an output element is the dot
 // product of its own A row with B, whatever the other rows hold, so a query

@@ -484,6 +484,9 @@ Status CudaStore::release_scratch() {
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   if (im.scratch == nullptr) return Status::Ok();
   KVRING_RETURN_IF_ERROR(im.activate());
+  if (Impl::capturing(im.stream) || (im.chained && Impl::capturing(im.last)))
+    return invalid_argument("release_scratch: the store's stream is being captured into a graph; "
+                            "call it outside the capture");
   // Scratch freed on a stream returns to the pool when that stream reaches
   // the free: the store's last work, which `chain` follows.
   if (im.chained) KVRING_CUDA_CHECK("cudaEventSynchronize", cudaEventSynchronize(im.chain));
