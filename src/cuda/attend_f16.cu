@@ -135,6 +135,15 @@ struct TileRows {
   }
 }
 
+// How far back a query sees: rows from max(0, p - reach).
+__device__ __forceinline__ std::int64_t reach_of(const AttendParams& P) {
+  return P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
+}
+// The split of the first row a query at position p sees.
+__device__ __forceinline__ std::int64_t first_split_of(std::int64_t p, std::int64_t reach) {
+  return max(std::int64_t{0}, p - reach) / kSplitRows;
+}
+
 // Tile x of the launch (F16Params::tiles).
 __device__ __forceinline__ F16Tile tile_of(const F16Params& A, int x, std::int64_t reach) {
   if (A.tiles != nullptr) return A.tiles[x];
@@ -146,7 +155,7 @@ __device__ __forceinline__ F16Tile tile_of(const F16Params& A, int x, std::int64
   t.item = 0;
   t.q_first = it.q_first + i0;
   t.n_queries = min(per, it.n_queries - i0);
-  t.first_split = static_cast<std::int32_t>(max(std::int64_t{0}, t.position - reach) / kSplitRows);
+  t.first_split = static_cast<std::int32_t>(first_split_of(t.position, reach));
   return t;
 }
 
@@ -155,8 +164,7 @@ __device__ __forceinline__ F16Tile tile_of(const F16Params& A, int x, std::int64
 __device__ __forceinline__ void combine(const F16Params& A, int qi, std::int64_t p, int h, int lane,
                                         std::int64_t reach) {
   const AttendParams& P = A.P;
-  const std::int64_t lo = max(std::int64_t{0}, p - reach);
-  const int n = static_cast<int>(p / kSplitRows - lo / kSplitRows) + 1;
+  const int n = static_cast<int>(p / kSplitRows - first_split_of(p, reach)) + 1;
   const float* part =
       A.ws + (static_cast<std::int64_t>(qi) * A.query_splits * P.n_heads + h) * kF16PartFloats;
   const std::int64_t step = static_cast<std::int64_t>(P.n_heads) * kF16PartFloats;
@@ -190,7 +198,7 @@ template <int kStages>
 __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
   static_assert(sizeof(F16Smem<kStages>) == f16_smem_bytes(kStages), "the launch's shared memory");
   const AttendParams& P = A.P;
-  const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
+  const std::int64_t reach = reach_of(P);
   const F16Tile tile = tile_of(A, static_cast<int>(blockIdx.x), reach);
   const AttendQueryItem it = P.items != nullptr ? P.items[tile.item] : P.single;
   const int kv_head = static_cast<int>(blockIdx.y);
@@ -462,13 +470,13 @@ __global__ void __launch_bounds__(kF16Threads, 2) attend_f16_deep_kernel(const F
 // blockIdx.y * 4 + warp of tile blockIdx.x.
 __global__ void __launch_bounds__(kF16Threads) attend_f16_combine_kernel(const F16Params A) {
   const AttendParams& P = A.P;
-  const std::int64_t reach = P.window > 0 ? P.window - 1 : (std::int64_t{1} << 62);
+  const std::int64_t reach = reach_of(P);
   const F16Tile tile = tile_of(A, static_cast<int>(blockIdx.x), reach);
   const int pair = static_cast<int>(blockIdx.y) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
   if (pair >= tile.n_queries * P.n_heads) return;
   const int ql = pair / P.n_heads;
   const std::int64_t p = tile.position + ql;
-  if (p / kSplitRows == max(std::int64_t{0}, p - reach) / kSplitRows) return;  // written by its CTA
+  if (p / kSplitRows == first_split_of(p, reach)) return;  // written by its CTA
   combine(A, tile.q_first + ql, p, pair % P.n_heads, static_cast<int>(threadIdx.x) & 31, reach);
 }
 
