@@ -280,7 +280,9 @@ TEST(CudaStore, SnapshotsRoundTripAfterWraps) {
 
 // The scratch of a prefill call (its chunk's f16 rows) stays with the
 // store, counted by workspace_bytes, until release_scratch hands it back;
-// calls after that take it again and give the same outputs.
+// calls after that take it again and give the same outputs. While the
+// store's stream is being captured, release_scratch refuses and the
+// capture goes on.
 TEST(CudaStore, ScratchStaysUntilReleased) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = config();
@@ -308,6 +310,16 @@ TEST(CudaStore, ScratchStaysUntilReleased) {
   prefill(0, again);
   EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(float)), 0);
   EXPECT_GE(st.workspace_bytes(), released + n * kv * 2 * 2);
+
+  ASSERT_EQ(cudaStreamBeginCapture(st.stream(), cudaStreamCaptureModeRelaxed), cudaSuccess);
+  const Status refused = st.release_scratch();
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(st.stream(), &graph), cudaSuccess);
+  cudaGraphDestroy(graph);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(refused.to_string().find("captured"), std::string::npos) << refused.to_string();
+  EXPECT_GE(st.workspace_bytes(), released + n * kv * 2 * 2) << "a refused release keeps the scratch";
 }
 
 // Refused calls change nothing.
