@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
     if (d < hd) warp_o[warp][d] = o[i];
   }
   __syncthreads();
-  finish<false>(P, sh, part_o, nullptr, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, 1, 1,
-                head);
+  finish<false>(P, sh, part_o, nullptr, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, r.split, 1,
+                1, head);
 }
 
 

@@ -253,7 +253,6 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
   int stage = 0;
-  unsigned owed = 0;  // group combines owed by the run (finish_in_run)
 #pragma unroll 1
   for (std::int64_t base = a; base < b; base += kWarpStride) {
     // Lanes read pieces other lanes copied: every lane's reads of the
@@ -355,8 +354,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<float2*>(po + 8 * j) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
       __syncthreads();
-      owed |= finish_in_run(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0] + stage_off), kWarpArea / 4},
-                            r, kTensorHeads);
+      publish_in_run(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0] + stage_off), kWarpArea / 4}, r,
+                     kTensorHeads);
       ++r.split;
       split_end += r.split_rows;
       m = -INFINITY;
@@ -382,12 +381,10 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
     *reinterpret_cast<float2*>(so + 8 * j) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
   __syncthreads();
   CombineSpace& space = reinterpret_cast<Warp0Finish*>(S.area[0])->combine;
+  const int run_first = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x) * F.split_run;
   finish<true>(P, sh, space.part_o, &space.resident,
-               WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4}, r,
+               WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4}, r, run_first,
                kTensorHeads, heads_valid, head0);
-  if (owed != 0)
-    pay_owed(sh, workspace_of(P, r, kTensorHeads), r.n_splits, r.item_splits, owed, kTensorHeads, HD, heads_valid,
-             P.out + static_cast<std::int64_t>(r.qi) * P.out_stride + static_cast<std::int64_t>(head0) * HD);
 }
 
 }  // namespace kvring::cuda

@@ -35,7 +35,7 @@ struct Shared {
   float head_m[kTensorHeads];
   float head_l[kTensorHeads];
   float part_ml[kTensorHeads * 2];  // this CTA's [head][m, l] in a cluster
-  int last;
+  unsigned last;  // arrive_last's and arrive_run's answer to the CTA
 };
 // This CTA's partial [head * head_dim + dim] (16-byte aligned) when the
 // splits combine through the cluster's shared memory.
@@ -396,7 +396,44 @@ __device__ __forceinline__ bool arrive_last(unsigned& counter, int expected, Sha
       counter = 0;
       __threadfence();
     }
-    sh.last = last;
+    sh.last = last ? 1u : 0u;
+  }
+  __syncthreads();
+  return sh.last != 0;
+}
+
+// Counts the splits [s0, s1] of a CTA's run in at once, after their
+// partials (written by any of its threads) are published: at the item's
+// counter with one level, else at each group's counter the run's splits
+// in that group. Returns bit g for each group g the run completed (bit 0:
+// the item, with one level); the CTA that completes a counter resets it
+// for the next launch and then sees every arrival's writes. One fence and
+// one atomic a group, not a split: the splits inside a run publish their
+// partials without arriving (publish_in_run).
+__device__ __forceinline__ unsigned arrive_run(unsigned* counters, int n, int s0, int s1, Shared& sh) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned done = 0;
+    if (attend_groups(n) == 0) {
+      const unsigned count = static_cast<unsigned>(s1 - s0 + 1);
+      if (atomicAdd(&counters[0], count) + count == static_cast<unsigned>(n)) {
+        counters[0] = 0;
+        done = 1u;
+      }
+    } else {
+      for (int g = s0 / kAttendGroup; g <= s1 / kAttendGroup; ++g) {
+        const int first = g * kAttendGroup;
+        const int end = min(first + kAttendGroup, n);
+        const unsigned count = static_cast<unsigned>(min(s1 + 1, end) - max(s0, first));
+        if (atomicAdd(&counters[1 + g], count) + count == static_cast<unsigned>(end - first)) {
+          counters[1 + g] = 0;
+          done |= 1u << g;
+        }
+      }
+    }
+    if (done != 0) __threadfence();
+    sh.last = done;
   }
   __syncthreads();
   return sh.last;
@@ -482,31 +519,24 @@ __device__ __forceinline__ void group_done(Shared& sh, const Workspace& ws, int 
 
 // The finish of a split that another split of the CTA's run follows (the
 // tensor-core kernel's last-arrival launches; launch.cu): its partial goes
-// out and arrives at its group's counter (the item's with one level). With
-// one level the arrival is never the last: the run's next split, of the
-// same item, has not arrived. With two, it is the last exactly when the
-// split ends its group and the group's other splits are in; the group's
-// combine is then owed (the returned bit, 1 << group), and the CTA pays
-// it after its last split (pay_owed), so that no combine runs inside the
-// tile loop. arrive_last's barriers keep the warps' partials until every
-// thread has read them.
-__device__ __forceinline__ unsigned finish_in_run(const AttendParams& P, Shared& sh, WarpOutputs wo,
-                                                  const QueryRange& r, int heads) {
+// out, exactly as a CTA of that one split would publish it, and is counted
+// in with the rest of the run at the run's end (arrive_run in finish), so
+// no fence, atomic or combine runs inside the tile loop. With one level the
+// split could never be the last arrival anyway (the run's next split has
+// not arrived); with two, the group it completes is combined after the
+// run's last split. The closing barrier keeps the warps' partials until
+// every thread has read them.
+__device__ __forceinline__ void publish_in_run(const AttendParams& P, Shared& sh, WarpOutputs wo,
+                                               const QueryRange& r, int heads) {
   combine_warps(sh, heads);
-  const Workspace ws = workspace_of(P, r, heads);
-  publish_split(sh, wo, r, ws, heads, P.head_dim);
-  const int groups = attend_groups(r.n_splits);
-  const int group = r.split / kAttendGroup;
-  const int members = groups == 0 ? r.n_splits : min(kAttendGroup, r.n_splits - group * kAttendGroup);
-  if (!arrive_last(ws.counters[groups == 0 ? 0 : 1 + group], members, sh)) return 0;
-  if (groups == 0) __trap();
-  return 1u << group;
+  publish_split(sh, wo, r, workspace_of(P, r, heads), heads, P.head_dim);
+  __syncthreads();
 }
 
 template <bool kVec>
 __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, ResidentStage* stage,
-                       WarpOutputs wo, const QueryRange& r, int heads, int heads_valid,
-                       int head0) {
+                       WarpOutputs wo, const QueryRange& r, int run_first, int heads,
+                       int heads_valid, int head0) {
   const int hd = P.head_dim;
   const int tid = static_cast<int>(threadIdx.x);
   combine_warps(sh, heads);
@@ -551,30 +581,17 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, Residen
   unsigned* counters = ws.counters;
   publish_split(sh, wo, r, ws, heads, hd);
   const int n = r.n_splits;
-  const int groups = attend_groups(n);
-  if (groups == 0) {
-    if (!arrive_last(counters[0], n, sh)) return;
-    combine_splits<kVec>(GlobalPartials{ws_o, ws_ml, total}, out, n, heads, hd, 0, heads_valid * hd);
+  const unsigned done = arrive_run(counters, n, run_first, r.split, sh);
+  if (attend_groups(n) == 0) {
+    if (done != 0)
+      combine_splits<kVec>(GlobalPartials{ws_o, ws_ml, total}, out, n, heads, hd, 0, heads_valid * hd);
     return;
   }
-  // Two levels: the last split of a group to arrive combines the group into
-  // the group's slot; the last group to arrive combines the groups.
-  const int group = r.split / kAttendGroup;
-  const int first = group * kAttendGroup;
-  const int members = min(kAttendGroup, n - first);
-  if (!arrive_last(counters[1 + group], members, sh)) return;
-  group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out);
+  // Two levels: the arrival that completes a group combines it into the
+  // group's slot, in group order; the last group to arrive combines the
+  // groups.
+  for (int group = 0; group < attend_groups(n); ++group)
+    if ((done >> group) & 1u) group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out);
 }
 
-// The group combines a CTA of a run owes (bit g of `owed`: group g, whose
-// last split arrived in the run before the run's end; finish_in_run), in
-// group order, after the finish of the run's last split, for a query of n
-// splits (item_splits its item's bound) whose output is `out`. Out of line
-// and given values alone, so that the kernel's registers and parameters
-// stay as they are.
-static __device__ __noinline__ void pay_owed(Shared& sh, Workspace ws, int n, int item_splits, unsigned owed, int heads,
-                                      int hd, int heads_valid, float* out) {
-  for (int group = 0; group < attend_groups(n); ++group)
-    if ((owed >> group) & 1u) group_done<true>(sh, ws, n, item_splits, group, heads, hd, heads_valid, out);
-}
 }  // namespace kvring::cuda
