@@ -283,7 +283,7 @@ TEST(CudaBatch, RunsOfSplitsFollowTheRule) {
 // A batch in runs of splits gives each sequence its solo bits: lengths
 // from one split to two-level combines, decoded together, by the rule
 // (with a wave of 2 CTAs), and equal lengths in forced runs of 16 splits,
-// whose group combines wait for the run's end (pay_owed).
+// whose runs each complete whole groups (arrive_run).
 TEST(CudaBatch, RunsOfSplitsGiveTheSoloBits) {
   KVRING_SKIP_WITHOUT_GPU();
   const Case cs{make_hybrid_config("tc-runs", 2, 2, 16, 2, 128, 64, 4096), 64};
