@@ -70,13 +70,42 @@ struct CombineJob {
 // Rows the next pass reads, prefetched one per row of this pass so that
 // they arrive while this pass computes: row j of a pass prefetches rows[j]
 // while j < n.
+// The far stream (the AVX-512 path; none where far is null): a second
+// prefetch, into L2, kFarRows rows ahead in the order a split reads its
+// rows (its K rows, then its V rows), twice the near prefetch's distance,
+// so that a row read from memory is requested that much earlier. The
+// scores' row j takes K row j + kFarRows while that is in the pass, then
+// far[j + kFarRows - n] while that index is below far_n (the split's first
+// V rows); an accumulate's row j takes far[j] while j < far_n.
 struct Ahead {
   const std::uint16_t* const* rows = nullptr;
   std::int64_t n = 0;
+  const std::uint16_t* const* far = nullptr;
+  std::int64_t far_n = 0;
 };
+
+// Rows between a split's row being read and the row its far stream
+// prefetches.
+constexpr std::int64_t kFarRows = 32;
 
 inline void prefetch_row(const std::uint16_t* p, std::int64_t hd) {
   for (std::int64_t b = 0; b < hd * 2; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b);
+}
+
+inline void prefetch_row_l2(const std::uint16_t* p, std::int64_t hd) {
+  for (std::int64_t b = 0; b < hd * 2; b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 2);
+}
+
+// The far stream of a scores pass of n rows (kp its K rows) at row j.
+inline void prefetch_far_scores(const Ahead& a, const std::uint16_t* const* kp, std::int64_t n,
+                                std::int64_t j, std::int64_t hd) {
+  if (a.far == nullptr) return;
+  const std::int64_t f = j + kFarRows;
+  if (f < n)
+    prefetch_row_l2(kp[f], hd);
+  else if (f - n < a.far_n)
+    prefetch_row_l2(a.far[f - n], hd);
 }
 
 inline void prefetch_ahead(const Ahead& a, std::int64_t j, std::int64_t hd) {
@@ -486,6 +515,7 @@ KVRING_AVX512 inline void accumulate8_avx512(const std::uint16_t* const* vp, std
     for (int b = 0; b < 8; ++b) x[c][b] = _mm512_loadu_ps(o + b * hd + 16 * c);
   for (std::int64_t j = 0; j < n; ++j) {
     prefetch_ahead(ahead, j, hd);
+    if (j < ahead.far_n) prefetch_row_l2(ahead.far[j], hd);
     __m512 v[C];
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) v[c] = load_f16x16(vp[j] + d + 16 * c);
@@ -510,11 +540,12 @@ KVRING_AVX512 inline void accumulate_avx512_block(const std::uint16_t* const* vp
   if constexpr (NB == 8) {
     // 48 dimensions at a time (then 32): each weight's broadcast feeds
     // three (two) FMAs; 24 accumulators stay in registers. The first block
-    // prefetches the next tile.
+    // prefetches the next tile and the far stream.
     for (; d + 48 <= hd; d += 48, ahead = {}) accumulate8_avx512<3>(vp, n, w, Gp, hd, o, d, ahead);
     for (; d + 32 <= hd; d += 32, ahead = {}) accumulate8_avx512<2>(vp, n, w, Gp, hd, o, d, ahead);
   }
   for (std::int64_t j = 0; j < ahead.n; ++j) prefetch_row(ahead.rows[j], hd);
+  for (std::int64_t j = 0; j < ahead.far_n; ++j) prefetch_row_l2(ahead.far[j], hd);
   for (; d < hd; d += 16) {
     __m512 acc[NB];
     for (int b = 0; b < NB; ++b) acc[b] = _mm512_loadu_ps(o + b * hd + d);
@@ -602,6 +633,7 @@ KVRING_AVX512 void scores_avx512(const float* q, std::int64_t G, std::int64_t Gp
       for (int r = 0; r < R; ++r) {
         if (j + kPrefetchRows + r < n) prefetch_row(kp[j + kPrefetchRows + r], hd);
         prefetch_ahead(ahead, j + r, hd);
+        prefetch_far_scores(ahead, kp, n, j + r, hd);
       }
       for (std::int64_t t = 0; t < G; t += 8)
         dots8xR_avx512<R>(q + t * hd, hd, kp + j, scale, sc + j * Gp + t, Gp);
@@ -610,6 +642,7 @@ KVRING_AVX512 void scores_avx512(const float* q, std::int64_t G, std::int64_t Gp
   for (; j < n; ++j) {
     if (j + kPrefetchRows < n) prefetch_row(kp[j + kPrefetchRows], hd);
     prefetch_ahead(ahead, j, hd);
+    prefetch_far_scores(ahead, kp, n, j, hd);
     score_row_avx512(q, G, hd, scale, kp[j], sc + j * Gp);
   }
 }
@@ -669,12 +702,13 @@ const Kernels& kernels_for(AttentionIsa isa, std::int64_t hd) {
 void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
                float scale, std::int64_t n, const std::uint16_t* const* kp,
                const std::uint16_t* const* vp, float* m, float* l, float* o, float* sc) {
-  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kTileRows)});
+  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kTileRows), vp, std::min(n, kFarRows)});
   K.weights(sc, n, Gp, m, l);
   std::fill(o, o + G * hd, 0.0f);
   for (std::int64_t j0 = 0; j0 < n; j0 += kTileRows) {
     const std::int64_t rows = std::min(kTileRows, n - j0);
-    const Ahead next{vp + j0 + rows, std::min(kTileRows, n - j0 - rows)};
+    const Ahead next{vp + j0 + rows, std::min(kTileRows, n - j0 - rows), vp + j0 + kFarRows,
+                     std::max<std::int64_t>(0, std::min(rows, n - j0 - kFarRows))};
     K.accumulate(vp + j0, rows, sc + j0 * Gp, G, Gp, hd, o, next);
   }
 }
