@@ -43,8 +43,9 @@ constexpr std::int64_t kWarpStride = kAttendWarps * kAttendTile;
 // A query's arithmetic is the same instruction sequence whatever else the
 // warp holds: the other rows of an MMA never enter its dot products.
 
-// The L2 policy of the tiles. When each row is read by one CTA (one query,
-// and at most 8 query heads per KV head), they are marked evict-first:
+// The L2 policy of the tiles. When each row is read by one CTA (one query
+// an item, as in a decode, and at most 8 query heads per KV head), they are
+// marked evict-first:
 // they, rather than the kernel's code, parameters and partials, then make
 // room for the tiles behind them (docs/CUDA.md; the gain is in
 // docs/PERFORMANCE.md). Rows that other CTAs read again (other queries',

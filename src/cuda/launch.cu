@@ -79,7 +79,9 @@ FirstTiles first_tiles(const AttendParams& P) {
   f.group = P.n_heads / P.n_kv_heads;
   f.sets = (f.group + kTensorHeads - 1) / kTensorHeads;
   f.n_heads = P.n_heads;
-  f.read_once = P.n_queries == 1 && f.sets == 1 ? 1 : 0;
+  // One query an item (a decode) and one head set a KV head: no two CTAs
+  // read the same row.
+  f.read_once = P.n_queries == P.n_items && f.sets == 1 ? 1 : 0;
   return f;
 }
 
