@@ -255,16 +255,16 @@ TEST(CudaF16, KernelFollowsTheRule) {
 
 // The rule for runs of splits: powers of two, never longer than the
 // splits; in decode launches where every query has as many splits, the
-// shortest run of at most 8 that fits one wave; else the longest of at
-// most 8 that leaves two waves; a CTA a split in prefill launches and on a
-// device of unknown size; a forced run as long as the splits allow.
+// shortest run that fits one wave, else the longest; else the longest of
+// at most 8 that leaves two waves; a CTA a split in prefill launches and
+// on a device of unknown size; a forced run as long as the splits allow.
 TEST(CudaBatch, RunsOfSplitsFollowTheRule) {
   cuda::LaunchPolicy p;
   p.hd128_wave = 132;
   EXPECT_EQ(p.split_run_for(2 * 64, 64, 64, true), 1);          // one sequence at 131072 rows: 128 CTAs
   EXPECT_EQ(p.split_run_for(4 * 2 * 64, 64, 64, true), 4);      // 4 x 131072: 128 CTAs of 4 splits
-  EXPECT_EQ(p.split_run_for(32 * 2 * 64, 64, 64, true), 8);     // 32 x 32768: no run of 8 fits a wave
-  EXPECT_EQ(p.split_run_for(128 * 2 * 16, 16, 16, true), 8);    // 128 rings
+  EXPECT_EQ(p.split_run_for(32 * 2 * 64, 64, 64, true), 32);    // 32 x 32768: 128 CTAs of 32 splits
+  EXPECT_EQ(p.split_run_for(128 * 2 * 16, 16, 16, true), 16);   // 128 rings: none fits, a CTA a ring
   EXPECT_EQ(p.split_run_for(64 * 2 * 64, 64, 1, true), 8);      // mixed lengths
   EXPECT_EQ(p.split_run_for(10 * 2 * 64, 64, 1, true), 4);      // 320 CTAs of 4 splits; 8 leaves 160
   EXPECT_EQ(p.split_run_for(1024 * 2 * 1, 1, 1, true), 1);

@@ -353,9 +353,9 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
       float* po = reinterpret_cast<float*>(S.area[warp] + stage_off) + g * HD + 2 * t;
 #pragma unroll
       for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<float2*>(po + 8 * j) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
+        *reinterpret_cast<float2*>(po + rotated_column(8 * j, g)) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
       __syncthreads();
-      publish_in_run(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0] + stage_off), kWarpArea / 4}, r,
+      publish_in_run(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0] + stage_off), kWarpArea / 4, true}, r,
                      kTensorHeads);
       ++r.split;
       split_end += r.split_rows;
@@ -379,12 +379,12 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   float* so = reinterpret_cast<float*>(S.area[warp]) + g * HD + 2 * t;
 #pragma unroll
   for (int j = 0; j < 16; ++j)
-    *reinterpret_cast<float2*>(so + 8 * j) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
+    *reinterpret_cast<float2*>(so + rotated_column(8 * j, g)) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
   __syncthreads();
   CombineSpace& space = reinterpret_cast<Warp0Finish*>(S.area[0])->combine;
   const int run_first = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x) * F.split_run;
   finish<true>(P, sh, space.part_o, &space.resident,
-               WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4}, r, run_first,
+               WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4, true}, r, run_first,
                kTensorHeads, heads_valid, head0);
 }
 

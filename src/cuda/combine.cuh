@@ -41,11 +41,17 @@ struct Shared {
 // splits combine through the cluster's shared memory.
 inline constexpr int kPartFloats = kTensorHeads * kTensorHeadDim;
 // Each warp's unnormalised output, [head * head_dim + dim], lies at
-// o + warp * stride (floats) in shared memory.
+// o + warp * stride (floats) in shared memory; with `rotated` (head_dim
+// 128, the tensor-core kernel) dim d of head h lies at column (d + 8 h) %
+// 128 of the head's row, so that the 8 heads' writes of one column of a
+// warp's fragments fall on distinct banks (rotated_column).
 struct WarpOutputs {
   const float* o;
   int stride;
+  bool rotated = false;
 };
+__device__ __forceinline__ int rotated_column(int d, int h) { return (d + 8 * h) & (kTensorHeadDim - 1); }
+static_assert(kTensorHeadDim == 128, "a 128-column rotation");
 static_assert(kTensorHeads <= kAttendWarps, "one warp per head in the final combine");
 static_assert(kPartFloats >= kGeneralMaxHeadDim, "part_o holds any one head");
 
@@ -53,7 +59,8 @@ static_assert(kPartFloats >= kGeneralMaxHeadDim, "part_o holds any one head");
 __device__ __forceinline__ float cta_value(const Shared& sh, WarpOutputs wo, int i, int h) {
   float o = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kAttendWarps; ++w) o = __fmaf_rn(wo.o[w * wo.stride + i], sh.weight[w][h], o);
+  const int at = wo.rotated ? h * kTensorHeadDim + rotated_column(i - h * kTensorHeadDim, h) : i;
+  for (int w = 0; w < kAttendWarps; ++w) o = __fmaf_rn(wo.o[w * wo.stride + at], sh.weight[w][h], o);
   return o;
 }
 

@@ -264,13 +264,18 @@ int LaunchPolicy::split_run_for(std::int64_t ctas, int max_splits, int least_spl
   if (!decode || hd128_wave <= 0 || max_splits < 2) return 1;
   const std::int64_t per_split = ctas / max_splits;  // CTAs of one split, over items and queries
   auto runs = [&](int run) { return per_split * ((max_splits + run - 1) / run); };
-  const int longest = pow2_within(kAttendGroup);
   if (least_splits == max_splits) {
-    // The shortest run that fits the launch in one wave.
-    for (int run = 1; run <= longest; run *= 2)
+    // Equal work a CTA: the shortest run that fits the launch in one wave,
+    // else the longest, so that each CTA ramps up and combines as few times
+    // as it can.
+    const int whole = pow2_within(kAttendMaxSplits);
+    for (int run = 1; run < whole; run *= 2)
       if (runs(run) <= hd128_wave) return run;
+    return whole;
   }
-  // The longest run that leaves two waves.
+  // Unequal work: the longest run of at most a group that leaves two
+  // waves, so that the CTAs still balance.
+  const int longest = pow2_within(kAttendGroup);
   int run = 1;
   while (2 * run <= longest && runs(2 * run) >= 2 * hd128_wave) run *= 2;
   return run;

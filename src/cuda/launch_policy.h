@@ -89,10 +89,11 @@ struct LaunchPolicy {
   // item of the launch is one query: a power of two, at most max_splits.
   // Prefill launches (whose CTAs share rows through the L2) keep a CTA a
   // split. A decode launch where every query has as many splits takes the
-  // shortest run of at most 8 that fits it in one wave of the device; else
-  // (or where none fits) the longest run of at most 8 that still leaves
-  // two waves, so that CTAs of unequal work balance; a launch that fits one
-  // wave a CTA a split keeps it (docs/CUDA.md, "Runs of splits", gives the
+  // shortest run that fits it in one wave of the device, or where none
+  // fits the longest (a query's splits, up to a power of two); a launch
+  // that fits one wave a CTA a split keeps it. Other decode launches take
+  // the longest run of at most 8 that still leaves two waves, so that CTAs
+  // of unequal work balance (docs/CUDA.md, "Runs of splits", gives the
   // measurements).
   // Whether an f16 launch of `ctas` CTAs takes the deep kernel: where it
   // fits one wave of it, so that the SMs run two CTAs or fewer and each
