@@ -446,15 +446,6 @@ __device__ __forceinline__ unsigned arrive_run(unsigned* counters, int n, int s0
   return sh.last;
 }
 
-// Combines the CTA's warp partials (in sh, after a barrier) for `heads`
-// query heads head0.. of `heads_valid` real ones, and either writes the
-// output (one split) or the split's partial, which is combined with the
-// others in the fixed tree: as a resident grid (finish_resident), through
-// the cluster's shared memory when the item's splits form one cluster
-// (each CTA then writes a share of the output), else through the global
-// workspace by the last split to arrive. part_o is the CTA's partial
-// (CombineSpace::part_o), `stage` its resident stage (kVec only: null in the
-// general kernel).
 // Each head's maximum and weight sum over the CTA's warps, and each warp's
 // weight (sh.head_m, head_l, weight), for `heads` heads; a barrier follows.
 __device__ __forceinline__ void combine_warps(Shared& sh, int heads) {
@@ -540,6 +531,16 @@ __device__ __forceinline__ void publish_in_run(const AttendParams& P, Shared& sh
   __syncthreads();
 }
 
+// Combines the CTA's warp partials (in sh, after a barrier) for `heads`
+// query heads head0.. of `heads_valid` real ones, and either writes the
+// output (one split) or the split's partial, which is combined with the
+// others in the fixed tree: as a resident grid (finish_resident), through
+// the cluster's shared memory when the item's splits form one cluster
+// (each CTA then writes a share of the output), else through the global
+// workspace by the last split to arrive, a CTA's run of splits
+// [run_first, r.split] counted in at once (arrive_run). part_o is the
+// CTA's partial (CombineSpace::part_o), `stage` its resident stage (kVec
+// only: null in the general kernel).
 template <bool kVec>
 __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, ResidentStage* stage,
                        WarpOutputs wo, const QueryRange& r, int run_first, int heads,
