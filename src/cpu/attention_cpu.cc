@@ -88,13 +88,12 @@ struct Ahead {
 // prefetches.
 constexpr std::int64_t kFarRows = 32;
 
+// A row's 64-byte lines into every cache level (kLocality 3) or into L2
+// and beyond (2).
+template <int kLocality = 3>
 inline void prefetch_row(const std::uint16_t* p, std::int64_t hd) {
-  for (std::int64_t b = 0; b < hd * 2; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b);
-}
-
-inline void prefetch_row_l2(const std::uint16_t* p, std::int64_t hd) {
   for (std::int64_t b = 0; b < hd * 2; b += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 2);
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, kLocality);
 }
 
 // The far stream of a scores pass of n rows (kp its K rows) at row j.
@@ -103,9 +102,9 @@ inline void prefetch_far_scores(const Ahead& a, const std::uint16_t* const* kp, 
   if (a.far == nullptr) return;
   const std::int64_t f = j + kFarRows;
   if (f < n)
-    prefetch_row_l2(kp[f], hd);
+    prefetch_row<2>(kp[f], hd);
   else if (f - n < a.far_n)
-    prefetch_row_l2(a.far[f - n], hd);
+    prefetch_row<2>(a.far[f - n], hd);
 }
 
 inline void prefetch_ahead(const Ahead& a, std::int64_t j, std::int64_t hd) {
@@ -515,7 +514,7 @@ KVRING_AVX512 inline void accumulate8_avx512(const std::uint16_t* const* vp, std
     for (int b = 0; b < 8; ++b) x[c][b] = _mm512_loadu_ps(o + b * hd + 16 * c);
   for (std::int64_t j = 0; j < n; ++j) {
     prefetch_ahead(ahead, j, hd);
-    if (j < ahead.far_n) prefetch_row_l2(ahead.far[j], hd);
+    if (j < ahead.far_n) prefetch_row<2>(ahead.far[j], hd);
     __m512 v[C];
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) v[c] = load_f16x16(vp[j] + d + 16 * c);
@@ -545,7 +544,7 @@ KVRING_AVX512 inline void accumulate_avx512_block(const std::uint16_t* const* vp
     for (; d + 32 <= hd; d += 32, ahead = {}) accumulate8_avx512<2>(vp, n, w, Gp, hd, o, d, ahead);
   }
   for (std::int64_t j = 0; j < ahead.n; ++j) prefetch_row(ahead.rows[j], hd);
-  for (std::int64_t j = 0; j < ahead.far_n; ++j) prefetch_row_l2(ahead.far[j], hd);
+  for (std::int64_t j = 0; j < ahead.far_n; ++j) prefetch_row<2>(ahead.far[j], hd);
   for (; d < hd; d += 16) {
     __m512 acc[NB];
     for (int b = 0; b < NB; ++b) acc[b] = _mm512_loadu_ps(o + b * hd + d);

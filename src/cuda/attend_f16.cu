@@ -144,6 +144,9 @@ __device__ __forceinline__ std::int64_t first_split_of(std::int64_t p, std::int6
   return max(std::int64_t{0}, p - reach) / kSplitRows;
 }
 
+// An output value with -0 written as +0 (the f16 numeric's zero output).
+__device__ __forceinline__ float plus_zero(float x) { return x == 0.0f ? 0.0f : x; }
+
 // Tile x of the launch (F16Params::tiles).
 __device__ __forceinline__ F16Tile tile_of(const F16Params& A, int x, std::int64_t reach) {
   if (A.tiles != nullptr) return A.tiles[x];
@@ -183,10 +186,7 @@ __device__ __forceinline__ void combine(const F16Params& A, int qi, std::int64_t
     O.w += x.w * w;
   }
   float4 r = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
-  r.x = r.x == 0.0f ? 0.0f : r.x;
-  r.y = r.y == 0.0f ? 0.0f : r.y;
-  r.z = r.z == 0.0f ? 0.0f : r.z;
-  r.w = r.w == 0.0f ? 0.0f : r.w;
+  r = make_float4(plus_zero(r.x), plus_zero(r.y), plus_zero(r.z), plus_zero(r.w));
   *reinterpret_cast<float4*>(P.out + static_cast<std::int64_t>(qi) * P.out_stride +
                              static_cast<std::int64_t>(h) * HD + 4 * lane) = r;
 }
@@ -428,10 +428,8 @@ __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
                    static_cast<std::int64_t>(head[rr]) * HD + 2 * t;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        float2 r = make_float2(o[4 * j + 2 * rr] / l[rr], o[4 * j + 2 * rr + 1] / l[rr]);
-        r.x = r.x == 0.0f ? 0.0f : r.x;
-        r.y = r.y == 0.0f ? 0.0f : r.y;
-        *reinterpret_cast<float2*>(dst + 8 * j) = r;
+        *reinterpret_cast<float2*>(dst + 8 * j) =
+            make_float2(plus_zero(o[4 * j + 2 * rr] / l[rr]), plus_zero(o[4 * j + 2 * rr + 1] / l[rr]));
       }
       continue;
     }

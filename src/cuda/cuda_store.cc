@@ -857,7 +857,6 @@ Status CudaStore::attend(const AttendBatch& b) {
   return Status::Ok();
 }
 
-// The f32 numeric's launches (kernels.h, "Attention").
 void CudaStore::plane_of(const AttendBatch& b, const AttendItem& it, cuda::AttendQueryItem& d) const {
   const Impl& im = *impl_;
   const std::int64_t full = full_index(b.layer);
@@ -900,6 +899,7 @@ void CudaStore::launch_params(const AttendBatch& b, const float* dq, std::int64_
   P.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(config_.head_dim)));
 }
 
+// The f32 numeric's launches (kernels.h, "Attention").
 Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t q_stride,
                              float* dout, std::int64_t out_stride, const std::uint16_t* chunk,
                              cudaStream_t s) {
