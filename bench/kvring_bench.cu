@@ -4,6 +4,7 @@
 //   kvring-bench [--json FILE] [--quick]
 //                [--only store|decode|ring|prefill|batch|step|memory]
 //                [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]
+//                [--warp-splits rule|always|never]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -330,7 +331,8 @@ void write_json(const std::string& path, const std::string& device, int sms) {
 }
 
 // The launch policy of the stores: the device's, with --f16-stages forcing
-// the f16 numeric's kernel and --split-run the runs of splits.
+// the f16 numeric's kernel, --split-run the runs of splits and --warp-splits
+// which decodes take the warp-split kernel.
 kvring::cuda::LaunchPolicy g_policy;
 
 std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0,
@@ -365,6 +367,7 @@ void print_usage(std::FILE* out) {
   std::fputs(
       "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|step|memory]\n"
       "                    [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]\n"
+      "                    [--warp-splits rule|always|never]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
@@ -373,6 +376,8 @@ void print_usage(std::FILE* out) {
       "  --numeric N  prefill figures under attention numeric N only (f32 or f16)\n"
       "  --f16-stages S  the f16 numeric's kernel of S stages (2 or 3), not the launch rule's\n"
       "  --split-run N   decode CTAs take runs of up to N splits (1-64), not the launch rule's\n"
+      "  --warp-splits W decodes of at most 8192 rows on the warp-split kernel by the launch\n"
+      "                  rule (where they combine by last arrival), always or never\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -384,6 +389,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   int f16_stages = 0;
   int split_run = 0;
+  kvring::cuda::WarpSplits warp_splits = kvring::cuda::WarpSplits::kLastArrival;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -413,6 +419,18 @@ int main(int argc, char** argv) {
         return 2;
       }
       split_run = std::stoi(v);
+    } else if (a == "--warp-splits" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v == "rule") {
+        warp_splits = kvring::cuda::WarpSplits::kLastArrival;
+      } else if (v == "always") {
+        warp_splits = kvring::cuda::WarpSplits::kAlways;
+      } else if (v == "never") {
+        warp_splits = kvring::cuda::WarpSplits::kNever;
+      } else {
+        print_usage(stderr);
+        return 2;
+      }
     } else if (a == "--help" || a == "-h") {
       print_usage(stdout);
       return 0;
@@ -428,6 +446,7 @@ int main(int argc, char** argv) {
   g_policy = kvring::cuda::device_launch_policy();
   g_policy.f16_stages = f16_stages;
   g_policy.split_run = split_run;
+  g_policy.warp_splits = warp_splits;
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB; kvring-bench%s\n\n", prop.name, prop.multiProcessorCount,

@@ -125,11 +125,12 @@ cuda::LaunchPolicy last_arrival_only() {
 
 // One long sequence decoded with many splits: resident grids (with the
 // epoch count wrapping too), clusters and the global workspace, in either
-// grid order, with a CTA a split or runs of splits a CTA, give the same bits, and so does a batch around it. Each
-// store runs under a policy that forces its path, and its launches are
-// counted by the path they took. KVRING_COMBINE_PATH=N runs path N alone
-// (0-7), so a sanitizer can take the paths in parallel processes; the bits
-// are compared across paths only when all of them run.
+// grid order, with a CTA a split or runs of splits a CTA, or a warp a
+// split, give the same bits, and so does a batch around it. Each store
+// runs under a policy that forces its path, and its launches are counted
+// by the path they took. KVRING_COMBINE_PATH=N runs path N alone (0-8), so
+// a sanitizer can take the paths in parallel processes; the bits are
+// compared across paths only when all of them run.
 TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   KVRING_SKIP_WITHOUT_GPU();
   const Case cs{make_hybrid_config("tc-long", 2, 2, 16, 2, 128, 64, 8192), 256};
@@ -137,12 +138,14 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   const std::vector<SeqInputs> seqs = {testing::seq_inputs(cs.config, len, 5),
                                        testing::seq_inputs(cs.config, 150, 6)};
   const cuda::LaunchPolicy device = cuda::device_launch_policy();
-  enum Path { kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor, kRuns, kRunsQueryMajor };
-  constexpr int kPaths = 8;
+  enum Path { kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor, kRuns, kRunsQueryMajor,
+              kWarpSplits };
+  constexpr int kPaths = 9;
   const char* const names[] = {"resident", "resident across the epoch wrap", "cluster",
                                "cluster within one wave, else last arrival", "last arrival",
                                "last arrival, query-major", "last arrival, runs of 4 splits a CTA",
-                               "last arrival, runs of up to 32 splits a CTA, query-major"};
+                               "last arrival, runs of up to 32 splits a CTA, query-major",
+                               "decodes a warp a split, runs of 16 splits a CTA"};
   const int short_decode_ctas = 2 * cuda::attend_grid(16, 2, 128).items;
   std::vector<Outputs> runs;
   std::vector<cuda::AttendStats> stats(kPaths);
@@ -150,7 +153,7 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   const int only_path = only != nullptr ? std::atoi(only) : -1;
   ASSERT_LT(only_path, kPaths) << "KVRING_COMBINE_PATH names a path 0-" << kPaths - 1;
   for (const Path path : {kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor, kRuns,
-                          kRunsQueryMajor}) {
+                          kRunsQueryMajor, kWarpSplits}) {
     if (only_path >= 0 && path != only_path) continue;
     SCOPED_TRACE(names[path]);
     cuda::LaunchPolicy policy = path >= kLastArrival ? last_arrival_only() : device;
@@ -164,6 +167,10 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
     if (path == kQueryMajor || path == kRunsQueryMajor) policy.query_major = cuda::QueryMajor::kAlways;
     if (path == kRuns) policy.split_run = 4;
     if (path == kRunsQueryMajor) policy.split_run = 32;
+    // Every decode (at most 8192 rows) a warp a split, runs of 16: each
+    // warp takes several splits of a run.
+    policy.warp_splits = path == kWarpSplits ? cuda::WarpSplits::kAlways : cuda::WarpSplits::kNever;
+    if (path == kWarpSplits) policy.split_run = 16;
     policy.stats = &stats[path];
     auto store = testing::new_cuda_store(cs.config, {.max_sequences = 2, .context = 8192, .block_rows = cs.block_rows}, policy);
     ASSERT_TRUE(store);
@@ -194,11 +201,11 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
     runs.push_back(std::move(o));
     const cuda::AttendStats& n = stats[path];
     std::printf("  %s: launches by path: resident %ld, cluster %ld, last arrival %ld (query-major %ld, "
-                "runs of splits %ld)\n",
-                names[path], n.resident, n.cluster, n.last_arrival, n.query_major, n.split_runs);
+                "runs of splits %ld, a warp a split %ld)\n",
+                names[path], n.resident, n.cluster, n.last_arrival, n.query_major, n.split_runs, n.warp_splits);
   }
   if (only_path >= 0) {
-    std::printf("  path %d alone: the cross-path comparison needs all six\n", only_path);
+    std::printf("  path %d alone: the cross-path comparison needs all %d\n", only_path, kPaths);
     return;
   }
   for (std::size_t r = 1; r < runs.size(); ++r)
@@ -234,6 +241,12 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
   // combines until their end).
   EXPECT_EQ(stats[kRuns].split_runs, stats[kRuns].last_arrival);
   EXPECT_EQ(stats[kRunsQueryMajor].split_runs, stats[kRunsQueryMajor].last_arrival);
+  // Every decode of the warp path (4 of both, 2 of each alone, a launch a
+  // layer) took the warp-split kernel; no other path did.
+  EXPECT_EQ(stats[kWarpSplits].warp_splits, 8 * cs.config.n_layers);
+  for (const Path path : {kResident, kEpochWrap, kCluster, kClusterWave, kLastArrival, kQueryMajor, kRuns,
+                          kRunsQueryMajor})
+    EXPECT_EQ(stats[path].warp_splits, 0) << names[path];
 }
 
 // The f16 numeric's kernel: the deep one where a launch fits one wave of
@@ -280,6 +293,23 @@ TEST(CudaBatch, RunsOfSplitsFollowTheRule) {
   EXPECT_EQ(p.split_run_for(5 * 2, 5, 5, true), 4);
 }
 
+// A plan of all but each sequence's last 3 rows in one prefill, then 3
+// decodes of all of them together.
+std::vector<testing::Step> prefill_then_decodes(const std::vector<SeqInputs>& seqs) {
+  const int n = static_cast<int>(seqs.size());
+  std::vector<testing::Step> plan(1);
+  for (int i = 0; i < n; ++i) {
+    const std::int64_t len = seqs[static_cast<std::size_t>(i)].len;
+    if (len > 3) plan[0].chunks.emplace_back(i, len - 3);
+  }
+  for (int d = 0; d < 3; ++d) {
+    plan.push_back({true, {}});
+    for (int i = 0; i < n; ++i)
+      if (seqs[static_cast<std::size_t>(i)].len > 2 - d) plan.back().chunks.emplace_back(i, 1);
+  }
+  return plan;
+}
+
 // A batch in runs of splits gives each sequence its solo bits: lengths
 // from one split to two-level combines, decoded together, by the rule
 // (with a wave of 2 CTAs), and equal lengths in forced runs of 16 splits,
@@ -297,25 +327,15 @@ TEST(CudaBatch, RunsOfSplitsGiveTheSoloBits) {
     cuda::AttendStats stats;
     cuda::LaunchPolicy policy = last_arrival_only();
     policy.hd128_wave = 2;
+    policy.warp_splits = cuda::WarpSplits::kNever;
     if (equal) policy.split_run = 16;
     policy.stats = &stats;
     auto batch = testing::new_cuda_store(cs.config, {.max_sequences = n, .context = 4096, .block_rows = 64}, policy);
     ASSERT_TRUE(batch);
     std::vector<SeqId> ids;
     for (int i = 0; i < n; ++i) ids.push_back(*batch->add_sequence());
-    // All but each sequence's last 3 rows in one prefill, then 3 decodes of all.
-    std::vector<testing::Step> plan(1);
-    for (int i = 0; i < n; ++i) {
-      const std::int64_t len = seqs[static_cast<std::size_t>(i)].len;
-      if (len > 3) plan[0].chunks.emplace_back(i, len - 3);
-    }
-    for (int d = 0; d < 3; ++d) {
-      plan.push_back({true, {}});
-      for (int i = 0; i < n; ++i)
-        if (seqs[static_cast<std::size_t>(i)].len > 2 - d) plan.back().chunks.emplace_back(i, 1);
-    }
     Outputs together;
-    testing::run_plan(*batch, ids, seqs, plan, together, true);
+    testing::run_plan(*batch, ids, seqs, prefill_then_decodes(seqs), together, true);
     EXPECT_GT(stats.split_runs, 0);
     for (int i = 0; i < n; ++i) {
       SCOPED_TRACE("sequence " + std::to_string(i));
@@ -332,6 +352,77 @@ TEST(CudaBatch, RunsOfSplitsGiveTheSoloBits) {
       }
     }
   }
+}
+
+// Decodes of a warp a split (the warp-split kernel) give each sequence its
+// solo bits (the CTA kernel's): lengths from a few rows to 64 splits of a
+// full layer (two-level combines) and 300-row sliding windows (three
+// splits, the last of 44 rows, so some tiles are empty), a group of 8 query
+// heads and one of 12 (two head sets, the second of 4 heads), with the
+// rule's runs (a split a warp here) and forced runs of 32 (8 splits a warp).
+TEST(CudaBatch, WarpSplitsGiveTheSoloBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const std::vector<ModelConfig> configs = {make_hybrid_config("tc-warp8", 2, 2, 16, 2, 128, 300, 8192),
+                                            make_hybrid_config("tc-warp12", 2, 2, 12, 1, 128, 300, 8192)};
+  for (const ModelConfig& config : configs) {
+    const int n = testing::quick() ? 5 : 9;
+    const std::vector<SeqInputs> seqs = inputs(config, 37, n, 8190);
+    Outputs solo;
+    for (int i = 0; i < n; ++i) {
+      auto store = testing::new_cuda_store(config, {.max_sequences = 1, .context = 8192, .block_rows = 64},
+                                           cuda::device_launch_policy());
+      ASSERT_TRUE(store);
+      const std::vector<SeqInputs> one = {seqs[static_cast<std::size_t>(i)]};
+      Outputs o;
+      testing::run_plan(*store, {*store->add_sequence()}, one,
+                        testing::random_plan(one, 50 + static_cast<std::uint64_t>(i), 900), o, true);
+      for (auto& [key, val] : o) solo[{i, std::get<1>(key), std::get<2>(key)}] = std::move(val);
+    }
+    for (const int run : {0, 32}) {
+      SCOPED_TRACE(config.name + (run == 0 ? ", the rule's runs" : ", runs of 32"));
+      cuda::AttendStats stats;
+      cuda::LaunchPolicy policy = cuda::device_launch_policy();
+      policy.warp_splits = cuda::WarpSplits::kAlways;
+      policy.split_run = run;
+      policy.stats = &stats;
+      auto batch = testing::new_cuda_store(config, {.max_sequences = n, .context = 8192, .block_rows = 64}, policy);
+      ASSERT_TRUE(batch);
+      std::vector<SeqId> ids;
+      for (int i = 0; i < n; ++i) ids.push_back(*batch->add_sequence());
+      Outputs together;
+      testing::run_plan(*batch, ids, seqs, prefill_then_decodes(seqs), together, true);
+      EXPECT_EQ(stats.warp_splits, 3 * config.n_layers);
+      ASSERT_EQ(together.size(), solo.size());
+      for (const auto& [key, val] : solo) {
+        const auto& [i, l, p] = key;
+        ASSERT_TRUE(same_bits(val, together.at(key))) << "sequence " << i << " layer " << l << " position " << p;
+      }
+    }
+  }
+}
+
+// The rule for the warp-split kernel's runs: its warps' count of splits (a
+// split a warp) times a power of two, no longer than covers the splits;
+// with equal split counts the shortest that fits one wave, else the one
+// that covers a query's splits; else a split a warp; a forced run the
+// longest up to it.
+TEST(CudaBatch, WarpRunsFollowTheRule) {
+  static_assert(cuda::kWarpSplitWarps == 4, "the expectations below assume CTAs of 4 warps");
+  cuda::LaunchPolicy p;
+  p.hd128_warp_wave = 264;
+  EXPECT_EQ(p.warp_run_for(128 * 2 * 16, 16, 16), 16);  // 128 rings: 256 CTAs of 16 splits
+  EXPECT_EQ(p.warp_run_for(4 * 2 * 16, 16, 16), 4);     // 4 rings: 32 CTAs of 4
+  EXPECT_EQ(p.warp_run_for(64 * 2 * 64, 64, 64), 32);   // 64 x 8192: 256 CTAs of 32
+  EXPECT_EQ(p.warp_run_for(4 * 2 * 64, 64, 64), 4);     // 4 x 8192: 128 CTAs of 4
+  EXPECT_EQ(p.warp_run_for(64 * 2 * 64, 64, 3), 4);     // lengths that differ
+  EXPECT_EQ(p.warp_run_for(100 * 2 * 2, 2, 2), 4);      // 2 splits: covered by 4
+  p.hd128_warp_wave = 0;  // unknown device: a split a warp
+  EXPECT_EQ(p.warp_run_for(128 * 2 * 16, 16, 16), 4);
+  p.split_run = 40;       // forced: the longest up to it that the splits need
+  EXPECT_EQ(p.warp_run_for(2 * 64, 64, 64), 32);
+  EXPECT_EQ(p.warp_run_for(2 * 16, 16, 16), 16);
+  p.split_run = 1;
+  EXPECT_EQ(p.warp_run_for(2 * 64, 64, 64), 4);
 }
 
 // The split count is not monotonic in the rows seen (8192 rows: 64 splits;

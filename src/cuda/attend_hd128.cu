@@ -90,12 +90,16 @@ struct TileCopy {
   std::uint64_t policy;
 };
 
-// Enqueues the tile at `base` (rows < b; rows past b are written as zeros)
-// into stage `stage` of the warp's area.
+// Which head rows of a tile a copy moves (bits).
+constexpr int kCopyK = 1, kCopyV = 2, kCopyKV = kCopyK | kCopyV;
+
+// Enqueues the K and/or V rows (kParts) of the tile at `base` (rows < b;
+// rows past b are written as zeros) stage_off bytes past the lane's
+// destinations.
+template <int kParts>
 __device__ __forceinline__ void issue_tile(const AttendParams& P,
                                            const HeadRows& rows, std::int64_t base, std::int64_t b,
-                                           const TileCopy& tc, int stage) {
-  const unsigned stage_off = static_cast<unsigned>(stage * kStageBytes);
+                                           const TileCopy& tc, unsigned stage_off) {
   // Evenly spaced rows: a whole tile inside the chunk, or inside the plane
   // without crossing the ring's end or a block's (tiles of a full plane
   // start at multiples of 16 rows, and blocks hold a power of two of at
@@ -129,8 +133,9 @@ __device__ __forceinline__ void issue_tile(const AttendParams& P,
     v0 += off;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, k0, true, tc.policy);
-      cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, v0, true, tc.policy);
+      if (kParts & kCopyK) cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, k0, true, tc.policy);
+      if (kParts & kCopyV)
+        cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, v0, true, tc.policy);
       k0 += 2 * stride;
       v0 += 2 * stride;
     }
@@ -141,11 +146,156 @@ __device__ __forceinline__ void issue_tile(const AttendParams& P,
     const std::int64_t L = base + 2 * k + tc.half;
     const bool ok = L < b;
     const RowPtr row = ok ? row_at(P, rows, L) : RowPtr{rows.k, rows.k};
-    cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, row.k + (ok ? 8 * tc.c : 0), ok,
-               tc.policy);
-    cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, row.v + (ok ? 8 * tc.c : 0),
-               ok, tc.policy);
+    if (kParts & kCopyK)
+      cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, row.k + (ok ? 8 * tc.c : 0), ok,
+                 tc.policy);
+    if (kParts & kCopyV)
+      cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes,
+                 row.v + (ok ? 8 * tc.c : 0), ok, tc.policy);
   }
+}
+
+// The work item of blockIdx.y: its KV head and its query heads head0 ..
+// head0 + heads_valid (a set of at most kTensorHeads of the KV head's group).
+struct HeadSet {
+  int kv_head, head0, heads_valid;
+};
+__device__ __forceinline__ HeadSet head_set(const FirstTiles& F) {
+  const int item = static_cast<int>(blockIdx.y);
+  const int kv_head = F.sets == 1 ? item : item / F.sets;
+  const int set = item - kv_head * F.sets;
+  return {kv_head, kv_head * F.group + set * kTensorHeads, min(kTensorHeads, F.group - set * kTensorHeads)};
+}
+
+// Query g's dims 32i + 8t + [0, 8) as qv[8i + ...]; zeros for a head past
+// the set's.
+__device__ __forceinline__ void load_query(const AttendParams& P, const QueryRange& r, const HeadSet& hs,
+                                           int g, int t, float (&qv)[32]) {
+  if (g < hs.heads_valid) {
+    const float4* src = reinterpret_cast<const float4*>(
+        P.q + static_cast<std::int64_t>(r.qi) * P.q_stride +
+        static_cast<std::int64_t>(hs.head0 + g) * kTensorHeadDim + 8 * t);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
+      qv[4 * i] = x.x;
+      qv[4 * i + 1] = x.y;
+      qv[4 * i + 2] = x.z;
+      qv[4 * i + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) qv[i] = 0.0f;
+  }
+}
+
+// The query's A operands of QK^T: the query scaled by a power of two
+// (exact) so its largest element lies in [2^14, 2^15), in hi and lo halves,
+// and in `down` the factor that scales a score back. The lo halves then
+// stay normal f16 for every element that matters, whatever the query's
+// magnitude.
+__device__ __forceinline__ void query_operands(const float (&qv)[32], std::uint32_t (&qa)[8][4], float& down) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(qv[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+  const float up = query_scale(amax, down);
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const Halves qa0 = split_f16(qv[4 * s] * up);
+    const Halves qa1 = split_f16(qv[4 * s + 1] * up);
+    const Halves qa2 = split_f16(qv[4 * s + 2] * up);
+    const Halves qa3 = split_f16(qv[4 * s + 3] * up);
+    // k-step s = 2i + e covers dims 32i + 8t + 4e + [0, 4) = qv[4s .. 4s + 4).
+    qa[s][0] = pack(qa0.hi, qa1.hi);  // row g,     k 2t, 2t+1   <- first two
+    qa[s][1] = pack(qa0.lo, qa1.lo);  // row g + 8, k 2t, 2t+1
+    qa[s][2] = pack(qa2.hi, qa3.hi);  // row g,     k 2t+8, 2t+9 <- last two
+    qa[s][3] = pack(qa2.lo, qa3.lo);  // row g + 8, k 2t+8, 2t+9
+  }
+}
+
+// The scores (log2 units) of query g against keys base + 2t, + 2t + 1,
+// + 8 + 2t, + 8 + 2t + 1 of the K tile at k_frag + stage_off; -inf for rows
+// from b on. Rows past the range were copied as zeros, so their scores are
+// finite before the mask.
+__device__ __forceinline__ void tile_scores(const std::uint32_t (&qa)[8][4], const unsigned (&k_frag)[4],
+                                            unsigned stage_off, float down, float scale_log2,
+                                            std::int64_t base, std::int64_t b, int t, float (&x)[4]) {
+  uint4 kr[2][4];  // [nt][i]: row 8nt + g, piece 4i + t
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) kr[nt][i] = lds128(k_frag[i] + stage_off + nt * 8 * kRowBytes);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) mma16816(c, qa[s], word(kr[nt], 2 * s), word(kr[nt], 2 * s + 1));
+    x[2 * nt] = (c[0] + c[2]) * down * scale_log2;      // key base + 8nt + 2t
+    x[2 * nt + 1] = (c[1] + c[3]) * down * scale_log2;  // key base + 8nt + 2t + 1
+  }
+  if (base + kAttendTile > b) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (base + (i >> 1) * 8 + 2 * t + (i & 1) >= b) x[i] = -INFINITY;
+  }
+}
+
+// The largest of query g's scores in the tile (the same in its 4 lanes).
+__device__ __forceinline__ float tile_max_of(const float (&x)[4]) {
+  float m = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+  m = fmaxf(m, __shfl_xor_sync(kFullMask, m, 1));
+  return fmaxf(m, __shfl_xor_sync(kFullMask, m, 2));
+}
+
+// The weights' A operands of PV, exactly where their scores landed.
+__device__ __forceinline__ void weight_operands(const float (&pr)[4], std::uint32_t (&pa)[4]) {
+  const Halves p0 = split_f16(pr[0]), p1 = split_f16(pr[1]);
+  const Halves p2 = split_f16(pr[2]), p3 = split_f16(pr[3]);
+  pa[0] = pack(p0.hi, p1.hi);  // row g,     keys 2t, 2t+1
+  pa[1] = pack(p0.lo, p1.lo);  // row g + 8, keys 2t, 2t+1
+  pa[2] = pack(p2.hi, p3.hi);  // row g,     keys 2t+8, 2t+9
+  pa[3] = pack(p2.lo, p3.lo);  // row g + 8, keys 2t+8, 2t+9
+}
+
+// The lane's fragment addresses in a warp's area (stage 0; `v_base` where
+// a stage's V tile starts): K piece 4i + t of row g (row 8 + g lies 8 rows
+// on); for the ldmatrix of dim tiles 2jj and 2jj + 1, lane 8m + rr gives
+// row 8(m & 1) + rr, piece 2jj + (m >> 1).
+struct Fragments {
+  unsigned k[4];
+  unsigned v;
+  int v_row, v_piece;
+  __device__ Fragments(unsigned area, unsigned v_base, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) k[i] = area + g * kRowBytes + ((4 * i + t) ^ k_swizzle(g)) * 16;
+    v_row = ((lane >> 3) & 1) * 8 + (lane & 7);
+    v = area + v_base + v_row * kRowBytes;
+    v_piece = lane >> 4;
+  }
+  // V's B operands of dim tiles 2jj, 2jj + 1 (keys 2t, 2t+1 then 2t+8,
+  // 2t+9 of dim 8j + g).
+  __device__ __forceinline__ void v_operands(unsigned stage_off, int jj, std::uint32_t (&vb)[4]) const {
+    ldmatrix_x4_trans(vb, v + stage_off + ((2 * jj + v_piece) ^ v_swizzle(v_row)) * 16);
+  }
+};
+
+// Where a lane's copies go in a warp's area (`v_base` where a stage's V
+// tile starts), with L2 policy `policy`.
+__device__ __forceinline__ TileCopy tile_copy(unsigned area, unsigned v_base, int lane, std::uint64_t policy) {
+  TileCopy tc;
+  tc.policy = policy;
+  tc.half = lane >> 4;
+  tc.c = lane & 15;
+  tc.k_dst = area + tc.half * kRowBytes + (tc.c ^ k_swizzle(tc.half)) * 16;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int row = 2 * k + tc.half;
+    tc.v_dst[k] = area + v_base + row * kRowBytes + (tc.c ^ v_swizzle(row)) * 16;
+  }
+  return tc;
 }
 
 }  // namespace
@@ -159,35 +309,15 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   Shared& sh = S.sh;
   QueryRange r;
   if (!query_range(F, P, r)) return idle_in_cluster(P);
-  const int item = static_cast<int>(blockIdx.y);
-  const int kv_head = F.sets == 1 ? item : item / F.sets;
-  const int set = item - kv_head * F.sets;
-  const int head0 = kv_head * F.group + set * kTensorHeads;
-  const int heads_valid = min(kTensorHeads, F.group - set * kTensorHeads);
+  const HeadSet hs = head_set(F);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  // Query g's dims 32i + 8t + [0, 8) as qv[8i + ...]. Its loads go out
-  // first: behind the first tiles of every CTA they would come back late,
-  // with the tiles already waiting.
+  // The query's loads go out first: behind the first tiles of every CTA
+  // they would come back late, with the tiles already waiting.
   float qv[32];
-  if (g < heads_valid) {
-    const float4* src = reinterpret_cast<const float4*>(
-        P.q + static_cast<std::int64_t>(r.qi) * P.q_stride +
-        static_cast<std::int64_t>(head0 + g) * HD + 8 * t);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
-      qv[4 * i] = x.x;
-      qv[4 * i + 1] = x.y;
-      qv[4 * i + 2] = x.z;
-      qv[4 * i + 3] = x.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) qv[i] = 0.0f;
-  }
+  load_query(P, r, hs, g, t, qv);
   // Then the first tiles, before the query is used.
   // Rows [a, b) of the CTA's run of splits (one split unless F.split_run
   // says more); the current split ends at split_end.
@@ -195,57 +325,20 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   const std::int64_t b = min(a + F.split_run * r.split_rows, r.p + 1);
   std::int64_t split_end = a + r.split_rows;
   a += warp * kAttendTile;
-  const HeadRows rows(P, r, HD, kv_head);
+  const HeadRows rows(P, r, HD, hs.kv_head);
   const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
-  TileCopy tc;
-  tc.policy = tile_policy(F.read_once != 0);
-  tc.half = lane >> 4;
-  tc.c = lane & 15;
-  tc.k_dst = area + tc.half * kRowBytes + (tc.c ^ k_swizzle(tc.half)) * 16;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int row = 2 * k + tc.half;
-    tc.v_dst[k] = area + kTileBytes + row * kRowBytes + (tc.c ^ v_swizzle(row)) * 16;
-  }
+  const TileCopy tc = tile_copy(area, kTileBytes, lane, tile_policy(F.read_once != 0));
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (a + st * kWarpStride < b) issue_tile(P, rows, a + st * kWarpStride, b, tc, st);
+    if (a + st * kWarpStride < b)
+      issue_tile<kCopyKV>(P, rows, a + st * kWarpStride, b, tc, static_cast<unsigned>(st * kStageBytes));
     cp_async_commit();
   }
   r.n_splits = split_count(r);
-  // The lane's fragment addresses in stage 0: K piece 4i + t of row g (row
-  // 8 + g lies 8 rows on); for the ldmatrix of dim tiles 2jj and 2jj + 1,
-  // lane 8m + rr gives row 8(m & 1) + rr, piece 2jj + (m >> 1).
-  unsigned k_frag[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) k_frag[i] = area + g * kRowBytes + ((4 * i + t) ^ k_swizzle(g)) * 16;
-  const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7);
-  const unsigned v_frag = area + kTileBytes + v_row * kRowBytes;
-  const int v_piece = lane >> 4;
-
-  // The query, scaled by a power of two (exact) so its largest element
-  // lies in [2^14, 2^15): the lo halves then stay normal f16 for every
-  // element that matters, whatever the query's magnitude.
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(qv[i]));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+  const Fragments fr(area, kTileBytes, lane);
   float down;
-  const float up = query_scale(amax, down);
   std::uint32_t qa[8][4];
-#pragma unroll
-  for (int s = 0; s < 8; ++s) {
-    const Halves qa0 = split_f16(qv[4 * s] * up);
-    const Halves qa1 = split_f16(qv[4 * s + 1] * up);
-    const Halves qa2 = split_f16(qv[4 * s + 2] * up);
-    const Halves qa3 = split_f16(qv[4 * s + 3] * up);
-    // k-step s = 2i + e covers dims 32i + 8t + 4e + [0, 4) = qv[4s .. 4s + 4).
-    qa[s][0] = pack(qa0.hi, qa1.hi);  // row g,     k 2t, 2t+1   <- first two
-    qa[s][1] = pack(qa0.lo, qa1.lo);  // row g + 8, k 2t, 2t+1
-    qa[s][2] = pack(qa2.hi, qa3.hi);  // row g,     k 2t+8, 2t+9 <- last two
-    qa[s][3] = pack(qa2.lo, qa3.lo);  // row g + 8, k 2t+8, 2t+9
-  }
+  query_operands(qv, qa, down);
 
   float m = -INFINITY;  // uniform over the 4 lanes of query g
   float l = 0.0f;       // this lane's share of query g's weight sum
@@ -265,40 +358,18 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
       // Refill the stage the previous tile was read from.
       const std::int64_t ahead = base + (kStages - 1) * kWarpStride;
       const int st = stage == 0 ? kStages - 1 : stage - 1;
-      if (ahead < b) issue_tile(P, rows, ahead, b, tc, st);
+      if (ahead < b) issue_tile<kCopyKV>(P, rows, ahead, b, tc, static_cast<unsigned>(st * kStageBytes));
       cp_async_commit();
     }
     cp_async_wait<kStages - 1>();  // this tile's group is complete
     __syncwarp();
     const unsigned stage_off = static_cast<unsigned>(stage * kStageBytes);
-    uint4 kr[2][4];  // [nt][i]: row 8nt + g, piece 4i + t
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) kr[nt][i] = lds128(k_frag[i] + stage_off + nt * 8 * kRowBytes);
     stage = stage + 1 == kStages ? 0 : stage + 1;
-
     // Rows past the range were copied as zeros: their probability is 0,
     // and 0 * V must not be NaN from whatever the plane holds there.
     float x[4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int s = 0; s < 8; ++s) mma16816(c, qa[s], word(kr[nt], 2 * s), word(kr[nt], 2 * s + 1));
-      x[2 * nt] = (c[0] + c[2]) * down * P.scale_log2;      // key base + 8nt + 2t
-      x[2 * nt + 1] = (c[1] + c[3]) * down * P.scale_log2;  // key base + 8nt + 2t + 1
-    }
-    if (base + kAttendTile > b) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (base + (i >> 1) * 8 + 2 * t + (i & 1) >= b) x[i] = -INFINITY;
-    }
-
-    float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
-    const float m_new = fmaxf(m, tile_max);
+    tile_scores(qa, fr.k, stage_off, down, P.scale_log2, base, b, t, x);
+    const float m_new = fmaxf(m, tile_max_of(x));
     float pr[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) pr[i] = weight_of(x[i], m_new);
@@ -320,19 +391,11 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
     }
     m = m_new;
     std::uint32_t pa[4];
-    {
-      const Halves p0 = split_f16(pr[0]), p1 = split_f16(pr[1]);
-      const Halves p2 = split_f16(pr[2]), p3 = split_f16(pr[3]);
-      pa[0] = pack(p0.hi, p1.hi);  // row g,     keys 2t, 2t+1
-      pa[1] = pack(p0.lo, p1.lo);  // row g + 8, keys 2t, 2t+1
-      pa[2] = pack(p2.hi, p3.hi);  // row g,     keys 2t+8, 2t+9
-      pa[3] = pack(p2.lo, p3.lo);  // row g + 8, keys 2t+8, 2t+9
-    }
+    weight_operands(pr, pa);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-      // Dim tiles 2jj and 2jj + 1: keys 2t, 2t+1 then 2t+8, 2t+9 of dim 8j + g.
       std::uint32_t vb[4];
-      ldmatrix_x4_trans(vb, v_frag + stage_off + ((2 * jj + v_piece) ^ v_swizzle(v_row)) * 16);
+      fr.v_operands(stage_off, jj, vb);
       mma16816(o[2 * jj], pa, vb[0], vb[1]);
       mma16816(o[2 * jj + 1], pa, vb[2], vb[3]);
     }
@@ -385,7 +448,202 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   const int run_first = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x) * F.split_run;
   finish<true>(P, sh, space.part_o, &space.resident,
                WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4, true}, r, run_first,
-               kTensorHeads, heads_valid, head0);
+               kTensorHeads, hs.heads_valid, hs.head0);
+}
+
+// ---- A warp a split ---------------------------------------------------------
+
+// Enqueues tile q of a warp-split kernel's warp's sequence into stage
+// `stage` of its area (nothing where the tile has no rows), as one commit
+// group either way. The sequence: the warp's splits first, first +
+// kWarpSplitWarps, ..., 2 kSplitTiles tiles each, its K tiles then its V
+// tiles; seq tiles in all.
+__device__ __forceinline__ void issue_sequence_tile(const AttendParams& P, const HeadRows& rows,
+                                                    const QueryRange& r, const TileCopy& tc, int first,
+                                                    int seq, int q, int stage) {
+  if (q < seq) {
+    const std::int64_t a =
+        r.lo + static_cast<std::int64_t>(first + kWarpSplitWarps * (q / (2 * kSplitTiles))) * r.split_rows;
+    const std::int64_t b = min(a + r.split_rows, r.p + 1);
+    const std::int64_t base = a + (q % kSplitTiles) * kAttendTile;
+    const unsigned off = static_cast<unsigned>(stage * kTileBytes);
+    if (base < b) {
+      if ((q / kSplitTiles) % 2 == 0)
+        issue_tile<kCopyK>(P, rows, base, b, tc, off);
+      else
+        issue_tile<kCopyV>(P, rows, base, b, tc, off);
+    }
+  }
+  cp_async_commit();
+}
+
+// Where every split of a launch is kAttendMinSplitRows rows, the CTA kernel
+// gives each of its warps one tile of a split, and the split's partial is
+// the warps' partials combined in warp order. Each warp's partial is one
+// online-softmax step from nothing: its maximum m_w the tile's, its weights
+// exp2(x - m_w), its sum and outputs those weights' alone. Then M = max
+// m_w, each warp's weight exp2(m_w - M), and l and o summed by fma in warp
+// order (combine_warps, cta_value). This kernel's warp takes those steps
+// over a whole split's tiles in turn: the K tiles first, each tile's
+// maximum, weight sum and weight operands into its scratch, then the V
+// tiles, each tile's outputs made from zero, weighted and added into the
+// split's in tile order. So a split's partial has the CTA kernel's bits,
+// and needs no barrier: the CTA's kWarpSplitWarps warps take the splits of
+// its run in turn (warp w the run's splits w, w + kWarpSplitWarps, ...),
+// publish them, and the run arrives once at its end (arrive_run), whose
+// last arrival combines as the CTA kernel's.
+__global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel(const KernelArgs A) {
+  constexpr int HD = kTensorHeadDim;
+  static_assert(kSplitTiles == kAttendWarps, "a split is one tile for each warp of the CTA kernel");
+  constexpr int kTotal = kTensorHeads * HD;
+  const FirstTiles& F = A.F;
+  const AttendParams& P = A.P;
+  extern __shared__ uint4 smem_raw[];
+  WarpSplitSmem& S = *reinterpret_cast<WarpSplitSmem*>(smem_raw);
+  QueryRange r;
+  if (!query_range(F, P, r)) return;
+  const HeadSet hs = head_set(F);
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+  float qv[32];
+  load_query(P, r, hs, g, t, qv);
+
+  r.n_splits = split_count(r);
+  const int run_first = r.split;
+  const int run_end = min(run_first + F.split_run, r.n_splits);
+  // The warp's splits (first, first + kWarpSplitWarps, ... below run_end) as
+  // one sequence of tiles: 2 kSplitTiles a split, its K tiles then its V
+  // tiles.
+  const int first = run_first + warp;
+  const int seq =
+      first < run_end ? (run_end - first + kWarpSplitWarps - 1) / kWarpSplitWarps * 2 * kSplitTiles : 0;
+  const HeadRows rows(P, r, HD, hs.kv_head);
+  WarpSplitArea& mine = S.area[warp];
+  WarpSplitScratch& scratch = mine.scratch;
+  const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(mine.stages));
+  const TileCopy tc = tile_copy(area, 0, lane, tile_policy(F.read_once != 0));
+#pragma unroll 1
+  for (int st = 0; st < kWarpSplitStages - 1; ++st)
+    issue_sequence_tile(P, rows, r, tc, first, seq, st, st);
+
+  float down;
+  std::uint32_t qa[8][4];
+  query_operands(qv, qa, down);
+  const Fragments fr(area, 0, lane);
+  const Workspace ws = workspace_of(P, r, kTensorHeads);
+  float* const out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
+                     static_cast<std::int64_t>(hs.head0) * HD;
+  int q = 0, stage = 0;
+  // Waits for tile q, after refilling the stage the tile before it was
+  // read from (every lane's reads of it done) with tile q + stages - 1;
+  // returns the tile's stage offset.
+  auto next = [&]() -> unsigned {
+    __syncwarp();
+    issue_sequence_tile(P, rows, r, tc, first, seq, q + kWarpSplitStages - 1,
+                        stage == 0 ? kWarpSplitStages - 1 : stage - 1);
+    cp_async_wait<kWarpSplitStages - 1>();
+    __syncwarp();
+    const unsigned off = static_cast<unsigned>(stage * kTileBytes);
+    stage = stage + 1 == kWarpSplitStages ? 0 : stage + 1;
+    ++q;
+    return off;
+  };
+
+#pragma unroll 1
+  for (int split = first; q < seq; split += kWarpSplitWarps) {
+    const std::int64_t a = r.lo + static_cast<std::int64_t>(split) * r.split_rows;
+    const std::int64_t b = min(a + r.split_rows, r.p + 1);
+    // Each tile as the CTA kernel's warp takes it, from m = -inf, l = 0:
+    // its maximum, its lanes' weight sums added in the quad's butterfly,
+    // its weight operands. A tile without rows keeps m = -inf, l = 0. The
+    // split's maximum over the tiles in tile order, as combine_warps.
+    float M = -INFINITY;
+#pragma unroll 1
+    for (int w = 0; w < kSplitTiles; ++w) {
+      const unsigned off = next();
+      const std::int64_t base = a + w * kAttendTile;
+      float m = -INFINITY, l = 0.0f;
+      if (base < b) {
+        float x[4];
+        tile_scores(qa, fr.k, off, down, P.scale_log2, base, b, t, x);
+        m = fmaxf(-INFINITY, tile_max_of(x));
+        float pr[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pr[i] = weight_of(x[i], m);
+        l = (pr[0] + pr[1]) + (pr[2] + pr[3]);
+        l += __shfl_xor_sync(kFullMask, l, 1);
+        l += __shfl_xor_sync(kFullMask, l, 2);
+        std::uint32_t pa[4];
+        weight_operands(pr, pa);
+        scratch.pa[w][lane] = make_uint4(pa[0], pa[1], pa[2], pa[3]);
+      }
+      scratch.m[w][lane] = m;
+      scratch.l[w][lane] = l;
+      M = fmaxf(M, m);
+    }
+    // Each tile's weight and the split's weight sum, as combine_warps.
+    float L = 0.0f;
+#pragma unroll 1
+    for (int w = 0; w < kSplitTiles; ++w) {
+      const float wt = weight_of(scratch.m[w][lane], M);
+      L = __fmaf_rn(scratch.l[w][lane], wt, L);
+      scratch.l[w][lane] = wt;
+    }
+    // The outputs, as cta_value: each tile's weights times V from zero
+    // (its hi and lo rows added), weighted, added in tile order; a tile
+    // without rows adds 0 times its weight.
+    float o[16][2];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = 0.0f;
+#pragma unroll 1
+    for (int w = 0; w < kSplitTiles; ++w) {
+      const unsigned off = next();
+      const float wt = scratch.l[w][lane];
+      if (a + w * kAttendTile < b) {
+        const uint4 p4 = scratch.pa[w][lane];
+        const std::uint32_t pa[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          std::uint32_t vb[4];
+          fr.v_operands(off, jj, vb);
+          float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma16816(c0, pa, vb[0], vb[1]);
+          mma16816(c1, pa, vb[2], vb[3]);
+          o[2 * jj][0] = __fmaf_rn(c0[0] + c0[2], wt, o[2 * jj][0]);
+          o[2 * jj][1] = __fmaf_rn(c0[1] + c0[3], wt, o[2 * jj][1]);
+          o[2 * jj + 1][0] = __fmaf_rn(c1[0] + c1[2], wt, o[2 * jj + 1][0]);
+          o[2 * jj + 1][1] = __fmaf_rn(c1[1] + c1[3], wt, o[2 * jj + 1][1]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          o[j][0] = __fmaf_rn(0.0f, wt, o[j][0]);
+          o[j][1] = __fmaf_rn(0.0f, wt, o[j][1]);
+        }
+      }
+    }
+    // Query g's dims 8j + 2t, 8j + 2t + 1: the output of a query of one
+    // split, else the split's partial in its workspace slot.
+    if (r.n_splits == 1) {
+      if (g < hs.heads_valid) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<float2*>(out + g * HD + 8 * j + 2 * t) = make_float2(o[j][0] / L, o[j][1] / L);
+      }
+    } else {
+      float* po = ws.o + static_cast<std::int64_t>(split) * kTotal + g * HD + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) *reinterpret_cast<float2*>(po + 8 * j) = make_float2(o[j][0], o[j][1]);
+      if (t == 0) {
+        ws.ml[(split * kTensorHeads + g) * 2] = M;
+        ws.ml[(split * kTensorHeads + g) * 2 + 1] = L;
+      }
+    }
+  }
+  if (r.n_splits == 1) return;
+  combine_arrived<true>(S.sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, run_end - 1, S.sh),
+                        kTensorHeads, HD, hs.heads_valid, out);
 }
 
 }  // namespace kvring::cuda

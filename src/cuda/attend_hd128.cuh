@@ -55,4 +55,34 @@ static_assert(offsetof(Warp0Finish, combine) == kPartialBytes &&
 
 __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A);
 
+// A warp a split (attend_hd128_warp_kernel): for decode launches whose
+// queries all see at most kAttendSplitBand rows, so that every split is one
+// tile for each of the CTA kernel's 8 warps. One warp streams a whole
+// split's K tiles, then its V tiles, each through kWarpSplitStages stages
+// of one tile, kWarpSplitStages - 1 ahead, and makes the split's partial
+// with the CTA kernel's arithmetic (docs/CUDA.md, "A warp a split"). Its
+// loops over a split's tiles are not unrolled, so that the kernel's code
+// stays small enough for the instruction cache; what a tile leaves for the
+// V pass (its weight operands, maximum and weight sum) waits in the warp's
+// scratch, a lane's own entries.
+constexpr int kWarpSplitStages = 5;
+constexpr int kWarpSplitThreads = 32 * kWarpSplitWarps;
+constexpr int kSplitTiles = static_cast<int>(kAttendMinSplitRows / kAttendTile);
+struct WarpSplitScratch {
+  uint4 pa[kSplitTiles][32];
+  float m[kSplitTiles][32];
+  float l[kSplitTiles][32];  // the weight sum, then the tile's weight
+};
+struct WarpSplitArea {
+  alignas(128) unsigned char stages[kWarpSplitStages][kTileBytes];
+  WarpSplitScratch scratch;
+};
+struct WarpSplitSmem {
+  Shared sh;
+  WarpSplitArea area[kWarpSplitWarps];
+};
+static_assert(2 * (sizeof(WarpSplitSmem) + 1024) <= 228 * 1024, "two CTAs within an SM's shared memory");
+
+__global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel(const KernelArgs A);
+
 }  // namespace kvring::cuda

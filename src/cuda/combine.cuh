@@ -58,8 +58,8 @@ static_assert(kPartFloats >= kGeneralMaxHeadDim, "part_o holds any one head");
 // Element i (head h) of the CTA's result: its warps combined in warp order.
 __device__ __forceinline__ float cta_value(const Shared& sh, WarpOutputs wo, int i, int h) {
   float o = 0.0f;
-#pragma unroll
   const int at = wo.rotated ? h * kTensorHeadDim + rotated_column(i - h * kTensorHeadDim, h) : i;
+#pragma unroll
   for (int w = 0; w < kAttendWarps; ++w) o = __fmaf_rn(wo.o[w * wo.stride + at], sh.weight[w][h], o);
   return o;
 }
@@ -515,6 +515,24 @@ __device__ __forceinline__ void group_done(Shared& sh, const Workspace& ws, int 
                        out, attend_groups(n), heads, hd, 0, heads_valid * hd);
 }
 
+// After arrive_run: the combines the CTA's arrival completed (`done`). With
+// one level, the query's splits into the output; with two, each completed
+// group into the group's slot, in group order, and the groups into the
+// output when the last group arrives.
+template <bool kVec>
+__device__ __forceinline__ void combine_arrived(Shared& sh, const Workspace& ws, const QueryRange& r,
+                                                unsigned done, int heads, int hd, int heads_valid,
+                                                float* out) {
+  const int n = r.n_splits;
+  if (attend_groups(n) == 0) {
+    if (done != 0)
+      combine_splits<kVec>(GlobalPartials{ws.o, ws.ml, heads * hd}, out, n, heads, hd, 0, heads_valid * hd);
+    return;
+  }
+  for (int group = 0; group < attend_groups(n); ++group)
+    if ((done >> group) & 1u) group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out);
+}
+
 // The finish of a split that another split of the CTA's run follows (the
 // tensor-core kernel's last-arrival launches; launch.cu): its partial goes
 // out, exactly as a CTA of that one split would publish it, and is counted
@@ -584,22 +602,9 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, Residen
 
   // Global workspace: this split's partial, then arrivals counted.
   const Workspace ws = workspace_of(P, r, heads);
-  float* ws_o = ws.o;
-  float* ws_ml = ws.ml;
-  unsigned* counters = ws.counters;
   publish_split(sh, wo, r, ws, heads, hd);
-  const int n = r.n_splits;
-  const unsigned done = arrive_run(counters, n, run_first, r.split, sh);
-  if (attend_groups(n) == 0) {
-    if (done != 0)
-      combine_splits<kVec>(GlobalPartials{ws_o, ws_ml, total}, out, n, heads, hd, 0, heads_valid * hd);
-    return;
-  }
-  // Two levels: the arrival that completes a group combines it into the
-  // group's slot, in group order; the last group to arrive combines the
-  // groups.
-  for (int group = 0; group < attend_groups(n); ++group)
-    if ((done >> group) & 1u) group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out);
+  combine_arrived<kVec>(sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, r.split, sh), heads,
+                        hd, heads_valid, out);
 }
 
 }  // namespace kvring::cuda

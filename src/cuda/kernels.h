@@ -144,6 +144,10 @@ cudaError_t launch_scatter_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, 
 // split rule", gives the reasons.
 inline constexpr int kAttendWarps = 8;
 inline constexpr int kAttendThreads = 32 * kAttendWarps;
+// The warp-split kernel's CTAs are of kWarpSplitWarps warps, two an SM, so
+// that one CTA's start (the query, its first tiles) and end (the arrival,
+// a combine) overlap the other's stream (attend_hd128.cuh).
+inline constexpr int kWarpSplitWarps = 4;
 inline constexpr int kAttendTile = 16;
 inline constexpr int kAttendMaxSplits = 64;
 inline constexpr std::int64_t kAttendMinSplitRows = 128;

@@ -97,15 +97,26 @@ FirstTiles first_tiles(const AttendParams& P) {
 // last-arrival launch of several queries runs query-major when
 // `query_major_ok` says so. A launch of several splits is counted in
 // `stats` (when not null) by the path it took.
+struct Paths {
+  bool resident, cluster;
+};
+Paths paths_of(dim3 grid, const AttendParams& params, int cluster_limit, std::int64_t cluster_ctas,
+               int resident_ctas) {
+  const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
+  Paths p;
+  p.resident = grid.x >= 2 && params.tagged != nullptr && ctas <= std::min(resident_ctas, params.tagged_ctas);
+  p.cluster = !p.resident && grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit &&
+              (cluster_ctas <= 0 || ctas <= cluster_ctas);
+  return p;
+}
+
 template <class Kernel>
 cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, int resident_ctas,
                    bool query_major_ok, int split_run, dim3 grid, std::size_t smem,
                    AttendParams params, AttendStats* stats, cudaStream_t stream) {
-  const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
-  const bool resident = grid.x >= 2 && params.tagged != nullptr &&
-                        ctas <= std::min(resident_ctas, params.tagged_ctas);
-  const bool cluster = !resident && grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit &&
-                       (cluster_ctas <= 0 || ctas <= cluster_ctas);
+  const Paths paths = paths_of(grid, params, cluster_limit, cluster_ctas, resident_ctas);
+  const bool resident = paths.resident;
+  const bool cluster = paths.cluster;
   params.cluster = cluster ? 1 : 0;
   params.resident = resident ? 1 : 0;
   FirstTiles first = first_tiles(params);
@@ -150,11 +161,11 @@ cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, 
 // The CTAs of `kernel` this device holds at once (0 when a query fails;
 // its error is cleared).
 template <class Kernel>
-int wave_capacity(Kernel kernel, std::size_t smem) {
+int wave_capacity(Kernel kernel, std::size_t smem, int threads = kAttendThreads) {
   int device = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttendThreads, smem) !=
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) !=
           cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -182,6 +193,7 @@ int resident_capacity(Kernel kernel, std::size_t smem) {
 // L2's size: the device's launch policy.
 struct DeviceSetup {
   cudaError_t opted_in = cudaSuccess;
+  cudaError_t warp_opted_in = cudaSuccess;  // the warp-split kernel
   cudaError_t f16_opted_in = cudaSuccess;  // the f16 numeric's kernels
   LaunchPolicy policy;
 };
@@ -214,6 +226,11 @@ cudaError_t device_setup(DeviceSetup& out) {
       s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
       s.policy.hd128_wave = wave_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
+    s.warp_opted_in = cudaFuncSetAttribute(attend_hd128_warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           sizeof(WarpSplitSmem));
+    if (s.warp_opted_in != cudaSuccess) (void)cudaGetLastError();
+    if (s.warp_opted_in == cudaSuccess)
+      s.policy.hd128_warp_wave = wave_capacity(attend_hd128_warp_kernel, sizeof(WarpSplitSmem), kWarpSplitThreads);
     s.f16_opted_in = cudaFuncSetAttribute(attend_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(f16_smem_bytes(2)));
     if (s.f16_opted_in == cudaSuccess)
@@ -237,6 +254,18 @@ cudaError_t device_setup(DeviceSetup& out) {
   cached = it->second;
   out = cached;
   return cudaSuccess;
+}
+
+// Whether a launch of the tensor-core kernel over `grid` takes the
+// warp-split kernel instead (LaunchPolicy::warp_splits): a decode whose
+// queries all see at most kAttendSplitBand rows, where the policy says so.
+bool takes_warp_splits(const AttendParams& params, const LaunchPolicy& policy, const DeviceSetup& s, dim3 grid) {
+  if (policy.warp_splits == WarpSplits::kNever || s.warp_opted_in != cudaSuccess) return false;
+  if (params.n_queries != params.n_items || params.most_rows > kAttendSplitBand) return false;
+  if (policy.warp_splits == WarpSplits::kAlways) return true;
+  const Paths paths = paths_of(grid, params, policy.cluster_limit(kTensorHeadDim),
+                               policy.cluster_wave(kTensorHeadDim), policy.resident_limit(kTensorHeadDim));
+  return grid.x >= 2 && !paths.resident && !paths.cluster;
 }
 
 }  // namespace
@@ -281,6 +310,21 @@ int LaunchPolicy::split_run_for(std::int64_t ctas, int max_splits, int least_spl
   return run;
 }
 
+int LaunchPolicy::warp_run_for(std::int64_t ctas, int max_splits, int least_splits) const {
+  int cover = kWarpSplitWarps;
+  while (cover < std::min(max_splits, kAttendMaxSplits)) cover *= 2;
+  if (split_run > 0) {
+    int run = kWarpSplitWarps;
+    while (2 * run <= std::min(split_run, cover)) run *= 2;
+    return run;
+  }
+  if (least_splits != max_splits || hd128_warp_wave <= 0 || max_splits < 1) return kWarpSplitWarps;
+  const std::int64_t per_split = ctas / max_splits;  // CTAs of one split, over items and queries
+  for (int run = kWarpSplitWarps; run < cover; run *= 2)
+    if (per_split * ((max_splits + run - 1) / run) <= hd128_warp_wave) return run;
+  return cover;
+}
+
 bool LaunchPolicy::f16_deep_for(std::int64_t ctas) const {
   if (f16_stages == 2 || f16_stages == 3) return f16_stages == 3;
   return ctas <= f16_deep_wave;
@@ -314,6 +358,30 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
     const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
+    if (takes_warp_splits(params, policy, s, grid)) {
+      // Every CTA of a run on one query, split-major; no cluster, no
+      // resident grid.
+      AttendParams p = params;
+      p.cluster = 0;
+      p.resident = 0;
+      FirstTiles first = first_tiles(p);
+      first.query_major = 0;
+      first.split_run = policy.warp_run_for(ctas, p.max_splits, p.least_splits);
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3((grid.x + static_cast<unsigned>(first.split_run) - 1) / static_cast<unsigned>(first.split_run),
+                         grid.y, grid.z);
+      cfg.blockDim = dim3(kWarpSplitThreads, 1, 1);
+      cfg.dynamicSmemBytes = sizeof(WarpSplitSmem);
+      cfg.stream = stream;
+      const cudaError_t le = cudaLaunchKernelEx(&cfg, attend_hd128_warp_kernel, KernelArgs{first, p});
+      if (le != cudaSuccess) {
+        (void)cudaGetLastError();  // reported here, not by a later call
+      } else if (policy.stats != nullptr) {
+        ++policy.stats->warp_splits;
+        if (grid.x >= 2) ++policy.stats->last_arrival;
+      }
+      return le;
+    }
     return launch(attend_hd128_kernel, cluster_limit, policy.cluster_wave(params.head_dim),
                   policy.resident_limit(params.head_dim), query_major,
                   policy.split_run_for(ctas, params.max_splits, params.least_splits,

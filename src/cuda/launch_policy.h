@@ -24,6 +24,9 @@ struct AttendStats {
   long query_major = 0;
   // Last-arrival launches whose CTAs each took a run of several splits.
   long split_runs = 0;
+  // Launches on the warp-split kernel (WarpSplits); those of several
+  // splits are last-arrival launches too.
+  long warp_splits = 0;
 };
 
 // When a last-arrival launch of several queries runs query-major (grid.x
@@ -31,6 +34,18 @@ struct AttendStats {
 // split's of many queries and read the same rows).
 enum class QueryMajor {
   kPastL2,  // when the K and V rows its last query sees outgrow the L2
+  kAlways,
+  kNever,
+};
+
+// Which decode launches of head_dim 128 whose queries all see at most
+// kAttendSplitBand rows (so that every split is one tile for each warp of
+// the CTA kernel) take the warp-split kernel, where one warp makes a
+// whole split's partial with the same arithmetic (docs/CUDA.md, "A warp a
+// split").
+enum class WarpSplits {
+  kLastArrival,  // those that would combine by last arrival (a batch too
+                 // large for a resident grid or one wave of clusters)
   kAlways,
   kNever,
 };
@@ -58,6 +73,10 @@ struct LaunchPolicy {
   // two up to n and the launch's split bound.
   std::int64_t hd128_wave = 0;
   int split_run = 0;
+  // The warp-split kernel: which launches take it, and the CTAs of it the
+  // device holds at once (0: unknown).
+  WarpSplits warp_splits = WarpSplits::kLastArrival;
+  std::int64_t hd128_warp_wave = 0;
   // The f16 numeric's kernel: 0, the rule of f16_deep_for; 2, the kernel
   // whose copies run one tile ahead (three CTAs an SM); 3, the deep one
   // (two tiles ahead, two CTAs an SM). And the CTAs the device holds at
@@ -101,6 +120,15 @@ struct LaunchPolicy {
   // (docs/CUDA.md, "The f16 numeric").
   bool f16_deep_for(std::int64_t ctas) const;
   int split_run_for(std::int64_t ctas, int max_splits, int least_splits, bool decode) const;
+  // The run of splits each CTA of the warp-split kernel takes (its warps
+  // take the run's splits in turn), for a grid of `ctas` CTAs of one split
+  // each whose queries have from `least_splits` to `max_splits` splits:
+  // kWarpSplitWarps (a split a warp) times a power of two, no longer than
+  // needed to cover max_splits. Where every query has as many splits, the
+  // shortest that fits the launch in one wave of the device, else the one
+  // that covers a query's splits; else a split a warp. A forced split_run
+  // gives the longest such run up to it.
+  int warp_run_for(std::int64_t ctas, int max_splits, int least_splits) const;
 };
 
 // The policy of the current device: every combine path it runs,
