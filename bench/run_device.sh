@@ -61,9 +61,9 @@ for step in $steps; do
       for f in ref.json serve.json; do grep -o '"logits_sha256":"[0-9a-f]*"\|"generated":\[[^]]*\]' "$p/$f" | tr '\n' ' '; echo; done
       tail -3 "$p/send.err" "$p/serve.err" ;;
     racecheck-paths)
-      # The combine-path test's eight paths in parallel processes, and the
+      # The combine-path test's nine paths in parallel processes, and the
       # batch test beside them.
-      for path in 0 1 2 3 4 5 6 7; do
+      for path in 0 1 2 3 4 5 6 7 8; do
         KVRING_TEST_QUICK=1 KVRING_COMBINE_PATH=$path timeout 540 stdbuf -oL compute-sanitizer --tool racecheck --error-exitcode 9 \
           "$bin/kvring_cuda_tests" --gtest_filter=CudaBatch.EveryCombinePathGivesTheSameBits > "$out/race-path$path.log" 2>&1 &
       done
