@@ -359,7 +359,8 @@ TEST(CudaBatch, RunsOfSplitsGiveTheSoloBits) {
 // full layer (two-level combines) and 300-row sliding windows (three
 // splits, the last of 44 rows, so some tiles are empty), a group of 8 query
 // heads and one of 12 (two head sets, the second of 4 heads), with the
-// rule's runs (a split a warp here) and forced runs of 32 (8 splits a warp).
+// rule's runs (a split a warp here) and forced runs of 32 (8 splits a warp),
+// for decodes and for one-token prefill chunks.
 TEST(CudaBatch, WarpSplitsGiveTheSoloBits) {
   KVRING_SKIP_WITHOUT_GPU();
   const std::vector<ModelConfig> configs = {make_hybrid_config("tc-warp8", 2, 2, 16, 2, 128, 300, 8192),
@@ -389,8 +390,12 @@ TEST(CudaBatch, WarpSplitsGiveTheSoloBits) {
       ASSERT_TRUE(batch);
       std::vector<SeqId> ids;
       for (int i = 0; i < n; ++i) ids.push_back(*batch->add_sequence());
+      // The last step as one-token prefill chunks: each query's own row is
+      // read from its chunk.
+      std::vector<testing::Step> plan = prefill_then_decodes(seqs);
+      plan.back().decode = false;
       Outputs together;
-      testing::run_plan(*batch, ids, seqs, prefill_then_decodes(seqs), together, true);
+      testing::run_plan(*batch, ids, seqs, plan, together, true);
       EXPECT_EQ(stats.warp_splits, 3 * config.n_layers);
       ASSERT_EQ(together.size(), solo.size());
       for (const auto& [key, val] : solo) {

@@ -97,6 +97,8 @@ FirstTiles first_tiles(const AttendParams& P) {
 // last-arrival launch of several queries runs query-major when
 // `query_major_ok` says so. A launch of several splits is counted in
 // `stats` (when not null) by the path it took.
+// The combine path of a launch of `grid` under these limits: a resident
+// grid, a cluster a work item, or neither (last arrival).
 struct Paths {
   bool resident, cluster;
 };
