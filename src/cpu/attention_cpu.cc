@@ -91,13 +91,13 @@ constexpr std::int64_t kFarRows = 32;
 // A row's 64-byte lines into every cache level (kLocality 3) or into L2
 // and beyond (2).
 template <int kLocality = 3>
-inline void prefetch_row(const std::uint16_t* p, std::int64_t hd) {
+[[gnu::always_inline]] inline void prefetch_row(const std::uint16_t* p, std::int64_t hd) {
   for (std::int64_t b = 0; b < hd * 2; b += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, kLocality);
 }
 
 // The far stream of a scores pass of n rows (kp its K rows) at row j.
-inline void prefetch_far_scores(const Ahead& a, const std::uint16_t* const* kp, std::int64_t n,
+[[gnu::always_inline]] inline void prefetch_far_scores(const Ahead& a, const std::uint16_t* const* kp, std::int64_t n,
                                 std::int64_t j, std::int64_t hd) {
   if (a.far == nullptr) return;
   const std::int64_t f = j + kFarRows;
@@ -107,7 +107,7 @@ inline void prefetch_far_scores(const Ahead& a, const std::uint16_t* const* kp, 
     prefetch_row<2>(a.far[f - n], hd);
 }
 
-inline void prefetch_ahead(const Ahead& a, std::int64_t j, std::int64_t hd) {
+[[gnu::always_inline]] inline void prefetch_ahead(const Ahead& a, std::int64_t j, std::int64_t hd) {
   if (j < a.n) prefetch_row(a.rows[j], hd);
 }
 
