@@ -85,18 +85,6 @@ FirstTiles first_tiles(const AttendParams& P) {
   return f;
 }
 
-// Launches `kernel` over `grid` (x = split, y = item, z = query), each CTA
-// of a last-arrival launch taking `split_run` consecutive splits. When the
-// grid has at most `resident_ctas` CTAs (and the tagged partials have
-// room), it is a resident grid through a cooperative launch; else the
-// splits of each item (grid.x of them) form one cluster when there are
-// several, a cluster that large runs and the grid's clusters all run at
-// once (at most `cluster_ctas` CTAs; 0: no bound); else they combine by
-// last arrival, as they also do when the device turns the cooperative
-// launch down (too large, or not supported or permitted here); a
-// last-arrival launch of several queries runs query-major when
-// `query_major_ok` says so. A launch of several splits is counted in
-// `stats` (when not null) by the path it took.
 // The combine path of a launch of `grid` under these limits: a resident
 // grid, a cluster a work item, or neither (last arrival).
 struct Paths {
@@ -112,13 +100,23 @@ Paths paths_of(dim3 grid, const AttendParams& params, int cluster_limit, std::in
   return p;
 }
 
+// Launches `kernel` over `grid` (x = split, y = item, z = query), each CTA
+// of a last-arrival launch taking `split_run` consecutive splits. When the
+// grid has at most `resident_ctas` CTAs (and the tagged partials have
+// room), it is a resident grid through a cooperative launch; else the
+// splits of each item (grid.x of them) form one cluster when there are
+// several, a cluster that large runs and the grid's clusters all run at
+// once (at most `cluster_ctas` CTAs; 0: no bound); else they combine by
+// last arrival, as they also do when the device turns the cooperative
+// launch down (too large, or not supported or permitted here); a
+// last-arrival launch of several queries runs query-major when
+// `query_major_ok` says so. A launch of several splits is counted in
+// `stats` (when not null) by the path it took.
 template <class Kernel>
 cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, int resident_ctas,
                    bool query_major_ok, int split_run, dim3 grid, std::size_t smem,
                    AttendParams params, AttendStats* stats, cudaStream_t stream) {
-  const Paths paths = paths_of(grid, params, cluster_limit, cluster_ctas, resident_ctas);
-  const bool resident = paths.resident;
-  const bool cluster = paths.cluster;
+  const auto [resident, cluster] = paths_of(grid, params, cluster_limit, cluster_ctas, resident_ctas);
   params.cluster = cluster ? 1 : 0;
   params.resident = resident ? 1 : 0;
   FirstTiles first = first_tiles(params);
@@ -270,6 +268,32 @@ bool takes_warp_splits(const AttendParams& params, const LaunchPolicy& policy, c
   return grid.x >= 2 && !paths.resident && !paths.cluster;
 }
 
+// Launches the warp-split kernel over `grid` (x = split, y = item, z =
+// query), each CTA taking a run of splits (LaunchPolicy::warp_run_for),
+// split-major, combining by last arrival; counted in the policy's stats.
+cudaError_t launch_warp_splits(AttendParams params, const LaunchPolicy& policy, dim3 grid, cudaStream_t stream) {
+  params.cluster = 0;
+  params.resident = 0;
+  FirstTiles first = first_tiles(params);
+  first.query_major = 0;
+  first.split_run = policy.warp_run_for(static_cast<std::int64_t>(grid.x) * grid.y * grid.z, params.max_splits,
+                                        params.least_splits);
+  const unsigned run = static_cast<unsigned>(first.split_run);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3((grid.x + run - 1) / run, grid.y, grid.z);
+  cfg.blockDim = dim3(kWarpSplitThreads, 1, 1);
+  cfg.dynamicSmemBytes = sizeof(WarpSplitSmem);
+  cfg.stream = stream;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, attend_hd128_warp_kernel, KernelArgs{first, params});
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // reported here, not by a later call
+  } else if (policy.stats != nullptr) {
+    ++policy.stats->warp_splits;
+    if (grid.x >= 2) ++policy.stats->last_arrival;
+  }
+  return e;
+}
+
 }  // namespace
 
 int LaunchPolicy::cluster_limit(int head_dim) const {
@@ -360,30 +384,7 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
     const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
-    if (takes_warp_splits(params, policy, s, grid)) {
-      // Every CTA of a run on one query, split-major; no cluster, no
-      // resident grid.
-      AttendParams p = params;
-      p.cluster = 0;
-      p.resident = 0;
-      FirstTiles first = first_tiles(p);
-      first.query_major = 0;
-      first.split_run = policy.warp_run_for(ctas, p.max_splits, p.least_splits);
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3((grid.x + static_cast<unsigned>(first.split_run) - 1) / static_cast<unsigned>(first.split_run),
-                         grid.y, grid.z);
-      cfg.blockDim = dim3(kWarpSplitThreads, 1, 1);
-      cfg.dynamicSmemBytes = sizeof(WarpSplitSmem);
-      cfg.stream = stream;
-      const cudaError_t le = cudaLaunchKernelEx(&cfg, attend_hd128_warp_kernel, KernelArgs{first, p});
-      if (le != cudaSuccess) {
-        (void)cudaGetLastError();  // reported here, not by a later call
-      } else if (policy.stats != nullptr) {
-        ++policy.stats->warp_splits;
-        if (grid.x >= 2) ++policy.stats->last_arrival;
-      }
-      return le;
-    }
+    if (takes_warp_splits(params, policy, s, grid)) return launch_warp_splits(params, policy, grid, stream);
     return launch(attend_hd128_kernel, cluster_limit, policy.cluster_wave(params.head_dim),
                   policy.resident_limit(params.head_dim), query_major,
                   policy.split_run_for(ctas, params.max_splits, params.least_splits,

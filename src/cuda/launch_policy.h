@@ -114,12 +114,12 @@ struct LaunchPolicy {
   // the longest run of at most 8 that still leaves two waves, so that CTAs
   // of unequal work balance (docs/CUDA.md, "Runs of splits", gives the
   // measurements).
+  int split_run_for(std::int64_t ctas, int max_splits, int least_splits, bool decode) const;
   // Whether an f16 launch of `ctas` CTAs takes the deep kernel: where it
   // fits one wave of it, so that the SMs run two CTAs or fewer and each
   // CTA's wait for its rows, not the SM's throughput, sets the time
   // (docs/CUDA.md, "The f16 numeric").
   bool f16_deep_for(std::int64_t ctas) const;
-  int split_run_for(std::int64_t ctas, int max_splits, int least_splits, bool decode) const;
   // The run of splits each CTA of the warp-split kernel takes (its warps
   // take the run's splits in turn), for a grid of `ctas` CTAs of one split
   // each whose queries have from `least_splits` to `max_splits` splits:
