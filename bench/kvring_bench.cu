@@ -2,9 +2,9 @@
 // in the same run (docs/PERFORMANCE.md).
 //
 //   kvring-bench [--json FILE] [--quick]
-//                [--only store|decode|ring|prefill|batch|step|memory]
+//                [--only store|decode|ring|prefill|batch|rings|ragged|step|memory]
 //                [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]
-//                [--warp-splits rule|always|never]
+//                [--warp-splits rule|always|never] [--combine rule|no-cluster|last-arrival]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -332,7 +332,8 @@ void write_json(const std::string& path, const std::string& device, int sms) {
 
 // The launch policy of the stores: the device's, with --f16-stages forcing
 // the f16 numeric's kernel, --split-run the runs of splits and --warp-splits
-// which decodes take the warp-split kernel.
+// which decodes take the warp-split kernel, --combine which combine paths
+// attention may take (no clusters, or neither clusters nor resident grids).
 kvring::cuda::LaunchPolicy g_policy;
 
 std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0,
@@ -365,9 +366,9 @@ std::pair<std::unique_ptr<kvring::KvStore>, std::vector<SeqSpan>> store_with(
 // argument (to stderr, exit 2).
 void print_usage(std::FILE* out) {
   std::fputs(
-      "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|step|memory]\n"
+      "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|rings|ragged|step|memory]\n"
       "                    [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]\n"
-      "                    [--warp-splits rule|always|never]\n"
+      "                    [--warp-splits rule|always|never] [--combine rule|no-cluster|last-arrival]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
@@ -378,6 +379,8 @@ void print_usage(std::FILE* out) {
       "  --split-run N   decode CTAs take runs of up to N splits (1-64), not the launch rule's\n"
       "  --warp-splits W decodes of at most 8192 rows on the warp-split kernel by the launch\n"
       "                  rule (where they combine by last arrival), always or never\n"
+      "  --combine C     attention's combine paths: the device's (rule), no clusters, or\n"
+      "                  last arrival only (neither clusters nor resident grids)\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -390,6 +393,7 @@ int main(int argc, char** argv) {
   int f16_stages = 0;
   int split_run = 0;
   kvring::cuda::WarpSplits warp_splits = kvring::cuda::WarpSplits::kLastArrival;
+  std::string combine = "rule";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -431,6 +435,12 @@ int main(int argc, char** argv) {
         print_usage(stderr);
         return 2;
       }
+    } else if (a == "--combine" && i + 1 < argc) {
+      combine = argv[++i];
+      if (combine != "rule" && combine != "no-cluster" && combine != "last-arrival") {
+        print_usage(stderr);
+        return 2;
+      }
     } else if (a == "--help" || a == "-h") {
       print_usage(stdout);
       return 0;
@@ -447,6 +457,10 @@ int main(int argc, char** argv) {
   g_policy.f16_stages = f16_stages;
   g_policy.split_run = split_run;
   g_policy.warp_splits = warp_splits;
+  if (combine != "rule") {
+    g_policy.hd128_cluster = g_policy.general_cluster = 1;
+    if (combine == "last-arrival") g_policy.hd128_resident = 0;
+  }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB; kvring-bench%s\n\n", prop.name, prop.multiProcessorCount,
@@ -841,8 +855,9 @@ int main(int argc, char** argv) {
   // ---- Many sequences: batched decode, ring batch, batched stores ---------------
   // Every figure here is one call of the store's batched API (one launch per
   // layer). Attention bytes: each sequence's visible rows x 1 KiB, read once.
-  // "rings" runs the ring batch alone (for a profiler).
-  if (section("batch") || section("rings")) {
+  // "rings" and "ragged" run the ring batch or the ragged store alone (for a
+  // profiler).
+  if (section("batch") || section("rings") || section("ragged")) {
     const bool all = section("batch");
     const std::int64_t fill_chunk = 4096;
     float* sk = device_alloc<float>(static_cast<std::size_t>(fill_chunk * 64 * kv));
@@ -926,8 +941,9 @@ int main(int argc, char** argv) {
     // They go first: right after the 32 GB store of the mixed batch is
     // freed, their cold figure reads 6x their warm one until the device
     // has idled a while (docs/PERFORMANCE.md).
-    decode_batch("batch decode 128 wrapped 2048-row rings", 4096, std::vector<std::int64_t>(128, 3000), 0, 2048,
-                 ">= 70% of copy", 0.70);
+    if (all || section("rings"))
+      decode_batch("batch decode 128 wrapped 2048-row rings", 4096, std::vector<std::int64_t>(128, 3000), 0, 2048,
+                   ">= 70% of copy", 0.70);
     if (all) {
       decode_batch("batch decode 32 seqs x 32768, full layer", 32768, std::vector<std::int64_t>(32, 32768), 3,
                    1 << 30, ">= 85% of copy", 0.85);
@@ -974,7 +990,7 @@ int main(int argc, char** argv) {
     }
 
     // A ragged prefill store: 4096 tokens over 5 sequences x 52 layers, one call.
-    if (all) {
+    if (all || section("ragged")) {
       const std::vector<std::int64_t> counts = {1000, 700, 1200, 596, 600};
       const std::int64_t total = 4096;
       // Room for every timed call's rows (27 calls of up to 1200).
@@ -1110,6 +1126,38 @@ int main(int argc, char** argv) {
         check(c->prefill_device(l, pos, 1, sk + l * kv, sv + l * kv, q + l * qn, out + l * qn), "prefill");
     };
     add({"decode step at 131072, 52 one-token prefills, graph", graph_time(step_prefill), bytes, "D2D copy", d2d});
+    // The step's parts, each in a graph of its own (one node per call, in
+    // the step's order), and a chain of empty kernels as the floor of a
+    // graph node that waits for the one before it.
+    auto part = [&](const std::string& name, bool stores, bool sliding, bool full) {
+      double part_bytes = 0;
+      for (std::int64_t l = 0; l < L; ++l) {
+        const bool is_sliding = muse.kind(l) == kvring::LayerKind::kSlidingRope;
+        if (stores) part_bytes += kv * 2 * (4 + 2);
+        if ((is_sliding && sliding) || (!is_sliding && full))
+          part_bytes += static_cast<double>(std::min(pos + 1, muse.plane_capacity(l, ctx))) * 1024;
+      }
+      add({name, graph_time([&] {
+             for (std::int64_t l = 0; l < L; ++l) {
+               const bool is_sliding = muse.kind(l) == kvring::LayerKind::kSlidingRope;
+               if (stores) check(c->store_token_device(l, pos, sk + l * kv, sv + l * kv), "store");
+               if ((is_sliding && sliding) || (!is_sliding && full))
+                 check(c->attend_decode_device(l, pos, q + l * qn, out + l * qn), "decode");
+             }
+           }),
+           part_bytes, "D2D copy", d2d});
+    };
+    // The stores alone first: the token stored by the prefills above is
+    // rolled back, and these stores leave it for the attention parts.
+    check(c->truncate(1), "truncate");
+    part("  of which: the 52 stores alone, graph", true, false, false);
+    part("  of which: the 39 sliding attentions alone, graph", false, true, false);
+    part("  of which: the 13 full attentions alone, graph", false, false, true);
+    add({"  a chain of 104 empty kernels, graph", graph_time([&] {
+           for (int i = 0; i < 104; ++i) empty_kernel<<<1, 32, 0, cs>>>();
+           CHECK_CUDA(cudaGetLastError());
+         })});
+    std::printf("  per node: %.2f us\n", rows.back().us / 104);
     {
       const double sliding_us = time_us(cs, 5, reps, [&] {
         for (std::int64_t l = 0; l < L; ++l)

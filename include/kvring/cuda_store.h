@@ -67,8 +67,8 @@ class CudaStore final : public KvStore {
  protected:
   Status check_view(const char* what, MemorySpace space, DType dtype,
                     const void* data) const override;
-  Status write_rows(std::span<const RowWrite> writes, const ConstView& k, const ConstView& v,
-                    cudaStream_t stream) override;
+  Status write_rows(std::span<const TableChange> changes, std::span<const RowWrite> writes,
+                    const ConstView& k, const ConstView& v, cudaStream_t stream) override;
   Status attend(const AttendBatch& batch) override;
   Status copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
                   std::uint16_t* v, MemorySpace space, cudaStream_t stream) const override;

@@ -317,8 +317,13 @@ class KvStore {
   virtual Status check_view(const char* what, MemorySpace space, DType dtype,
                             const void* data) const = 0;
   // Writes (f32, f16 or bf16 sources, stored as f16 by round to nearest
-  // even) into any layers; one call is one batch of the caller.
-  virtual Status write_rows(std::span<const RowWrite> writes, const ConstView& k,
+  // even) into any layers; one call is one batch of the caller. `changes`
+  // are the call's table changes, not yet mirrored (tables_changed's
+  // contract: they have landed for any work enqueued after the call); the
+  // writes name their blocks through their PlaneRef, so a backend may
+  // mirror the changes in the same step as the rows.
+  virtual Status write_rows(std::span<const TableChange> changes,
+                            std::span<const RowWrite> writes, const ConstView& k,
                             const ConstView& v, cudaStream_t stream) = 0;
   virtual Status attend(const AttendBatch& batch) = 0;
   // Rows of a plane to or from packed f16 [rows, kv_dim] in caller memory
@@ -391,8 +396,8 @@ class KvStore {
   // Points the planned table changes at the tables (planning may have
   // moved a table's storage after a change named it).
   void seal(Txn& txn);
-  // Applies block copies and table changes, writes, then commits; rolls
-  // back on a backend error.
+  // Applies block copies, then the table changes and the writes in one
+  // write_rows, then commits; rolls back on a backend error.
   Status finish_store(Txn& txn, std::vector<RowWrite>& writes, const ConstView& k,
                       const ConstView& v, cudaStream_t stream);
   Status apply_blocks(Txn& txn, cudaStream_t stream);

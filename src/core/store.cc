@@ -628,8 +628,15 @@ Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const Cons
                              const ConstView& v, cudaStream_t stream) {
   seal(txn);
   for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
-  Status st = apply_blocks(txn, stream);
-  if (st.ok()) st = write_rows(writes, k, v, stream);
+  Status st = Status::Ok();
+  for (const auto& [from, to] : txn.copies) {
+    st = copy_block(from, to, stream);
+    if (!st.ok()) break;
+  }
+  if (st.ok()) {
+    txn.mirrored = !txn.changes.empty();
+    st = write_rows(txn.changes, writes, k, v, stream);
+  }
   if (!st.ok()) {
     rollback(txn);
     return st;
@@ -757,7 +764,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   }
   Status st = apply_blocks(txn, stream);
   if (st.ok()) st = attend(AttendBatch{layer, items, &q, &out, &k, &v, stream});
-  if (st.ok()) st = write_rows(writes, k, v, stream);
+  if (st.ok()) st = write_rows({}, writes, k, v, stream);
   if (!st.ok()) {
     rollback(txn);
     return st;

@@ -60,8 +60,9 @@ class CpuStore final : public KvStore {
     return Status::Ok();
   }
 
-  Status write_rows(std::span<const RowWrite> writes, const ConstView& k, const ConstView& v,
-                    cudaStream_t) override {
+  // The CPU store reads the host's tables: there is no mirror to change.
+  Status write_rows(std::span<const TableChange>, std::span<const RowWrite> writes,
+                    const ConstView& k, const ConstView& v, cudaStream_t) override {
     // Writes of one call never share a row (a sequence appears once per
     // layer), so they run on all cores: each task takes a run of
     // consecutive writes of at least kRowsPerTask rows in all (a decode

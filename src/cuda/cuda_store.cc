@@ -223,6 +223,8 @@ struct CudaStore::Impl {
   // Descriptors of the call being enqueued, kept between calls so that a
   // step allocates nothing.
   std::vector<cuda::StoreSpan> span_scratch;
+  std::vector<std::int32_t> id_scratch;
+  std::vector<std::int64_t> first_id_scratch;
   std::vector<cuda::AttendQueryItem> item_scratch;
   std::vector<cuda::F16Tile> f16_tiles;
 
@@ -675,7 +677,8 @@ Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
 
 // ---- Stores --------------------------------------------------------------------
 
-Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& k,
+Status CudaStore::write_rows(std::span<const TableChange> changes,
+                             std::span<const RowWrite> writes, const ConstView& k,
                              const ConstView& v, cudaStream_t stream) {
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
@@ -687,8 +690,18 @@ Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& 
   auto dv = im.stage(v, im.stage_v, s);
   if (!dv) return im.fail(dv.status(), s);
 
+  std::size_t n_table_writes = 0;
+  for (const TableChange& c : changes) n_table_writes += static_cast<std::size_t>(std::max<std::int64_t>(c.count, 0));
+  // With table writes in the launch, a full plane's span reads its blocks
+  // from the launch's own list (`ids`, the host table's entries from the
+  // span's first block on), not from the mirror the launch is changing.
+  const bool own_blocks = n_table_writes > 0;
   std::vector<cuda::StoreSpan>& spans = im.span_scratch;
+  std::vector<std::int32_t>& ids = im.id_scratch;
+  std::vector<std::int64_t>& first_id = im.first_id_scratch;  // per span: its list in ids, or -1
   spans.clear();
+  ids.clear();
+  first_id.clear();
   std::int64_t rows = 0;
   for (const RowWrite& w : writes) {
     const std::int64_t fi = full_index(w.plane.layer);
@@ -709,29 +722,54 @@ Status CudaStore::write_rows(std::span<const RowWrite> writes, const ConstView& 
       sp.physical_first = p.physical_first;
       sp.src_row = w.source_row + p.source_first;
       sp.first_row = rows;
+      first_id.push_back(-1);
+      if (fi >= 0 && own_blocks) {
+        const std::int64_t b0 = p.physical_first >> im.pool.block_shift;
+        const std::int64_t b1 = (p.physical_first + p.rows - 1) >> im.pool.block_shift;
+        if (b1 >= w.plane.n_blocks)
+          return im.fail(make_error(ErrorCode::kInternal, "a store's rows lie past the plane's blocks"), s);
+        first_id.back() = static_cast<std::int64_t>(ids.size());
+        sp.physical_first -= b0 << im.pool.block_shift;
+        ids.insert(ids.end(), w.plane.blocks + b0, w.plane.blocks + b1 + 1);
+      }
       rows += p.rows;
       spans.push_back(sp);
     }
   }
-  if (spans.empty()) return Status::Ok();
-  // One span travels in the launch's parameters; more through a
-  // descriptor buffer.
+  if (spans.empty() && n_table_writes == 0) return Status::Ok();
+  // One span and no table writes travel in the launch's parameters; more
+  // through one descriptor buffer: the spans, the table writes, the
+  // spans' block lists.
   Impl::Chunk* chunk = nullptr;
   Status st = Status::Ok();
-  if (spans.size() > 1) {
-    const std::size_t bytes = spans.size() * sizeof(cuda::StoreSpan);
+  cuda::StoreLaunch L;
+  if (spans.size() > 1 || n_table_writes > 0) {
+    const std::size_t span_bytes = spans.size() * sizeof(cuda::StoreSpan);
+    const std::size_t write_bytes = n_table_writes * sizeof(cuda::TableWrite);
+    const std::size_t bytes = span_bytes + write_bytes + ids.size() * sizeof(std::int32_t);
     auto c = im.take_chunk(bytes, s);
     if (!c) return im.fail(c.status(), s);
     chunk = *c;
-    std::memcpy(chunk->host, spans.data(), bytes);
+    char* dev = static_cast<char*>(chunk->dev);
+    const auto* dev_ids = reinterpret_cast<const std::int32_t*>(dev + span_bytes + write_bytes);
+    for (std::size_t i = 0; i < spans.size(); ++i)
+      if (first_id[i] >= 0) spans[i].table = dev_ids + first_id[i];
+    std::memcpy(chunk->host, spans.data(), span_bytes);
+    auto* tw = reinterpret_cast<cuda::TableWrite*>(chunk->host + span_bytes);
+    for (const TableChange& c : changes) {
+      const std::int64_t row = (c.slot * im.n_full + c.full_index) * im.max_blocks;
+      for (std::int64_t i = c.first; i < c.first + c.count; ++i) *tw++ = {row + i, c.table[i], 0};
+    }
+    std::memcpy(chunk->host + span_bytes + write_bytes, ids.data(), ids.size() * sizeof(std::int32_t));
     st = im.upload_chunk(*chunk, bytes, s);
+    L.spans = reinterpret_cast<const cuda::StoreSpan*>(dev);
+    L.table_writes = reinterpret_cast<const cuda::TableWrite*>(dev + span_bytes);
+    L.n_table_writes = static_cast<std::int64_t>(n_table_writes);
+    L.tables = im.tables;
+  } else {
+    L.single = spans[0];
   }
   if (st.ok()) {
-    cuda::StoreLaunch L;
-    if (chunk != nullptr)
-      L.spans = reinterpret_cast<const cuda::StoreSpan*>(chunk->dev);
-    else
-      L.single = spans[0];
     L.n_spans = static_cast<std::int32_t>(spans.size());
     L.total_rows = rows;
     L.k = {dk->data, dk->row_stride, dtype_code(dk->dtype)};

@@ -49,10 +49,19 @@ struct SourceRows {
   std::int32_t dtype = 0;
 };
 
+// One entry of the device's block-table mirror: tables[at] = block.
+struct TableWrite {
+  std::int64_t at = 0;
+  std::int32_t block = 0;
+  std::int32_t unused = 0;
+};
+
 // One span of a batched store: source rows [src_row, src_row + rows) go to
 // plane rows [physical_first, ...). `k`/`v` are the slot's ring (table
-// null) or the pool (table the plane's block table). first_row is the
-// span's first row in the launch's concatenation of all spans (ascending).
+// null) or the pool, row r in block table[r >> block_shift] (the plane's
+// block table, or the blocks from the span's first on, physical_first
+// then counting from that block). first_row is the span's first row in
+// the launch's concatenation of all spans (ascending).
 struct StoreSpan {
   std::uint16_t* k;
   std::uint16_t* v;
@@ -78,6 +87,11 @@ struct StoreLaunch {
   Shape shape;
   PoolGeometry pool;
   bool vector = false;
+  // Table writes [0, n_table_writes) into the mirror `tables`, applied by
+  // the same launch: no span reads the mirror when there are any.
+  const TableWrite* table_writes = nullptr;
+  std::int64_t n_table_writes = 0;
+  std::int32_t* tables = nullptr;
 };
 cudaError_t launch_store_spans(const StoreLaunch& launch, cudaStream_t stream);
 
@@ -90,12 +104,6 @@ cudaError_t launch_convert_kv(SourceRows k, SourceRows v, std::int64_t rows, std
 
 // ---- Block tables ------------------------------------------------------------
 
-// One entry of the device's block-table mirror: tables[at] = block.
-struct TableWrite {
-  std::int64_t at = 0;
-  std::int32_t block = 0;
-  std::int32_t unused = 0;
-};
 // Applies writes [0, n), all of one batched operation's table changes in
 // one launch.
 cudaError_t launch_table_writes(const TableWrite* writes, std::int64_t n, std::int32_t* tables,

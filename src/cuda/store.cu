@@ -97,6 +97,11 @@ __device__ __forceinline__ void for_each_unit(std::int64_t rows, std::int32_t kv
 // 1) * per); its lanes take a row's units in turn.
 template <int kPer>
 __global__ void __launch_bounds__(kThreads) store_spans_kernel(StoreLaunch a) {
+  // The launch's table writes: no span reads the mirror in such a launch
+  // (kernels.h), so they need no order against the rows.
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; i < a.n_table_writes;
+       i += static_cast<std::int64_t>(gridDim.x) * kThreads)
+    a.tables[a.table_writes[i].at] = a.table_writes[i].block;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kThreads / 32);
   const std::int64_t warp = blockIdx.x * static_cast<std::int64_t>(kThreads / 32) + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -193,9 +198,10 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t launch_store_spans(const StoreLaunch& a, cudaStream_t stream) {
-  if (a.n_spans <= 0 || a.total_rows <= 0) return cudaSuccess;
-  // One warp a row at the least, up to kMaxBlocks blocks.
-  const unsigned blocks = blocks_for(a.total_rows * 32);
+  if ((a.n_spans <= 0 || a.total_rows <= 0) && a.n_table_writes <= 0) return cudaSuccess;
+  // One warp a row (or a thread a table write) at the least, up to
+  // kMaxBlocks blocks.
+  const unsigned blocks = blocks_for(std::max(a.total_rows * 32, a.n_table_writes));
   if (a.vector && vector_rows(a.shape))
     store_spans_kernel<8><<<blocks, kThreads, 0, stream>>>(a);
   else
