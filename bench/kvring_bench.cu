@@ -5,6 +5,7 @@
 //                [--only store|decode|ring|prefill|batch|rings|ragged|step|memory]
 //                [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]
 //                [--warp-splits rule|always|never] [--combine rule|no-cluster|last-arrival]
+//                [--programmatic on|off]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -333,7 +334,8 @@ void write_json(const std::string& path, const std::string& device, int sms) {
 // The launch policy of the stores: the device's, with --f16-stages forcing
 // the f16 numeric's kernel, --split-run the runs of splits and --warp-splits
 // which decodes take the warp-split kernel, --combine which combine paths
-// attention may take (no clusters, or neither clusters nor resident grids).
+// attention may take (no clusters, or neither clusters nor resident grids),
+// --programmatic off plain launches in place of programmatic dependents.
 kvring::cuda::LaunchPolicy g_policy;
 
 std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0,
@@ -369,6 +371,7 @@ void print_usage(std::FILE* out) {
       "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|rings|ragged|step|memory]\n"
       "                    [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]\n"
       "                    [--warp-splits rule|always|never] [--combine rule|no-cluster|last-arrival]\n"
+      "                    [--programmatic on|off]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
@@ -381,6 +384,8 @@ void print_usage(std::FILE* out) {
       "                  rule (where they combine by last arrival), always or never\n"
       "  --combine C     attention's combine paths: the device's (rule), no clusters, or\n"
       "                  last arrival only (neither clusters nor resident grids)\n"
+      "  --programmatic P store and decode kernels as programmatic dependents (on, the\n"
+      "                  device's rule where it has sm_90) or plain launches (off)\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -394,6 +399,7 @@ int main(int argc, char** argv) {
   int split_run = 0;
   kvring::cuda::WarpSplits warp_splits = kvring::cuda::WarpSplits::kLastArrival;
   std::string combine = "rule";
+  bool programmatic = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -435,6 +441,13 @@ int main(int argc, char** argv) {
         print_usage(stderr);
         return 2;
       }
+    } else if (a == "--programmatic" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v != "on" && v != "off") {
+        print_usage(stderr);
+        return 2;
+      }
+      programmatic = v == "on";
     } else if (a == "--combine" && i + 1 < argc) {
       combine = argv[++i];
       if (combine != "rule" && combine != "no-cluster" && combine != "last-arrival") {
@@ -457,6 +470,7 @@ int main(int argc, char** argv) {
   g_policy.f16_stages = f16_stages;
   g_policy.split_run = split_run;
   g_policy.warp_splits = warp_splits;
+  g_policy.programmatic = g_policy.programmatic && programmatic;
   if (combine != "rule") {
     g_policy.hd128_cluster = g_policy.general_cluster = 1;
     if (combine == "last-arrival") g_policy.hd128_resident = 0;

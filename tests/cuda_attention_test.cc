@@ -541,6 +541,126 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   EXPECT_EQ(stats.last_arrival - before.last_arrival, cs.config.n_layers / 2);
 }
 
+// Decode steps (each layer's one-token store, then its decode) enqueued
+// back to back with no wait between them, then a step captured in a CUDA
+// graph and replayed, give the bits of the same steps run with a wait after
+// every call, with the store and attention kernels launched as
+// programmatic dependents (the device's policy) and without: each kernel
+// waits for the one before it, in a stream and in a graph. Those bits are
+// the CPU backend's within kTolerance, and the stored bytes its own.
+TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const std::int64_t filled = 300, steps = 6, tokens = steps + 1;  // the last token is the captured step's
+  for (const Case& cs : cases()) {
+    SCOPED_TRACE(cs.config.name);
+    const ModelConfig& c = cs.config;
+    const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, L = c.n_layers;
+    const StoreOptions o{.max_sequences = 1, .context = 1024, .block_rows = cs.block_rows};
+    const auto k0 = testing::random_floats(static_cast<std::size_t>(L * filled * kv), 61);
+    const auto v0 = testing::random_floats(k0.size(), 62);
+    const auto k = testing::random_floats(static_cast<std::size_t>(tokens * L * kv), 63);
+    const auto v = testing::random_floats(k.size(), 64);
+    const auto q = testing::random_floats(static_cast<std::size_t>(tokens * L * width), 65);
+    auto row = [&](std::int64_t t, std::int64_t l) { return t * L + l; };
+    // The outputs of every step and the stored bytes, on the GPU: `chained`,
+    // steps enqueued back to back and the last captured in a graph and
+    // replayed twice; else a wait after every call and no graph.
+    auto run = [&](bool programmatic, bool chained, std::vector<float>& outs, testing::SeqImage& image) {
+      cuda::LaunchPolicy policy = cuda::device_launch_policy();
+      policy.programmatic = policy.programmatic && programmatic;
+      auto gpu = testing::new_cuda_store(c, o, policy);
+      ASSERT_TRUE(gpu);
+      const SeqId g = *gpu->add_sequence();
+      const SeqSpan fill{g, 0, filled};
+      ASSERT_TRUE(gpu->store_all_layers(std::span(&fill, 1), host_view(k0.data(), L * filled, kv),
+                                        host_view(v0.data(), L * filled, kv)).ok());
+      testing::DeviceArray<float> dk(k), dv(v), dq(q), dout(q.size());
+      dout.poison();
+      auto wait = [&] {
+        if (!chained) {
+          ASSERT_TRUE(gpu->synchronize().ok());
+        }
+      };
+      auto step = [&](std::int64_t t) {
+        for (std::int64_t l = 0; l < L; ++l) {
+          const SeqSpan span{g, filled + t, 1};
+          const SeqQuery query{g, filled + t};
+          ASSERT_TRUE(gpu->store(l, std::span(&span, 1), testing::device_in(dk.get() + row(t, l) * kv, 1, kv),
+                                 testing::device_in(dv.get() + row(t, l) * kv, 1, kv)).ok());
+          wait();
+          ASSERT_TRUE(gpu->attend_decode(l, std::span(&query, 1),
+                                         testing::device_in(dq.get() + row(t, l) * width, 1, width),
+                                         device_view(dout.get() + row(t, l) * width, 1, width)).ok());
+          wait();
+        }
+      };
+      for (std::int64_t t = 0; t < steps; ++t) step(t);
+      if (!chained) {
+        step(steps);
+      } else {
+        auto* cuda_store = dynamic_cast<CudaStore*>(gpu.get());
+        ASSERT_NE(cuda_store, nullptr);
+        const cudaStream_t stream = cuda_store->stream();
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+        step(steps);
+        cudaGraph_t graph = nullptr;
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        cudaGraphExec_t exec = nullptr;
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        // A replay stores the same token again and decodes the same rows;
+        // the outputs are poisoned before each.
+        for (int replay = 0; replay < 2; ++replay) {
+          ASSERT_EQ(cudaMemsetAsync(dout.get() + row(steps, 0) * width, 0xff,
+                                    static_cast<std::size_t>(L * width) * sizeof(float), stream),
+                    cudaSuccess);
+          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        }
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+      ASSERT_TRUE(gpu->synchronize().ok());
+      outs = dout.download();
+      image = testing::seq_image(*gpu, g);
+    };
+    std::vector<float> want;
+    testing::SeqImage want_image;
+    run(false, false, want, want_image);
+    for (const bool programmatic : {true, false}) {
+      SCOPED_TRACE(programmatic ? "programmatic" : "plain");
+      std::vector<float> got;
+      testing::SeqImage image;
+      run(programmatic, true, got, image);
+      ASSERT_TRUE(same_bits(got, want));
+      EXPECT_TRUE(image == want_image) << "stored bytes";
+    }
+    // The CPU backend on the same steps.
+    auto cpu = testing::new_store(BackendKind::kCpu, c, o);
+    ASSERT_TRUE(cpu);
+    const SeqId h = *cpu->add_sequence();
+    const SeqSpan fill{h, 0, filled};
+    ASSERT_TRUE(cpu->store_all_layers(std::span(&fill, 1), host_view(k0.data(), L * filled, kv),
+                                      host_view(v0.data(), L * filled, kv)).ok());
+    std::vector<float> ref(q.size());
+    for (std::int64_t t = 0; t < tokens; ++t)
+      for (std::int64_t l = 0; l < L; ++l) {
+        const SeqSpan span{h, filled + t, 1};
+        const SeqQuery query{h, filled + t};
+        ASSERT_TRUE(cpu->store(l, std::span(&span, 1), host_view(k.data() + row(t, l) * kv, 1, kv),
+                               host_view(v.data() + row(t, l) * kv, 1, kv)).ok());
+        ASSERT_TRUE(cpu->attend_decode(l, std::span(&query, 1), host_view(q.data() + row(t, l) * width, 1, width),
+                                       host_view(ref.data() + row(t, l) * width, 1, width)).ok());
+      }
+    double worst = 0;
+    for (std::size_t e = 0; e < ref.size(); ++e) {
+      ASSERT_TRUE(std::isfinite(want[e])) << e;
+      worst = std::max(worst, std::abs(double(want[e]) - ref[e]) / std::max(1.0, std::abs(double(ref[e]))));
+    }
+    EXPECT_LE(worst, kTolerance);
+    EXPECT_TRUE(want_image == testing::seq_image(*cpu, h)) << "stored bytes differ from the CPU backend's";
+  }
+}
+
 // ---- The f16 numeric ----------------------------------------------------------
 
 // Outputs of the f16 numeric differ from the CPU backend's f16 numeric by

@@ -1,5 +1,6 @@
 // The CUDA store: creation and its refusals, the f16 conversion, zero fill,
-// stores of any batch and every layer at once, fork and truncate, device
+// stores of any batch and every layer at once (by every way a store's
+// descriptors travel), fork and truncate, device
 // views (f32, f16 and bf16, strided) on a user stream, snapshots, and
 // refusals that leave the store as it was.
 #include <gtest/gtest.h>
@@ -133,6 +134,82 @@ TEST(CudaStore, AllLayersBatchEqualsPerLayerStoresAndTheCpu) {
     EXPECT_TRUE(x == seq_image(*b, ib[i])) << i;
     EXPECT_TRUE(x == seq_image(*cpu, ic[i])) << i;
   }
+}
+
+// A store's descriptors travel three ways (one span in the launch's
+// parameters; up to 30 KiB of spans, table writes and block lists in
+// them; more through an uploaded buffer), with or without new blocks; each
+// way writes the CPU backend's bytes, and the block-table mirror the reads
+// go through is right after each.
+TEST(CudaStore, StoreDescriptorsTravelEveryWay) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = config();
+  const std::int64_t kv = c.kv_dim();
+  constexpr int kSeqs = 200;  // 200 x 4 layers of spans: past 30 KiB
+  auto gpu = testing::new_store(BackendKind::kCuda, c, options(kSeqs));
+  auto cpu = testing::new_store(BackendKind::kCpu, c, options(kSeqs));
+  ASSERT_TRUE(gpu && cpu);
+  std::vector<SeqId> g, h;
+  for (int i = 0; i < kSeqs; ++i) {
+    auto a = gpu->add_sequence();
+    auto b = cpu->add_sequence();
+    ASSERT_TRUE(a.ok() && b.ok());
+    g.push_back(*a);
+    h.push_back(*b);
+  }
+  std::mt19937_64 rng(23);
+  std::vector<std::int64_t> at(kSeqs, 0);
+  // A store of `n` rows into each of sequences [0, seqs) and every layer:
+  // in one call, or a call a layer.
+  auto store = [&](int seqs, std::int64_t n, bool one_call) {
+    std::vector<SeqSpan> sg, sh;
+    for (int i = 0; i < seqs; ++i) {
+      sg.push_back({g[static_cast<std::size_t>(i)], at[static_cast<std::size_t>(i)], n});
+      sh.push_back({h[static_cast<std::size_t>(i)], at[static_cast<std::size_t>(i)], n});
+    }
+    if (one_call) {
+      const std::int64_t rows = seqs * n * c.n_layers;
+      const auto k = random_floats(static_cast<std::size_t>(rows * kv), rng());
+      const auto v = random_floats(k.size(), rng());
+      DeviceArray<float> dk(k), dv(v);
+      ASSERT_TRUE(gpu->store_all_layers(sg, testing::device_in(dk.get(), rows, kv),
+                                        testing::device_in(dv.get(), rows, kv)).ok());
+      ASSERT_TRUE(cpu->store_all_layers(sh, host_view(k.data(), rows, kv), host_view(v.data(), rows, kv)).ok());
+    } else {
+      for (std::int64_t l = 0; l < c.n_layers; ++l) {
+        const auto lk = random_floats(static_cast<std::size_t>(seqs * n * kv), rng());
+        const auto lv = random_floats(lk.size(), rng());
+        DeviceArray<float> ldk(lk), ldv(lv);
+        ASSERT_TRUE(gpu->store(l, sg, testing::device_in(ldk.get(), seqs * n, kv),
+                               testing::device_in(ldv.get(), seqs * n, kv)).ok());
+        ASSERT_TRUE(cpu->store(l, sh, host_view(lk.data(), seqs * n, kv), host_view(lv.data(), seqs * n, kv)).ok());
+        ASSERT_TRUE(gpu->synchronize().ok());
+      }
+    }
+    ASSERT_TRUE(gpu->synchronize().ok());
+    for (int i = 0; i < seqs; ++i) at[static_cast<std::size_t>(i)] += n;
+  };
+  auto same = [&](int seqs) {
+    for (int i = 0; i < seqs; ++i)
+      ASSERT_TRUE(seq_image(*gpu, g[static_cast<std::size_t>(i)]) == seq_image(*cpu, h[static_cast<std::size_t>(i)]))
+          << "sequence " << i;
+  };
+  // One sequence, a call a layer: 37 rows (a full layer's call takes new
+  // blocks: one span with table writes, in the parameters), then 3 rows
+  // inside its last block (one span, no writes).
+  store(1, 37, false);
+  store(1, 3, false);
+  same(1);
+  // Four sequences into every layer at once, across a block boundary and
+  // inside one: up to 30 KiB in the parameters.
+  store(4, 20, true);
+  store(4, 2, true);
+  same(4);
+  // Every sequence into every layer: 800 spans, uploaded, with new blocks
+  // for most and without.
+  store(kSeqs, 17, true);
+  store(kSeqs, 1, true);
+  same(kSeqs);
 }
 
 // A fork shares the prefix; writes past it change only the writer, and a

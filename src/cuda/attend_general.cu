@@ -9,6 +9,7 @@
 #include "attend_rows.cuh"
 #include "combine.cuh"
 #include "kernels.h"
+#include "ptx.cuh"
 
 namespace kvring::cuda {
 namespace {
@@ -30,6 +31,7 @@ __device__ __forceinline__ float f16_value(std::uint16_t bits) {
 }  // namespace
 
 __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const KernelArgs A) {
+  enter_dependent();
   const FirstTiles& F = A.F;
   const AttendParams& P = A.P;
   __shared__ Shared sh;

@@ -301,6 +301,7 @@ __device__ __forceinline__ TileCopy tile_copy(unsigned area, unsigned v_base, in
 }  // namespace
 
 __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A) {
+  enter_dependent();
   constexpr int HD = kTensorHeadDim;
   const FirstTiles& F = A.F;
   const AttendParams& P = A.P;
@@ -493,6 +494,7 @@ __device__ __forceinline__ void issue_sequence_tile(const AttendParams& P, const
 // publish them, and the run arrives once at its end (arrive_run), whose
 // last arrival combines as the CTA kernel's.
 __global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel(const KernelArgs A) {
+  enter_dependent();
   constexpr int HD = kTensorHeadDim;
   static_assert(kSplitTiles == kAttendWarps, "a split is one tile for each warp of the CTA kernel");
   constexpr int kTotal = kTensorHeads * HD;

@@ -224,7 +224,9 @@ struct CudaStore::Impl {
   // step allocates nothing.
   std::vector<cuda::StoreSpan> span_scratch;
   std::vector<std::int32_t> id_scratch;
-  std::vector<std::int64_t> first_id_scratch;
+  // The parameters of a store launch that carries its descriptors (30 KiB,
+  // kept between calls).
+  std::unique_ptr<cuda::StoreInline> inline_store;
   std::vector<cuda::AttendQueryItem> item_scratch;
   std::vector<cuda::F16Tile> f16_tiles;
 
@@ -698,10 +700,8 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
   const bool own_blocks = n_table_writes > 0;
   std::vector<cuda::StoreSpan>& spans = im.span_scratch;
   std::vector<std::int32_t>& ids = im.id_scratch;
-  std::vector<std::int64_t>& first_id = im.first_id_scratch;  // per span: its list in ids, or -1
   spans.clear();
   ids.clear();
-  first_id.clear();
   std::int64_t rows = 0;
   for (const RowWrite& w : writes) {
     const std::int64_t fi = full_index(w.plane.layer);
@@ -722,13 +722,12 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
       sp.physical_first = p.physical_first;
       sp.src_row = w.source_row + p.source_first;
       sp.first_row = rows;
-      first_id.push_back(-1);
       if (fi >= 0 && own_blocks) {
         const std::int64_t b0 = p.physical_first >> im.pool.block_shift;
         const std::int64_t b1 = (p.physical_first + p.rows - 1) >> im.pool.block_shift;
         if (b1 >= w.plane.n_blocks)
           return im.fail(make_error(ErrorCode::kInternal, "a store's rows lie past the plane's blocks"), s);
-        first_id.back() = static_cast<std::int64_t>(ids.size());
+        sp.first_id = static_cast<std::int64_t>(ids.size());
         sp.physical_first -= b0 << im.pool.block_shift;
         ids.insert(ids.end(), w.plane.blocks + b0, w.plane.blocks + b1 + 1);
       }
@@ -737,49 +736,58 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
     }
   }
   if (spans.empty() && n_table_writes == 0) return Status::Ok();
-  // One span and no table writes travel in the launch's parameters; more
-  // through one descriptor buffer: the spans, the table writes, the
-  // spans' block lists.
-  Impl::Chunk* chunk = nullptr;
-  Status st = Status::Ok();
   cuda::StoreLaunch L;
-  if (spans.size() > 1 || n_table_writes > 0) {
-    const std::size_t span_bytes = spans.size() * sizeof(cuda::StoreSpan);
-    const std::size_t write_bytes = n_table_writes * sizeof(cuda::TableWrite);
-    const std::size_t bytes = span_bytes + write_bytes + ids.size() * sizeof(std::int32_t);
-    auto c = im.take_chunk(bytes, s);
-    if (!c) return im.fail(c.status(), s);
-    chunk = *c;
-    char* dev = static_cast<char*>(chunk->dev);
-    const auto* dev_ids = reinterpret_cast<const std::int32_t*>(dev + span_bytes + write_bytes);
-    for (std::size_t i = 0; i < spans.size(); ++i)
-      if (first_id[i] >= 0) spans[i].table = dev_ids + first_id[i];
-    std::memcpy(chunk->host, spans.data(), span_bytes);
-    auto* tw = reinterpret_cast<cuda::TableWrite*>(chunk->host + span_bytes);
+  L.n_spans = static_cast<std::int32_t>(spans.size());
+  L.total_rows = rows;
+  L.k = {dk->data, dk->row_stride, dtype_code(dk->dtype)};
+  L.v = {dv->data, dv->row_stride, dtype_code(dv->dtype)};
+  L.shape = im.shape;
+  L.pool = im.pool;
+  L.vector = vector_source(*dk) && vector_source(*dv);
+  L.n_table_writes = static_cast<std::int64_t>(n_table_writes);
+  L.tables = im.tables;
+  // The descriptors: one span and no table writes travel in the launch's
+  // parameters as they are; up to kStoreInlineBytes of spans, table
+  // writes and block lists travel in them too; more go up in one
+  // descriptor buffer.
+  const std::size_t span_bytes = spans.size() * sizeof(cuda::StoreSpan);
+  const std::size_t write_bytes = n_table_writes * sizeof(cuda::TableWrite);
+  const std::size_t bytes = span_bytes + write_bytes + ids.size() * sizeof(std::int32_t);
+  auto pack = [&](char* at) {
+    std::memcpy(at, spans.data(), span_bytes);
+    auto* tw = reinterpret_cast<cuda::TableWrite*>(at + span_bytes);
     for (const TableChange& c : changes) {
       const std::int64_t row = (c.slot * im.n_full + c.full_index) * im.max_blocks;
       for (std::int64_t i = c.first; i < c.first + c.count; ++i) *tw++ = {row + i, c.table[i], 0};
     }
-    std::memcpy(chunk->host + span_bytes + write_bytes, ids.data(), ids.size() * sizeof(std::int32_t));
-    st = im.upload_chunk(*chunk, bytes, s);
-    L.spans = reinterpret_cast<const cuda::StoreSpan*>(dev);
-    L.table_writes = reinterpret_cast<const cuda::TableWrite*>(dev + span_bytes);
-    L.n_table_writes = static_cast<std::int64_t>(n_table_writes);
-    L.tables = im.tables;
-  } else {
+    std::memcpy(at + span_bytes + write_bytes, ids.data(), ids.size() * sizeof(std::int32_t));
+  };
+  Impl::Chunk* chunk = nullptr;
+  Status st = Status::Ok();
+  cudaError_t e = cudaSuccess;
+  if (spans.size() == 1 && n_table_writes == 0) {
     L.single = spans[0];
+    e = cuda::launch_store_spans(L, im.policy.programmatic, s);
+  } else if (bytes <= cuda::kStoreInlineBytes) {
+    if (!im.inline_store) im.inline_store = std::make_unique<cuda::StoreInline>();
+    cuda::StoreInline& p = *im.inline_store;
+    p.a = L;
+    p.writes_at = static_cast<std::int64_t>(span_bytes);
+    p.ids_at = static_cast<std::int64_t>(span_bytes + write_bytes);
+    pack(reinterpret_cast<char*>(p.bytes));
+    e = cuda::launch_store_inline(p, im.policy.programmatic, s);
+  } else {
+    auto c = im.take_chunk(bytes, s);
+    if (!c) return im.fail(c.status(), s);
+    chunk = *c;
+    pack(chunk->host);
+    st = im.upload_chunk(*chunk, bytes, s);
+    L.spans = reinterpret_cast<const cuda::StoreSpan*>(chunk->dev);
+    L.table_writes = reinterpret_cast<const cuda::TableWrite*>(chunk->dev + span_bytes);
+    L.block_ids = reinterpret_cast<const std::int32_t*>(chunk->dev + span_bytes + write_bytes);
+    if (st.ok()) e = cuda::launch_store_spans(L, im.policy.programmatic, s);
   }
-  if (st.ok()) {
-    L.n_spans = static_cast<std::int32_t>(spans.size());
-    L.total_rows = rows;
-    L.k = {dk->data, dk->row_stride, dtype_code(dk->dtype)};
-    L.v = {dv->data, dv->row_stride, dtype_code(dv->dtype)};
-    L.shape = im.shape;
-    L.pool = im.pool;
-    L.vector = vector_source(*dk) && vector_source(*dv);
-    const cudaError_t e = cuda::launch_store_spans(L, s);
-    if (e != cudaSuccess) st = cuda_error("store kernel launch", e);
-  }
+  if (st.ok() && e != cudaSuccess) st = cuda_error("store kernel launch", e);
   if (st.ok() && chunk != nullptr) st = im.release_chunk(chunk, s);
   if (st.ok()) st = im.leave(s);
   if (!st.ok()) return im.fail(st, s);

@@ -58,17 +58,19 @@ struct TableWrite {
 
 // One span of a batched store: source rows [src_row, src_row + rows) go to
 // plane rows [physical_first, ...). `k`/`v` are the slot's ring (table
-// null) or the pool, row r in block table[r >> block_shift] (the plane's
-// block table, or the blocks from the span's first on, physical_first
-// then counting from that block). first_row is the span's first row in
-// the launch's concatenation of all spans (ascending).
+// null) or the pool, row r in block table[r >> block_shift]: the plane's
+// block table, or where first_id >= 0 the launch's block list from
+// block_ids + first_id (the blocks from the span's first on;
+// physical_first then counts from that block). first_row is the span's
+// first row in the launch's concatenation of all spans (ascending).
 struct StoreSpan {
-  std::uint16_t* k;
-  std::uint16_t* v;
-  const std::int32_t* table;
-  std::int64_t physical_first;
-  std::int64_t src_row;
-  std::int64_t first_row;
+  std::uint16_t* k = nullptr;
+  std::uint16_t* v = nullptr;
+  const std::int32_t* table = nullptr;
+  std::int64_t physical_first = 0;
+  std::int64_t src_row = 0;
+  std::int64_t first_row = 0;
+  std::int64_t first_id = -1;
 };
 
 // Every span of one batch in one launch: `spans` (device memory, n_spans
@@ -92,8 +94,26 @@ struct StoreLaunch {
   const TableWrite* table_writes = nullptr;
   std::int64_t n_table_writes = 0;
   std::int32_t* tables = nullptr;
+  const std::int32_t* block_ids = nullptr;
 };
-cudaError_t launch_store_spans(const StoreLaunch& launch, cudaStream_t stream);
+// `programmatic`: launched as a programmatic dependent of the work before
+// it (LaunchPolicy::programmatic).
+cudaError_t launch_store_spans(const StoreLaunch& launch, bool programmatic, cudaStream_t stream);
+
+// A store launch whose descriptors travel in its parameters, with nothing
+// to upload: `bytes` holds the spans (a.n_spans, from offset 0), the table
+// writes (from writes_at) and the block lists (from ids_at); a.spans,
+// a.table_writes and a.block_ids are set by the kernel. Parameters may
+// take 32764 bytes (CUDA 12.1 on Volta and later).
+constexpr std::size_t kStoreInlineBytes = 30 * 1024;
+struct StoreInline {
+  StoreLaunch a;
+  std::int64_t writes_at = 0;
+  std::int64_t ids_at = 0;
+  alignas(16) unsigned char bytes[kStoreInlineBytes];
+};
+static_assert(sizeof(StoreInline) <= 32764, "a launch's parameters take at most 32764 bytes");
+cudaError_t launch_store_inline(const StoreInline& launch, bool programmatic, cudaStream_t stream);
 
 // Source rows [0, rows) of K and of V -> f16 [rows, cols] packed, K's at
 // dst and V's after them (the prefill chunk), with the store's conversion;

@@ -100,6 +100,14 @@ Paths paths_of(dim3 grid, const AttendParams& params, int cluster_limit, std::in
   return p;
 }
 
+// Marks a launch a programmatic dependent of the work before it on its
+// stream (LaunchPolicy::programmatic; the kernels begin with
+// enter_dependent).
+void programmatic_attribute(cudaLaunchAttribute& a) {
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+}
+
 // Launches `kernel` over `grid` (x = split, y = item, z = query), each CTA
 // of a last-arrival launch taking `split_run` consecutive splits. When the
 // grid has at most `resident_ctas` CTAs (and the tagged partials have
@@ -110,11 +118,12 @@ Paths paths_of(dim3 grid, const AttendParams& params, int cluster_limit, std::in
 // last arrival, as they also do when the device turns the cooperative
 // launch down (too large, or not supported or permitted here); a
 // last-arrival launch of several queries runs query-major when
-// `query_major_ok` says so. A launch of several splits is counted in
-// `stats` (when not null) by the path it took.
+// `query_major_ok` says so. A launch that is not a resident grid is a
+// programmatic dependent where `programmatic`. A launch of several splits
+// is counted in `stats` (when not null) by the path it took.
 template <class Kernel>
 cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, int resident_ctas,
-                   bool query_major_ok, int split_run, dim3 grid, std::size_t smem,
+                   bool query_major_ok, int split_run, bool programmatic, dim3 grid, std::size_t smem,
                    AttendParams params, AttendStats* stats, cudaStream_t stream) {
   const auto [resident, cluster] = paths_of(grid, params, cluster_limit, cluster_ctas, resident_ctas);
   params.cluster = cluster ? 1 : 0;
@@ -129,24 +138,30 @@ cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, 
   cfg.blockDim = dim3(kAttendThreads, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr{};
+  cudaLaunchAttribute attrs[2]{};
+  unsigned n_attrs = 0;
   if (cluster) {
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = grid.x;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-  } else {
-    attr.id = cudaLaunchAttributeCooperative;
-    attr.val.cooperative = 1;
+    cudaLaunchAttribute& a = attrs[n_attrs++];
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = grid.x;
+    a.val.clusterDim.y = 1;
+    a.val.clusterDim.z = 1;
+  } else if (resident) {
+    cudaLaunchAttribute& a = attrs[n_attrs++];
+    a.id = cudaLaunchAttributeCooperative;
+    a.val.cooperative = 1;
   }
-  cfg.attrs = &attr;
-  cfg.numAttrs = cluster || resident ? 1 : 0;
+  // A resident grid is never a programmatic dependent: all of its CTAs
+  // must run at once, beside nothing that waits.
+  if (programmatic && !resident) programmatic_attribute(attrs[n_attrs++]);
+  cfg.attrs = attrs;
+  cfg.numAttrs = n_attrs;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, KernelArgs{first, params});
   if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
                    e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
-    return launch(kernel, cluster_limit, cluster_ctas, 0, query_major_ok, split_run, grid, smem, params,
-                  stats, stream);
+    return launch(kernel, cluster_limit, cluster_ctas, 0, query_major_ok, split_run, programmatic, grid, smem,
+                  params, stats, stream);
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
@@ -242,6 +257,12 @@ cudaError_t device_setup(DeviceSetup& out) {
     const ClusterLimit g = max_cluster(attend_general_kernel, 0);
     s.policy.general_cluster = g.size;
     s.policy.general_cluster_ctas = g.ctas;
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess) {
+      s.policy.programmatic = major >= 9;
+    } else {
+      (void)cudaGetLastError();
+    }
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) == cudaSuccess) {
       s.policy.l2_bytes = l2;
@@ -284,6 +305,10 @@ cudaError_t launch_warp_splits(AttendParams params, const LaunchPolicy& policy, 
   cfg.blockDim = dim3(kWarpSplitThreads, 1, 1);
   cfg.dynamicSmemBytes = sizeof(WarpSplitSmem);
   cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  programmatic_attribute(attr);
+  cfg.attrs = &attr;
+  cfg.numAttrs = policy.programmatic ? 1 : 0;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, attend_hd128_warp_kernel, KernelArgs{first, params});
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
@@ -389,12 +414,11 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
                   policy.resident_limit(params.head_dim), query_major,
                   policy.split_run_for(ctas, params.max_splits, params.least_splits,
                                        params.n_queries == params.n_items),
-                  grid, sizeof(TensorSmem), params,
-                  policy.stats, stream);
+                  policy.programmatic, grid, sizeof(TensorSmem), params, policy.stats, stream);
   }
   // The general kernel takes one split a CTA.
   return launch(attend_general_kernel, cluster_limit, policy.cluster_wave(params.head_dim), 0,
-                query_major, 1, grid, 0, params, policy.stats, stream);
+                query_major, 1, policy.programmatic, grid, 0, params, policy.stats, stream);
 }
 
 cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& policy, cudaStream_t stream) {

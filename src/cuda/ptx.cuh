@@ -16,6 +16,21 @@ __device__ __forceinline__ void cluster_sync() {
                "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// ---- Programmatic dependent launch (sm_90) -------------------------------------------
+
+// The first statement of a kernel that may be launched as a programmatic
+// dependent (LaunchPolicy::programmatic): the grid launched after this one
+// that way may start now (it waits here in turn), and this one waits until
+// the grids before it have completed with their memory visible. Nothing
+// global is read or written before it. Where the kernel was not launched
+// that way, or before sm_90, the wait returns at once.
+__device__ __forceinline__ void enter_dependent() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n"
+               "griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- Relaxed 128-bit global accesses -----------------------------------------------
 
 // Two 64-bit words stored and loaded as one access at gpu scope: each word

@@ -6,6 +6,7 @@
 
 #include "f16_device.cuh"
 #include "kernels.h"
+#include "ptx.cuh"
 
 namespace kvring::cuda {
 namespace {
@@ -13,6 +14,10 @@ namespace {
 constexpr int kThreads = 256;
 // Enough blocks to fill an H200 several times over; the loops are grid-stride.
 constexpr std::int64_t kMaxBlocks = 4096;
+// The store kernels keep five blocks an SM (at most 48 registers a
+// thread, which the kernel with its descriptors in the parameters would
+// otherwise exceed): their bytes in flight come from the warps.
+constexpr int kStoreBlocksPerSm = 5;
 
 unsigned blocks_for(std::int64_t units) {
   return static_cast<unsigned>(std::clamp<std::int64_t>((units + kThreads - 1) / kThreads, 1, kMaxBlocks));
@@ -96,7 +101,7 @@ __device__ __forceinline__ void for_each_unit(std::int64_t rows, std::int32_t kv
 // span whose first_row <= R. Warp w of the grid takes rows [w * per, (w +
 // 1) * per); its lanes take a row's units in turn.
 template <int kPer>
-__global__ void __launch_bounds__(kThreads) store_spans_kernel(StoreLaunch a) {
+__device__ __forceinline__ void store_spans(const StoreLaunch& a) {
   // The launch's table writes: no span reads the mirror in such a launch
   // (kernels.h), so they need no order against the rows.
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; i < a.n_table_writes;
@@ -128,7 +133,8 @@ __global__ void __launch_bounds__(kThreads) store_spans_kernel(StoreLaunch a) {
     }
     const std::int64_t r = R - s.first_row;
     for (std::int64_t e = static_cast<std::int64_t>(lane) * kPer; e < kv_dim; e += 32 * kPer) {
-      const std::int64_t dst = plane_offset(s.table, a.shape, a.pool, s.physical_first + r, e);
+      const std::int64_t dst = plane_offset(s.first_id >= 0 ? a.block_ids + s.first_id : s.table, a.shape,
+                                            a.pool, s.physical_first + r, e);
       if constexpr (kPer == 8) {
         *reinterpret_cast<uint4*>(s.k + dst) = source_f16x8(a.k, s.src_row + r, e);
         *reinterpret_cast<uint4*>(s.v + dst) = source_f16x8(a.v, s.src_row + r, e);
@@ -138,6 +144,24 @@ __global__ void __launch_bounds__(kThreads) store_spans_kernel(StoreLaunch a) {
       }
     }
   }
+}
+
+template <int kPer>
+__global__ void __launch_bounds__(kThreads, kStoreBlocksPerSm) store_spans_kernel(StoreLaunch a) {
+  enter_dependent();
+  store_spans<kPer>(a);
+}
+
+// The descriptors are read where they lie, in the parameter space (a
+// __grid_constant__ parameter's address is a generic one).
+template <int kPer>
+__global__ void __launch_bounds__(kThreads, kStoreBlocksPerSm) store_inline_kernel(const __grid_constant__ StoreInline p) {
+  enter_dependent();
+  StoreLaunch a = p.a;
+  a.spans = reinterpret_cast<const StoreSpan*>(p.bytes);
+  a.table_writes = reinterpret_cast<const TableWrite*>(p.bytes + p.writes_at);
+  a.block_ids = reinterpret_cast<const std::int32_t*>(p.bytes + p.ids_at);
+  store_spans<kPer>(a);
 }
 
 // Rows [0, rows) are K's, [rows, 2 rows) V's; dst holds them in that
@@ -197,16 +221,40 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-cudaError_t launch_store_spans(const StoreLaunch& a, cudaStream_t stream) {
+// One warp a row (or a thread a table write) at the least, up to
+// kMaxBlocks blocks.
+unsigned store_blocks(const StoreLaunch& a) { return blocks_for(std::max(a.total_rows * 32, a.n_table_writes)); }
+
+// A store kernel over store_blocks(a), as a programmatic dependent of the
+// work before it where `programmatic`.
+template <class Kernel, class Arg>
+cudaError_t launch_store(Kernel kernel, const StoreLaunch& a, const Arg& arg, bool programmatic,
+                         cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(store_blocks(a), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, arg);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not by a later call
+  return e;
+}
+
+cudaError_t launch_store_spans(const StoreLaunch& a, bool programmatic, cudaStream_t stream) {
   if ((a.n_spans <= 0 || a.total_rows <= 0) && a.n_table_writes <= 0) return cudaSuccess;
-  // One warp a row (or a thread a table write) at the least, up to
-  // kMaxBlocks blocks.
-  const unsigned blocks = blocks_for(std::max(a.total_rows * 32, a.n_table_writes));
-  if (a.vector && vector_rows(a.shape))
-    store_spans_kernel<8><<<blocks, kThreads, 0, stream>>>(a);
-  else
-    store_spans_kernel<1><<<blocks, kThreads, 0, stream>>>(a);
-  return launched();
+  if (a.vector && vector_rows(a.shape)) return launch_store(store_spans_kernel<8>, a, a, programmatic, stream);
+  return launch_store(store_spans_kernel<1>, a, a, programmatic, stream);
+}
+
+cudaError_t launch_store_inline(const StoreInline& p, bool programmatic, cudaStream_t stream) {
+  const StoreLaunch& a = p.a;
+  if ((a.n_spans <= 0 || a.total_rows <= 0) && a.n_table_writes <= 0) return cudaSuccess;
+  if (a.vector && vector_rows(a.shape)) return launch_store(store_inline_kernel<8>, a, p, programmatic, stream);
+  return launch_store(store_inline_kernel<1>, a, p, programmatic, stream);
 }
 
 cudaError_t launch_convert_kv(SourceRows k, SourceRows v, std::int64_t rows, std::int32_t cols,
