@@ -400,6 +400,9 @@ class KvStore {
   // write_rows, then commits; rolls back on a backend error.
   Status finish_store(Txn& txn, std::vector<RowWrite>& writes, const ConstView& k,
                       const ConstView& v, cudaStream_t stream);
+  // The planned copies of shared blocks (copy_blocks), then the table
+  // changes mirrored (apply_blocks).
+  Status copy_blocks(const Txn& txn, cudaStream_t stream);
   Status apply_blocks(Txn& txn, cudaStream_t stream);
   void rollback(Txn& txn);
   void commit(Txn& txn);

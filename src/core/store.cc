@@ -207,8 +207,13 @@ void KvStore::commit(Txn& txn) {
   txn.clear();
 }
 
-Status KvStore::apply_blocks(Txn& txn, cudaStream_t stream) {
+Status KvStore::copy_blocks(const Txn& txn, cudaStream_t stream) {
   for (const auto& [from, to] : txn.copies) KVRING_RETURN_IF_ERROR(copy_block(from, to, stream));
+  return Status::Ok();
+}
+
+Status KvStore::apply_blocks(Txn& txn, cudaStream_t stream) {
+  KVRING_RETURN_IF_ERROR(copy_blocks(txn, stream));
   if (!txn.changes.empty()) {
     txn.mirrored = true;
     KVRING_RETURN_IF_ERROR(tables_changed(txn.changes, stream));
@@ -628,11 +633,7 @@ Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const Cons
                              const ConstView& v, cudaStream_t stream) {
   seal(txn);
   for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
-  Status st = Status::Ok();
-  for (const auto& [from, to] : txn.copies) {
-    st = copy_block(from, to, stream);
-    if (!st.ok()) break;
-  }
+  Status st = copy_blocks(txn, stream);
   if (st.ok()) {
     txn.mirrored = !txn.changes.empty();
     st = write_rows(txn.changes, writes, k, v, stream);

@@ -13,6 +13,14 @@
 
 namespace kvring::cuda {
 
+// Marks a launch a programmatic dependent of the work before it on its
+// stream (LaunchPolicy::programmatic; such kernels begin with
+// enter_dependent, ptx.cuh).
+inline void programmatic_attribute(cudaLaunchAttribute& a) {
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+}
+
 struct Shape {
   std::int32_t kv_dim = 0;
   std::int32_t head_dim = 0;

@@ -100,14 +100,6 @@ Paths paths_of(dim3 grid, const AttendParams& params, int cluster_limit, std::in
   return p;
 }
 
-// Marks a launch a programmatic dependent of the work before it on its
-// stream (LaunchPolicy::programmatic; the kernels begin with
-// enter_dependent).
-void programmatic_attribute(cudaLaunchAttribute& a) {
-  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  a.val.programmaticStreamSerializationAllowed = 1;
-}
-
 // Launches `kernel` over `grid` (x = split, y = item, z = query), each CTA
 // of a last-arrival launch taking `split_run` consecutive splits. When the
 // grid has at most `resident_ctas` CTAs (and the tagged partials have

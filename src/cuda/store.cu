@@ -225,36 +225,33 @@ __global__ void __launch_bounds__(kThreads)
 // kMaxBlocks blocks.
 unsigned store_blocks(const StoreLaunch& a) { return blocks_for(std::max(a.total_rows * 32, a.n_table_writes)); }
 
-// A store kernel over store_blocks(a), as a programmatic dependent of the
-// work before it where `programmatic`.
-template <class Kernel, class Arg>
-cudaError_t launch_store(Kernel kernel, const StoreLaunch& a, const Arg& arg, bool programmatic,
-                         cudaStream_t stream) {
+// The store kernel for `a` (8 elements a thread where its rows allow, else
+// one) over store_blocks(a), its argument `arg`, as a programmatic
+// dependent of the work before it where `programmatic`; nothing when the
+// launch has no rows and no table writes.
+template <class Arg>
+cudaError_t launch_store(void (*kernel8)(Arg), void (*kernel1)(Arg), const StoreLaunch& a, const Arg& arg,
+                         bool programmatic, cudaStream_t stream) {
+  if ((a.n_spans <= 0 || a.total_rows <= 0) && a.n_table_writes <= 0) return cudaSuccess;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(store_blocks(a), 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
   cfg.stream = stream;
   cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  programmatic_attribute(attr);
   cfg.attrs = &attr;
   cfg.numAttrs = programmatic ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, arg);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, a.vector && vector_rows(a.shape) ? kernel8 : kernel1, arg);
   if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not by a later call
   return e;
 }
 
 cudaError_t launch_store_spans(const StoreLaunch& a, bool programmatic, cudaStream_t stream) {
-  if ((a.n_spans <= 0 || a.total_rows <= 0) && a.n_table_writes <= 0) return cudaSuccess;
-  if (a.vector && vector_rows(a.shape)) return launch_store(store_spans_kernel<8>, a, a, programmatic, stream);
-  return launch_store(store_spans_kernel<1>, a, a, programmatic, stream);
+  return launch_store(store_spans_kernel<8>, store_spans_kernel<1>, a, a, programmatic, stream);
 }
 
 cudaError_t launch_store_inline(const StoreInline& p, bool programmatic, cudaStream_t stream) {
-  const StoreLaunch& a = p.a;
-  if ((a.n_spans <= 0 || a.total_rows <= 0) && a.n_table_writes <= 0) return cudaSuccess;
-  if (a.vector && vector_rows(a.shape)) return launch_store(store_inline_kernel<8>, a, p, programmatic, stream);
-  return launch_store(store_inline_kernel<1>, a, p, programmatic, stream);
+  return launch_store(store_inline_kernel<8>, store_inline_kernel<1>, p.a, p, programmatic, stream);
 }
 
 cudaError_t launch_convert_kv(SourceRows k, SourceRows v, std::int64_t rows, std::int32_t cols,
