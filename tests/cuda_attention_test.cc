@@ -546,7 +546,10 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
 // graph and replayed, give the bits of the same steps run with a wait after
 // every call, with the store and attention kernels launched as
 // programmatic dependents (the device's policy) and without: each kernel
-// waits for the one before it, in a stream and in a graph. Those bits are
+// waits for the one before it, in a stream and in a graph. The same steps
+// as one-token prefills (one launch that stores the row as it attends; on
+// the CTA kernels and, for head_dim 128, the warp-split kernel) give the
+// same bits and bytes, through new blocks and ring wraps. Those bits are
 // the CPU backend's within kTolerance, and the stored bytes its own.
 TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
   KVRING_SKIP_WITHOUT_GPU();
@@ -555,8 +558,9 @@ TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
     SCOPED_TRACE(cs.config.name);
     const ModelConfig& c = cs.config;
     const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, L = c.n_layers;
-    // Device queries need 16-byte alignment: each (step, layer) row of q
-    // and out starts a multiple of 4 floats in.
+    // Device queries and outputs are 16-byte rows: each (step, layer) row
+    // of q and out starts a multiple of 4 floats in, and its view's row
+    // stride says so.
     const std::int64_t stride = (width + 3) / 4 * 4;
     const StoreOptions o{.max_sequences = 1, .context = 1024, .block_rows = cs.block_rows};
     const auto k0 = testing::random_floats(static_cast<std::size_t>(L * filled * kv), 61);
@@ -568,9 +572,13 @@ TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
     // The outputs of every step and the stored bytes, on the GPU: `chained`,
     // steps enqueued back to back and the last captured in a graph and
     // replayed twice; else a wait after every call and no graph.
-    auto run = [&](bool programmatic, bool chained, std::vector<float>& outs, testing::SeqImage& image) {
+    cuda::AttendStats stats;
+    auto run = [&](bool programmatic, bool chained, bool prefill, bool warp_splits, std::vector<float>& outs,
+                   testing::SeqImage& image) {
       cuda::LaunchPolicy policy = cuda::device_launch_policy();
       policy.programmatic = policy.programmatic && programmatic;
+      if (warp_splits) policy.warp_splits = cuda::WarpSplits::kAlways;
+      policy.stats = &stats;
       auto gpu = testing::new_cuda_store(c, o, policy);
       ASSERT_TRUE(gpu);
       const SeqId g = *gpu->add_sequence();
@@ -588,12 +596,21 @@ TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
         for (std::int64_t l = 0; l < L; ++l) {
           const SeqSpan span{g, filled + t, 1};
           const SeqQuery query{g, filled + t};
-          ASSERT_TRUE(gpu->store(l, std::span(&span, 1), testing::device_in(dk.get() + row(t, l) * kv, 1, kv),
-                                 testing::device_in(dv.get() + row(t, l) * kv, 1, kv)).ok());
+          const ConstView kr = testing::device_in(dk.get() + row(t, l) * kv, 1, kv);
+          const ConstView vr = testing::device_in(dv.get() + row(t, l) * kv, 1, kv);
+          ConstView qv = testing::device_in(dq.get() + row(t, l) * stride, 1, width);
+          MutView ov = device_view(dout.get() + row(t, l) * stride, 1, width);
+          qv.row_stride = ov.row_stride = stride;
+          if (prefill) {
+            const Status st = gpu->prefill(l, std::span(&span, 1), kr, vr, qv, ov);
+            ASSERT_TRUE(st.ok()) << st.to_string();
+            wait();
+            continue;
+          }
+          ASSERT_TRUE(gpu->store(l, std::span(&span, 1), kr, vr).ok());
           wait();
-          ASSERT_TRUE(gpu->attend_decode(l, std::span(&query, 1),
-                                         testing::device_in(dq.get() + row(t, l) * stride, 1, width),
-                                         device_view(dout.get() + row(t, l) * stride, 1, width)).ok());
+          const Status st = gpu->attend_decode(l, std::span(&query, 1), qv, ov);
+          ASSERT_TRUE(st.ok()) << st.to_string();
           wait();
         }
       };
@@ -628,12 +645,27 @@ TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
     };
     std::vector<float> want;
     testing::SeqImage want_image;
-    run(false, false, want, want_image);
-    for (const bool programmatic : {true, false}) {
-      SCOPED_TRACE(programmatic ? "programmatic" : "plain");
+    run(false, false, false, false, want, want_image);
+    EXPECT_EQ(stats.own_rows, 0);
+    struct Way {
+      bool programmatic, chained, prefill, warp_splits;
+      const char* name;
+    };
+    std::vector<Way> ways = {{true, true, false, false, "programmatic"},
+                             {false, true, false, false, "plain"},
+                             {false, false, true, false, "prefills, waits"},
+                             {true, true, true, false, "prefills, programmatic"},
+                             {false, true, true, false, "prefills, plain"}};
+    if (c.head_dim == 128) ways.push_back({true, true, true, true, "prefills, warp splits"});
+    for (const Way& w : ways) {
+      SCOPED_TRACE(w.name);
       std::vector<float> got;
       testing::SeqImage image;
-      run(programmatic, true, got, image);
+      const long own_before = stats.own_rows;
+      run(w.programmatic, w.chained, w.prefill, w.warp_splits, got, image);
+      // Each one-token prefill was one launch that stored its row (a
+      // replay of the graph launches no call).
+      EXPECT_EQ(stats.own_rows - own_before, w.prefill ? tokens * L : 0);
       ASSERT_TRUE(same_bits(got, want));
       EXPECT_TRUE(image == want_image) << "stored bytes";
     }

@@ -70,6 +70,11 @@ class CudaStore final : public KvStore {
   Status write_rows(std::span<const TableChange> changes, std::span<const RowWrite> writes,
                     const ConstView& k, const ConstView& v, cudaStream_t stream) override;
   Status attend(const AttendBatch& batch) override;
+  // One-token prefills of device K/V under the f32 numeric are one
+  // attention launch that stores each chunk's row as it reads it
+  // (docs/CUDA.md, "One-token prefills"); every other prefill attends, then
+  // stores.
+  Status attend_and_store(const AttendBatch& batch, std::span<const RowWrite> writes) override;
   Status copy_out(const PlaneRef& plane, const LiveSpans& spans, std::uint16_t* k,
                   std::uint16_t* v, MemorySpace space, cudaStream_t stream) const override;
   Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k,

@@ -302,6 +302,9 @@ class KvStore {
     const ConstView* chunk_k;  // null in decode
     const ConstView* chunk_v;
     cudaStream_t stream;
+    // Set by a backend's attend_and_store for its own attend: the launch
+    // also stores the chunk's rows.
+    bool store_chunk = false;
   };
   // A block table's entries [first, first + count) changed (backends that
   // mirror tables elsewhere update the mirror; stream-ordered).
@@ -326,6 +329,12 @@ class KvStore {
                             std::span<const RowWrite> writes, const ConstView& k,
                             const ConstView& v, cudaStream_t stream) = 0;
   virtual Status attend(const AttendBatch& batch) = 0;
+  // A prefill's attention over its chunks, then the chunks' store
+  // (`writes`, from batch.chunk_k and chunk_v), with the call's table
+  // changes already applied. This default runs attend, then write_rows; a
+  // backend may do both in one pass where the bytes stored and the outputs
+  // are the same.
+  virtual Status attend_and_store(const AttendBatch& batch, std::span<const RowWrite> writes);
   // Rows of a plane to or from packed f16 [rows, kv_dim] in caller memory
   // of `space` (checked by check_view); device copies are enqueued on
   // `stream` (null: the backend's own) and do not wait.

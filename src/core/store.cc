@@ -764,14 +764,18 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
     row += c.count;
   }
   Status st = apply_blocks(txn, stream);
-  if (st.ok()) st = attend(AttendBatch{layer, items, &q, &out, &k, &v, stream});
-  if (st.ok()) st = write_rows({}, writes, k, v, stream);
+  if (st.ok()) st = attend_and_store(AttendBatch{layer, items, &q, &out, &k, &v, stream}, writes);
   if (!st.ok()) {
     rollback(txn);
     return st;
   }
   commit(txn);
   return Status::Ok();
+}
+
+Status KvStore::attend_and_store(const AttendBatch& batch, std::span<const RowWrite> writes) {
+  KVRING_RETURN_IF_ERROR(attend(batch));
+  return write_rows({}, writes, *batch.chunk_k, *batch.chunk_v, batch.stream);
 }
 
 // ---- Rows of one sequence ------------------------------------------------------------

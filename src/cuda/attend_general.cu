@@ -46,6 +46,13 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
 
+  // A one-token prefill's own row p goes to the plane first, from the warp
+  // whose rows (warp_rows) hold it.
+  if (P.own_rows) {
+    std::int64_t a, b;
+    warp_rows(r, warp, a, b);
+    if (a <= r.p && r.p < b) store_own_row(P, r, HeadRows(P, r, hd, kv_head), kv_head, hd, lane);
+  }
   float qv[kGeneralDimsPerLane];
   const float* q = P.q + static_cast<std::int64_t>(r.qi) * P.q_stride +
                    static_cast<std::int64_t>(head) * hd;

@@ -315,6 +315,14 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
 
+  // A one-token prefill's own row p goes to the plane first, from the warp
+  // whose tiles (from the run's first row on, one in kAttendWarps of its
+  // kAttendTile-row tiles) hold it.
+  if (P.own_rows) {
+    const std::int64_t run = r.lo + r.split * r.split_rows;
+    if (run + F.split_run * r.split_rows > r.p && ((r.p - run) / kAttendTile) % kAttendWarps == warp)
+      store_own_row(P, r, HeadRows(P, r, HD, hs.kv_head), hs.kv_head, HD, lane);
+  }
   // The query's loads go out first: behind the first tiles of every CTA
   // they would come back late, with the tiles already waiting.
   float qv[32];
@@ -508,6 +516,13 @@ __global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
+  // A one-token prefill's own row p, in the query's last split, goes to
+  // the plane first, from the warp that takes that split (below).
+  if (P.own_rows) {
+    const int last = split_count(r) - 1;
+    if (r.split + F.split_run > last && last >= r.split + warp && (last - r.split - warp) % kWarpSplitWarps == 0)
+      store_own_row(P, r, HeadRows(P, r, HD, hs.kv_head), hs.kv_head, HD, lane);
+  }
   float qv[32];
   load_query(P, r, hs, g, t, qv);
 

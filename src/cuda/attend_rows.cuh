@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "f16_device.cuh"
 #include "kernels.h"
 
 namespace kvring::cuda {
@@ -189,6 +190,48 @@ __device__ __forceinline__ RowPtr row_at(const AttendParams& P, const HeadRows& 
   if (physical >= h.capacity) physical -= h.capacity;
   const std::int64_t off = h.plane_offset(physical);
   return {h.k + off, h.v + off};
+}
+
+// Head row e0 .. e0 + head_dim of source row `row` of k_src and v_src
+// through the store path's conversion into k and v, by the 32 lanes of a
+// warp (vec: 16-byte loads and stores).
+__device__ __forceinline__ void store_head_row(std::uint16_t* k, std::uint16_t* v, SourceRows k_src,
+                                            SourceRows v_src, std::int64_t row, std::int64_t e0,
+                                            int head_dim, int vec, int lane) {
+  if (vec) {
+    for (int d = lane * 8; d < head_dim; d += 32 * 8) {
+      *reinterpret_cast<uint4*>(k + d) = source_f16x8(k_src, row, e0 + d);
+      *reinterpret_cast<uint4*>(v + d) = source_f16x8(v_src, row, e0 + d);
+    }
+  } else {
+    for (int d = lane; d < head_dim; d += 32) {
+      k[d] = source_f16(k_src, row, e0 + d);
+      v[d] = source_f16(v_src, row, e0 + d);
+    }
+  }
+}
+
+// A one-token prefill's own row (AttendParams::own_rows): query r's
+// position p, for KV head kv_head, from the sources to where row_at finds
+// it once the chunk is stored: the ring slot p takes (the ring as before
+// the chunk, so the oldest row's once the ring is full) or its place in the
+// block the mirrored table names (the prefill mirrors a new block's entry
+// before it launches). The lanes of the one warp that reads row p call it;
+// the __syncwarp orders every lane's stores before any lane's later read.
+// Where several CTAs read row p (query heads beyond one CTA's share of a KV
+// head), each stores the same bits before it reads.
+__device__ __forceinline__ void store_own_row(const AttendParams& P, const QueryRange& r,
+                                              const HeadRows& h, int kv_head, int head_dim,
+                                              int lane) {
+  std::int64_t physical = r.p + h.shift;
+  if (physical >= h.capacity) physical -= h.capacity;
+  const std::int64_t off = h.plane_offset(physical);
+  // The item's plane pointers are const for the readers; this launch owns
+  // row p's bytes.
+  store_head_row(const_cast<std::uint16_t*>(h.k) + off, const_cast<std::uint16_t*>(h.v) + off, P.own_k,
+                 P.own_v, r.chunk_row, static_cast<std::int64_t>(kv_head) * head_dim, head_dim, P.own_vec,
+                 lane);
+  __syncwarp();
 }
 
 // A query head's power-of-two scale 2^k (returned; 2^-k in `down`) for its

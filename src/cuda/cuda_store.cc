@@ -860,7 +860,7 @@ Status CudaStore::attend(const AttendBatch& b) {
   std::uint16_t* chunk = nullptr;
   const std::int64_t kv_dim = config_.kv_dim();
   Status st = Status::Ok();
-  if (b.chunk_k != nullptr) {
+  if (b.chunk_k != nullptr && !b.store_chunk) {
     host = host || b.chunk_k->space == MemorySpace::kHost || b.chunk_v->space == MemorySpace::kHost;
     auto ck = im.stage(*b.chunk_k, im.stage_k, s);
     if (!ck) return im.fail(ck.status(), s);
@@ -903,6 +903,22 @@ Status CudaStore::attend(const AttendBatch& b) {
   return Status::Ok();
 }
 
+Status CudaStore::attend_and_store(const AttendBatch& b, std::span<const RowWrite> writes) {
+  // One launch when every chunk is one row, the query at that row, in
+  // device memory, under the f32 numeric's kernels (attend_f16's kernels
+  // read chunks from f16 scratch only).
+  bool one_launch = options_.attention == AttentionNumeric::kF32 && config_.head_dim <= kCudaMaxHeadDim &&
+                    b.chunk_k != nullptr && b.chunk_k->space == MemorySpace::kDevice &&
+                    b.chunk_v->space == MemorySpace::kDevice &&
+                    b.chunk_k->rows == static_cast<std::int64_t>(b.items.size());
+  for (const AttendItem& it : b.items)
+    one_launch = one_launch && it.n_queries == 1 && it.chunk_start == it.first_position;
+  if (!one_launch) return KvStore::attend_and_store(b, writes);
+  AttendBatch own = b;
+  own.store_chunk = true;
+  return attend(own);
+}
+
 void CudaStore::plane_of(const AttendBatch& b, const AttendItem& it, cuda::AttendQueryItem& d) const {
   const Impl& im = *impl_;
   const std::int64_t full = full_index(b.layer);
@@ -917,7 +933,8 @@ void CudaStore::plane_of(const AttendBatch& b, const AttendItem& it, cuda::Atten
   }
   d.shift = it.ring.origin_physical() - it.ring.origin_logical();
   d.capacity = it.ring.capacity();
-  d.chunk_start = it.chunk_start;
+  // A launch that stores its chunks reads their rows from the plane.
+  d.chunk_start = b.store_chunk ? std::numeric_limits<std::int64_t>::max() : it.chunk_start;
   d.chunk_row = it.chunk_row;
 }
 
@@ -931,6 +948,14 @@ void CudaStore::launch_params(const AttendBatch& b, const float* dq, std::int64_
   if (chunk != nullptr) {
     P.chunk_k = chunk;
     P.chunk_v = chunk + b.chunk_k->rows * kv_dim;
+  }
+  if (b.store_chunk) {
+    const ConstView& k = *b.chunk_k;
+    const ConstView& v = *b.chunk_v;
+    P.own_rows = 1;
+    P.own_k = {k.data, k.row_stride, dtype_code(k.dtype)};
+    P.own_v = {v.data, v.row_stride, dtype_code(v.dtype)};
+    P.own_vec = config_.head_dim % 8 == 0 && vector_source(k) && vector_source(v) ? 1 : 0;
   }
   P.q = dq + q0 * q_stride;
   P.out = dout + q0 * out_stride;

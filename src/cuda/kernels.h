@@ -288,6 +288,16 @@ struct AttendParams {
   // The chunk's rows, f16 [rows, kv_dim] (null in decode).
   const std::uint16_t* chunk_k = nullptr;
   const std::uint16_t* chunk_v = nullptr;
+  // A launch of one-token prefills (own_rows = 1; f32 numeric only): each
+  // item is one query whose chunk is its own row p, at row chunk_row of the
+  // sources own_k, own_v. The warp that reads row p stores it to the plane
+  // first (store_own_row, attend_rows.cuh), so the launch is the prefill's
+  // store as well as its attention, and every row is read from the plane.
+  // own_vec: the sources take 16-byte loads (head_dim % 8 == 0, aligned).
+  SourceRows own_k{};
+  SourceRows own_v{};
+  std::int32_t own_rows = 0;
+  std::int32_t own_vec = 0;
   // q, out: query i's [n_heads, head_dim] at i * stride floats (16-byte
   // aligned rows).
   const float* q = nullptr;

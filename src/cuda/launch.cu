@@ -390,6 +390,7 @@ LaunchPolicy device_launch_policy() {
 cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy,
                           cudaStream_t stream) {
   if (params.n_queries <= 0) return cudaSuccess;
+  if (params.own_rows && policy.stats != nullptr) ++policy.stats->own_rows;
   const AttendGrid g = attend_grid(params.n_heads, params.n_kv_heads, params.head_dim);
   const dim3 grid(static_cast<unsigned>(params.max_splits), static_cast<unsigned>(g.items),
                   static_cast<unsigned>(params.n_queries));

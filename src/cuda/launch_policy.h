@@ -27,6 +27,9 @@ struct AttendStats {
   // Launches on the warp-split kernel (WarpSplits); those of several
   // splits are last-arrival launches too.
   long warp_splits = 0;
+  // Launches that also stored their one-token prefills' rows
+  // (AttendParams::own_rows).
+  long own_rows = 0;
 };
 
 // When a last-arrival launch of several queries runs query-major (grid.x
