@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "cuda/kernels.h"
+#include "kvring/f16.h"
 #include "cuda/launch_policy.h"
 #include "cuda_test_util.h"
 
@@ -695,6 +696,103 @@ TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
       }
     EXPECT_LE(worst, kTolerance);
     EXPECT_TRUE(want_image == testing::seq_image(*cpu, h)) << "stored bytes differ from the CPU backend's";
+  }
+}
+
+// A decode step of several sequences written as one-token prefills (one
+// call a layer, every chunk one row) from device K/V of each dtype, in
+// rows 16-byte aligned and not: the outputs and stored bytes of a store,
+// then a decode, of the same rows, bit for bit, for sequences whose rings
+// wrap, fill exactly or hold one row, and whose full planes open a new
+// block; each call is one launch that stores its rows.
+TEST(CudaBatch, OneTokenPrefillsOfManySequencesAndEveryDtype) {
+  KVRING_SKIP_WITHOUT_GPU();
+  for (const Case& cs : {cases()[0], cases()[3]}) {
+    SCOPED_TRACE(cs.config.name);
+    const ModelConfig& c = cs.config;
+    const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, L = c.n_layers;
+    const std::int64_t ws = (width + 3) / 4 * 4, steps = 3;
+    // Rows before the steps: past a ring wrap, a full window, one less
+    // than a block, one row.
+    const std::vector<std::int64_t> lens = {300, c.sliding_window, cs.block_rows - 1, 1};
+    const std::int64_t n = static_cast<std::int64_t>(lens.size());
+    const StoreOptions o{.max_sequences = n, .context = 1024, .block_rows = cs.block_rows};
+    const auto q = testing::random_floats(static_cast<std::size_t>(steps * L * n * ws), 71);
+    testing::DeviceArray<float> dq(q);
+    for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+      for (const std::int64_t pad : {std::int64_t{0}, std::int64_t{1}}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + (pad ? ", unaligned rows" : ""));
+        // Step t, layer l: rows [(t * L + l) * n, + n) of the sources.
+        const std::int64_t stride = kv + pad, rows = steps * L * n;
+        const auto f = testing::random_floats(static_cast<std::size_t>(2 * rows * stride), 72, 3.0f);
+        std::vector<std::uint16_t> bits(f.size());
+        for (std::size_t i = 0; i < f.size(); ++i) {
+          std::uint32_t u;
+          std::memcpy(&u, &f[i], 4);
+          bits[i] = dt == DType::kF16 ? f32_to_f16(f[i]) : static_cast<std::uint16_t>(u >> 16);
+        }
+        const std::size_t bytes = f.size() * static_cast<std::size_t>(dtype_bytes(dt));
+        void* src = nullptr;
+        ASSERT_EQ(cudaMalloc(&src, bytes), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(src, dt == DType::kF32 ? static_cast<const void*>(f.data()) : bits.data(), bytes,
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        const std::int64_t esize = dtype_bytes(dt);
+        auto view = [&](std::int64_t first, int which) {
+          const char* base = static_cast<const char*>(src) + (which * rows + first) * stride * esize;
+          return ConstView{base, MemorySpace::kDevice, dt, n, kv, stride};
+        };
+        std::vector<std::vector<float>> outs;
+        std::vector<std::vector<testing::SeqImage>> images;
+        for (const bool prefill : {true, false}) {
+          cuda::AttendStats stats;
+          cuda::LaunchPolicy policy = cuda::device_launch_policy();
+          policy.stats = &stats;
+          auto st = testing::new_cuda_store(c, o, policy);
+          ASSERT_TRUE(st);
+          std::vector<SeqId> ids;
+          for (std::int64_t i = 0; i < n; ++i) {
+            ids.push_back(*st->add_sequence());
+            const std::int64_t len = lens[static_cast<std::size_t>(i)];
+            const auto k0 = testing::random_floats(static_cast<std::size_t>(L * len * kv), 80 + static_cast<std::uint64_t>(i));
+            const auto v0 = testing::random_floats(k0.size(), 90 + static_cast<std::uint64_t>(i));
+            const SeqSpan fill{ids.back(), 0, len};
+            ASSERT_TRUE(st->store_all_layers(std::span(&fill, 1), host_view(k0.data(), L * len, kv),
+                                             host_view(v0.data(), L * len, kv)).ok());
+          }
+          testing::DeviceArray<float> dout(q.size());
+          dout.poison();
+          for (std::int64_t t = 0; t < steps; ++t)
+            for (std::int64_t l = 0; l < L; ++l) {
+              std::vector<SeqSpan> spans;
+              std::vector<SeqQuery> queries;
+              for (std::int64_t i = 0; i < n; ++i) {
+                const std::int64_t p = lens[static_cast<std::size_t>(i)] + t;
+                spans.push_back({ids[static_cast<std::size_t>(i)], p, 1});
+                queries.push_back({ids[static_cast<std::size_t>(i)], p});
+              }
+              const std::int64_t first = (t * L + l) * n;
+              const ConstView qv{dq.get() + first * ws, MemorySpace::kDevice, DType::kF32, n, width, ws};
+              const MutView ov{dout.get() + first * ws, MemorySpace::kDevice, DType::kF32, n, width, ws};
+              const Status done = prefill ? st->prefill(l, spans, view(first, 0), view(first, 1), qv, ov)
+                                          : [&] {
+                                              const Status s1 = st->store(l, spans, view(first, 0), view(first, 1));
+                                              return s1.ok() ? st->attend_decode(l, queries, qv, ov) : s1;
+                                            }();
+              ASSERT_TRUE(done.ok()) << done.to_string();
+            }
+          ASSERT_TRUE(st->synchronize().ok());
+          EXPECT_EQ(stats.own_rows, prefill ? steps * L : 0);
+          outs.push_back(dout.download());
+          images.emplace_back();
+          for (const SeqId id : ids) images.back().push_back(testing::seq_image(*st, id));
+        }
+        cudaFree(src);
+        ASSERT_TRUE(same_bits(outs[0], outs[1]));
+        for (std::int64_t i = 0; i < n; ++i)
+          EXPECT_TRUE(images[0][static_cast<std::size_t>(i)] == images[1][static_cast<std::size_t>(i)])
+              << "stored bytes of sequence " << i;
+      }
   }
 }
 

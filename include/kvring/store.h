@@ -211,7 +211,9 @@ class KvStore {
   // for its queries, each seeing the rows before the chunk and the chunk's
   // rows up to itself. k, v [rows, kv_dim]; q, out [rows, n_heads *
   // head_dim] (rows = sum of counts, in span order). Equals, bit for bit,
-  // the tokens stored and decoded one at a time.
+  // the tokens stored and decoded one at a time. A decode step written as
+  // one-token chunks (device K/V, the f32 numeric) is one launch on CUDA,
+  // which stores each row as it attends: the engine's store-and-decode call.
   Status prefill(std::int64_t layer, std::span<const SeqSpan> chunks, const ConstView& k,
                  const ConstView& v, const ConstView& q, const MutView& out,
                  cudaStream_t stream = nullptr);

@@ -911,8 +911,19 @@ Status CudaStore::attend_and_store(const AttendBatch& b, std::span<const RowWrit
                     b.chunk_k != nullptr && b.chunk_k->space == MemorySpace::kDevice &&
                     b.chunk_v->space == MemorySpace::kDevice &&
                     b.chunk_k->rows == static_cast<std::int64_t>(b.items.size());
-  for (const AttendItem& it : b.items)
+  // And when the queries fit one launch (attend_f32 cuts launches where
+  // the queries or their workspace slots would not fit): a failed later
+  // launch would leave an earlier one's rows stored in a store the call
+  // rolls back.
+  const std::int64_t window = full_index(b.layer) >= 0 ? 0 : config_.sliding_window;
+  std::int64_t slots = 0;
+  for (const AttendItem& it : b.items) {
     one_launch = one_launch && it.n_queries == 1 && it.chunk_start == it.first_position;
+    const std::int64_t seen = window > 0 ? std::min(it.first_position + 1, window) : it.first_position + 1;
+    slots += cuda::attend_slots(static_cast<int>(cuda::attend_splits_most(seen, seen)));
+  }
+  one_launch = one_launch && static_cast<std::int64_t>(b.items.size()) <= kMaxQueriesPerLaunch &&
+               slots <= impl_->ws_slots;
   if (!one_launch) return KvStore::attend_and_store(b, writes);
   AttendBatch own = b;
   own.store_chunk = true;
@@ -1034,6 +1045,8 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
   }
   // The items' counters use ws_counter * gridDim.y + item * counters: a
   // query's slots hold at least as many entries.
+  if (b.store_chunk && launches.size() > 1)
+    return make_error(ErrorCode::kInternal, "a launch that stores its rows was cut in two");
 
   // One item travels in the launch's parameters; more through a
   // descriptor buffer.
