@@ -917,7 +917,7 @@ int main(int argc, char** argv) {
     // Decode of one query per sequence, each at its last stored position.
     auto decode_batch = [&](const std::string& name, std::int64_t context, const std::vector<std::int64_t>& lens,
                             std::int64_t layer, std::int64_t visible_cap, const std::string& target,
-                            double need) {
+                            double need, bool with_step = false) {
       auto filled_store = filled(context, lens, layer);
       auto& st = filled_store.first;
       auto& ids = filled_store.second;
@@ -948,6 +948,45 @@ int main(int argc, char** argv) {
                   time_us(cs, 1, 10, [&] {
                     for (int i = 0; i < 10; ++i) call();
                   }) / 10);
+      if (with_step) {
+        // The batch's decode step on this layer: each sequence's next token
+        // stored and attended, as one call of one-token prefills, and as a
+        // store call then a decode call (each run one token further on).
+        std::vector<SeqSpan> spans;
+        for (std::int64_t i = 0; i < nq; ++i) spans.push_back({ids[static_cast<std::size_t>(i)], lens[static_cast<std::size_t>(i)], 1});
+        std::int64_t run = 0;
+        auto advance = [&] {
+          for (std::size_t i = 0; i < spans.size(); ++i) {
+            ++spans[i].start;
+            qs[i].position = spans[i].start;
+          }
+          ++run;
+        };
+        auto src = [&](float* base) { return kvring::device_view(base + (run % 64) * nq * kv, nq, kv); };
+        const double step_bytes = bytes + static_cast<double>(nq * kv) * 2 * (4 + 2);
+        for (std::size_t i = 0; i < spans.size(); ++i) qs[i].position = spans[i].start;
+        add({name + ", decode step as one-token prefills",
+             time_us(cs, 5, reps,
+                     [&] {
+                       check(st->prefill(layer, spans, src(sk), src(sv), kvring::device_view(q, nq, qn),
+                                         kvring::device_view(out, nq, qn)),
+                             "prefill");
+                       advance();
+                     },
+                     [&] { read_flush(cs); }),
+             step_bytes, "D2D copy", d2d});
+        add({name + ", decode step as store, then decode",
+             time_us(cs, 5, reps,
+                     [&] {
+                       check(st->store(layer, spans, src(sk), src(sv)), "store");
+                       check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn),
+                                               kvring::device_view(out, nq, qn)),
+                             "decode");
+                       advance();
+                     },
+                     [&] { read_flush(cs); }),
+             step_bytes, "D2D copy", d2d});
+      }
       CHECK_CUDA(cudaFree(q));
       CHECK_CUDA(cudaFree(out));
     };
@@ -957,7 +996,7 @@ int main(int argc, char** argv) {
     // has idled a while (docs/PERFORMANCE.md).
     if (all || section("rings"))
       decode_batch("batch decode 128 wrapped 2048-row rings", 4096, std::vector<std::int64_t>(128, 3000), 0, 2048,
-                   ">= 70% of copy", 0.70);
+                   ">= 70% of copy", 0.70, all);
     if (all) {
       decode_batch("batch decode 32 seqs x 32768, full layer", 32768, std::vector<std::int64_t>(32, 32768), 3,
                    1 << 30, ">= 85% of copy", 0.85);
