@@ -192,25 +192,6 @@ __device__ __forceinline__ RowPtr row_at(const AttendParams& P, const HeadRows& 
   return {h.k + off, h.v + off};
 }
 
-// Head row e0 .. e0 + head_dim of source row `row` of k_src and v_src
-// through the store path's conversion into k and v, by the 32 lanes of a
-// warp (vec: 16-byte loads and stores).
-__device__ __forceinline__ void store_head_row(std::uint16_t* k, std::uint16_t* v, SourceRows k_src,
-                                            SourceRows v_src, std::int64_t row, std::int64_t e0,
-                                            int head_dim, int vec, int lane) {
-  if (vec) {
-    for (int d = lane * 8; d < head_dim; d += 32 * 8) {
-      *reinterpret_cast<uint4*>(k + d) = source_f16x8(k_src, row, e0 + d);
-      *reinterpret_cast<uint4*>(v + d) = source_f16x8(v_src, row, e0 + d);
-    }
-  } else {
-    for (int d = lane; d < head_dim; d += 32) {
-      k[d] = source_f16(k_src, row, e0 + d);
-      v[d] = source_f16(v_src, row, e0 + d);
-    }
-  }
-}
-
 // A one-token prefill's own row (AttendParams::own_rows): query r's
 // position p, for KV head kv_head, from the sources to where row_at finds
 // it once the chunk is stored: the ring slot p takes (the ring as before
@@ -228,9 +209,20 @@ __device__ __forceinline__ void store_own_row(const AttendParams& P, const Query
   const std::int64_t off = h.plane_offset(physical);
   // The item's plane pointers are const for the readers; this launch owns
   // row p's bytes.
-  store_head_row(const_cast<std::uint16_t*>(h.k) + off, const_cast<std::uint16_t*>(h.v) + off, P.own_k,
-                 P.own_v, r.chunk_row, static_cast<std::int64_t>(kv_head) * head_dim, head_dim, P.own_vec,
-                 lane);
+  std::uint16_t* k = const_cast<std::uint16_t*>(h.k) + off;
+  std::uint16_t* v = const_cast<std::uint16_t*>(h.v) + off;
+  const std::int64_t e0 = static_cast<std::int64_t>(kv_head) * head_dim;
+  if (P.own_vec) {
+    for (int d = lane * 8; d < head_dim; d += 32 * 8) {
+      *reinterpret_cast<uint4*>(k + d) = source_f16x8(P.own_k, r.chunk_row, e0 + d);
+      *reinterpret_cast<uint4*>(v + d) = source_f16x8(P.own_v, r.chunk_row, e0 + d);
+    }
+  } else {
+    for (int d = lane; d < head_dim; d += 32) {
+      k[d] = source_f16(P.own_k, r.chunk_row, e0 + d);
+      v[d] = source_f16(P.own_v, r.chunk_row, e0 + d);
+    }
+  }
   __syncwarp();
 }
 

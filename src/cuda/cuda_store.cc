@@ -58,6 +58,14 @@ bool vector_source(const ConstView& x) {
   return aligned16(x.data) && (x.row_stride * dtype_bytes(x.dtype)) % 16 == 0;
 }
 
+// The rows a query at p sees under `window` (0: full attention), and the
+// split bound of queries [p0, p1] (attend_splits_most): a launch's
+// workspace takes attend_slots of it for each of them.
+std::int64_t rows_seen(std::int64_t window, std::int64_t p) { return window > 0 ? std::min(p + 1, window) : p + 1; }
+int splits_most(std::int64_t window, std::int64_t p0, std::int64_t p1) {
+  return static_cast<int>(cuda::attend_splits_most(rows_seen(window, p0), rows_seen(window, p1)));
+}
+
 std::int32_t dtype_code(DType d) {
   return d == DType::kF32 ? 0 : d == DType::kF16 ? 1 : 2;
 }
@@ -907,8 +915,7 @@ Status CudaStore::attend_and_store(const AttendBatch& b, std::span<const RowWrit
   // One launch when every chunk is one row, the query at that row, in
   // device memory, under the f32 numeric's kernels (attend_f16's kernels
   // read chunks from f16 scratch only).
-  bool one_launch = options_.attention == AttentionNumeric::kF32 && config_.head_dim <= kCudaMaxHeadDim &&
-                    b.chunk_k != nullptr && b.chunk_k->space == MemorySpace::kDevice &&
+  bool one_launch = options_.attention == AttentionNumeric::kF32 && b.chunk_k->space == MemorySpace::kDevice &&
                     b.chunk_v->space == MemorySpace::kDevice &&
                     b.chunk_k->rows == static_cast<std::int64_t>(b.items.size());
   // And when the queries fit one launch (attend_f32 cuts launches where
@@ -919,8 +926,7 @@ Status CudaStore::attend_and_store(const AttendBatch& b, std::span<const RowWrit
   std::int64_t slots = 0;
   for (const AttendItem& it : b.items) {
     one_launch = one_launch && it.n_queries == 1 && it.chunk_start == it.first_position;
-    const std::int64_t seen = window > 0 ? std::min(it.first_position + 1, window) : it.first_position + 1;
-    slots += cuda::attend_slots(static_cast<int>(cuda::attend_splits_most(seen, seen)));
+    slots += cuda::attend_slots(splits_most(window, it.first_position, it.first_position));
   }
   one_launch = one_launch && static_cast<std::int64_t>(b.items.size()) <= kMaxQueriesPerLaunch &&
                slots <= impl_->ws_slots;
@@ -991,9 +997,6 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
   // grouped into launches.
   const bool full = full_index(b.layer) >= 0;
   const std::int64_t window = full ? 0 : config_.sliding_window;
-  auto rows_seen = [&](std::int64_t p) {
-    return window > 0 ? std::min(p + 1, window) : p + 1;
-  };
   std::vector<cuda::AttendQueryItem>& items = im.item_scratch;
   items.clear();
   for (const AttendItem& it : b.items) {
@@ -1001,8 +1004,7 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
     plane_of(b, it, d);
     // Split counts are not monotonic in the rows seen (kernels.h): the
     // item's bound is the most of any of its queries.
-    const int most = static_cast<int>(cuda::attend_splits_most(
-        rows_seen(it.first_position), rows_seen(it.first_position + it.n_queries - 1)));
+    const int most = splits_most(window, it.first_position, it.first_position + it.n_queries - 1);
     const std::int64_t per_query =
         std::min<std::int64_t>(kMaxQueriesPerLaunch,
                                im.ws_slots / cuda::attend_slots(most));
@@ -1011,8 +1013,7 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
       part.first_position = it.first_position + i0;
       part.n_queries = static_cast<std::int32_t>(std::min(per_query, it.n_queries - i0));
       part.q_first = static_cast<std::int32_t>(it.q_row + i0);  // rebased per launch below
-      part.max_splits = static_cast<std::int32_t>(cuda::attend_splits_most(
-          rows_seen(part.first_position), rows_seen(part.first_position + part.n_queries - 1)));
+      part.max_splits = splits_most(window, part.first_position, part.first_position + part.n_queries - 1);
       items.push_back(part);
     }
   }
@@ -1039,9 +1040,9 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
     L.queries += it.n_queries;
     L.count += 1;
     L.max_splits = std::max(L.max_splits, static_cast<int>(it.max_splits));
-    L.most_rows = std::max(L.most_rows, rows_seen(it.first_position + it.n_queries - 1));
+    L.most_rows = std::max(L.most_rows, rows_seen(window, it.first_position + it.n_queries - 1));
     L.least_splits = std::min(L.least_splits, static_cast<int>(cuda::attend_splits_least(
-        rows_seen(it.first_position), rows_seen(it.first_position + it.n_queries - 1))));
+        rows_seen(window, it.first_position), rows_seen(window, it.first_position + it.n_queries - 1))));
   }
   // The items' counters use ws_counter * gridDim.y + item * counters: a
   // query's slots hold at least as many entries.
