@@ -31,12 +31,13 @@ __device__ __forceinline__ float f16_value(std::uint16_t bits) {
 }  // namespace
 
 __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const KernelArgs A) {
+  if (A.P.cluster) cluster_arrive_relaxed();  // finish waits for every CTA's
   enter_dependent();
   const FirstTiles& F = A.F;
   const AttendParams& P = A.P;
   __shared__ Shared sh;
   __shared__ float warp_o[kAttendWarps][kGeneralMaxHeadDim];
-  __shared__ alignas(16) float part_o[kPartFloats];
+  __shared__ ClusterInbox inbox;
   QueryRange r;
   if (!query_range(F, P, r)) return idle_in_cluster(P);
   r.n_splits = split_count(r);
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
     if (d < hd) warp_o[warp][d] = o[i];
   }
   __syncthreads();
-  finish<false>(P, sh, part_o, nullptr, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, r.split, 1,
+  finish<false>(P, sh, &inbox, nullptr, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, r.split, 1,
                 1, head);
 }
 

@@ -301,6 +301,7 @@ __device__ __forceinline__ TileCopy tile_copy(unsigned area, unsigned v_base, in
 }  // namespace
 
 __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A) {
+  if (A.P.cluster) cluster_arrive_relaxed();  // finish waits for every CTA's
   enter_dependent();
   constexpr int HD = kTensorHeadDim;
   const FirstTiles& F = A.F;
@@ -453,9 +454,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   for (int j = 0; j < 16; ++j)
     *reinterpret_cast<float2*>(so + rotated_column(8 * j, g)) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
   __syncthreads();
-  CombineSpace& space = reinterpret_cast<Warp0Finish*>(S.area[0])->combine;
   const int run_first = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x) * F.split_run;
-  finish<true>(P, sh, space.part_o, &space.resident,
+  finish<true>(P, sh, &S.inbox, &reinterpret_cast<Warp0Finish*>(S.area[0])->resident,
                WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4, true}, r, run_first,
                kTensorHeads, hs.heads_valid, hs.head0);
 }

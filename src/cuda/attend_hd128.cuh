@@ -37,21 +37,24 @@ __device__ __forceinline__ int v_swizzle(int row) { return row & 7; }
 
 struct TensorSmem {
   Shared sh;
+  // Apart from the warps' areas: the other CTAs of a cluster store into it
+  // whenever they reach their combine, this CTA's tiles still in flight.
+  ClusterInbox inbox;
   // Per warp; its output partial [head * 128 + dim] after the loop, and in
   // warp 0's, behind its partial, the CTA's partial for a cluster combine.
   alignas(128) unsigned char area[kAttendWarps][kWarpArea];
 };
 constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
-// Warp 0's area after the loop: its output partial, then the CTA's combine
-// space.
+// Warp 0's area after the loop: its output partial, then the stage of a
+// resident combine.
 struct Warp0Finish {
   float partial[kTensorHeads * kTensorHeadDim];
-  CombineSpace combine;
+  ResidentStage resident;
 };
-static_assert(offsetof(Warp0Finish, combine) == kPartialBytes &&
-                  sizeof(Warp0Finish) == kPartialBytes + sizeof(CombineSpace) &&
+static_assert(offsetof(Warp0Finish, resident) == kPartialBytes &&
+                  sizeof(Warp0Finish) == kPartialBytes + sizeof(ResidentStage) &&
                   sizeof(Warp0Finish) <= kWarpArea,
-              "warp 0's area holds its partial and the combine space");
+              "warp 0's area holds its partial and the resident stage");
 
 __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A);
 

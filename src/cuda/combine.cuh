@@ -5,17 +5,16 @@
 //  - resident grid: every split stores its partial as epoch-tagged words,
 //    waits for the others' and combines a share of the output
 //    (finish_resident, the stage in ResidentStage);
-//  - thread-block cluster: the item's splits form one cluster and read
-//    each other's partials through distributed shared memory
-//    (ClusterPartials, the partial in CombineSpace::part_o);
+//  - thread-block cluster: the item's splits form one cluster; each CTA
+//    stores its partial's values into the shared memory of the CTAs that
+//    combine them (ClusterInbox) and combines its share from its own
+//    (InboxPartials);
 //  - last arrival: partials in the global workspace, combined by the last
 //    CTA to arrive (GlobalPartials, arrive_last).
 // Every path runs the same arithmetic in the same order, and no value is
 // ever accumulated in arrival order, so the bits of a query's output do
 // not depend on the path.
 #pragma once
-
-#include <cooperative_groups.h>
 
 #include <cmath>
 #include <cstddef>
@@ -34,11 +33,9 @@ struct Shared {
   float weight[kAttendWarps][kTensorHeads];
   float head_m[kTensorHeads];
   float head_l[kTensorHeads];
-  float part_ml[kTensorHeads * 2];  // this CTA's [head][m, l] in a cluster
   unsigned last;  // arrive_last's and arrive_run's answer to the CTA
 };
-// This CTA's partial [head * head_dim + dim] (16-byte aligned) when the
-// splits combine through the cluster's shared memory.
+// Output elements of one CTA: [head * head_dim + dim].
 inline constexpr int kPartFloats = kTensorHeads * kTensorHeadDim;
 // Each warp's unnormalised output, [head * head_dim + dim], lies at
 // o + warp * stride (floats) in shared memory; with `rotated` (head_dim
@@ -53,7 +50,7 @@ struct WarpOutputs {
 __device__ __forceinline__ int rotated_column(int d, int h) { return (d + 8 * h) & (kTensorHeadDim - 1); }
 static_assert(kTensorHeadDim == 128, "a 128-column rotation");
 static_assert(kTensorHeads <= kAttendWarps, "one warp per head in the final combine");
-static_assert(kPartFloats >= kGeneralMaxHeadDim, "part_o holds any one head");
+static_assert(kPartFloats >= kGeneralMaxHeadDim, "a CTA's elements hold any one head");
 
 // Element i (head h) of the CTA's result: its warps combined in warp order.
 __device__ __forceinline__ float cta_value(const Shared& sh, WarpOutputs wo, int i, int h) {
@@ -61,6 +58,26 @@ __device__ __forceinline__ float cta_value(const Shared& sh, WarpOutputs wo, int
   const int at = wo.rotated ? h * kTensorHeadDim + rotated_column(i - h * kTensorHeadDim, h) : i;
 #pragma unroll
   for (int w = 0; w < kAttendWarps; ++w) o = __fmaf_rn(wo.o[w * wo.stride + at], sh.weight[w][h], o);
+  return o;
+}
+// Elements e .. e + 3 (e % 4 == 0, one head h) as cta_value gives each:
+// one 16-byte load a warp where the outputs are rotated (head_dim 128, so
+// the four lie side by side and aligned).
+__device__ __forceinline__ float4 cta_value4(const Shared& sh, WarpOutputs wo, int e, int h) {
+  if (!wo.rotated)
+    return make_float4(cta_value(sh, wo, e, h), cta_value(sh, wo, e + 1, h), cta_value(sh, wo, e + 2, h),
+                       cta_value(sh, wo, e + 3, h));
+  const int at = h * kTensorHeadDim + rotated_column(e - h * kTensorHeadDim, h);
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int w = 0; w < kAttendWarps; ++w) {
+    const float4 v = *reinterpret_cast<const float4*>(wo.o + w * wo.stride + at);
+    const float wt = sh.weight[w][h];
+    o.x = __fmaf_rn(v.x, wt, o.x);
+    o.y = __fmaf_rn(v.y, wt, o.y);
+    o.z = __fmaf_rn(v.z, wt, o.z);
+    o.w = __fmaf_rn(v.w, wt, o.w);
+  }
   return o;
 }
 
@@ -77,17 +94,27 @@ struct GlobalPartials {
   }
   __device__ float o1(int s, int i) const { return __ldcg(o + static_cast<std::int64_t>(s) * total + i); }
 };
-struct ClusterPartials {
-  const Shared* sh;    // this CTA's; rank s's through the cluster's shared window
-  const float* part_o;
-  template <class T>
-  __device__ static const T* at(const T* p, int s) {
-    return cooperative_groups::this_cluster().map_shared_rank(p, static_cast<unsigned>(s));
+// A cluster's combine: rank s combines output elements [begin, end) of
+// s's share (finish), and each split of the cluster stores into rank s's
+// inbox its (m, l) of every head and its values of those elements, split
+// t's element e at o[t * stride + e - begin], stride = 4 x the share in
+// float4 units. The shares' bound: n x ceil(units / n) units over n <=
+// kAttendSingleLevel splits.
+inline constexpr int kInboxFloats = kPartFloats + 4 * kAttendSingleLevel;
+struct ClusterInbox {
+  alignas(16) float o[kInboxFloats];
+  float ml[kAttendSingleLevel][kTensorHeads][2];
+};
+struct InboxPartials {
+  const ClusterInbox* in;
+  int stride;
+  int begin;
+  __device__ float m_of(int s, int h, int) const { return in->ml[s][h][0]; }
+  __device__ float l_of(int s, int h, int) const { return in->ml[s][h][1]; }
+  __device__ float4 o4(int s, int u) const {
+    return *reinterpret_cast<const float4*>(in->o + s * stride + 4 * u - begin);
   }
-  __device__ float m_of(int s, int h, int) const { return at(sh, s)->part_ml[2 * h]; }
-  __device__ float l_of(int s, int h, int) const { return at(sh, s)->part_ml[2 * h + 1]; }
-  __device__ float4 o4(int s, int u) const { return reinterpret_cast<const float4*>(at(part_o, s))[u]; }
-  __device__ float o1(int s, int i) const { return at(part_o, s)[i]; }
+  __device__ float o1(int s, int i) const { return in->o[s * stride + i - begin]; }
 };
 
 // Combines the n split partials of an item and writes output elements
@@ -189,10 +216,11 @@ __device__ void combine_splits(const Partials& src, float* out, int n, int heads
 }
 
 // A CTA of a cluster launch whose split does not exist for its query still
-// takes part in the cluster's two barriers.
+// takes part in the cluster's barriers: the wait for the arrivals every CTA
+// made at its start (cluster_arrive_relaxed), then the combine's barrier.
 __device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
   if (P.cluster) {
-    cluster_sync();
+    cluster_wait();
     cluster_sync();
   }
 }
@@ -277,18 +305,6 @@ static_assert(sizeof(ResidentStage) == (kResidentPairs + kResidentGroupPairs) * 
                   offsetof(ResidentStage, group_ml) ==
                       24 * kResidentPairs + 16 * kResidentGroupPairs,
               "the stage is packed: no padding between its arrays");
-
-// A CTA's space for the combine of its item's splits, in its shared
-// memory: its partial, which the other CTAs of a cluster read, then the
-// stage of a resident combine (the tensor-core kernel's only: the general
-// kernel never runs as a resident grid and holds the partial alone).
-struct CombineSpace {
-  alignas(16) float part_o[kPartFloats];
-  ResidentStage resident;
-};
-static_assert(offsetof(CombineSpace, resident) == kPartFloats * 4 &&
-                  sizeof(CombineSpace) == kPartFloats * 4 + sizeof(ResidentStage),
-              "the stage follows the partial");
 
 // Waits until the tagged words of output unit u in split `src`'s partial
 // carry the epoch, and stages them at o[at], ml[2 at] (m, l). Every word
@@ -556,17 +572,16 @@ __device__ __forceinline__ void publish_in_run(const AttendParams& P, Shared& sh
 // the cluster's shared memory when the item's splits form one cluster
 // (each CTA then writes a share of the output), else through the global
 // workspace by the last split to arrive, a CTA's run of splits
-// [run_first, r.split] counted in at once (arrive_run). part_o is the
-// CTA's partial (CombineSpace::part_o), `stage` its resident stage (kVec
-// only: null in the general kernel).
+// [run_first, r.split] counted in at once (arrive_run). `inbox` is the
+// CTA's inbox of a cluster combine, `stage` its resident stage (kVec only:
+// null in the general kernel).
 template <bool kVec>
-__device__ void finish(const AttendParams& P, Shared& sh, float* part_o, ResidentStage* stage,
+__device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, ResidentStage* stage,
                        WarpOutputs wo, const QueryRange& r, int run_first, int heads,
                        int heads_valid, int head0) {
   const int hd = P.head_dim;
   const int tid = static_cast<int>(threadIdx.x);
   combine_warps(sh, heads);
-  const int total = heads * hd;
   float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
                static_cast<std::int64_t>(head0) * hd;
   if (r.n_splits == 1 && !P.cluster) {
@@ -584,19 +599,39 @@ __device__ void finish(const AttendParams& P, Shared& sh, float* part_o, Residen
     }
   }
   if (P.cluster) {
-    for (int i = tid; i < total; i += blockDim.x) part_o[i] = cta_value(sh, wo, i, i / hd);
-    if (tid < heads) {
-      sh.part_ml[2 * tid] = sh.head_m[tid];
-      sh.part_ml[2 * tid + 1] = sh.head_l[tid];
+    // Rank s writes the s-th share of the output, in whole float4 units,
+    // from its inbox: every split stores its (m, l) and its values of the
+    // share there (remote stores, which never wait for an answer), one
+    // barrier releases them to s, and no CTA reads another's memory.
+    const int n = r.n_splits;
+    const int valid = heads_valid * hd;
+    const int units = (valid + 3) / 4;
+    const int share = (units + n - 1) / n;
+    const int stride = 4 * share;
+    cluster_wait();  // every CTA of the cluster runs: its shared memory takes stores
+    for (int i = tid; i < n * heads; i += blockDim.x) {
+      const int rank = i / heads, h = i % heads;
+      store_cluster(cluster_address(&inbox->ml[r.split][h][0], static_cast<unsigned>(rank)),
+                    make_float2(sh.head_m[h], sh.head_l[h]));
     }
-    cluster_sync();
-    // Rank s writes the s-th share of the output, in whole float4 units.
-    const int units = (heads_valid * hd + 3) / 4;
-    const int share = (units + r.n_splits - 1) / r.n_splits;
+    // Element e belongs to rank e / stride ((e / 4) / share).
+    if (kVec || hd % 4 == 0) {
+      for (int e = 4 * tid; e < valid; e += 4 * static_cast<int>(blockDim.x)) {
+        const int rank = e / stride;
+        store_cluster(cluster_address(inbox->o + r.split * stride + e - rank * stride, static_cast<unsigned>(rank)),
+                      cta_value4(sh, wo, e, e / hd));
+      }
+    } else {
+      for (int e = tid; e < valid; e += static_cast<int>(blockDim.x)) {
+        const int rank = e / stride;
+        store_cluster(cluster_address(inbox->o + r.split * stride + e - rank * stride, static_cast<unsigned>(rank)),
+                      cta_value(sh, wo, e, e / hd));
+      }
+    }
+    cluster_sync();  // this CTA's stores released to their ranks, the others' acquired
     const int begin = min(r.split * share, units) * 4;
-    const int end = min((r.split + 1) * share * 4, heads_valid * hd);
-    combine_splits<kVec>(ClusterPartials{&sh, part_o}, out, r.n_splits, heads, hd, begin, end);
-    cluster_sync();  // no CTA leaves while another reads its partial
+    const int end = min((r.split + 1) * share * 4, valid);
+    combine_splits<kVec>(InboxPartials{inbox, stride, begin}, out, n, heads, hd, begin, end);
     return;
   }
 
