@@ -81,8 +81,8 @@ __device__ __forceinline__ float4 cta_value4(const Shared& sh, WarpOutputs wo, i
   return o;
 }
 
-// Where the split partials of an item lie: in the global workspace, or in
-// the shared memory of the cluster's CTAs (split s in CTA rank s).
+// The split partials of an item in the global workspace (the last-arrival
+// combine's; a cluster's lie in its ranks' inboxes, ClusterInbox below).
 struct GlobalPartials {
   const float* o;   // [split][heads * hd]
   const float* ml;  // [split][heads][m, l]
