@@ -41,7 +41,8 @@ struct TensorSmem {
   // whenever they reach their combine, this CTA's tiles still in flight.
   ClusterInbox inbox;
   // Per warp; its output partial [head * 128 + dim] after the loop, and in
-  // warp 0's, behind its partial, the CTA's partial for a cluster combine.
+  // warp 0's, behind its partial, the stage of a resident combine
+  // (Warp0Finish).
   alignas(128) unsigned char area[kAttendWarps][kWarpArea];
 };
 constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
