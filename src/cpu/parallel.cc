@@ -2,10 +2,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace kvring::cpu {
 
@@ -14,8 +20,49 @@ namespace {
 thread_local bool t_in_task = false;
 std::atomic<unsigned> g_thread_limit{0};
 
-// A fixed pool of workers that sleep between jobs. One job runs at a time;
-// tasks are handed out by an atomic counter.
+// How long a thread spins for a job (a worker) or for a job's last tasks
+// (the caller) before it sleeps. Calls come back to back in a decode step
+// (a layer's attention after its store), and waking a sleeping thread
+// costs from tens of microseconds to milliseconds on a virtual machine,
+// longer than many a call takes; docs/PERFORMANCE.md has the figures.
+constexpr auto kSpin = std::chrono::microseconds(1000);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Spins until ready() holds or kSpin passes; returns ready().
+template <class F>
+bool spin_until(F&& ready) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return ready();
+  }
+}
+
+// One parallel_for call. Tasks are handed out by `next`; `done` counts the
+// finished ones. A worker holds the job by a shared pointer, so one that
+// arrives after the call returned finds every task taken and never calls
+// fn, which lived in the caller's frame.
+struct Job {
+  const std::function<void(std::int64_t)>* fn;
+  std::int64_t n;
+  std::atomic<std::int64_t> next{0};
+  std::atomic<std::int64_t> done{0};
+};
+
+// A fixed pool of workers. One job runs at a time. The caller publishes a
+// job and runs its tasks too; workers join when they see it, and the
+// caller returns once every task has finished, without waiting for a
+// worker that has not woken: a late worker finds nothing left to take.
 class Pool {
  public:
   explicit Pool(unsigned threads) {
@@ -24,62 +71,73 @@ class Pool {
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
   }
-  unsigned size() const { return static_cast<unsigned>(workers_.size()) + 1; }
 
   void run(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
     std::lock_guard<std::mutex> job_lock(job_mu_);
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->n = n;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      n_ = n;
-      next_.store(0);
-      active_ = static_cast<int>(workers_.size());
-      ++generation_;
+      job_ = job;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
-    drain();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return active_ == 0; });
-    fn_ = nullptr;
+    drain(*job);
+    auto finished = [&] { return job->done.load(std::memory_order_acquire) == n; };
+    if (!spin_until(finished)) {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_.wait(lock, finished);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    job_.reset();
   }
 
  private:
-  void drain() {
+  void drain(Job& job) {
     t_in_task = true;
-    for (std::int64_t i; (i = next_.fetch_add(1)) < n_;) (*fn_)(i);
+    for (std::int64_t i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n;) {
+      (*job.fn)(i);
+      if (job.done.fetch_add(1, std::memory_order_acq_rel) == job.n - 1) {
+        // The last task: wake a caller that stopped spinning.
+        std::lock_guard<std::mutex> lock(mu_);
+        done_.notify_all();
+      }
+    }
     t_in_task = false;
   }
+
   void loop() {
     std::uint64_t seen = 0;
     for (;;) {
+      auto news = [&] {
+        return stop_.load(std::memory_order_acquire) ||
+               generation_.load(std::memory_order_acquire) != seen;
+      };
+      spin_until(news);
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        wake_.wait(lock, news);
+        if (stop_.load()) return;
+        seen = generation_.load();
+        job = job_;
       }
-      drain();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--active_ == 0) done_.notify_all();
-      }
+      if (job) drain(*job);
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex job_mu_, mu_;
   std::condition_variable wake_, done_;
-  const std::function<void(std::int64_t)>* fn_ = nullptr;
-  std::int64_t n_ = 0;
-  std::atomic<std::int64_t> next_{0};
-  int active_ = 0;
-  std::uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::shared_ptr<Job> job_;  // the job running now (mu_), null between jobs
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 Pool& pool() {
