@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -51,12 +52,16 @@ bool spin_until(F&& ready) {
 // One parallel_for call. Tasks are handed out by `next`; `done` counts the
 // finished ones. A worker holds the job by a shared pointer, so one that
 // arrives after the call returned finds every task taken and never calls
-// fn, which lived in the caller's frame.
+// fn, which lived in the caller's frame. The first exception a task throws
+// is kept for the caller; the tasks not yet started are then skipped.
 struct Job {
   const std::function<void(std::int64_t)>* fn;
   std::int64_t n;
   std::atomic<std::int64_t> next{0};
   std::atomic<std::int64_t> done{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mu;
+  std::exception_ptr error;
 };
 
 // A fixed pool of workers. One job runs at a time. The caller publishes a
@@ -94,15 +99,26 @@ class Pool {
       std::unique_lock<std::mutex> lock(mu_);
       done_.wait(lock, finished);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    job_.reset();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_.reset();
+    }
+    if (job->error) std::rethrow_exception(job->error);
   }
 
  private:
   void drain(Job& job) {
     t_in_task = true;
     for (std::int64_t i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n;) {
-      (*job.fn)(i);
+      if (!job.failed.load(std::memory_order_relaxed)) {
+        try {
+          (*job.fn)(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(job.error_mu);
+          if (!job.error) job.error = std::current_exception();
+          job.failed.store(true, std::memory_order_relaxed);
+        }
+      }
       if (job.done.fetch_add(1, std::memory_order_acq_rel) == job.n - 1) {
         // The last task: wake a caller that stopped spinning.
         std::lock_guard<std::mutex> lock(mu_);

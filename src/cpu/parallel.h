@@ -15,7 +15,9 @@ void set_thread_limit(unsigned limit);
 
 // Runs fn(i) for every i in [0, n). `work` estimates the total cost in
 // multiply-adds; small jobs run on the calling thread. Calls from inside a
-// task run serially.
+// task run serially. When a task throws, the tasks not yet started are
+// skipped and the first exception is rethrown to the caller once no task
+// runs any more.
 void parallel_for(std::int64_t n, std::int64_t work, const std::function<void(std::int64_t)>& fn);
 
 }  // namespace kvring::cpu

@@ -1,0 +1,109 @@
+// The CPU backend's task pool (src/cpu/parallel.h): every task runs once,
+// on whichever thread, and a failing task reaches the caller.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "cpu/parallel.h"
+
+namespace kvring {
+namespace {
+
+constexpr std::int64_t kBig = std::int64_t{1} << 30;  // work past the serial cut-off
+
+class ParallelFor : public ::testing::TestWithParam<unsigned> {
+ protected:
+  void SetUp() override { cpu::set_thread_limit(GetParam()); }
+  void TearDown() override { cpu::set_thread_limit(0); }
+};
+
+TEST_P(ParallelFor, RunsEveryTaskExactlyOnce) {
+  for (std::int64_t n : {1, 2, 3, 17, 1000}) {
+    std::vector<std::atomic<int>> runs(static_cast<std::size_t>(n));
+    cpu::parallel_for(n, kBig, [&](std::int64_t i) { runs[static_cast<std::size_t>(i)].fetch_add(1); });
+    for (std::int64_t i = 0; i < n; ++i) EXPECT_EQ(runs[static_cast<std::size_t>(i)].load(), 1) << n << " " << i;
+  }
+}
+
+// Many short jobs back to back, each with its own function and counters
+// that end with the call: a worker that comes late to one must not run
+// anything of it.
+TEST_P(ParallelFor, BackToBackJobsStayApart) {
+  for (int job = 0; job < 2000; ++job) {
+    const std::int64_t n = 1 + job % 7;
+    auto runs = std::make_unique<std::atomic<int>[]>(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) runs[static_cast<std::size_t>(i)] = 0;
+    cpu::parallel_for(n, kBig, [&runs, job](std::int64_t i) {
+      runs[static_cast<std::size_t>(i)].fetch_add(1 + job % 3);
+    });
+    for (std::int64_t i = 0; i < n; ++i) ASSERT_EQ(runs[static_cast<std::size_t>(i)].load(), 1 + job % 3) << job;
+  }
+}
+
+TEST_P(ParallelFor, AThrowingTaskReachesTheCallerAndThePoolGoesOn) {
+  std::atomic<int> started{0};
+  EXPECT_THROW(cpu::parallel_for(64, kBig,
+                                 [&](std::int64_t i) {
+                                   started.fetch_add(1);
+                                   if (i == 5) throw std::runtime_error("task 5");
+                                 }),
+               std::runtime_error);
+  EXPECT_GE(started.load(), 6);
+  EXPECT_LE(started.load(), 64);
+  std::atomic<std::int64_t> sum{0};
+  cpu::parallel_for(100, kBig, [&](std::int64_t i) { sum.fetch_add(i); });
+  EXPECT_EQ(sum.load(), 99 * 100 / 2);
+}
+
+// A throw on a worker thread, not the caller's, reaches the caller too.
+TEST_P(ParallelFor, AThrowOnAWorkerReachesTheCaller) {
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<int> on_workers{0};
+  bool threw = false;
+  try {
+    cpu::parallel_for(64, kBig, [&](std::int64_t) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (std::this_thread::get_id() != caller) {
+        on_workers.fetch_add(1);
+        throw std::runtime_error("on a worker");
+      }
+    });
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  EXPECT_EQ(threw, on_workers.load() > 0);
+  if (GetParam() == 1) {
+    EXPECT_EQ(on_workers.load(), 0);
+  }
+}
+
+TEST_P(ParallelFor, ACallInsideATaskRunsWhole) {
+  std::atomic<std::int64_t> sum{0};
+  cpu::parallel_for(8, kBig, [&](std::int64_t i) {
+    cpu::parallel_for(10, kBig, [&](std::int64_t j) { sum.fetch_add(i * 10 + j); });
+  });
+  EXPECT_EQ(sum.load(), 79 * 80 / 2);
+}
+
+// Two threads calling at once: the calls take turns and both complete.
+TEST_P(ParallelFor, CallsFromTwoThreadsBothComplete) {
+  std::atomic<std::int64_t> a{0}, b{0};
+  std::thread other([&] {
+    for (int r = 0; r < 200; ++r) cpu::parallel_for(16, kBig, [&](std::int64_t i) { a.fetch_add(i); });
+  });
+  for (int r = 0; r < 200; ++r) cpu::parallel_for(16, kBig, [&](std::int64_t i) { b.fetch_add(i); });
+  other.join();
+  EXPECT_EQ(a.load(), 200 * 120);
+  EXPECT_EQ(b.load(), 200 * 120);
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, ParallelFor, ::testing::Values(0u, 1u),
+                         [](const auto& info) { return info.param == 0 ? std::string("AllWorkers") : std::string("CallerOnly"); });
+
+}  // namespace
+}  // namespace kvring
