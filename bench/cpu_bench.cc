@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -36,6 +37,7 @@
 
 #include "../tools/args.h"
 #include "cpu/attention_cpu.h"
+#include "cpu/host_pages.h"
 #include "cpu/parallel.h"
 #include "kvring/store.h"
 
@@ -104,9 +106,14 @@ void random_floats(std::vector<float>& out, std::uint64_t seed) {
 // The ceiling: all of kvring's pool threads read `bytes` of `buf` in
 // 256 KiB pieces (XOR of 64-bit words, which the compiler vectorizes).
 struct ReadCeiling {
-  std::vector<std::uint64_t> buf;
+  // The same kind of memory as the store's planes (cpu::HostPages), so that
+  // both streams see the same pages.
+  cpu::HostPages pages;
+  std::span<std::uint64_t> buf;
   volatile std::uint64_t sink = 0;
-  explicit ReadCeiling(std::int64_t max_bytes) : buf(static_cast<std::size_t>(max_bytes / 8)) {
+  explicit ReadCeiling(std::int64_t max_bytes)
+      : pages(cpu::HostPages::allocate(static_cast<std::size_t>(max_bytes))),
+        buf(static_cast<std::uint64_t*>(pages.data()), pages ? static_cast<std::size_t>(max_bytes / 8) : 0) {
     for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = i * 0x9e3779b97f4a7c15ULL;
   }
   double run(std::int64_t bytes) {
@@ -413,6 +420,7 @@ int run(const std::vector<std::string>& argv) {
                isa_name(cpu::attention_isa()),
                static_cast<int>(*runs));
   ReadCeiling ceiling(std::int64_t{256} << 20);
+  if (ceiling.buf.empty()) die("out of memory for the read ceiling's 256 MiB");
   const int w = static_cast<int>(*warmup), r = static_cast<int>(*runs);
   std::vector<Row> rows;
   auto add = [&](std::vector<Row> more) { rows.insert(rows.end(), more.begin(), more.end()); };

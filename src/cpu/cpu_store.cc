@@ -8,6 +8,7 @@
 #include "cpu_store.h"
 
 #include "attention_cpu.h"
+#include "host_pages.h"
 #include "parallel.h"
 #include "core/view_rows.h"
 #include "kvring/store.h"
@@ -16,10 +17,6 @@ namespace kvring {
 
 namespace {
 
-struct FreeDeleter {
-  void operator()(std::uint16_t* p) const { std::free(p); }
-};
-using HostBuffer = std::unique_ptr<std::uint16_t[], FreeDeleter>;
 
 class CpuStore final : public KvStore {
  public:
@@ -27,12 +24,9 @@ class CpuStore final : public KvStore {
 
   Status allocate() {
     // Zero-filled on purpose: no row ever exposes uninitialized storage.
-    // calloc hands out zero pages the kernel maps on first touch, so a
-    // pool sized for the worst case costs memory only where rows land.
-    auto alloc = [&](std::size_t n) {
-      return HostBuffer(static_cast<std::uint16_t*>(
-          options_.zero_fill ? std::calloc(n == 0 ? 1 : n, 2) : std::malloc(n == 0 ? 2 : n * 2)));
-    };
+    // The mapping's pages are zero and mapped on first touch, so a pool
+    // sized for the worst case costs memory only where rows land.
+    auto alloc = [&](std::size_t n) { return Buffer{cpu::HostPages::allocate(n * 2)}; };
     const auto ring_elems = static_cast<std::size_t>(options_.max_sequences * ring_elems_one());
     for (std::int64_t l = 0; l < n_layers(); ++l) {
       if (full_index(l) >= 0) {
@@ -198,8 +192,14 @@ class CpuStore final : public KvStore {
   }
 
  private:
+  // A plane's elements (f16 bits).
+  struct Buffer {
+    cpu::HostPages pages;
+    std::uint16_t* get() const { return static_cast<std::uint16_t*>(pages.data()); }
+    explicit operator bool() const { return static_cast<bool>(pages); }
+  };
   struct Plane {
-    HostBuffer k, v;
+    Buffer k, v;
   };
 
   static Status out_of_memory() {
