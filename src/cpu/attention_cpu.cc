@@ -30,8 +30,14 @@ namespace {
 constexpr std::int64_t kSplitQuantum = 256;
 constexpr std::int64_t kMaxSplits = 64;
 // V rows a task accumulates per pass over a block of output dimensions:
-// their bytes (4 KiB a head) stay in L1 while each block runs over them.
-constexpr std::int64_t kTileRows = 16;
+// their bytes (16 KiB a head) stay in L1 while each block runs over them,
+// and each block's accumulators are loaded and stored once a tile.
+constexpr std::int64_t kTileRows = 64;
+// Rows between a V row being read by a tile's first pass and the row it
+// prefetches into L1 (the rest of the tile, then the next tile's first
+// rows): a window, not the whole next tile, so that L1 holds the tile the
+// other passes read again.
+constexpr std::int64_t kNearRows = 16;
 // Bytes of split partials one parallel pass holds; longer prefills run in
 // several passes (task grouping never changes a bit, only memory).
 constexpr std::size_t kPartialBudget = std::size_t{8} << 20;
@@ -701,12 +707,13 @@ const Kernels& kernels_for(AttentionIsa isa, std::int64_t hd) {
 void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
                float scale, std::int64_t n, const std::uint16_t* const* kp,
                const std::uint16_t* const* vp, float* m, float* l, float* o, float* sc) {
-  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kTileRows), vp, std::min(n, kFarRows)});
+  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kNearRows), vp, std::min(n, kFarRows)});
   K.weights(sc, n, Gp, m, l);
   std::fill(o, o + G * hd, 0.0f);
   for (std::int64_t j0 = 0; j0 < n; j0 += kTileRows) {
     const std::int64_t rows = std::min(kTileRows, n - j0);
-    const Ahead next{vp + j0 + rows, std::min(kTileRows, n - j0 - rows), vp + j0 + kFarRows,
+    const Ahead next{vp + j0 + kNearRows, std::max<std::int64_t>(0, std::min(rows, n - j0 - kNearRows)),
+                     vp + j0 + kFarRows,
                      std::max<std::int64_t>(0, std::min(rows, n - j0 - kFarRows))};
     K.accumulate(vp + j0, rows, sc + j0 * Gp, G, Gp, hd, o, next);
   }
