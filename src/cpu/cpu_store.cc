@@ -1,6 +1,5 @@
 // The CPU backend: rings and the block pool in host memory.
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -17,7 +16,6 @@ namespace kvring {
 
 namespace {
 
-
 class CpuStore final : public KvStore {
  public:
   CpuStore(ModelConfig config, StoreOptions o) : KvStore(std::move(config), o) {}
@@ -26,7 +24,7 @@ class CpuStore final : public KvStore {
     // Zero-filled on purpose: no row ever exposes uninitialized storage.
     // The mapping's pages are zero and mapped on first touch, so a pool
     // sized for the worst case costs memory only where rows land.
-    auto alloc = [&](std::size_t n) { return Buffer{cpu::HostPages::allocate(n * 2)}; };
+    auto alloc = [](std::size_t n) { return Buffer{cpu::HostPages::allocate(n * 2)}; };
     const auto ring_elems = static_cast<std::size_t>(options_.max_sequences * ring_elems_one());
     for (std::int64_t l = 0; l < n_layers(); ++l) {
       if (full_index(l) >= 0) {
