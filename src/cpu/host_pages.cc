@@ -6,15 +6,21 @@
 
 namespace kvring::cpu {
 
+void advise_huge_pages(void* p, std::size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  if (bytes >= kHugePageBytes) (void)madvise(p, bytes, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 HostPages HostPages::allocate(std::size_t bytes) {
-  constexpr std::size_t kHugePage = std::size_t{2} << 20;
   HostPages h;
   const std::size_t n = bytes == 0 ? 1 : bytes;
   void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return h;
-#ifdef MADV_HUGEPAGE
-  if (n >= kHugePage) (void)madvise(p, n, MADV_HUGEPAGE);  // advice only: small pages are correct too
-#endif
+  advise_huge_pages(p, n);
   h.data_ = p;
   h.bytes_ = n;
   return h;

@@ -5,6 +5,14 @@
 
 namespace kvring::cpu {
 
+// The size of a transparent huge page on x86-64.
+constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
+
+// Asks the kernel for transparent huge pages over [p, p + bytes) when it
+// spans at least one (madvise MADV_HUGEPAGE). Advice only: where the kernel
+// grants none, the small pages are correct too.
+void advise_huge_pages(void* p, std::size_t bytes);
+
 // An anonymous mapping of `bytes`, zero until written and backed only where
 // it is touched. At 2 MiB and more it asks the kernel for transparent huge
 // pages: one TLB entry then maps 512 small pages' worth of rows, so a

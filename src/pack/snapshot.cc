@@ -1,32 +1,27 @@
 #include "kvring/snapshot.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <new>
 #include <string>
 
+#include "cpu/host_pages.h"
 #include "cpu/parallel.h"
 #include "kvring/backend.h"
 
 namespace kvring {
 
-namespace {
-constexpr std::size_t kHugePage = std::size_t{2} << 20;
-}  // namespace
-
 void* allocate_rows(std::size_t bytes) {
-  if (bytes < kHugePage) {
+  using cpu::kHugePageBytes;
+  if (bytes < kHugePageBytes) {
     void* p = std::malloc(bytes == 0 ? 1 : bytes);
     if (p == nullptr) throw std::bad_alloc();
     return p;
   }
-  const std::size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = std::aligned_alloc(kHugePage, rounded);
+  const std::size_t rounded = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  void* p = std::aligned_alloc(kHugePageBytes, rounded);
   if (p == nullptr) throw std::bad_alloc();
-  // Advice only: without THP the pages are ordinary ones.
-  ::madvise(p, rounded, MADV_HUGEPAGE);
+  cpu::advise_huge_pages(p, rounded);
   return p;
 }
 
