@@ -8,7 +8,9 @@
 #include <cstring>
 #include <vector>
 
+#include "kvring/backend.h"
 #include "kvring/f16.h"
+#include "kvring/store.h"
 #include "test_util.h"
 
 namespace kvring {
@@ -117,6 +119,17 @@ TEST(CpuCache, ZeroFilledAtAllocation) {
     ASSERT_TRUE(c.ok());
     EXPECT_FALSE(any_nonzero(**c));
   }
+}
+
+// A pool no address space can hold (2^24 blocks of 32 MiB a plane, 512 TiB,
+// past the 128 TiB a process maps without asking for more) is refused with
+// an error, not a crash.
+TEST(CpuCache, APoolPastTheAddressSpaceIsAnError) {
+  auto store = make_store(BackendKind::kCpu, *preset_config("muse-glimmer"),
+                          {.context = 4096, .block_rows = 65536, .pool_blocks = std::int64_t{1} << 24});
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.error().code, ErrorCode::kIOError);
+  EXPECT_NE(store.error().message.find("out of host memory"), std::string::npos) << store.error().message;
 }
 
 // One token at a time and batches of many sizes, across several wraps; the
