@@ -121,12 +121,14 @@ TEST(CpuCache, ZeroFilledAtAllocation) {
   }
 }
 
-// A pool no address space can hold (2^24 blocks of 32 MiB a plane, 512 TiB,
+// A pool no address space can hold (2^30 blocks of 32 MiB a plane, 32 PiB,
 // past the 128 TiB a process maps without asking for more) is refused with
-// an error, not a crash.
+// an error, not a crash, and at once: the pool's bookkeeping is made as
+// blocks are taken, so nothing of the pool's size is built before the
+// planes' mapping fails.
 TEST(CpuCache, APoolPastTheAddressSpaceIsAnError) {
   auto store = make_store(BackendKind::kCpu, *preset_config("muse-glimmer"),
-                          {.context = 4096, .block_rows = 65536, .pool_blocks = std::int64_t{1} << 24});
+                          {.context = 4096, .block_rows = 65536, .pool_blocks = std::int64_t{1} << 30});
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.error().code, ErrorCode::kIOError);
   EXPECT_NE(store.error().message.find("out of host memory"), std::string::npos) << store.error().message;

@@ -3,8 +3,6 @@
 #include "kvring/backend.h"
 
 #include <gtest/gtest.h>
-#include <fstream>
-#include <string>
 
 #include "kvring/cache.h"
 #include "test_util.h"
@@ -63,15 +61,6 @@ TEST(Footprint, Formatting) {
   EXPECT_EQ(format_bytes(1826619392), "1,826,619,392 B (1.70 GiB, 1.83 GB)");
 }
 
-// The process's address space in bytes (VmSize in /proc/self/status).
-std::int64_t mapped_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmSize:", 0) == 0) return std::stoll(line.substr(7)) * 1024;  // "VmSize:  N kB"
-  return -1;
-}
-
 // The figure equals what the CPU backend allocates: the backend's own count
 // of the buffers it made, and the growth of the process's address space
 // (the planes are mappings of their own, cpu::HostPages).
@@ -80,10 +69,10 @@ TEST(Footprint, EqualsTheCpuBackendsAllocation) {
   for (std::int64_t context : {2048, 32768, 131072}) {
     auto f = compute_footprint(c, context, 1);
     ASSERT_TRUE(f.ok());
-    const std::int64_t before = mapped_bytes();
+    const std::int64_t before = testing::proc_status_bytes("VmSize");
     auto cache = make_cpu_cache(c, {.context = context});
     ASSERT_TRUE(cache.ok());
-    const std::int64_t after = mapped_bytes();
+    const std::int64_t after = testing::proc_status_bytes("VmSize");
     ASSERT_GT(before, 0);
     EXPECT_EQ((*cache)->allocated_bytes(), f->slot_bytes) << context;
     EXPECT_GE(after - before, f->slot_bytes) << context;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvring/backend.h"
@@ -394,6 +395,38 @@ TEST(Store, FullPlanesGrowByBlocks) {
   EXPECT_EQ(*s->blocks_held(seqs[1]), n_full * 2);
   ASSERT_TRUE(s->remove_sequence(seqs[1]).ok());
   EXPECT_EQ(s->free_blocks(), n_full * 16);
+}
+
+// A pool's bookkeeping grows with the blocks taken: a pool of 2^21 blocks
+// (8 bytes of counters and free list a block would be 16 MiB) costs next to
+// nothing until used, and its blocks are counted and given back as usual.
+TEST(Store, APoolCostsBookkeepingOnlyForTheBlocksTaken) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/4096, /*n_layers=*/4, /*n_heads=*/2,
+                                     /*n_kv_heads=*/1, /*head_dim=*/8);
+  const std::int64_t blocks = std::int64_t{1} << 21;
+  const std::int64_t before = testing::proc_status_bytes("VmRSS");
+  ASSERT_GT(before, 0);
+  auto s = cpu_store(c, {.max_sequences = 2, .block_rows = 16, .pool_blocks = blocks});
+  ASSERT_NE(s, nullptr);
+  EXPECT_LT(testing::proc_status_bytes("VmRSS") - before, std::int64_t{4} << 20);
+  EXPECT_EQ(s->pool_blocks(), blocks);
+  EXPECT_EQ(s->free_blocks(), blocks);
+  const SeqId a = *s->add_sequence();
+  const SeqId b = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 100}}, {2, SeqSpan{b, 0, 40}}}, out);
+  // One full layer: 7 blocks for 100 rows, 3 for 40.
+  EXPECT_EQ(*s->blocks_held(a), 7);
+  EXPECT_EQ(*s->blocks_held(b), 3);
+  EXPECT_EQ(s->free_blocks(), blocks - 10);
+  const auto b_rows = live_bytes(*s, b);
+  ASSERT_TRUE(s->remove_sequence(a).ok());
+  EXPECT_EQ(s->free_blocks(), blocks - 3);
+  // The blocks given back are taken again; b's rows stay as they were.
+  const SeqId a2 = *s->add_sequence();
+  run_batch(*s, {{3, SeqSpan{a2, 0, 100}}}, out);
+  EXPECT_EQ(s->free_blocks(), blocks - 10);
+  EXPECT_EQ(live_bytes(*s, b), b_rows);
 }
 
 TEST(Store, ForkSharesBlocksAndWritesNeverReachTheOther) {

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <fstream>
 #include <random>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -22,6 +25,17 @@ inline std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float
   std::vector<float> v(n);
   for (auto& x : v) x = dist(rng);
   return v;
+}
+
+// A figure of /proc/self/status in bytes: key "VmSize" (the address space)
+// or "VmRSS" (resident memory); -1 where absent.
+inline std::int64_t proc_status_bytes(std::string_view key) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.size() > key.size() && line.compare(0, key.size(), key) == 0 && line[key.size()] == ':')
+      return std::stoll(line.substr(key.size() + 1)) * 1024;  // "VmSize:  N kB"
+  return -1;
 }
 
 // Decodes sequence `seq` of `store`, which holds the K/V of `tokens`,

@@ -157,8 +157,10 @@ class KvStore {
   // Bytes of one sliding ring (K and V) and of one block (K and V).
   std::int64_t ring_bytes() const;
   std::int64_t block_bytes() const;
-  std::int64_t pool_blocks() const { return static_cast<std::int64_t>(refs_.size()); }
-  std::int64_t free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
+  std::int64_t pool_blocks() const { return options_.pool_blocks; }
+  std::int64_t free_blocks() const {
+    return static_cast<std::int64_t>(free_.size()) + options_.pool_blocks - fresh_;
+  }
 
   // ---- Sequences ----------------------------------------------------------
   // Errors: kCapacityExceeded when every slot is taken.
@@ -428,10 +430,23 @@ class KvStore {
   std::int64_t ring_rows_ = 0;
   std::int64_t max_blocks_ = 0;
   std::vector<Sequence> slots_;
-  std::vector<std::int32_t> refs_;   // per block: sequences holding it
-  std::vector<std::int32_t> free_;   // free blocks, taken from the back
-  // Guards refs_ and free_ for install() and read_rows() of different
-  // layers of one sequence, which may run concurrently (snapshot restore).
+  // The pool's bookkeeping grows with the blocks taken, not with the pool:
+  // blocks [fresh_, pool_blocks) were never taken, and free_ holds the
+  // blocks given back, taken from the back before a fresh one (so the pool
+  // hands out block 0 first, then the most recently freed). The sequences
+  // holding block b are refs(b), in pages of kRefPage counters made as
+  // fresh blocks reach them; a page never moves once made.
+  static constexpr int kRefPageBits = 12;
+  static constexpr std::int64_t kRefPage = std::int64_t{1} << kRefPageBits;
+  std::int32_t& refs(std::int32_t b) const {
+    return ref_pages_[static_cast<std::size_t>(b >> kRefPageBits)][b & (kRefPage - 1)];
+  }
+  std::vector<std::unique_ptr<std::int32_t[]>> ref_pages_;
+  std::int64_t fresh_ = 0;
+  std::vector<std::int32_t> free_;
+  // Guards fresh_, free_ and the making of pages for install() and
+  // read_rows() of different layers of one sequence, which may run
+  // concurrently (snapshot restore).
   mutable std::mutex pool_mutex_;
   std::unique_ptr<Scratch> scratch_;
 };

@@ -129,14 +129,22 @@ struct KvStore::Txn {
 
   Result<std::int32_t> take(KvStore& s) {
     std::lock_guard<std::mutex> lock(s.pool_mutex_);
-    if (s.free_.empty())
+    std::int32_t b;
+    if (!s.free_.empty()) {
+      b = s.free_.back();
+      s.free_.pop_back();
+    } else if (s.fresh_ < s.pool_blocks()) {
+      b = static_cast<std::int32_t>(s.fresh_);
+      auto& page = s.ref_pages_[static_cast<std::size_t>(b >> kRefPageBits)];
+      if (!page) page = std::make_unique<std::int32_t[]>(static_cast<std::size_t>(kRefPage));
+      ++s.fresh_;
+    } else {
       return make_error(ErrorCode::kCapacityExceeded,
                         "the block pool is exhausted: all " + std::to_string(s.pool_blocks()) +
                             " blocks of " + std::to_string(s.options_.block_rows) +
                             " rows are in use");
-    const std::int32_t b = s.free_.back();
-    s.free_.pop_back();
-    s.refs_[static_cast<std::size_t>(b)] = 1;
+    }
+    s.refs(b) = 1;
     taken.push_back(b);
     return b;
   }
@@ -179,7 +187,7 @@ void KvStore::rollback(Txn& txn) {
   {
     std::lock_guard<std::mutex> lock(pool_mutex_);
     for (const std::int32_t b : txn.taken) {
-      refs_[static_cast<std::size_t>(b)] = 0;
+      refs(b) = 0;
       free_.push_back(b);
     }
   }
@@ -201,7 +209,7 @@ void KvStore::commit(Txn& txn) {
     slots_[static_cast<std::size_t>(slot)].rings[static_cast<std::size_t>(layer)] = state;
   std::lock_guard<std::mutex> lock(pool_mutex_);
   for (const std::int32_t b : txn.dropped) {
-    auto& r = refs_[static_cast<std::size_t>(b)];
+    auto& r = refs(b);
     if (--r == 0) free_.push_back(b);
   }
   txn.clear();
@@ -234,10 +242,7 @@ KvStore::KvStore(ModelConfig config, StoreOptions o)
   ring_rows_ = config_.plane_capacity(LayerKind::kSlidingRope, o.context) + o.slack;
   max_blocks_ = ceil_div(config_.plane_capacity(LayerKind::kFullNope, o.context), o.block_rows);
   slots_.resize(static_cast<std::size_t>(o.max_sequences));
-  refs_.assign(static_cast<std::size_t>(o.pool_blocks), 0);
-  free_.reserve(refs_.size());
-  // Blocks are taken from the back: block 0 first.
-  for (std::int64_t b = o.pool_blocks - 1; b >= 0; --b) free_.push_back(static_cast<std::int32_t>(b));
+  ref_pages_.resize(static_cast<std::size_t>(ceil_div(o.pool_blocks, kRefPage)));
 }
 
 KvStore::~KvStore() = default;
@@ -340,7 +345,7 @@ Result<SeqId> KvStore::add_slot(bool detached) {
 
 void KvStore::release_table(std::vector<std::int32_t>& table) {
   for (const std::int32_t b : table) {
-    auto& r = refs_[static_cast<std::size_t>(b)];
+    auto& r = refs(b);
     if (--r == 0) free_.push_back(b);
   }
   table.clear();
@@ -393,7 +398,7 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   dst.rings = src.rings;
   dst.tables = src.tables;
   for (const auto& t : dst.tables)
-    for (const std::int32_t b : t) ++refs_[static_cast<std::size_t>(b)];
+    for (const std::int32_t b : t) ++refs(b);
   std::vector<TableChange> changes;
   for (std::int64_t fi = 0; fi < n_full_; ++fi) {
     const auto& t = dst.tables[static_cast<std::size_t>(fi)];
@@ -441,7 +446,7 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
     auto& t = s.tables[static_cast<std::size_t>(fi)];
     const auto keep = static_cast<std::size_t>(ceil_div(end, options_.block_rows));
     for (std::size_t b = keep; b < t.size(); ++b) {
-      auto& r = refs_[static_cast<std::size_t>(t[b])];
+      auto& r = refs(t[b]);
       if (--r == 0) free_.push_back(t[b]);
     }
     if (t.size() > keep) t.resize(keep);
@@ -488,7 +493,7 @@ Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) co
       const auto held = static_cast<std::int64_t>(table.size());
       const std::int64_t first = sp.start / B;
       n += std::max<std::int64_t>(0, ceil_div(sp.start + sp.count, B) - held);
-      if (first < held && refs_[static_cast<std::size_t>(table[static_cast<std::size_t>(first)])] > 1)
+      if (first < held && refs(table[static_cast<std::size_t>(first)]) > 1)
         ++n;
     }
   }
@@ -596,7 +601,7 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
       const std::int64_t first_block = spans[i].start / B;
       const std::int64_t end_block = ceil_div(spans[i].start + spans[i].count, B);
       const bool shared = first_block < static_cast<std::int64_t>(table.size()) &&
-                          refs_[static_cast<std::size_t>(table[static_cast<std::size_t>(first_block)])] > 1;
+                          refs(table[static_cast<std::size_t>(first_block)]) > 1;
       if (shared || end_block > static_cast<std::int64_t>(table.size())) {
         txn.save(*this, slot, fi);
         const std::int64_t change_from =
@@ -879,7 +884,7 @@ Status KvStore::plan_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
     for (std::size_t b = blocks; b < table.size(); ++b) txn.dropped.push_back(table[b]);
     if (table.size() > blocks) table.resize(blocks);
     for (std::size_t b = 0; b < blocks; ++b) {
-      if (b < table.size() && refs_[static_cast<std::size_t>(table[b])] == 1) continue;
+      if (b < table.size() && refs(table[b]) == 1) continue;
       auto got = txn.take(*this);
       if (!got) return got.error();
       if (b < table.size()) {
