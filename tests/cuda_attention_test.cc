@@ -213,9 +213,9 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
     for (const auto& [key, val] : runs[0])
       ASSERT_TRUE(same_bits(val, runs[r].at(key))) << names[r] << ", position " << std::get<2>(key);
 
-  // Each forced path was taken where the device runs it: at least the
-  // short sequence's decodes alone (two splits of each work item) are
-  // resident grids, or else clusters of two.
+  // Each forced path was taken where the device runs it: the long
+  // sequence's decodes alone (over 16 splits of each work item, more than a
+  // cluster holds) are resident grids, the short one's clusters of two.
   if (device.hd128_resident >= short_decode_ctas) {
     EXPECT_GT(stats[kResident].resident, 0);
     EXPECT_GT(stats[kEpochWrap].resident, 1);
@@ -552,6 +552,80 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
 // the CTA kernels and, for head_dim 128, the warp-split kernel) give the
 // same bits and bytes, through new blocks and ring wraps. Those bits are
 // the CPU backend's within kTolerance, and the stored bytes its own.
+// Resident decodes captured into CUDA graphs take their epochs from the
+// clock on the device, a new one at every replay: two graphs (a decode of
+// each of two sequences) replayed in turn across the wrap of the epoch,
+// and with it the switch to the other half of the tagged words, give the
+// bits of the same decodes uncaptured at every replay; none reads the
+// partials an earlier launch left.
+TEST(CudaBatch, CapturedResidentDecodesReplayAcrossTheEpochWrap) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = make_hybrid_config("tc-long", 2, 2, 16, 2, 128, 64, 8192);
+  const std::int64_t layer = 1, kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  ASSERT_EQ(c.kind(layer), LayerKind::kFullNope);
+  const std::vector<SeqInputs> seqs = {testing::seq_inputs(c, 5000, 71), testing::seq_inputs(c, 3001, 72)};
+  cuda::AttendStats stats;
+  cuda::LaunchPolicy policy = cuda::device_launch_policy();
+  policy.first_epoch = 0xfffffffeu;  // the uncaptured decodes take the last two epochs
+  policy.stats = &stats;
+  const std::int64_t ctas = cuda::attend_splits(5000) * cuda::attend_grid(16, 2, 128).items;
+  if (policy.hd128_resident < ctas) GTEST_SKIP() << "this device holds no resident grid of " << ctas << " CTAs";
+  auto store = testing::new_cuda_store(c, {.max_sequences = 2, .context = 8192, .block_rows = 256}, policy);
+  ASSERT_TRUE(store);
+  auto* cuda_store = dynamic_cast<CudaStore*>(store.get());
+  ASSERT_NE(cuda_store, nullptr);
+  const cudaStream_t stream = cuda_store->stream();
+  std::vector<SeqId> ids;
+  std::vector<std::unique_ptr<testing::DeviceArray<float>>> q, out;
+  for (const SeqInputs& s : seqs) {
+    ids.push_back(*store->add_sequence());
+    const SeqSpan span{ids.back(), 0, s.len};
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      ASSERT_TRUE(store->store(l, std::span(&span, 1), testing::host_in(s.k.data() + l * s.len * kv, s.len, kv),
+                               testing::host_in(s.v.data() + l * s.len * kv, s.len, kv)).ok());
+    const float* last = s.q.data() + (layer * s.len + s.len - 1) * width;
+    q.push_back(std::make_unique<testing::DeviceArray<float>>(std::vector<float>(last, last + width)));
+    out.push_back(std::make_unique<testing::DeviceArray<float>>(static_cast<std::size_t>(width)));
+  }
+  auto decode = [&](std::size_t i) {
+    const SeqQuery query{ids[i], seqs[i].len - 1};
+    const Status st = store->attend_decode(layer, std::span(&query, 1), testing::device_in(q[i]->get(), 1, width),
+                                           device_view(out[i]->get(), 1, width));
+    ASSERT_TRUE(st.ok()) << st.to_string();
+  };
+  std::vector<std::vector<float>> want;
+  for (std::size_t i = 0; i < 2; ++i) {
+    decode(i);
+    ASSERT_TRUE(store->synchronize().ok());
+    want.push_back(out[i]->download());
+  }
+  std::vector<cudaGraphExec_t> graphs;
+  for (std::size_t i = 0; i < 2; ++i) {
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    decode(i);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+    graphs.push_back(exec);
+  }
+  // Every decode, the captured ones too, was a resident grid.
+  EXPECT_EQ(stats.resident, 4);
+  EXPECT_EQ(stats.last_arrival + stats.cluster, 0);
+  for (int replay = 0; replay < 6; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    for (std::size_t i = 0; i < 2; ++i) {
+      ASSERT_EQ(cudaMemsetAsync(out[i]->get(), 0xff, static_cast<std::size_t>(width) * sizeof(float), stream),
+                cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(graphs[i], stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      ASSERT_TRUE(same_bits(out[i]->download(), want[i])) << "sequence " << i;
+    }
+  }
+  for (cudaGraphExec_t g : graphs) cudaGraphExecDestroy(g);
+}
+
 TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
   KVRING_SKIP_WITHOUT_GPU();
   const std::int64_t filled = 300, steps = 6, tokens = steps + 1;  // the last token is the captured step's

@@ -310,7 +310,10 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   Shared& sh = S.sh;
   QueryRange r;
-  if (!query_range(F, P, r)) return idle_in_cluster(P);
+  if (!query_range(F, P, r)) {
+    if (P.resident) clock_idle(P);
+    return idle_in_cluster(P);
+  }
   const HeadSet hs = head_set(F);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -338,6 +341,8 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   const HeadRows rows(P, r, HD, hs.kv_head);
   const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
   const TileCopy tc = tile_copy(area, kTileBytes, lane, tile_policy(F.read_once != 0));
+  // A resident CTA's clock count lands with thread 0's first tiles.
+  if (P.resident && threadIdx.x == 0) clock_copy(P, sh);
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
     if (a + st * kWarpStride < b)

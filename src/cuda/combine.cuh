@@ -34,6 +34,8 @@ struct Shared {
   float head_m[kTensorHeads];
   float head_l[kTensorHeads];
   unsigned last;  // arrive_last's and arrive_run's answer to the CTA
+  // A resident launch's clock count (clock_copy).
+  unsigned long long clock;
 };
 // Output elements of one CTA: [head * head_dim + dim].
 inline constexpr int kPartFloats = kTensorHeads * kTensorHeadDim;
@@ -280,6 +282,56 @@ __device__ __forceinline__ float untag(std::uint64_t w) {
   return __uint_as_float(static_cast<unsigned>(w));
 }
 
+// The resident clock on the device (kernels.h, ResidentClock; docs/CUDA.md,
+// "The resident clock"). Every CTA of a resident launch reads the count
+// (its launch's epoch and half): a working CTA by a copy into sh.clock that
+// thread 0 issues with its first tiles (clock_copy), so no thread waits for
+// it; an idle one by a load. Each then counts itself in at `readers` once,
+// from thread 0, with an operand taken from the count, so that the arrival
+// goes out only after the read returned: when the last arrival finds every
+// other one in, every CTA has read the count, and that CTA alone advances
+// it (clock_advance_if_last). A working CTA arrives as its finish starts and
+// looks at the answer at its end, so the round trip overlaps its combine.
+//
+// The epoch skips 0, and where it wraps the launches go on in the other
+// half of the tagged words, whose words no launch of the next 2^32 - 1 can
+// mistake for its own: the launches of epochs 1 to kClockZeroLaunches of
+// each half zero the other half, a kClockZeroLaunches-th of it each, from
+// the CTA that advances the clock.
+inline constexpr unsigned kClockZeroLaunches = 1024;
+__device__ __forceinline__ void clock_copy(const AttendParams& P, Shared& sh) {
+  cp_async8(static_cast<unsigned>(__cvta_generic_to_shared(&sh.clock)), &P.clock->count);
+}
+__device__ __forceinline__ unsigned clock_arrive(const AttendParams& P, unsigned long long count) {
+  return atomicAdd(&P.clock->readers, 1u + zero_after(count));
+}
+// Warp 0, all lanes: `arrived` (lane 0's) is clock_arrive's answer.
+__device__ __forceinline__ void clock_advance_if_last(const AttendParams& P, unsigned long long count,
+                                                      unsigned arrived) {
+  const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
+  if (!__shfl_sync(kFullMask, arrived == ctas - 1, 0)) return;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  if (lane == 0) {
+    P.clock->readers = 0;
+    unsigned long long next = count + 1;
+    if (static_cast<unsigned>(next) == 0) ++next;
+    st_relaxed_u64(&P.clock->count, next);
+  }
+  const unsigned epoch = static_cast<unsigned>(count);
+  if (epoch > kClockZeroLaunches) return;
+  const std::int64_t per = (P.tagged_half + kClockZeroLaunches - 1) / kClockZeroLaunches;
+  const std::int64_t to = min((epoch - 1) * per + per, P.tagged_half);
+  std::uint64_t* other = P.tagged + (((count >> 32) & 1) ^ 1) * P.tagged_half;
+  for (std::int64_t i = (epoch - 1) * per + lane; i < to; i += 32) other[i] = 0;
+}
+// An idle CTA of a resident launch: warp 0 reads the count and arrives.
+__device__ __forceinline__ void clock_idle(const AttendParams& P) {
+  if (threadIdx.x >= 32) return;
+  const unsigned long long count = ld_relaxed_u64(&P.clock->count);
+  const unsigned arrived = threadIdx.x == 0 ? clock_arrive(P, count) : 0;
+  clock_advance_if_last(P, count, arrived);
+}
+
 // The most splits x output units of a resident share, and its stage: the
 // units of a share over n splits number ceil(units / n), so units + n pairs
 // at most; then, for two levels, 16 units (n >= 17) times 8 groups.
@@ -345,9 +397,12 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
   const int n = r.n_splits;
   const int total = heads * hd;
   const std::int64_t words = total + 2 * heads;
-  std::uint64_t* item = P.tagged + ((static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) *
-                                    gridDim.x) * words;
-  const unsigned epoch = P.epoch;
+  // Counted in at the clock now; the answer is looked at after the combine.
+  const unsigned long long clock = sh.clock;
+  const unsigned arrived = tid == 0 ? clock_arrive(P, clock) : 0;
+  const unsigned epoch = static_cast<unsigned>(clock);
+  std::uint64_t* item = P.tagged + ((clock >> 32) & 1) * P.tagged_half +
+                        ((static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x) * words;
   {
     // (A loop, not unrolled: one copy of its code to fetch.)
     std::uint64_t* mine = item + r.split * words;
@@ -375,6 +430,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
     for (int j = tid; j < count; j += blockDim.x) {
       out4[u0 + j] = combine_staged(st_o + j, st_ml + 2 * j, n, count).out;
     }
+    if (tid < 32) clock_advance_if_last(P, clock, arrived);
     return;
   }
   // Level one, in the warp of the group; its results as [unit][group].
@@ -403,6 +459,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
   for (int j = tid; j < count; j += blockDim.x) {
     out4[u0 + j] = combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, 1).out;
   }
+  if (tid < 32) clock_advance_if_last(P, clock, arrived);
 }
 
 // Counts this CTA in at `counter` after its writes so far (by any of its
@@ -589,6 +646,7 @@ __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, R
       const int h = i / hd;
       out[i] = cta_value(sh, wo, i, h) / sh.head_l[h];
     }
+    if (P.resident && tid < 32) clock_advance_if_last(P, sh.clock, tid == 0 ? clock_arrive(P, sh.clock) : 0);
     return;
   }
 

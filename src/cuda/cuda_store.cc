@@ -192,16 +192,17 @@ struct CudaStore::Impl {
 
   // Attention: the launch policy, workspace slots (attend_slot_floats
   // floats each, o then ml), arrival counters (zero between launches),
-  // tagged partials and the epoch of the last resident launch.
+  // tagged partials (two halves of tagged_half words, then the resident
+  // clock; kernels.h, ResidentClock).
   cuda::LaunchPolicy policy;
   float* ws = nullptr;
   std::int64_t ws_slots = 0;
   unsigned* counters = nullptr;
   std::int64_t slot_floats = 0;
   std::uint64_t* tagged = nullptr;
+  std::int64_t tagged_half = 0;
   std::int64_t tagged_bytes = 0;
   int tagged_ctas = 0;
-  std::uint32_t epoch = 0;
 
   // Descriptor buffers: pinned host memory and its device twin, reusable
   // once the event recorded after the last work that read it completed.
@@ -537,8 +538,6 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
   Impl& im = *store->impl_;
   im.device = device;
   im.policy = policy != nullptr ? *policy : cuda::device_launch_policy();
-  // The first resident launch takes policy.first_epoch (attend).
-  im.epoch = im.policy.first_epoch - 1;
   KVRING_CUDA_CHECK("cudaStreamCreateWithFlags",
                     cudaStreamCreateWithFlags(&im.stream, cudaStreamNonBlocking));
   KVRING_CUDA_CHECK("cudaEventCreateWithFlags",
@@ -620,12 +619,20 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
     KVRING_CUDA_CHECK("cudaMemsetAsync", cudaMemsetAsync(im.counters, 0, static_cast<std::size_t>(counter_bytes), im.stream));
     // Resident grids are an optimisation: without room for their tagged
     // partials, attention takes the other combine paths.
+    // Both halves of the tagged words start zero, and the clock at the
+    // policy's first epoch in the first half.
     const int resident = im.policy.resident_limit(hd);
     if (resident > 0) {
-      const std::int64_t bytes = resident * cuda::attend_tagged_words(n_heads, n_kv, hd) * 8;
+      const std::int64_t half = resident * cuda::attend_tagged_words(n_heads, n_kv, hd);
+      const std::int64_t bytes = 2 * half * 8 + static_cast<std::int64_t>(sizeof(cuda::ResidentClock));
+      const cuda::ResidentClock clock{im.policy.first_epoch == 0 ? 1 : im.policy.first_epoch, 0, 0};
       if (cudaMalloc(reinterpret_cast<void**>(&im.tagged), static_cast<std::size_t>(bytes)) == cudaSuccess &&
-          cudaMemsetAsync(im.tagged, 0, static_cast<std::size_t>(bytes), im.stream) == cudaSuccess) {
+          cudaMemsetAsync(im.tagged, 0, static_cast<std::size_t>(2 * half * 8), im.stream) == cudaSuccess &&
+          cudaMemcpyAsync(im.tagged + 2 * half, &clock, sizeof(clock), cudaMemcpyHostToDevice, im.stream) ==
+              cudaSuccess &&
+          cudaStreamSynchronize(im.stream) == cudaSuccess) {
         im.tagged_ctas = resident;
+        im.tagged_half = half;
         im.tagged_bytes = bytes;
       } else {
         (void)cudaGetLastError();
@@ -1063,7 +1070,6 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
       st = im.upload_chunk(*desc, bytes, s);
     }
   }
-  const bool capture = Impl::capturing(s);
   for (const Launch& L : launches) {
     if (!st.ok()) break;
     cuda::AttendParams P;
@@ -1079,25 +1085,13 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
     P.max_splits = L.max_splits;
     P.most_rows = L.most_rows;
     P.least_splits = L.least_splits;
-    // A resident grid needs an epoch no earlier launch used. A launch
-    // captured into a CUDA graph would replay with the epoch it was
-    // captured with, so captured launches take the other combine paths.
-    if (im.tagged_ctas > 0 && !capture) {
-      // A fresh epoch per launch; when the count wraps, the words are
-      // zeroed (in stream order) so no old word can carry a reused epoch.
-      std::uint32_t epoch = im.epoch + 1;
-      if (epoch == 0) {
-        const cudaError_t e = cudaMemsetAsync(im.tagged, 0, static_cast<std::size_t>(im.tagged_bytes), s);
-        if (e != cudaSuccess) {
-          st = cuda_error("cudaMemsetAsync", e);
-          break;
-        }
-        epoch = 1;
-      }
-      im.epoch = epoch;
+    // A resident grid takes its epoch from the clock on the device, so it
+    // may be captured into a CUDA graph: each replay takes a new one.
+    if (im.tagged_ctas > 0) {
       P.tagged = im.tagged;
+      P.tagged_half = im.tagged_half;
       P.tagged_ctas = im.tagged_ctas;
-      P.epoch = epoch;
+      P.clock = reinterpret_cast<cuda::ResidentClock*>(im.tagged + 2 * im.tagged_half);
     }
     const cudaError_t e = cuda::launch_attend(P, im.policy, s);
     if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);

@@ -277,6 +277,21 @@ struct AttendQueryItem {
   std::int64_t ws_counter;
 };
 
+// The clock of resident grids, in device memory after their tagged words
+// (docs/CUDA.md, "The resident clock"). The low 32 bits of `count` are the
+// epoch of the next resident launch (never 0), bit 32 the half of the
+// tagged words it uses. Every CTA of a resident launch reads `count` first
+// and counts itself in at `readers`; the last to do so sets `readers` back
+// to 0 and advances `count` for the next launch. So the epoch lives on the
+// device, and a launch captured into a CUDA graph takes a new one at every
+// replay.
+struct ResidentClock {
+  unsigned long long count;
+  unsigned readers;
+  unsigned unused;
+};
+static_assert(sizeof(ResidentClock) == 16, "two 64-bit words after the tagged words");
+
 struct AttendParams {
   // The launch's items (device memory), or its one item `single` when
   // items is null (a launch with nothing to upload; n_items is then 1).
@@ -322,13 +337,14 @@ struct AttendParams {
   // cluster (grid.x of at most kAttendSingleLevel CTAs) and combine through
   // its shared memory; the workspace is then unused.
   std::int32_t cluster = 0;
-  // Tagged partials for resident grids: attend_tagged_words() words per
-  // CTA for up to tagged_ctas CTAs (null: no resident grids), and this
-  // launch's epoch, nonzero and different from every earlier launch's since
-  // the words were last zeroed.
+  // Tagged partials for resident grids (null: no resident grids): two
+  // halves of tagged_half words each (attend_tagged_words() per CTA for up
+  // to tagged_ctas CTAs), then their clock, which gives each resident
+  // launch its epoch and half (ResidentClock).
   std::uint64_t* tagged = nullptr;
+  std::int64_t tagged_half = 0;
   std::int32_t tagged_ctas = 0;
-  std::uint32_t epoch = 0;
+  ResidentClock* clock = nullptr;
   // Set by launch_attend: every CTA of the grid is resident at once (a
   // cooperative launch), so each split stores its partial as tagged words,
   // waits for the other splits' words to carry the epoch and combines a

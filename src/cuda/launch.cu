@@ -85,8 +85,11 @@ FirstTiles first_tiles(const AttendParams& P) {
   return f;
 }
 
-// The combine path of a launch of `grid` under these limits: a resident
-// grid, a cluster a work item, or neither (last arrival).
+// The combine path of a launch of `grid` under these limits: a cluster a
+// work item, a resident grid, or neither (last arrival). Clusters come
+// first: a cluster launch may be a programmatic dependent, so in a chain of
+// short decodes (a decode step) each overlaps the end of the one before; a
+// resident grid (a cooperative launch) never is (docs/PERFORMANCE.md).
 struct Paths {
   bool resident, cluster;
 };
@@ -94,9 +97,9 @@ Paths paths_of(dim3 grid, const AttendParams& params, int cluster_limit, std::in
                int resident_ctas) {
   const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
   Paths p;
-  p.resident = grid.x >= 2 && params.tagged != nullptr && ctas <= std::min(resident_ctas, params.tagged_ctas);
-  p.cluster = !p.resident && grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit &&
-              (cluster_ctas <= 0 || ctas <= cluster_ctas);
+  p.cluster = grid.x >= 2 && static_cast<int>(grid.x) <= cluster_limit && (cluster_ctas <= 0 || ctas <= cluster_ctas);
+  p.resident = !p.cluster && grid.x >= 2 && params.tagged != nullptr &&
+               ctas <= std::min(resident_ctas, params.tagged_ctas);
   return p;
 }
 

@@ -97,10 +97,10 @@ struct LaunchPolicy {
   // The device's L2 in bytes (0: unknown, so kPastL2 never holds).
   std::int64_t l2_bytes = 0;
   QueryMajor query_major = QueryMajor::kPastL2;
-  // The epoch of the store's first resident-grid launch; the next ones
-  // count on from it, and where the count wraps to 0 the tagged words are
-  // zeroed and the count starts again at 1 (0xffffffff: the second launch
-  // wraps).
+  // The epoch of the store's first resident-grid launch (0 is taken as
+  // 1); the next ones count on from it on the device, and where the count
+  // wraps it skips 0 and goes on in the other half of the tagged words
+  // (kernels.h, ResidentClock; 0xffffffff: the second launch wraps).
   std::uint32_t first_epoch = 1;
   // Where the store counts its attention launches (null: nowhere), under
   // the store's lock; the counter outlives the store's calls.

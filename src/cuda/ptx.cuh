@@ -77,6 +77,24 @@ __device__ __forceinline__ void ld_relaxed_v2_b64(const std::uint64_t* p, std::u
   asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n" : "=l"(a), "=l"(b) : "l"(p) : "memory");
 }
 
+// One 64-bit word at gpu scope, relaxed.
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_u64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+}
+// 0, computed from v by an instruction the compiler cannot see through: a
+// use of the result waits for v, so a memory access that takes it is
+// issued only once the load that gave v has returned.
+__device__ __forceinline__ unsigned zero_after(unsigned long long v) {
+  unsigned z;
+  asm("{\n\t.reg .u64 t;\n\tand.b64 t, %1, 0;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(z) : "l"(v));
+  return z;
+}
+
 // ---- Tensor cores -----------------------------------------------------------------
 
 // d += a * b for one m16n8k16 tile: f16 operands, f32 accumulation.
@@ -214,6 +232,10 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0)
                : "memory");
+}
+// 8 bytes, through L1 (cp.async.cg moves only 16).
+__device__ __forceinline__ void cp_async8(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
