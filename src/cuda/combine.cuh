@@ -287,11 +287,13 @@ __device__ __forceinline__ float untag(std::uint64_t w) {
 // (its launch's epoch and half): a working CTA by a copy into sh.clock that
 // thread 0 issues with its first tiles (clock_copy), so no thread waits for
 // it; an idle one by a load. Each then counts itself in at `readers` once,
-// from thread 0, with an operand taken from the count, so that the arrival
-// goes out only after the read returned: when the last arrival finds every
-// other one in, every CTA has read the count, and that CTA alone advances
-// it (clock_advance_if_last). A working CTA arrives as its finish starts and
-// looks at the answer at its end, so the round trip overlaps its combine.
+// from thread 0. A working CTA's thread 0 arrives as its finish starts, after
+// its cp.async.wait_group, so its read has completed by then; an idle CTA
+// uses its count only to advance the clock, and the thread that stores the
+// new count read the old one itself. So when the last arrival finds every
+// other one in, every CTA that tags words has read the count, and that CTA
+// alone advances it (clock_advance_if_last). A working CTA looks at the
+// answer after its combine, so the round trip overlaps the combine.
 //
 // The epoch skips 0, and where it wraps the launches go on in the other
 // half of the tagged words, whose words no launch of the next 2^32 - 1 can
@@ -302,8 +304,8 @@ inline constexpr unsigned kClockZeroLaunches = 1024;
 __device__ __forceinline__ void clock_copy(const AttendParams& P, Shared& sh) {
   cp_async8(static_cast<unsigned>(__cvta_generic_to_shared(&sh.clock)), &P.clock->count);
 }
-__device__ __forceinline__ unsigned clock_arrive(const AttendParams& P, unsigned long long count) {
-  return atomicAdd(&P.clock->readers, 1u + zero_after(count));
+__device__ __forceinline__ unsigned clock_arrive(const AttendParams& P) {
+  return atomicAdd(&P.clock->readers, 1u);
 }
 // Warp 0, all lanes: `arrived` (lane 0's) is clock_arrive's answer.
 __device__ __forceinline__ void clock_advance_if_last(const AttendParams& P, unsigned long long count,
@@ -328,7 +330,7 @@ __device__ __forceinline__ void clock_advance_if_last(const AttendParams& P, uns
 __device__ __forceinline__ void clock_idle(const AttendParams& P) {
   if (threadIdx.x >= 32) return;
   const unsigned long long count = ld_relaxed_u64(&P.clock->count);
-  const unsigned arrived = threadIdx.x == 0 ? clock_arrive(P, count) : 0;
+  const unsigned arrived = threadIdx.x == 0 ? clock_arrive(P) : 0;
   clock_advance_if_last(P, count, arrived);
 }
 
@@ -399,7 +401,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
   const std::int64_t words = total + 2 * heads;
   // Counted in at the clock now; the answer is looked at after the combine.
   const unsigned long long clock = sh.clock;
-  const unsigned arrived = tid == 0 ? clock_arrive(P, clock) : 0;
+  const unsigned arrived = tid == 0 ? clock_arrive(P) : 0;
   const unsigned epoch = static_cast<unsigned>(clock);
   std::uint64_t* item = P.tagged + ((clock >> 32) & 1) * P.tagged_half +
                         ((static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x) * words;
@@ -646,7 +648,7 @@ __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, R
       const int h = i / hd;
       out[i] = cta_value(sh, wo, i, h) / sh.head_l[h];
     }
-    if (P.resident && tid < 32) clock_advance_if_last(P, sh.clock, tid == 0 ? clock_arrive(P, sh.clock) : 0);
+    if (P.resident && tid < 32) clock_advance_if_last(P, sh.clock, tid == 0 ? clock_arrive(P) : 0);
     return;
   }
 

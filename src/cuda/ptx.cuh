@@ -86,14 +86,6 @@ __device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long
 __device__ __forceinline__ void st_relaxed_u64(unsigned long long* p, unsigned long long v) {
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
 }
-// 0, computed from v by an instruction the compiler cannot see through: a
-// use of the result waits for v, so a memory access that takes it is
-// issued only once the load that gave v has returned.
-__device__ __forceinline__ unsigned zero_after(unsigned long long v) {
-  unsigned z;
-  asm("{\n\t.reg .u64 t;\n\tand.b64 t, %1, 0;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(z) : "l"(v));
-  return z;
-}
 
 // ---- Tensor cores -----------------------------------------------------------------
 
