@@ -811,6 +811,7 @@ TEST(CudaBatch, OneTokenPrefillsOfManySequencesAndEveryDtype) {
         ASSERT_EQ(cudaMemcpy(src, dt == DType::kF32 ? static_cast<const void*>(f.data()) : bits.data(), bytes,
                              cudaMemcpyHostToDevice),
                   cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copy has landed (DeviceArray)
         const std::int64_t esize = dtype_bytes(dt);
         auto view = [&](std::int64_t first, int which) {
           const char* base = static_cast<const char*>(src) + (which * rows + first) * stride * esize;

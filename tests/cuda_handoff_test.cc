@@ -66,6 +66,7 @@ class Probe : public Transport {
     EXPECT_EQ(cudaMemcpy(&byte, copy.get() + device_bytes / 2, 1, cudaMemcpyDeviceToHost), cudaSuccess);
     byte ^= 0x10;
     EXPECT_EQ(cudaMemcpy(copy.get() + device_bytes / 2, &byte, 1, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the flipped byte has landed
     const Status s = inner_.send_message(flipped, d);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the transport's copy is done before `copy` goes
     return s;

@@ -313,6 +313,7 @@ TEST(CudaStore, DeviceViewsOfEveryDtypeOnAUserStream) {
     void* dev = nullptr;
     ASSERT_EQ(cudaMalloc(&dev, bytes), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copy has landed (DeviceArray)
     const auto off = rows * stride * dtype_bytes(dt);
     const ConstView dk{dev, MemorySpace::kDevice, dt, rows, kv, stride};
     const ConstView dv{static_cast<char*>(dev) + off, MemorySpace::kDevice, dt, rows, kv, stride};

@@ -31,7 +31,10 @@ inline bool quick() {
   return q != nullptr && q[0] == '1';
 }
 
-// A device allocation for a test.
+// A device allocation for a test. Its upload and poison return once done:
+// cudaMemcpy from pageable memory may return before its copy lands and
+// cudaMemset before it runs, both on the legacy stream, which the stores'
+// streams (non-blocking) do not wait for.
 template <class T>
 class DeviceArray {
  public:
@@ -45,6 +48,7 @@ class DeviceArray {
   void upload(const std::vector<T>& host) {
     EXPECT_EQ(cudaMemcpy(p_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
               cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   std::vector<T> download() const {
     std::vector<T> h(n_);
@@ -52,7 +56,10 @@ class DeviceArray {
     return h;
   }
   // Every byte 0xff: as f32 a NaN, so an element nothing writes shows.
-  void poison() { EXPECT_EQ(cudaMemset(p_, 0xff, n_ * sizeof(T)), cudaSuccess); }
+  void poison() {
+    EXPECT_EQ(cudaMemset(p_, 0xff, n_ * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   T* get() const { return static_cast<T*>(p_); }
 
  private:
