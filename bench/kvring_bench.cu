@@ -5,7 +5,7 @@
 //                [--only store|decode|ring|prefill|batch|rings|ragged|step|memory]
 //                [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]
 //                [--warp-splits rule|always|never] [--combine rule|no-cluster|last-arrival]
-//                [--programmatic on|off]
+//                [--programmatic on|off] [--inline-items on|off]
 //
 // Ceilings: device-to-device copy (bytes read + written), pinned host to
 // device and device to host. Figures: store (one token into one layer and
@@ -335,7 +335,8 @@ void write_json(const std::string& path, const std::string& device, int sms) {
 // the f16 numeric's kernel, --split-run the runs of splits and --warp-splits
 // which decodes take the warp-split kernel, --combine which combine paths
 // attention may take (no clusters, or neither clusters nor resident grids),
-// --programmatic off plain launches in place of programmatic dependents.
+// --programmatic off plain launches in place of programmatic dependents,
+// --inline-items off a descriptor upload before every batched launch.
 kvring::cuda::LaunchPolicy g_policy;
 
 std::unique_ptr<CudaCache> make(const kvring::ModelConfig& cfg, std::int64_t context, std::int64_t slack = 0,
@@ -371,7 +372,7 @@ void print_usage(std::FILE* out) {
       "usage: kvring-bench [--json FILE] [--quick] [--only store|decode|ring|prefill|batch|rings|ragged|step|memory]\n"
       "                    [--numeric f32|f16] [--f16-stages 2|3] [--split-run N]\n"
       "                    [--warp-splits rule|always|never] [--combine rule|no-cluster|last-arrival]\n"
-      "                    [--programmatic on|off]\n"
+      "                    [--programmatic on|off] [--inline-items on|off]\n"
       "  measures the CUDA backend's store, decode, ring and prefill kernels on\n"
       "  muse-glimmer's geometry (docs/PERFORMANCE.md)\n"
       "  --json FILE  also write the results as JSON to FILE\n"
@@ -386,6 +387,8 @@ void print_usage(std::FILE* out) {
       "                  last arrival only (neither clusters nor resident grids)\n"
       "  --programmatic P store and decode kernels as programmatic dependents (on, the\n"
       "                  device's rule where it has sm_90) or plain launches (off)\n"
+      "  --inline-items I attention launches of up to 128 items carry them in their\n"
+      "                  parameters (on) or upload them before the launch (off)\n"
       "exit status: 0 ok, 1 no GPU visible or a CUDA failure, 2 a usage error\n",
       out);
 }
@@ -400,6 +403,7 @@ int main(int argc, char** argv) {
   kvring::cuda::WarpSplits warp_splits = kvring::cuda::WarpSplits::kLastArrival;
   std::string combine = "rule";
   bool programmatic = true;
+  bool inline_items = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -441,13 +445,13 @@ int main(int argc, char** argv) {
         print_usage(stderr);
         return 2;
       }
-    } else if (a == "--programmatic" && i + 1 < argc) {
+    } else if ((a == "--programmatic" || a == "--inline-items") && i + 1 < argc) {
       const std::string v = argv[++i];
       if (v != "on" && v != "off") {
         print_usage(stderr);
         return 2;
       }
-      programmatic = v == "on";
+      (a == "--programmatic" ? programmatic : inline_items) = v == "on";
     } else if (a == "--combine" && i + 1 < argc) {
       combine = argv[++i];
       if (combine != "rule" && combine != "no-cluster" && combine != "last-arrival") {
@@ -471,6 +475,7 @@ int main(int argc, char** argv) {
   g_policy.split_run = split_run;
   g_policy.warp_splits = warp_splits;
   g_policy.programmatic = g_policy.programmatic && programmatic;
+  g_policy.inline_items = inline_items;
   if (combine != "rule") {
     g_policy.hd128_cluster = g_policy.general_cluster = 1;
     if (combine == "last-arrival") g_policy.hd128_resident = 0;

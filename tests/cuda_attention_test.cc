@@ -513,6 +513,20 @@ TEST(CudaF16, TileAcrossASplitOfOneSplitQueriesGivesDecodeBits) {
 }
 
 // A decode batch is one attention launch per layer, whatever its size.
+// Adds a sequence to `store` for each of `seqs` and stores each whole, as
+// one prefill step of device views; their ids.
+std::vector<SeqId> add_and_prefill(KvStore& store, const std::vector<SeqInputs>& seqs) {
+  std::vector<SeqId> ids;
+  std::vector<testing::Step> plan(1);
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    ids.push_back(*store.add_sequence());
+    plan[0].chunks.emplace_back(static_cast<int>(i), seqs[i].len);
+  }
+  Outputs o;
+  testing::run_plan(store, ids, seqs, plan, o, true);
+  return ids;
+}
+
 TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   KVRING_SKIP_WITHOUT_GPU();
   const Case cs = cases()[0];
@@ -523,12 +537,7 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   auto store = testing::new_cuda_store(cs.config, {.max_sequences = n, .context = 1024, .block_rows = 16}, policy);
   ASSERT_TRUE(store);
   const auto seqs = inputs(cs.config, 9, n, testing::quick() ? 300 : 600);
-  std::vector<SeqId> ids;
-  for (int i = 0; i < n; ++i) ids.push_back(*store->add_sequence());
-  std::vector<testing::Step> plan(1);
-  for (int i = 0; i < n; ++i) plan[0].chunks.emplace_back(i, seqs[static_cast<std::size_t>(i)].len);
-  Outputs o;
-  testing::run_plan(*store, ids, seqs, plan, o, true);
+  const std::vector<SeqId> ids = add_and_prefill(*store, seqs);
   const cuda::AttendStats before = stats;
   std::vector<SeqQuery> queries;
   for (int i = 0; i < n; ++i) queries.push_back({ids[static_cast<std::size_t>(i)], seqs[static_cast<std::size_t>(i)].len - 1});
@@ -540,6 +549,76 @@ TEST(CudaBatch, DecodeOfManySequencesIsOneLaunch) {
   // Sliding layers see 48 rows (one split, no combine); each full layer's
   // decode of all the sequences is one last-arrival launch.
   EXPECT_EQ(stats.last_arrival - before.last_arrival, cs.config.n_layers / 2);
+}
+
+// A decode of up to kAttendInlineItems sequences carries its items in the
+// launch's parameters, a larger one uploads them, and so does every batch
+// under a policy that turns the former off; either way each query's bits
+// are those of its decode alone (its one item in the parameters), on the
+// CTA kernel, the warp-split kernel (sliding layers of the tensor-core
+// geometry) and the general kernel.
+TEST(CudaBatch, ItemsInTheLaunchOrUploadedGiveTheSoloBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const int n = cuda::kAttendInlineItems + 5;
+  const int head = cuda::kAttendInlineItems;
+  for (const Case& cs : {cases()[0], cases()[2]}) {
+    for (const bool in_launch : {true, false}) {
+      SCOPED_TRACE(cs.config.name + (in_launch ? ", items in the launch" : ", items uploaded"));
+      cuda::AttendStats stats;
+      cuda::LaunchPolicy policy = cuda::device_launch_policy();
+      policy.inline_items = in_launch;
+      policy.stats = &stats;
+      auto store = testing::new_cuda_store(cs.config, {.max_sequences = n, .context = 1024, .block_rows = cs.block_rows},
+                                           policy);
+      ASSERT_TRUE(store);
+      const auto seqs = inputs(cs.config, 23, n, testing::quick() ? 300 : 600);
+      const std::vector<SeqId> ids = add_and_prefill(*store, seqs);
+      const std::int64_t width = cs.config.n_heads * cs.config.head_dim;
+      testing::DeviceArray<float> q(testing::random_floats(static_cast<std::size_t>(n * width), 5));
+      testing::DeviceArray<float> all(static_cast<std::size_t>(n * width)), first(static_cast<std::size_t>(head * width)),
+          solo(static_cast<std::size_t>(n * width));
+      // Queries of sequences [from, from + count), at their last rows, into
+      // out from its row 0.
+      auto decode = [&](std::int64_t layer, int from, int count, float* out) {
+        std::vector<SeqQuery> queries;
+        for (int i = from; i < from + count; ++i)
+          queries.push_back({ids[static_cast<std::size_t>(i)], seqs[static_cast<std::size_t>(i)].len - 1});
+        return store->attend_decode(layer, queries, testing::device_in(q.get() + from * width, count, width),
+                                    device_view(out, count, width));
+      };
+      for (std::int64_t l = 0; l < cs.config.n_layers; ++l) {
+        all.poison();
+        first.poison();
+        solo.poison();
+        const long before = stats.inline_items;
+        ASSERT_TRUE(decode(l, 0, n, all.get()).ok());
+        ASSERT_TRUE(store->synchronize().ok());
+        EXPECT_EQ(stats.inline_items, before) << "a launch of " << n << " items carried them";
+        ASSERT_TRUE(decode(l, 0, head, first.get()).ok());
+        ASSERT_TRUE(store->synchronize().ok());
+        EXPECT_EQ(stats.inline_items, before + (in_launch ? 1 : 0));
+        for (int i = 0; i < n; ++i) {
+          ASSERT_TRUE(decode(l, i, 1, solo.get() + i * width).ok());
+        }
+        ASSERT_TRUE(store->synchronize().ok());
+        EXPECT_EQ(stats.inline_items, before + (in_launch ? 1 : 0));
+        const std::vector<float> a = all.download(), f = first.download(), one = solo.download();
+        for (int i = 0; i < n; ++i) {
+          const float* want = one.data() + i * width;
+          ASSERT_TRUE(std::isfinite(want[0]));
+          ASSERT_EQ(std::memcmp(a.data() + i * width, want, static_cast<std::size_t>(width) * 4), 0)
+              << "layer " << l << " sequence " << i << ": the batch of " << n << " differs from its solo decode";
+          if (i < head) {
+            ASSERT_EQ(std::memcmp(f.data() + i * width, want, static_cast<std::size_t>(width) * 4), 0)
+                << "layer " << l << " sequence " << i << ": the batch of " << head << " differs from its solo decode";
+          }
+        }
+      }
+      if (cs.config.head_dim == cuda::kTensorHeadDim) {
+        EXPECT_GT(stats.warp_splits, 0);
+      }
+    }
+  }
 }
 
 // Decode steps (each layer's one-token store, then its decode) enqueued

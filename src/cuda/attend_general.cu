@@ -30,7 +30,9 @@ __device__ __forceinline__ float f16_value(std::uint16_t bits) {
 
 }  // namespace
 
-__global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const KernelArgs A) {
+// The body of both launches' kernels (KernelArgs, InlineArgs).
+template <class Args>
+__device__ __forceinline__ void attend_general(const Args& A) {
   if (A.P.cluster) cluster_arrive_relaxed();  // finish waits for every CTA's
   enter_dependent();
   const FirstTiles& F = A.F;
@@ -39,7 +41,7 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
   __shared__ float warp_o[kAttendWarps][kGeneralMaxHeadDim];
   __shared__ ClusterInbox inbox;
   QueryRange r;
-  if (!query_range(F, P, r)) return idle_in_cluster(P);
+  if (!query_range(F, P, launch_items(A), r)) return idle_in_cluster(P);
   r.n_splits = split_count(r);
   const int hd = P.head_dim;
   const int head = static_cast<int>(blockIdx.y);
@@ -121,6 +123,11 @@ __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const
   __syncthreads();
   finish<false>(P, sh, &inbox, nullptr, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, r.split, 1,
                 1, head);
+}
+__global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const KernelArgs A) { attend_general(A); }
+__global__ void __launch_bounds__(kAttendThreads, 2)
+    attend_general_inline_kernel(const __grid_constant__ InlineArgs A) {
+  attend_general(A);
 }
 
 

@@ -8,5 +8,7 @@
 namespace kvring::cuda {
 
 __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const KernelArgs A);
+__global__ void __launch_bounds__(kAttendThreads, 2)
+    attend_general_inline_kernel(const __grid_constant__ InlineArgs A);
 
 }  // namespace kvring::cuda

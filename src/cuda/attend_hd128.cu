@@ -300,7 +300,9 @@ __device__ __forceinline__ TileCopy tile_copy(unsigned area, unsigned v_base, in
 
 }  // namespace
 
-__global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A) {
+// The body of both launches' kernels (KernelArgs, InlineArgs).
+template <class Args>
+__device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   if (A.P.cluster) cluster_arrive_relaxed();  // finish waits for every CTA's
   enter_dependent();
   constexpr int HD = kTensorHeadDim;
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
   TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   Shared& sh = S.sh;
   QueryRange r;
-  if (!query_range(F, P, r)) {
+  if (!query_range(F, P, launch_items(A), r)) {
     if (P.resident) clock_idle(P);
     return idle_in_cluster(P);
   }
@@ -464,6 +466,11 @@ __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const K
                WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4, true}, r, run_first,
                kTensorHeads, hs.heads_valid, hs.head0);
 }
+__global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A) { attend_hd128_cta(A); }
+__global__ void __launch_bounds__(kAttendThreads, 1)
+    attend_hd128_inline_kernel(const __grid_constant__ InlineArgs A) {
+  attend_hd128_cta(A);
+}
 
 // ---- A warp a split ---------------------------------------------------------
 
@@ -506,7 +513,9 @@ __device__ __forceinline__ void issue_sequence_tile(const AttendParams& P, const
 // its run in turn (warp w the run's splits w, w + kWarpSplitWarps, ...),
 // publish them, and the run arrives once at its end (arrive_run), whose
 // last arrival combines as the CTA kernel's.
-__global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel(const KernelArgs A) {
+// The body of both launches' kernels (KernelArgs, InlineArgs).
+template <class Args>
+__device__ __forceinline__ void attend_hd128_warps(const Args& A) {
   enter_dependent();
   constexpr int HD = kTensorHeadDim;
   static_assert(kSplitTiles == kAttendWarps, "a split is one tile for each warp of the CTA kernel");
@@ -516,7 +525,7 @@ __global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel
   extern __shared__ uint4 smem_raw[];
   WarpSplitSmem& S = *reinterpret_cast<WarpSplitSmem*>(smem_raw);
   QueryRange r;
-  if (!query_range(F, P, r)) return;
+  if (!query_range(F, P, launch_items(A), r)) return;
   const HeadSet hs = head_set(F);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -666,6 +675,13 @@ __global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel
   if (r.n_splits == 1) return;
   combine_arrived<true>(S.sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, run_end - 1, S.sh),
                         kTensorHeads, HD, hs.heads_valid, out);
+}
+__global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel(const KernelArgs A) {
+  attend_hd128_warps(A);
+}
+__global__ void __launch_bounds__(kWarpSplitThreads, 2)
+    attend_hd128_warp_inline_kernel(const __grid_constant__ InlineArgs A) {
+  attend_hd128_warps(A);
 }
 
 }  // namespace kvring::cuda

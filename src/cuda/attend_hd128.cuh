@@ -58,6 +58,8 @@ static_assert(offsetof(Warp0Finish, resident) == kPartialBytes &&
               "warp 0's area holds its partial and the resident stage");
 
 __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A);
+__global__ void __launch_bounds__(kAttendThreads, 1)
+    attend_hd128_inline_kernel(const __grid_constant__ InlineArgs A);
 
 // A warp a split (attend_hd128_warp_kernel): for decode launches whose
 // queries all see at most kAttendSplitBand rows, so that every split is one
@@ -88,5 +90,7 @@ struct WarpSplitSmem {
 static_assert(2 * (sizeof(WarpSplitSmem) + 1024) <= 228 * 1024, "two CTAs within an SM's shared memory");
 
 __global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel(const KernelArgs A);
+__global__ void __launch_bounds__(kWarpSplitThreads, 2)
+    attend_hd128_warp_inline_kernel(const __grid_constant__ InlineArgs A);
 
 }  // namespace kvring::cuda

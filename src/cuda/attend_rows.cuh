@@ -2,7 +2,8 @@
 // sequences in one launch, each over its own plane (a slot's sliding ring
 // or a block table into the shared pool) read in place through its ring
 // state, plus the rows of its prefill chunk. Each query finds its item
-// (AttendQueryItem, device memory) by binary search on its index.
+// (AttendQueryItem) by binary search on its index, in the launch's
+// parameters or in device memory (InlineArgs).
 //
 // This header: what a CTA of either kernel works on, the launch's
 // arguments, its query and split, and where the rows of its KV head lie
@@ -52,11 +53,28 @@ struct FirstTiles {
   // arithmetic, and combines in the same tree (launch.cu gives the rule).
   std::int32_t split_run;
 };
+// A launch's arguments: its items in device memory at P.items, or its one
+// item in P.single.
 struct KernelArgs {
   FirstTiles F;
   AttendParams P;
 };
 static_assert(sizeof(KernelArgs) <= 4000, "kernel parameters over 4 KB");
+// The arguments of a launch of several items that carries them (at most
+// kAttendInlineItems) in its parameters: the kernel reads them where the
+// launch put them, so no upload precedes it (P.items is unused). The
+// kernels take these as a __grid_constant__ parameter, whose address is a
+// generic one.
+struct InlineArgs {
+  FirstTiles F;
+  AttendParams P;
+  AttendQueryItem items[kAttendInlineItems];
+};
+static_assert(sizeof(InlineArgs) <= kMaxKernelParamBytes, "kernel parameters over the launch's limit");
+
+// The items a CTA searches: null for a launch of one item in P.single.
+__device__ __forceinline__ const AttendQueryItem* launch_items(const KernelArgs& A) { return A.P.items; }
+__device__ __forceinline__ const AttendQueryItem* launch_items(const InlineArgs& A) { return A.items; }
 
 struct QueryRange {
   int qi;                  // query index in the launch (its row of q and out)
@@ -90,17 +108,18 @@ __device__ __forceinline__ void take_plane(QueryRange& r, const AttendQueryItem&
 // This CTA's query and split, but the split count; false when the split
 // does not exist for its query (the grid is sized for the query with the
 // most splits): a split exists when its first row is visible.
+// `items`: launch_items.
 __device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendParams& P,
-                                            QueryRange& r) {
+                                            const AttendQueryItem* items, QueryRange& r) {
   r.qi = static_cast<int>(F.query_major ? blockIdx.x : blockIdx.z);
   int lo = 0, hi = P.n_items - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (P.items[mid].q_first <= r.qi) lo = mid; else hi = mid - 1;
+    if (items[mid].q_first <= r.qi) lo = mid; else hi = mid - 1;
   }
   // The one item of a launch without descriptors is read by value from the
   // parameters.
-  const AttendQueryItem it = P.items != nullptr ? P.items[lo] : P.single;
+  const AttendQueryItem it = items != nullptr ? items[lo] : P.single;
   const int i = r.qi - it.q_first;
   r.p = it.first_position + i;
   r.lo = max(std::int64_t{0}, r.p - F.reach);

@@ -1056,10 +1056,14 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
   if (b.store_chunk && launches.size() > 1)
     return make_error(ErrorCode::kInternal, "a launch that stores its rows was cut in two");
 
-  // One item travels in the launch's parameters; more through a
-  // descriptor buffer.
+  // One item travels in the launch's parameters as P.single; several in
+  // the launch's parameters too where the policy says so and no launch has
+  // more than kAttendInlineItems (docs/CUDA.md, "Items in the launch"),
+  // else through one descriptor upload.
+  bool in_launch = im.policy.inline_items;
+  for (const Launch& L : launches) in_launch = in_launch && L.count <= cuda::kAttendInlineItems;
   Impl::Chunk* desc = nullptr;
-  if (st.ok() && items.size() > 1) {
+  if (st.ok() && items.size() > 1 && !in_launch) {
     const std::size_t bytes = items.size() * sizeof(cuda::AttendQueryItem);
     auto c = im.take_chunk(bytes, s);
     if (!c) {
@@ -1073,8 +1077,11 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
   for (const Launch& L : launches) {
     if (!st.ok()) break;
     cuda::AttendParams P;
+    const cuda::AttendQueryItem* inline_items = nullptr;
     if (desc != nullptr)
       P.items = reinterpret_cast<const cuda::AttendQueryItem*>(desc->dev) + L.first;
+    else if (L.count > 1)
+      inline_items = &items[L.first];
     else
       P.single = items[L.first];
     P.n_items = static_cast<std::int32_t>(L.count);
@@ -1093,7 +1100,7 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
       P.tagged_ctas = im.tagged_ctas;
       P.clock = reinterpret_cast<cuda::ResidentClock*>(im.tagged + 2 * im.tagged_half);
     }
-    const cudaError_t e = cuda::launch_attend(P, im.policy, s);
+    const cudaError_t e = cuda::launch_attend(P, im.policy, s, inline_items);
     if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
   }
   if (desc != nullptr && st.ok()) st = im.release_chunk(desc, s);

@@ -108,11 +108,14 @@ struct StoreLaunch {
 // it (LaunchPolicy::programmatic).
 cudaError_t launch_store_spans(const StoreLaunch& launch, bool programmatic, cudaStream_t stream);
 
+// The most bytes of parameters a launch takes (CUDA 12.1 on Volta and
+// later).
+inline constexpr std::size_t kMaxKernelParamBytes = 32764;
+
 // A store launch whose descriptors travel in its parameters, with nothing
 // to upload: `bytes` holds the spans (a.n_spans, from offset 0), the table
 // writes (from writes_at) and the block lists (from ids_at); a.spans,
-// a.table_writes and a.block_ids are set by the kernel. Parameters may
-// take 32764 bytes (CUDA 12.1 on Volta and later).
+// a.table_writes and a.block_ids are set by the kernel.
 constexpr std::size_t kStoreInlineBytes = 30 * 1024;
 struct StoreInline {
   StoreLaunch a;
@@ -120,7 +123,7 @@ struct StoreInline {
   std::int64_t ids_at = 0;
   alignas(16) unsigned char bytes[kStoreInlineBytes];
 };
-static_assert(sizeof(StoreInline) <= 32764, "a launch's parameters take at most 32764 bytes");
+static_assert(sizeof(StoreInline) <= kMaxKernelParamBytes, "a launch's parameters take at most 32764 bytes");
 cudaError_t launch_store_inline(const StoreInline& launch, bool programmatic, cudaStream_t stream);
 
 // Source rows [0, rows) of K and of V -> f16 [rows, cols] packed, K's at
@@ -276,6 +279,10 @@ struct AttendQueryItem {
   std::int64_t ws_slot;
   std::int64_t ws_counter;
 };
+// The most items a launch of the f32 numeric carries in its parameters
+// (InlineArgs, attend_rows.cuh); a launch of more reads them from a
+// descriptor upload.
+inline constexpr int kAttendInlineItems = 128;
 
 // The clock of resident grids, in device memory after their tagged words
 // (docs/CUDA.md, "The resident clock"). The low 32 bits of `count` are the
@@ -420,9 +427,11 @@ inline std::int64_t attend_tagged_words(int n_heads, int n_kv_heads, int head_di
 }
 // Launches attention on the current device, on the combine path and in
 // the grid order `policy` gives (launch_policy.h), which counts the launch
-// in policy.stats.
-cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy,
-                          cudaStream_t stream);
+// in policy.stats. `inline_items`: null, or the launch's params.n_items
+// items (host memory, at most kAttendInlineItems), which then travel in the
+// launch's parameters and params.items is not read.
+cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy, cudaStream_t stream,
+                          const AttendQueryItem* inline_items = nullptr);
 
 // A kernel of this build runs on the current device (its image was built
 // for the device's architecture); false with the error cleared otherwise.

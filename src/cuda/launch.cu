@@ -116,10 +116,30 @@ Paths paths_of(dim3 grid, const AttendParams& params, int cluster_limit, std::in
 // `query_major_ok` says so. A launch that is not a resident grid is a
 // programmatic dependent where `programmatic`. A launch of several splits
 // is counted in `stats` (when not null) by the path it took.
-template <class Kernel>
-cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, int resident_ctas,
+//
+// The kernel of a launch: its arguments' two forms (attend_rows.cuh).
+struct Kernels {
+  void (*uploaded)(KernelArgs);  // items at params.items, or one in params.single
+  void (*inlined)(InlineArgs);   // items in the parameters
+};
+
+// cudaLaunchKernelEx of `k` with `cfg`: its items in the parameters where
+// `inline_items` (params.n_items of them) is not null.
+cudaError_t launch_kernel(const cudaLaunchConfig_t& cfg, Kernels k, const FirstTiles& first,
+                          const AttendParams& params, const AttendQueryItem* inline_items) {
+  if (inline_items == nullptr) return cudaLaunchKernelEx(&cfg, k.uploaded, KernelArgs{first, params});
+  InlineArgs args{};
+  args.F = first;
+  args.P = params;
+  args.P.items = nullptr;
+  std::copy_n(inline_items, params.n_items, args.items);
+  return cudaLaunchKernelEx(&cfg, k.inlined, args);
+}
+
+cudaError_t launch(Kernels kernel, int cluster_limit, std::int64_t cluster_ctas, int resident_ctas,
                    bool query_major_ok, int split_run, bool programmatic, dim3 grid, std::size_t smem,
-                   AttendParams params, AttendStats* stats, cudaStream_t stream) {
+                   AttendParams params, const AttendQueryItem* inline_items, AttendStats* stats,
+                   cudaStream_t stream) {
   const auto [resident, cluster] = paths_of(grid, params, cluster_limit, cluster_ctas, resident_ctas);
   params.cluster = cluster ? 1 : 0;
   params.resident = resident ? 1 : 0;
@@ -151,19 +171,22 @@ cudaError_t launch(Kernel kernel, int cluster_limit, std::int64_t cluster_ctas, 
   if (programmatic && !resident) programmatic_attribute(attrs[n_attrs++]);
   cfg.attrs = attrs;
   cfg.numAttrs = n_attrs;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, KernelArgs{first, params});
+  cudaError_t e = launch_kernel(cfg, kernel, first, params, inline_items);
   if (resident && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported ||
                    e == cudaErrorNotPermitted)) {
     (void)cudaGetLastError();
     return launch(kernel, cluster_limit, cluster_ctas, 0, query_major_ok, split_run, programmatic, grid, smem,
-                  params, stats, stream);
+                  params, inline_items, stats, stream);
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
-  } else if (grid.x >= 2 && stats != nullptr) {
-    ++(resident ? stats->resident : cluster ? stats->cluster : stats->last_arrival);
-    if (first.query_major) ++stats->query_major;
-    if (first.split_run > 1) ++stats->split_runs;
+  } else if (stats != nullptr) {
+    if (inline_items != nullptr) ++stats->inline_items;
+    if (grid.x >= 2) {
+      ++(resident ? stats->resident : cluster ? stats->cluster : stats->last_arrival);
+      if (first.query_major) ++stats->query_major;
+      if (first.split_run > 1) ++stats->split_runs;
+    }
   }
   return e;
 }
@@ -193,6 +216,18 @@ int resident_capacity(Kernel kernel, std::size_t smem) {
     return 0;
   }
   return cooperative ? wave_capacity(kernel, smem) : 0;
+}
+
+// Both forms of a kernel (Kernels) opted in to `smem` bytes of dynamic
+// shared memory, and to clusters larger than the portable 8 (max_cluster
+// asks for the uploaded form's itself); the first error, cleared.
+cudaError_t opt_in(void (*uploaded)(KernelArgs), void (*inlined)(InlineArgs), std::size_t smem) {
+  cudaError_t e = cudaFuncSetAttribute(uploaded, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(inlined, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(inlined, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
 }
 
 // What a device offers attention launches, set up once per device: the
@@ -226,9 +261,7 @@ cudaError_t device_setup(DeviceSetup& out) {
   auto it = by_device.find(device);
   if (it == by_device.end()) {
     DeviceSetup s;
-    s.opted_in = cudaFuncSetAttribute(attend_hd128_kernel,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TensorSmem));
-    if (s.opted_in != cudaSuccess) (void)cudaGetLastError();
+    s.opted_in = opt_in(attend_hd128_kernel, attend_hd128_inline_kernel, sizeof(TensorSmem));
     if (s.opted_in == cudaSuccess) {
       const ClusterLimit c = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
       s.policy.hd128_cluster = c.size;
@@ -236,9 +269,7 @@ cudaError_t device_setup(DeviceSetup& out) {
       s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
       s.policy.hd128_wave = wave_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
-    s.warp_opted_in = cudaFuncSetAttribute(attend_hd128_warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           sizeof(WarpSplitSmem));
-    if (s.warp_opted_in != cudaSuccess) (void)cudaGetLastError();
+    s.warp_opted_in = opt_in(attend_hd128_warp_kernel, attend_hd128_warp_inline_kernel, sizeof(WarpSplitSmem));
     if (s.warp_opted_in == cudaSuccess)
       s.policy.hd128_warp_wave = wave_capacity(attend_hd128_warp_kernel, sizeof(WarpSplitSmem), kWarpSplitThreads);
     s.f16_opted_in = cudaFuncSetAttribute(attend_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -249,6 +280,9 @@ cudaError_t device_setup(DeviceSetup& out) {
     if (s.f16_opted_in != cudaSuccess) (void)cudaGetLastError();
     if (s.f16_opted_in == cudaSuccess)
       s.policy.f16_deep_wave = wave_capacity(attend_f16_deep_kernel, f16_smem_bytes(3));
+    if (cudaFuncSetAttribute(attend_general_inline_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+        cudaSuccess)
+      (void)cudaGetLastError();
     const ClusterLimit g = max_cluster(attend_general_kernel, 0);
     s.policy.general_cluster = g.size;
     s.policy.general_cluster_ctas = g.ctas;
@@ -287,7 +321,8 @@ bool takes_warp_splits(const AttendParams& params, const LaunchPolicy& policy, c
 // Launches the warp-split kernel over `grid` (x = split, y = item, z =
 // query), each CTA taking a run of splits (LaunchPolicy::warp_run_for),
 // split-major, combining by last arrival; counted in the policy's stats.
-cudaError_t launch_warp_splits(AttendParams params, const LaunchPolicy& policy, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_warp_splits(AttendParams params, const LaunchPolicy& policy, dim3 grid,
+                               const AttendQueryItem* inline_items, cudaStream_t stream) {
   params.cluster = 0;
   params.resident = 0;
   FirstTiles first = first_tiles(params);
@@ -304,11 +339,13 @@ cudaError_t launch_warp_splits(AttendParams params, const LaunchPolicy& policy, 
   programmatic_attribute(attr);
   cfg.attrs = &attr;
   cfg.numAttrs = policy.programmatic ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, attend_hd128_warp_kernel, KernelArgs{first, params});
+  const cudaError_t e = launch_kernel(cfg, {attend_hd128_warp_kernel, attend_hd128_warp_inline_kernel}, first,
+                                      params, inline_items);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
   } else if (policy.stats != nullptr) {
     ++policy.stats->warp_splits;
+    if (inline_items != nullptr) ++policy.stats->inline_items;
     if (grid.x >= 2) ++policy.stats->last_arrival;
   }
   return e;
@@ -390,9 +427,11 @@ LaunchPolicy device_launch_policy() {
   return s.policy;
 }
 
-cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy,
-                          cudaStream_t stream) {
+cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy, cudaStream_t stream,
+                          const AttendQueryItem* inline_items) {
   if (params.n_queries <= 0) return cudaSuccess;
+  if (inline_items != nullptr && (params.n_items < 1 || params.n_items > kAttendInlineItems))
+    return cudaErrorInvalidValue;
   if (params.own_rows && policy.stats != nullptr) ++policy.stats->own_rows;
   const AttendGrid g = attend_grid(params.n_heads, params.n_kv_heads, params.head_dim);
   const dim3 grid(static_cast<unsigned>(params.max_splits), static_cast<unsigned>(g.items),
@@ -405,16 +444,18 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
   if (params.head_dim == kTensorHeadDim) {
     if (s.opted_in != cudaSuccess) return s.opted_in;
     const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
-    if (takes_warp_splits(params, policy, s, grid)) return launch_warp_splits(params, policy, grid, stream);
-    return launch(attend_hd128_kernel, cluster_limit, policy.cluster_wave(params.head_dim),
+    if (takes_warp_splits(params, policy, s, grid))
+      return launch_warp_splits(params, policy, grid, inline_items, stream);
+    return launch({attend_hd128_kernel, attend_hd128_inline_kernel}, cluster_limit, policy.cluster_wave(params.head_dim),
                   policy.resident_limit(params.head_dim), query_major,
                   policy.split_run_for(ctas, params.max_splits, params.least_splits,
                                        params.n_queries == params.n_items),
-                  policy.programmatic, grid, sizeof(TensorSmem), params, policy.stats, stream);
+                  policy.programmatic, grid, sizeof(TensorSmem), params, inline_items, policy.stats, stream);
   }
   // The general kernel takes one split a CTA.
-  return launch(attend_general_kernel, cluster_limit, policy.cluster_wave(params.head_dim), 0,
-                query_major, 1, policy.programmatic, grid, 0, params, policy.stats, stream);
+  return launch({attend_general_kernel, attend_general_inline_kernel}, cluster_limit,
+                policy.cluster_wave(params.head_dim), 0, query_major, 1, policy.programmatic, grid, 0, params,
+                inline_items, policy.stats, stream);
 }
 
 cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& policy, cudaStream_t stream) {

@@ -30,6 +30,9 @@ struct AttendStats {
   // Launches that also stored their one-token prefills' rows
   // (AttendParams::own_rows).
   long own_rows = 0;
+  // Launches of several items that carried them in their parameters
+  // (LaunchPolicy::inline_items).
+  long inline_items = 0;
 };
 
 // When a last-arrival launch of several queries runs query-major (grid.x
@@ -94,6 +97,11 @@ struct LaunchPolicy {
   // launch with the end of the one before (docs/CUDA.md, "Programmatic
   // launches").
   bool programmatic = false;
+  // Whether an attention launch of several items, at most
+  // kAttendInlineItems (kernels.h), carries them in its parameters; else
+  // they go to the device in a descriptor upload before it, a copy-engine
+  // step the kernel waits for (docs/CUDA.md, "Items in the launch").
+  bool inline_items = true;
   // The device's L2 in bytes (0: unknown, so kPastL2 never holds).
   std::int64_t l2_bytes = 0;
   QueryMajor query_major = QueryMajor::kPastL2;
