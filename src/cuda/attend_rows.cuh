@@ -112,7 +112,10 @@ __device__ __forceinline__ void take_plane(QueryRange& r, const AttendQueryItem&
 __device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendParams& P,
                                             const AttendQueryItem* items, QueryRange& r) {
   r.qi = static_cast<int>(F.query_major ? blockIdx.x : blockIdx.z);
+  // Items hold their queries in order, each at least one; as many items as
+  // queries (a decode) is one query an item, item qi.
   int lo = 0, hi = P.n_items - 1;
+  if (P.n_items == P.n_queries) lo = hi = r.qi;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (items[mid].q_first <= r.qi) lo = mid; else hi = mid - 1;
