@@ -8,6 +8,13 @@
 // streams: a call on another stream than the previous call's first waits
 // (on the device, through an event) for the work enqueued before it.
 //
+// Calls enqueued while a stream is captured into a CUDA graph run when the
+// graph is launched, which the store does not see: launch such a graph in
+// order with the store's other work (on one stream, or ordered by events),
+// never beside it or beside another such graph, since the store's
+// attention launches share its workspace and its resident clock
+// (docs/CUDA.md, "The resident clock").
+//
 // This header needs no CUDA headers, so host-only code can include it.
 #pragma once
 
