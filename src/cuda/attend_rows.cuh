@@ -2,8 +2,8 @@
 // sequences in one launch, each over its own plane (a slot's sliding ring
 // or a block table into the shared pool) read in place through its ring
 // state, plus the rows of its prefill chunk. Each query finds its item
-// (AttendQueryItem) by binary search on its index, in the launch's
-// parameters or in device memory (InlineArgs).
+// (AttendQueryItem, in the launch's parameters or in device memory:
+// InlineArgs): item qi in a decode, else by binary search on its index.
 //
 // This header: what a CTA of either kernel works on, the launch's
 // arguments, its query and split, and where the rows of its KV head lie
