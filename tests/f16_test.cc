@@ -119,4 +119,12 @@ TEST(F16, RowConversionMatchesTheScalarOnEveryInput) {
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// The F16C check reads CPUID itself (clang 14 has no name for it); GCC's
+// builtin answers the same question.
+TEST(F16, F16cCheckAgreesWithTheCompilersBuiltin) {
+  EXPECT_EQ(detail::cpu_has_f16c(), __builtin_cpu_supports("f16c") != 0);
+}
+#endif
+
 }  // namespace kvring

@@ -3,6 +3,7 @@
 #include "kvring/f16.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -38,12 +39,21 @@ __attribute__((target("avx2,f16c"))) void row_f16c(const float* src, std::uint16
 }
 
 bool has_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool yes = __builtin_cpu_supports("avx2") && cpu_has_f16c();
   return yes;
 }
 
 }  // namespace
 #endif
+
+bool cpu_has_f16c() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+#else
+  return false;
+#endif
+}
 
 void f32_to_f16_row(const float* src, std::uint16_t* dst, std::int64_t n) {
 #if defined(__x86_64__)

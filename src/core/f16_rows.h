@@ -12,4 +12,9 @@ void f32_to_f16_row(const float* src, std::uint16_t* dst, std::int64_t n);
 // The same, without the F16C path (for tests that compare the two).
 void f32_to_f16_row_scalar(const float* src, std::uint16_t* dst, std::int64_t n);
 
+// Whether the processor has F16C (CPUID leaf 1, ECX bit 29), asked of the
+// processor itself: not every compiler's __builtin_cpu_supports knows the
+// name (clang 14 rejects it). False off x86-64.
+bool cpu_has_f16c();
+
 }  // namespace kvring::detail

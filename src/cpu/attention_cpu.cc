@@ -15,6 +15,7 @@
 #define KVRING_ATTEND_X86 0
 #endif
 
+#include "core/f16_rows.h"
 #include "kvring/f16.h"
 #include "kvring/store.h"
 #include "parallel.h"
@@ -669,8 +670,8 @@ constexpr Kernels kAvx512Kernels{scores_avx512, weights_avx2, weights_f16_avx2, 
 
 bool cpu_has(AttentionIsa isa) {
   if (isa == AttentionIsa::kScalar) return true;
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && detail::cpu_has_f16c();
   if (isa == AttentionIsa::kAvx2) return avx2;
   return avx2 && __builtin_cpu_supports("avx512f");
 }
