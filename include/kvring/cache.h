@@ -85,9 +85,6 @@ class KvCache {
   SeqId seq_;
 };
 
-// First visible logical position for a query at `position` on `kind`.
-std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position);
-
 // `context` 0 means the model's max_context; otherwise it must lie in
 // [1, max_context].
 Result<std::int64_t> resolve_context(const ModelConfig& config, std::int64_t context);

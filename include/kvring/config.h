@@ -66,6 +66,9 @@ struct ModelConfig {
   std::string fingerprint_hex() const;
 };
 
+// First visible logical position for a query at `position` on `kind`.
+std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position);
+
 // Presets by name; "muse-glimmer" is the reference geometry.
 Result<ModelConfig> preset_config(std::string_view name);
 std::vector<std::string> preset_names();

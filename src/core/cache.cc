@@ -1,15 +1,8 @@
 #include "kvring/cache.h"
 
-#include <algorithm>
-
 #include "kvring/backend.h"
 
 namespace kvring {
-
-std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position) {
-  if (kind == LayerKind::kFullNope) return 0;
-  return std::max<std::int64_t>(0, position - config.sliding_window + 1);
-}
 
 Result<std::int64_t> resolve_context(const ModelConfig& config, std::int64_t context) {
   if (context == 0) return config.max_context;

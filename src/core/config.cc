@@ -1,5 +1,6 @@
 #include "kvring/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -32,6 +33,11 @@ std::int64_t ModelConfig::plane_capacity(LayerKind k, std::int64_t context) cons
 
 std::int64_t ModelConfig::plane_capacity(std::int64_t layer, std::int64_t context) const {
   return plane_capacity(kind(layer), context);
+}
+
+std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position) {
+  if (kind == LayerKind::kFullNope) return 0;
+  return std::max<std::int64_t>(0, position - config.sliding_window + 1);
 }
 
 namespace {
