@@ -122,6 +122,9 @@ struct Kernels {
   void (*uploaded)(KernelArgs);  // items at params.items, or one in params.single
   void (*inlined)(InlineArgs);   // items in the parameters
 };
+const Kernels kTensorKernels{attend_hd128_kernel, attend_hd128_inline_kernel};
+const Kernels kWarpSplitKernels{attend_hd128_warp_kernel, attend_hd128_warp_inline_kernel};
+const Kernels kGeneralKernels{attend_general_kernel, attend_general_inline_kernel};
 
 // cudaLaunchKernelEx of `k` with `cfg`: its items in the parameters where
 // `inline_items` (params.n_items of them) is not null.
@@ -218,14 +221,16 @@ int resident_capacity(Kernel kernel, std::size_t smem) {
   return cooperative ? wave_capacity(kernel, smem) : 0;
 }
 
-// Both forms of a kernel (Kernels) opted in to `smem` bytes of dynamic
-// shared memory, and to clusters larger than the portable 8 (max_cluster
-// asks for the uploaded form's itself); the first error, cleared.
-cudaError_t opt_in(void (*uploaded)(KernelArgs), void (*inlined)(InlineArgs), std::size_t smem) {
-  cudaError_t e = cudaFuncSetAttribute(uploaded, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(inlined, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e == cudaSuccess) e = cudaFuncSetAttribute(inlined, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+// Both forms of a kernel opted in to `smem` bytes of dynamic shared memory
+// (0: the default, no opt-in) and to clusters larger than the portable 8
+// (max_cluster asks for the uploaded form's itself); the first error,
+// cleared.
+cudaError_t opt_in(Kernels k, std::size_t smem) {
+  cudaError_t e = cudaSuccess;
+  for (const void* f : {reinterpret_cast<const void*>(k.uploaded), reinterpret_cast<const void*>(k.inlined)})
+    if (e == cudaSuccess && smem > 0)
+      e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(k.inlined, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (e != cudaSuccess) (void)cudaGetLastError();
   return e;
 }
@@ -261,7 +266,7 @@ cudaError_t device_setup(DeviceSetup& out) {
   auto it = by_device.find(device);
   if (it == by_device.end()) {
     DeviceSetup s;
-    s.opted_in = opt_in(attend_hd128_kernel, attend_hd128_inline_kernel, sizeof(TensorSmem));
+    s.opted_in = opt_in(kTensorKernels, sizeof(TensorSmem));
     if (s.opted_in == cudaSuccess) {
       const ClusterLimit c = max_cluster(attend_hd128_kernel, sizeof(TensorSmem));
       s.policy.hd128_cluster = c.size;
@@ -269,7 +274,7 @@ cudaError_t device_setup(DeviceSetup& out) {
       s.policy.hd128_resident = resident_capacity(attend_hd128_kernel, sizeof(TensorSmem));
       s.policy.hd128_wave = wave_capacity(attend_hd128_kernel, sizeof(TensorSmem));
     }
-    s.warp_opted_in = opt_in(attend_hd128_warp_kernel, attend_hd128_warp_inline_kernel, sizeof(WarpSplitSmem));
+    s.warp_opted_in = opt_in(kWarpSplitKernels, sizeof(WarpSplitSmem));
     if (s.warp_opted_in == cudaSuccess)
       s.policy.hd128_warp_wave = wave_capacity(attend_hd128_warp_kernel, sizeof(WarpSplitSmem), kWarpSplitThreads);
     s.f16_opted_in = cudaFuncSetAttribute(attend_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -280,9 +285,7 @@ cudaError_t device_setup(DeviceSetup& out) {
     if (s.f16_opted_in != cudaSuccess) (void)cudaGetLastError();
     if (s.f16_opted_in == cudaSuccess)
       s.policy.f16_deep_wave = wave_capacity(attend_f16_deep_kernel, f16_smem_bytes(3));
-    if (cudaFuncSetAttribute(attend_general_inline_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
-        cudaSuccess)
-      (void)cudaGetLastError();
+    (void)opt_in(kGeneralKernels, 0);
     const ClusterLimit g = max_cluster(attend_general_kernel, 0);
     s.policy.general_cluster = g.size;
     s.policy.general_cluster_ctas = g.ctas;
@@ -339,8 +342,7 @@ cudaError_t launch_warp_splits(AttendParams params, const LaunchPolicy& policy, 
   programmatic_attribute(attr);
   cfg.attrs = &attr;
   cfg.numAttrs = policy.programmatic ? 1 : 0;
-  const cudaError_t e = launch_kernel(cfg, {attend_hd128_warp_kernel, attend_hd128_warp_inline_kernel}, first,
-                                      params, inline_items);
+  const cudaError_t e = launch_kernel(cfg, kWarpSplitKernels, first, params, inline_items);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // reported here, not by a later call
   } else if (policy.stats != nullptr) {
@@ -446,14 +448,14 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
     const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
     if (takes_warp_splits(params, policy, s, grid))
       return launch_warp_splits(params, policy, grid, inline_items, stream);
-    return launch({attend_hd128_kernel, attend_hd128_inline_kernel}, cluster_limit, policy.cluster_wave(params.head_dim),
+    return launch(kTensorKernels, cluster_limit, policy.cluster_wave(params.head_dim),
                   policy.resident_limit(params.head_dim), query_major,
                   policy.split_run_for(ctas, params.max_splits, params.least_splits,
                                        params.n_queries == params.n_items),
                   policy.programmatic, grid, sizeof(TensorSmem), params, inline_items, policy.stats, stream);
   }
   // The general kernel takes one split a CTA.
-  return launch({attend_general_kernel, attend_general_inline_kernel}, cluster_limit,
+  return launch(kGeneralKernels, cluster_limit,
                 policy.cluster_wave(params.head_dim), 0, query_major, 1, policy.programmatic, grid, 0, params,
                 inline_items, policy.stats, stream);
 }
