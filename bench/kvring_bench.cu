@@ -221,17 +221,25 @@ double median(std::vector<double> v) {
 }
 
 // Median microseconds of `enqueue` between two events on `stream`, after
-// `warmup` untimed runs; `before` (untimed, same stream) runs first each time.
+// rounds of `warmup` untimed runs until `warm_ms` have passed (one round when
+// 0); `before` (untimed, same stream) runs first each time. A call that can
+// repeat without end, as a decode at a fixed position, warms up for 100 ms:
+// the first milliseconds of calls on a store just made and filled can run
+// slower than every later one (docs/PERFORMANCE.md, "A warm-up of 100 ms").
 double time_us(cudaStream_t stream, int warmup, int runs, const std::function<void()>& enqueue,
-               const std::function<void()>& before = {}) {
+               const std::function<void()>& before = {}, double warm_ms = 0) {
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
-  for (int i = 0; i < warmup; ++i) {
-    if (before) before();
-    enqueue();
-  }
-  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const auto warm_start = std::chrono::steady_clock::now();
+  const std::chrono::duration<double, std::milli> warm_for(warm_ms);
+  do {
+    for (int i = 0; i < warmup; ++i) {
+      if (before) before();
+      enqueue();
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+  } while (warmup > 0 && std::chrono::steady_clock::now() - warm_start < warm_for);
   std::vector<double> t;
   for (int i = 0; i < runs; ++i) {
     if (before) before();
@@ -995,17 +1003,14 @@ int main(int argc, char** argv) {
         check(st->attend_decode(layer, qs, kvring::device_view(q, nq, qn), kvring::device_view(out, nq, qn)),
               "decode");
       };
-      add({name, time_us(cs, 5, reps, call, [&] { read_flush(cs); }), bytes, "D2D copy", d2d, target, -1});
+      // The store's first calls, before any warm-up.
+      const double first_us = time_us(cs, 0, 10, call, [&] { read_flush(cs); });
+      add({name, time_us(cs, 5, reps, call, [&] { read_flush(cs); }, 100), bytes, "D2D copy", d2d, target, -1});
       if (need > 0) judge(rows.back().ratio() >= need);
       std::printf("  %.1f%% of the read ceiling (%.1f GB/s)\n", 100 * rows.back().gbs() / read_gbs, read_gbs);
+      std::printf("  the first 10 calls after the fill: %.2f us\n", first_us);
       std::printf("  host time in the call: %.2f us\n",
                   enqueue_us(20, call, [&] { CHECK_CUDA(cudaStreamSynchronize(cs)); }));
-      // The same cold call enqueued behind busy work and the flush, so that
-      // the host's part of it overlaps device work: its device time alone.
-      std::printf("  device time, cold L2: %.2f us\n", time_us(cs, 3, reps, call, [&] {
-                    busy(cs);
-                    read_flush(cs);
-                  }));
       // The same call without the cache flush before it, and ten calls back
       // to back (per call).
       std::printf("  warm L2: %.2f us; back to back: %.2f us a call\n", time_us(cs, 3, 20, call),

@@ -34,6 +34,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,15 @@ import torch.nn.functional as F
 def time_us(fn, runs, flush):
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        flush()
-        fn()
-    torch.cuda.synchronize()
+    # Warm-up: rounds of 5 runs until 100 ms have passed, as kvring-bench.
+    warm_start = time.monotonic()
+    while True:
+        for _ in range(5):
+            flush()
+            fn()
+        torch.cuda.synchronize()
+        if time.monotonic() - warm_start >= 0.1:
+            break
     times = []
     for _ in range(runs):
         flush()
