@@ -706,7 +706,7 @@ int main(int argc, char** argv) {
                      check(c->attend_decode_device(layer, n - 1, q, out), "decode");
                      layer = layer + 4 < L ? layer + 4 : 3;  // the 13 full layers in turn
                    },
-                   flush_c),
+                   flush_c, 100),
            static_cast<double>(n) * 1024, "D2D copy", d2d, target ? ">= 80% of copy" : "", -1});
       if (target) judge(rows.back().ratio() >= 0.80);
     }
@@ -718,7 +718,7 @@ int main(int argc, char** argv) {
                      check(c->attend_decode_device(layer, ctx - 1, q, out), "decode");
                      layer = layer + 4 < L ? layer + 4 : 3;
                    },
-                   write_flush_c),
+                   write_flush_c, 100),
            static_cast<double>(ctx) * 1024, "D2D copy", d2d});
     }
     {
@@ -801,12 +801,13 @@ int main(int argc, char** argv) {
     };
     auto flush_c = [&] { read_flush(cs); };
     add({"decode wrapped 2048-row sliding ring (cold L2)",
-         time_us(cs, 5, reps * 4, [&] { check(c->attend_decode_device(layer, n - 1, q, out), "decode"); next_sliding(); }, flush_c),
+         time_us(cs, 5, reps * 4, [&] { check(c->attend_decode_device(layer, n - 1, q, out), "decode"); next_sliding(); }, flush_c,
+                 100),
          2048.0 * 1024, "D2D copy", d2d, "< 10 us", -1});
     judge(rows.back().us < 10.0);
     add({"decode wrapped 2048-row ring, write-evicted L2",
          time_us(cs, 5, reps * 4, [&] { check(c->attend_decode_device(layer, n - 1, q, out), "decode"); next_sliding(); },
-                 [&] { write_flush(cs); }),
+                 [&] { write_flush(cs); }, 100),
          2048.0 * 1024, "D2D copy", d2d});
     add({"decode wrapped 2048-row sliding ring (warm L2)",
          time_us(cs, 5, reps * 4, [&] { check(c->attend_decode_device(0, n - 1, q, out), "decode"); }),
