@@ -121,8 +121,7 @@ __device__ __forceinline__ void attend_general(const Args& A) {
     if (d < hd) warp_o[warp][d] = o[i];
   }
   __syncthreads();
-  finish<false>(P, sh, &inbox, nullptr, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, r.split, 1,
-                1, head);
+  finish(P, sh, &inbox, WarpOutputs{warp_o[0], kGeneralMaxHeadDim}, r, r.split, 1, 1, head);
 }
 __global__ void __launch_bounds__(kAttendThreads, 2) attend_general_kernel(const KernelArgs A) { attend_general(A); }
 __global__ void __launch_bounds__(kAttendThreads, 2)

@@ -435,8 +435,7 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<float2*>(po + rotated_column(8 * j, g)) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
       __syncthreads();
-      publish_in_run(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0] + stage_off), kWarpArea / 4, true}, r,
-                     kTensorHeads);
+      publish_in_run(P, sh, WarpOutputs{reinterpret_cast<const float*>(S.area[0] + stage_off), kWarpArea / 4, true}, r);
       ++r.split;
       split_end += r.split_rows;
       m = -INFINITY;
@@ -462,9 +461,9 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
     *reinterpret_cast<float2*>(so + rotated_column(8 * j, g)) = make_float2(o[j][0] + o[j][2], o[j][1] + o[j][3]);
   __syncthreads();
   const int run_first = static_cast<int>(F.query_major ? blockIdx.z : blockIdx.x) * F.split_run;
-  finish<true>(P, sh, &S.inbox, &reinterpret_cast<Warp0Finish*>(S.area[0])->resident,
+  finish_heads(P, sh, &S.inbox, &reinterpret_cast<Warp0Finish*>(S.area[0])->resident,
                WarpOutputs{reinterpret_cast<const float*>(S.area[0]), kWarpArea / 4, true}, r, run_first,
-               kTensorHeads, hs.heads_valid, hs.head0);
+               hs.heads_valid, hs.head0);
 }
 __global__ void __launch_bounds__(kAttendThreads, 1) attend_hd128_kernel(const KernelArgs A) { attend_hd128_cta(A); }
 __global__ void __launch_bounds__(kAttendThreads, 1)

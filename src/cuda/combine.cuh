@@ -83,6 +83,49 @@ __device__ __forceinline__ float4 cta_value4(const Shared& sh, WarpOutputs wo, i
   return o;
 }
 
+// The tensor-core kernel has one warp a query head (kTensorHeads ==
+// kAttendWarps, head_dim 128 = 4 elements a lane), and warp h finishes head
+// h itself: combine_warps' steps for the head in the same order, its
+// lanes handing the warps' (m, l) round by shuffles, so no barrier stands
+// between the weights and the partial's elements and no thread waits for
+// 8 others' chains. The bits are those of combine_warps and cta_value4.
+struct HeadWeights {
+  float max, sum;
+  float wt[kAttendWarps];
+};
+__device__ __forceinline__ HeadWeights head_weights(const Shared& sh, int h, int lane) {
+  static_assert(kTensorHeads == kAttendWarps && kTensorHeadDim == 4 * 32, "a warp a head, 4 elements a lane");
+  const float my_m = lane < kAttendWarps ? sh.m[lane][h] : -INFINITY;
+  const float my_l = lane < kAttendWarps ? sh.l[lane][h] : 0.0f;
+  HeadWeights hw;
+  hw.max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kAttendWarps; ++w) hw.max = fmaxf(hw.max, __shfl_sync(kFullMask, my_m, w));
+  const float my_wt = weight_of(my_m, hw.max);
+  hw.sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kAttendWarps; ++w) {
+    hw.wt[w] = __shfl_sync(kFullMask, my_wt, w);
+    hw.sum = __fmaf_rn(__shfl_sync(kFullMask, my_l, w), hw.wt[w], hw.sum);
+  }
+  return hw;
+}
+// Elements 4 lane .. 4 lane + 3 of head h of the CTA's result (rotated
+// warp outputs, head_dim 128), as cta_value4 gives them.
+__device__ __forceinline__ float4 head_value4(WarpOutputs wo, const HeadWeights& hw, int h, int lane) {
+  const int at = h * kTensorHeadDim + rotated_column(4 * lane, h);
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int w = 0; w < kAttendWarps; ++w) {
+    const float4 v = *reinterpret_cast<const float4*>(wo.o + w * wo.stride + at);
+    o.x = __fmaf_rn(v.x, hw.wt[w], o.x);
+    o.y = __fmaf_rn(v.y, hw.wt[w], o.y);
+    o.z = __fmaf_rn(v.z, hw.wt[w], o.z);
+    o.w = __fmaf_rn(v.w, hw.wt[w], o.w);
+  }
+  return o;
+}
+
 // The split partials of an item in the global workspace (the last-arrival
 // combine's; a cluster's lie in its ranks' inboxes, ClusterInbox below).
 struct GlobalPartials {
@@ -391,7 +434,7 @@ __device__ __forceinline__ void gather_unit(const std::uint64_t* src, int total,
 // finished early are combined while the last split is still running; then
 // a thread per unit combines the groups. Every CTA of the grid is resident,
 // so every wait ends.
-static __device__ void finish_resident(const AttendParams& P, const Shared& sh, WarpOutputs wo,
+static __device__ void finish_resident(const AttendParams& P, const Shared& sh, const HeadWeights& hw, float4 v,
                                 ResidentStage& stage, const QueryRange& r, int heads,
                                 int heads_valid, float* out) {
   const int tid = static_cast<int>(threadIdx.x);
@@ -406,12 +449,14 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
   std::uint64_t* item = P.tagged + ((clock >> 32) & 1) * P.tagged_half +
                         ((static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x) * words;
   {
-    // (A loop, not unrolled: one copy of its code to fetch.)
+    // Warp h's head: its elements 4 a lane, and its (m, l).
     std::uint64_t* mine = item + r.split * words;
-#pragma unroll 1
-    for (int i = 2 * tid; i < heads_valid * hd; i += 2 * blockDim.x)
-      store_tagged2(mine + i, cta_value(sh, wo, i, i / hd), cta_value(sh, wo, i + 1, i / hd), epoch);
-    if (tid < heads_valid) store_tagged2(mine + total + 2 * tid, sh.head_m[tid], sh.head_l[tid], epoch);
+    const int h = tid >> 5;
+    if (h < heads_valid) {
+      store_tagged2(mine + 4 * tid, v.x, v.y, epoch);
+      store_tagged2(mine + 4 * tid + 2, v.z, v.w, epoch);
+      if ((tid & 31) == 0) store_tagged2(mine + total + 2 * h, hw.max, hw.sum, epoch);
+    }
   }
   const int units = heads_valid * hd / 4;
   const int share = (units + n - 1) / n;
@@ -608,6 +653,17 @@ __device__ __forceinline__ void combine_arrived(Shared& sh, const Workspace& ws,
     if ((done >> group) & 1u) group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out);
 }
 
+// Warp h's share of the split's partial in the workspace (head h's
+// elements and (m, l), as publish_split writes them).
+__device__ __forceinline__ void publish_head(const Workspace& ws, const QueryRange& r, float4 v,
+                                             const HeadWeights& hw, int h, int lane) {
+  reinterpret_cast<float4*>(ws.o + static_cast<std::int64_t>(r.split) * kPartFloats)[threadIdx.x] = v;
+  if (lane == 0) {
+    ws.ml[(r.split * kTensorHeads + h) * 2] = hw.max;
+    ws.ml[(r.split * kTensorHeads + h) * 2 + 1] = hw.sum;
+  }
+}
+
 // The finish of a split that another split of the CTA's run follows (the
 // tensor-core kernel's last-arrival launches; launch.cu): its partial goes
 // out, exactly as a CTA of that one split would publish it, and is counted
@@ -615,29 +671,85 @@ __device__ __forceinline__ void combine_arrived(Shared& sh, const Workspace& ws,
 // no fence, atomic or combine runs inside the tile loop. With one level the
 // split could never be the last arrival anyway (the run's next split has
 // not arrived); with two, the group it completes is combined after the
-// run's last split. The closing barrier keeps the warps' partials until
-// every thread has read them.
-__device__ __forceinline__ void publish_in_run(const AttendParams& P, Shared& sh, WarpOutputs wo,
-                                               const QueryRange& r, int heads) {
-  combine_warps(sh, heads);
-  publish_split(sh, wo, r, workspace_of(P, r, heads), heads, P.head_dim);
+// run's last split. The warps' (m, l) and outputs are complete (a barrier
+// before); the closing barrier keeps the warps' outputs until every thread
+// has read them.
+__device__ __forceinline__ void publish_in_run(const AttendParams& P, const Shared& sh, WarpOutputs wo,
+                                               const QueryRange& r) {
+  const int h = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const HeadWeights hw = head_weights(sh, h, lane);
+  publish_head(workspace_of(P, r, kTensorHeads), r, head_value4(wo, hw, h, lane), hw, h, lane);
   __syncthreads();
 }
 
-// Combines the CTA's warp partials (in sh, after a barrier) for `heads`
-// query heads head0.. of `heads_valid` real ones, and either writes the
-// output (one split) or the split's partial, which is combined with the
-// others in the fixed tree: as a resident grid (finish_resident), through
-// the cluster's shared memory when the item's splits form one cluster
-// (each CTA then writes a share of the output), else through the global
+// The tensor-core kernel's finish: the paths of finish (the general
+// kernel's, below) and the resident grid's (finish_resident), each warp
+// taking its head's weights and elements itself (HeadWeights), so the bits
+// are those combine_warps gives and no barrier stands between the weights
+// and the partial.
+__device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, ClusterInbox* inbox,
+                                             ResidentStage* stage, WarpOutputs wo, const QueryRange& r,
+                                             int run_first, int heads_valid, int head0) {
+  constexpr int heads = kTensorHeads, hd = kTensorHeadDim;
+  const int tid = static_cast<int>(threadIdx.x), h = tid >> 5, lane = tid & 31;
+  const HeadWeights hw = head_weights(sh, h, lane);
+  const float4 v = head_value4(wo, hw, h, lane);
+  float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride + static_cast<std::int64_t>(head0) * hd;
+  if (r.n_splits == 1 && !P.cluster) {
+    if (h < heads_valid) {
+      float* o = out + 4 * tid;
+      o[0] = v.x / hw.sum;
+      o[1] = v.y / hw.sum;
+      o[2] = v.z / hw.sum;
+      o[3] = v.w / hw.sum;
+    }
+    if (P.resident && tid < 32) clock_advance_if_last(P, sh.clock, tid == 0 ? clock_arrive(P) : 0);
+    return;
+  }
+  if (P.resident) {
+    finish_resident(P, sh, hw, v, *stage, r, heads, heads_valid, out);
+    return;
+  }
+  if (P.cluster) {
+    // As finish's cluster path: warp h stores its head's (m, l) into every
+    // rank's inbox (lane s to rank s), each thread its 4 elements into their
+    // rank's.
+    const int n = r.n_splits;
+    const int valid = heads_valid * hd;
+    const int units = valid / 4;
+    const int share = (units + n - 1) / n;
+    const int stride = 4 * share;
+    cluster_wait();  // every CTA of the cluster runs: its shared memory takes stores
+    if (lane < n)
+      store_cluster(cluster_address(&inbox->ml[r.split][h][0], static_cast<unsigned>(lane)), make_float2(hw.max, hw.sum));
+    const int e = 4 * tid;
+    if (e < valid) {
+      const int rank = e / stride;
+      store_cluster(cluster_address(inbox->o + r.split * stride + e - rank * stride, static_cast<unsigned>(rank)), v);
+    }
+    cluster_sync();  // this CTA's stores released to their ranks, the others' acquired
+    const int begin = min(r.split * share, units) * 4;
+    const int end = min((r.split + 1) * share * 4, valid);
+    combine_splits<true>(InboxPartials{inbox, stride, begin}, out, n, heads, hd, begin, end);
+    return;
+  }
+  const Workspace ws = workspace_of(P, r, heads);
+  publish_head(ws, r, v, hw, h, lane);
+  combine_arrived<true>(sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, r.split, sh), heads, hd,
+                        heads_valid, out);
+}
+
+// The general kernel's finish: combines the CTA's warp partials (in sh,
+// after a barrier) for `heads` query heads head0.. of `heads_valid` real
+// ones, and either writes the output (one split) or the split's partial,
+// which is combined with the others in the fixed tree: through the
+// cluster's shared memory when the item's splits form one cluster (each
+// CTA then writes a share of the output), else through the global
 // workspace by the last split to arrive, a CTA's run of splits
 // [run_first, r.split] counted in at once (arrive_run). `inbox` is the
-// CTA's inbox of a cluster combine, `stage` its resident stage (kVec only:
-// null in the general kernel).
-template <bool kVec>
-__device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, ResidentStage* stage,
-                       WarpOutputs wo, const QueryRange& r, int run_first, int heads,
-                       int heads_valid, int head0) {
+// CTA's inbox of a cluster combine.
+static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, WarpOutputs wo,
+                              const QueryRange& r, int run_first, int heads, int heads_valid, int head0) {
   const int hd = P.head_dim;
   const int tid = static_cast<int>(threadIdx.x);
   combine_warps(sh, heads);
@@ -652,12 +764,6 @@ __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, R
     return;
   }
 
-  if constexpr (kVec) {
-    if (P.resident) {
-      finish_resident(P, sh, wo, *stage, r, heads, heads_valid, out);
-      return;
-    }
-  }
   if (P.cluster) {
     // Rank s writes the s-th share of the output, in whole float4 units,
     // from its inbox: every split stores its (m, l) and its values of the
@@ -675,7 +781,7 @@ __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, R
                     make_float2(sh.head_m[h], sh.head_l[h]));
     }
     // Element e belongs to rank e / stride ((e / 4) / share).
-    if (kVec || hd % 4 == 0) {
+    if (hd % 4 == 0) {
       for (int e = 4 * tid; e < valid; e += 4 * static_cast<int>(blockDim.x)) {
         const int rank = e / stride;
         store_cluster(cluster_address(inbox->o + r.split * stride + e - rank * stride, static_cast<unsigned>(rank)),
@@ -691,14 +797,14 @@ __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, R
     cluster_sync();  // this CTA's stores released to their ranks, the others' acquired
     const int begin = min(r.split * share, units) * 4;
     const int end = min((r.split + 1) * share * 4, valid);
-    combine_splits<kVec>(InboxPartials{inbox, stride, begin}, out, n, heads, hd, begin, end);
+    combine_splits<false>(InboxPartials{inbox, stride, begin}, out, n, heads, hd, begin, end);
     return;
   }
 
   // Global workspace: this split's partial, then arrivals counted.
   const Workspace ws = workspace_of(P, r, heads);
   publish_split(sh, wo, r, ws, heads, hd);
-  combine_arrived<kVec>(sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, r.split, sh), heads,
+  combine_arrived<false>(sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, r.split, sh), heads,
                         hd, heads_valid, out);
 }
 
