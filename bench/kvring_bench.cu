@@ -224,8 +224,9 @@ double median(std::vector<double> v) {
 // rounds of `warmup` untimed runs until `warm_ms` have passed (one round when
 // 0); `before` (untimed, same stream) runs first each time. A call that can
 // repeat without end, as a decode at a fixed position, warms up for 100 ms:
-// the first milliseconds of calls on a store just made and filled can run
-// slower than every later one (docs/PERFORMANCE.md, "A warm-up of 100 ms").
+// calls in the first 25-40 ms after a store's memory is allocated can run
+// slower than every later one, whatever the device does in between
+// (docs/PERFORMANCE.md, "A warm-up of 100 ms" and "A warp a head").
 double time_us(cudaStream_t stream, int warmup, int runs, const std::function<void()>& enqueue,
                const std::function<void()>& before = {}, double warm_ms = 0) {
   cudaEvent_t e0, e1;
@@ -707,8 +708,8 @@ int main(int argc, char** argv) {
                      layer = layer + 4 < L ? layer + 4 : 3;  // the 13 full layers in turn
                    },
                    flush_c, 100),
-           static_cast<double>(n) * 1024, "D2D copy", d2d, target ? ">= 80% of copy" : "", -1});
-      if (target) judge(rows.back().ratio() >= 0.80);
+           static_cast<double>(n) * 1024, "D2D copy", d2d, target ? ">= 83% of copy" : "", -1});
+      if (target) judge(rows.back().ratio() >= 0.83);
     }
     {
       int layer = 3;
