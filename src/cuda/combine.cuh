@@ -161,6 +161,19 @@ struct InboxPartials {
   }
   __device__ float o1(int s, int i) const { return in->o[s * stride + i - begin]; }
 };
+// Rank `rank`'s share of `valid` output elements among n splits, in whole
+// float4 units: element e belongs to rank e / stride, and rank s combines
+// [begin, end).
+struct InboxShare {
+  int stride, begin, end;
+  __device__ InboxShare(int rank, int n, int valid) {
+    const int units = (valid + 3) / 4;
+    const int share = (units + n - 1) / n;
+    stride = 4 * share;
+    begin = min(rank * share, units) * 4;
+    end = min((rank + 1) * share * 4, valid);
+  }
+};
 
 // Combines the n split partials of an item and writes output elements
 // [begin, end) (of heads_valid * hd). Each thread loads every split's m of
@@ -716,9 +729,8 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
     // rank's.
     const int n = r.n_splits;
     const int valid = heads_valid * hd;
-    const int units = valid / 4;
-    const int share = (units + n - 1) / n;
-    const int stride = 4 * share;
+    const InboxShare share(r.split, n, valid);
+    const int stride = share.stride;
     cluster_wait();  // every CTA of the cluster runs: its shared memory takes stores
     if (lane < n)
       store_cluster(cluster_address(&inbox->ml[r.split][h][0], static_cast<unsigned>(lane)), make_float2(hw.max, hw.sum));
@@ -728,9 +740,7 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
       store_cluster(cluster_address(inbox->o + r.split * stride + e - rank * stride, static_cast<unsigned>(rank)), v);
     }
     cluster_sync();  // this CTA's stores released to their ranks, the others' acquired
-    const int begin = min(r.split * share, units) * 4;
-    const int end = min((r.split + 1) * share * 4, valid);
-    combine_splits<true>(InboxPartials{inbox, stride, begin}, out, n, heads, hd, begin, end);
+    combine_splits<true>(InboxPartials{inbox, stride, share.begin}, out, n, heads, hd, share.begin, share.end);
     return;
   }
   const Workspace ws = workspace_of(P, r, heads);
@@ -747,7 +757,8 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
 // CTA then writes a share of the output), else through the global
 // workspace by the last split to arrive, a CTA's run of splits
 // [run_first, r.split] counted in at once (arrive_run). `inbox` is the
-// CTA's inbox of a cluster combine.
+// CTA's inbox of a cluster combine. The general kernel is never a resident
+// grid (LaunchPolicy::resident_limit), so no path here reads the clock.
 static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* inbox, WarpOutputs wo,
                               const QueryRange& r, int run_first, int heads, int heads_valid, int head0) {
   const int hd = P.head_dim;
@@ -760,7 +771,6 @@ static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* i
       const int h = i / hd;
       out[i] = cta_value(sh, wo, i, h) / sh.head_l[h];
     }
-    if (P.resident && tid < 32) clock_advance_if_last(P, sh.clock, tid == 0 ? clock_arrive(P) : 0);
     return;
   }
 
@@ -771,9 +781,8 @@ static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* i
     // barrier releases them to s, and no CTA reads another's memory.
     const int n = r.n_splits;
     const int valid = heads_valid * hd;
-    const int units = (valid + 3) / 4;
-    const int share = (units + n - 1) / n;
-    const int stride = 4 * share;
+    const InboxShare share(r.split, n, valid);
+    const int stride = share.stride;
     cluster_wait();  // every CTA of the cluster runs: its shared memory takes stores
     for (int i = tid; i < n * heads; i += blockDim.x) {
       const int rank = i / heads, h = i % heads;
@@ -795,9 +804,7 @@ static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* i
       }
     }
     cluster_sync();  // this CTA's stores released to their ranks, the others' acquired
-    const int begin = min(r.split * share, units) * 4;
-    const int end = min((r.split + 1) * share * 4, valid);
-    combine_splits<false>(InboxPartials{inbox, stride, begin}, out, n, heads, hd, begin, end);
+    combine_splits<false>(InboxPartials{inbox, stride, share.begin}, out, n, heads, hd, share.begin, share.end);
     return;
   }
 
