@@ -705,6 +705,75 @@ TEST(CudaBatch, CapturedResidentDecodesReplayAcrossTheEpochWrap) {
   for (cudaGraphExec_t g : graphs) cudaGraphExecDestroy(g);
 }
 
+// A one-sequence CUDA store under `policy` whose sequence `g` holds
+// `filled` rows of every layer (k0, v0: layer after layer); null on failure.
+std::unique_ptr<KvStore> filled_store(const ModelConfig& c, const StoreOptions& o, const cuda::LaunchPolicy& policy,
+                                      const std::vector<float>& k0, const std::vector<float>& v0,
+                                      std::int64_t filled, SeqId& g) {
+  auto gpu = testing::new_cuda_store(c, o, policy);
+  if (!gpu) return nullptr;
+  g = *gpu->add_sequence();
+  const SeqSpan fill{g, 0, filled};
+  const std::int64_t rows = c.n_layers * filled;
+  const Status st = gpu->store_all_layers(std::span(&fill, 1), host_view(k0.data(), rows, c.kv_dim()),
+                                          host_view(v0.data(), rows, c.kv_dim()));
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return st.ok() ? std::move(gpu) : nullptr;
+}
+
+// A one-token prefill is one launch that stores its row while it attends
+// only where its queries and outputs are device memory; with host views it
+// attends, then stores, since a host output's staging comes after the
+// attention and a failure there must find the row not yet stored. Both
+// ways give the same outputs and stored bytes.
+TEST(CudaBatch, OneTokenPrefillsWithHostQueriesAttendThenStore) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const Case& cs = cases().front();
+  const ModelConfig& c = cs.config;
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, L = c.n_layers, filled = 200;
+  const StoreOptions o{.max_sequences = 1, .context = 1024, .block_rows = cs.block_rows};
+  const auto k0 = testing::random_floats(static_cast<std::size_t>(L * filled * kv), 81);
+  const auto v0 = testing::random_floats(k0.size(), 82);
+  const auto k = testing::random_floats(static_cast<std::size_t>(L * kv), 83);
+  const auto v = testing::random_floats(k.size(), 84);
+  const auto q = testing::random_floats(static_cast<std::size_t>(L * width), 85);
+  auto run = [&](bool host, std::vector<float>& outs, testing::SeqImage& image, long& own) {
+    cuda::AttendStats stats;
+    cuda::LaunchPolicy policy = cuda::device_launch_policy();
+    policy.stats = &stats;
+    SeqId g;
+    auto gpu = filled_store(c, o, policy, k0, v0, filled, g);
+    ASSERT_TRUE(gpu);
+    testing::DeviceArray<float> dk(k), dv(v), dq(q), dout(q.size());
+    dout.poison();
+    outs.assign(q.size(), 0.0f);
+    for (std::int64_t l = 0; l < L; ++l) {
+      const SeqSpan span{g, filled, 1};
+      const ConstView kr = testing::device_in(dk.get() + l * kv, 1, kv);
+      const ConstView vr = testing::device_in(dv.get() + l * kv, 1, kv);
+      const Status st =
+          host ? gpu->prefill(l, std::span(&span, 1), kr, vr, host_view(q.data() + l * width, 1, width),
+                              host_view(outs.data() + l * width, 1, width))
+               : gpu->prefill(l, std::span(&span, 1), kr, vr, testing::device_in(dq.get() + l * width, 1, width),
+                              device_view(dout.get() + l * width, 1, width));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+    }
+    ASSERT_TRUE(gpu->synchronize().ok());
+    if (!host) outs = dout.download();
+    image = testing::seq_image(*gpu, g);
+    own = stats.own_rows;
+  };
+  std::vector<float> dev_out, host_out;
+  testing::SeqImage dev_image, host_image;
+  long dev_own = -1, host_own = -1;
+  run(false, dev_out, dev_image, dev_own);
+  run(true, host_out, host_image, host_own);
+  EXPECT_EQ(dev_own, L);
+  EXPECT_EQ(host_own, 0);
+  EXPECT_TRUE(same_bits(host_out, dev_out));
+  EXPECT_TRUE(host_image == dev_image) << "stored bytes";
+}
+
 TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
   KVRING_SKIP_WITHOUT_GPU();
   const std::int64_t filled = 300, steps = 6, tokens = steps + 1;  // the last token is the captured step's
@@ -733,12 +802,9 @@ TEST(CudaBatch, ChainedAndCapturedStepsGiveTheSteppedBits) {
       policy.programmatic = policy.programmatic && programmatic;
       if (warp_splits) policy.warp_splits = cuda::WarpSplits::kAlways;
       policy.stats = &stats;
-      auto gpu = testing::new_cuda_store(c, o, policy);
+      SeqId g;
+      auto gpu = filled_store(c, o, policy, k0, v0, filled, g);
       ASSERT_TRUE(gpu);
-      const SeqId g = *gpu->add_sequence();
-      const SeqSpan fill{g, 0, filled};
-      ASSERT_TRUE(gpu->store_all_layers(std::span(&fill, 1), host_view(k0.data(), L * filled, kv),
-                                        host_view(v0.data(), L * filled, kv)).ok());
       testing::DeviceArray<float> dk(k), dv(v), dq(q), dout(q.size());
       dout.poison();
       auto wait = [&] {

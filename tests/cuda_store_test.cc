@@ -437,6 +437,26 @@ TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
   check(s->store(full_layer, std::span(&span, 1), ConstView{hostk.data(), MemorySpace::kDevice, DType::kF32, n, kv, kv},
                  testing::device_in(k.get(), n, kv)),
         "host memory as device");
+  // Device memory passed as host memory: the staging copies would fault.
+  check(s->store(full_layer, std::span(&span, 1), ConstView{k.get(), MemorySpace::kHost, DType::kF32, n, kv, kv},
+                 testing::device_in(k.get(), n, kv)),
+        "device memory as host");
+  check(s->prefill(full_layer, std::span(&span, 1), testing::device_in(k.get(), n, kv), testing::device_in(k.get(), n, kv),
+                   testing::device_in(q.get(), n, width), MutView{out.get(), MemorySpace::kHost, DType::kF32, n, width, width}),
+        "device out as host");
+  // More query rows than the launches index (2^31 - 1): refused before any
+  // row is read (the views claim rows that their buffers do not hold).
+  {
+    const std::int64_t huge = std::int64_t{1} << 31;
+    const std::int64_t sliding_layer = 0;
+    ASSERT_EQ(c.kind(sliding_layer), LayerKind::kSlidingRope);
+    const SeqSpan hspan{a, 40, huge};
+    const Status st = s->prefill(sliding_layer, std::span(&hspan, 1), testing::device_in(k.get(), huge, kv),
+                                 testing::device_in(k.get(), huge, kv), testing::device_in(q.get(), huge, width),
+                                 device_view(out.get(), huge, width));
+    EXPECT_EQ(st.error().code, ErrorCode::kUnsupported) << st.to_string();
+    check(st, "2^31 query rows");
+  }
   // A position that does not follow.
   const SeqSpan gap{a, 41, n};
   check(s->store(full_layer, std::span(&gap, 1), testing::device_in(k.get(), n, kv), testing::device_in(k.get(), n, kv)), "gap");

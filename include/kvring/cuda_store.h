@@ -13,7 +13,11 @@
 // order with the store's other work (on one stream, or ordered by events),
 // never beside it or beside another such graph, since the store's
 // attention launches share its workspace and its resident clock
-// (docs/CUDA.md, "The resident clock").
+// (docs/CUDA.md, "The resident clock"). Capture in
+// cudaStreamCaptureModeRelaxed: a captured call may make a descriptor
+// chunk (pinned and device memory, kept for the store's lifetime), and the
+// other modes prohibit allocations during a capture (the call then fails
+// with kCuda and the capture with it).
 //
 // This header needs no CUDA headers, so host-only code can include it.
 #pragma once
@@ -74,6 +78,7 @@ class CudaStore final : public KvStore {
  protected:
   Status check_view(const char* what, MemorySpace space, DType dtype,
                     const void* data) const override;
+  Status check_attention(const ConstView& q, const MutView& out) const override;
   Status write_rows(std::span<const TableChange> changes, std::span<const RowWrite> writes,
                     const ConstView& k, const ConstView& v, cudaStream_t stream) override;
   Status attend(const AttendBatch& batch) override;

@@ -168,6 +168,8 @@ class KvStore {
   // Frees the slot and drops the sequence's references to its blocks.
   Status remove_sequence(SeqId seq);
   // Empties the sequence (position 0); its blocks go back to the pool.
+  // Under zero_fill its rings are then zeroed; an error there (a device
+  // failure) is returned with the sequence empty all the same.
   Status reset_sequence(SeqId seq);
   // A new sequence with the same contents: its sliding rings are copied,
   // its full blocks are shared (a block is written only while one sequence
@@ -323,6 +325,10 @@ class KvStore {
   // Checks a view's memory space, dtype and alignment for this backend.
   virtual Status check_view(const char* what, MemorySpace space, DType dtype,
                             const void* data) const = 0;
+  // Checks what this backend's attention needs of the call's queries and
+  // outputs beyond check_view (row strides, counts, the geometry), before
+  // a call plans or changes anything.
+  virtual Status check_attention(const ConstView& q, const MutView& out) const;
   // Writes (f32, f16 or bf16 sources, stored as f16 by round to nearest
   // even) into any layers; one call is one batch of the caller. `changes`
   // are the call's table changes, not yet mirrored (tables_changed's

@@ -370,13 +370,19 @@ Status KvStore::remove_sequence(SeqId seq) {
 Status KvStore::reset_sequence(SeqId seq) {
   auto slot = slot_of(seq);
   if (!slot) return slot.error();
-  if (options_.zero_fill)
-    for (std::int64_t l = 0; l < n_layers(); ++l)
-      if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(clear_ring(*slot, l, nullptr));
+  // The rows are forgotten first, so a ring whose zeroing fails holds no
+  // row the store still names; the first failure is reported.
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   release_tables(s);
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings[static_cast<std::size_t>(l)] = fresh_ring(l);
-  return Status::Ok();
+  Status st = Status::Ok();
+  if (options_.zero_fill)
+    for (std::int64_t l = 0; l < n_layers(); ++l)
+      if (full_index(l) < 0) {
+        Status z = clear_ring(*slot, l, nullptr);
+        if (st.ok() && !z.ok()) st = std::move(z);
+      }
+  return st;
 }
 
 Result<SeqId> KvStore::fork_sequence(SeqId source) {
@@ -557,6 +563,8 @@ Status KvStore::check_out_view(const char* what, const MutView& v, std::int64_t 
   return check_view(what, v.space, v.dtype, v.data);
 }
 
+Status KvStore::check_attention(const ConstView&, const MutView&) const { return Status::Ok(); }
+
 Result<std::vector<std::int32_t>> KvStore::slots_of_spans(std::span<const SeqSpan> spans,
                                                           bool unique) const {
   std::vector<std::int32_t> slots;
@@ -703,6 +711,7 @@ Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> quer
   const auto n = static_cast<std::int64_t>(queries.size());
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, n, width));
   KVRING_RETURN_IF_ERROR(check_out_view("out", out, n, width));
+  KVRING_RETURN_IF_ERROR(check_attention(q, out));
   scratch_->begin();
   std::vector<AttendItem>& items = scratch_->items;
   items.reserve(queries.size());
@@ -739,6 +748,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, rows, width));
   KVRING_RETURN_IF_ERROR(check_out_view("out", out, rows, width));
+  KVRING_RETURN_IF_ERROR(check_attention(q, out));
   if (chunks.empty()) return Status::Ok();
   // The rings as before the chunks: attention reads the rows before each
   // chunk from the plane and the chunk's own rows from k and v.

@@ -670,7 +670,19 @@ Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
   const auto addr = reinterpret_cast<std::uintptr_t>(data);
   if (addr % static_cast<std::uintptr_t>(dtype_bytes(dtype)) != 0)
     return invalid_argument(name + " is not aligned to its " + dtype_name(dtype) + " elements");
-  if (space == MemorySpace::kHost) return Status::Ok();
+  KVRING_RETURN_IF_ERROR(impl_->activate());
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, data) != cudaSuccess) {
+    (void)cudaGetLastError();
+    a.type = cudaMemoryTypeUnregistered;
+  }
+  // Host views are read and written by the CPU: device memory there would
+  // fault in the staging copies.
+  if (space == MemorySpace::kHost) {
+    if (a.type == cudaMemoryTypeDevice)
+      return invalid_argument(name + " is marked host memory but is a device allocation");
+    return Status::Ok();
+  }
   const bool query = name == "q" || name == "out";
   if (query && dtype != DType::kF32)
     return make_error(ErrorCode::kUnsupported,
@@ -678,12 +690,6 @@ Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
                           "; the CUDA backend reads device queries as f32 only");
   if (query && !aligned16(data))
     return invalid_argument(name + " in device memory needs 16-byte alignment");
-  KVRING_RETURN_IF_ERROR(impl_->activate());
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, data) != cudaSuccess) {
-    (void)cudaGetLastError();
-    a.type = cudaMemoryTypeUnregistered;
-  }
   if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
     return invalid_argument(name + " is marked device memory but is not a device allocation");
   if (a.type == cudaMemoryTypeDevice && a.device != impl_->device)
@@ -812,16 +818,12 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
 
 // ---- Attention -------------------------------------------------------------------
 
-Status CudaStore::attend(const AttendBatch& b) {
+Status CudaStore::check_attention(const ConstView& q, const MutView& out) const {
   if (config_.head_dim > kCudaMaxHeadDim)
     return make_error(ErrorCode::kUnsupported,
                       "CUDA attention supports head_dim up to " + std::to_string(kCudaMaxHeadDim) +
                           "; model '" + config_.name + "' has head_dim " +
                           std::to_string(config_.head_dim));
-  Impl& im = *impl_;
-  const ConstView& q = *b.q;
-  const MutView& out = *b.out;
-  const std::int64_t width = config_.n_heads * config_.head_dim;
   // Device queries and outputs are read and written as float4 rows.
   if (q.space == MemorySpace::kDevice && q.row_stride % 4 != 0)
     return invalid_argument("q in device memory: row stride " + std::to_string(q.row_stride) +
@@ -829,6 +831,20 @@ Status CudaStore::attend(const AttendBatch& b) {
   if (out.space == MemorySpace::kDevice && out.row_stride % 4 != 0)
     return invalid_argument("out in device memory: row stride " + std::to_string(out.row_stride) +
                             " is not a multiple of 4 floats (16-byte rows)");
+  // The launches address a query by its row as a 32-bit index.
+  if (q.rows > std::numeric_limits<std::int32_t>::max())
+    return make_error(ErrorCode::kUnsupported,
+                      "CUDA attention takes at most " + std::to_string(std::numeric_limits<std::int32_t>::max()) +
+                          " query rows a call; this one has " + std::to_string(q.rows));
+  return Status::Ok();
+}
+
+Status CudaStore::attend(const AttendBatch& b) {
+  Impl& im = *impl_;
+  const ConstView& q = *b.q;
+  const MutView& out = *b.out;
+  const std::int64_t width = config_.n_heads * config_.head_dim;
+  KVRING_RETURN_IF_ERROR(check_attention(q, out));
   std::int64_t n_queries = 0;
   for (const AttendItem& it : b.items) {
     if (it.q_row != n_queries || (b.chunk_k != nullptr && it.chunk_row != n_queries))
@@ -921,9 +937,12 @@ Status CudaStore::attend(const AttendBatch& b) {
 Status CudaStore::attend_and_store(const AttendBatch& b, std::span<const RowWrite> writes) {
   // One launch when every chunk is one row, the query at that row, in
   // device memory, under the f32 numeric's kernels (attend_f16's kernels
-  // read chunks from f16 scratch only).
+  // read chunks from f16 scratch only). Queries and outputs in device
+  // memory too: a host output's staging comes after the launch, and a
+  // failure there must find the rows not yet stored.
   bool one_launch = options_.attention == AttentionNumeric::kF32 && b.chunk_k->space == MemorySpace::kDevice &&
-                    b.chunk_v->space == MemorySpace::kDevice &&
+                    b.chunk_v->space == MemorySpace::kDevice && b.q->space == MemorySpace::kDevice &&
+                    b.out->space == MemorySpace::kDevice &&
                     b.chunk_k->rows == static_cast<std::int64_t>(b.items.size());
   // And when the queries fit one launch (attend_f32 cuts launches where
   // the queries or their workspace slots would not fit): a failed later
@@ -1132,6 +1151,13 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
   // The most splits of any query (the workspace's stride) and of any tile
   // (the grid).
   std::int64_t query_splits = 1;
+  // A tile names its first split as a 32-bit index.
+  for (const AttendItem& it : b.items)
+    if ((it.first_position + it.n_queries - 1) / R > std::numeric_limits<std::int32_t>::max())
+      return make_error(ErrorCode::kUnsupported,
+                        "the f16 numeric's CUDA attention takes positions below " +
+                            std::to_string((std::int64_t{std::numeric_limits<std::int32_t>::max()} + 1) * R) +
+                            "; this call reaches " + std::to_string(it.first_position + it.n_queries - 1));
   for (const AttendItem& it : b.items) {
     cuda::AttendQueryItem d{};
     plane_of(b, it, d);
