@@ -141,6 +141,9 @@ TEST(HfConfig, ErrorsNameTheField) {
   expect_error("[1, 2]", "not a JSON object");
   expect_error(R"({"num_hidden_layers": 1e300, "num_attention_heads": 8, "head_dim": 4,
     "max_position_embeddings": 9})", "num_hidden_layers");
+  // Past int64: "too large", not read back as a negative number.
+  expect_error(R"({"num_hidden_layers": 18446744073709551615, "num_attention_heads": 8, "head_dim": 4,
+    "max_position_embeddings": 9})", "'num_hidden_layers' is too large");
   expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,
     "max_position_embeddings": 9, "rope_theta": 0})", "rope_theta");
   expect_error(R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "kvring/cache.h"
 #include "test_util.h"
 
@@ -57,6 +59,8 @@ TEST(Footprint, BadArguments) {
 TEST(Footprint, Formatting) {
   EXPECT_EQ(with_commas(1826619392), "1,826,619,392");
   EXPECT_EQ(with_commas(999), "999");
+  EXPECT_EQ(with_commas(-1234), "-1,234");
+  EXPECT_EQ(with_commas(std::numeric_limits<std::int64_t>::min()), "-9,223,372,036,854,775,808");
   EXPECT_EQ(format_bytes(53248), "53,248 B (52.00 KiB, 53.25 kB)");
   EXPECT_EQ(format_bytes(1826619392), "1,826,619,392 B (1.70 GiB, 1.83 GB)");
 }

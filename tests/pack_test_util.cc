@@ -60,8 +60,8 @@ void fill(KvCache& cache, std::int64_t from, std::int64_t to, std::uint64_t seed
 }
 
 std::unique_ptr<KvCache> filled_cache(const ModelConfig& config, std::int64_t context,
-                                      std::int64_t tokens, std::uint64_t seed) {
-  auto c = make_cpu_cache(config, {.context = context});
+                                      std::int64_t tokens, std::uint64_t seed, std::int64_t slack) {
+  auto c = make_cpu_cache(config, {.context = context, .slack = slack});
   if (!c.ok()) std::abort();
   fill(**c, 0, tokens, seed);
   return std::move(*c);

@@ -28,7 +28,7 @@ void fill(KvCache& cache, std::int64_t from, std::int64_t to, std::uint64_t seed
           std::int64_t batch = 13, std::int64_t split = -1, std::uint64_t seed_after = 0);
 
 std::unique_ptr<KvCache> filled_cache(const ModelConfig& config, std::int64_t context,
-                                      std::int64_t tokens, std::uint64_t seed);
+                                      std::int64_t tokens, std::uint64_t seed, std::int64_t slack = 0);
 
 bool same_rows(const Snapshot& a, const Snapshot& b);
 

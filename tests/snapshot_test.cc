@@ -139,14 +139,30 @@ TEST_F(RestoreRefusal, TargetTooSmall) {
 }
 
 TEST_F(RestoreRefusal, SlidingRingLacksRows) {
-  // Only sliding layers, so the narrow cache can run past its context.
+  // A store whose rings are shorter than the window stops at its context,
+  // so only an edited snapshot holds such rings past it: the 64-row rings
+  // of an all-sliding store at position 90, cut to the 40-row rings of a
+  // store of context 40.
   ModelConfig cfg = small_config(64, 256, 4);
   cfg.layer_kinds.assign(4, LayerKind::kSlidingRope);
-  auto narrow = filled_cache(cfg, 40, 90, 3);  // ring of 40 rows, wrapped
-  auto snap = take_snapshot(*narrow);
+  auto live = filled_cache(cfg, 256, 90, 3);  // rings of 64 rows, wrapped
+  auto snap = take_snapshot(*live);
   ASSERT_TRUE(snap.ok());
-  auto wide = filled_cache(cfg, 256, 5, 4);  // ring of 64 rows
-  expect_refused(*snap, *wide, ErrorCode::kMismatch, "layer 0: the target ring of capacity 64");
+  Snapshot s = *snap;
+  s.context = 40;
+  for (PlaneSnapshot& p : s.planes) {
+    const std::int64_t kept = 40, drop = p.ring.len() - kept;
+    const auto cut = static_cast<std::ptrdiff_t>(drop * cfg.kv_dim());
+    auto ring = RingState::from_parts(kept, true, kept, p.ring.origin_logical() + drop,
+                                      (p.ring.origin_logical() + drop) % kept);
+    ASSERT_TRUE(ring.ok());
+    p.ring = *ring;
+    p.k.erase(p.k.begin(), p.k.begin() + cut);
+    p.v.erase(p.v.begin(), p.v.begin() + cut);
+  }
+  ASSERT_TRUE(validate_snapshot(s, false).ok());
+  auto wide = filled_cache(cfg, 256, 5, 4);  // rings of 64 rows
+  expect_refused(s, *wide, ErrorCode::kMismatch, "layer 0: the target ring of capacity 64");
 }
 
 TEST_F(RestoreRefusal, InconsistentSnapshot) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -603,6 +604,105 @@ TEST(Store, ViewsAreCheckedAndReadInPlace) {
   const SeqQuery qa{a, 0};
   EXPECT_FALSE(s->attend_decode(0, {&qa, 1}, host_view(q.data(), 1, width),
                                 MutView{out16.data(), MemorySpace::kHost, DType::kF16, 1, width, width}).ok());
+}
+
+// Views whose enums hold no named value, and outputs that overlap what the
+// call reads, are refused and change nothing; out may be q itself.
+TEST(Store, OddViewsAreRefused) {
+  const ModelConfig c = small_config();
+  auto s = cpu_store(c, {.max_sequences = 2, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 12}}}, out);
+  const auto before = live_bytes(*s, a);
+  std::vector<float> k = testing::random_floats(static_cast<std::size_t>(4 * std::max(kv, width)), 8);
+  const SeqSpan next{a, 12, 1};
+  const ConstView odd_dtype{k.data(), MemorySpace::kHost, static_cast<DType>(3), 1, kv, kv};
+  EXPECT_EQ(s->store(0, {&next, 1}, odd_dtype, odd_dtype).error().code, ErrorCode::kInvalidArgument);
+  const ConstView odd_space{k.data(), static_cast<MemorySpace>(7), DType::kF32, 1, kv, kv};
+  EXPECT_EQ(s->store(0, {&next, 1}, odd_space, odd_space).error().code, ErrorCode::kInvalidArgument);
+
+  // A prefill whose output lies on its K (it reads K again to store it).
+  ASSERT_EQ(kv, width / 2);
+  std::vector<float> q = testing::random_floats(static_cast<std::size_t>(width), 9);
+  std::vector<float> buf = testing::random_floats(static_cast<std::size_t>(2 * width), 10);
+  const Status on_k = s->prefill(0, {&next, 1}, host_view(buf.data(), 1, kv), host_view(k.data(), 1, kv),
+                                 host_view(q.data(), 1, width), host_view(buf.data(), 1, width));
+  EXPECT_EQ(on_k.error().code, ErrorCode::kInvalidArgument) << on_k.to_string();
+  EXPECT_EQ(live_bytes(*s, a), before);
+
+  // A decode whose output rows start a row into its queries.
+  const SeqQuery two[] = {{a, 11}, {a, 10}};
+  std::vector<float> qo = testing::random_floats(static_cast<std::size_t>(3 * width), 11);
+  const Status shifted = s->attend_decode(0, two, host_view(qo.data(), 2, width), host_view(qo.data() + width, 2, width));
+  EXPECT_EQ(shifted.error().code, ErrorCode::kInvalidArgument) << shifted.to_string();
+  // out == q: the bits of separate buffers.
+  std::vector<float> apart(static_cast<std::size_t>(2 * width));
+  ASSERT_TRUE(s->attend_decode(0, two, host_view(qo.data(), 2, width), host_view(apart.data(), 2, width)).ok());
+  ASSERT_TRUE(s->attend_decode(0, two, host_view(qo.data(), 2, width), host_view(qo.data(), 2, width)).ok());
+  EXPECT_EQ(0, std::memcmp(apart.data(), qo.data(), apart.size() * 4));
+  EXPECT_EQ(live_bytes(*s, a), before);
+}
+
+// Extreme positions and layers get errors or defined values, never
+// arithmetic past 64 bits (the sanitizer builds check that).
+TEST(Store, ExtremePositionsAndLayers) {
+  const ModelConfig c = small_config();
+  auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 3}}}, out);
+  const std::int64_t width = c.n_heads * c.head_dim;
+  std::vector<float> q(static_cast<std::size_t>(width), 0.5f), o(q.size());
+  for (const std::int64_t p : {std::numeric_limits<std::int64_t>::min(), std::int64_t{-1},
+                               std::numeric_limits<std::int64_t>::max()}) {
+    const SeqQuery at{a, p};
+    const Status st = s->attend_decode(0, {&at, 1}, host_view(q.data(), 1, width), host_view(o.data(), 1, width));
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << p;
+  }
+  const SeqSpan far[] = {{a, std::numeric_limits<std::int64_t>::max(), 1}, {a, std::int64_t{1} << 62, 1}};
+  for (const SeqSpan& sp : far) {
+    auto n = s->blocks_to_store({&sp, 1});
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, 0) << sp.start;  // a store refuses the span
+  }
+  for (const std::int64_t l : {std::int64_t{-1}, c.n_layers, std::numeric_limits<std::int64_t>::max()}) {
+    EXPECT_EQ(s->capacity(l), 0) << l;
+    EXPECT_EQ(s->layout(l), Layout::kTokenMajor) << l;
+  }
+}
+
+// The context bounds a sliding layer whose ring is shorter than its window
+// (its queries would lose rows past it), as it bounds a full layer; a ring
+// that holds the window runs on.
+TEST(Store, ShortRingsStopAtTheContext) {
+  ModelConfig c = small_config(64, 256, 2);
+  c.layer_kinds.assign(2, LayerKind::kSlidingRope);
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  std::vector<float> k = testing::random_floats(static_cast<std::size_t>(100 * kv), 12);
+  std::vector<float> q = testing::random_floats(static_cast<std::size_t>(100 * width), 13), o(q.size());
+  {
+    auto s = cpu_store(c, {.max_sequences = 1, .context = 40});  // rings of 40 rows, W 64
+    const SeqId a = *s->add_sequence();
+    const SeqSpan first{a, 0, 40}, past{a, 40, 1};
+    ASSERT_TRUE(s->store(0, {&first, 1}, host_view(k.data(), 40, kv), host_view(k.data(), 40, kv)).ok());
+    const auto before = live_bytes(*s, a);
+    EXPECT_EQ(s->store(0, {&past, 1}, host_view(k.data(), 1, kv), host_view(k.data(), 1, kv)).error().code,
+              ErrorCode::kCapacityExceeded);
+    EXPECT_EQ(s->prefill(0, {&past, 1}, host_view(k.data(), 1, kv), host_view(k.data(), 1, kv),
+                         host_view(q.data(), 1, width), host_view(o.data(), 1, width)).error().code,
+              ErrorCode::kCapacityExceeded);
+    EXPECT_EQ(live_bytes(*s, a), before);
+  }
+  {
+    auto s = cpu_store(c, {.max_sequences = 1, .context = 64});  // rings of 64 rows: the window
+    const SeqId a = *s->add_sequence();
+    const SeqSpan all{a, 0, 100};
+    const Status st = s->prefill(0, {&all, 1}, host_view(k.data(), 100, kv), host_view(k.data(), 100, kv),
+                                 host_view(q.data(), 100, width), host_view(o.data(), 100, width));
+    EXPECT_TRUE(st.ok()) << st.to_string();
+  }
 }
 
 // A snapshot of one sequence of a store, taken after a fork and a rollback

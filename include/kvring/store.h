@@ -116,10 +116,13 @@ inline constexpr std::int64_t kF16AttendSplitRows = 2048;
 struct StoreOptions {
   // Sequences the store holds at once (slots; each holds its sliding rings).
   std::int64_t max_sequences = 1;
-  // Positions one sequence may reach (0: the model's max_context).
+  // Positions one sequence may reach (0: the model's max_context). A
+  // sliding layer whose ring holds its window (context >= W) may run past
+  // it; one whose ring is shorter than W stops there, like a full layer.
   std::int64_t context = 0;
-  // Extra rows of every sliding ring: the last `slack` tokens of a sequence
-  // can always be rolled back (truncate_sequence).
+  // Extra rows of every sliding ring: a sequence can always be rolled back
+  // to any position within `slack` of the furthest it reached
+  // (truncate_sequence).
   std::int64_t slack = 0;
   // Rows of one full-attention block: a power of two in [16, 65536]
   // (0: 256, or the smallest power of two from 16 that holds a full plane
@@ -148,6 +151,7 @@ class KvStore {
   const StoreOptions& options() const { return options_; }
   std::int64_t context() const { return options_.context; }
   std::int64_t n_layers() const { return config_.n_layers; }
+  // A layer outside [0, n_layers()): token-major, capacity 0.
   Layout layout(std::int64_t layer) const;
   // Rows of a sliding ring; positions of a full plane.
   std::int64_t capacity(std::int64_t layer) const;
@@ -177,7 +181,8 @@ class KvStore {
   Result<SeqId> fork_sequence(SeqId source);
   // Rolls the sequence back by its last `tokens` tokens. Refused, changing
   // nothing, past its start or when a sliding ring would then hold fewer
-  // than the W rows before the new end (always allowed up to `slack`).
+  // than the W rows before the new end (always allowed to an end within
+  // `slack` of the furthest position the sequence reached).
   Status truncate_sequence(SeqId seq, std::int64_t tokens);
 
   bool contains(SeqId seq) const;
@@ -209,6 +214,8 @@ class KvStore {
                           const ConstView& v, cudaStream_t stream = nullptr);
   // Decode attention of queries whose K/V is stored: q, out
   // [queries, n_heads * head_dim], f32 out. A sequence may appear many times.
+  // out may be q itself (same data and row stride), and may overlap no other
+  // view of the call (here or in prefill).
   Status attend_decode(std::int64_t layer, std::span<const SeqQuery> queries, const ConstView& q,
                        const MutView& out, cudaStream_t stream = nullptr);
   // Ragged chunked prefill: stores each span's chunk and computes attention
@@ -216,8 +223,9 @@ class KvStore {
   // rows up to itself. k, v [rows, kv_dim]; q, out [rows, n_heads *
   // head_dim] (rows = sum of counts, in span order). Equals, bit for bit,
   // the tokens stored and decoded one at a time. A decode step written as
-  // one-token chunks (device K/V, the f32 numeric) is one launch on CUDA,
-  // which stores each row as it attends: the engine's store-and-decode call.
+  // one-token chunks (device K/V, q and out, the f32 numeric) is one launch
+  // on CUDA, which stores each row as it attends: the engine's
+  // store-and-decode call.
   Status prefill(std::int64_t layer, std::span<const SeqSpan> chunks, const ConstView& k,
                  const ConstView& v, const ConstView& q, const MutView& out,
                  cudaStream_t stream = nullptr);
@@ -365,6 +373,9 @@ class KvStore {
     return full_index_[static_cast<std::size_t>(layer)];
   }
   std::int64_t n_full() const { return n_full_; }
+  // The positions a layer's plane may reach: the context, except on a
+  // sliding ring that holds its window, which runs on past it.
+  std::int64_t position_limit(std::int64_t layer) const;
   std::int64_t max_blocks_per_plane() const { return max_blocks_; }
   std::int64_t ring_rows() const { return ring_rows_; }
 

@@ -36,8 +36,8 @@ std::int64_t ModelConfig::plane_capacity(std::int64_t layer, std::int64_t contex
 }
 
 std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position) {
-  if (kind == LayerKind::kFullNope) return 0;
-  return std::max<std::int64_t>(0, position - config.sliding_window + 1);
+  if (kind == LayerKind::kFullNope || position < config.sliding_window) return 0;
+  return position - config.sliding_window + 1;
 }
 
 namespace {
@@ -134,13 +134,15 @@ Result<std::int64_t> int_field(const json& j, const char* field, bool required,
     if (required) return config_error("missing field '" + std::string(field) + "'");
     return fallback;
   }
-  if (it->is_number_integer()) return it->get<std::int64_t>();
+  // Unsigned first: is_number_integer holds for unsigned values too, and
+  // one past int64's range would read back negative.
   if (it->is_number_unsigned()) {
     auto u = it->get<std::uint64_t>();
     if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
       return config_error("field '" + std::string(field) + "' is too large");
     return static_cast<std::int64_t>(u);
   }
+  if (it->is_number_integer()) return it->get<std::int64_t>();
   if (it->is_number_float()) {
     // Range first: converting an out-of-range double is undefined.
     const double d = it->get<double>();

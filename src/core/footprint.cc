@@ -94,7 +94,10 @@ Result<std::int64_t> parse_bytes(const std::string& text) {
 }
 
 std::string with_commas(std::int64_t value) {
-  std::string digits = std::to_string(value < 0 ? -value : value);
+  // The magnitude as unsigned: -value overflows for the most negative value.
+  const std::uint64_t magnitude =
+      value < 0 ? ~static_cast<std::uint64_t>(value) + 1 : static_cast<std::uint64_t>(value);
+  std::string digits = std::to_string(magnitude);
   std::string out;
   for (std::size_t i = 0; i < digits.size(); ++i) {
     if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';

@@ -51,6 +51,9 @@ MutView device_view(float* data, std::int64_t rows, std::int64_t cols) {
 namespace {
 
 constexpr std::uint64_t kSlotBits = 32;
+// A slot whose generation reaches this is never used again, so no handle of
+// a removed sequence ever names a live one.
+constexpr std::uint32_t kRetired = std::numeric_limits<std::uint32_t>::max();
 std::uint32_t slot_part(SeqId s) { return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s)); }
 std::uint32_t generation_part(SeqId s) {
   return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s) >> kSlotBits);
@@ -64,6 +67,8 @@ SeqId make_seq(std::uint32_t slot, std::uint32_t generation) {
 constexpr std::int64_t kMaxSequences = 1 << 20;
 constexpr std::int64_t kMaxPoolBlocks = std::int64_t{1} << 30;
 constexpr std::int64_t kMaxBatchRows = std::int64_t{1} << 32;
+// Positions stay below this (RingState::plan_batch's bound).
+constexpr std::int64_t kPositionLimit = std::int64_t{1} << 62;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -248,10 +253,12 @@ KvStore::KvStore(ModelConfig config, StoreOptions o)
 KvStore::~KvStore() = default;
 
 Layout KvStore::layout(std::int64_t layer) const {
+  if (!check_layer(layer).ok()) return Layout::kTokenMajor;
   return config_.kind(layer) == LayerKind::kSlidingRope ? Layout::kTokenMajor : Layout::kHeadMajor;
 }
 
 std::int64_t KvStore::capacity(std::int64_t layer) const {
+  if (!check_layer(layer).ok()) return 0;
   return config_.kind(layer) == LayerKind::kSlidingRope
              ? ring_rows_
              : config_.plane_capacity(LayerKind::kFullNope, options_.context);
@@ -263,6 +270,11 @@ std::int64_t KvStore::block_bytes() const { return options_.block_rows * config_
 std::int64_t KvStore::allocated_bytes() const {
   const std::int64_t n_sliding = config_.n_layers - n_full_;
   return options_.max_sequences * n_sliding * ring_bytes() + pool_blocks() * block_bytes();
+}
+
+std::int64_t KvStore::position_limit(std::int64_t layer) const {
+  if (full_index(layer) >= 0 || ring_rows_ - options_.slack < config_.sliding_window) return options_.context;
+  return kPositionLimit;
 }
 
 RingState KvStore::fresh_ring(std::int64_t layer) const {
@@ -323,7 +335,7 @@ Status KvStore::attach_sequence(SeqId seq) {
 
 Result<SeqId> KvStore::add_slot(bool detached) {
   std::size_t i = 0;
-  while (i < slots_.size() && slots_[i].live) ++i;
+  while (i < slots_.size() && (slots_[i].live || slots_[i].generation == kRetired)) ++i;
   if (i == slots_.size())
     return make_error(ErrorCode::kCapacityExceeded,
                       "every one of the store's " + std::to_string(slots_.size()) +
@@ -389,7 +401,7 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   auto from = slot_of(source);
   if (!from) return from.error();
   std::size_t i = 0;
-  while (i < slots_.size() && slots_[i].live) ++i;
+  while (i < slots_.size() && (slots_[i].live || slots_[i].generation == kRetired)) ++i;
   if (i == slots_.size())
     return make_error(ErrorCode::kCapacityExceeded,
                       "cannot fork " + seq_name(source) + ": every one of the store's " +
@@ -443,8 +455,8 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
       return invalid_argument(
           "cannot roll " + seq_name(seq) + " back by " + std::to_string(tokens) +
           " tokens: layer " + std::to_string(l) + "'s ring no longer holds position " +
-          std::to_string(need) + " (rollback is guaranteed for the last " +
-          std::to_string(options_.slack) + " tokens, the store's slack)");
+          std::to_string(need) + " (rollback is guaranteed to within " +
+          std::to_string(options_.slack) + " tokens, the store's slack, of the furthest position it reached)");
     r = r.rolled_back(tokens);
   }
   s.rings = std::move(rings);
@@ -494,7 +506,9 @@ Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) co
   for (const SeqSpan& sp : spans) {
     auto slot = slot_of(sp.seq);
     if (!slot) return slot.error();
-    if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows) continue;
+    // A span that a full plane refuses (past the context) takes no block.
+    if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows || sp.count > options_.context - sp.start)
+      continue;
     for (const auto& table : slots_[static_cast<std::size_t>(*slot)].tables) {
       const auto held = static_cast<std::int64_t>(table.size());
       const std::int64_t first = sp.start / B;
@@ -546,17 +560,56 @@ Status check_shape(const char* what, const void* data, std::int64_t rows, std::i
   return Status::Ok();
 }
 
+// A view's space and dtype are values of their enums: the row readers
+// handle those and nothing else.
+Status check_kinds(const char* what, MemorySpace space, DType dtype) {
+  if (space != MemorySpace::kHost && space != MemorySpace::kDevice)
+    return invalid_argument(std::string(what) + ": memory space " +
+                            std::to_string(static_cast<int>(space)) + " is neither host nor device");
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
+    return invalid_argument(std::string(what) + ": dtype " + std::to_string(static_cast<int>(dtype)) +
+                            " is none of f32, f16, bf16");
+  return Status::Ok();
+}
+
+// The bytes [begin, end) a view of `rows` > 0 rows covers.
+struct Extent {
+  std::uintptr_t begin, end;
+};
+template <class View>
+Extent extent_of(const View& v) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(v.data);
+  const auto elems = static_cast<std::uintptr_t>((v.rows - 1) * v.row_stride + v.cols);
+  return {begin, begin + elems * static_cast<std::uintptr_t>(dtype_bytes(v.dtype))};
+}
+
+// The output of an attention call may be its queries exactly (each output
+// row is written after its query row is read), but may overlap nothing
+// else it reads: a prefill reads its K and V again when it stores them.
+Status check_out_apart(const MutView& out, const char* what, const ConstView& in, bool may_equal) {
+  if (out.rows < 1 || in.rows < 1 || out.space != in.space) return Status::Ok();
+  if (may_equal && out.data == in.data && out.row_stride == in.row_stride && out.dtype == in.dtype)
+    return Status::Ok();
+  const Extent a = extent_of(out), b = extent_of(in);
+  if (a.begin < b.end && b.begin < a.end)
+    return invalid_argument(std::string("out overlaps ") + what +
+                            (may_equal ? " (it may be q itself, row for row, and nothing else)" : ""));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status KvStore::check_rows_view(const char* what, const ConstView& v, std::int64_t rows,
                                 std::int64_t cols) const {
   KVRING_RETURN_IF_ERROR(check_shape(what, v.data, v.rows, v.cols, v.row_stride, rows, cols));
+  KVRING_RETURN_IF_ERROR(check_kinds(what, v.space, v.dtype));
   return check_view(what, v.space, v.dtype, v.data);
 }
 
 Status KvStore::check_out_view(const char* what, const MutView& v, std::int64_t rows,
                                std::int64_t cols) const {
   KVRING_RETURN_IF_ERROR(check_shape(what, v.data, v.rows, v.cols, v.row_stride, rows, cols));
+  KVRING_RETURN_IF_ERROR(check_kinds(what, v.space, v.dtype));
   if (v.dtype != DType::kF32)
     return invalid_argument(std::string(what) + " is " + dtype_name(v.dtype) +
                             "; attention writes f32");
@@ -599,6 +652,13 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
     RingState r = s.rings[static_cast<std::size_t>(layer)];
     auto placement = r.plan_batch(layer, spans[i].start, spans[i].count);
     if (!placement) return placement.error();
+    const std::int64_t limit = position_limit(layer);
+    if (spans[i].count > limit - spans[i].start)
+      return make_error(ErrorCode::kCapacityExceeded,
+                        seq_name(spans[i].seq) + ", layer " + std::to_string(layer) +
+                            ": a ring shorter than the window holds positions [0, " + std::to_string(limit) +
+                            ") (the store's context), asked for position " +
+                            std::to_string(spans[i].start + spans[i].count - 1));
     r.commit_batch(spans[i].count);
     txn.rings.emplace_back(slot, layer, r);
     if (fi >= 0) {
@@ -711,6 +771,7 @@ Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> quer
   const auto n = static_cast<std::int64_t>(queries.size());
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, n, width));
   KVRING_RETURN_IF_ERROR(check_out_view("out", out, n, width));
+  KVRING_RETURN_IF_ERROR(check_out_apart(out, "q", q, true));
   KVRING_RETURN_IF_ERROR(check_attention(q, out));
   scratch_->begin();
   std::vector<AttendItem>& items = scratch_->items;
@@ -722,12 +783,12 @@ Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> quer
     const RingState& r =
         slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
     const std::int64_t p = query.position;
-    const std::int64_t lo = visible_begin(config_, config_.kind(layer), p);
+    const std::int64_t lo = p < 0 ? p : visible_begin(config_, config_.kind(layer), p);
     if (p < 0 || !r.holds(p) || lo < r.origin_logical())
       return invalid_argument(seq_name(query.seq) + ", layer " + std::to_string(layer) +
-                              ": decode at position " + std::to_string(p) + " needs rows [" +
-                              std::to_string(lo) + ", " + std::to_string(p + 1) +
-                              "), live are [" + std::to_string(r.origin_logical()) + ", " +
+                              ": decode at position " + std::to_string(p) + " needs rows " +
+                              std::to_string(lo) + " to " + std::to_string(p) +
+                              ", live are [" + std::to_string(r.origin_logical()) + ", " +
                               std::to_string(r.next_position()) + ")");
     items.push_back(AttendItem{plane_ref(*slot, layer), r, p, 1, p + 1, i, 0});
   }
@@ -748,6 +809,9 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, rows, width));
   KVRING_RETURN_IF_ERROR(check_out_view("out", out, rows, width));
+  KVRING_RETURN_IF_ERROR(check_out_apart(out, "q", q, true));
+  KVRING_RETURN_IF_ERROR(check_out_apart(out, "k", k, false));
+  KVRING_RETURN_IF_ERROR(check_out_apart(out, "v", v, false));
   KVRING_RETURN_IF_ERROR(check_attention(q, out));
   if (chunks.empty()) return Status::Ok();
   // The rings as before the chunks: attention reads the rows before each
@@ -798,6 +862,7 @@ Status KvStore::attend_and_store(const AttendBatch& batch, std::span<const RowWr
 Status KvStore::check_rows_memory(MemorySpace space, const std::uint16_t* k,
                                   const std::uint16_t* v) const {
   if (k == nullptr || v == nullptr) return invalid_argument("rows: null buffer");
+  KVRING_RETURN_IF_ERROR(check_kinds("rows", space, DType::kF16));
   KVRING_RETURN_IF_ERROR(check_view("k", space, DType::kF16, k));
   return check_view("v", space, DType::kF16, v);
 }
@@ -865,13 +930,18 @@ namespace {
 
 // A ring state install() accepts for a plane of `capacity` (sliding or full).
 Status check_install_ring(std::int64_t layer, const RingState& state, std::int64_t capacity,
-                          bool sliding) {
+                          bool sliding, std::int64_t limit) {
   if (state.capacity() != capacity || state.wraps() != sliding)
     return make_error(ErrorCode::kMismatch,
                       "layer " + std::to_string(layer) + ": plane of capacity " +
                           std::to_string(state.capacity()) + " (" +
                           (state.wraps() ? "sliding" : "full") + ") does not fit capacity " +
                           std::to_string(capacity) + " (" + (sliding ? "sliding" : "full") + ")");
+  if (state.next_position() > limit)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "layer " + std::to_string(layer) + ": ring state reaches position " +
+                          std::to_string(state.next_position()) + ", past the " + std::to_string(limit) +
+                          " a ring shorter than the window holds (the store's context)");
   const std::int64_t rotation = sliding ? state.origin_logical() % state.capacity() : 0;
   if (state.origin_physical() != rotation || (!sliding && state.origin_logical() != 0))
     return invalid_argument("layer " + std::to_string(layer) +
@@ -938,7 +1008,8 @@ Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
   auto slot = slot_any(seq);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
-  KVRING_RETURN_IF_ERROR(check_install_ring(layer, state, capacity(layer), full_index(layer) < 0));
+  KVRING_RETURN_IF_ERROR(
+      check_install_ring(layer, state, capacity(layer), full_index(layer) < 0, position_limit(layer)));
   if (state.len() > 0) KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
   Txn txn;
   if (Status st = plan_plane(txn, *slot, layer, state); !st.ok()) {
@@ -964,7 +1035,8 @@ Status KvStore::install_plane(SeqId seq, std::int64_t layer, const RingState& st
     return invalid_argument("install_plane: " + seq_name(seq) +
                             " is live; only a detached sequence takes a plane before its rows");
   KVRING_RETURN_IF_ERROR(check_layer(layer));
-  KVRING_RETURN_IF_ERROR(check_install_ring(layer, state, capacity(layer), full_index(layer) < 0));
+  KVRING_RETURN_IF_ERROR(
+      check_install_ring(layer, state, capacity(layer), full_index(layer) < 0, position_limit(layer)));
   Txn txn;
   if (Status st = plan_plane(txn, *slot, layer, state); !st.ok()) {
     rollback(txn);
