@@ -728,7 +728,7 @@ std::unique_ptr<KvStore> filled_store(const ModelConfig& c, const StoreOptions& 
 // ways give the same outputs and stored bytes.
 TEST(CudaBatch, OneTokenPrefillsWithHostQueriesAttendThenStore) {
   KVRING_SKIP_WITHOUT_GPU();
-  const Case& cs = cases().front();
+  const Case cs = cases().front();
   const ModelConfig& c = cs.config;
   const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, L = c.n_layers, filled = 200;
   const StoreOptions o{.max_sequences = 1, .context = 1024, .block_rows = cs.block_rows};

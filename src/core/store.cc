@@ -771,8 +771,8 @@ Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> quer
   const auto n = static_cast<std::int64_t>(queries.size());
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, n, width));
   KVRING_RETURN_IF_ERROR(check_out_view("out", out, n, width));
-  KVRING_RETURN_IF_ERROR(check_out_apart(out, "q", q, true));
   KVRING_RETURN_IF_ERROR(check_attention(q, out));
+  KVRING_RETURN_IF_ERROR(check_out_apart(out, "q", q, true));
   scratch_->begin();
   std::vector<AttendItem>& items = scratch_->items;
   items.reserve(queries.size());
@@ -809,10 +809,10 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, rows, width));
   KVRING_RETURN_IF_ERROR(check_out_view("out", out, rows, width));
+  KVRING_RETURN_IF_ERROR(check_attention(q, out));
   KVRING_RETURN_IF_ERROR(check_out_apart(out, "q", q, true));
   KVRING_RETURN_IF_ERROR(check_out_apart(out, "k", k, false));
   KVRING_RETURN_IF_ERROR(check_out_apart(out, "v", v, false));
-  KVRING_RETURN_IF_ERROR(check_attention(q, out));
   if (chunks.empty()) return Status::Ok();
   // The rings as before the chunks: attention reads the rows before each
   // chunk from the plane and the chunk's own rows from k and v.
