@@ -373,8 +373,9 @@ class KvStore {
     return full_index_[static_cast<std::size_t>(layer)];
   }
   std::int64_t n_full() const { return n_full_; }
-  // The positions a layer's plane may reach: the context, except on a
-  // sliding ring that holds its window, which runs on past it.
+  // The positions a sliding ring shorter than its window may reach: the
+  // context (past it, its queries would need rows it dropped). Other planes
+  // are bounded by their capacity alone.
   std::int64_t position_limit(std::int64_t layer) const;
   std::int64_t max_blocks_per_plane() const { return max_blocks_; }
   std::int64_t ring_rows() const { return ring_rows_; }

@@ -273,7 +273,8 @@ std::int64_t KvStore::allocated_bytes() const {
 }
 
 std::int64_t KvStore::position_limit(std::int64_t layer) const {
-  if (full_index(layer) >= 0 || ring_rows_ - options_.slack < config_.sliding_window) return options_.context;
+  // A full plane's own capacity bounds it (RingState::plan_batch).
+  if (full_index(layer) < 0 && ring_rows_ - options_.slack < config_.sliding_window) return options_.context;
   return kPositionLimit;
 }
 
@@ -783,7 +784,7 @@ Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> quer
     const RingState& r =
         slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
     const std::int64_t p = query.position;
-    const std::int64_t lo = p < 0 ? p : visible_begin(config_, config_.kind(layer), p);
+    const std::int64_t lo = visible_begin(config_, config_.kind(layer), p);
     if (p < 0 || !r.holds(p) || lo < r.origin_logical())
       return invalid_argument(seq_name(query.seq) + ", layer " + std::to_string(layer) +
                               ": decode at position " + std::to_string(p) + " needs rows " +
