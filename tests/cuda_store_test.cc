@@ -287,6 +287,45 @@ TEST(CudaStore, ForkAndTruncateKeepSequencesApart) {
   EXPECT_TRUE(seq_image(*st, *f) == img_x);
 }
 
+// A store made on GPU 1 and driven from a thread whose current device is
+// GPU 0 leaves GPU 0 current after every call, and stores and decodes as a
+// CPU store does.
+TEST(CudaStore, CallsLeaveTheThreadsCurrentDevice) {
+  KVRING_SKIP_WITHOUT_GPU();
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs";
+  const ModelConfig c = config();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, rows = 40;
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  auto g = testing::new_store(BackendKind::kCuda, c, options());
+  ASSERT_TRUE(g);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto h = testing::new_store(BackendKind::kCpu, c, options());
+  const SeqId gs = *g->add_sequence(), hs = *h->add_sequence();
+  auto current = [] {
+    int d = -1;
+    EXPECT_EQ(cudaGetDevice(&d), cudaSuccess);
+    return d;
+  };
+  const auto k = random_floats(static_cast<std::size_t>(rows * kv), 41);
+  const auto q = random_floats(static_cast<std::size_t>(width), 42);
+  std::vector<float> go(q.size()), ho(q.size());
+  const SeqSpan sg{gs, 0, rows}, sh{hs, 0, rows};
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    ASSERT_TRUE(g->store(l, std::span(&sg, 1), host_view(k.data(), rows, kv), host_view(k.data(), rows, kv)).ok());
+    EXPECT_EQ(current(), 0);
+    ASSERT_TRUE(h->store(l, std::span(&sh, 1), host_view(k.data(), rows, kv), host_view(k.data(), rows, kv)).ok());
+    const SeqQuery qg{gs, rows - 1}, qh{hs, rows - 1};
+    ASSERT_TRUE(g->attend_decode(l, std::span(&qg, 1), host_view(q.data(), 1, width), host_view(go.data(), 1, width)).ok());
+    EXPECT_EQ(current(), 0);
+    ASSERT_TRUE(h->attend_decode(l, std::span(&qh, 1), host_view(q.data(), 1, width), host_view(ho.data(), 1, width)).ok());
+    for (std::size_t i = 0; i < go.size(); ++i) EXPECT_NEAR(go[i], ho[i], 1e-5f) << l << " " << i;
+  }
+  EXPECT_TRUE(seq_image(*g, gs) == seq_image(*h, hs));
+  EXPECT_EQ(current(), 0);
+  g.reset();
+  EXPECT_EQ(current(), 0);
+}
+
 // f16 and bf16 K/V on the device, strided rows, on a user stream: the bytes
 // the CPU backend stores from the same host views.
 TEST(CudaStore, DeviceViewsOfEveryDtypeOnAUserStream) {

@@ -1,6 +1,10 @@
 // The CUDA backend of KvStore: rings and the block pool in device memory,
 // kernels on explicit streams.
 //
+// A store lives on the GPU current when it was made. Each call makes that
+// GPU current for its duration and gives the calling thread's current
+// device back before it returns.
+//
 // Device views are read and written in place; their calls are enqueued on
 // the given stream (null: the store's own) and never wait for the device.
 // Host views are staged through pinned buffers, and such a call waits for

@@ -18,6 +18,10 @@
 //
 // The payload of an N-token prompt is the first N-1 tokens' rows: the decode
 // side feeds the last prompt token itself as its first step.
+//
+// A session's own GPU work (staging, digests, local_device_pair's copies)
+// runs on the calling thread's current GPU: with CUDA stores, that is the
+// stores' GPU. A CUDA store's calls restore the thread's current device.
 #pragma once
 
 #include <chrono>

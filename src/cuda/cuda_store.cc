@@ -39,6 +39,36 @@ Error cuda_error(const std::string& what, cudaError_t e) {
     }                                                                   \
   } while (0)
 
+// Makes the store's device current for the scope of a call and gives the
+// thread's own back at its end, so an engine that drives stores on several
+// GPUs from one thread keeps its current device. Every method that calls
+// CUDA opens one first.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cudaError_t e = cudaGetDevice(&previous_);
+    if (e == cudaSuccess && previous_ != device) {
+      e = cudaSetDevice(device);
+      switched_ = e == cudaSuccess;
+    }
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      status_ = cuda_error("making the store's device current", e);
+    }
+  }
+  ~DeviceScope() {
+    if (switched_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+  Status status_;
+};
+
 // Host staging moves through pieces of this size (snapshot copies).
 constexpr std::size_t kStageBytes = std::size_t{8} << 20;
 // Attention workspace beyond what a decode of every slot needs, so that
@@ -244,6 +274,7 @@ struct CudaStore::Impl {
   DeviceBuffer stage_k, stage_v, stage_q, stage_out, stage_rows;
 
   ~Impl() {
+    const DeviceScope scope(device);  // cudaDeviceSynchronize below is the store's device's
     if (stream) cudaStreamSynchronize(stream);
     cudaDeviceSynchronize();
     for (auto* p : ring_k) cudaFree(p);
@@ -264,12 +295,6 @@ struct CudaStore::Impl {
     if (scratch) cudaMemPoolDestroy(scratch);
   }
 
-  Status activate() const {
-    int current = -1;
-    KVRING_CUDA_CHECK("cudaGetDevice", cudaGetDevice(&current));
-    if (current != device) KVRING_CUDA_CHECK("cudaSetDevice", cudaSetDevice(device));
-    return Status::Ok();
-  }
   cudaStream_t pick(cudaStream_t s) const { return s ? s : stream; }
 
   // `bytes` of scratch, stream-ordered on `s`; freed with cudaFreeAsync.
@@ -294,7 +319,6 @@ struct CudaStore::Impl {
   // Before enqueuing on `s`: work of the previous hook on another stream
   // comes first (a device-side wait).
   Status enter(cudaStream_t s) {
-    KVRING_RETURN_IF_ERROR(activate());
     if (chained && last != s && !capturing(s))
       KVRING_CUDA_CHECK("cudaStreamWaitEvent", cudaStreamWaitEvent(s, chain, 0));
     return Status::Ok();
@@ -405,8 +429,10 @@ struct CudaStore::Impl {
                    std::uint16_t* k, std::uint16_t* v, MemorySpace space, cudaStream_t stream,
                    bool gather) {
     const std::lock_guard<std::recursive_mutex> lock(mu);
-    const bool device = space == MemorySpace::kDevice;
-    const cudaStream_t s = device ? pick(stream) : this->stream;
+    const bool device_rows = space == MemorySpace::kDevice;
+    const cudaStream_t s = device_rows ? pick(stream) : this->stream;
+    const DeviceScope scope(device);
+    KVRING_RETURN_IF_ERROR(scope.status());
     KVRING_RETURN_IF_ERROR(enter(s));
     const std::size_t row_bytes = static_cast<std::size_t>(shape.kv_dim) * 2;
     const std::int64_t rows = span_rows(spans);
@@ -415,7 +441,7 @@ struct CudaStore::Impl {
       return gather ? cuda::launch_gather_rows(buf, shape, pool, map, r0, n, rows_at, s)
                     : cuda::launch_scatter_rows(buf, shape, pool, map, r0, n, rows_at, s);
     };
-    if (device) {
+    if (device_rows) {
       for (int which = 0; which < 2; ++which) {
         const cudaError_t e = launch(plane_buf(plane, fi, which), 0, rows, which == 0 ? k : v);
         if (e != cudaSuccess) return fail(cuda_error("row copy", e), s);
@@ -496,7 +522,8 @@ Status CudaStore::release_scratch() {
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   if (im.scratch == nullptr) return Status::Ok();
-  KVRING_RETURN_IF_ERROR(im.activate());
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   if (Impl::capturing(im.stream) || (im.chained && Impl::capturing(im.last)))
     return invalid_argument("release_scratch: the store's stream is being captured into a graph; "
                             "call it outside the capture");
@@ -656,7 +683,8 @@ Result<std::unique_ptr<KvStore>> make_cuda_store(const ModelConfig& config, Stor
 }
 
 Status CudaStore::synchronize(cudaStream_t stream) const {
-  KVRING_RETURN_IF_ERROR(impl_->activate());
+  const DeviceScope scope(impl_->device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(impl_->pick(stream)));
   return Status::Ok();
 }
@@ -670,7 +698,8 @@ Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
   const auto addr = reinterpret_cast<std::uintptr_t>(data);
   if (addr % static_cast<std::uintptr_t>(dtype_bytes(dtype)) != 0)
     return invalid_argument(name + " is not aligned to its " + dtype_name(dtype) + " elements");
-  KVRING_RETURN_IF_ERROR(impl_->activate());
+  const DeviceScope scope(impl_->device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, data) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -706,6 +735,8 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const bool host = k.space == MemorySpace::kHost || v.space == MemorySpace::kHost;
   auto dk = im.stage(k, im.stage_k, s);
@@ -855,6 +886,8 @@ Status CudaStore::attend(const AttendBatch& b) {
 
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(b.stream);
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const bool host_out = out.space == MemorySpace::kHost;
   bool host = host_out || q.space == MemorySpace::kHost;
@@ -1273,6 +1306,8 @@ Status CudaStore::read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.stream;
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
@@ -1289,6 +1324,8 @@ Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
@@ -1304,6 +1341,8 @@ Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t lay
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
@@ -1318,6 +1357,8 @@ Status CudaStore::copy_block(std::int32_t from, std::int32_t to, cudaStream_t st
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.block_elems) * 2;
   for (auto* pool : {im.pool_k, im.pool_v})
@@ -1334,6 +1375,8 @@ Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStrea
   if (entries == 0) return Status::Ok();
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
+  const DeviceScope scope(im.device);
+  KVRING_RETURN_IF_ERROR(scope.status());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   // Every entry of every change goes up in one copy and lands in the
   // mirror with one launch: a batched operation changes many tables.
