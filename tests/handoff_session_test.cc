@@ -15,6 +15,7 @@
 #include "kvring/handoff.h"
 #include "kvring/backend.h"
 #include "kvring/model.h"
+#include "handoff_test_util.h"
 #include "test_util.h"
 
 namespace kvring::handoff {
@@ -328,15 +329,8 @@ TEST_F(Handoff, InstallsIntoARunningStore) {
   expect_reference(decode_in(store, *target.sequence(), target.header().token_ids));
 }
 
-// A sequence of a store prefilled to the payload: the prompt but its last token.
 SeqId prefill_in(const ReferenceModel& model, KvStore& store, const std::vector<std::int32_t>& prompt) {
-  const SeqId seq = *store.add_sequence();
-  std::vector<float> logits(static_cast<std::size_t>(kChunk) * 64);
-  for (std::int64_t at = 0; at < kPrompt - 1; at += kChunk) {
-    const SeqSpan span{seq, at, std::min(kChunk, kPrompt - 1 - at)};
-    EXPECT_TRUE(model.forward(store, {&span, 1}, prompt.data() + at, logits.data()).ok());
-  }
-  return seq;
+  return testing::prefill_in(model, store, prompt, kChunk);
 }
 
 // Every live row of every layer of a sequence.

@@ -178,7 +178,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
 // The receiver: one session, decoded greedily to --tokens.
 int cmd_serve(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
-                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "port-file"});
+                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "max-mib", "port-file"});
   if (!a) return fail(a.error());
   if (!a->positional().empty()) return fail("handoff serve: unexpected argument '" + a->positional()[0] + "'");
   if (!a->has("listen")) return fail("handoff serve needs --listen HOST:PORT (port 0: any free port)");
@@ -197,6 +197,9 @@ int cmd_serve(const std::vector<std::string>& argv) {
   if (!credits) return fail(credits.error());
   handoff::DetachedCacheTarget::Options to;
   to.backend = *backend;
+  auto max_mib = a->integer("max-mib", to.max_row_bytes / kMiB, 1, std::int64_t{1} << 30);
+  if (!max_mib) return fail(max_mib.error());
+  to.max_row_bytes = *max_mib * kMiB;
   if (a->has("model") || a->has("config")) {
     auto c = resolve_config(a->str("model"), a->str("config"));
     if (!c) return fail(c.error());

@@ -79,9 +79,11 @@ const CommandHelp kHelp[] = {
              schedule relative to prefill, with the bytes in flight over time
 )"},
     {"handoff serve", R"(  handoff serve --listen HOST:PORT --tokens N [--model NAME | --config FILE]
-             [--backend cpu|cuda|auto] [--timeout S] [--port-file F] [--json]
+             [--backend cpu|cuda|auto] [--timeout S] [--credits MiB]
+             [--max-mib M] [--port-file F] [--json]
              receives one session (UCX), decodes it greedily to N tokens and
-             prints the summary of `run`; port 0 picks a free port
+             prints the summary of `run`; port 0 picks a free port; a session
+             whose store would take more than M MiB (default 65536) is refused
 )"},
     {"config", R"(  config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model

@@ -451,6 +451,9 @@ class DetachedCacheTarget : public HandoffTarget {
     std::int64_t context = 0;  // 0: the sender's
     // Set: a session of another geometry is refused (kMismatch).
     std::optional<ModelConfig> expect;
+    // The most a session may bring: its rows, and without `store` the fresh
+    // store's footprint (compute_footprint at the context), refused at
+    // begin() with kCapacityExceeded before anything is allocated.
     std::int64_t max_row_bytes = std::int64_t{64} << 30;
     // Set: commit adds the session to this store as a new sequence, and a
     // session the store cannot take (another geometry, more positions than
@@ -504,6 +507,9 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source,
 
 struct ReceiveOptions {
   double timeout_s = 10;  // longest wait for any message once connected
+  // Longest run of keep-alives with no rows between them (the sender's
+  // prefill still running) before the session is refused; 0: no limit.
+  double max_keep_s = 300;
   std::int64_t credit_bytes = std::int64_t{64} << 20;
   std::int64_t max_message_bytes = std::int64_t{256} << 20;
 };

@@ -39,13 +39,15 @@ enum Type : std::uint8_t {
   kBye = 10,
 };
 constexpr double kLingerS = 2.0;
+// What a lingering side accepts: it only waits for BYE (or the close).
+constexpr std::size_t kLingerMessageBytes = 4096;
 
 // Waits until the peer closes the link or says BYE (or the linger ends).
 void linger(Transport& t, double seconds) {
   std::vector<std::uint8_t> in;
   const Deadline end = deadline_in(seconds);
   while (Clock::now() < end) {
-    if (!t.recv_message(in, end, std::size_t{1} << 30).ok()) return;
+    if (!t.recv_message(in, end, kLingerMessageBytes).ok()) return;
     if (!in.empty() && in[0] == kBye) return;
   }
 }
@@ -166,6 +168,9 @@ Result<DecodedHeader> decode_header(const std::vector<std::uint8_t>& m) {
   h.token_count = static_cast<std::int64_t>(r.u(8));
   const auto n_ids = static_cast<std::int64_t>(r.u(8));
   if (!r.ok || n_ids < 0 || n_ids > kMaxIds) return wire_error("header: bad token id count");
+  // The ids' bytes must be there before their vector is sized.
+  if (static_cast<std::uint64_t>(r.end - r.p) / 4 < static_cast<std::uint64_t>(n_ids))
+    return wire_error("header is truncated (" + std::to_string(n_ids) + " token ids claimed)");
   h.token_ids.resize(static_cast<std::size_t>(n_ids));
   for (auto& id : h.token_ids) id = static_cast<std::int32_t>(r.u(4));
   const auto n_meta = static_cast<std::int64_t>(r.u(8));
@@ -389,21 +394,34 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   Reader r{in.data() + 1, in.data() + in.size()};
   report.credit_bytes = static_cast<std::int64_t>(r.u(8));
 
-  std::int64_t sent = 0, acked = 0;
+  std::int64_t sent = 0, acked = 0, acks = 0;
+  bool ended = false;
   // Reads one reply: an ACK advances `acked`; an ERROR ends the session.
+  // The receiver acknowledges each message in order, with the bytes taken
+  // so far, and says DONE only after the end, every message acknowledged:
+  // a reply that breaks that order ends the session.
   auto read_reply = [&]() -> Status {
     if (Status s = transport.recv_message(in, deadline_in(options.timeout_s), 1 << 20); !s.ok()) return fail_link(s);
     if (in.empty()) return wire_error(who + " sent an empty message");
     if (in[0] == kError) return decode_status(in, who + " failed");
     if (in[0] == kAck && in.size() == 17) {
       Reader a{in.data() + 1, in.data() + in.size()};
-      a.u(8);
+      const auto seq = a.u(8);
       const auto bytes = static_cast<std::int64_t>(a.u(8));
-      if (bytes < acked || bytes > sent) return wire_error(who + " acknowledged " + std::to_string(bytes) + " B of " + std::to_string(sent));
+      if (seq != static_cast<std::uint64_t>(acks) || acks >= report.messages)
+        return wire_error(who + " acknowledged message " + std::to_string(seq) + " where " + std::to_string(acks) +
+                          " of " + std::to_string(report.messages) + " sent was next");
+      if (bytes <= acked || bytes > sent) return wire_error(who + " acknowledged " + std::to_string(bytes) + " B of " + std::to_string(sent));
       acked = bytes;
+      ++acks;
       return Status::Ok();
     }
-    if (in[0] == kDone) return Status::Ok();
+    if (in[0] == kDone) {
+      if (!ended || acked != sent)
+        return wire_error(who + " said done " + (ended ? "" : "before the end, ") + "with " + std::to_string(acked) +
+                          " of " + std::to_string(sent) + " B acknowledged");
+      return Status::Ok();
+    }
     return wire_error(who + " sent message type " + std::to_string(in[0]));
   };
   auto abort_with = [&](const Error& e) -> Error {
@@ -476,6 +494,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   put_fixed64(&end, sent);
   put_bytes(&end, header_digest.data(), header_digest.size());
   if (Status s = transport.send_message(end.data(), end.size(), deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
+  ended = true;
   for (;;) {
     KVRING_RETURN_IF_ERROR(read_reply());
     if (in[0] == kDone) break;
@@ -505,7 +524,8 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   auto fail = [&](Error e) -> Error {
     if (begun) target.abort();
     const std::string s = encode_status(kError, e);
-    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) linger(transport, kLingerS);
+    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok())
+      linger(transport, std::min(kLingerS, options.timeout_s));
     return e;
   };
   auto recv = [&](Deadline d) -> Status {
@@ -539,17 +559,28 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   for (const PlaneSnapshot& p : h.planes) next_row.push_back(p.ring.origin_logical());
   ReceiveReport report;
   std::int64_t taken = 0;
+  // Keep-alives say the sender's prefill still runs; they hold the target's
+  // blocks, so a run of them with no rows ends at max_keep_s.
+  auto last_rows = Clock::now();
   for (;;) {
     if (Status s = recv(deadline_in(options.timeout_s)); !s.ok())
       return fail(make_error(s.error().code, s.error().message + " (after " + std::to_string(report.messages) + " of " +
                                                  std::to_string(decoded->n_messages) + " messages)"));
     const std::string at = "message " + std::to_string(report.messages) + ": ";
-    if (in[0] == kKeep && in.size() == 1) continue;
+    if (in[0] == kKeep && in.size() == 1) {
+      if (options.max_keep_s > 0 && seconds_since(last_rows) > options.max_keep_s)
+        return fail(io_error("handoff: " + who + " sent only keep-alives for " + std::to_string(options.max_keep_s) +
+                             " s (after " + std::to_string(report.messages) + " of " +
+                             std::to_string(decoded->n_messages) + " messages)"));
+      continue;
+    }
     if (in[0] == kAbort) return fail(decode_status(in, who + " aborted"));
     if (in[0] == kRows) {
       const std::size_t size = in.size() + (msg.device ? msg.device->size() : 0);
       if (in.size() < kRowsFixed || (msg.device && in.size() != kRowsFixed))
         return fail(wire_error(at + "rows message of " + std::to_string(size) + " B is truncated"));
+      if (report.messages == decoded->n_messages)
+        return fail(wire_error(at + "rows past the header's " + std::to_string(decoded->n_messages) + " messages"));
       Reader r{in.data() + 1, in.data() + kRowsHead};
       const auto seq = static_cast<std::int64_t>(r.u(8));
       const auto layer = static_cast<std::int64_t>(r.u(4));
@@ -606,6 +637,7 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       next += rows;
       taken += rows * kv * 4;
       ++report.messages;
+      last_rows = Clock::now();
       std::string ack;
       put_fixed8(&ack, kAck);
       put_fixed64(&ack, seq);
@@ -624,7 +656,8 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       if (n != decoded->n_messages || n != report.messages || bytes != taken || taken != expected_bytes)
         return fail(wire_error("the stream ended after " + std::to_string(report.messages) + " of " +
                                std::to_string(decoded->n_messages) + " messages, " + std::to_string(taken) + " of " +
-                               std::to_string(expected_bytes) + " B"));
+                               std::to_string(expected_bytes) + " B; its end claims " + std::to_string(n) +
+                               " messages, " + std::to_string(bytes) + " B"));
       for (std::size_t l = 0; l < h.planes.size(); ++l)
         if (next_row[l] != h.planes[l].ring.next_position())
           return fail(wire_error("layer " + std::to_string(l) + " is incomplete"));

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "device.h"
+#include "kvring/footprint.h"
 #include "kvring/handoff.h"
 
 namespace kvring::handoff {
@@ -276,6 +277,15 @@ Status DetachedCacheTarget::begin(const Snapshot& header) {
   KVRING_RETURN_IF_ERROR(StoreTarget::check_session(header, to));
   KvStore* into = options_.store;
   if (into == nullptr) {
+    // A fresh store holds every row the geometry can at this context, however
+    // few the session sends: the limit bounds it before it is allocated.
+    auto footprint = compute_footprint(header.config, context, 1);
+    if (!footprint) return footprint.error();
+    if (footprint->total_bytes > options_.max_row_bytes)
+      return make_error(ErrorCode::kCapacityExceeded,
+                        "handoff: a store for this session's geometry at context " + std::to_string(context) +
+                            " takes " + std::to_string(footprint->total_bytes) + " B, above this target's limit of " +
+                            std::to_string(options_.max_row_bytes) + " B");
     // Every row a reader can see is installed, and a ring the rows do not
     // fill is cleared: no zero-fill.
     auto made = make_store(options_.backend, header.config,

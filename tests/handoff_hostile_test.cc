@@ -1,0 +1,721 @@
+// Hostile peers: a legitimate session's messages recorded, then edited
+// (fields changed and digests recomputed, cut, repeated, reordered) and
+// replayed into receive_session; scripted receivers against send_session.
+// Every refusal is a clear error that leaves the target store as it was.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <random>
+#include <thread>
+
+#include "kvring/backend.h"
+#include "kvring/handoff.h"
+#include "kvring/model.h"
+#include "kvring/sha256.h"
+#include "kvring/snapshot.h"
+#include "handoff_test_util.h"
+#include "test_util.h"
+
+namespace kvring::handoff {
+namespace {
+
+using Msg = std::vector<std::uint8_t>;
+constexpr std::int64_t kPrompt = 100, kChunk = 7;
+constexpr std::size_t kRowsHead = 29, kRowsFixed = 61;
+
+// Records every message a sender sends (flattened to host bytes).
+class Recorder : public Transport {
+ public:
+  explicit Recorder(Transport* inner) : inner_(inner) {}
+  std::vector<Msg> sent;
+  Status send_message(const std::vector<Part>& parts, Deadline d) override {
+    Msg m;
+    for (const Part& p : parts)
+      m.insert(m.end(), static_cast<const std::uint8_t*>(p.data), static_cast<const std::uint8_t*>(p.data) + p.size);
+    sent.push_back(m);
+    if (!inner_) return io_error("recorder: header captured");
+    return inner_->send_message(parts, d);
+  }
+  Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
+    return inner_->recv_message(out, d, max);
+  }
+  std::string describe() const override { return "recorder"; }
+  void close() override {
+    if (inner_) inner_->close();
+  }
+
+ private:
+  Transport* inner_;
+};
+
+void put64(Msg& m, std::size_t at, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) m[at + i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+void put32(Msg& m, std::size_t at, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) m[at + i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+std::uint64_t get64(const Msg& m, std::size_t at) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | m[at + i];
+  return v;
+}
+// Re-signs a header (its trailing SHA-256).
+void reseal_header(Msg& m) {
+  const Digest d = sha256(m.data(), m.size() - 32);
+  std::memcpy(m.data() + m.size() - 32, d.data(), 32);
+}
+// Re-signs a SHA-256 ROWS message.
+void reseal_rows(Msg& m) {
+  Sha256 h;
+  h.update(m.data(), kRowsHead);
+  h.update(m.data() + kRowsFixed, m.size() - kRowsFixed);
+  const Digest d = h.finish();
+  std::memcpy(m.data() + kRowsHead, d.data(), 32);
+}
+// END names the header's digest: point it at `header`.
+void restamp_end(Msg& end, const Msg& header) {
+  std::memcpy(end.data() + 17, header.data() + header.size() - 32, 32);
+}
+
+SeqId prefill_in(const ReferenceModel& model, KvStore& store, const std::vector<std::int32_t>& prompt) {
+  return testing::prefill_in(model, store, prompt, kChunk);
+}
+
+// A source that sends an arbitrary header and no rows.
+class HeaderOnly : public HandoffSource {
+ public:
+  explicit HeaderOnly(Snapshot h) : h_(std::move(h)) {}
+  const Snapshot& header() const override { return h_; }
+  Result<bool> wait_final(const PlannedMessage&, Deadline) override { return true; }
+  Status rows(const PlannedMessage&, const std::uint16_t**, const std::uint16_t**) override {
+    return make_error(ErrorCode::kInternal, "no rows");
+  }
+  Snapshot h_;
+};
+
+// The encoded HEADER message of `h` (with `n_messages` and `payload_bytes`).
+Msg encode_header(const Snapshot& h, std::int64_t n_messages = 0, std::int64_t payload_bytes = 0) {
+  HeaderOnly src(h);
+  Timeline t;
+  t.messages.resize(static_cast<std::size_t>(n_messages));
+  t.payload.payload_bytes = payload_bytes;
+  Recorder rec(nullptr);
+  (void)send_session(rec, src, t, {.timeout_s = 0.1});
+  return rec.sent.at(0);
+}
+
+// A sequential header of `c` at `context` holding `tokens` positions.
+Snapshot make_header(const ModelConfig& c, std::int64_t context, std::int64_t tokens) {
+  Snapshot h;
+  h.config = c;
+  h.context = context;
+  h.token_count = tokens;
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    PlaneSnapshot p;
+    p.kind = c.kind(l);
+    p.layout = layout_for(p.kind);
+    p.ring = *RingState::sequential(c.plane_capacity(l, context), p.kind == LayerKind::kSlidingRope, tokens);
+    h.planes.push_back(p);
+  }
+  return h;
+}
+
+std::int64_t payload_of(const Snapshot& h) {
+  std::int64_t b = 0;
+  for (const auto& p : h.planes) b += p.ring.len() * h.config.kv_dim() * 4;
+  return b;
+}
+
+struct Replay {
+  Result<ReceiveReport> received = io_error("not run");
+  std::vector<Msg> replies;
+  double seconds = 0;
+};
+
+class Hostile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = testing::small_config(32, 256);
+    auto m = ReferenceModel::create(config_, {.hidden = 32, .vocab = 64});
+    ASSERT_TRUE(m.ok());
+    model_ = *m;
+    prompt_ = seeded_tokens(kPrompt, 64, 7);
+    auto from = make_store(BackendKind::kCpu, config_, {.max_sequences = 1});
+    ASSERT_TRUE(from.ok());
+    from_ = std::move(*from);
+    seq_ = prefill_in(*model_, *from_, prompt_);
+    PlanOptions o;
+    o.chunk_tokens = kChunk;
+    o.message_bytes = 3 * 256;
+    o.credit_bytes = 1 << 20;
+    timeline_ = *plan_handoff(config_, kPrompt, o);
+    // A legitimate stream, recorded.
+    auto [a, b] = local_pair();
+    Recorder rec(a.get());
+    auto sink = make_store(BackendKind::kCpu, config_, {.max_sequences = 1});
+    StoreTarget sink_target(**sink);
+    Result<ReceiveReport> r = io_error("");
+    std::thread t([&] { r = receive_session(*b, sink_target); });
+    auto src = StoreSource::create(*from_, seq_, timeline_, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "m");
+    ASSERT_TRUE(src.ok());
+    auto s = send_session(rec, **src, timeline_);
+    t.join();
+    ASSERT_TRUE(s.ok()) << s.error().to_string();
+    ASSERT_TRUE(r.ok());
+    stream_ = rec.sent;
+    ASSERT_EQ(stream_.back().size(), 1u);  // BYE
+    stream_.pop_back();
+    ASSERT_EQ(stream_.back()[0], 8);  // END
+    auto to = make_store(BackendKind::kCpu, config_, {.max_sequences = 2, .block_rows = 16});
+    ASSERT_TRUE(to.ok());
+    store_ = std::move(*to);
+    other_ = prefill_in(*model_, *store_, seeded_tokens(kPrompt, 64, 5));
+    free_before_ = store_->free_blocks();
+  }
+
+  // Queues `msgs` then BYE (ends the receiver's linger) and runs the receiver here.
+  Replay replay(const std::vector<Msg>& msgs, HandoffTarget& target, ReceiveOptions ro = {.timeout_s = 1}) {
+    auto [a, b] = local_pair();
+    for (const Msg& m : msgs) EXPECT_TRUE(a->send_message(m.data(), m.size(), deadline_in(1)).ok());
+    const std::uint8_t bye = 10;
+    EXPECT_TRUE(a->send_message(&bye, 1, deadline_in(1)).ok());
+    Replay r;
+    const auto t0 = Clock::now();
+    r.received = receive_session(*b, target, ro);
+    r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    Msg in;
+    while (a->recv_message(in, deadline_in(0.01), 1 << 30).ok()) r.replies.push_back(in);
+    return r;
+  }
+  // Runs `msgs` into a StoreTarget of store_ and checks the store is as it was on failure.
+  Replay into_store(const std::vector<Msg>& msgs, ReceiveOptions ro = {.timeout_s = 1}) {
+    StoreTarget target(*store_, {.expect = config_});
+    Replay r = replay(msgs, target, ro);
+    if (r.received.ok()) {
+      EXPECT_TRUE(target.sequence().has_value());
+      EXPECT_TRUE(store_->remove_sequence(*target.sequence()).ok());
+    }
+    EXPECT_EQ(store_->sequence_count(), 1);
+    EXPECT_EQ(store_->free_blocks(), free_before_);
+    EXPECT_EQ(target.pending_blocks(), 0);
+    return r;
+  }
+  std::size_t first_rows() const { return 1; }
+  std::size_t n_rows_msgs() const { return stream_.size() - 2; }
+
+  ModelConfig config_;
+  std::shared_ptr<const ReferenceModel> model_;
+  std::vector<std::int32_t> prompt_;
+  std::unique_ptr<KvStore> from_, store_;
+  SeqId seq_{}, other_{};
+  Timeline timeline_;
+  std::vector<Msg> stream_;
+  std::int64_t free_before_ = 0;
+};
+
+#define EXPECT_REFUSED(r, needle)                                                                  \
+  do {                                                                                             \
+    ASSERT_FALSE((r).received.ok());                                                               \
+    EXPECT_NE((r).received.error().message.find(needle), std::string::npos)                        \
+        << (r).received.error().to_string();                                                       \
+  } while (0)
+
+TEST_F(Hostile, HarnessReplaysALegitStream) {
+  auto r = into_store(stream_);
+  ASSERT_TRUE(r.received.ok()) << r.received.error().to_string();
+}
+
+TEST_F(Hostile, EmptyAndUnknownMessages) {
+  EXPECT_REFUSED(into_store({Msg{}}), "empty");
+  EXPECT_REFUSED(into_store({Msg{42}}), "did not start with a header");
+  auto s = stream_;
+  s.insert(s.begin() + 2, Msg{});
+  EXPECT_REFUSED(into_store(s), "empty");
+  s = stream_;
+  s.insert(s.begin() + 2, Msg{77, 1, 2});
+  EXPECT_REFUSED(into_store(s), "unexpected message type 77");
+  s = stream_;
+  s.insert(s.begin() + 2, Msg{6, 0});  // KEEP with a byte
+  EXPECT_REFUSED(into_store(s), "unexpected message type 6");
+  s = stream_;
+  s.insert(s.begin() + 2, stream_[0]);  // a second header
+  EXPECT_REFUSED(into_store(s), "unexpected message type 1");
+}
+
+TEST_F(Hostile, TruncatedRowsAtEveryLength) {
+  const Msg& m = stream_[1];
+  for (std::size_t n = 1; n < m.size(); n += (n < 80 ? 1 : 37)) {
+    auto s = stream_;
+    s[1].resize(n);
+    auto r = into_store(s);
+    ASSERT_FALSE(r.received.ok()) << n;
+    EXPECT_EQ(r.received.error().code, ErrorCode::kCorruption) << n << r.received.error().to_string();
+  }
+}
+
+TEST_F(Hostile, RowFieldsResealed) {
+  auto with = [&](std::size_t msg, auto&& edit) {
+    auto s = stream_;
+    edit(s[msg]);
+    reseal_rows(s[msg]);
+    return into_store(s);
+  };
+  // Rows field disagrees with the bytes.
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 21, get64(m, 21) + 1); }), "rows");
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 21, 0); }), "for 0 rows");
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 21, ~std::uint64_t{0}); }), "rows");
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 21, std::uint64_t{1} << 62); }), "rows");
+  // Bytes cut by one row with a matching rows field (then the layer is incomplete).
+  EXPECT_REFUSED(with(1,
+                      [&](Msg& m) {
+                        const std::uint64_t rows = get64(m, 21);
+                        const std::size_t kv = static_cast<std::size_t>(config_.kv_dim());
+                        // K then V: drop the last row of each.
+                        Msg k(m.begin() + kRowsFixed, m.begin() + kRowsFixed + rows * kv * 2);
+                        Msg v(m.begin() + kRowsFixed + rows * kv * 2, m.end());
+                        k.resize(k.size() - kv * 2);
+                        v.resize(v.size() - kv * 2);
+                        m.resize(kRowsFixed);
+                        m.insert(m.end(), k.begin(), k.end());
+                        m.insert(m.end(), v.begin(), v.end());
+                        put64(m, 21, rows - 1);
+                      }),
+                 "rows from");
+  // Layers out of range.
+  EXPECT_REFUSED(with(1, [&](Msg& m) { put32(m, 9, static_cast<std::uint32_t>(config_.n_layers)); }), "layer 4");
+  EXPECT_REFUSED(with(1, [](Msg& m) { put32(m, 9, 0xffffffffu); }), "layer 4294967295");
+  // First row elsewhere: behind, ahead, negative, far past the context.
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 13, get64(m, 13) + 1); }), "rows from");
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 13, ~std::uint64_t{0}); }), "rows from -1");
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 13, std::uint64_t{1} << 62); }), "rows from");
+  // Sequence numbers.
+  EXPECT_REFUSED(with(1, [](Msg& m) { put64(m, 1, 1); }), "sequence number 1");
+  EXPECT_REFUSED(with(2, [](Msg& m) { put64(m, 1, 0); }), "sequence number 0");
+}
+
+TEST_F(Hostile, RepeatedReorderedAndSkippedRows) {
+  auto s = stream_;
+  s.insert(s.begin() + 2, stream_[1]);
+  EXPECT_REFUSED(into_store(s), "sequence number 0");
+  s = stream_;
+  std::swap(s[1], s[2]);
+  EXPECT_REFUSED(into_store(s), "sequence number 1");
+  // Renumbered so the sequence is right: the rows are then out of order.
+  s = stream_;
+  std::swap(s[1], s[2]);
+  put64(s[1], 1, 0);
+  put64(s[2], 1, 1);
+  reseal_rows(s[1]);
+  reseal_rows(s[2]);
+  EXPECT_REFUSED(into_store(s), "expected");
+  // A message dropped and the rest renumbered: END finds fewer.
+  s = stream_;
+  s.erase(s.begin() + 1);
+  for (std::size_t i = 1; i + 1 < s.size(); ++i) {
+    put64(s[i], 1, i - 1);
+    reseal_rows(s[i]);
+  }
+  auto r = into_store(s);
+  ASSERT_FALSE(r.received.ok());
+  EXPECT_FALSE(r.received.error().message.empty());
+}
+
+TEST_F(Hostile, DigestMismatchAndFlippedBytes) {
+  std::mt19937 rng(1);
+  for (int i = 0; i < 40; ++i) {
+    auto s = stream_;
+    const std::size_t msg = 1 + rng() % n_rows_msgs();
+    s[msg][rng() % s[msg].size()] ^= static_cast<std::uint8_t>(1 + rng() % 255);
+    auto r = into_store(s);
+    ASSERT_FALSE(r.received.ok());
+  }
+}
+
+TEST_F(Hostile, EndMessages) {
+  auto s = stream_;
+  s.insert(s.begin() + 2, stream_.back());  // END early
+  EXPECT_REFUSED(into_store(s), "the stream ended after 1 of");
+  s = stream_;
+  s.back()[20] ^= 1;  // END names another header
+  EXPECT_REFUSED(into_store(s), "another session");
+  s = stream_;
+  s.back().pop_back();
+  EXPECT_REFUSED(into_store(s), "malformed");
+  s = stream_;
+  s.back().push_back(0);
+  EXPECT_REFUSED(into_store(s), "malformed");
+  s = stream_;
+  put64(s.back(), 9, get64(s.back(), 9) + 1);
+  EXPECT_REFUSED(into_store(s), "the stream ended");
+  s = stream_;
+  s.pop_back();  // no END: the peer goes quiet
+  EXPECT_REFUSED(into_store(s, {.timeout_s = 0.3}), "unexpected message type 10");
+}
+
+TEST_F(Hostile, AbortMessages) {
+  auto s = stream_;
+  s.insert(s.begin() + 3, Msg{7, 1});  // ABORT, truncated code
+  EXPECT_REFUSED(into_store(s), "malformed error");
+  s = stream_;
+  s.insert(s.begin() + 3, Msg{7, 0xff, 0xff, 0xff, 0xff, 'x'});
+  EXPECT_REFUSED(into_store(s), "malformed error");
+  s = stream_;
+  s.insert(s.begin() + 3, Msg{7, 2, 0, 0, 0, 'b', 'y', 'e'});
+  EXPECT_REFUSED(into_store(s), "aborted: bye");
+}
+
+TEST_F(Hostile, TruncatedHeaderAtEveryLengthResealed) {
+  const Msg& h = stream_[0];
+  for (std::size_t n = 0; n + 32 < h.size(); ++n) {
+    Msg m(h.begin(), h.begin() + n);
+    m.resize(n + 32);
+    reseal_header(m);
+    auto s = stream_;
+    s[0] = m;
+    StoreTarget target(*store_);
+    auto r = replay(s, target);
+    ASSERT_FALSE(r.received.ok()) << n;
+    EXPECT_EQ(store_->sequence_count(), 1);
+    EXPECT_EQ(store_->free_blocks(), free_before_);
+  }
+  // And cut without resealing.
+  for (std::size_t n = 0; n < h.size(); n += 7) {
+    auto s = stream_;
+    s[0].resize(n);
+    StoreTarget target(*store_);
+    auto r = replay(s, target);
+    ASSERT_FALSE(r.received.ok()) << n;
+  }
+}
+
+TEST_F(Hostile, HeaderFields) {
+  const std::int64_t L = config_.n_layers;
+  const std::size_t ctx_at = 60 + L + 32, count_at = ctx_at + 8, ids_at = count_at + 8;
+  auto header_with = [&](auto&& edit) {
+    auto s = stream_;
+    edit(s[0]);
+    reseal_header(s[0]);
+    restamp_end(s.back(), s[0]);
+    return s;
+  };
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, ctx_at, 0); })), "context 0");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, ctx_at, 257); })), "context 257");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, ctx_at, ~std::uint64_t{0}); })), "context");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, count_at, ~std::uint64_t{0}); })), "token_count");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, count_at, 100); })), "");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, ids_at, 98); })), "");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { m[11] = 2; })), "row digest 2");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { m[9] = 1; })), "protocol version 1");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { m[1] = 'X'; })), "bad magic");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { m[60] = 1; })), "fingerprint does not match");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { m[60] = 7; })), "unknown kind");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, 12, 0); })), "layer count");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, 12, 1u << 20); })), "layer count");
+  // Message count / payload bytes (the last 16 B before the digest).
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, m.size() - 40, 1); })), "payload of 1 B");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, m.size() - 48, ~std::uint64_t{0}); })), "message count");
+  EXPECT_REFUSED(into_store(header_with([&](Msg& m) { put64(m, m.size() - 48, 3); })), "rows past the header's 3 messages");
+}
+
+// Another geometry, valid on its own, with its own fingerprint.
+TEST_F(Hostile, OtherGeometryHeader) {
+  const ModelConfig other = testing::small_config(32, 256, 4, 4, 2, 32);  // head_dim 32
+  auto s = stream_;
+  s[0] = encode_header(make_header(other, 256, 99), 1, payload_of(make_header(other, 256, 99)));
+  EXPECT_REFUSED(into_store(s), "head_dim 32 vs 16");  // StoreTarget with expect
+  StoreTarget plain(*store_);  // no expect: the store's geometry
+  auto r = replay(s, plain);
+  EXPECT_REFUSED(r, "head_dim");
+  EXPECT_EQ(store_->sequence_count(), 1);
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+  // DetachedCacheTarget into the store.
+  DetachedCacheTarget::Options o;
+  o.store = store_.get();
+  DetachedCacheTarget d(o);
+  auto r2 = replay(s, d);
+  EXPECT_REFUSED(r2, "head_dim");
+  EXPECT_EQ(d.held_row_bytes(), 0);
+  EXPECT_EQ(store_->sequence_count(), 1);
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+}
+
+// A header that claims 2^26 token ids in a message of a few hundred bytes is
+// refused for its ids before their vector is sized.
+TEST_F(Hostile, HeaderClaimingMoreTokenIdsThanItHolds) {
+  const std::int64_t L = config_.n_layers;
+  const std::size_t ids_at = 60 + L + 32 + 16;
+  Msg m(stream_[0].begin(), stream_[0].begin() + ids_at + 8);
+  put64(m, ids_at, std::uint64_t{1} << 26);
+  m.resize(m.size() + 32);
+  reseal_header(m);
+  StoreTarget target(*store_);
+  auto r = replay({m}, target);
+  EXPECT_REFUSED(r, "token ids");
+  EXPECT_LT(r.seconds, 1.0);
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+}
+
+// A header of a big sliding-window geometry and one position: almost no
+// payload, but a fresh store of 2 GiB. The target's limit covers the store.
+TEST_F(Hostile, FreshStoreAboveTheLimitIsRefused) {
+  // 8 sliding layers, kv_dim 8192, window 8192: 256 MiB of ring per layer.
+  ModelConfig big = make_hybrid_config("big", 8, 0, 64, 64, 128, 8192, 8192);
+  ASSERT_TRUE(big.validate().ok());
+  const Snapshot h = make_header(big, 8192, 1);
+  DetachedCacheTarget::Options o;
+  o.max_row_bytes = 1 << 20;
+  DetachedCacheTarget target(o);
+  const Status s = target.begin(h);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.error().to_string();
+  EXPECT_NE(s.error().message.find("limit of 1048576 B"), std::string::npos) << s.error().to_string();
+  EXPECT_EQ(target.held_row_bytes(), 0);
+  // Under a limit that covers its store the same session begins.
+  o.max_row_bytes = std::int64_t{4} << 30;
+  big = make_hybrid_config("small-enough", 2, 0, 4, 2, 16, 64, 256);
+  DetachedCacheTarget fits(o);
+  ASSERT_TRUE(fits.begin(make_header(big, 256, 1)).ok());
+  EXPECT_GT(fits.held_row_bytes(), 0);
+  fits.abort();
+}
+
+// The same through the wire: a session of no rows for that geometry.
+TEST_F(Hostile, FreshStoreAboveTheLimitThroughTheWire) {
+  ModelConfig big = make_hybrid_config("big", 8, 0, 64, 64, 128, 8192, 8192);
+  Snapshot h = make_header(big, 8192, 0);
+  Msg header = encode_header(h, 0, 0);
+  Msg end(49, 0);
+  end[0] = 8;
+  restamp_end(end, header);
+  DetachedCacheTarget::Options o;
+  o.max_row_bytes = 1 << 20;
+  DetachedCacheTarget target(o);
+  auto r = replay({header, end}, target);
+  ASSERT_FALSE(r.received.ok());
+  EXPECT_EQ(r.received.error().code, ErrorCode::kCapacityExceeded) << r.received.error().to_string();
+  EXPECT_EQ(target.held_row_bytes(), 0);
+  EXPECT_EQ(target.take(), nullptr);
+}
+
+// Positions far past anything a store takes, on an all-sliding geometry.
+TEST_F(Hostile, HugePositionsOnSlidingOnlyGeometry) {
+  ModelConfig slide = make_hybrid_config("slide", 2, 0, 4, 2, 16, 32, 256);
+  for (std::int64_t tokens : {std::int64_t{1} << 40, std::numeric_limits<std::int64_t>::max()}) {
+    Snapshot h = make_header(slide, 256, tokens);
+    Msg header = encode_header(h, 0, payload_of(h));
+    auto st = make_store(BackendKind::kCpu, slide, {.max_sequences = 1});
+    ASSERT_TRUE(st.ok());
+    const auto free0 = (*st)->free_blocks();
+    StoreTarget target(**st);
+    auto r = replay({header}, target, {.timeout_s = 0.2});
+    EXPECT_REFUSED(r, "");
+    EXPECT_EQ((*st)->free_blocks(), free0);
+    EXPECT_EQ(target.pending_blocks(), 0);
+  }
+}
+
+// Random bytes changed in every kind of message, each resealed so the
+// structural checks are reached.
+TEST_F(Hostile, ResealedRandomMutations) {
+  std::mt19937 rng(7);
+  int accepted = 0;
+  for (int i = 0; i < 400; ++i) {
+    auto s = stream_;
+    const std::size_t msg = rng() % s.size();
+    const int n = 1 + rng() % 4;
+    for (int j = 0; j < n; ++j) {
+      // Mostly the fixed fields.
+      const std::size_t lim = std::min<std::size_t>(s[msg].size(), rng() % 2 ? 64 : s[msg].size());
+      s[msg][rng() % lim] = static_cast<std::uint8_t>(rng());
+    }
+    if (msg == 0) {
+      reseal_header(s[0]);
+      restamp_end(s.back(), s[0]);
+    } else if (msg + 1 < s.size() && s[msg][0] == 4 && s[msg].size() >= kRowsFixed) {
+      reseal_rows(s[msg]);
+    }
+    auto r = into_store(s, {.timeout_s = 0.2});
+    if (r.received.ok()) ++accepted;
+  }
+  // Ids and row bytes are the session's own: a mutation there may commit.
+  EXPECT_LT(accepted, 400);
+}
+
+// A sender that only keeps the link alive is refused after max_keep_s, and
+// the blocks its session held go back to the store.
+TEST_F(Hostile, KeepAlivesAloneEndTheSession) {
+  auto [a, b] = local_pair();
+  StoreTarget target(*store_, {.expect = config_});
+  std::atomic<bool> done{false};
+  Result<ReceiveReport> got = io_error("not run");
+  std::thread t([&, bb = b.get()] {
+    got = receive_session(*bb, target, {.timeout_s = 0.2, .max_keep_s = 0.5});
+    done = true;
+  });
+  ASSERT_TRUE(a->send_message(stream_[0].data(), stream_[0].size(), deadline_in(1)).ok());
+  const auto t0 = Clock::now();
+  while (!done && Clock::now() - t0 < std::chrono::seconds(3)) {
+    const std::uint8_t keep = 6;
+    (void)a->send_message(&keep, 1, deadline_in(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const bool finished = done;
+  a->close();
+  t.join();
+  EXPECT_TRUE(finished) << "the receiver still waited after 3 s of keep-alives";
+  ASSERT_FALSE(got.ok());
+  EXPECT_NE(got.error().message.find("only keep-alives"), std::string::npos) << got.error().to_string();
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+  EXPECT_EQ(target.pending_blocks(), 0);
+}
+
+// ---------------------------------------------------------------- hostile receivers
+
+struct SendRun {
+  Result<SendReport> sent = io_error("not run");
+  double seconds = 0;
+};
+
+class HostileReceiver : public Hostile {
+ protected:
+  // Runs the sender against a scripted receiver: `script` gets the link's receiver end.
+  template <class F>
+  SendRun send_against(F&& script, double timeout_s = 0.5) {
+    auto [a, b] = local_pair();
+    std::thread t([&, bb = b.get()] { script(*bb); });
+    auto src = StoreSource::create(*from_, seq_, timeline_, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "m");
+    EXPECT_TRUE(src.ok());
+    SendRun r;
+    const auto t0 = Clock::now();
+    r.sent = send_session(*a, **src, timeline_, {.timeout_s = timeout_s});
+    r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    a->close();
+    t.join();
+    return r;
+  }
+  static void send(Transport& t, const Msg& m) { (void)t.send_message(m.data(), m.size(), deadline_in(1)); }
+  static Msg accept(std::int64_t credits) {
+    Msg m(9);
+    m[0] = 2;
+    put64(m, 1, static_cast<std::uint64_t>(credits));
+    return m;
+  }
+  static Msg ack(std::int64_t seq, std::int64_t bytes) {
+    Msg m(17);
+    m[0] = 5;
+    put64(m, 1, static_cast<std::uint64_t>(seq));
+    put64(m, 9, static_cast<std::uint64_t>(bytes));
+    return m;
+  }
+};
+
+TEST_F(HostileReceiver, BadAcceptsAndErrors) {
+  EXPECT_FALSE(send_against([](Transport& t) { Msg in; (void)t.recv_message(in, deadline_in(1), 1 << 30); send(t, Msg{}); }).sent.ok());
+  EXPECT_FALSE(send_against([](Transport& t) { Msg in; (void)t.recv_message(in, deadline_in(1), 1 << 30); send(t, Msg{2, 1}); }).sent.ok());
+  EXPECT_FALSE(send_against([](Transport& t) { Msg in; (void)t.recv_message(in, deadline_in(1), 1 << 30); send(t, accept(0)); }).sent.ok());
+  EXPECT_FALSE(send_against([](Transport& t) { Msg in; (void)t.recv_message(in, deadline_in(1), 1 << 30); send(t, accept(-1)); }).sent.ok());
+  EXPECT_FALSE(send_against([](Transport& t) { Msg in; (void)t.recv_message(in, deadline_in(1), 1 << 30); send(t, Msg{3}); }).sent.ok());
+  EXPECT_FALSE(send_against([](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    Msg e(5 + (2 << 20), 'x');
+    e[0] = 3;
+    put32(e, 1, 2);
+    send(t, e);  // an ERROR over the sender's 1 MiB
+  }).sent.ok());
+  // ACK beyond what was sent.
+  EXPECT_FALSE(send_against([](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, accept(1 << 20));
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, ack(0, 1 << 30));
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+  }).sent.ok());
+}
+
+// A receiver that says DONE before the end, or after it with messages
+// unacknowledged, has not taken the session: the sender fails.
+TEST_F(HostileReceiver, DoneBeforeEveryAcknowledgementFails) {
+  auto early = send_against([](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, accept(1 << 20));
+    send(t, Msg{9});  // DONE at once, before any row or END
+    while (t.recv_message(in, deadline_in(1), 1 << 30).ok()) {
+    }
+  });
+  // The sender reads replies when it needs credits and after its end.
+  ASSERT_FALSE(early.sent.ok());
+  EXPECT_NE(early.sent.error().message.find("said done with 0 of"), std::string::npos)
+      << early.sent.error().to_string();
+  auto waiting = send_against([](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, accept(3 * 256));  // one message of credit: the sender reads replies before the end
+    send(t, Msg{9});
+    while (t.recv_message(in, deadline_in(1), 1 << 30).ok()) {
+    }
+  });
+  ASSERT_FALSE(waiting.sent.ok());
+  EXPECT_NE(waiting.sent.error().message.find("said done before the end"), std::string::npos)
+      << waiting.sent.error().to_string();
+  auto unacked = send_against([](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, accept(1 << 20));
+    while (t.recv_message(in, deadline_in(1), 1 << 30).ok())
+      if (!in.empty() && in[0] == 8) send(t, Msg{9});  // DONE after END, no ACK ever
+  });
+  ASSERT_FALSE(unacked.sent.ok());
+  EXPECT_NE(unacked.sent.error().message.find("said done with 0 of"), std::string::npos)
+      << unacked.sent.error().to_string();
+}
+
+// Acknowledgements must advance in order: a repeated one ends the session
+// at once instead of holding the sender in its wait for credits.
+TEST_F(HostileReceiver, RepeatedAcknowledgementsFail) {
+  auto r = send_against(
+      [&](Transport& t) {
+        Msg in;
+        (void)t.recv_message(in, deadline_in(1), 1 << 30);
+        send(t, accept(3 * 256));  // one message of credit
+        const Msg again = ack(0, 0);
+        const auto t0 = Clock::now();
+        while (Clock::now() - t0 < std::chrono::seconds(3) &&
+               t.send_message(again.data(), again.size(), deadline_in(1)).ok())
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      },
+      0.3);
+  ASSERT_FALSE(r.sent.ok());
+  EXPECT_NE(r.sent.error().message.find("acknowledged"), std::string::npos) << r.sent.error().to_string();
+  EXPECT_LT(r.seconds, 1.5);
+}
+
+}  // namespace
+}  // namespace kvring::handoff
+
+namespace kvring::handoff {
+namespace {
+// The pool holds the first full layer's blocks but not the second's: begin()
+// fails part way through its planes and must leave the store as it was.
+TEST(HostileBegin, PoolRunsOutOnALaterPlane) {
+  const ModelConfig c = make_hybrid_config("two-full", 4, 2, 4, 2, 16, 32, 256);  // layers 1 and 3 full
+  Snapshot h = make_header(c, 256, 99);  // 99 rows: 7 blocks of 16 per full layer
+  auto st = make_store(BackendKind::kCpu, c, {.max_sequences = 2, .block_rows = 16, .pool_blocks = 10});
+  ASSERT_TRUE(st.ok());
+  KvStore& store = **st;
+  const SeqId keep = *store.add_sequence();
+  (void)keep;
+  const auto free0 = store.free_blocks();
+  StoreTarget target(store);
+  Status s = target.begin(h);
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(store.free_blocks(), free0);
+  EXPECT_EQ(store.sequence_count(), 1);
+  EXPECT_EQ(target.pending_blocks(), 0);
+  EXPECT_TRUE(store.add_sequence().ok());  // the slot was given back
+}
+}  // namespace
+}  // namespace kvring::handoff
