@@ -138,6 +138,25 @@ TEST_F(RestoreRefusal, TargetTooSmall) {
   expect_refused(*snap, *small, ErrorCode::kCapacityExceeded, "layer 3: the snapshot holds 100 positions");
 }
 
+TEST_F(RestoreRefusal, ShortRingsPastTheTargetContext) {
+  // Window 64, layer 3 full. At context 20 every ring is 32 rows, shorter
+  // than the window: such a store stops at its context, so a session of 20
+  // positions does not fit a store of context 16, whose rings also stop
+  // short of the window.
+  const ModelConfig cfg = small_config(64, 256, 4);
+  auto live = filled_cache(cfg, 20, 20, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto target = filled_cache(cfg, 16, 10, 2);
+  EXPECT_FALSE(check_restorable(*snap, *target).ok());
+  expect_refused(*snap, *target, ErrorCode::kCapacityExceeded,
+                 "layer 0: the snapshot holds 20 positions; the target's sliding ring, shorter than the window, "
+                 "stops at its context 16");
+  // A target whose rings hold the window takes it.
+  auto wide = filled_cache(cfg, 256, 10, 3);
+  EXPECT_TRUE(restore(*snap, *wide).ok());
+}
+
 TEST_F(RestoreRefusal, SlidingRingLacksRows) {
   // A store whose rings are shorter than the window stops at its context,
   // so only an edited snapshot holds such rings past it: the 64-row rings

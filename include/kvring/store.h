@@ -155,6 +155,10 @@ class KvStore {
   Layout layout(std::int64_t layer) const;
   // Rows of a sliding ring; positions of a full plane.
   std::int64_t capacity(std::int64_t layer) const;
+  // The positions a layer's plane may reach: for a sliding ring shorter
+  // than its window, the context (past it, its queries would need rows it
+  // dropped); other planes are bounded by their capacity alone.
+  std::int64_t position_limit(std::int64_t layer) const;
 
   // Bytes of plane storage: every slot's rings plus the whole pool.
   std::int64_t allocated_bytes() const;
@@ -373,10 +377,6 @@ class KvStore {
     return full_index_[static_cast<std::size_t>(layer)];
   }
   std::int64_t n_full() const { return n_full_; }
-  // The positions a sliding ring shorter than its window may reach: the
-  // context (past it, its queries would need rows it dropped). Other planes
-  // are bounded by their capacity alone.
-  std::int64_t position_limit(std::int64_t layer) const;
   std::int64_t max_blocks_per_plane() const { return max_blocks_; }
   std::int64_t ring_rows() const { return ring_rows_; }
 

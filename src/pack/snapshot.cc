@@ -106,6 +106,11 @@ Result<Placement> place(const Snapshot& s, std::int64_t layer, const KvStore& ta
                           " positions; the target's full plane holds " +
                           std::to_string(capacity) + " (store context " +
                           std::to_string(target.context()) + ")");
+  if (s.token_count > target.position_limit(layer))
+    return make_error(ErrorCode::kCapacityExceeded,
+                      layer_str(layer) + ": the snapshot holds " + std::to_string(s.token_count) +
+                          " positions; the target's sliding ring, shorter than the window, stops at its context " +
+                          std::to_string(target.context()));
   const std::int64_t unslacked = wraps ? capacity - target.options().slack : capacity;
   auto needed = RingState::sequential(unslacked, wraps, s.token_count);
   if (!needed) return needed.error();
