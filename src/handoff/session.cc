@@ -19,6 +19,7 @@
 // says BYE, briefly: closing at once could let the disconnect overtake its
 // last message.
 #include <bit>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -568,10 +569,13 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
                                                  std::to_string(decoded->n_messages) + " messages)"));
     const std::string at = "message " + std::to_string(report.messages) + ": ";
     if (in[0] == kKeep && in.size() == 1) {
-      if (options.max_keep_s > 0 && seconds_since(last_rows) > options.max_keep_s)
-        return fail(io_error("handoff: " + who + " sent only keep-alives for " + std::to_string(options.max_keep_s) +
-                             " s (after " + std::to_string(report.messages) + " of " +
-                             std::to_string(decoded->n_messages) + " messages)"));
+      if (options.max_keep_s > 0 && seconds_since(last_rows) > options.max_keep_s) {
+        char limit[32];
+        std::snprintf(limit, sizeof limit, "%g", options.max_keep_s);
+        return fail(io_error("handoff: " + who + " sent only keep-alives for " + limit + " s (after " +
+                             std::to_string(report.messages) + " of " + std::to_string(decoded->n_messages) +
+                             " messages)"));
+      }
       continue;
     }
     if (in[0] == kAbort) return fail(decode_status(in, who + " aborted"));
