@@ -221,6 +221,31 @@ TEST_F(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
   }
 }
 
+// The userinfo runs to the last '@': a password may hold '/', '?' or '@'
+// unescaped, and no message shows any of it.
+TEST_F(RedisHostile, PasswordsWithDelimitersParseAndNeverShow) {
+  for (const auto& [spec, password] : std::vector<std::pair<std::string, std::string>>{
+           {"redis://alice:s3cret/pw@db:6379", "s3cret/pw"},
+           {"redis://alice:s3cret?pw@db:6379", "s3cret?pw"},
+           {"redis://alice:s3cret@pw@db:6379", "s3cret@pw"},
+           {"redis://:s3cret/pw@db", "s3cret/pw"}}) {
+    auto o = parse_redis_spec(spec);
+    ASSERT_TRUE(o.ok()) << spec << ": " << o.error().to_string();
+    EXPECT_EQ(o->password, password) << spec;
+    EXPECT_EQ(o->host, "db") << spec;
+    EXPECT_EQ(o->port, 6379) << spec;
+  }
+  for (const std::string spec :
+       {"redis://alice:s3cret/pw@db:99999", "redis://alice:s3cret?pw@db:x", "redis://:s3cret/pw@db/2",
+        "redis://alice:s3cret%zz/pw@db", "redis://s3cret/pw@db", "redis://alice:s3cret?pw@db?timeout_ms=abc",
+        "redis://alice:s3cret/pw@db?bogus=1", "redis://alice:s3cret@pw@[::1", "rediss://alice:s3cret/pw@db",
+        "redis:/alice:s3cret/pw@db", "redis://alice:s3cret/pw@127.0.0.1:1?timeout_ms=2000"}) {
+    auto r = open_chunk_store(spec);
+    ASSERT_FALSE(r.ok()) << spec;
+    EXPECT_EQ(r.error().message.find("s3cret"), std::string::npos) << r.error().to_string();
+  }
+}
+
 TEST_F(RedisHostile, SpecsAreParsedAndPasswordsNeverShown) {
   auto o = parse_redis_spec("redis://us%40er:p%3Aw%2Fd@db.example:7000/?timeout_ms=250&deadline_ms=9000");
   ASSERT_TRUE(o.ok()) << o.error().to_string();

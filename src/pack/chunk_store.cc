@@ -31,20 +31,24 @@ Status ChunkStore::get(const Digest& name, std::span<std::uint8_t> dst) const {
 
 namespace {
 
-// `spec` with the password of a SCHEME://USER:PASSWORD@ prefix, if any,
-// replaced by "***": what messages show.
+// `spec` as messages show it. Its userinfo runs from the scheme's "://" (or
+// its ':' where the slashes are missing) to the last '@' anywhere in it, as
+// parse_redis_spec reads it: a password may hold '/', '?' or '@' unescaped.
+// The userinfo keeps its user part and shows "***" for the rest; one with no
+// ':' may be a password typed without its user and is "***" whole.
 std::string redacted(std::string_view spec) {
-  const auto scheme = spec.find("://");
-  if (scheme == std::string_view::npos) return std::string(spec);
-  const std::string_view rest = spec.substr(scheme + 3);
-  const std::string_view authority = rest.substr(0, rest.find_first_of("/?"));
-  const auto at = authority.rfind('@');
+  const auto at = spec.rfind('@');
   if (at == std::string_view::npos) return std::string(spec);
-  const std::string_view userinfo = authority.substr(0, at);
+  std::size_t start = 0;
+  if (const auto slashes = spec.find("://"); slashes != std::string_view::npos && slashes < at)
+    start = slashes + 3;
+  else if (const auto colon = spec.find(':'); colon != std::string_view::npos && colon < at)
+    start = colon + 1;
+  const std::string_view userinfo = spec.substr(start, at - start);
   const auto colon = userinfo.find(':');
-  if (colon == std::string_view::npos) return std::string(spec);
-  return std::string(spec.substr(0, scheme + 3)) + std::string(userinfo.substr(0, colon)) + ":***" +
-         std::string(rest.substr(at));
+  return std::string(spec.substr(0, start)) +
+         (colon == std::string_view::npos ? std::string("***") : std::string(userinfo.substr(0, colon)) + ":***") +
+         std::string(spec.substr(at));
 }
 
 int hex_value(char c) {
@@ -91,15 +95,9 @@ Result<RedisOptions> parse_redis_spec(std::string_view spec) {
   };
   std::string_view rest = spec.substr(8);
   RedisOptions o;
-  std::string_view query;
-  if (const auto q = rest.find('?'); q != std::string_view::npos) {
-    query = rest.substr(q + 1);
-    rest = rest.substr(0, q);
-  }
-  if (const auto slash = rest.find('/'); slash != std::string_view::npos) {
-    if (slash + 1 != rest.size()) return bad("database paths are not supported");
-    rest = rest.substr(0, slash);
-  }
+  // The userinfo ends at the last '@' (the same as redacted() hides), so a
+  // password may hold '/', '?' or '@'; what follows it, the only text a
+  // message below may quote, holds no credentials.
   if (const auto at = rest.rfind('@'); at != std::string_view::npos) {
     const std::string_view userinfo = rest.substr(0, at);
     rest = rest.substr(at + 1);
@@ -109,6 +107,15 @@ Result<RedisOptions> parse_redis_spec(std::string_view spec) {
         !percent_decode(userinfo.substr(colon + 1), &o.password))
       return bad("a malformed %XX escape in the user or password");
     if (o.password.empty()) return bad("the password is empty");
+  }
+  std::string_view query;
+  if (const auto q = rest.find('?'); q != std::string_view::npos) {
+    query = rest.substr(q + 1);
+    rest = rest.substr(0, q);
+  }
+  if (const auto slash = rest.find('/'); slash != std::string_view::npos) {
+    if (slash + 1 != rest.size()) return bad("database paths are not supported");
+    rest = rest.substr(0, slash);
   }
   std::string_view host = rest, port;
   bool has_port = false;
