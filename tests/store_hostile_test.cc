@@ -449,6 +449,38 @@ TEST_F(DirStoreHostile, ADirectoryUnderAChunkNameIsMovedAside) {
   EXPECT_EQ(::access((root_ + "/" + aside + "/keep-me").c_str(), F_OK), 0);
 }
 
+// A file system that lets a file claim 2^63 - 1 bytes (tmpfs does) makes
+// the sizes' sum overflow: stats() says so instead.
+TEST_F(DirStoreHostile, StatsOfHugeSparseFilesIsAnErrorNotAnOverflow) {
+  // The store's place, or else tmpfs.
+  const std::string shm = "/dev/shm/kvring-sparse-" + std::to_string(::getpid());
+  std::string root;
+  for (const std::string& r : {root_, shm}) {
+    if (!open_dir_store(r).ok()) continue;
+    const std::string probe = r + "/" + std::string(64, 'a');
+    std::ofstream(probe) << "";
+    if (::truncate(probe.c_str(), INT64_MAX) == 0) {
+      root = r;
+      break;
+    }
+    ::unlink(probe.c_str());
+  }
+  if (root.empty()) {
+    testing::remove_tree(shm);
+    GTEST_SKIP() << "no file system here takes a file of 2^63 - 1 bytes";
+  }
+  const std::string second = root + "/" + std::string(64, 'b');
+  std::ofstream(second) << "";
+  ASSERT_EQ(::truncate(second.c_str(), INT64_MAX), 0);
+  auto store = open_dir_store(root);
+  ASSERT_TRUE(store.ok());
+  auto stats = (*store)->stats();
+  testing::remove_tree(shm);
+  ASSERT_FALSE(stats.ok());
+  EXPECT_NE(stats.error().message.find("sizes add up past 2^63 bytes"), std::string::npos)
+      << stats.error().to_string();
+}
+
 TEST_F(DirStoreHostile, CheckWritableRefusesAStoreThatCannotBeWritten) {
   EXPECT_TRUE(store_->check_writable().ok());
   EXPECT_TRUE(testing::list_dir(root_).empty());  // the probe leaves nothing

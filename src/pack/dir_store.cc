@@ -132,7 +132,13 @@ class DirStore final : public ChunkStore {
       struct stat st {};
       if (::lstat((root_ + "/" + e->d_name).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
       ++s.chunks;
-      s.bytes += st.st_size;
+      // A sparse file may claim up to 2^63 - 1 bytes: the sum is checked.
+      if (__builtin_add_overflow(s.bytes, static_cast<std::int64_t>(st.st_size), &s.bytes)) {
+        const std::string name = e->d_name;
+        ::closedir(d);
+        return io_error(spec() + ": the chunk files' sizes add up past 2^63 bytes (chunk " + name + " claims " +
+                        std::to_string(st.st_size) + " bytes; sparse files?)");
+      }
     }
     ::closedir(d);
     return s;
