@@ -43,7 +43,8 @@ std::span<std::uint8_t> span_of(std::string& s) {
 
 // A loopback TCP server that answers each read, from whichever connection,
 // with the next reply of `script` and, once the script is spent, reads and
-// never answers.
+// never answers. A reply "<CLOSE>" closes the connection instead, one that
+// ends in "<THENCLOSE>" closes it after sending the rest.
 class FakeServer {
  public:
   static std::unique_ptr<FakeServer> start(const std::string& host, std::vector<std::string> script) {
@@ -76,7 +77,8 @@ class FakeServer {
   ~FakeServer() {
     stop_ = true;
     if (thread_.joinable()) thread_.join();
-    for (int fd : clients_) ::close(fd);
+    for (int fd : clients_)
+      if (fd >= 0) ::close(fd);
     if (listen_ >= 0) ::close(listen_);
   }
   int port() const { return port_; }
@@ -95,15 +97,35 @@ class FakeServer {
         if (c >= 0) clients_.push_back(c);
       }
       for (std::size_t i = 1; i < fds.size(); ++i) {
-        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        const int fd = clients_[i - 1];
+        if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        int& fd = clients_[i - 1];
         char buf[4096];
         const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
         if (n > 0 && next_ < script_.size()) {
-          const std::string& reply = script_[next_++];
-          (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+          std::string reply = script_[next_++];
+          const bool close = reply == "<CLOSE>" || reply.ends_with("<THENCLOSE>");
+          reply.resize(reply == "<CLOSE>" ? 0 : reply.size() - (close ? 11 : 0));
+          send_all(fd, reply);
+          if (close) {
+            ::close(fd);
+            fd = -1;
+          }
         }
       }
+    }
+  }
+
+  // The whole reply, unless the client stops reading or the test ends.
+  void send_all(int fd, const std::string& reply) {
+    for (std::size_t off = 0; off < reply.size() && !stop_;) {
+      const ssize_t w = ::send(fd, reply.data() + off, reply.size() - off, MSG_NOSIGNAL);
+      if (w > 0) {
+        off += static_cast<std::size_t>(w);
+        continue;
+      }
+      if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return;
+      pollfd o{fd, POLLOUT, 0};
+      ::poll(&o, 1, 20);
     }
   }
 
@@ -189,11 +211,12 @@ TEST_F(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
   struct Case {
     std::string reply, expect;
   };
-  // The chunk read below expects 100 bytes: GETRANGE asks for 101 at most.
+  // The chunk read below expects 100 bytes: GETRANGE asks for 101 at most,
+  // and a reply may cost 160 more (one item's fixed cost and its framing).
   for (const Case& c : {Case{":1\r\n$2000000000\r\n", "a value of 2000000000 bytes"},
                         Case{":1\r\n$102\r\n" + std::string(2000, 'x'), "a value of 102 bytes"},
                         Case{":1\r\n*2000000000\r\n", "an array of 2000000000 elements"},
-                        Case{":1\r\n+" + std::string(100000, 'y'), "a reply of more than 165 bytes"},
+                        Case{":1\r\n+" + std::string(100000, 'y'), "a reply of more than 261 bytes"},
                         Case{":1\r\n!weird\r\n", "not Redis protocol"}}) {
     SCOPED_TRACE(c.expect);
     auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", c.reply});
@@ -207,7 +230,8 @@ TEST_F(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
     EXPECT_NE(s.error().message.find(c.expect), std::string::npos) << s.to_string();
     EXPECT_LT(seconds_since(t0), 2.0);
   }
-  // Commands other than chunk reads are held to kMaxRedisControlBytes.
+  // Other commands are held to their own limits (SCAN's here), all of them
+  // within kMaxRedisControlBytes.
   for (const Case& c : {Case{"$2000000000\r\n", "a value of 2000000000 bytes"},
                         Case{"+" + std::string(100000, 'y'), "a reply line longer than 65536 bytes"}}) {
     SCOPED_TRACE(c.expect);
@@ -219,6 +243,189 @@ TEST_F(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
     ASSERT_FALSE(stats.ok());
     EXPECT_NE(stats.error().message.find(c.expect), std::string::npos) << stats.error().to_string();
   }
+}
+
+// A server that hangs up while a put is being written: the put fails naming
+// the server, and the process lives (the bytes go out with MSG_NOSIGNAL; a
+// write(2) to the closed socket would end the process with SIGPIPE).
+TEST_F(RedisHostile, AServerThatHangsUpMidPutIsAnErrorNotSigpipe) {
+  EXPECT_EXIT(
+      {
+        auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", "<CLOSE>"});
+        if (!server) std::_Exit(2);
+        auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=5000");
+        if (!store.ok()) std::_Exit(3);
+        const std::string big(16 << 20, 'x');
+        const std::vector<ChunkData> chunks = {chunk_of(big)};
+        const Status s = (*store)->put(chunks);
+        std::fprintf(stderr, "put: %s\n", s.to_string().c_str());
+        std::_Exit(s.ok() ? 4 : 0);
+      },
+      ::testing::ExitedWithCode(0),
+      "put: IOError: redis://127\\.0\\.0\\.1:[0-9]+: sending SET: the server closed the connection");
+}
+
+// A pooled connection the server has since closed (as Redis's `timeout`
+// does to idle clients) is dropped, and the call gets a fresh one.
+TEST_F(RedisHostile, AConnectionTheServerClosedIsNotReused) {
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n<THENCLOSE>", "+OK\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const std::string bytes = "after the hang-up";
+  const std::vector<ChunkData> chunks = {chunk_of(bytes)};
+  const Status s = (*store)->put(chunks);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
+// Replies shaped to cost far more memory than their wire bytes (arrays of
+// empty arrays: 4 bytes on the wire, a reply object each) are charged what
+// they cost and refused within each command's budget.
+TEST_F(RedisHostile, RepliesAreChargedWhatTheyCostNotTheirWireBytes) {
+  std::string flat = "*1048576\r\n";
+  for (int i = 0; i < 1048576; ++i) flat += "*0\r\n";
+  {
+    // EXISTS takes no arrays at all.
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", flat});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server));
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    const auto t0 = Clock::now();
+    auto has = (*store)->contains(sha256("x", 1));
+    ASSERT_FALSE(has.ok());
+    EXPECT_EQ(has.error().code, ErrorCode::kIOError);
+    EXPECT_NE(has.error().message.find("an array of 1048576 elements, where this call takes no arrays"),
+              std::string::npos)
+        << has.error().to_string();
+    EXPECT_LT(seconds_since(t0), 2.0);
+  }
+  {
+    // SCAN takes an array of keys: arrays of 10000 empty arrays in its place
+    // cost about 1 MiB each for 40 KB on the wire, and the fourth runs out
+    // its 4 MiB budget.
+    std::string inner = "*10000\r\n";
+    for (int i = 0; i < 10000; ++i) inner += "*0\r\n";
+    std::string scan = "*2\r\n$1\r\n0\r\n*10000\r\n";
+    for (int i = 0; i < 6; ++i) scan += inner;
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", scan});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server));
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    const auto t0 = Clock::now();
+    auto stats = (*store)->stats();
+    ASSERT_FALSE(stats.ok());
+    EXPECT_NE(stats.error().message.find("SCAN: refused a reply of more than 4194304 bytes"), std::string::npos)
+        << stats.error().to_string();
+    EXPECT_LT(seconds_since(t0), 2.0);
+  }
+}
+
+// An error reply to the first of two pipelined commands leaves the second's
+// reply owed: that connection is closed, never pooled, so no later call
+// reads an earlier call's answer.
+TEST_F(RedisHostile, AnErrorReplyNeverShiftsLaterAnswers) {
+  const std::string loading = "-LOADING Redis is loading the dataset in memory\r\n";
+  {
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", loading + loading, ":1\r\n$5\r\nhello\r\n",
+                                                  ":1\r\n$5\r\nworld\r\n"});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    std::string buf(5, '\0');
+    const Status first = (*store)->get(sha256("hello", 5), span_of(buf));
+    ASSERT_FALSE(first.ok());
+    EXPECT_NE(first.error().message.find("EXISTS refused: LOADING"), std::string::npos) << first.to_string();
+    const Status second = (*store)->get(sha256("hello", 5), span_of(buf));
+    ASSERT_TRUE(second.ok()) << second.to_string();
+    EXPECT_EQ(buf, "hello");
+    const Status third = (*store)->get(sha256("world", 5), span_of(buf));
+    ASSERT_TRUE(third.ok()) << third.to_string();
+    EXPECT_EQ(buf, "world");
+  }
+  {
+    // The same for stats(): its pipelined STRLENs.
+    const std::string key = "$77\r\nkvpack:chunk:" + std::string(64, 'a') + "\r\n";
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", "*2\r\n$1\r\n0\r\n*2\r\n" + key + key,
+                                                  loading + ":5\r\n", ":1\r\n"});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    auto stats = (*store)->stats();
+    ASSERT_FALSE(stats.ok());
+    EXPECT_NE(stats.error().message.find("STRLEN refused: LOADING"), std::string::npos) << stats.error().to_string();
+    auto has = (*store)->contains(sha256("x", 1));
+    ASSERT_TRUE(has.ok()) << has.error().to_string();
+    EXPECT_TRUE(*has);
+  }
+}
+
+// EXISTS answers 0 or 1; any other reply is an error, never "missing".
+TEST_F(RedisHostile, AnUnexpectedReplyToExistsIsAnError) {
+  for (const std::string& reply : {std::string("$2\r\nno\r\n"), std::string(":7\r\n"), std::string("+OK\r\n"),
+                                    std::string("$-1\r\n")}) {
+    SCOPED_TRACE(reply);
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", reply, reply + "$0\r\n\r\n"});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    auto has = (*store)->contains(sha256("x", 1));
+    ASSERT_FALSE(has.ok());
+    EXPECT_EQ(has.error().code, ErrorCode::kIOError);
+    EXPECT_NE(has.error().message.find("unexpected reply to EXISTS"), std::string::npos) << has.error().to_string();
+    std::string buf(5, '\0');
+    const Status s = (*store)->get(sha256("hello", 5), span_of(buf));
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kIOError) << s.to_string();
+    EXPECT_NE(s.error().message.find("unexpected reply to EXISTS"), std::string::npos) << s.to_string();
+  }
+}
+
+// The server's words reach a terminal escaped and cut short.
+TEST_F(RedisHostile, ServerTextIsEscapedAndCut) {
+  const std::string hostile = "-ERR \x1b]0;owned-title\x07\x1b[2K\rkvring: ok: all chunks verified\r\n";
+  const std::string longer = "-ERR " + std::string(3000, 'e') + "\r\n";
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", hostile, longer});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  auto has = (*store)->contains(sha256("x", 1));
+  ASSERT_FALSE(has.ok());
+  const std::string& m = has.error().message;
+  for (char c : m) EXPECT_GE(static_cast<unsigned char>(c), 0x20) << m;
+  EXPECT_EQ(m.find('\x7f'), std::string::npos) << m;
+  EXPECT_NE(m.find("EXISTS refused: ERR \\x1b]0;owned-title\\x07\\x1b[2K\\x0dkvring"), std::string::npos) << m;
+  has = (*store)->contains(sha256("x", 1));
+  ASSERT_FALSE(has.ok());
+  EXPECT_LT(has.error().message.size(), 400u) << has.error().message;
+  EXPECT_NE(has.error().message.find("... (3004 bytes)"), std::string::npos) << has.error().message;
+}
+
+// STRLEN answers a size a Redis string can have; stats() refuses others
+// instead of summing them into an overflow.
+TEST_F(RedisHostile, StatsRefusesImpossibleSizes) {
+  const std::string scan = "*2\r\n$1\r\n0\r\n*2\r\n$77\r\nkvpack:chunk:" + std::string(64, 'a') +
+                           "\r\n$77\r\nkvpack:chunk:" + std::string(64, 'b') + "\r\n";
+  for (const std::string& lens : {std::string(":9223372036854775807\r\n:9223372036854775807\r\n"),
+                                  std::string(":-5\r\n:1\r\n"), std::string("$1\r\n5\r\n:1\r\n")}) {
+    SCOPED_TRACE(lens);
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", scan, lens});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    auto stats = (*store)->stats();
+    ASSERT_FALSE(stats.ok());
+    EXPECT_NE(stats.error().message.find("unexpected reply to STRLEN"), std::string::npos)
+        << stats.error().to_string();
+  }
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", scan, ":10\r\n:0\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  auto stats = (*store)->stats();
+  ASSERT_TRUE(stats.ok()) << stats.error().to_string();
+  EXPECT_EQ(stats->chunks, 1);  // the other was deleted since the SCAN
+  EXPECT_EQ(stats->bytes, 10);
 }
 
 // The userinfo runs to the last '@': a password may hold '/', '?' or '@'

@@ -1,4 +1,5 @@
 // kvring: the command-line tool.
+#include <csignal>
 #include <cstdio>
 #include <iostream>
 #include <limits>
@@ -283,6 +284,11 @@ int cmd_config(const std::vector<std::string>& argv) {
 
 int main(int argc, char** argv) {
   using namespace kvring::cli;
+  // A peer that hangs up (a chunk store's server, a reader of stdout that
+  // exits) makes a write fail with EPIPE instead of ending the process with
+  // SIGPIPE and no message. The Redis store sends with MSG_NOSIGNAL and
+  // reports the error itself; this covers every other socket or pipe write.
+  std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
     print_usage(stderr);
     return 2;

@@ -3,8 +3,11 @@
 // contexts are not thread-safe), kept in a small pool; writes are pipelined.
 //
 // The server is not trusted to answer, nor to answer sizes it was asked
-// for: every wait is bounded (RedisOptions::timeout, ::deadline), and reply
-// headers are checked before hiredis buffers what they announce.
+// for, nor to keep the connection open: every wait is bounded
+// (RedisOptions::timeout, ::deadline), reply headers are checked against a
+// memory budget before hiredis buffers or allocates what they announce, and
+// commands are written with send(MSG_NOSIGNAL), so a peer that hangs up is
+// an error, never SIGPIPE. hiredis only connects and parses replies.
 #include "kvring/chunk_store.h"
 
 #if KVRING_HAVE_HIREDIS
@@ -23,6 +26,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../../tools/text.h"  // printable(): server text on its way to a terminal
 #include "cpu/parallel.h"
 #include "pack_common.h"
 #endif
@@ -43,32 +47,92 @@ constexpr std::size_t kBatchChunks = 64;
 constexpr std::size_t kMaxReplyDepth = 4;
 // A status, error or length line longer than this is not from Redis.
 constexpr std::size_t kMaxLineBytes = 64 << 10;
+// What each reply item costs a reply's budget on top of its wire bytes: at
+// least what hiredis allocates for it (a redisReply of 48 to 64 bytes and
+// the allocator's overhead; a value's copy is paid for by its wire bytes).
+constexpr std::int64_t kItemCost = 96;
+// What each element an array header announces costs: hiredis allocates the
+// element vector from the header, before any element arrives.
+constexpr std::int64_t kSlotCost = 8;
+// SCAN's COUNT. Redis answers about COUNT keys per call (more while its
+// table rehashes); kScanLimits leaves ten times that.
+constexpr int kScanCount = 1000;
+// No Redis string comes near this (proto-max-bulk-len is 512 MiB unless
+// raised): a STRLEN past it is not from Redis.
+constexpr std::int64_t kMaxStrlen = std::int64_t{1} << 40;
+// Text the server chose (error replies) is cut to this many bytes in messages.
+constexpr std::size_t kMaxShownBytes = 200;
+// A connection's send buffer is given back past this size, so that pooled
+// connections do not each keep a batch's worth of memory.
+constexpr std::size_t kKeptSendBytes = 64 << 10;
 
 std::string key_of(const Digest& name) { return kKeyPrefix + to_hex(name); }
+
+std::string_view as_text(std::span<const std::uint8_t> s) {
+  return {reinterpret_cast<const char*>(s.data()), s.size()};
+}
+
+// Text the server chose, as a message may show it: at most kMaxShownBytes of
+// it, with every byte that could act on a terminal escaped.
+std::string shown(std::string_view text) {
+  if (text.size() <= kMaxShownBytes) return cli::printable(text);
+  return cli::printable(text.substr(0, kMaxShownBytes)) + "... (" + std::to_string(text.size()) + " bytes)";
+}
 
 struct ReplyDeleter {
   void operator()(redisReply* r) const { freeReplyObject(r); }
 };
 using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
 
-// What a reply may announce. Checked on the bytes as they arrive, before
-// hiredis buffers a value or allocates an array, so a server cannot make
-// kvring hold more than `max_reply` bytes per reply whatever it sends.
+// What a reply is, for a message about one that was not expected.
+std::string reply_kind(const redisReply& r) {
+  switch (r.type) {
+    case REDIS_REPLY_STRING: return "a string of " + std::to_string(r.len) + " bytes";
+    case REDIS_REPLY_ARRAY: return "an array of " + std::to_string(r.elements) + " elements";
+    case REDIS_REPLY_INTEGER: return "the integer " + std::to_string(r.integer);
+    case REDIS_REPLY_NIL: return "a nil";
+    case REDIS_REPLY_STATUS: return "the status '" + shown({r.str, r.len}) + "'";
+    case REDIS_REPLY_ERROR: return "the error '" + shown({r.str, r.len}) + "'";
+  }
+  return "a reply of type " + std::to_string(r.type);
+}
+
+// What a reply may announce and cost. Checked on the bytes as they arrive,
+// before hiredis buffers a value or allocates an array. A reply's budget
+// (`max_reply`) is charged its wire bytes, kItemCost per item and
+// kSlotCost per element an array announces, which is at least what hiredis
+// allocates for the parsed reply: however a server shapes a reply, its
+// parsed form holds at most `max_reply` bytes, besides hiredis's input
+// buffer (that reply's wire bytes and at most one read more: receive() reads
+// only while no whole reply is buffered).
 struct ReplyLimits {
-  std::int64_t max_bulk = kMaxRedisControlBytes;  // one string value
-  std::int64_t max_elements = 1 << 20;            // one array
-  std::int64_t max_reply = kMaxRedisControlBytes;  // one whole reply
+  std::int64_t max_bulk;      // one string value, in bytes
+  std::int64_t max_elements;  // one array; -1: the command takes no arrays
+  std::int64_t max_reply;     // one whole reply's budget
 };
+// PING, AUTH, SET, DEL, EXISTS, STRLEN: a status, an integer or an error.
+constexpr ReplyLimits kControlLimits{.max_bulk = 1 << 10, .max_elements = -1, .max_reply = 4 << 10};
+// SCAN: a cursor and an array of keys (ours are 77 bytes).
+constexpr ReplyLimits kScanLimits{
+    .max_bulk = 64 << 10, .max_elements = 10 * kScanCount, .max_reply = 4 << 20};
+static_assert(kScanLimits.max_reply <= kMaxRedisControlBytes &&
+              kControlLimits.max_reply <= kMaxRedisControlBytes);
+// A chunk read: EXISTS's integer, then GETRANGE's value of at most one byte
+// more than the chunk (what it asks for).
 ReplyLimits chunk_limits(std::size_t chunk_bytes) {
-  const auto b = static_cast<std::int64_t>(chunk_bytes) + 1;  // GETRANGE's cap
-  return {.max_bulk = b, .max_elements = 0, .max_reply = b + 64};
+  const auto b = static_cast<std::int64_t>(chunk_bytes) + 1;
+  return {.max_bulk = b, .max_elements = -1, .max_reply = b + kItemCost + 64};
 }
 
 // An incremental RESP (Redis protocol) scanner: follows line and value
-// boundaries across reads and refuses a header over the limits.
+// boundaries across reads and refuses a header over the limits or a reply
+// over its budget.
 class ReplyGuard {
  public:
   void set_limits(const ReplyLimits& limits) { limits_ = limits; }
+
+  // No reply is partly scanned.
+  bool idle() const { return line_.empty() && skip_ == 0 && pending_.empty(); }
 
   // Empty when the bytes keep within the limits; else why they do not.
   std::string scan(const char* p, std::size_t n) {
@@ -78,7 +142,7 @@ class ReplyGuard {
         skip_ -= take;
         p += take;
         n -= take;
-        if (std::string why = count(take); !why.empty()) return why;
+        if (std::string why = charge(static_cast<std::int64_t>(take)); !why.empty()) return why;
         if (skip_ == 0) end_item();
         continue;
       }
@@ -87,7 +151,7 @@ class ReplyGuard {
       line_.append(p, take);
       p += take;
       n -= take;
-      if (std::string why = count(take); !why.empty()) return why;
+      if (std::string why = charge(static_cast<std::int64_t>(take)); !why.empty()) return why;
       if (line_.size() > kMaxLineBytes)
         return "a reply line longer than " + std::to_string(kMaxLineBytes) + " bytes";
       if (nl == nullptr) continue;
@@ -98,8 +162,10 @@ class ReplyGuard {
   }
 
  private:
-  std::string count(std::size_t n) {
-    reply_bytes_ += static_cast<std::int64_t>(n);
+  // reply_bytes_ is at most max_reply before a charge, and a charge at most
+  // one read, kItemCost or kSlotCost * max_elements: no overflow.
+  std::string charge(std::int64_t cost) {
+    reply_bytes_ += cost;
     if (reply_bytes_ > limits_.max_reply)
       return "a reply of more than " + std::to_string(limits_.max_reply) + " bytes";
     return {};
@@ -109,11 +175,13 @@ class ReplyGuard {
     if (line_.size() < 3 || line_[line_.size() - 2] != '\r') return "a reply line without CRLF";
     const char type = line_[0];
     const std::string_view text(line_.data() + 1, line_.size() - 3);
+    if (type != '+' && type != '-' && type != ':' && type != '$' && type != '*')
+      return "a reply that is not Redis protocol";
+    if (std::string why = charge(kItemCost); !why.empty()) return why;
     if (type == '+' || type == '-' || type == ':') {
       end_item();
       return {};
     }
-    if (type != '$' && type != '*') return "a reply that is not Redis protocol";
     std::int64_t v = 0;
     auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
     if (text.empty() || ec != std::errc() || end != text.data() + text.size() || v < -1)
@@ -126,6 +194,8 @@ class ReplyGuard {
       else skip_ = static_cast<std::uint64_t>(v) + 2;  // the value and its CRLF
       return {};
     }
+    if (limits_.max_elements < 0)
+      return "an array of " + std::to_string(v) + " elements, where this call takes no arrays";
     if (v > limits_.max_elements)
       return "an array of " + std::to_string(v) + " elements, more than the " +
              std::to_string(limits_.max_elements) + " this call can use";
@@ -133,6 +203,7 @@ class ReplyGuard {
       end_item();
       return {};
     }
+    if (std::string why = charge(v * kSlotCost); !why.empty()) return why;
     if (pending_.size() >= kMaxReplyDepth) return "replies nested too deep";
     pending_.push_back(v);
     return {};
@@ -148,21 +219,62 @@ class ReplyGuard {
     reply_bytes_ = 0;  // a whole reply is complete
   }
 
-  ReplyLimits limits_;
+  ReplyLimits limits_ = kControlLimits;
   std::string line_;
   std::uint64_t skip_ = 0;
   std::vector<std::int64_t> pending_;
   std::int64_t reply_bytes_ = 0;
 };
 
-// A connection: a hiredis context in non-blocking mode, driven by poll() so
-// that every wait has a bound, and the guard over what it receives.
+// A connection: a hiredis context that connected and parses replies, its
+// socket non-blocking and driven by poll() so that every wait has a bound,
+// and the guard over what it receives. Commands are queued in `out` and
+// written by RedisStore::send.
 struct Conn {
   redisContext* ctx = nullptr;
   ReplyGuard guard;
+  std::string out;          // commands queued and not yet sent
+  std::size_t queued = 0;   // how many commands `out` holds
+  std::size_t pending = 0;  // commands sent whose replies were not yet read
   bool broken = false;
   ~Conn() {
     if (ctx != nullptr) redisFree(ctx);
+  }
+
+  // Queues a command (RESP: an array of bulk strings).
+  void queue(std::initializer_list<std::string_view> args) {
+    header('*', args.size());
+    for (std::string_view a : args) value(a, {});
+    ++queued;
+  }
+  // SET key value, the value given in two parts (ChunkData's).
+  void queue_set(std::string_view key, std::string_view part1, std::string_view part2) {
+    header('*', 3);
+    value("SET", {});
+    value(key, {});
+    value(part1, part2);
+    ++queued;
+  }
+
+  // Whether a later caller may use the connection: it is sound, every reply
+  // it was sent has been read, and nothing else has arrived. A connection
+  // with a reply still owed would hand its next caller this caller's answer.
+  bool reusable() const {
+    return !broken && ctx->err == 0 && queued == 0 && pending == 0 && guard.idle() &&
+           ctx->reader->ridx == -1 && ctx->reader->pos == ctx->reader->len;
+  }
+
+ private:
+  void header(char type, std::size_t n) {
+    out += type;
+    out += std::to_string(n);
+    out += "\r\n";
+  }
+  void value(std::string_view a, std::string_view b) {
+    header('$', a.size() + b.size());
+    out.append(a);
+    out.append(b);
+    out += "\r\n";
   }
 };
 
@@ -185,7 +297,7 @@ class RedisStore final : public ChunkStore {
   Status connect_check() const {
     auto c = acquire();
     if (!c) return c.error();
-    Status s = command(**c, "PING", {}, [](Conn& conn) { return redisAppendCommand(conn.ctx, "PING"); });
+    Status s = command(**c, "PING", {"PING"});
     release(std::move(*c));
     return s;
   }
@@ -213,25 +325,21 @@ class RedisStore final : public ChunkStore {
   }
 
   Result<bool> contains(const Digest& name) const override {
-    auto c = acquire();
-    if (!c) return c.error();
-    const std::string key = key_of(name);
-    KVRING_RETURN_IF_ERROR(send(**c, {}, [&](Conn& conn) {
-      return redisAppendCommand(conn.ctx, "EXISTS %b", key.data(), key.size());
-    }));
-    auto r = receive(**c, "EXISTS");
-    release(std::move(*c));
-    if (!r) return r.error();
-    return (*r)->type == REDIS_REPLY_INTEGER && (*r)->integer == 1;
+    auto conn = acquire();
+    if (!conn) return conn.error();
+    Conn& c = **conn;
+    c.queue({"EXISTS", key_of(name)});
+    const Status s = send(c, kControlLimits, "EXISTS");
+    Result<Reply> r = s.ok() ? receive(c, "EXISTS") : Result<Reply>(s.error());
+    Result<bool> present = r ? exists_answer(c, **r) : Result<bool>(r.error());
+    release(std::move(*conn));
+    return present;
   }
 
   Status erase(const Digest& name) override {
     auto c = acquire();
     if (!c) return c.error();
-    const std::string key = key_of(name);
-    Status s = command(**c, "DEL", {}, [&](Conn& conn) {
-      return redisAppendCommand(conn.ctx, "DEL %b", key.data(), key.size());
-    });
+    Status s = command(**c, "DEL", {"DEL", key_of(name)});
     release(std::move(*c));
     return s;
   }
@@ -240,50 +348,8 @@ class RedisStore final : public ChunkStore {
     auto conn = acquire();
     if (!conn) return conn.error();
     Conn& c = **conn;
-    StoreStats stats;
-    std::string cursor = "0";
-    const std::string pattern = std::string(kKeyPrefix) + "*";
-    Status s;
-    do {
-      s = send(c, {}, [&](Conn& cc) {
-        return redisAppendCommand(cc.ctx, "SCAN %s MATCH %s COUNT 1000", cursor.c_str(), pattern.c_str());
-      });
-      if (!s.ok()) break;
-      auto r = receive(c, "SCAN");
-      if (!r) {
-        s = r.error();
-        break;
-      }
-      const redisReply* reply = r->get();
-      if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
-          reply->element[0]->type != REDIS_REPLY_STRING || reply->element[1]->type != REDIS_REPLY_ARRAY) {
-        s = io_error(spec() + ": SCAN gave an unexpected reply");
-        break;
-      }
-      cursor.assign(reply->element[0]->str, reply->element[0]->len);
-      const redisReply* keys = reply->element[1];
-      s = send(c, {}, [&](Conn& cc) {
-        for (std::size_t i = 0; i < keys->elements; ++i)
-          if (keys->element[i]->type != REDIS_REPLY_STRING ||
-              redisAppendCommand(cc.ctx, "STRLEN %b", keys->element[i]->str, keys->element[i]->len) !=
-                  REDIS_OK)
-            return REDIS_ERR;
-        return REDIS_OK;
-      });
-      for (std::size_t i = 0; i < keys->elements && s.ok(); ++i) {
-        auto len = receive(c, "STRLEN");
-        if (!len) {
-          s = len.error();
-          break;
-        }
-        if ((*len)->type == REDIS_REPLY_INTEGER && (*len)->integer > 0) {
-          ++stats.chunks;
-          stats.bytes += (*len)->integer;
-        }
-      }
-    } while (s.ok() && cursor != "0");
+    Result<StoreStats> stats = stats_on(c);
     release(std::move(*conn));
-    if (!s.ok()) return s.error();
     return stats;
   }
 
@@ -295,18 +361,18 @@ class RedisStore final : public ChunkStore {
     const std::string key = key_of(name);
     // GETRANGE caps an honest server's reply at one byte more than expected,
     // and the reply limits hold a dishonest one to the same; EXISTS tells a
-    // missing key from an empty value. One round trip for both.
-    const std::string last = std::to_string(dst.size());
-    Status s = send(c, chunk_limits(dst.size()), [&](Conn& cc) {
-      if (redisAppendCommand(cc.ctx, "EXISTS %b", key.data(), key.size()) != REDIS_OK) return REDIS_ERR;
-      return redisAppendCommand(cc.ctx, "GETRANGE %b 0 %s", key.data(), key.size(), last.c_str());
-    });
+    // missing key from an empty value. One round trip for both. A failed
+    // EXISTS leaves GETRANGE's reply owed, and release() closes the
+    // connection rather than pool it.
+    c.queue({"EXISTS", key});
+    c.queue({"GETRANGE", key, "0", std::to_string(dst.size())});
+    const Status s = send(c, chunk_limits(dst.size()), "GETRANGE");
     Result<Reply> exists = s.ok() ? receive(c, "EXISTS") : Result<Reply>(s.error());
-    Result<Reply> value = exists.ok() ? receive(c, "GETRANGE") : Result<Reply>(exists.error());
+    Result<bool> present = exists ? exists_answer(c, **exists) : Result<bool>(exists.error());
+    Result<Reply> value = present ? receive(c, "GETRANGE") : Result<Reply>(present.error());
     release(std::move(*conn));
     if (!value) return value.error();
-    if ((*exists)->type != REDIS_REPLY_INTEGER || (*exists)->integer != 1)
-      return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
+    if (!*present) return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
     const redisReply* v = value->get();
     if (v->type != REDIS_REPLY_STRING) return corruption(spec() + ": key " + key + " is not a string");
     if (v->len != dst.size())
@@ -324,6 +390,59 @@ class RedisStore final : public ChunkStore {
   std::string host_port() const {
     const bool v6 = o_.host.find(':') != std::string::npos;
     return (v6 ? "[" + o_.host + "]" : o_.host) + ":" + std::to_string(o_.port);
+  }
+
+  // EXISTS of one key answers the integer 0 or 1; anything else means the
+  // connection no longer speaks for this request, and it is dropped.
+  Result<bool> exists_answer(Conn& c, const redisReply& r) const {
+    if (r.type == REDIS_REPLY_INTEGER && (r.integer == 0 || r.integer == 1)) return r.integer == 1;
+    c.broken = true;
+    return io_error(spec() + ": unexpected reply to EXISTS: " + reply_kind(r));
+  }
+
+  // SCAN over the chunk keys, then STRLEN of each, pipelined.
+  Result<StoreStats> stats_on(Conn& c) const {
+    StoreStats stats;
+    std::string cursor = "0";
+    const std::string pattern = std::string(kKeyPrefix) + "*";
+    const std::string count = std::to_string(kScanCount);
+    do {
+      c.queue({"SCAN", cursor, "MATCH", pattern, "COUNT", count});
+      KVRING_RETURN_IF_ERROR(send(c, kScanLimits, "SCAN"));
+      auto r = receive(c, "SCAN");
+      if (!r) return r.error();
+      const redisReply* reply = r->get();
+      bool shaped = reply->type == REDIS_REPLY_ARRAY && reply->elements == 2 &&
+                    reply->element[0]->type == REDIS_REPLY_STRING &&
+                    reply->element[1]->type == REDIS_REPLY_ARRAY;
+      for (std::size_t i = 0; shaped && i < reply->element[1]->elements; ++i)
+        shaped = reply->element[1]->element[i]->type == REDIS_REPLY_STRING;
+      if (!shaped) {
+        c.broken = true;
+        return io_error(spec() + ": SCAN gave an unexpected reply: " + reply_kind(*reply));
+      }
+      cursor.assign(reply->element[0]->str, reply->element[0]->len);
+      const redisReply* keys = reply->element[1];
+      for (std::size_t i = 0; i < keys->elements; ++i)
+        c.queue({"STRLEN", {keys->element[i]->str, keys->element[i]->len}});
+      KVRING_RETURN_IF_ERROR(send(c, kControlLimits, "STRLEN"));
+      for (std::size_t i = 0; i < keys->elements; ++i) {
+        auto len = receive(c, "STRLEN");
+        if (!len) return len.error();
+        const redisReply& l = **len;
+        if (l.type != REDIS_REPLY_INTEGER || l.integer < 0 || l.integer > kMaxStrlen) {
+          c.broken = true;
+          return io_error(spec() + ": unexpected reply to STRLEN: " + reply_kind(l));
+        }
+        if (l.integer == 0) continue;  // deleted since the SCAN
+        ++stats.chunks;
+        if (__builtin_add_overflow(stats.bytes, l.integer, &stats.bytes)) {
+          c.broken = true;
+          return io_error(spec() + ": the chunks' sizes add up past 2^63 bytes (STRLEN replies)");
+        }
+      }
+    } while (cursor != "0");
+    return stats;
   }
 
   // The end of the wait that starts now: one timeout, or the operation's
@@ -368,16 +487,28 @@ class RedisStore final : public ChunkStore {
     }
   }
 
+  // Whether an idle connection can still be used: nothing to read on it.
+  // One the server has closed (Redis's `timeout` closes idle clients) reads
+  // as end of file, one it sent something unasked reads as data; both are
+  // dropped instead of failing the caller that takes them.
+  static bool quiet(const Conn& c) {
+    char b;
+    const ssize_t n = ::recv(c.ctx->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  }
+
   // A connection for this caller alone.
   Result<ConnPtr> acquire() const {
     if (const std::string s = stalled(); !s.empty()) return io_error(s + "; not retried in this operation");
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!idle_.empty()) {
-        ConnPtr c = std::move(idle_.back());
+    for (;;) {
+      ConnPtr c;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (idle_.empty()) break;
+        c = std::move(idle_.back());
         idle_.pop_back();
-        return c;
       }
+      if (quiet(*c)) return c;
     }
     Clock::time_point deadline;
     const auto end = wait_end(&deadline);
@@ -391,56 +522,61 @@ class RedisStore final : public ChunkStore {
     if (c->ctx->err != 0) {
       if (c->ctx->err == REDIS_ERR_IO && (errno == ETIMEDOUT || std::strstr(c->ctx->errstr, "timed out")))
         return timed_out("connecting to", deadline);
-      return io_error(spec() + ": cannot connect: " + c->ctx->errstr);
+      return io_error(spec() + ": cannot connect: " + shown(c->ctx->errstr));
     }
     // Non-blocking from here on: every wait goes through wait_fd.
     const int flags = ::fcntl(c->ctx->fd, F_GETFL);
     if (flags < 0 || ::fcntl(c->ctx->fd, F_SETFL, flags | O_NONBLOCK) != 0)
       return io_error(spec() + ": cannot make the connection non-blocking: " + std::strerror(errno));
-    c->ctx->flags &= ~REDIS_BLOCK;
     if (!o_.password.empty()) {
       // The reply is the server's; the message never repeats what was sent.
-      Status s = command(*c, "AUTH", {}, [&](Conn& cc) {
-        return o_.user.empty()
-                   ? redisAppendCommand(cc.ctx, "AUTH %b", o_.password.data(), o_.password.size())
-                   : redisAppendCommand(cc.ctx, "AUTH %b %b", o_.user.data(), o_.user.size(),
-                                        o_.password.data(), o_.password.size());
-      });
+      Status s = o_.user.empty() ? command(*c, "AUTH", {"AUTH", o_.password})
+                                 : command(*c, "AUTH", {"AUTH", o_.user, o_.password});
       if (!s.ok()) return s.error();
     }
     return c;
   }
 
-  // A broken connection is closed, not pooled.
+  // Only a connection that owes no reply and holds no unread bytes is
+  // pooled; any other is closed.
   void release(ConnPtr c) const {
-    if (c->broken || c->ctx->err != 0) return;
+    if (!c->reusable()) return;
     std::lock_guard<std::mutex> lock(mu_);
     idle_.push_back(std::move(c));
   }
 
-  // Queues commands (append returns REDIS_OK or REDIS_ERR) with the limits
-  // their replies must keep, and sends them.
-  template <class Append>
-  Status send(Conn& c, const ReplyLimits& limits, Append append) const {
+  // Sends the queued commands, whose replies must keep `limits`. The bytes
+  // go out with send(MSG_NOSIGNAL): a server that has closed the connection
+  // makes this an error, not SIGPIPE.
+  Status send(Conn& c, const ReplyLimits& limits, const char* what) const {
     c.guard.set_limits(limits);
-    if (append(c) != REDIS_OK) {
-      c.broken = true;
-      return io_error(spec() + ": cannot queue a command");
-    }
+    c.pending += c.queued;
+    c.queued = 0;
+    Status s;
     Clock::time_point deadline;
-    int done = 0;
-    while (!done) {
-      const auto end = wait_end(&deadline);
-      if (!wait_fd(c.ctx->fd, POLLOUT, end)) {
-        c.broken = true;
-        return timed_out("sending to", deadline);
+    for (std::size_t off = 0; off < c.out.size();) {
+      const ssize_t n = ::send(c.ctx->fd, c.out.data() + off, c.out.size() - off, MSG_NOSIGNAL);
+      if (n > 0) {
+        off += static_cast<std::size_t>(n);
+        continue;
       }
-      if (redisBufferWrite(c.ctx, &done) != REDIS_OK) {
-        c.broken = true;
-        return io_error(spec() + ": sending: " + c.ctx->errstr);
+      const int err = n < 0 ? errno : EPIPE;
+      if (err == EINTR) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) {
+        if (wait_fd(c.ctx->fd, POLLOUT, wait_end(&deadline))) continue;
+        s = timed_out("sending to", deadline);
+      } else if (err == EPIPE || err == ECONNRESET) {
+        s = io_error(spec() + ": sending " + what + ": the server closed the connection (" +
+                     std::strerror(err) + ")");
+      } else {
+        s = io_error(spec() + ": sending " + what + ": " + std::strerror(err));
       }
+      c.broken = true;
+      break;
     }
-    return Status::Ok();
+    c.out.clear();
+    if (c.out.capacity() > kKeptSendBytes) std::string().swap(c.out);
+    return s;
   }
 
   // The next reply, read under the guard; a server error reply is an error.
@@ -450,7 +586,7 @@ class RedisStore final : public ChunkStore {
     for (;;) {
       if (redisGetReplyFromReader(c.ctx, &raw) != REDIS_OK) {
         c.broken = true;
-        return io_error(spec() + ": " + what + ": a malformed reply: " + c.ctx->errstr);
+        return io_error(spec() + ": " + what + ": a malformed reply: " + shown(c.ctx->errstr));
       }
       if (raw != nullptr) break;
       const auto end = wait_end(&deadline);
@@ -477,14 +613,16 @@ class RedisStore final : public ChunkStore {
       }
     }
     Reply r(static_cast<redisReply*>(raw));
+    if (c.pending > 0) --c.pending;
     if (r->type == REDIS_REPLY_ERROR)
-      return io_error(spec() + ": " + what + " refused: " + std::string(r->str, r->len));
+      return io_error(spec() + ": " + what + " refused: " + shown({r->str, r->len}));
     return r;
   }
 
-  template <class Append>
-  Status command(Conn& c, const char* what, const ReplyLimits& limits, Append append) const {
-    KVRING_RETURN_IF_ERROR(send(c, limits, append));
+  // One command of kControlLimits, sent and answered.
+  Status command(Conn& c, const char* what, std::initializer_list<std::string_view> args) const {
+    c.queue(args);
+    KVRING_RETURN_IF_ERROR(send(c, kControlLimits, what));
     return receive(c, what).status();
   }
 
@@ -500,25 +638,16 @@ class RedisStore final : public ChunkStore {
   // is only ever replaced by the same bytes, and a damaged or planted value
   // under the name must not stop the true bytes from being stored.
   Status put_batch_on(Conn& c, std::span<const ChunkData> chunks) const {
-    std::string value;
-    KVRING_RETURN_IF_ERROR(send(c, {}, [&](Conn& cc) {
-      for (const ChunkData& ch : chunks) {
-        const std::string key = key_of(ch.name);
-        // SET takes the value as one argument; hiredis copies it into its
-        // output buffer, so `value` is reused at once.
-        value.assign(reinterpret_cast<const char*>(ch.part1.data()), ch.part1.size());
-        value.append(reinterpret_cast<const char*>(ch.part2.data()), ch.part2.size());
-        if (redisAppendCommand(cc.ctx, "SET %b %b", key.data(), key.size(), value.data(), value.size()) !=
-            REDIS_OK)
-          return REDIS_ERR;
-      }
-      return REDIS_OK;
-    }));
+    for (const ChunkData& ch : chunks) c.queue_set(key_of(ch.name), as_text(ch.part1), as_text(ch.part2));
+    KVRING_RETURN_IF_ERROR(send(c, kControlLimits, "SET"));
     Status s;
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
+    for (std::size_t i = 0; i < chunks.size() && !c.broken; ++i) {
       auto r = receive(c, "SET");
+      if (r && (*r)->type != REDIS_REPLY_STATUS) {
+        c.broken = true;
+        r = io_error(spec() + ": unexpected reply to SET: " + reply_kind(**r));
+      }
       if (!r && s.ok()) s = r.status();
-      if (c.broken) break;
     }
     return s;
   }
