@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "../tools/run_pack.h"
-#include "../tools/text.h"
+#include "core/text.h"
 #include "core/file_read.h"
 #include "hostile_pack.h"
 #include "kvring/cache.h"
@@ -475,7 +475,7 @@ TEST_F(HostileFiles, RecordFieldsThatFailToParseAreNamed) {
 }
 
 TEST(Printable, EscapesWhatCouldActOnATerminal) {
-  using cli::printable;
+  using kvring::printable;
   EXPECT_EQ(printable("muse-glimmer"), "muse-glimmer");
   EXPECT_EQ(printable("a\x1b[2Jb\n\t\x7f"), "a\\x1b[2Jb\\x0a\\x09\\x7f");
   EXPECT_EQ(printable("back\\slash"), "back\\x5cslash");

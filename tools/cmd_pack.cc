@@ -8,7 +8,7 @@
 #include "kvring/chunk_store.h"
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
-#include "text.h"
+#include "core/text.h"
 
 namespace kvring::cli {
 

@@ -19,7 +19,7 @@
 #include "run_pack.h"
 #include "run_report.h"
 #include "run_summary.h"
-#include "text.h"
+#include "core/text.h"
 
 namespace kvring::cli {
 

@@ -1,4 +1,5 @@
 // kvring store: maintenance of chunk stores (docs/kvpack-format.md).
+#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <string>
@@ -23,8 +24,9 @@ int gc(const std::vector<std::string>& argv) {
     return fail("store gc takes one store (dir:PATH), got " + std::to_string(args->positional().size()));
   const std::string spec = args->positional()[0];
   if (!spec.starts_with("dir:") || spec.size() == 4)
-    return fail("store gc '" + spec.substr(0, spec.find("://")) +
-                "...': only directory stores (dir:PATH) keep temporary files");
+    // Only the scheme is shown: the rest of a store's spec may hold a password.
+    return fail("store gc: a '" + spec.substr(0, std::min(spec.find(':'), std::size_t{16})) +
+                ":' store; only directory stores (dir:PATH) keep temporary files");
   auto age = args->integer("min-age", kDirStoreTempMinAge.count(), 0, std::numeric_limits<std::int32_t>::max());
   if (!age) return fail(age.error());
   auto report = gc_dir_store(spec.substr(4), std::chrono::seconds(*age));

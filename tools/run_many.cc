@@ -19,7 +19,7 @@
 #include "kvring/snapshot.h"
 #include "run_pack.h"
 #include "run_summary.h"
-#include "text.h"
+#include "core/text.h"
 
 namespace kvring::cli {
 

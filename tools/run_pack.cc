@@ -9,7 +9,7 @@
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
 #include "kvring/sha256.h"
-#include "text.h"
+#include "core/text.h"
 
 namespace kvring::cli {
 

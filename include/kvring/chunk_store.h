@@ -124,9 +124,11 @@ struct RedisOptions {
 };
 
 // A Redis store (connects now, to fail early). Replies are checked as they
-// arrive: one that announces a value larger than the call can use (a chunk
-// read: the chunk's size; other commands: kMaxRedisControlBytes) is refused
-// before it is buffered, and the connection dropped.
+// arrive against the command's budget (a chunk read: the chunk's size; a
+// SCAN page: 4 MiB; every other command: 4 KiB; never more than
+// kMaxRedisControlBytes), each item charged what it costs in memory
+// besides its wire bytes (docs/kvpack-format.md): a reply past it is
+// refused before it is buffered, and the connection dropped.
 Result<std::unique_ptr<ChunkStore>> open_redis_store(const RedisOptions& options);
 Result<std::unique_ptr<ChunkStore>> open_redis_store(const std::string& host, int port);
 inline constexpr std::int64_t kMaxRedisControlBytes = std::int64_t{64} << 20;

@@ -26,7 +26,7 @@
 #include <string_view>
 #include <vector>
 
-#include "../../tools/text.h"  // printable(): server text on its way to a terminal
+#include "core/text.h"
 #include "cpu/parallel.h"
 #include "pack_common.h"
 #endif
@@ -75,8 +75,8 @@ std::string_view as_text(std::span<const std::uint8_t> s) {
 // Text the server chose, as a message may show it: at most kMaxShownBytes of
 // it, with every byte that could act on a terminal escaped.
 std::string shown(std::string_view text) {
-  if (text.size() <= kMaxShownBytes) return cli::printable(text);
-  return cli::printable(text.substr(0, kMaxShownBytes)) + "... (" + std::to_string(text.size()) + " bytes)";
+  if (text.size() <= kMaxShownBytes) return printable(text);
+  return printable(text.substr(0, kMaxShownBytes)) + "... (" + std::to_string(text.size()) + " bytes)";
 }
 
 struct ReplyDeleter {

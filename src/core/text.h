@@ -1,12 +1,12 @@
-// Text from untrusted sources (a pack's run record, its metadata) on its way
-// to a terminal.
+// Text from untrusted sources (a pack's run record, its metadata, a chunk
+// server's replies) on its way to a terminal.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <string_view>
 
-namespace kvring::cli {
+namespace kvring {
 
 // `s` with every byte that could act on a terminal written as \xNN: C0
 // controls (newline and tab included), DEL, the C1 controls U+0080 to
@@ -56,4 +56,4 @@ inline std::string printable(std::string_view s) {
   return out;
 }
 
-}  // namespace kvring::cli
+}  // namespace kvring
