@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "kvring/backend.h"
+
 #include "pack_test_util.h"
 #include "test_util.h"
 
@@ -136,6 +138,43 @@ TEST_F(RestoreRefusal, TargetTooSmall) {
   ASSERT_TRUE(snap.ok());
   auto small = filled_cache(cfg, 64, 10, 2);
   expect_refused(*snap, *small, ErrorCode::kCapacityExceeded, "layer 3: the snapshot holds 100 positions");
+}
+
+TEST_F(RestoreRefusal, PoolTooSmallForTheFullPlanes) {
+  // Layer 3 is full: 100 positions take 7 blocks of 16 rows. The target's
+  // own 48 positions hold 3 blocks of its pool.
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto live = filled_cache(cfg, 256, 100, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  const std::int64_t rows = 48, kv = cfg.kv_dim();
+  const auto k = testing::random_floats(static_cast<std::size_t>(cfg.n_layers * rows * kv), 2);
+  for (const std::int64_t pool : {5, 7}) {
+    auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256, .block_rows = 16, .pool_blocks = pool});
+    ASSERT_TRUE(made.ok());
+    KvStore& target = **made;
+    const SeqId seq = *target.add_sequence();
+    const SeqSpan span{seq, 0, rows};
+    ASSERT_TRUE(target.store_all_layers({&span, 1}, host_view(k.data(), cfg.n_layers * rows, kv),
+                                        host_view(k.data(), cfg.n_layers * rows, kv)).ok());
+    ASSERT_EQ(*target.blocks_held(seq), 3);
+    const Snapshot before = *take_snapshot(target, seq);
+    const Status s = restore(*snap, target, seq);
+    if (pool == 5) {
+      // 2 free and its own 3 can never make 7: refused before anything changes.
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.to_string();
+      EXPECT_NE(s.error().message.find("need 7 blocks of 16 rows; the target's pool has 2 free and"),
+                std::string::npos) << s.to_string();
+      EXPECT_EQ(target.free_blocks(), 2);
+      EXPECT_TRUE(testing::same_rows(*take_snapshot(target, seq), before));
+    } else {
+      // 4 free and its own 3, which it shares with no other sequence.
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      EXPECT_EQ(target.free_blocks(), 0);
+      EXPECT_TRUE(testing::same_rows(*take_snapshot(target, seq), *snap));
+    }
+  }
 }
 
 TEST_F(RestoreRefusal, ShortRingsPastTheTargetContext) {

@@ -262,9 +262,28 @@ Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
     return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
-  // Nothing below can fail for a reason in the input but an exhausted
-  // block pool: install() accepts exactly the rings place() computes and
-  // buffers of their size.
+  // The full planes' blocks come from the free pool and the sequence's own
+  // blocks (those it shares with no other sequence): more than both hold
+  // together is refused before anything changes.
+  auto held = target.blocks_held(seq);
+  if (!held) return held.error();
+  std::int64_t need = 0;
+  const std::int64_t block_rows = target.options().block_rows;
+  for (std::int64_t l = 0; l < target.n_layers(); ++l) {
+    if (target.config().kind(l) != LayerKind::kFullNope) continue;
+    auto placement = place(snapshot, l, target);
+    if (!placement) return placement.error();
+    need += (placement->ring.len() + block_rows - 1) / block_rows;
+  }
+  if (need > target.free_blocks() + *held)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "the snapshot's full planes need " + std::to_string(need) + " blocks of " +
+                          std::to_string(block_rows) + " rows; the target's pool has " +
+                          std::to_string(target.free_blocks()) + " free and " + seq_name(seq) + " holds " +
+                          std::to_string(*held));
+  // Nothing below can fail for a reason in the input but a block pool
+  // whose blocks the sequence shares with others: install() accepts
+  // exactly the rings place() computes and buffers of their size.
   const std::int64_t kv_dim = snapshot.config.kv_dim();
   const Status s = for_each_layer(target.backend(), target.n_layers(), snapshot.row_bytes(),
                                   [&](std::int64_t l) -> Status {
