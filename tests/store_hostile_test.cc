@@ -228,7 +228,7 @@ TEST_F(RedisHostile, OversizeRepliesAreRefusedFromTheirHeader) {
     const Status s = (*store)->get(sha256("x", 1), span_of(buf));
     ASSERT_FALSE(s.ok());
     EXPECT_NE(s.error().message.find(c.expect), std::string::npos) << s.to_string();
-    EXPECT_LT(seconds_since(t0), 2.0);
+    EXPECT_LT(seconds_since(t0), 4.0);  // refused at once, not at the 5 s timeout
   }
   // Other commands are held to their own limits (SCAN's here), all of them
   // within kMaxRedisControlBytes.
@@ -298,7 +298,7 @@ TEST_F(RedisHostile, RepliesAreChargedWhatTheyCostNotTheirWireBytes) {
     EXPECT_NE(has.error().message.find("an array of 1048576 elements, where this call takes no arrays"),
               std::string::npos)
         << has.error().to_string();
-    EXPECT_LT(seconds_since(t0), 2.0);
+    EXPECT_LT(seconds_since(t0), 4.0);  // refused at once, not at the 5 s timeout
   }
   {
     // SCAN takes an array of keys: arrays of 10000 empty arrays in its place
@@ -317,7 +317,7 @@ TEST_F(RedisHostile, RepliesAreChargedWhatTheyCostNotTheirWireBytes) {
     ASSERT_FALSE(stats.ok());
     EXPECT_NE(stats.error().message.find("SCAN: refused a reply of more than 4194304 bytes"), std::string::npos)
         << stats.error().to_string();
-    EXPECT_LT(seconds_since(t0), 2.0);
+    EXPECT_LT(seconds_since(t0), 4.0);  // refused at once, not at the 5 s timeout
   }
 }
 
