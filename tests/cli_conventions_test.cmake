@@ -21,6 +21,16 @@ function(expect rc pattern)
   set(last_err "${err}" PARENT_SCOPE)
 endfunction()
 
+# Output that cannot be written fails the command (exit 2, a message), never
+# a silent success.
+if(EXISTS /dev/full)
+  execute_process(COMMAND ${KVRING} config --model muse-glimmer WORKING_DIRECTORY ${WORK} TIMEOUT 60
+                  RESULT_VARIABLE got OUTPUT_FILE /dev/full ERROR_VARIABLE err)
+  if(NOT "${got}" STREQUAL "2" OR NOT err MATCHES "writing the output failed")
+    message(FATAL_ERROR "kvring config > /dev/full: exit '${got}', expected 2 and a message:\n${err}")
+  endif()
+endif()
+
 # --- Help ----------------------------------------------------------------------
 foreach(cmd "footprint" "run" "config" "pack" "pack;inspect" "pack;verify" "store" "store;gc" "handoff"
             "handoff;plan" "handoff;serve" "help")

@@ -569,6 +569,57 @@ TEST_F(Hostile, KeepAlivesAloneEndTheSession) {
   EXPECT_EQ(target.pending_blocks(), 0);
 }
 
+// Flips a byte in the middle of the n-th message it sends.
+class FlipOneSend : public Transport {
+ public:
+  FlipOneSend(Transport& inner, int n) : inner_(inner), n_(n) {}
+  Status send_message(const std::vector<Part>& parts, Deadline d) override {
+    if (++sends_ != n_) return inner_.send_message(parts, d);
+    Msg m;
+    for (const Part& p : parts)
+      m.insert(m.end(), static_cast<const std::uint8_t*>(p.data), static_cast<const std::uint8_t*>(p.data) + p.size);
+    m[m.size() / 2] ^= 0x10;
+    return inner_.send_message(m.data(), m.size(), d);
+  }
+  Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
+    return inner_.recv_message(out, d, max);
+  }
+  std::string describe() const override { return inner_.describe(); }
+  void close() override { inner_.close(); }
+
+ private:
+  Transport& inner_;
+  int n_, sends_ = 0;
+};
+
+// A paced sender still has rows on their way when the receiver refuses a
+// corrupted message: the receiver's linger takes them, so the sender hears
+// the reason, not a closed link.
+TEST_F(Hostile, APacedSenderHearsTheRefusalWithRowsInFlight) {
+  PlanOptions o;
+  o.chunk_tokens = kChunk;
+  o.message_bytes = 4 << 20;
+  o.credit_bytes = 64 << 20;
+  auto t = plan_handoff(config_, kPrompt, o);
+  ASSERT_TRUE(t.ok());
+  auto src = StoreSource::create(*from_, seq_, *t, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "m");
+  ASSERT_TRUE(src.ok());
+  auto [a, b] = local_pair();
+  FlipOneSend flip(*a, 3);
+  DetachedCacheTarget target({});
+  Result<ReceiveReport> got = io_error("not run");
+  std::thread rx([&, bb = b.get()] {
+    got = receive_session(*bb, target, {.timeout_s = 5});
+    bb->close();
+  });
+  const auto sent = send_session(flip, **src, *t, {.timeout_s = 5, .rate_bytes_per_s = payload_of(src->get()->header()) / 1.0});
+  flip.close();
+  rx.join();
+  ASSERT_FALSE(got.ok());
+  ASSERT_FALSE(sent.ok());
+  EXPECT_NE(sent.error().message.find("does not match"), std::string::npos) << sent.error().to_string();
+}
+
 // ---------------------------------------------------------------- hostile receivers
 
 struct SendRun {
@@ -690,6 +741,25 @@ TEST_F(HostileReceiver, RepeatedAcknowledgementsFail) {
   ASSERT_FALSE(r.sent.ok());
   EXPECT_NE(r.sent.error().message.find("acknowledged"), std::string::npos) << r.sent.error().to_string();
   EXPECT_LT(r.seconds, 2.5);
+  // A real acknowledgement, repeated; a skipped one.
+  for (const std::int64_t second : {0, 2}) {
+    auto again = send_against([&](Transport& t) {
+      Msg in;
+      (void)t.recv_message(in, deadline_in(1), 1 << 30);
+      send(t, accept(3 * 256));
+      (void)t.recv_message(in, deadline_in(1), 1 << 30);  // message 0
+      const auto bytes = static_cast<std::int64_t>(get64(in, 21)) * config_.kv_dim() * 4;
+      send(t, ack(0, bytes));
+      (void)t.recv_message(in, deadline_in(1), 1 << 30);  // message 1
+      send(t, ack(second, 2 * bytes));
+      while (t.recv_message(in, deadline_in(1), 1 << 30).ok()) {
+      }
+    });
+    ASSERT_FALSE(again.sent.ok()) << second;
+    EXPECT_NE(again.sent.error().message.find("acknowledged message " + std::to_string(second) + " where 1"),
+              std::string::npos)
+        << again.sent.error().to_string();
+  }
 }
 
 }  // namespace

@@ -178,7 +178,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
 // The receiver: one session, decoded greedily to --tokens.
 int cmd_serve(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
-                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "max-mib", "port-file"});
+                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "max-mib", "max-keep", "port-file"});
   if (!a) return fail(a.error());
   if (!a->positional().empty()) return fail("handoff serve: unexpected argument '" + a->positional()[0] + "'");
   if (!a->has("listen")) return fail("handoff serve needs --listen HOST:PORT (port 0: any free port)");
@@ -195,6 +195,12 @@ int cmd_serve(const std::vector<std::string>& argv) {
   }
   auto credits = a->integer("credits", 64, 1, 1 << 20);
   if (!credits) return fail(credits.error());
+  handoff::ReceiveOptions ro;
+  if (a->has("max-keep")) {
+    auto k = parse_positive_double("max-keep", a->str("max-keep"), true);
+    if (!k) return fail(k.error());
+    ro.max_keep_s = *k;
+  }
   handoff::DetachedCacheTarget::Options to;
   to.backend = *backend;
   auto max_mib = a->integer("max-mib", to.max_row_bytes / kMiB, 1, std::int64_t{1} << 30);
@@ -225,7 +231,6 @@ int cmd_serve(const std::vector<std::string>& argv) {
   auto link = (*listener)->accept(handoff::deadline_in(timeout_s));
   if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);
-  handoff::ReceiveOptions ro;
   ro.timeout_s = timeout_s;
   ro.credit_bytes = *credits * kMiB;
   const auto t0 = Clock::now();

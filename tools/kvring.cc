@@ -1,5 +1,7 @@
 // kvring: the command-line tool.
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <iostream>
 #include <limits>
@@ -81,10 +83,13 @@ const CommandHelp kHelp[] = {
 )"},
     {"handoff serve", R"(  handoff serve --listen HOST:PORT --tokens N [--model NAME | --config FILE]
              [--backend cpu|cuda|auto] [--timeout S] [--credits MiB]
-             [--max-mib M] [--port-file F] [--json]
+             [--max-mib M] [--max-keep S] [--port-file F] [--json]
              receives one session (UCX), decodes it greedily to N tokens and
              prints the summary of `run`; port 0 picks a free port; a session
-             whose store would take more than M MiB (default 65536) is refused
+             whose store would take more than M MiB (default 65536) is
+             refused, and one whose sender keeps the link alive with no rows
+             for S seconds (default 300; 0: no limit), which must outlast the
+             sender's prefill under swa-first, is ended
 )"},
     {"config", R"(  config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
@@ -282,13 +287,10 @@ int cmd_config(const std::vector<std::string>& argv) {
 
 }  // namespace kvring::cli
 
-int main(int argc, char** argv) {
+namespace {
+
+int dispatch(int argc, char** argv) {
   using namespace kvring::cli;
-  // A peer that hangs up (a chunk store's server, a reader of stdout that
-  // exits) makes a write fail with EPIPE instead of ending the process with
-  // SIGPIPE and no message. The Redis store sends with MSG_NOSIGNAL and
-  // reports the error itself; this covers every other socket or pipe write.
-  std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
     print_usage(stderr);
     return 2;
@@ -320,4 +322,23 @@ int main(int argc, char** argv) {
   }
   print_usage(stderr);
   return fail("unknown command '" + cmd + "'");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // A peer that hangs up (a chunk store's server, a handoff's, a reader of
+  // stdout that exits) makes a write fail with EPIPE, not end the process
+  // with SIGPIPE and no message: each write reports its failure, and
+  // output that could not be written fails the command below.
+  std::signal(SIGPIPE, SIG_IGN);
+  const int rc = dispatch(argc, argv);
+  std::cout.flush();
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+    std::fprintf(stderr, "kvring: writing the output failed%s%s\n", errno != 0 ? ": " : "",
+                 errno != 0 ? std::strerror(errno) : "");
+    return rc != 0 ? rc : 2;
+  }
+  return rc;
 }

@@ -509,6 +509,8 @@ struct ReceiveOptions {
   double timeout_s = 10;  // longest wait for any message once connected
   // Longest run of keep-alives with no rows between them (the sender's
   // prefill still running) before the session is refused; 0: no limit.
+  // Under swa-first every message waits for the end of prefill, so this
+  // must outlast the sender's whole prefill.
   double max_keep_s = 300;
   std::int64_t credit_bytes = std::int64_t{64} << 20;
   std::int64_t max_message_bytes = std::int64_t{256} << 20;

@@ -104,11 +104,11 @@ Result<RingState> restore_ring(const Snapshot& header, std::int64_t layer, const
 // is reset to empty and the error says so: it never holds a mix.
 Status restore(const Snapshot& snapshot, KvCache& target);
 // The same into one sequence of a store; other sequences are not touched.
-// A block pool that cannot hold the full planes with the free blocks and
-// the sequence's own is refused first (kCapacityExceeded, nothing changed).
-// One that runs out part-way because the sequence shares its blocks with
-// another fails like a device error: the sequence is reset to empty and
-// the error says so.
+// Full planes that need more blocks than the pool's free ones and all the
+// sequence holds are refused first (kCapacityExceeded, nothing changed).
+// A pool that runs out part-way because the sequence shares blocks with
+// another (a fork) fails like a device error: the sequence is reset to
+// empty and the error says so.
 Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq);
 // Restores into a new sequence of `target`, which exists only once every
 // plane is in: on an error the store holds no new sequence.

@@ -273,8 +273,9 @@ struct CudaStore::Impl {
   PinnedBuffer pin;
   DeviceBuffer stage_k, stage_v, stage_q, stage_out, stage_rows;
 
+  // Runs inside ~CudaStore's DeviceScope, which also covers the members'
+  // own frees (the staging buffers) after this body.
   ~Impl() {
-    const DeviceScope scope(device);  // cudaDeviceSynchronize below is the store's device's
     if (stream) cudaStreamSynchronize(stream);
     cudaDeviceSynchronize();
     for (auto* p : ring_k) cudaFree(p);
@@ -492,7 +493,11 @@ struct CudaStore::Impl {
 CudaStore::CudaStore(ModelConfig config, StoreOptions resolved)
     : KvStore(std::move(config), resolved), impl_(std::make_unique<Impl>()) {}
 
-CudaStore::~CudaStore() = default;
+CudaStore::~CudaStore() {
+  if (!impl_) return;
+  const DeviceScope scope(impl_->device);
+  impl_.reset();
+}
 
 int CudaStore::device() const { return impl_->device; }
 cudaStream_t CudaStore::stream() const { return impl_->stream; }

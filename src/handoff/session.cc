@@ -40,15 +40,17 @@ enum Type : std::uint8_t {
   kBye = 10,
 };
 constexpr double kLingerS = 2.0;
-// What a lingering side accepts: it only waits for BYE (or the close).
-constexpr std::size_t kLingerMessageBytes = 4096;
+// What a receiver lingering after DONE accepts: only BYE is due.
+constexpr std::size_t kByeOnlyBytes = 4096;
 
-// Waits until the peer closes the link or says BYE (or the linger ends).
-void linger(Transport& t, double seconds) {
+// Waits until the peer closes the link or says BYE (or the linger ends),
+// dropping messages of up to `max_bytes` meanwhile: after an ERROR the
+// sender may still have rows in flight, and a larger one ends the wait.
+void linger(Transport& t, double seconds, std::size_t max_bytes) {
   std::vector<std::uint8_t> in;
   const Deadline end = deadline_in(seconds);
   while (Clock::now() < end) {
-    if (!t.recv_message(in, end, kLingerMessageBytes).ok()) return;
+    if (!t.recv_message(in, end, max_bytes).ok()) return;
     if (!in.empty() && in[0] == kBye) return;
   }
 }
@@ -526,7 +528,7 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     if (begun) target.abort();
     const std::string s = encode_status(kError, e);
     if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok())
-      linger(transport, std::min(kLingerS, options.timeout_s));
+      linger(transport, std::min(kLingerS, options.timeout_s), static_cast<std::size_t>(options.max_message_bytes));
     return e;
   };
   auto recv = [&](Deadline d) -> Status {
@@ -671,7 +673,7 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       const std::uint8_t done = kDone;
       // The session is live; a sender that left before hearing so changes nothing here.
       if (transport.send_message(&done, 1, deadline_in(options.timeout_s)).ok())
-        linger(transport, std::min(kLingerS, options.timeout_s));
+        linger(transport, std::min(kLingerS, options.timeout_s), kByeOnlyBytes);
       return report;
     }
     return fail(wire_error(at + "unexpected message type " + std::to_string(in[0])));

@@ -262,9 +262,10 @@ Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
     return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
-  // The full planes' blocks come from the free pool and the sequence's own
-  // blocks (those it shares with no other sequence): more than both hold
-  // together is refused before anything changes.
+  // The full planes' blocks come from the free pool and from the blocks the
+  // sequence holds (those it shares with no other sequence): more than the
+  // free blocks and all it holds can never fit, and is refused before
+  // anything changes.
   auto held = target.blocks_held(seq);
   if (!held) return held.error();
   std::int64_t need = 0;
