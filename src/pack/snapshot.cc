@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "cpu/host_pages.h"
 #include "cpu/parallel.h"
@@ -262,19 +263,23 @@ Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
     return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
+  // Each plane's ring, computed once for the pool check and the installs.
   // The full planes' blocks come from the free pool and from the blocks the
   // sequence holds (those it shares with no other sequence): more than the
   // free blocks and all it holds can never fit, and is refused before
   // anything changes.
   auto held = target.blocks_held(seq);
   if (!held) return held.error();
+  std::vector<Placement> placements;
+  placements.reserve(static_cast<std::size_t>(target.n_layers()));
   std::int64_t need = 0;
   const std::int64_t block_rows = target.options().block_rows;
   for (std::int64_t l = 0; l < target.n_layers(); ++l) {
-    if (target.config().kind(l) != LayerKind::kFullNope) continue;
     auto placement = place(snapshot, l, target);
     if (!placement) return placement.error();
-    need += (placement->ring.len() + block_rows - 1) / block_rows;
+    if (target.config().kind(l) == LayerKind::kFullNope)
+      need += (placement->ring.len() + block_rows - 1) / block_rows;
+    placements.push_back(*placement);
   }
   if (need > target.free_blocks() + *held)
     return make_error(ErrorCode::kCapacityExceeded,
@@ -288,11 +293,10 @@ Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
   const std::int64_t kv_dim = snapshot.config.kv_dim();
   const Status s = for_each_layer(target.backend(), target.n_layers(), snapshot.row_bytes(),
                                   [&](std::int64_t l) -> Status {
-    auto placement = place(snapshot, l, target);
-    if (!placement) return placement.error();
+    const Placement& placement = placements[static_cast<std::size_t>(l)];
     const PlaneSnapshot& p = snapshot.planes[static_cast<std::size_t>(l)];
-    const std::size_t skip = static_cast<std::size_t>(placement->skip_rows * kv_dim);
-    return target.install(seq, l, placement->ring, p.k.data() + skip, p.v.data() + skip);
+    const std::size_t skip = static_cast<std::size_t>(placement.skip_rows * kv_dim);
+    return target.install(seq, l, placement.ring, p.k.data() + skip, p.v.data() + skip);
   });
   if (s.ok()) return s;
   Error e = s.error();
