@@ -161,10 +161,11 @@ TEST_F(RestoreRefusal, PoolTooSmallForTheFullPlanes) {
     const Snapshot before = *take_snapshot(target, seq);
     const Status s = restore(*snap, target, seq);
     if (pool == 5) {
-      // 2 free and its own 3 can never make 7: refused before anything changes.
+      // Its own 3 are reused; 2 free can never make the other 4: refused
+      // before anything changes.
       ASSERT_FALSE(s.ok());
       EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.to_string();
-      EXPECT_NE(s.error().message.find("need 7 blocks of 16 rows; the target's pool has 2 free and"),
+      EXPECT_NE(s.error().message.find("need 4 new blocks of 16 rows; the target's pool has 2 free and"),
                 std::string::npos) << s.to_string();
       EXPECT_EQ(target.free_blocks(), 2);
       EXPECT_TRUE(testing::same_rows(*take_snapshot(target, seq), before));
@@ -174,6 +175,75 @@ TEST_F(RestoreRefusal, PoolTooSmallForTheFullPlanes) {
       EXPECT_EQ(target.free_blocks(), 0);
       EXPECT_TRUE(testing::same_rows(*take_snapshot(target, seq), *snap));
     }
+  }
+}
+
+// A sequence that shares blocks with a fork: its shared blocks are replaced,
+// not reused. Layers 3 and 7 are full. Source and fork share 40 rows (3
+// blocks of 16 a plane); the fork then writes 60 rows into layer 7 alone,
+// which copies the block it writes into and takes 4 more. Restoring 32 rows
+// takes 2 new blocks a plane; layer 7 gives back the 5 it holds alone, layer
+// 3 gives back none. With 2 free blocks that works only with layer 7 first;
+// with 1 free, in no order.
+TEST_F(RestoreRefusal, ForkedPlanesGetTheirBlocksInAnOrderThatFits) {
+  const ModelConfig cfg = small_config(32, 256, 8);
+  const std::int64_t kv = cfg.kv_dim();
+  auto live = filled_cache(cfg, 256, 32, 4);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  const auto x = testing::random_floats(static_cast<std::size_t>(cfg.n_layers * 60 * kv), 9);
+  for (const std::int64_t pool : {13, 12}) {
+    SCOPED_TRACE("pool " + std::to_string(pool));
+    auto made = make_store(BackendKind::kCpu, cfg,
+                           {.max_sequences = 2, .context = 256, .block_rows = 16, .pool_blocks = pool});
+    ASSERT_TRUE(made.ok());
+    KvStore& target = **made;
+    const SeqId source = *target.add_sequence();
+    const SeqSpan first{source, 0, 40};
+    ASSERT_TRUE(target.store_all_layers({&first, 1}, host_view(x.data(), cfg.n_layers * 40, kv),
+                                        host_view(x.data(), cfg.n_layers * 40, kv)).ok());
+    auto fork = target.fork_sequence(source);
+    ASSERT_TRUE(fork.ok()) << fork.error().to_string();
+    const SeqSpan more{*fork, 40, 60};
+    ASSERT_TRUE(target.store(7, {&more, 1}, host_view(x.data(), 60, kv), host_view(x.data(), 60, kv)).ok());
+    ASSERT_EQ(target.free_blocks(), pool - 11);
+    const auto layer3 = target.blocks_to_install(*fork, 3, 32);
+    const auto layer7 = target.blocks_to_install(*fork, 7, 32);
+    ASSERT_TRUE(layer3.ok() && layer7.ok());
+    EXPECT_EQ(layer3->take, 2);
+    EXPECT_EQ(layer3->give, 0);
+    EXPECT_EQ(layer7->take, 2);
+    EXPECT_EQ(layer7->give, 5);
+    const Snapshot source_before = *take_snapshot(target, source);
+    // Every plane's ring and physical image: the fork's layers stand at
+    // different positions, which a snapshot refuses.
+    auto image_of = [&](SeqId seq) {
+      std::vector<std::pair<RingState, std::vector<std::uint16_t>>> planes;
+      for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+        std::vector<std::uint16_t> k(static_cast<std::size_t>(target.capacity(l) * kv)), v(k.size());
+        EXPECT_TRUE(target.read_plane(seq, l, k.data(), v.data()).ok());
+        k.insert(k.end(), v.begin(), v.end());
+        planes.emplace_back(*target.ring(seq, l), std::move(k));
+      }
+      return planes;
+    };
+    const auto fork_before = image_of(*fork);
+    const Status s = restore(*snap, target, *fork);
+    if (pool == 13) {
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      EXPECT_TRUE(testing::same_rows(*take_snapshot(target, *fork), *snap));
+      // 11 - 5 given back + 4 taken; the source keeps its 6.
+      EXPECT_EQ(target.free_blocks(), 3);
+    } else {
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.to_string();
+      EXPECT_NE(s.error().message.find("need 4 new blocks of 16 rows; the target's pool has 1 free and " +
+                                       seq_name(*fork) + "'s planes give back 5"),
+                std::string::npos) << s.to_string();
+      EXPECT_EQ(target.free_blocks(), 1);
+      EXPECT_TRUE(image_of(*fork) == fork_before);
+    }
+    EXPECT_TRUE(testing::same_rows(*take_snapshot(target, source), source_before));
   }
 }
 

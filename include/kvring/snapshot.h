@@ -104,11 +104,12 @@ Result<RingState> restore_ring(const Snapshot& header, std::int64_t layer, const
 // is reset to empty and the error says so: it never holds a mix.
 Status restore(const Snapshot& snapshot, KvCache& target);
 // The same into one sequence of a store; other sequences are not touched.
-// Full planes that need more blocks than the pool's free ones and all the
-// sequence holds are refused first (kCapacityExceeded, nothing changed).
-// A pool that runs out part-way because the sequence shares blocks with
-// another (a fork) fails like a device error: the sequence is reset to
-// empty and the error says so.
+// Full planes whose blocks the pool cannot give in any order of installs
+// are refused first (kCapacityExceeded, nothing changed). The new rows
+// take the free blocks, reuse the blocks the sequence holds alone and
+// replace those it shares with a fork (KvStore::blocks_to_install); when
+// the free blocks do not cover them all at once, planes that give blocks
+// back go in first.
 Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq);
 // Restores into a new sequence of `target`, which exists only once every
 // plane is in: on an error the store holds no new sequence.

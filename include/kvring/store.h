@@ -200,6 +200,16 @@ class KvStore {
   // Blocks that storing `spans` into every full layer would take from the
   // pool (new blocks, and copies of shared blocks written into).
   Result<std::int64_t> blocks_to_store(std::span<const SeqSpan> spans) const;
+  // What install() of a ring of `rows` rows into plane `layer` of `seq`
+  // takes from the pool while it runs (new blocks, and new ones for blocks
+  // the plane shares with a fork), and what it gives back once it is in
+  // (blocks the plane holds alone past the new rows). A sliding plane takes
+  // none; `rows` past the plane's capacity is refused.
+  struct InstallBlocks {
+    std::int64_t take = 0;
+    std::int64_t give = 0;
+  };
+  Result<InstallBlocks> blocks_to_install(SeqId seq, std::int64_t layer, std::int64_t rows) const;
 
   // ---- Batched operations -------------------------------------------------
   // Device views need the CUDA backend; its calls are enqueued on `stream`

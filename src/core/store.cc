@@ -501,6 +501,29 @@ Result<std::int64_t> KvStore::blocks_held(SeqId seq) const {
   return n;
 }
 
+Result<KvStore::InstallBlocks> KvStore::blocks_to_install(SeqId seq, std::int64_t layer,
+                                                          std::int64_t rows) const {
+  auto slot = slot_any(seq);
+  if (!slot) return slot.error();
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  if (rows < 0 || rows > capacity(layer))
+    return invalid_argument(std::to_string(rows) + " rows do not fit layer " + std::to_string(layer) +
+                            " (capacity " + std::to_string(capacity(layer)) + ")");
+  InstallBlocks n;
+  const std::int64_t fi = full_index(layer);
+  if (fi < 0) return n;
+  // As plan_plane: blocks held alone within the rows are reused, the rest
+  // of the rows take new blocks, blocks held alone past them go back.
+  const auto& table = slots_[static_cast<std::size_t>(*slot)].tables[static_cast<std::size_t>(fi)];
+  const auto blocks = static_cast<std::size_t>(ceil_div(rows, options_.block_rows));
+  for (std::size_t b = 0; b < std::max(blocks, table.size()); ++b) {
+    const bool alone = b < table.size() && refs(table[b]) == 1;
+    if (b < blocks && !alone) ++n.take;
+    if (b >= blocks && alone) ++n.give;
+  }
+  return n;
+}
+
 Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) const {
   const std::int64_t B = options_.block_rows;
   std::int64_t n = 0;

@@ -258,46 +258,94 @@ Status check_restorable(const Snapshot& header, const KvCache& target) {
   return check_restorable(header, target.store());
 }
 
+namespace {
+
+// The order in which to install the planes so that the pool never runs dry,
+// or kCapacityExceeded when no order can. Empty when the free pool covers
+// every plane's new blocks at once (the planes may then go in any order, in
+// parallel). Otherwise some planes must give their blocks back before
+// others take theirs: first the planes that give back at least what they
+// take, fewest taken first, then the rest, most given back first. That
+// order leaves the most blocks free before each plane, so if it fails, every
+// order fails.
+Result<std::vector<std::int64_t>> install_order(const KvStore& target, SeqId seq,
+                                                const std::vector<Placement>& placements) {
+  struct Plane {
+    std::int64_t layer;
+    KvStore::InstallBlocks blocks;
+  };
+  std::vector<Plane> planes;
+  std::int64_t take = 0;
+  std::int64_t give = 0;
+  for (std::int64_t l = 0; l < target.n_layers(); ++l) {
+    auto n = target.blocks_to_install(seq, l, placements[static_cast<std::size_t>(l)].ring.len());
+    if (!n) return n.error();
+    planes.push_back({l, *n});
+    take += n->take;
+    give += n->give;
+  }
+  const std::int64_t free = target.free_blocks();
+  if (take <= free) return std::vector<std::int64_t>{};
+  auto refuse = [&] {
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "the snapshot's full planes need " + std::to_string(take) + " new blocks of " +
+                          std::to_string(target.options().block_rows) + " rows; the target's pool has " +
+                          std::to_string(free) + " free and " + seq_name(seq) + "'s planes give back " +
+                          std::to_string(give) + " (blocks shared with a fork are replaced, not reused)");
+  };
+  if (take > free + give) return refuse();
+  std::stable_sort(planes.begin(), planes.end(), [](const Plane& a, const Plane& b) {
+    const bool a_gains = a.blocks.give >= a.blocks.take;
+    const bool b_gains = b.blocks.give >= b.blocks.take;
+    if (a_gains != b_gains) return a_gains;
+    return a_gains ? a.blocks.take < b.blocks.take : a.blocks.give > b.blocks.give;
+  });
+  std::vector<std::int64_t> order;
+  std::int64_t left = free;
+  for (const Plane& p : planes) {
+    if (p.blocks.take > left) return refuse();
+    left += p.blocks.give - p.blocks.take;
+    order.push_back(p.layer);
+  }
+  return order;
+}
+
+}  // namespace
+
 Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
   if (!target.contains(seq))
     return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
   // Each plane's ring, computed once for the pool check and the installs.
-  // The full planes' blocks come from the free pool and from the blocks the
-  // sequence holds (those it shares with no other sequence): more than the
-  // free blocks and all it holds can never fit, and is refused before
-  // anything changes.
-  auto held = target.blocks_held(seq);
-  if (!held) return held.error();
   std::vector<Placement> placements;
   placements.reserve(static_cast<std::size_t>(target.n_layers()));
-  std::int64_t need = 0;
-  const std::int64_t block_rows = target.options().block_rows;
   for (std::int64_t l = 0; l < target.n_layers(); ++l) {
     auto placement = place(snapshot, l, target);
     if (!placement) return placement.error();
-    if (target.config().kind(l) == LayerKind::kFullNope)
-      need += (placement->ring.len() + block_rows - 1) / block_rows;
     placements.push_back(*placement);
   }
-  if (need > target.free_blocks() + *held)
-    return make_error(ErrorCode::kCapacityExceeded,
-                      "the snapshot's full planes need " + std::to_string(need) + " blocks of " +
-                          std::to_string(block_rows) + " rows; the target's pool has " +
-                          std::to_string(target.free_blocks()) + " free and " + seq_name(seq) + " holds " +
-                          std::to_string(*held));
-  // Nothing below can fail for a reason in the input but a block pool
-  // whose blocks the sequence shares with others: install() accepts
-  // exactly the rings place() computes and buffers of their size.
+  auto order = install_order(target, seq, placements);
+  if (!order) return order.error();
+  // Nothing below can fail for a reason in the input: install() accepts
+  // exactly the rings place() computes and buffers of their size, and the
+  // order gives every plane its blocks.
   const std::int64_t kv_dim = snapshot.config.kv_dim();
-  const Status s = for_each_layer(target.backend(), target.n_layers(), snapshot.row_bytes(),
-                                  [&](std::int64_t l) -> Status {
+  auto install = [&](std::int64_t l) -> Status {
     const Placement& placement = placements[static_cast<std::size_t>(l)];
     const PlaneSnapshot& p = snapshot.planes[static_cast<std::size_t>(l)];
     const std::size_t skip = static_cast<std::size_t>(placement.skip_rows * kv_dim);
     return target.install(seq, l, placement.ring, p.k.data() + skip, p.v.data() + skip);
-  });
+  };
+  Status s = Status::Ok();
+  if (order->empty()) {
+    s = for_each_layer(target.backend(), target.n_layers(), snapshot.row_bytes(), install);
+  } else {
+    for (const std::int64_t l : *order) {
+      s = install(l);
+      if (!s.ok()) break;
+    }
+  }
   if (s.ok()) return s;
   Error e = s.error();
   const Status reset = target.reset_sequence(seq);
