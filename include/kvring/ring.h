@@ -51,7 +51,8 @@ class RingState {
   // capacity >= 1. A sliding ring wraps; a full plane does not.
   static RingState sliding(std::int64_t capacity) { return RingState(capacity, true); }
   static RingState full(std::int64_t capacity) { return RingState(capacity, false); }
-  // A state as recorded elsewhere (a snapshot); checks every invariant.
+  // A state as recorded elsewhere (a snapshot); checks every invariant,
+  // and that its end (origin_logical + len) stays within 2^62 positions.
   static Result<RingState> from_parts(std::int64_t capacity, bool wraps, std::int64_t len,
                                       std::int64_t origin_logical,
                                       std::int64_t origin_physical);

@@ -49,6 +49,8 @@ std::int64_t dtype_bytes(DType dtype);
 // A matrix [rows, cols] of `dtype` in caller memory; row r starts
 // r * row_stride elements after `data` (row_stride >= cols). The store
 // reads or writes it in place: no copy is made of an engine's tensor.
+// `data` is aligned to its elements; the CPU backend also takes f16 views
+// and f16 row buffers at any address, since it copies them byte-wise.
 struct ConstView {
   const void* data = nullptr;
   MemorySpace space = MemorySpace::kHost;

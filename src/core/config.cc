@@ -73,8 +73,8 @@ Status ModelConfig::validate() const {
   }
   if (count(LayerKind::kSlidingRope) > 0)
     KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 1, kMaxContext));
-  else if (sliding_window < 0)
-    return config_error("sliding_window = " + std::to_string(sliding_window) + " is negative");
+  else
+    KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 0, kMaxContext));
   return Status::Ok();
 }
 
@@ -126,6 +126,17 @@ namespace {
 
 using nlohmann::json;
 
+// A JSON value for an error message: scalars as written, containers by kind
+// and size (dump() recurses once per level of nesting, and a nested array
+// of a config file is deep enough to exhaust the stack).
+std::string describe(const json& v) {
+  if (v.is_array()) return "an array of " + std::to_string(v.size()) + " elements";
+  if (v.is_object()) return "an object of " + std::to_string(v.size()) + " fields";
+  std::string s = v.dump();
+  if (s.size() > 64) s = s.substr(0, 64) + "...";
+  return s;
+}
+
 // Reads an integer field; absent -> `fallback` (or an error when required).
 Result<std::int64_t> int_field(const json& j, const char* field, bool required,
                                std::int64_t fallback = 0) {
@@ -149,7 +160,7 @@ Result<std::int64_t> int_field(const json& j, const char* field, bool required,
     if (d >= -1e15 && d <= 1e15 && d == std::floor(d)) return static_cast<std::int64_t>(d);
   }
   return config_error("field '" + std::string(field) + "' must be an integer, got " +
-                      it->dump());
+                      describe(*it));
 }
 
 }  // namespace
@@ -224,7 +235,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
     const json& theta = j["rope_theta"];
     if (!theta.is_number() || !(theta.get<double>() > 0.0) || !std::isfinite(theta.get<double>()))
-      return config_error("rope_theta = " + theta.dump() + " must be a positive number");
+      return config_error("rope_theta = " + describe(theta) + " must be a positive number");
     c.rope_theta = theta.get<double>();
   }
 
@@ -233,13 +244,13 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     if (!types.is_array()) return config_error("field 'layer_types' must be an array");
     for (std::size_t i = 0; i < types.size(); ++i) {
       const json& t = types[i];
-      std::string s = t.is_string() ? t.get<std::string>() : t.dump();
+      std::string s = t.is_string() ? t.get<std::string>() : describe(t);
       if (s == "sliding_attention" || s == "sliding" || s == "local")
         c.layer_kinds.push_back(LayerKind::kSlidingRope);
       else if (s == "full_attention" || s == "full" || s == "global")
         c.layer_kinds.push_back(LayerKind::kFullNope);
       else
-        return config_error("layer_types[" + std::to_string(i) + "] = " + t.dump() +
+        return config_error("layer_types[" + std::to_string(i) + "] = " + describe(t) +
                             " is not a known layer type (sliding_attention, full_attention)");
     }
   } else if (j.contains("sliding_window_pattern") && !j["sliding_window_pattern"].is_null()) {

@@ -40,6 +40,10 @@ Result<RingState> RingState::from_parts(std::int64_t capacity, bool wraps, std::
                             std::to_string(capacity) + "]");
   if (origin_logical < 0)
     return invalid_argument("ring origin_logical " + std::to_string(origin_logical) + " < 0");
+  // Positions stay below 2^62 (plan_batch): next_position() never overflows.
+  if (origin_logical > (std::int64_t{1} << 62) - len)
+    return invalid_argument("ring origin_logical " + std::to_string(origin_logical) +
+                            " puts its end past 2^62");
   if (origin_physical < 0 || origin_physical >= capacity)
     return invalid_argument("ring origin_physical " + std::to_string(origin_physical) +
                             " outside [0, " + std::to_string(capacity) + ")");

@@ -273,6 +273,7 @@ std::int64_t KvStore::allocated_bytes() const {
 }
 
 std::int64_t KvStore::position_limit(std::int64_t layer) const {
+  if (!check_layer(layer).ok()) return 0;
   // A full plane's own capacity bounds it (RingState::plan_batch).
   if (full_index(layer) < 0 && ring_rows_ - options_.slack < config_.sliding_window) return options_.context;
   return kPositionLimit;
@@ -531,7 +532,8 @@ Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) co
     auto slot = slot_of(sp.seq);
     if (!slot) return slot.error();
     // A span that a full plane refuses (past the context) takes no block.
-    if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows || sp.count > options_.context - sp.start)
+    const std::int64_t full_rows = config_.plane_capacity(LayerKind::kFullNope, options_.context);
+    if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows || sp.count > full_rows - sp.start)
       continue;
     for (const auto& table : slots_[static_cast<std::size_t>(*slot)].tables) {
       const auto held = static_cast<std::int64_t>(table.size());
@@ -903,6 +905,22 @@ Status KvStore::check_live(SeqId seq, std::int64_t layer, const RingState& r, st
   return Status::Ok();
 }
 
+namespace {
+
+// Two outputs of `values` f16 values each must not share a byte: one would
+// overwrite the other.
+Status check_apart(const char* what, const std::uint16_t* k, const std::uint16_t* v,
+                   std::int64_t values) {
+  const auto a = reinterpret_cast<std::uintptr_t>(k);
+  const auto b = reinterpret_cast<std::uintptr_t>(v);
+  const auto bytes = static_cast<std::uintptr_t>(values) * sizeof(std::uint16_t);
+  if (a < b + bytes && b < a + bytes)
+    return invalid_argument(std::string(what) + ": the k and v buffers overlap");
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
                           std::uint16_t* k, std::uint16_t* v, MemorySpace space,
                           cudaStream_t stream) const {
@@ -914,6 +932,7 @@ Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std
   KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
+  KVRING_RETURN_IF_ERROR(check_apart("read_rows", k, v, count * config_.kv_dim()));
   return copy_out(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream);
 }
 
@@ -923,6 +942,7 @@ Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   if (k == nullptr || v == nullptr) return invalid_argument("read_plane: null buffer");
+  KVRING_RETURN_IF_ERROR(check_apart("read_plane", k, v, capacity(layer) * config_.kv_dim()));
   if (full_index(layer) < 0) return read_ring(*slot, layer, k, v);
   const std::int64_t kv_dim = config_.kv_dim();
   const std::int64_t hd = config_.head_dim;

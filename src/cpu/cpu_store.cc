@@ -45,10 +45,17 @@ class CpuStore final : public KvStore {
   Status synchronize(cudaStream_t) const override { return Status::Ok(); }
 
  protected:
-  Status check_view(const char* what, MemorySpace space, DType, const void*) const override {
+  Status check_view(const char* what, MemorySpace space, DType dtype,
+                    const void* data) const override {
     if (space != MemorySpace::kHost)
       return make_error(ErrorCode::kUnsupported,
                         std::string(what) + " is device memory; the CPU backend reads host memory");
+    // f16 data (views and row buffers) is copied byte-wise, so any address
+    // works; f32 and bf16 are read and written as elements.
+    if (dtype != DType::kF16 &&
+        reinterpret_cast<std::uintptr_t>(data) % static_cast<std::uintptr_t>(dtype_bytes(dtype)) != 0)
+      return invalid_argument(std::string(what) + " is not aligned to its " + dtype_name(dtype) +
+                              " elements");
     return Status::Ok();
   }
 

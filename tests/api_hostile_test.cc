@@ -1,0 +1,166 @@
+// The library's own API and config parser given what an engine could pass
+// by mistake: deeply nested config.json values, a window past any context,
+// layers that do not exist, ring states whose end overflows, misaligned host
+// views, outputs that overlap, and a context below a full plane's minimum.
+// Each is a clear error or a right answer, never undefined behaviour.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvring/backend.h"
+#include "kvring/config.h"
+#include "kvring/ring.h"
+#include "kvring/store.h"
+#include "test_util.h"
+
+namespace kvring {
+namespace {
+
+using testing::small_config;
+
+std::string nested(std::int64_t depth) {
+  return std::string(static_cast<std::size_t>(depth), '[') + std::string(static_cast<std::size_t>(depth), ']');
+}
+
+void expect_config_error(const std::string& json, const std::string& part) {
+  auto c = parse_hf_config(json);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find(part), std::string::npos) << c.error().to_string();
+  EXPECT_LT(c.error().message.size(), 400u) << "the message quotes the whole value";
+}
+
+// An error names a nested value by its kind and size: printing it whole
+// recursed once per level and overflowed the stack.
+TEST(ApiHostile, DeeplyNestedConfigValuesAreNamedNotPrinted) {
+  const std::string deep = nested(100000);
+  expect_config_error("{\"num_hidden_layers\":" + deep + "}", "must be an integer, got an array of 1 elements");
+  expect_config_error(
+      "{\"num_hidden_layers\":2,\"num_attention_heads\":2,\"head_dim\":8,\"max_position_embeddings\":64,"
+      "\"layer_types\":[" + deep + ",\"full_attention\"]}",
+      "layer_types[0] = an array of 1 elements is not a known layer type");
+  expect_config_error(
+      "{\"num_hidden_layers\":2,\"num_attention_heads\":2,\"head_dim\":8,\"max_position_embeddings\":64,"
+      "\"rope_theta\":\"" + std::string(1000, 'x') + "\"}",
+      "must be a positive number");
+}
+
+// A window is bounded even where no layer slides: ring sizes are derived
+// from it (and the rollback slack, which may reach the window).
+TEST(ApiHostile, AWindowPastAnyContextIsRefusedWithoutSlidingLayers) {
+  const std::string json =
+      "{\"num_hidden_layers\":2,\"num_attention_heads\":2,\"head_dim\":8,\"max_position_embeddings\":64,"
+      "\"sliding_window\":9223372036854775807,\"sliding_window_pattern\":1}";
+  expect_config_error(json, "sliding_window");
+  auto fine = parse_hf_config(
+      "{\"num_hidden_layers\":2,\"num_attention_heads\":2,\"head_dim\":8,\"max_position_embeddings\":64,"
+      "\"sliding_window\":4096,\"sliding_window_pattern\":1}");
+  ASSERT_TRUE(fine.ok()) << fine.error().to_string();
+  EXPECT_EQ(fine->count(LayerKind::kSlidingRope), 0);
+}
+
+TEST(ApiHostile, LayerQueriesOutsideTheModelAnswerWithoutReadingPastIt) {
+  auto made = make_store(BackendKind::kCpu, small_config(32, 256, 4), {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(made.ok());
+  const KvStore& s = **made;
+  EXPECT_GT(s.position_limit(3), 0);
+  for (const std::int64_t layer : {std::int64_t{-1}, std::int64_t{4}, std::int64_t{1} << 40,
+                                   std::numeric_limits<std::int64_t>::min()}) {
+    EXPECT_EQ(s.position_limit(layer), 0) << layer;
+    EXPECT_EQ(s.capacity(layer), 0) << layer;
+  }
+}
+
+// Positions stay below 2^62, so a ring's end never overflows; a state
+// recorded elsewhere (a snapshot, a handoff header) is held to it.
+TEST(ApiHostile, RingStatesWhoseEndOverflowsAreRefused) {
+  const std::int64_t cap = 64;
+  const std::int64_t limit = std::int64_t{1} << 62;
+  auto at_limit = RingState::from_parts(cap, true, cap, limit - cap, (limit - cap) % cap);
+  ASSERT_TRUE(at_limit.ok()) << at_limit.error().to_string();
+  EXPECT_EQ(at_limit->next_position(), limit);
+  for (const std::int64_t origin : {limit - cap + 1, std::numeric_limits<std::int64_t>::max() - 1}) {
+    auto r = RingState::from_parts(cap, true, cap, origin, origin % cap);
+    ASSERT_FALSE(r.ok()) << origin;
+    EXPECT_NE(r.error().message.find("past 2^62"), std::string::npos) << r.error().to_string();
+  }
+}
+
+// The CPU backend reads f32 views as floats: data that is not aligned to
+// its elements is refused, as on CUDA.
+TEST(ApiHostile, MisalignedHostViewsAreRefusedOnTheCpu) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(made.ok());
+  KvStore& s = **made;
+  const SeqId seq = *s.add_sequence();
+  const std::int64_t kv = cfg.kv_dim(), qd = cfg.n_heads * cfg.head_dim;
+  std::vector<float> buf(static_cast<std::size_t>(4 * qd + 8), 0.25f);
+  auto* odd = reinterpret_cast<float*>(reinterpret_cast<char*>(buf.data()) + 2);
+  const SeqSpan span{seq, 0, 2};
+  const Status stored = s.store(0, {&span, 1}, host_view(odd, 2, kv), host_view(buf.data(), 2, kv));
+  ASSERT_FALSE(stored.ok());
+  EXPECT_NE(stored.error().message.find("not aligned to its f32 elements"), std::string::npos)
+      << stored.error().to_string();
+  EXPECT_EQ(s.ring(seq, 0)->len(), 0);
+
+  ASSERT_TRUE(s.store_all_layers({&span, 1}, host_view(buf.data(), 2 * cfg.n_layers, kv),
+                                 host_view(buf.data(), 2 * cfg.n_layers, kv)).ok());
+  std::vector<float> out(static_cast<std::size_t>(qd + 8));
+  auto* odd_out = reinterpret_cast<float*>(reinterpret_cast<char*>(out.data()) + 1);
+  const SeqQuery query{seq, 1};
+  const Status attended = s.attend_decode(0, {&query, 1}, host_view(buf.data(), 1, qd), host_view(odd_out, 1, qd));
+  ASSERT_FALSE(attended.ok());
+  EXPECT_NE(attended.error().message.find("not aligned"), std::string::npos) << attended.error().to_string();
+}
+
+// Both outputs of a read would overwrite each other.
+TEST(ApiHostile, ReadsRefuseOverlappingOutputs) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(made.ok());
+  KvStore& s = **made;
+  const SeqId seq = *s.add_sequence();
+  const std::int64_t kv = cfg.kv_dim();
+  const auto x = testing::random_floats(static_cast<std::size_t>(cfg.n_layers * 2 * kv), 3);
+  const SeqSpan span{seq, 0, 2};
+  ASSERT_TRUE(s.store_all_layers({&span, 1}, host_view(x.data(), 2 * cfg.n_layers, kv),
+                                 host_view(x.data(), 2 * cfg.n_layers, kv)).ok());
+  std::vector<std::uint16_t> buf(static_cast<std::size_t>(4 * 256 * kv));
+  for (const std::int64_t shift : {std::int64_t{0}, std::int64_t{1}, 2 * kv - 1}) {
+    const Status r = s.read_rows(seq, 3, 0, 2, buf.data(), buf.data() + shift);
+    ASSERT_FALSE(r.ok()) << shift;
+    EXPECT_NE(r.error().message.find("the k and v buffers overlap"), std::string::npos) << r.error().to_string();
+  }
+  EXPECT_TRUE(s.read_rows(seq, 3, 0, 2, buf.data(), buf.data() + 2 * kv).ok());
+  const Status p = s.read_plane(seq, 0, buf.data(), buf.data() + 10);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message.find("overlap"), std::string::npos) << p.error().to_string();
+  EXPECT_TRUE(s.read_plane(seq, 0, buf.data(), buf.data() + s.capacity(0) * kv).ok());
+}
+
+// Below 32 tokens of context a full plane still holds 32 rows; the count of
+// blocks a store takes follows the plane, not the context.
+TEST(ApiHostile, BlocksToStoreCountsWhatAShortContextsPlanesTake) {
+  const ModelConfig cfg = small_config(32, 256, 8);
+  auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 16, .block_rows = 16});
+  ASSERT_TRUE(made.ok());
+  KvStore& s = **made;
+  const SeqId seq = *s.add_sequence();
+  const std::int64_t kv = cfg.kv_dim();
+  ASSERT_EQ(s.capacity(3), 32);
+  const SeqSpan span{seq, 0, 30};
+  const auto n = s.blocks_to_store({&span, 1});
+  ASSERT_TRUE(n.ok());
+  const auto x = testing::random_floats(static_cast<std::size_t>(30 * kv), 5);
+  const std::int64_t before = s.free_blocks();
+  for (const std::int64_t layer : {3, 7})
+    ASSERT_TRUE(s.store(layer, {&span, 1}, host_view(x.data(), 30, kv), host_view(x.data(), 30, kv)).ok());
+  EXPECT_EQ(*n, before - s.free_blocks());
+  EXPECT_EQ(*n, 4);
+}
+
+}  // namespace
+}  // namespace kvring
