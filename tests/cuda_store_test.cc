@@ -290,6 +290,31 @@ TEST(CudaStore, ForkAndTruncateKeepSequencesApart) {
 // A store made on GPU 1 and driven from a thread whose current device is
 // GPU 0 leaves GPU 0 current after every call, and stores and decodes as a
 // CPU store does.
+// Reads whose K and V outputs overlap are refused, in host and device
+// memory; outputs that only touch are read.
+TEST(CudaStore, ReadsRefuseOverlappingOutputs) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = config();
+  const std::int64_t kv = c.kv_dim();
+  auto st = testing::new_store(BackendKind::kCuda, c, options(1));
+  const SeqId seq = *st->add_sequence();
+  const auto x = random_floats(static_cast<std::size_t>(c.n_layers * 8 * kv), 31);
+  const SeqSpan span{seq, 0, 8};
+  ASSERT_TRUE(st->store_all_layers({&span, 1}, host_view(x.data(), 8 * c.n_layers, kv),
+                                   host_view(x.data(), 8 * c.n_layers, kv)).ok());
+  std::vector<std::uint16_t> host(static_cast<std::size_t>(4 * 8 * kv));
+  DeviceArray<std::uint16_t> dev(host.size());
+  for (const bool on_device : {false, true}) {
+    std::uint16_t* base = on_device ? dev.get() : host.data();
+    const MemorySpace space = on_device ? MemorySpace::kDevice : MemorySpace::kHost;
+    const Status r = st->read_rows(seq, 1, 0, 8, base, base + 4 * kv, space);
+    ASSERT_FALSE(r.ok()) << on_device;
+    EXPECT_NE(r.error().message.find("the k and v buffers overlap"), std::string::npos) << r.error().to_string();
+    EXPECT_TRUE(st->read_rows(seq, 1, 0, 8, base, base + 8 * kv, space).ok()) << on_device;
+    EXPECT_TRUE(st->synchronize().ok());
+  }
+}
+
 TEST(CudaStore, CallsLeaveTheThreadsCurrentDevice) {
   KVRING_SKIP_WITHOUT_GPU();
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs";
