@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "kvring/backend.h"
 #include "kvring/config.h"
+#include "kvring/f16.h"
 #include "kvring/ring.h"
 #include "kvring/store.h"
 #include "test_util.h"
@@ -90,7 +92,7 @@ TEST(ApiHostile, RingStatesWhoseEndOverflowsAreRefused) {
 
 // The CPU backend reads f32 views as floats: data that is not aligned to
 // its elements is refused, as on CUDA.
-TEST(ApiHostile, MisalignedHostViewsAreRefusedOnTheCpu) {
+TEST(ApiHostile, MisalignedF32ViewsAreRefusedOnTheCpu) {
   const ModelConfig cfg = small_config(32, 256, 4);
   auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
   ASSERT_TRUE(made.ok());
@@ -114,6 +116,42 @@ TEST(ApiHostile, MisalignedHostViewsAreRefusedOnTheCpu) {
   const Status attended = s.attend_decode(0, {&query, 1}, host_view(buf.data(), 1, qd), host_view(odd_out, 1, qd));
   ASSERT_FALSE(attended.ok());
   EXPECT_NE(attended.error().message.find("not aligned"), std::string::npos) << attended.error().to_string();
+}
+
+// 16-bit views are read byte-wise on the CPU: at an odd address they give
+// the bits they give aligned.
+TEST(ApiHostile, SixteenBitViewsAtOddAddressesReadAsAligned) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  const std::int64_t kv = cfg.kv_dim(), qd = cfg.n_heads * cfg.head_dim, rows = 5;
+  const auto x = testing::random_floats(static_cast<std::size_t>(rows * qd), 17);
+  for (const DType dtype : {DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    // The same 16-bit values at an even and at an odd address.
+    std::vector<std::uint16_t> bits(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      std::uint32_t u;
+      std::memcpy(&u, &x[i], 4);
+      bits[i] = dtype == DType::kF16 ? f32_to_f16(x[i]) : static_cast<std::uint16_t>(u >> 16);
+    }
+    std::vector<unsigned char> odd(bits.size() * 2 + 1);
+    std::memcpy(odd.data() + 1, bits.data(), bits.size() * 2);
+    std::vector<std::vector<float>> outs;
+    for (const void* data : {static_cast<const void*>(bits.data()), static_cast<const void*>(odd.data() + 1)}) {
+      auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+      ASSERT_TRUE(made.ok());
+      KvStore& s = **made;
+      const SeqId seq = *s.add_sequence();
+      const SeqSpan span{seq, 0, rows};
+      const ConstView kview{data, MemorySpace::kHost, dtype, rows, kv, qd};
+      const ConstView qview{data, MemorySpace::kHost, dtype, rows, qd, qd};
+      std::vector<float> out(static_cast<std::size_t>(rows * qd));
+      const Status st = s.prefill(0, {&span, 1}, kview, kview, qview, host_view(out.data(), rows, qd));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      outs.push_back(out);
+    }
+    EXPECT_TRUE(outs[0] == outs[1]);
+    EXPECT_NE(outs[0][0], 0.0f);
+  }
 }
 
 // Both outputs of a read would overwrite each other.

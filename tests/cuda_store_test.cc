@@ -287,9 +287,6 @@ TEST(CudaStore, ForkAndTruncateKeepSequencesApart) {
   EXPECT_TRUE(seq_image(*st, *f) == img_x);
 }
 
-// A store made on GPU 1 and driven from a thread whose current device is
-// GPU 0 leaves GPU 0 current after every call, and stores and decodes as a
-// CPU store does.
 // Reads whose K and V outputs overlap are refused, in host and device
 // memory; outputs that only touch are read.
 TEST(CudaStore, ReadsRefuseOverlappingOutputs) {
@@ -315,6 +312,9 @@ TEST(CudaStore, ReadsRefuseOverlappingOutputs) {
   }
 }
 
+// A store made on GPU 1 and driven from a thread whose current device is
+// GPU 0 leaves GPU 0 current after every call, and stores and decodes as a
+// CPU store does.
 TEST(CudaStore, CallsLeaveTheThreadsCurrentDevice) {
   KVRING_SKIP_WITHOUT_GPU();
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs";

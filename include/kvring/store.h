@@ -49,8 +49,9 @@ std::int64_t dtype_bytes(DType dtype);
 // A matrix [rows, cols] of `dtype` in caller memory; row r starts
 // r * row_stride elements after `data` (row_stride >= cols). The store
 // reads or writes it in place: no copy is made of an engine's tensor.
-// `data` is aligned to its elements; the CPU backend also takes f16 views
-// and f16 row buffers at any address, since it copies them byte-wise.
+// `data` is aligned to its elements; the CPU backend also takes 16-bit
+// (f16, bf16) views and row buffers at any address, since it reads them
+// byte-wise.
 struct ConstView {
   const void* data = nullptr;
   MemorySpace space = MemorySpace::kHost;
@@ -210,6 +211,7 @@ class KvStore {
   struct InstallBlocks {
     std::int64_t take = 0;
     std::int64_t give = 0;
+    std::int64_t shared = 0;  // of `take`, blocks that replace ones shared with a fork
   };
   Result<InstallBlocks> blocks_to_install(SeqId seq, std::int64_t layer, std::int64_t rows) const;
 

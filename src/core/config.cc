@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/file_read.h"
+#include "core/text.h"
 #include "kvring/sha256.h"
 
 namespace kvring {
@@ -132,9 +133,10 @@ using nlohmann::json;
 std::string describe(const json& v) {
   if (v.is_array()) return "an array of " + std::to_string(v.size()) + " elements";
   if (v.is_object()) return "an object of " + std::to_string(v.size()) + " fields";
-  std::string s = v.dump();
-  if (s.size() > 64) s = s.substr(0, 64) + "...";
-  return s;
+  // Cut by bytes, then escaped: a character split by the cut shows as
+  // escapes, never as invalid UTF-8.
+  const std::string s = v.dump();
+  return s.size() > 64 ? printable(std::string_view(s).substr(0, 64)) + "..." : printable(s);
 }
 
 // Reads an integer field; absent -> `fallback` (or an error when required).

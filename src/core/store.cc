@@ -520,6 +520,7 @@ Result<KvStore::InstallBlocks> KvStore::blocks_to_install(SeqId seq, std::int64_
   for (std::size_t b = 0; b < std::max(blocks, table.size()); ++b) {
     const bool alone = b < table.size() && refs(table[b]) == 1;
     if (b < blocks && !alone) ++n.take;
+    if (b < blocks && b < table.size() && !alone) ++n.shared;
     if (b >= blocks && alone) ++n.give;
   }
   return n;

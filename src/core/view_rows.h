@@ -19,6 +19,14 @@ inline float bf16_to_f32(std::uint16_t bits) {
   return f;
 }
 
+// Element c of 16-bit data at any address: 16-bit views may sit at odd
+// addresses (store.h).
+inline std::uint16_t load16(const unsigned char* base, std::int64_t c) {
+  std::uint16_t bits;
+  std::memcpy(&bits, base + c * 2, 2);
+  return bits;
+}
+
 // Row `row` of a host view: cols values as f16 bits.
 inline void row_to_f16(const ConstView& v, std::int64_t row, std::uint16_t* dst) {
   const auto* base = static_cast<const unsigned char*>(v.data) +
@@ -30,11 +38,9 @@ inline void row_to_f16(const ConstView& v, std::int64_t row, std::uint16_t* dst)
     case DType::kF16:
       std::memcpy(dst, base, static_cast<std::size_t>(v.cols) * 2);
       break;
-    case DType::kBF16: {
-      const auto* p = reinterpret_cast<const std::uint16_t*>(base);
-      for (std::int64_t c = 0; c < v.cols; ++c) dst[c] = f32_to_f16(bf16_to_f32(p[c]));
+    case DType::kBF16:
+      for (std::int64_t c = 0; c < v.cols; ++c) dst[c] = f32_to_f16(bf16_to_f32(load16(base, c)));
       break;
-    }
   }
 }
 
@@ -46,16 +52,12 @@ inline void row_to_f32(const ConstView& v, std::int64_t row, float* dst) {
     case DType::kF32:
       std::memcpy(dst, base, static_cast<std::size_t>(v.cols) * 4);
       break;
-    case DType::kF16: {
-      const auto* p = reinterpret_cast<const std::uint16_t*>(base);
-      for (std::int64_t c = 0; c < v.cols; ++c) dst[c] = f16_to_f32(p[c]);
+    case DType::kF16:
+      for (std::int64_t c = 0; c < v.cols; ++c) dst[c] = f16_to_f32(load16(base, c));
       break;
-    }
-    case DType::kBF16: {
-      const auto* p = reinterpret_cast<const std::uint16_t*>(base);
-      for (std::int64_t c = 0; c < v.cols; ++c) dst[c] = bf16_to_f32(p[c]);
+    case DType::kBF16:
+      for (std::int64_t c = 0; c < v.cols; ++c) dst[c] = bf16_to_f32(load16(base, c));
       break;
-    }
   }
 }
 

@@ -50,9 +50,9 @@ class CpuStore final : public KvStore {
     if (space != MemorySpace::kHost)
       return make_error(ErrorCode::kUnsupported,
                         std::string(what) + " is device memory; the CPU backend reads host memory");
-    // f16 data (views and row buffers) is copied byte-wise, so any address
-    // works; f32 and bf16 are read and written as elements.
-    if (dtype != DType::kF16 &&
+    // 16-bit data (views and row buffers) is read byte-wise, so any address
+    // works; f32 views are read and written as floats.
+    if (dtype == DType::kF32 &&
         reinterpret_cast<std::uintptr_t>(data) % static_cast<std::uintptr_t>(dtype_bytes(dtype)) != 0)
       return invalid_argument(std::string(what) + " is not aligned to its " + dtype_name(dtype) +
                               " elements");

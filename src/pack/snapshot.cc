@@ -277,23 +277,24 @@ Result<std::vector<std::int64_t>> install_order(const KvStore& target, SeqId seq
   std::vector<Plane> planes;
   std::int64_t take = 0;
   std::int64_t give = 0;
+  std::int64_t shared = 0;
   for (std::int64_t l = 0; l < target.n_layers(); ++l) {
     auto n = target.blocks_to_install(seq, l, placements[static_cast<std::size_t>(l)].ring.len());
     if (!n) return n.error();
     planes.push_back({l, *n});
     take += n->take;
     give += n->give;
+    shared += n->shared;
   }
   const std::int64_t free = target.free_blocks();
   if (take <= free) return std::vector<std::int64_t>{};
-  auto refuse = [&] {
-    return make_error(ErrorCode::kCapacityExceeded,
-                      "the snapshot's full planes need " + std::to_string(take) + " new blocks of " +
-                          std::to_string(target.options().block_rows) + " rows; the target's pool has " +
-                          std::to_string(free) + " free and " + seq_name(seq) + "'s planes give back " +
-                          std::to_string(give) + " (blocks shared with a fork are replaced, not reused)");
-  };
-  if (take > free + give) return refuse();
+  const std::string need =
+      "the snapshot's full planes need " + std::to_string(take) + " new blocks of " +
+      std::to_string(target.options().block_rows) + " rows" +
+      (shared > 0 ? " (" + std::to_string(shared) + " for blocks " + seq_name(seq) + " shares with a fork)" : "") +
+      "; the target's pool has " + std::to_string(free) + " free and " + seq_name(seq) +
+      "'s planes give back " + std::to_string(give) + " once in";
+  if (take > free + give) return make_error(ErrorCode::kCapacityExceeded, need);
   std::stable_sort(planes.begin(), planes.end(), [](const Plane& a, const Plane& b) {
     const bool a_gains = a.blocks.give >= a.blocks.take;
     const bool b_gains = b.blocks.give >= b.blocks.take;
@@ -303,7 +304,11 @@ Result<std::vector<std::int64_t>> install_order(const KvStore& target, SeqId seq
   std::vector<std::int64_t> order;
   std::int64_t left = free;
   for (const Plane& p : planes) {
-    if (p.blocks.take > left) return refuse();
+    if (p.blocks.take > left)
+      return make_error(ErrorCode::kCapacityExceeded,
+                        need + "; no order of the planes fits: layer " + std::to_string(p.layer) +
+                            " needs " + std::to_string(p.blocks.take) + " with at most " +
+                            std::to_string(left) + " free before it");
     left += p.blocks.give - p.blocks.take;
     order.push_back(p.layer);
   }
