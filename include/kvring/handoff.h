@@ -24,6 +24,7 @@
 // stores' GPU. A CUDA store's calls restore the thread's current device.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -48,9 +49,14 @@ class TargetSlots;
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
-inline Deadline deadline_in(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+// A duration of `seconds` in the clock's ticks: NaN and negatives are 0,
+// and anything past 10^9 s (31 years) is 10^9 s, so the conversion never
+// leaves the ticks' range.
+inline Clock::duration duration_of(double seconds) {
+  if (!(seconds > 0)) return Clock::duration::zero();
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(seconds, 1e9)));
 }
+inline Deadline deadline_in(double seconds) { return Clock::now() + duration_of(seconds); }
 
 // ---------------------------------------------------------------- payload
 

@@ -80,7 +80,8 @@ class RingState {
   Result<std::int64_t> append(std::int64_t layer, std::int64_t position);
 
   // Placement of `count` >= 1 rows starting at `start`, without changing the
-  // state; commit_batch applies it. Same errors as append.
+  // state; commit_batch applies it. Same errors as append; a ring of no
+  // rows (capacity < 1: a default state) refuses every append.
   Result<BatchPlacement> plan_batch(std::int64_t layer, std::int64_t start,
                                     std::int64_t count) const;
   void commit_batch(std::int64_t count);
@@ -97,7 +98,8 @@ class RingState {
     return r;
   }
 
-  // The live rows [first, first + count) (all live) as physical spans.
+  // The live rows [first, first + count) as physical spans; a range that
+  // is not all live gives none (n_spans 0).
   LiveSpans spans(std::int64_t first, std::int64_t count) const;
   LiveSpans live_spans() const { return spans(origin_logical_, len_); }
 

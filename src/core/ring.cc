@@ -29,6 +29,11 @@ int split_at_wrap(std::int64_t phys, std::int64_t source, std::int64_t rows,
   return n;
 }
 
+Error no_rows(std::int64_t layer, std::int64_t capacity) {
+  return invalid_argument("layer " + std::to_string(layer) + ": a ring of capacity " +
+                          std::to_string(capacity) + " holds no rows");
+}
+
 }  // namespace
 
 Result<RingState> RingState::from_parts(std::int64_t capacity, bool wraps, std::int64_t len,
@@ -62,6 +67,7 @@ Result<RingState> RingState::from_parts(std::int64_t capacity, bool wraps, std::
 }
 
 Result<std::int64_t> RingState::append(std::int64_t layer, std::int64_t position) {
+  if (capacity_ < 1) return no_rows(layer, capacity_);
   const std::int64_t expected = next_position();
   if (position != expected) return cache_discontinuity(layer, expected, position);
   if (len_ < capacity_) {
@@ -79,6 +85,7 @@ Result<std::int64_t> RingState::append(std::int64_t layer, std::int64_t position
 
 Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t start,
                                              std::int64_t count) const {
+  if (capacity_ < 1) return no_rows(layer, capacity_);
   if (count < 1)
     return invalid_argument("layer " + std::to_string(layer) + ": batch of " +
                             std::to_string(count) + " rows");
@@ -111,6 +118,7 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
 }
 
 void RingState::commit_batch(std::int64_t count) {
+  if (capacity_ < 1 || count < 1) return;  // no plan_batch accepts these
   const std::int64_t total = len_ + count;
   if (total <= capacity_) {
     len_ = total;
@@ -131,7 +139,10 @@ Result<BatchPlacement> RingState::append_batch(std::int64_t layer, std::int64_t 
 
 LiveSpans RingState::spans(std::int64_t first, std::int64_t count) const {
   LiveSpans s;
-  if (count <= 0) return s;
+  // Not all live (or no rows at all): no spans, never more than two.
+  if (count <= 0 || capacity_ < 1 || count > len_ || count > capacity_ || first < origin_logical_ ||
+      first > next_position() - count)
+    return s;
   s.n_spans = split_at_wrap(physical(first), first - origin_logical_, count, capacity_, s.spans);
   return s;
 }

@@ -3,11 +3,18 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <map>
 
 #include "kvring/handoff.h"
 
 namespace kvring::handoff {
+
+namespace {
+// Messages one plan may hold (muse-glimmer's whole context in messages of
+// one row is 1.8M).
+constexpr std::int64_t kMaxPlannedMessages = std::int64_t{1} << 22;
+}  // namespace
 
 const char* schedule_name(Schedule schedule) {
   return schedule == Schedule::kSwaFirst ? "swa-first" : "paced";
@@ -79,7 +86,8 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
     return invalid_argument("the rate must be a positive number of bytes per second");
   if (!(options.prefill_tokens_per_s > 0) || !std::isfinite(options.prefill_tokens_per_s))
     return invalid_argument("the prefill speed must be a positive number of tokens per second");
-  if (!(options.ack_latency_s >= 0)) return invalid_argument("the ack latency must be >= 0");
+  if (!(options.ack_latency_s >= 0) || !std::isfinite(options.ack_latency_s))
+    return invalid_argument("the ack latency must be a finite number >= 0");
   if (options.credit_bytes < options.message_bytes)
     return invalid_argument("receiver credits (" + std::to_string(options.credit_bytes) +
                             " B) must cover one message (" + std::to_string(options.message_bytes) + " B)");
@@ -89,7 +97,7 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
   const Payload& p = t.payload;
   const std::int64_t L = static_cast<std::int64_t>(p.layers.size());
   const std::int64_t C = options.chunk_tokens;
-  t.n_chunks = std::max<std::int64_t>(1, (p.rows_tokens + C - 1) / C);
+  t.n_chunks = p.rows_tokens < 1 ? 1 : 1 + (p.rows_tokens - 1) / C;
   t.n_steps = t.n_chunks * L;
   t.step_s = step_end_s(t, 0);
   t.prefill_end_s = static_cast<double>(p.rows_tokens) / options.prefill_tokens_per_s;
@@ -97,6 +105,17 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
   // Whole chunks per message where a message holds at least one chunk.
   const std::int64_t cap_rows = options.message_bytes / p.row_bytes;
   const std::int64_t full_rows_per_msg = cap_rows >= C ? cap_rows / C * C : cap_rows;
+  // The messages are counted before any is made: a plan of too many is
+  // refused, not built (its memory and its checks grow with the count).
+  std::int64_t n_messages = 0;
+  for (const LayerPayload& lp : p.layers) {
+    const std::int64_t per = lp.kind == LayerKind::kFullNope ? full_rows_per_msg : cap_rows;
+    n_messages += lp.rows == 0 ? 0 : 1 + (lp.rows - 1) / per;
+  }
+  if (n_messages > kMaxPlannedMessages)
+    return invalid_argument("the plan would send " + std::to_string(n_messages) + " messages (at most " +
+                            std::to_string(kMaxPlannedMessages) + "); use larger messages");
+  t.messages.reserve(static_cast<std::size_t>(n_messages));
   for (const LayerPayload& lp : p.layers) {
     const std::int64_t first = lp.ring.origin_logical(), end = first + lp.rows;
     const std::int64_t per = lp.kind == LayerKind::kFullNope ? full_rows_per_msg : cap_rows;
@@ -153,6 +172,9 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
     unacked.emplace_back(m.ack_s, m.bytes);
   }
   t.done_s = t.messages.empty() ? t.prefill_end_s : std::max(t.prefill_end_s, t.messages.back().ack_s);
+  if (!std::isfinite(t.done_s))
+    return invalid_argument("the rates give a schedule whose times overflow (prefill ends at " +
+                            std::to_string(t.prefill_end_s) + " s); use larger rates");
   KVRING_RETURN_IF_ERROR(check_timeline(t, options.ack_latency_s));
   return t;
 }
@@ -164,10 +186,16 @@ Status check_timeline(Timeline& t, double max_idle_s) {
   // Every byte exactly once: per layer, the messages tile the live rows.
   std::map<std::int64_t, std::vector<const PlannedMessage*>> by_layer;
   std::int64_t total = 0;
+  if (static_cast<std::int64_t>(t.messages.size()) > kMaxPlannedMessages)
+    return bad(std::to_string(t.messages.size()) + " messages (at most " + std::to_string(kMaxPlannedMessages) + ")");
   for (const PlannedMessage& m : t.messages) {
     if (m.layer < 0 || m.layer >= static_cast<std::int64_t>(p.layers.size()))
       return bad("message " + std::to_string(m.index) + " names layer " + std::to_string(m.layer));
-    if (m.rows < 1 || m.bytes != m.rows * p.row_bytes)
+    if (!std::isfinite(m.final_s) || !std::isfinite(m.release_s) || !std::isfinite(m.start_s) ||
+        !std::isfinite(m.end_s) || !std::isfinite(m.ack_s))
+      return bad("message " + std::to_string(m.index) + " has a time that is not a finite number");
+    if (m.rows < 1 || p.row_bytes < 1 || m.rows > std::numeric_limits<std::int64_t>::max() / p.row_bytes ||
+        m.bytes != m.rows * p.row_bytes)
       return bad("message " + std::to_string(m.index) + " has " + std::to_string(m.rows) + " rows in " +
                  std::to_string(m.bytes) + " B");
     by_layer[m.layer].push_back(&m);
@@ -221,12 +249,27 @@ Status check_timeline(Timeline& t, double max_idle_s) {
   if (peak > t.options.credit_bytes)
     return bad(std::to_string(peak) + " B in flight, credits " + std::to_string(t.options.credit_bytes) + " B");
   // Idle while ready: a gap on the link while a released message waited.
+  // For message i: the earliest release among messages i.. up to the first
+  // released at or after i's start. That end only moves forward (starts
+  // are sorted), so one pass with a window minimum (a deque of indices of
+  // increasing release) finds every one.
   double idle = 0;
   double free_at = 0;
+  std::deque<std::size_t> window;  // indices [i, hi), releases increasing
+  std::size_t hi = 0;
   for (std::size_t i = 0; i < order.size(); ++i) {
-    double earliest = order[i]->release_s;
-    for (std::size_t j = i; j < order.size() && order[j]->release_s < order[i]->start_s; ++j)
-      earliest = std::min(earliest, order[j]->release_s);
+    while (!window.empty() && window.front() < i) window.pop_front();
+    auto push = [&](std::size_t j) {
+      while (!window.empty() && order[window.back()]->release_s >= order[j]->release_s) window.pop_back();
+      window.push_back(j);
+    };
+    if (hi <= i) {
+      hi = i + 1;
+      push(i);
+    }
+    if (order[i]->release_s < order[i]->start_s)
+      while (hi < order.size() && order[hi]->release_s < order[i]->start_s) push(hi++);
+    const double earliest = order[window.front()]->release_s;
     idle = std::max(idle, order[i]->start_s - std::max(free_at, earliest));
     free_at = order[i]->end_s;
   }

@@ -453,7 +453,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
       const auto now = Clock::now();
       if (allowed_at > now) std::this_thread::sleep_until(allowed_at);
       allowed_at = std::max(allowed_at, now) +
-                   std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(m.bytes / options.rate_bytes_per_s));
+                   duration_of(static_cast<double>(m.bytes) / options.rate_bytes_per_s);
     }
     SourceRows rows;
     if (Status s = source.message_rows(m, device_ok, &rows); !s.ok()) return abort_with(s.error());
@@ -512,6 +512,12 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
 // ------------------------------------------------------------ receiver
 
 Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& target, const ReceiveOptions& options) {
+  // Sizes the receiver hands out as credits and bounds messages by: a
+  // negative one would pass to the transport as a huge size_t.
+  if (options.credit_bytes < 1 || options.max_message_bytes < 1)
+    return invalid_argument("receive options: credit_bytes " + std::to_string(options.credit_bytes) +
+                            " and max_message_bytes " + std::to_string(options.max_message_bytes) +
+                            " must be at least 1");
   const std::string who = "sender at " + transport.describe();
   // Rows may stay in device memory when both the link and the target can
   // hold them there; they are then digested and installed on `stream`

@@ -90,6 +90,8 @@ float gelu(float x) {
 }  // namespace
 
 std::vector<std::int32_t> seeded_tokens(std::int64_t n, std::int64_t vocab, std::uint64_t seed) {
+  // No vocabulary (or none an int32 id can name): no ids.
+  if (vocab < 1 || vocab > (std::int64_t{1} << 31)) return {};
   std::mt19937_64 rng(seed);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(std::max<std::int64_t>(0, n)));
   for (auto& t : ids) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(vocab));
@@ -323,6 +325,27 @@ Result<Session> Session::resume(std::shared_ptr<const ReferenceModel> model,
 Status Session::feed(const std::vector<std::int32_t>& tokens, std::int64_t chunk) {
   if (chunk < 1) return invalid_argument("chunk size " + std::to_string(chunk) + " < 1");
   const std::int64_t vocab = model_->options().vocab;
+  // What forward() would refuse in a later chunk is refused here, before
+  // the first: a failed feed leaves the session and its cache as they were.
+  const auto total = static_cast<std::int64_t>(tokens.size());
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= vocab)
+      return invalid_argument("token id " + std::to_string(tokens[i]) + " at index " +
+                              std::to_string(i) + " outside [0, " + std::to_string(vocab) + ")");
+  if (total > cache_->context() - position())
+    return make_error(ErrorCode::kCapacityExceeded,
+                      std::to_string(total) + " positions from " + std::to_string(position()) +
+                          " exceed the store's " + std::to_string(cache_->context()) +
+                          " positions");
+  if (total > 0) {
+    const SeqSpan all{cache_->seq(), position(), total};
+    auto blocks = cache_->store().blocks_to_store({&all, 1});
+    if (!blocks) return blocks.error();
+    if (*blocks > cache_->store().free_blocks())
+      return make_error(ErrorCode::kCapacityExceeded,
+                        "the block pool has " + std::to_string(cache_->store().free_blocks()) +
+                            " free blocks; these tokens need " + std::to_string(*blocks));
+  }
   std::vector<float> logits;
   for (std::size_t at = 0; at < tokens.size();) {
     const std::int64_t n = std::min<std::int64_t>(chunk, static_cast<std::int64_t>(tokens.size() - at));

@@ -1,0 +1,85 @@
+// Hostile plan and session options: refused with an error, never undefined
+// arithmetic, a plan without bound or a check that runs for hours.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kvring/handoff.h"
+#include "test_util.h"
+
+namespace kvring::handoff {
+namespace {
+
+TEST(HandoffPlanHostile, HugeChunkIsOneChunk) {
+  PlanOptions o;
+  o.chunk_tokens = std::numeric_limits<std::int64_t>::max();
+  auto t = plan_handoff(testing::small_config(32, 256), 200, o);
+  ASSERT_TRUE(t.ok()) << t.error().to_string();
+  EXPECT_EQ(t->n_chunks, 1);
+}
+
+TEST(HandoffPlanHostile, NonFiniteTimesAreRefused) {
+  const ModelConfig c = testing::small_config(32, 256);
+  PlanOptions inf_ack;
+  inf_ack.ack_latency_s = std::numeric_limits<double>::infinity();
+  EXPECT_FALSE(plan_handoff(c, 200, inf_ack).ok());
+  PlanOptions slow_link;
+  slow_link.rate_bytes_per_s = 1e-310;  // positive and finite; every send takes forever
+  EXPECT_FALSE(plan_handoff(c, 200, slow_link).ok());
+  PlanOptions slow_prefill;
+  slow_prefill.prefill_tokens_per_s = 1e-310;
+  EXPECT_FALSE(plan_handoff(c, 200, slow_prefill).ok());
+}
+
+// Messages of one row at muse-glimmer's whole context: 1.8M messages,
+// planned and checked in seconds (the idle measure was quadratic).
+TEST(HandoffPlanHostile, ManySmallMessagesPlanQuickly) {
+  const ModelConfig c = *preset_config("muse-glimmer");
+  PlanOptions o;
+  o.schedule = Schedule::kSwaFirst;
+  o.message_bytes = c.kv_dim() * 4;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto t = plan_handoff(c, c.max_context, o);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(t.ok()) << t.error().to_string();
+  EXPECT_GT(t->messages.size(), 1'700'000u);
+  EXPECT_LT(s, 60.0);
+}
+
+// A plan of more messages than any session sends is refused before it is built.
+TEST(HandoffPlanHostile, TooManyMessagesAreRefused) {
+  ModelConfig c = make_hybrid_config("wide", 64, 64, 64, 64, 1024, 4096, std::int64_t{1} << 24);
+  PlanOptions o;
+  o.message_bytes = c.kv_dim() * 4;  // one row each: 2^24 rows on each full layer
+  auto t = plan_handoff(c, std::int64_t{1} << 24, o);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.error().message.find("messages"), std::string::npos) << t.error().message;
+}
+
+TEST(HandoffPlanHostile, DeadlinesOfAnyDoubleStayInRange) {
+  const auto now = Clock::now();
+  EXPECT_GT(deadline_in(1e10), now + std::chrono::hours(24 * 365));
+  EXPECT_GT(deadline_in(1e300), now + std::chrono::hours(24 * 365));
+  EXPECT_GT(deadline_in(std::numeric_limits<double>::infinity()), now + std::chrono::hours(24 * 365));
+  const Deadline nan_at = deadline_in(std::nan("")), negative_at = deadline_in(-5);
+  const auto later = Clock::now();
+  EXPECT_LE(nan_at, later);
+  EXPECT_LE(negative_at, later);
+}
+
+TEST(HandoffPlanHostile, ReceiveOptionsOfNoSizeAreRefused) {
+  auto pair = local_pair();
+  DetachedCacheTarget target({});
+  auto r = receive_session(*pair.second, target, {.timeout_s = 0.1, .max_message_bytes = -1});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("max_message_bytes"), std::string::npos) << r.error().message;
+  r = receive_session(*pair.second, target, {.timeout_s = 0.1, .credit_bytes = 0});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("credit_bytes"), std::string::npos) << r.error().message;
+}
+
+}  // namespace
+}  // namespace kvring::handoff
