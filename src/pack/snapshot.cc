@@ -125,6 +125,14 @@ Result<Placement> place(const Snapshot& s, std::int64_t layer, const KvStore& ta
                           std::to_string(s.token_count) + ")");
   const std::int64_t rows = std::min(full_ring->len(), p.ring.len());
   const std::int64_t origin = s.token_count - rows;
+  if (origin > 0 && rows < capacity) {
+    // Rows from past position 0 that do not fill the ring (a target with
+    // rollback slack): the state of a sequentially built ring rolled back
+    // to token_count, which is what a live ring holds there.
+    auto built = RingState::sequential(capacity, wraps, origin + capacity);
+    if (!built) return built.error();
+    return Placement{built->rolled_back(capacity - rows), p.ring.len() - rows};
+  }
   auto ring = RingState::from_parts(capacity, wraps, rows, origin, origin % capacity);
   if (!ring) return ring.error();
   return Placement{*ring, p.ring.len() - rows};
