@@ -83,5 +83,19 @@ TEST(CacheHostile, FeedRefusedInALaterChunkChangesNothing) {
   EXPECT_EQ(s.position(), 5);
 }
 
+TEST(CacheHostile, ResumeWithoutAModelOrACacheIsRefused) {
+  const ModelConfig c = small_config(32, 256);
+  auto model = ReferenceModel::create(c, {.hidden = 32, .vocab = 50, .mlp = 0, .seed = 2});
+  ASSERT_TRUE(model.ok());
+  auto cache = make_cpu_cache(c, {.context = 40});
+  ASSERT_TRUE(cache.ok());
+  auto no_cache = Session::resume(*model, nullptr, {}, {});
+  ASSERT_FALSE(no_cache.ok());
+  EXPECT_NE(no_cache.error().message.find("no model or no cache"), std::string::npos);
+  auto no_model = Session::resume(nullptr, std::move(*cache), {}, {});
+  ASSERT_FALSE(no_model.ok());
+  EXPECT_EQ(no_model.error().code, ErrorCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvring

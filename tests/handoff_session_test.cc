@@ -571,6 +571,40 @@ TEST_F(Handoff, UcxReceiverDroppingTheLinkIsReported) {
   expect_reference(finish(s));
 }
 
+// A message over the receiver's bound is refused by its announced size and
+// taken off the link into a few bytes (the receiver allocates nothing of
+// the size the peer claims); the link then stays broken.
+TEST_F(Handoff, UcxOversizedMessageIsRefusedByItsSize) {
+  if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
+  auto listener = ucx_listen("127.0.0.1:0");
+  ASSERT_TRUE(listener.ok());
+  std::vector<std::uint8_t> big(8 << 20);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::uint8_t>(i * 131 + 7);
+  std::optional<Status> received, again;
+  std::thread receiver([&] {
+    auto link = (*listener)->accept(deadline_in(10));
+    ASSERT_TRUE(link.ok());
+    std::vector<std::uint8_t> out;
+    received = (*link)->recv_message(out, deadline_in(10), 1 << 20);
+    again = (*link)->recv_message(out, deadline_in(1), 1 << 20);
+    EXPECT_LE(out.capacity(), std::size_t{1} << 20);
+    (*link)->close();
+  });
+  auto link = ucx_connect("127.0.0.1:" + std::to_string((*listener)->port()), deadline_in(10));
+  ASSERT_TRUE(link.ok());
+  const Status sent = (*link)->send_message(big.data(), big.size(), deadline_in(10));
+  receiver.join();
+  (*link)->close();
+  ASSERT_TRUE(received.has_value() && again.has_value());
+  ASSERT_FALSE(received->ok());
+  EXPECT_NE(received->error().message.find("a message of 8388608 B from"), std::string::npos)
+      << received->to_string();
+  EXPECT_NE(received->error().message.find("exceeds 1048576 B"), std::string::npos) << received->to_string();
+  ASSERT_FALSE(again->ok());
+  EXPECT_EQ(again->error().message, received->error().message);
+  (void)sent;  // the sender may see its message taken or the link closed
+}
+
 TEST_F(Handoff, UcxPortWhereNothingListens) {
   if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
   // A port held bound but not listening: connections to it are refused, and

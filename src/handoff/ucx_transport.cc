@@ -200,15 +200,17 @@ class UcxTransport : public Transport {
       }
     }
     if (info.length > max_size) {
-      broken_ = io_error("a message of " + std::to_string(info.length) + " B from " + peer_ + " exceeds " +
-                         std::to_string(max_size) + " B");
-      // Take it off the queue all the same.
-      std::vector<std::uint8_t> sink(info.length);
+      const Error too_big = io_error("a message of " + std::to_string(info.length) + " B from " + peer_ +
+                                     " exceeds " + std::to_string(max_size) + " B");
+      // Taken off the queue into a few bytes, whatever size the peer
+      // claims: the receive ends truncated and UCX drops the rest.
+      std::uint8_t sink[64];
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
       rp.cb.recv = noop_tag_recv_cb;
-      (void)complete(ucp_tag_msg_recv_nbx(worker_->get(), sink.data(), sink.size(), msg, &rp), deadline, "receive from");
-      return *broken_;
+      (void)complete(ucp_tag_msg_recv_nbx(worker_->get(), sink, sizeof sink, msg, &rp), deadline, "receive from");
+      broken_ = too_big;
+      return too_big;
     }
     out.resize(info.length);
     ucp_request_param_t rp{};

@@ -306,6 +306,7 @@ Session::Session(std::shared_ptr<const ReferenceModel> model, std::unique_ptr<Kv
 Result<Session> Session::resume(std::shared_ptr<const ReferenceModel> model,
                                 std::unique_ptr<KvCache> cache, std::vector<std::int32_t> tokens,
                                 std::vector<float> last_logits) {
+  if (model == nullptr || cache == nullptr) return invalid_argument("resume: no model or no cache");
   auto next = cache->next_position();
   if (!next) return next.error();
   if (*next != static_cast<std::int64_t>(tokens.size()))
