@@ -120,6 +120,24 @@ if(rc EQUAL 0 OR NOT err MATCHES "f16.1.kvpack ran under the f32 attention numer
   message(FATAL_ERROR "a pack of another numeric in the batch: exit ${rc}: ${err}")
 endif()
 
+# A pack of a model with another RoPE base in the batch is refused (the
+# geometry's fingerprint leaves rope_theta out).
+set(theta_config ${WORK}/window16-theta.json)
+file(WRITE ${theta_config} [=[
+{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 16, "max_position_embeddings": 512, "sliding_window_pattern": 4,
+ "rope_theta": 50000}
+]=])
+run_lines(theta_half --config ${theta_config} --hidden 32 --vocab 64 --chunk 7 --backend cpu
+          --sequences 2 --seed 11 --prompt-tokens 40 --tokens 50 --save ${WORK}/theta.kvpack)
+file(COPY_FILE ${WORK}/batch.0.kvpack ${WORK}/mixed.0.kvpack)
+file(COPY_FILE ${WORK}/theta.1.kvpack ${WORK}/mixed.1.kvpack)
+execute_process(COMMAND ${KVRING} run --resume ${WORK}/mixed.kvpack --sequences 2 --backend cpu
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT err MATCHES "mixed.1.kvpack holds a session of another model")
+  message(FATAL_ERROR "a pack of another RoPE base in the batch: exit ${rc}: ${err}")
+endif()
+
 # Refusals: a count out of range, a missing pack of the batch.
 foreach(bad 0 -1 4097 x)
   execute_process(COMMAND ${KVRING} run ${model} --sequences ${bad} RESULT_VARIABLE rc

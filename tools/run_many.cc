@@ -68,8 +68,10 @@ int run_many(const RunOptions& o, BackendKind backend) {
         chunk = r->record.chunk;
         attention = r->record.attention;
       } else if (r->session.model().config().fingerprint() != config.fingerprint() ||
+                 r->session.model().config().rope_theta != config.rope_theta ||
                  r->record.options.hidden != model_options.hidden ||
                  r->record.options.vocab != model_options.vocab ||
+                 r->record.options.mlp != model_options.mlp ||
                  r->record.options.seed != model_options.seed) {
         return fail(path + " holds a session of another model than " + indexed_path(o.resume, 0));
       } else if (r->record.attention != attention) {
