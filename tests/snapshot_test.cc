@@ -252,6 +252,26 @@ TEST_F(RestoreRefusal, ForkedPlanesGetTheirBlocksInAnOrderThatFits) {
   }
 }
 
+// A new sequence whose full planes the free pool cannot hold is refused
+// before it is added: the next add_sequence gets the handle it would have.
+TEST_F(RestoreRefusal, NewSequenceBeyondThePoolLeavesTheNextHandle) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto live = filled_cache(cfg, 256, 100, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16, .pool_blocks = 6});
+  auto twin = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16, .pool_blocks = 6});
+  ASSERT_TRUE(made.ok() && twin.ok());
+  auto s = restore_new_sequence(*snap, **made);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.error().to_string();
+  EXPECT_NE(s.error().message.find("need 7 new blocks of 16 rows; the target's pool has 6 free"), std::string::npos)
+      << s.error().to_string();
+  EXPECT_EQ((*made)->sequence_count(), 0);
+  EXPECT_EQ((*made)->free_blocks(), 6);
+  EXPECT_EQ(*(*made)->add_sequence(), *(*twin)->add_sequence());
+}
+
 TEST_F(RestoreRefusal, ShortRingsPastTheTargetContext) {
   // Window 64, layer 3 full. At context 20 every ring is 32 rows, shorter
   // than the window: such a store stops at its context, so a session of 20

@@ -112,7 +112,8 @@ Status restore(const Snapshot& snapshot, KvCache& target);
 // back go in first.
 Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq);
 // Restores into a new sequence of `target`, which exists only once every
-// plane is in: on an error the store holds no new sequence.
+// plane is in: on an error the store holds no new sequence. A pool too
+// small for the full planes is refused before the sequence is added.
 Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target);
 
 // The detached install path: a new cache on `backend` (context: the

@@ -375,6 +375,22 @@ Status restore(const Snapshot& snapshot, KvCache& target) {
 Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
+  // A new sequence's full planes take every block from the free pool;
+  // checked before the sequence is added, so a refusal leaves even the
+  // next handle as it was.
+  std::int64_t need = 0;
+  const std::int64_t block_rows = target.options().block_rows;
+  for (std::int64_t l = 0; l < target.n_layers(); ++l) {
+    if (target.config().kind(l) != LayerKind::kFullNope) continue;
+    auto ring = restore_ring(snapshot, l, target);
+    if (!ring) return ring.error();
+    need += (ring->len() + block_rows - 1) / block_rows;
+  }
+  if (need > target.free_blocks())
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "the snapshot's full planes need " + std::to_string(need) + " new blocks of " +
+                          std::to_string(block_rows) + " rows; the target's pool has " +
+                          std::to_string(target.free_blocks()) + " free");
   auto seq = target.add_sequence();
   if (!seq) return seq.error();
   if (Status s = restore(snapshot, target, *seq); !s.ok()) {
