@@ -45,16 +45,22 @@ class ReferenceModel {
   // A failure (a discontinuity, a bad token id) leaves the cache unchanged.
   Status forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens, std::int64_t n,
                  float* logits) const;
-  // The same for a batch of sequences of one store: span i's tokens are
-  // the next `count` of `tokens`, and its logits the next `count` rows of
-  // logits [rows, vocab]. Every span of one token is a decode step (one
-  // batched store and decode a layer), otherwise a ragged prefill; a
-  // sequence's bits do not depend on the batch it runs in. A sequence
-  // appears at most once.
   // A chunk of `n` tokens whose activations (logits included) stay under
   // the model's bound; forward() checks it before anything is stored.
   Status check_chunk(std::int64_t n) const;
+  // Everything else forward() checks before it stores anything: the
+  // store's geometry, each span's continuity and capacity in every layer,
+  // the block pool, and every token id. A span that passes passes forward()
+  // in chunks of any size check_chunk allows.
+  Status check_tokens(const KvStore& store, std::span<const SeqSpan> spans,
+                      const std::int32_t* tokens) const;
 
+  // The same as forward(cache, ...) for a batch of sequences of one store:
+  // span i's tokens are the next `count` of `tokens`, and its logits the
+  // next `count` rows of logits [rows, vocab]. Every span of one token is a
+  // decode step (one batched store and decode a layer), otherwise a ragged
+  // prefill; a sequence's bits do not depend on the batch it runs in. A
+  // sequence appears at most once.
   Status forward(KvStore& store, std::span<const SeqSpan> spans, const std::int32_t* tokens,
                  float* logits) const;
 

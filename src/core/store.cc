@@ -609,6 +609,7 @@ Extent extent_of(const View& v) {
   const auto elems = static_cast<std::uintptr_t>((v.rows - 1) * v.row_stride + v.cols);
   return {begin, begin + elems * static_cast<std::uintptr_t>(dtype_bytes(v.dtype))};
 }
+bool overlap(Extent a, Extent b) { return a.begin < b.end && b.begin < a.end; }
 
 // The output of an attention call may be its queries exactly (each output
 // row is written after its query row is read), but may overlap nothing
@@ -617,10 +618,20 @@ Status check_out_apart(const MutView& out, const char* what, const ConstView& in
   if (out.rows < 1 || in.rows < 1 || out.space != in.space) return Status::Ok();
   if (may_equal && out.data == in.data && out.row_stride == in.row_stride && out.dtype == in.dtype)
     return Status::Ok();
-  const Extent a = extent_of(out), b = extent_of(in);
-  if (a.begin < b.end && b.begin < a.end)
+  if (overlap(extent_of(out), extent_of(in)))
     return invalid_argument(std::string("out overlaps ") + what +
                             (may_equal ? " (it may be q itself, row for row, and nothing else)" : ""));
+  return Status::Ok();
+}
+
+// Two outputs of `values` f16 values each must not share a byte: one would
+// overwrite the other.
+Status check_apart(const char* what, const std::uint16_t* k, const std::uint16_t* v,
+                   std::int64_t values) {
+  const auto bytes = static_cast<std::uintptr_t>(values) * sizeof(std::uint16_t);
+  const auto a = reinterpret_cast<std::uintptr_t>(k), b = reinterpret_cast<std::uintptr_t>(v);
+  if (overlap(Extent{a, a + bytes}, Extent{b, b + bytes}))
+    return invalid_argument(std::string(what) + ": the k and v buffers overlap");
   return Status::Ok();
 }
 
@@ -905,22 +916,6 @@ Status KvStore::check_live(SeqId seq, std::int64_t layer, const RingState& r, st
                             std::to_string(r.next_position()) + "))");
   return Status::Ok();
 }
-
-namespace {
-
-// Two outputs of `values` f16 values each must not share a byte: one would
-// overwrite the other.
-Status check_apart(const char* what, const std::uint16_t* k, const std::uint16_t* v,
-                   std::int64_t values) {
-  const auto a = reinterpret_cast<std::uintptr_t>(k);
-  const auto b = reinterpret_cast<std::uintptr_t>(v);
-  const auto bytes = static_cast<std::uintptr_t>(values) * sizeof(std::uint16_t);
-  if (a < b + bytes && b < a + bytes)
-    return invalid_argument(std::string(what) + ": the k and v buffers overlap");
-  return Status::Ok();
-}
-
-}  // namespace
 
 Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
                           std::uint16_t* k, std::uint16_t* v, MemorySpace space,

@@ -105,20 +105,21 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
   // Whole chunks per message where a message holds at least one chunk.
   const std::int64_t cap_rows = options.message_bytes / p.row_bytes;
   const std::int64_t full_rows_per_msg = cap_rows >= C ? cap_rows / C * C : cap_rows;
+  auto rows_per_message = [&](const LayerPayload& lp) {
+    return lp.kind == LayerKind::kFullNope ? full_rows_per_msg : cap_rows;
+  };
   // The messages are counted before any is made: a plan of too many is
   // refused, not built (its memory and its checks grow with the count).
   std::int64_t n_messages = 0;
-  for (const LayerPayload& lp : p.layers) {
-    const std::int64_t per = lp.kind == LayerKind::kFullNope ? full_rows_per_msg : cap_rows;
-    n_messages += lp.rows == 0 ? 0 : 1 + (lp.rows - 1) / per;
-  }
+  for (const LayerPayload& lp : p.layers)
+    n_messages += lp.rows == 0 ? 0 : 1 + (lp.rows - 1) / rows_per_message(lp);
   if (n_messages > kMaxPlannedMessages)
     return invalid_argument("the plan would send " + std::to_string(n_messages) + " messages (at most " +
                             std::to_string(kMaxPlannedMessages) + "); use larger messages");
   t.messages.reserve(static_cast<std::size_t>(n_messages));
   for (const LayerPayload& lp : p.layers) {
     const std::int64_t first = lp.ring.origin_logical(), end = first + lp.rows;
-    const std::int64_t per = lp.kind == LayerKind::kFullNope ? full_rows_per_msg : cap_rows;
+    const std::int64_t per = rows_per_message(lp);
     for (std::int64_t at = first; at < end;) {
       const std::int64_t stop = std::min(end, at + per);
       PlannedMessage m;

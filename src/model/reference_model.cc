@@ -188,20 +188,17 @@ Status ReferenceModel::forward(KvCache& cache, std::int64_t start, const std::in
   return forward(cache.store(), {&span, 1}, tokens, logits);
 }
 
-Status ReferenceModel::forward(KvStore& store, std::span<const SeqSpan> spans,
-                               const std::int32_t* tokens, float* logits) const {
+Status ReferenceModel::check_tokens(const KvStore& store, std::span<const SeqSpan> spans,
+                                    const std::int32_t* tokens) const {
   const ModelConfig& c = config_;
   if (store.config().fingerprint() != c.fingerprint())
     return make_error(ErrorCode::kMismatch, "the store was made for another geometry (" +
                                                 store.config().name + ", not " + c.name + ")");
   if (spans.empty()) return invalid_argument("forward: no sequences");
-  if (tokens == nullptr || logits == nullptr) return invalid_argument("forward: null buffer");
-  // Check every sequence's continuity and capacity for every layer, and
-  // the pool, before storing anything, so a refused call leaves the store
-  // as it was. A store serves the positions it was sized for: past them a
-  // sliding ring smaller than the window would have lost rows a query needs.
+  if (tokens == nullptr) return invalid_argument("forward: null buffer");
+  // A store serves the positions it was sized for: past them a sliding
+  // ring smaller than the window would have lost rows a query needs.
   std::int64_t n = 0;
-  bool decode = true;
   for (const SeqSpan& sp : spans) {
     if (sp.count < 1) return invalid_argument("forward: " + std::to_string(sp.count) + " tokens");
     if (sp.start < 0 || sp.count > store.context() - sp.start)
@@ -216,7 +213,6 @@ Status ReferenceModel::forward(KvStore& store, std::span<const SeqSpan> spans,
       if (!plan) return plan.error();
     }
     n += sp.count;
-    decode = decode && sp.count == 1;
   }
   auto blocks = store.blocks_to_store(spans);
   if (!blocks) return blocks.error();
@@ -224,12 +220,28 @@ Status ReferenceModel::forward(KvStore& store, std::span<const SeqSpan> spans,
     return make_error(ErrorCode::kCapacityExceeded,
                       "the block pool has " + std::to_string(store.free_blocks()) +
                           " free blocks; this step needs " + std::to_string(*blocks));
-  KVRING_RETURN_IF_ERROR(check_chunk(n));
   for (std::int64_t i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= options_.vocab)
       return invalid_argument("token id " + std::to_string(tokens[i]) + " at index " +
                               std::to_string(i) + " outside [0, " +
                               std::to_string(options_.vocab) + ")");
+  return Status::Ok();
+}
+
+Status ReferenceModel::forward(KvStore& store, std::span<const SeqSpan> spans,
+                               const std::int32_t* tokens, float* logits) const {
+  const ModelConfig& c = config_;
+  // Everything is checked before anything is stored, so a refused call
+  // leaves the store as it was.
+  KVRING_RETURN_IF_ERROR(check_tokens(store, spans, tokens));
+  if (logits == nullptr) return invalid_argument("forward: null buffer");
+  std::int64_t n = 0;
+  bool decode = true;
+  for (const SeqSpan& sp : spans) {
+    n += sp.count;
+    decode = decode && sp.count == 1;
+  }
+  KVRING_RETURN_IF_ERROR(check_chunk(n));
   // Row i's logical position.
   std::vector<std::int64_t> positions;
   std::vector<SeqQuery> queries;
@@ -328,24 +340,9 @@ Status Session::feed(const std::vector<std::int32_t>& tokens, std::int64_t chunk
   const std::int64_t vocab = model_->options().vocab;
   // What forward() would refuse in a later chunk is refused here, before
   // the first: a failed feed leaves the session and its cache as they were.
-  const auto total = static_cast<std::int64_t>(tokens.size());
-  for (std::size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] < 0 || tokens[i] >= vocab)
-      return invalid_argument("token id " + std::to_string(tokens[i]) + " at index " +
-                              std::to_string(i) + " outside [0, " + std::to_string(vocab) + ")");
-  if (total > cache_->context() - position())
-    return make_error(ErrorCode::kCapacityExceeded,
-                      std::to_string(total) + " positions from " + std::to_string(position()) +
-                          " exceed the store's " + std::to_string(cache_->context()) +
-                          " positions");
-  if (total > 0) {
-    const SeqSpan all{cache_->seq(), position(), total};
-    auto blocks = cache_->store().blocks_to_store({&all, 1});
-    if (!blocks) return blocks.error();
-    if (*blocks > cache_->store().free_blocks())
-      return make_error(ErrorCode::kCapacityExceeded,
-                        "the block pool has " + std::to_string(cache_->store().free_blocks()) +
-                            " free blocks; these tokens need " + std::to_string(*blocks));
+  if (!tokens.empty()) {
+    const SeqSpan all{cache_->seq(), position(), static_cast<std::int64_t>(tokens.size())};
+    KVRING_RETURN_IF_ERROR(model_->check_tokens(cache_->store(), {&all, 1}, tokens.data()));
   }
   std::vector<float> logits;
   for (std::size_t at = 0; at < tokens.size();) {
