@@ -105,7 +105,9 @@ Msg encode_header(const Snapshot& h, std::int64_t n_messages = 0, std::int64_t p
   return rec.sent.at(0);
 }
 
-// A sequential header of `c` at `context` holding `tokens` positions.
+// A sequential header of `c` at `context` holding `tokens` positions; its
+// rings hold at most 2^62 positions (the most a ring state can), so a larger
+// `tokens` gives a header whose count and rings disagree.
 Snapshot make_header(const ModelConfig& c, std::int64_t context, std::int64_t tokens) {
   Snapshot h;
   h.config = c;
@@ -115,7 +117,8 @@ Snapshot make_header(const ModelConfig& c, std::int64_t context, std::int64_t to
     PlaneSnapshot p;
     p.kind = c.kind(l);
     p.layout = layout_for(p.kind);
-    p.ring = *RingState::sequential(c.plane_capacity(l, context), p.kind == LayerKind::kSlidingRope, tokens);
+    p.ring = *RingState::sequential(c.plane_capacity(l, context), p.kind == LayerKind::kSlidingRope,
+                                    std::min(tokens, std::int64_t{1} << 62));
     h.planes.push_back(p);
   }
   return h;

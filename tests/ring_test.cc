@@ -160,6 +160,14 @@ TEST(Ring, SequentialMatchesAppends) {
   }
   EXPECT_FALSE(RingState::sequential(32, false, 33).ok());
   EXPECT_FALSE(RingState::sequential(32, true, -1).ok());
+  // Positions stay below 2^62, as from_parts requires of every ring.
+  const std::int64_t end = std::int64_t{1} << 62;
+  auto last = RingState::sequential(32, true, end);
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(last->next_position(), end);
+  EXPECT_TRUE(RingState::from_parts(32, true, 32, last->origin_logical(), last->origin_physical()).ok());
+  EXPECT_FALSE(RingState::sequential(32, true, end + 1).ok());
+  EXPECT_FALSE(RingState::sequential(32, true, std::numeric_limits<std::int64_t>::max()).ok());
 }
 
 // Long random sequences of appends and batches against the naive model.

@@ -149,6 +149,9 @@ LiveSpans RingState::spans(std::int64_t first, std::int64_t count) const {
 Result<RingState> RingState::sequential(std::int64_t capacity, bool wraps, std::int64_t next) {
   if (capacity < 1) return invalid_argument("ring capacity " + std::to_string(capacity) + " < 1");
   if (next < 0) return invalid_argument("ring position " + std::to_string(next) + " < 0");
+  // Positions stay below 2^62, as from_parts requires of every ring.
+  if (next > (std::int64_t{1} << 62))
+    return invalid_argument("ring position " + std::to_string(next) + " past 2^62");
   if (!wraps && next > capacity)
     return make_error(ErrorCode::kCapacityExceeded,
                       "full-attention plane holds " + std::to_string(capacity) +
