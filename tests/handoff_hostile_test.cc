@@ -482,6 +482,28 @@ TEST_F(Hostile, FreshStoreAboveTheLimitIsRefused) {
   fits.abort();
 }
 
+// A session whose rows alone pass the limit is refused the same way, into
+// a store that exists as into a fresh one.
+TEST_F(Hostile, RowsAboveTheLimitAreRefused) {
+  const Snapshot h = make_header(store_->config(), store_->context(), 40);
+  StoreTarget::Options so;
+  so.max_row_bytes = payload_of(h) - 1;
+  StoreTarget into(*store_, so);
+  const Status s = into.begin(h);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.error().to_string();
+  EXPECT_NE(s.error().message.find("the session's rows take"), std::string::npos) << s.error().to_string();
+  EXPECT_EQ(store_->sequence_count(), 1);
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+  DetachedCacheTarget::Options o;
+  o.max_row_bytes = payload_of(h) - 1;
+  DetachedCacheTarget fresh(o);
+  const Status f = fresh.begin(h);
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.error().code, ErrorCode::kCapacityExceeded) << f.error().to_string();
+  EXPECT_EQ(fresh.held_row_bytes(), 0);
+}
+
 // The same through the wire: a session of no rows for that geometry.
 TEST_F(Hostile, FreshStoreAboveTheLimitThroughTheWire) {
   ModelConfig big = make_hybrid_config("big", 8, 0, 64, 64, 128, 8192, 8192);

@@ -142,8 +142,9 @@ Status StoreTarget::check_session(const Snapshot& header, const Options& options
   std::int64_t bytes = 0;
   for (const PlaneSnapshot& p : header.planes) bytes += p.ring.len() * header.config.kv_dim() * 4;
   if (bytes > options.max_row_bytes)
-    return invalid_argument("handoff: the session's rows take " + std::to_string(bytes) +
-                            " B, above this target's limit of " + std::to_string(options.max_row_bytes) + " B");
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "handoff: the session's rows take " + std::to_string(bytes) +
+                          " B, above this target's limit of " + std::to_string(options.max_row_bytes) + " B");
   return Status::Ok();
 }
 
