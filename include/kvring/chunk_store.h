@@ -67,7 +67,9 @@ class ChunkStore {
 
   // Stores every chunk under its name. Precondition: each name is the SHA-256
   // of the chunk's bytes (the pack writer computes it). A chunk already
-  // present is not written again. When this returns ok, every chunk is
+  // present and intact need not be written again (the directory store
+  // skips it; Redis sets it again, the same bytes); a damaged one is
+  // replaced. When this returns ok, every chunk is
   // durable (as durable as the store: fsync for a directory, the server's
   // persistence settings for Redis).
   virtual Status put(std::span<const ChunkData> chunks) = 0;
@@ -133,7 +135,7 @@ Result<std::unique_ptr<ChunkStore>> open_redis_store(const RedisOptions& options
 Result<std::unique_ptr<ChunkStore>> open_redis_store(const std::string& host, int port);
 inline constexpr std::int64_t kMaxRedisControlBytes = std::int64_t{64} << 20;
 
-// "dir:PATH", or "redis://[USER[:PASSWORD]@]HOST[:PORT][/][?OPTIONS]" with
+// "dir:PATH", or "redis://[[USER]:PASSWORD@]HOST[:PORT][/][?OPTIONS]" with
 // HOST a name, an IPv4 address or a bracketed IPv6 address ([::1]), PORT
 // 6379 when omitted, USER and PASSWORD percent-decoded, and OPTIONS
 // "timeout_ms=N" and "deadline_ms=N" (RedisOptions) joined by '&'.

@@ -32,7 +32,7 @@ inline constexpr std::int64_t kMaxKvDim = 65536;
 // hidden_size (for head_dim when absent) and vocab_size.
 inline constexpr std::int64_t kMaxHiddenSize = 65536;
 inline constexpr std::int64_t kMaxVocabSize = std::int64_t{1} << 20;
-// Every plane holds at least this many rows (DESIGN.md: max(32, ...)).
+// Every plane holds at least this many rows (docs/DESIGN.md, "Memory").
 inline constexpr std::int64_t kMinPlaneRows = 32;
 
 struct ModelConfig {
@@ -85,7 +85,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text,
                                     std::string name = "config");
 Result<ModelConfig> load_hf_config(const std::string& path);
 
-// `--model NAME` or `--config PATH`: exactly one of them non-empty.
+// `--model NAME` or `--config PATH`: at most one of them non-empty;
+// neither gives the muse-glimmer preset.
 Result<ModelConfig> resolve_config(const std::string& model_name,
                                    const std::string& config_path);
 

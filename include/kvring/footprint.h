@@ -1,5 +1,6 @@
 // Memory footprint of a model's KV cache, from the config alone. Equal to
-// what the backends allocate (KvCache::allocated_bytes).
+// what the backends allocate (KvCache::allocated_bytes) for a store without
+// rollback slack and with the default pool.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +31,7 @@ Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t cont
                                     std::int64_t slots);
 
 // How many sequences of `length` tokens a store holds in `memory_bytes`:
-// each takes its sliding rings (W + slack rows) and, per full layer, its
+// each takes its sliding rings (max(32, min(context, W)) + slack rows) and, per full layer, its
 // rows rounded up to whole blocks (block_rows 0: the store's default).
 struct SequenceFit {
   std::int64_t length = 0;

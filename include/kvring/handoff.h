@@ -233,7 +233,8 @@ class UcxListener {
   // Waits for one connection.
   virtual Result<std::unique_ptr<Transport>> accept(Deadline deadline) = 0;
 };
-// "HOST:PORT"; port 0 binds any free port.
+// "HOST:PORT" with HOST an IPv4 address (127.0.0.1); port 0 binds any free
+// port.
 Result<std::unique_ptr<UcxListener>> ucx_listen(const std::string& host_port);
 Result<std::unique_ptr<Transport>> ucx_connect(const std::string& host_port, Deadline deadline);
 Result<std::pair<std::string, int>> parse_host_port(const std::string& host_port);

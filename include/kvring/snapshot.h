@@ -111,9 +111,10 @@ Status restore(const Snapshot& snapshot, KvCache& target);
 // the free blocks do not cover them all at once, planes that give blocks
 // back go in first.
 Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq);
-// Restores into a new sequence of `target`, which exists only once every
-// plane is in: on an error the store holds no new sequence. A pool too
-// small for the full planes is refused before the sequence is added.
+// Restores into a new sequence of `target`; on an error the store holds no
+// new sequence. Every refusal comes before the sequence is added (a pool
+// too small for the full planes included); a device failure part-way
+// removes it again.
 Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target);
 
 // The detached install path: a new cache on `backend` (context: the

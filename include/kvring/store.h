@@ -1,7 +1,7 @@
 // The KV store an engine embeds: many sequences of one model geometry.
 //
-// Per sequence: one ring per sliding layer (W + slack rows, token-major, in
-// the sequence's slot) and, per full layer, a block table into one pool of
+// Per sequence: one ring per sliding layer (max(32, min(context, W)) +
+// slack rows, token-major, in the sequence's slot) and, per full layer, a block table into one pool of
 // fixed-size blocks that every sequence shares (head-major inside a block).
 // The base class owns every ring state, block table and reference count,
 // and does every check and every piece of placement arithmetic; a backend
@@ -108,7 +108,8 @@ enum class AttentionNumeric : std::uint8_t {
   // f32 accumulation; scores, softmax and sums in f32. The rows are taken
   // in tiles of kF16AttendTile at multiples of that position, in splits of
   // kF16AttendSplitRows at multiples of that position, the splits combined
-  // in order. Head dims of 128 on the GPU.
+  // in order. On the GPU: head_dim 128, at most 64 query heads per KV
+  // head, a device of compute capability 9.0 and a build with sm_90a code.
   kF16,
 };
 const char* attention_numeric_name(AttentionNumeric numeric);
@@ -253,8 +254,9 @@ class KvStore {
   // ---- Detached sequences ---------------------------------------------------
   // A sequence being installed from elsewhere (a handoff's receiving side):
   // it holds a slot and the blocks its planes take, but it is not live.
-  // Only install, install_plane, install_rows, ring, next_position,
-  // blocks_held and remove_sequence reach it; sequences(), sequence_count()
+  // Only install, install_plane, install_rows, blocks_to_install, ring,
+  // next_position, blocks_held, is_detached, attach_sequence and
+  // remove_sequence reach it; sequences(), sequence_count()
   // and contains() leave it out, and every batched operation, read_rows,
   // read_plane, fork, truncate and reset refuse it (kNotFound), so nothing
   // reads or extends rows that are still arriving (nor, in blocks taken
