@@ -211,7 +211,10 @@ struct CudaStore::Impl {
 
   // Storage: per sliding layer K and V [slots][ring_rows][kv_dim]; the pool
   // [blocks][kv_heads][block_rows][head_dim] for K and for V; the mirror
-  // of every block table [slots][n_full][max_blocks] int32.
+  // of every block table [slots][n_full][max_blocks] int32, max_blocks
+  // the most entries a table can hold: a full plane's blocks at the
+  // context, and never more than the pool has (a table's entries are
+  // distinct blocks of the pool).
   std::vector<std::uint16_t*> ring_k, ring_v;
   std::uint16_t* pool_k = nullptr;
   std::uint16_t* pool_v = nullptr;
@@ -596,7 +599,7 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
   im.pool = {shift, kv_dim << shift};
   im.ring_elems = store->ring_rows() * kv_dim;
   im.block_elems = o->block_rows * kv_dim;
-  im.max_blocks = store->max_blocks_per_plane();
+  im.max_blocks = std::min(store->max_blocks_per_plane(), store->pool_blocks());
   im.n_full = store->n_full();
 
   auto alloc = [&](auto** p, std::int64_t bytes, const std::string& what) -> Status {
