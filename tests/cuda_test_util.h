@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "cuda/launch_policy.h"
@@ -241,6 +242,38 @@ inline void run_plan(KvStore& store, const std::vector<SeqId>& ids,
     }
     for (const auto& [i, n] : st.chunks) at[static_cast<std::size_t>(i)] += n;
   }
+}
+
+// The worst difference |x - y| / max(1, |y|) of `got` from `ref` over
+// every output `ref` holds (how the CUDA tests compare with the CPU
+// backend); +inf where `got` lacks an output or holds a value that is not
+// finite.
+inline double worst_difference(const Outputs& got, const Outputs& ref) {
+  double worst = 0;
+  for (const auto& [key, y] : ref) {
+    const auto it = got.find(key);
+    if (it == got.end() || it->second.size() != y.size()) return INFINITY;
+    for (std::size_t e = 0; e < y.size(); ++e) {
+      const double x = it->second[e];
+      if (!std::isfinite(x)) return INFINITY;
+      worst = std::max(worst, std::abs(x - y[e]) / std::max(1.0, std::abs(double(y[e]))));
+    }
+  }
+  return worst;
+}
+
+// The live rows of one plane of a sequence in logical order (read_rows),
+// K then V, [len * kv_dim] each.
+inline std::pair<std::vector<std::uint16_t>, std::vector<std::uint16_t>> live_rows(const KvStore& s, SeqId seq,
+                                                                                   std::int64_t layer) {
+  const auto r = s.ring(seq, layer);
+  EXPECT_TRUE(r.ok());
+  if (!r.ok()) return {};
+  const auto n = static_cast<std::size_t>(r->len() * s.config().kv_dim());
+  std::vector<std::uint16_t> k(n), v(n);
+  const Status st = s.read_rows(seq, layer, r->origin_logical(), r->len(), k.data(), v.data());
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return {std::move(k), std::move(v)};
 }
 
 // Adds and removes filler sequences (storing a few rows into every layer,
