@@ -70,8 +70,10 @@ class CudaStore final : public KvStore {
   // the block-table mirror, descriptor buffers (staging included) and the
   // attention scratch the store keeps between calls: what its pool has
   // mapped, at least the most one call took (a prefill chunk's f16 rows
-  // and, under the f16 numeric, at most 512 MiB of partials), until
-  // release_scratch.
+  // and, under the f16 numeric, at most 512 MiB of partials, or one query
+  // tile's where that is more: 64 x n_kv_heads (query, head) rows of 528
+  // bytes for each split of 2048 positions the call's longest query
+  // sees), until release_scratch.
   std::int64_t workspace_bytes() const;
   // Hands the attention scratch the store keeps between calls back to the
   // device, once the work enqueued on the store so far is done (waits for

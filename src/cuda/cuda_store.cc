@@ -75,7 +75,8 @@ constexpr std::size_t kStageBytes = std::size_t{8} << 20;
 // prefills of a few thousand queries with many splits run in one launch.
 constexpr std::int64_t kWorkspaceBudget = std::int64_t{64} << 20;
 constexpr std::int64_t kMaxQueriesPerLaunch = 65535;  // grid.z
-// Bytes of f16-numeric partials one launch may take (attend_f16).
+// Bytes of f16-numeric partials one launch may take (attend_f16), but
+// where one tile of queries takes more: a launch holds a tile at least.
 constexpr std::int64_t kF16WorkspaceBudget = std::int64_t{512} << 20;
 // Descriptor buffers made at creation, and the smallest one made later.
 constexpr int kInitialChunks = 4;
