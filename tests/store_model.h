@@ -148,24 +148,34 @@ class Harness {
  private:
   // ---- Setup ----------------------------------------------------------------
   bool setup() {
-    const std::int64_t window = pick({32, 32, 48});
-    cfg_ = testing::small_config(window, 256, 8);
     StoreOptions o;
-    o.context = pick({256, 256, 160, 40});
-    o.max_sequences = pick({2, 3, 3, 4});
-    o.slack = pick({0, 0, 4, 16, window});
-    o.block_rows = pick({16, 16, 32});
-    o.pool_blocks = uniform(2, 24);
-    o.zero_fill = rng_() % 5 != 0;
-    o.attention = rng_() % 4 == 0 ? AttentionNumeric::kF16 : AttentionNumeric::kF32;
+    if (geometry_ == Geometry::kFixed) {
+      const std::int64_t window = pick({32, 32, 48});
+      cfg_ = testing::small_config(window, 256, 8);
+      o.context = pick({256, 256, 160, 40});
+      o.max_sequences = pick({2, 3, 3, 4});
+      o.slack = pick({0, 0, 4, 16, window});
+      o.block_rows = pick({16, 16, 32});
+      o.pool_blocks = uniform(2, 24);
+      o.zero_fill = rng_() % 5 != 0;
+      o.attention = rng_() % 4 == 0 ? AttentionNumeric::kF16 : AttentionNumeric::kF32;
+    } else if (!draw_geometry(o)) {
+      return false;
+    }
     auto s = make_store(backend_, cfg_, o);
+    // A backend may not take the f16 numeric for every geometry (the GPU's
+    // needs head_dim 128): such a run uses f32.
+    if (!s && s.error().code == ErrorCode::kUnsupported && o.attention == AttentionNumeric::kF16) {
+      o.attention = AttentionNumeric::kF32;
+      s = make_store(backend_, cfg_, o);
+    }
     if (!s) return fail("make_store: " + s.error().to_string());
     store_ = std::move(*s);
     opt_ = store_->options();
     StoreOptions ro;
-    ro.context = o.context;
-    ro.block_rows = o.block_rows == 16 ? 64 : 16;
-    ro.attention = o.attention;
+    ro.context = opt_.context;
+    ro.block_rows = opt_.block_rows == 16 ? 64 : 16;
+    ro.attention = opt_.attention;
     auto r = make_store(backend_, cfg_, ro);
     if (!r) return fail("make_store (reference): " + r.error().to_string());
     ref_ = std::move(*r);
@@ -173,11 +183,62 @@ class Harness {
     if (!rs) return fail("reference add_sequence");
     ref_seq_ = *rs;
     std::ostringstream os;
-    os << backend_name(backend_) << " seed " << seed_ << ": W " << window << " context " << opt_.context << " max_sequences "
+    os << backend_name(backend_) << " seed " << seed_ << ":";
+    if (geometry_ == Geometry::kRandom) {
+      os << " layers ";
+      for (std::int64_t l = 0; l < L(); ++l) os << (full(l) ? 'F' : 'S');
+      os << " heads " << cfg_.n_heads << "/" << cfg_.n_kv_heads << " head_dim " << cfg_.head_dim
+         << " max_context " << cfg_.max_context << ",";
+    }
+    os << " W " << cfg_.sliding_window << " context " << opt_.context << " max_sequences "
        << opt_.max_sequences << " slack " << opt_.slack << " block_rows " << opt_.block_rows
        << " pool " << opt_.pool_blocks << " zero_fill " << opt_.zero_fill << " numeric "
        << attention_numeric_name(opt_.attention);
     header_ = os.str();
+    return true;
+  }
+
+  // A small geometry of any shape the config expresses (layers sliding or
+  // full in any pattern, GQA groups of any size, odd head dims, windows
+  // shorter and longer than the minimum plane), with store options whose
+  // slots and pool run out.
+  bool draw_geometry(StoreOptions& o) {
+    const std::int64_t n_layers = uniform(1, 6);
+    const std::int64_t n_kv_heads = uniform(1, 4);
+    const std::int64_t group = chance(30) ? pick({3, 5, 6, 7}) : uniform(1, 8);
+    const std::int64_t head_dim = chance(85) ? pick({1, 2, 3, 8, 17, 64, 128}) : uniform(1, 256);
+    const std::int64_t window = uniform(1, 40);
+    const std::int64_t max_context = chance(70) ? uniform(1, 160) : uniform(161, 320);
+    cfg_ = make_hybrid_config("model-test", n_layers, 0, n_kv_heads * group, n_kv_heads, head_dim,
+                              window, max_context);
+    const int pattern = static_cast<int>(uniform(0, 4));
+    const std::int64_t every = uniform(1, n_layers);
+    for (std::int64_t l = 0; l < n_layers; ++l) {
+      bool is_full = false;
+      switch (pattern) {
+        case 0: is_full = false; break;                     // all sliding
+        case 1: is_full = true; break;                      // all full
+        case 2: is_full = l % every == every - 1; break;    // every `every`-th full
+        default: is_full = chance(50); break;               // any mix
+      }
+      cfg_.layer_kinds[static_cast<std::size_t>(l)] = is_full ? LayerKind::kFullNope : LayerKind::kSlidingRope;
+    }
+    // A model without sliding layers may leave its window unset.
+    if (cfg_.count(LayerKind::kSlidingRope) == 0 && chance(30)) cfg_.sliding_window = 0;
+    if (Status st = cfg_.validate(); !st.ok()) return fail("drawn geometry: " + st.to_string());
+    o.context = chance(40) ? 0 : uniform(1, max_context);
+    o.max_sequences = uniform(1, 6);
+    o.slack = uniform(0, std::min<std::int64_t>(8, cfg_.sliding_window));
+    o.block_rows = chance(85) ? pick({0, 16, 16, 32, 64, 128}) : pick({256, 1024});
+    o.zero_fill = chance(80);
+    o.attention = chance(25) ? AttentionNumeric::kF16 : AttentionNumeric::kF32;
+    // The pool: mostly too small for every slot at full context.
+    auto resolved = resolve_store_options(cfg_, o);
+    if (!resolved) return fail("drawn options: " + resolved.error().to_string());
+    const std::int64_t per_plane = ceil_div(cfg_.plane_capacity(LayerKind::kFullNope, resolved->context),
+                                            resolved->block_rows);
+    const std::int64_t all = cfg_.count(LayerKind::kFullNope) * o.max_sequences * per_plane;
+    if (chance(85)) o.pool_blocks = uniform(1, std::max<std::int64_t>(1, all));
     return true;
   }
 

@@ -19,6 +19,13 @@ TEST(StoreModel, RandomOperationsMatchTheModel) {
   store_model::run_seeds(BackendKind::kCpu, store_model::Geometry::kFixed, 80, 500);
 }
 
+// A geometry drawn per seed: 1 to 6 layers, sliding and full in any pattern
+// (all sliding, all full), GQA groups 1 to 8, odd head dims, windows 1 to
+// 40 around the 32-row minimum plane, small contexts and pools.
+TEST(StoreModel, RandomGeometriesMatchTheModel) {
+  store_model::run_seeds(BackendKind::kCpu, store_model::Geometry::kRandom, 100, 300);
+}
+
 // A snapshot taken between W and W + slack positions restores into a store
 // with rollback slack (its sliding rings then hold the snapshot's W rows
 // without being full), and the restored sequence equals the source.
