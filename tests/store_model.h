@@ -37,6 +37,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -245,6 +246,11 @@ class Harness {
   // ---- Randomness -------------------------------------------------------------
   std::int64_t uniform(std::int64_t lo, std::int64_t hi) {  // [lo, hi]
     return lo + static_cast<std::int64_t>(rng_() % static_cast<std::uint64_t>(hi - lo + 1));
+  }
+  // The same from the checks' own generator, so that what the checks look
+  // at never changes the operations a seed runs.
+  std::int64_t check_uniform(std::int64_t lo, std::int64_t hi) {
+    return lo + static_cast<std::int64_t>(check_rng_() % static_cast<std::uint64_t>(hi - lo + 1));
   }
   std::int64_t pick(std::initializer_list<std::int64_t> xs) {
     return *(xs.begin() + uniform(0, static_cast<std::int64_t>(xs.size()) - 1));
@@ -576,6 +582,30 @@ class Harness {
                         std::to_string(p.origin + i) + " differs from the model");
         }
       }
+      // A stretch of them (across the ring's wrap and block edges), or one
+      // reaching past them, which is refused.
+      {
+        std::int64_t first = p.origin + check_uniform(0, len);
+        std::int64_t count = check_uniform(0, p.next - first);
+        if (check_uniform(0, 9) == 0) first = check_uniform(0, 1) == 0 ? p.origin - 1 : p.next - count + 1;
+        const bool live_rows = first >= p.origin && first + count <= p.next;
+        std::vector<std::uint16_t> k(static_cast<std::size_t>(std::max<std::int64_t>(1, count) * kv())), v(k.size());
+        const Status st = store_->read_rows(s.id, l, first, count, k.data(), v.data());
+        if (st.ok() != (live_rows || count == 0))
+          return fail(who + " layer " + std::to_string(l) + ": read_rows [" + std::to_string(first) + ", +" +
+                      std::to_string(count) + ") " + (st.ok() ? "succeeded" : st.to_string()) +
+                      ", live are [" + std::to_string(p.origin) + ", " + std::to_string(p.next) + ")");
+        for (std::int64_t i = 0; st.ok() && i < count; ++i) {
+          const Row& mk = p.k[static_cast<std::size_t>(first + i)];
+          const Row& mv = p.v[static_cast<std::size_t>(first + i)];
+          if (mk.empty()) continue;
+          if (std::memcmp(mk.data(), k.data() + i * kv(), static_cast<std::size_t>(kv()) * 2) != 0 ||
+              std::memcmp(mv.data(), v.data() + i * kv(), static_cast<std::size_t>(kv()) * 2) != 0)
+            return fail(who + " layer " + std::to_string(l) + ": read_rows [" + std::to_string(first) +
+                        ", +" + std::to_string(count) + ") position " + std::to_string(first + i) +
+                        " differs from the model");
+        }
+      }
       // The physical image: live rows where the layout puts them; a full
       // plane is zero past its rows.
       const auto n_el = static_cast<std::size_t>(c * kv());
@@ -689,7 +719,46 @@ class Harness {
     if (std::memcmp(want->data(), out, want->size() * 4) != 0)
       return fail(name(s.id) + " layer " + std::to_string(l) + ": attention output at position " +
                   std::to_string(pos) + " differs from a decode of the same rows in a fresh store");
+    // Within rounding of attention computed from the definition.
+    const std::vector<double> exact = naive(s.planes[static_cast<std::size_t>(l)], l, pos, q);
+    const double tol = opt_.attention == AttentionNumeric::kF16 ? 3e-2 : 1e-4;
+    for (std::size_t i = 0; i < exact.size(); ++i)
+      if (!(std::abs(out[i] - exact[i]) <= tol * (1.0 + std::abs(exact[i]))))
+        return fail(name(s.id) + " layer " + std::to_string(l) + ": attention output at position " +
+                    std::to_string(pos) + ", element " + std::to_string(i) + " is " + std::to_string(out[i]) +
+                    ", attention by its definition " + std::to_string(exact[i]));
     return true;
+  }
+
+  // Attention at `pos` over the model's rows of plane l (all known), in
+  // double: per query head h, softmax(q_h . k / sqrt(head_dim)) . v over
+  // the visible rows of KV head h / (n_heads / n_kv_heads).
+  std::vector<double> naive(const PlaneModel& p, std::int64_t l, std::int64_t pos, const float* q) const {
+    const std::int64_t hd = cfg_.head_dim, group = cfg_.gqa_group();
+    const std::int64_t lo = visible_begin(cfg_, cfg_.kind(l), pos);
+    std::vector<double> out(static_cast<std::size_t>(width()), 0.0);
+    std::vector<double> w(static_cast<std::size_t>(pos - lo + 1));
+    for (std::int64_t h = 0; h < cfg_.n_heads; ++h) {
+      const std::int64_t kvh = h / group;
+      double mx = -1e300;
+      for (std::int64_t x = lo; x <= pos; ++x) {
+        const Row& k = p.k[static_cast<std::size_t>(x)];
+        double dot = 0;
+        for (std::int64_t d = 0; d < hd; ++d)
+          dot += static_cast<double>(q[h * hd + d]) * f16_to_f32(k[static_cast<std::size_t>(kvh * hd + d)]);
+        w[static_cast<std::size_t>(x - lo)] = dot / std::sqrt(static_cast<double>(hd));
+        mx = std::max(mx, w[static_cast<std::size_t>(x - lo)]);
+      }
+      double sum = 0;
+      for (double& e : w) sum += (e = std::exp(e - mx));
+      for (std::int64_t x = lo; x <= pos; ++x) {
+        const Row& v = p.v[static_cast<std::size_t>(x)];
+        for (std::int64_t d = 0; d < hd; ++d)
+          out[static_cast<std::size_t>(h * hd + d)] +=
+              w[static_cast<std::size_t>(x - lo)] / sum * f16_to_f32(v[static_cast<std::size_t>(kvh * hd + d)]);
+      }
+    }
+    return out;
   }
 
   // ---- Operations ------------------------------------------------------------------------
@@ -857,11 +926,14 @@ class Harness {
   }
 
   // Whether storing `spans` into `layers` must succeed.
+  // `placed`: every span is a valid continuation of every layer, whatever
+  // the pool holds (blocks_needed then counts the blocks they take).
   bool store_ok(const std::vector<SeqSpan>& spans, const std::vector<std::int64_t>& layers,
-                std::int64_t* blocks_needed = nullptr) {
+                std::int64_t* blocks_needed = nullptr, bool* placed = nullptr) {
     std::int64_t need = 0;
     bool valid = true;
     std::vector<SeqId> seen;
+    if (placed != nullptr) *placed = false;
     for (const auto& sp : spans) {
       SeqModel* s = live(sp.seq);
       if (s == nullptr || sp.count < 1) return false;
@@ -874,6 +946,7 @@ class Harness {
       }
     }
     if (blocks_needed != nullptr) *blocks_needed = need;
+    if (placed != nullptr) *placed = valid && !spans.empty();
     return valid && need <= model_free();
   }
 
@@ -913,12 +986,14 @@ class Harness {
     else
       layers.push_back(layer);
     std::int64_t need = 0;
-    bool expect = store_ok(spans, layers, &need) && view_ok;
+    bool placed = false;
+    bool expect = store_ok(spans, layers, &need, &placed) && view_ok;
     for (const auto& sp : spans)
       if (sp.count < 1) expect = false;
     if (spans.empty()) expect = view_ok;
-    // blocks_to_store counts the blocks of every full layer of valid spans.
-    if (all_layers && expect) {
+    // blocks_to_store counts the blocks of every full layer of valid spans,
+    // whether the pool holds them or not.
+    if (all_layers && placed) {
       auto b = store_->blocks_to_store(spans);
       if (!b || *b != need)
         return void(fail("blocks_to_store " + (b ? std::to_string(*b) : b.error().to_string()) +
@@ -1083,10 +1158,19 @@ class Harness {
     if (ring.len() > cap(l)) return true;
     auto b = store_->blocks_to_install(s.id, l, ring.len());
     const auto [take, give] = install_blocks(s, l, ring.len());
-    if (!b || b->take != take || b->give != give)
-      return fail("blocks_to_install " + (b ? std::to_string(b->take) + "/" + std::to_string(b->give)
+    // Of the blocks taken, those that replace blocks shared with a fork.
+    std::int64_t shared = 0;
+    if (full(l)) {
+      const PlaneModel& p = s.planes[static_cast<std::size_t>(l)];
+      const auto n = static_cast<std::size_t>(ceil_div(ring.len(), opt_.block_rows));
+      for (std::size_t i = 0; i < std::min(n, p.blocks.size()); ++i) shared += refs(l, p.blocks[i]) > 1;
+    }
+    if (!b || b->take != take || b->give != give || b->shared != shared)
+      return fail("blocks_to_install " + (b ? std::to_string(b->take) + "/" + std::to_string(b->give) + "/" +
+                                                  std::to_string(b->shared)
                                              : b.error().to_string()) +
-                  ", the model " + std::to_string(take) + "/" + std::to_string(give));
+                  ", the model " + std::to_string(take) + "/" + std::to_string(give) + "/" +
+                  std::to_string(shared));
     return true;
   }
 
@@ -1274,6 +1358,27 @@ class Harness {
     return false;
   }
 
+  // The ring plane l gets from a snapshot (taken from this store): its
+  // rows at the rotation a sequentially built ring has.
+  RingState restored_ring(const Snapshot& snap, std::int64_t l) const {
+    const PlaneSnapshot& p = snap.planes[static_cast<std::size_t>(l)];
+    const std::int64_t c = cap(l);
+    if (full(l)) return *RingState::sequential(c, false, snap.token_count);
+    return RingState::sequential(c, true, p.ring.origin_logical() + c)->rolled_back(c - p.ring.len());
+  }
+
+  // restore_ring() agrees with the model for every layer.
+  bool check_restore_rings(const Snapshot& snap) {
+    for (std::int64_t l = 0; l < L(); ++l) {
+      auto r = restore_ring(snap, l, *store_);
+      if (!r || !(*r == restored_ring(snap, l)))
+        return fail("restore_ring layer " + std::to_string(l) + ": " +
+                    (r ? ring_str(*r) : r.error().to_string()) + ", the model " +
+                    ring_str(restored_ring(snap, l)));
+    }
+    return true;
+  }
+
   void restore_model(SeqModel& s, const Snapshot& snap) {
     for (std::int64_t l = 0; l < L(); ++l) {
       const PlaneSnapshot& p = snap.planes[static_cast<std::size_t>(l)];
@@ -1282,12 +1387,7 @@ class Harness {
         k.emplace_back(p.k.begin() + i * kv(), p.k.begin() + (i + 1) * kv());
         v.emplace_back(p.v.begin() + i * kv(), p.v.begin() + (i + 1) * kv());
       }
-      const std::int64_t c = cap(l);
-      auto ring = full(l) ? RingState::sequential(c, false, snap.token_count)
-                          : RingState::sequential(c, true, p.ring.origin_logical() + c);
-      RingState r = *ring;
-      if (!full(l)) r = r.rolled_back(c - p.ring.len());
-      install_model(s, l, r, &k, &v);
+      install_model(s, l, restored_ring(snap, l), &k, &v);
     }
   }
 
@@ -1300,6 +1400,7 @@ class Harness {
     describe("restore " + std::to_string(snap->token_count) + " tokens into " + name(id) +
              (valid ? "" : " (a corrupted snapshot)"));
     SeqModel* s = live(id);
+    if (valid && !check_restore_rings(*snap)) return;
     const bool expect = s != nullptr && valid && restore_fits(*snap, *s);
     const StoreImage before = image();
     const Status st = restore(*snap, *store_, id);
@@ -1329,6 +1430,7 @@ class Harness {
   Geometry geometry_;
   std::uint64_t seed_;
   std::mt19937_64 rng_;
+  std::mt19937_64 check_rng_{seed_ ^ 0x9e3779b97f4a7c15ull};
   Stats& stats_;
   ModelConfig cfg_;
   StoreOptions opt_;
