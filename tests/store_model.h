@@ -183,6 +183,34 @@ class Harness {
     auto rs = ref_->add_sequence();
     if (!rs) return fail("reference add_sequence");
     ref_seq_ = *rs;
+    // The planes' shapes and sizes.
+    const std::int64_t n_sliding = cfg_.count(LayerKind::kSlidingRope);
+    const std::int64_t ring_bytes = (cfg_.plane_capacity(LayerKind::kSlidingRope, opt_.context) + opt_.slack) * kv() * 4;
+    if (store_->ring_bytes() != ring_bytes || store_->block_bytes() != opt_.block_rows * kv() * 4 ||
+        store_->allocated_bytes() != opt_.max_sequences * n_sliding * ring_bytes + opt_.pool_blocks * store_->block_bytes() ||
+        store_->free_blocks() != opt_.pool_blocks)
+      return fail("ring_bytes, block_bytes, allocated_bytes or free_blocks disagree with the geometry");
+    // position_limit() bounds only what capacity does not: a sliding ring
+    // shorter than its window.
+    for (std::int64_t l = 0; l < L(); ++l)
+      if (store_->capacity(l) != cap(l) || store_->position_limit(l) != (full(l) ? std::int64_t{1} << 62 : limit(l)) ||
+          store_->layout(l) != (full(l) ? Layout::kHeadMajor : Layout::kTokenMajor))
+        return fail("layer " + std::to_string(l) + ": capacity " + std::to_string(store_->capacity(l)) +
+                    ", position_limit " + std::to_string(store_->position_limit(l)) + ", the model " +
+                    std::to_string(cap(l)) + ", " + std::to_string(limit(l)));
+    // A store of another context and slack that snapshots also restore into
+    // (drawn by the checks' generator: the operations stay as they were).
+    StoreOptions xo;
+    xo.context = check_uniform(1, cfg_.max_context);
+    xo.slack = check_uniform(0, std::min<std::int64_t>(16, cfg_.sliding_window));
+    xo.block_rows = std::int64_t{16} << check_uniform(0, 3);
+    xo.attention = opt_.attention;
+    auto x = make_store(backend_, cfg_, xo);
+    if (!x) return fail("make_store (other context): " + x.error().to_string());
+    other_ = std::move(*x);
+    auto xs = other_->add_sequence();
+    if (!xs) return fail("other store add_sequence");
+    other_seq_ = *xs;
     std::ostringstream os;
     os << backend_name(backend_) << " seed " << seed_ << ":";
     if (geometry_ == Geometry::kRandom) {
@@ -1315,8 +1343,55 @@ class Harness {
            std::memcmp(k.data(), p.k.data(), k.size() * 2) != 0 || std::memcmp(v.data(), p.v.data(), v.size() * 2) != 0))
         return void(fail("reference store: restored layer " + std::to_string(l) + " holds other rows"));
     }
+    if (!restore_elsewhere(*snap)) return;
     snaps_.push_back(std::move(*snap));
     if (snaps_.size() > 6) snaps_.erase(snaps_.begin());
+  }
+
+  // Restores `snap` into the store of another context and slack: refused,
+  // changing nothing, exactly where a plane there cannot take what the
+  // snapshot holds (a full plane shorter than its positions, a ring shorter
+  // than the window stopping at the context, a ring needing rows it does not
+  // record); otherwise each plane holds the snapshot's last rows.
+  bool restore_elsewhere(const Snapshot& snap) {
+    KvStore& x = *other_;
+    const std::int64_t n = snap.token_count, slack = x.options().slack;
+    const std::string where = "restore into a store of context " + std::to_string(x.context()) +
+                              ", slack " + std::to_string(slack) + ": ";
+    bool expect = true;
+    std::vector<RingState> before;
+    for (std::int64_t l = 0; l < L(); ++l) {
+      const std::int64_t unslacked = cfg_.plane_capacity(l, x.context());
+      if (full(l) && n > unslacked) expect = false;
+      if (!full(l) && unslacked < cfg_.sliding_window && n > x.context()) expect = false;
+      if (std::min(n, unslacked) > snap.planes[static_cast<std::size_t>(l)].ring.len()) expect = false;
+      before.push_back(*x.ring(other_seq_, l));
+    }
+    const Status st = restore(snap, x, other_seq_);
+    (st.ok() ? stats_["restore_elsewhere"].first : stats_["restore_elsewhere"].second) += 1;
+    if (st.ok() != expect)
+      return fail(where + (st.ok() ? "succeeded" : st.to_string()) + ", the model expected " +
+                  (expect ? "success" : "a refusal"));
+    for (std::int64_t l = 0; l < L(); ++l) {
+      const PlaneSnapshot& p = snap.planes[static_cast<std::size_t>(l)];
+      auto r = x.ring(other_seq_, l);
+      if (!st.ok()) {
+        if (!(*r == before[static_cast<std::size_t>(l)])) return fail(where + "refused but the store changed");
+        continue;
+      }
+      const std::int64_t c = cfg_.plane_capacity(l, x.context()) + (full(l) ? 0 : slack);
+      const std::int64_t rows = std::min({n, c, p.ring.len()});
+      if (r->next_position() != n || r->len() != rows)
+        return fail(where + "layer " + std::to_string(l) + " holds " + ring_str(*r) + ", the model " +
+                    std::to_string(rows) + " rows to position " + std::to_string(n));
+      const auto skip = static_cast<std::size_t>((p.ring.len() - rows) * kv());
+      std::vector<std::uint16_t> k(p.k.size() - skip + 1), v(k.size());
+      if (!x.read_rows(other_seq_, l, n - rows, rows, k.data(), v.data()).ok() ||
+          std::memcmp(k.data(), p.k.data() + skip, (p.k.size() - skip) * 2) != 0 ||
+          std::memcmp(v.data(), p.v.data() + skip, (p.v.size() - skip) * 2) != 0)
+        return fail(where + "layer " + std::to_string(l) + " holds other rows than the snapshot's last");
+    }
+    return true;
   }
 
   // A snapshot to restore: mostly one taken, sometimes corrupted.
@@ -1436,6 +1511,8 @@ class Harness {
   StoreOptions opt_;
   std::unique_ptr<KvStore> store_, ref_;
   SeqId ref_seq_{};
+  std::unique_ptr<KvStore> other_;
+  SeqId other_seq_{};
   std::vector<SeqModel> seqs_;
   std::vector<SeqId> dead_;
   std::vector<Snapshot> snaps_;
