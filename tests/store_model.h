@@ -78,6 +78,9 @@ struct PlaneModel {
   std::int64_t origin = 0, next = 0;  // live positions [origin, next)
   std::vector<Row> k, v;              // by position; rows before origin unused
   std::vector<std::int64_t> blocks;   // full planes: the model's block ids
+  // Sliding rings: the storage, by physical row (position x lives in row
+  // x % capacity); empty where not known.
+  std::vector<Row> pk, pv;
 };
 
 struct SeqModel {
@@ -173,6 +176,19 @@ class Harness {
     if (!s) return fail("make_store: " + s.error().to_string());
     store_ = std::move(*s);
     opt_ = store_->options();
+    // Defaults: the model's context; blocks of 256 rows, or the smallest
+    // power of two from 16 that holds a full plane; a pool for every slot
+    // at full context.
+    {
+      const std::int64_t full_rows = cfg_.plane_capacity(LayerKind::kFullNope, opt_.context);
+      std::int64_t rows = 16;
+      while (rows < 256 && rows < full_rows) rows *= 2;
+      if ((o.context == 0 && opt_.context != cfg_.max_context) || (o.block_rows == 0 && opt_.block_rows != rows) ||
+          (o.pool_blocks == 0 && opt_.pool_blocks != cfg_.count(LayerKind::kFullNope) * opt_.max_sequences *
+                                                         ceil_div(full_rows, opt_.block_rows)))
+        return fail("resolved options: context " + std::to_string(opt_.context) + ", block_rows " +
+                    std::to_string(opt_.block_rows) + ", pool_blocks " + std::to_string(opt_.pool_blocks));
+    }
     StoreOptions ro;
     ro.context = opt_.context;
     ro.block_rows = opt_.block_rows == 16 ? 64 : 16;
@@ -259,6 +275,7 @@ class Harness {
     o.max_sequences = uniform(1, 6);
     o.slack = uniform(0, std::min<std::int64_t>(8, cfg_.sliding_window));
     o.block_rows = chance(85) ? pick({0, 16, 16, 32, 64, 128}) : pick({256, 1024});
+    if (cfg_.kv_dim() <= 64 && chance(3)) o.block_rows = 65536;
     o.zero_fill = chance(80);
     o.attention = chance(25) ? AttentionNumeric::kF16 : AttentionNumeric::kF32;
     // The pool: mostly too small for every slot at full context.
@@ -379,6 +396,13 @@ class Harness {
     m.id = id;
     m.detached = detached;
     m.planes.resize(static_cast<std::size_t>(L()));
+    // Under zero_fill a new (or reset) sequence's rings are zero.
+    for (std::int64_t l = 0; l < L(); ++l)
+      if (!full(l)) {
+        PlaneModel& p = m.planes[static_cast<std::size_t>(l)];
+        p.pk.assign(static_cast<std::size_t>(cap(l)), opt_.zero_fill ? zero_row() : Row{});
+        p.pv = p.pk;
+      }
     return m;
   }
   bool slot_free() const { return static_cast<std::int64_t>(seqs_.size()) < opt_.max_sequences; }
@@ -441,20 +465,26 @@ class Harness {
   }
 
   // ---- Model effects ----------------------------------------------------------------------
-  void set_row(PlaneModel& p, std::int64_t pos, const Row& k, const Row& v) {
+  Row zero_row() const { return Row(static_cast<std::size_t>(kv()), 0); }
+  // Position `pos` of plane l holds rows k, v.
+  void set_row(PlaneModel& p, std::int64_t l, std::int64_t pos, const Row& k, const Row& v) {
     if (static_cast<std::int64_t>(p.k.size()) <= pos) {
       p.k.resize(static_cast<std::size_t>(pos + 1));
       p.v.resize(static_cast<std::size_t>(pos + 1));
     }
     p.k[static_cast<std::size_t>(pos)] = k;
     p.v[static_cast<std::size_t>(pos)] = v;
+    if (!full(l)) {
+      p.pk[static_cast<std::size_t>(pos % cap(l))] = k;
+      p.pv[static_cast<std::size_t>(pos % cap(l))] = v;
+    }
   }
   // Appends `count` rows to plane l of `s` (stores, prefill).
   void append(SeqModel& s, std::int64_t l, std::int64_t count, const std::vector<Row>& k,
               const std::vector<Row>& v, std::size_t from) {
     PlaneModel& p = s.planes[static_cast<std::size_t>(l)];
     for (std::int64_t i = 0; i < count; ++i)
-      set_row(p, p.next + i, k[from + static_cast<std::size_t>(i)], v[from + static_cast<std::size_t>(i)]);
+      set_row(p, l, p.next + i, k[from + static_cast<std::size_t>(i)], v[from + static_cast<std::size_t>(i)]);
     const std::int64_t len = std::min(cap(l), p.next - p.origin + count);
     p.next += count;
     p.origin = p.next - len;
@@ -508,11 +538,15 @@ class Harness {
     p.next = ring.next_position();
     p.k.assign(static_cast<std::size_t>(p.next), Row{});
     p.v.assign(static_cast<std::size_t>(p.next), Row{});
-    if (k != nullptr)
-      for (std::int64_t i = 0; i < ring.len(); ++i) {
-        p.k[static_cast<std::size_t>(p.origin + i)] = (*k)[static_cast<std::size_t>(i)];
-        p.v[static_cast<std::size_t>(p.origin + i)] = (*v)[static_cast<std::size_t>(i)];
-      }
+    // A ring that is not full is cleared first; rows not written are not
+    // known.
+    if (!full(l) && ring.len() < cap(l)) {
+      p.pk.assign(static_cast<std::size_t>(cap(l)), zero_row());
+      p.pv = p.pk;
+    }
+    for (std::int64_t i = 0; i < ring.len(); ++i)
+      set_row(p, l, p.origin + i, k != nullptr ? (*k)[static_cast<std::size_t>(i)] : Row{},
+              k != nullptr ? (*v)[static_cast<std::size_t>(i)] : Row{});
   }
 
   // ---- Store images --------------------------------------------------------------------
@@ -662,6 +696,21 @@ class Harness {
                           ") differs from the model");
           }
       }
+      // A sliding ring's rows past its live ones: zero or rows written
+      // before, as the model knows them.
+      if (!full(l))
+        for (std::int64_t row = 0; row < c; ++row) {
+          const Row& mk = p.pk[static_cast<std::size_t>(row)];
+          const Row& mv = p.pv[static_cast<std::size_t>(row)];
+          if (mk.empty() || live_row[static_cast<std::size_t>(row)]) continue;
+          const std::size_t at = static_cast<std::size_t>(row * kv());
+          if (std::memcmp(mk.data(), pk.data() + at, static_cast<std::size_t>(kv()) * 2) != 0 ||
+              std::memcmp(mv.data(), pv.data() + at, static_cast<std::size_t>(kv()) * 2) != 0)
+            return fail(who + " layer " + std::to_string(l) + ": read_plane row " + std::to_string(row) +
+                        " (not live) differs from the model: " +
+                        (std::all_of(mk.begin(), mk.end(), [](std::uint16_t x) { return x == 0; }) ? "zero" : "a row written before") +
+                        " expected");
+        }
       if (full(l))
         for (std::int64_t row = 0; row < c; ++row) {
           if (live_row[static_cast<std::size_t>(row)]) continue;
@@ -1280,7 +1329,7 @@ class Harness {
     const Status st = store_->install_rows(id, l, first, count, kb.data(), vb.data());
     if (!outcome(st, expect, before) || !st.ok()) return;
     for (std::int64_t i = 0; i < count; ++i)
-      set_row(s->planes[static_cast<std::size_t>(l)], first + i, k.rows[static_cast<std::size_t>(i)],
+      set_row(s->planes[static_cast<std::size_t>(l)], l, first + i, k.rows[static_cast<std::size_t>(i)],
               v.rows[static_cast<std::size_t>(i)]);
   }
 
