@@ -705,6 +705,35 @@ TEST(Store, ShortRingsStopAtTheContext) {
   }
 }
 
+// A sliding ring installed rolled back past its window (install takes any
+// rotation of a sequentially built ring) holds fewer than the W rows before
+// its end: a query that needs the rows it dropped is a bad request, refused
+// alike by decode and prefill, and nothing changes.
+TEST(Store, QueriesNeedingRowsARingDroppedAreRefused) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  // Positions [8, 32) in a ring of 32 rows: built to 40, rolled back by 8.
+  const RingState ring = RingState::sequential(32, true, 40)->rolled_back(8);
+  const std::vector<std::uint16_t> rows(static_cast<std::size_t>(ring.len() * kv), 0x3c00);
+  ASSERT_TRUE(s->install(a, 0, ring, rows.data(), rows.data()).ok());
+  const auto before = live_bytes(*s, a);
+  std::vector<float> k(static_cast<std::size_t>(kv), 0.25f), q(static_cast<std::size_t>(width), 0.5f),
+      o(q.size());
+  const SeqSpan next{a, 32, 1};
+  const Status prefill = s->prefill(0, {&next, 1}, host_view(k.data(), 1, kv), host_view(k.data(), 1, kv),
+                                    host_view(q.data(), 1, width), host_view(o.data(), 1, width));
+  ASSERT_FALSE(prefill.ok());
+  EXPECT_EQ(prefill.error().code, ErrorCode::kInvalidArgument) << prefill.to_string();
+  const SeqQuery last{a, 31};
+  const Status decode = s->attend_decode(0, {&last, 1}, host_view(q.data(), 1, width), host_view(o.data(), 1, width));
+  ASSERT_FALSE(decode.ok());
+  EXPECT_EQ(decode.error().code, ErrorCode::kInvalidArgument) << decode.to_string();
+  EXPECT_EQ(*s->ring(a, 0), ring);
+  EXPECT_EQ(live_bytes(*s, a), before);
+}
+
 // A snapshot of one sequence of a store, taken after a fork and a rollback
 // from a non-zero slot, restores into a sequence of another store (other
 // slack, other slot) byte for byte, and both continue identically.

@@ -870,12 +870,16 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   for (std::size_t i = 0; i < chunks.size(); ++i) {
     writes[i].plane = plane_ref((*slots)[i], layer);
     const SeqSpan& c = chunks[i];
+    // A chunk whose first query sees rows the ring no longer holds (one
+    // installed rolled back past its window) is refused, as in decode.
     const std::int64_t lo = visible_begin(config_, config_.kind(layer), c.start);
     if (lo < c.start && lo < before[i].origin_logical()) {
       rollback(txn);
-      return make_error(ErrorCode::kInternal, seq_name(c.seq) + ", layer " +
-                                                  std::to_string(layer) +
-                                                  ": rows before the chunk are gone");
+      return invalid_argument(seq_name(c.seq) + ", layer " + std::to_string(layer) +
+                              ": a chunk from position " + std::to_string(c.start) + " needs rows from " +
+                              std::to_string(lo) + ", live are [" +
+                              std::to_string(before[i].origin_logical()) + ", " +
+                              std::to_string(before[i].next_position()) + ")");
     }
     items.push_back(AttendItem{writes[i].plane, before[i], c.start, c.count, c.start, row, row});
     row += c.count;
