@@ -219,9 +219,13 @@ Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& s) {
       auto ring = RingState::sequential(s.config.plane_capacity(l, s.context), live->wraps(),
                                         s.token_count);
       if (!ring) return ring.error();
+      // A ring installed rolled back past those rows cannot be recorded.
       if (ring->origin_logical() < live->origin_logical())
-        return make_error(ErrorCode::kInternal,
-                          layer_str(l) + ": the live ring lacks rows a snapshot records");
+        return invalid_argument(layer_str(l) + ": a snapshot records positions [" +
+                                std::to_string(ring->origin_logical()) + ", " +
+                                std::to_string(s.token_count) + "); " + seq_name(seq) +
+                                " holds only [" + std::to_string(live->origin_logical()) + ", " +
+                                std::to_string(s.token_count) + ")");
       p.ring = *ring;
       p.k.resize(static_cast<std::size_t>(p.ring.len() * kv_dim));
       p.v.resize(p.k.size());
