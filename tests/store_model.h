@@ -627,7 +627,16 @@ class Harness {
                     ", live [" + std::to_string(p.origin) + ", " + std::to_string(p.next) + ")");
       if (full(l) && static_cast<std::int64_t>(p.blocks.size()) != ceil_div(p.next, opt_.block_rows))
         return fail(who + ": the model's block table is inconsistent (test bug)");
-      if (s.detached) continue;
+      if (s.detached) {
+        // Rows still arriving are not readable.
+        const auto n_el = static_cast<std::size_t>(std::max<std::int64_t>(1, c * kv()));
+        std::vector<std::uint16_t> k(n_el), v(n_el);
+        if (p.next > p.origin && store_->read_rows(s.id, l, p.origin, 1, k.data(), v.data()).ok())
+          return fail(who + " is detached, but read_rows of layer " + std::to_string(l) + " succeeded");
+        if (store_->read_plane(s.id, l, k.data(), v.data()).ok())
+          return fail(who + " is detached, but read_plane of layer " + std::to_string(l) + " succeeded");
+        continue;
+      }
       // Live rows, in logical order.
       const std::int64_t len = p.next - p.origin;
       if (len > 0) {
@@ -750,6 +759,9 @@ class Harness {
                   (expect_ok ? "success" : "a refusal") + (st.ok() ? "" : ": " + st.to_string()));
     if (!st.ok()) {
       if (st.error().message.empty()) return fail("an error without a message");
+      // kInternal says an invariant of kvring broke: never the answer to a
+      // request, however wrong.
+      if (st.error().code == ErrorCode::kInternal) return fail("refused as an internal error: " + st.to_string());
       if (!(image() == before)) return fail("refused (" + st.to_string() + ") but the store changed");
     }
     return true;
@@ -1363,7 +1375,11 @@ class Harness {
     if (snap.ok() != expect)
       return void(fail(std::string("take_snapshot ") + (snap.ok() ? "succeeded" : snap.error().to_string()) +
                        ", the model expected " + (expect ? "success" : "a refusal")));
-    if (!snap) return;
+    if (!snap) {
+      if (snap.error().code == ErrorCode::kInternal)
+        fail("take_snapshot refused as an internal error: " + snap.error().to_string());
+      return;
+    }
     if (Status v = validate_snapshot(*snap); !v.ok()) return void(fail("snapshot invalid: " + v.to_string()));
     for (std::int64_t l = 0; l < L(); ++l) {
       const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
