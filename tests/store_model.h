@@ -746,8 +746,11 @@ class Harness {
   }
 
   // Checks a call's outcome against the prediction; on a failure, that the
-  // store is as before.
-  bool outcome(const Status& st, bool expect_ok, const StoreImage& before) {
+  // store is as before, and its code where the model knows it (the
+  // documented ones: kNotFound for a handle that is not live, or not there;
+  // kCapacityExceeded for slots or blocks that run out).
+  bool outcome(const Status& st, bool expect_ok, const StoreImage& before,
+               std::optional<ErrorCode> code = std::nullopt) {
     {
       const std::string kind = desc_.substr(0, desc_.find(' '));
       auto& c = stats_[kind];
@@ -762,6 +765,8 @@ class Harness {
       // kInternal says an invariant of kvring broke: never the answer to a
       // request, however wrong.
       if (st.error().code == ErrorCode::kInternal) return fail("refused as an internal error: " + st.to_string());
+      if (code && st.error().code != *code)
+        return fail("refused as " + st.to_string() + ", the model expected " + error_code_name(*code));
       if (!(image() == before)) return fail("refused (" + st.to_string() + ") but the store changed");
     }
     return true;
@@ -898,7 +903,8 @@ class Harness {
     describe(detached ? "add_detached_sequence" : "add_sequence");
     const StoreImage before = image();
     auto id = detached ? store_->add_detached_sequence() : store_->add_sequence();
-    if (!outcome(id.ok() ? Status::Ok() : Status(id.error()), slot_free(), before)) return;
+    if (!outcome(id.ok() ? Status::Ok() : Status(id.error()), slot_free(), before, ErrorCode::kCapacityExceeded))
+      return;
     if (!id) return;
     if (find(*id) != nullptr) return void(fail("a new sequence reuses a live handle"));
     for (const SeqId d : dead_)
@@ -914,7 +920,7 @@ class Harness {
     const StoreImage before = image();
     SeqModel* s = find(id);
     const Status st = store_->remove_sequence(id);
-    if (!outcome(st, s != nullptr, before) || !st.ok()) return;
+    if (!outcome(st, s != nullptr, before, ErrorCode::kNotFound) || !st.ok()) return;
     dead_.push_back(id);
     if (dead_.size() > 6) dead_.erase(dead_.begin());
     seqs_.erase(seqs_.begin() + (s - seqs_.data()));
@@ -926,7 +932,7 @@ class Harness {
     const StoreImage before = image();
     SeqModel* s = live(id);
     const Status st = store_->reset_sequence(id);
-    if (!outcome(st, s != nullptr, before) || !st.ok()) return;
+    if (!outcome(st, s != nullptr, before, ErrorCode::kNotFound) || !st.ok()) return;
     *s = fresh_model(id, false);
   }
 
@@ -937,7 +943,9 @@ class Harness {
     const StoreImage before = image();
     SeqModel* s = live(id);
     auto f = store_->fork_sequence(id);
-    if (!outcome(f.ok() ? Status::Ok() : Status(f.error()), s != nullptr && slot_free(), before) || !f)
+    if (!outcome(f.ok() ? Status::Ok() : Status(f.error()), s != nullptr && slot_free(), before,
+                 s == nullptr ? ErrorCode::kNotFound : ErrorCode::kCapacityExceeded) ||
+        !f)
       return;
     SeqModel copy = *s;
     copy.id = *f;
@@ -970,7 +978,8 @@ class Harness {
         if (s->planes[static_cast<std::size_t>(l)].origin > need) expect = false;
       }
     const Status st = store_->truncate_sequence(id, tokens);
-    if (!outcome(st, expect, before) || !st.ok()) return;
+    if (!outcome(st, expect, before, s == nullptr ? std::optional(ErrorCode::kNotFound) : std::nullopt) || !st.ok())
+      return;
     for (std::int64_t l = 0; l < L(); ++l) {
       PlaneModel& p = s->planes[static_cast<std::size_t>(l)];
       p.next -= tokens;
@@ -1091,7 +1100,10 @@ class Harness {
     const StoreImage before = image();
     const Status st = all_layers ? store_->store_all_layers(spans, k.view, v.view)
                                  : store_->store(layer, spans, k.view, v.view);
-    if (!outcome(st, expect, before) || !st.ok()) return;
+    // Spans that fit every plane are refused only for the pool.
+    if (!outcome(st, expect, before, placed && view_ok ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
+        !st.ok())
+      return;
     std::size_t row = 0;
     for (const std::int64_t l : layers) {
       for (const auto& sp : spans) {
@@ -1124,19 +1136,21 @@ class Harness {
     std::vector<float> out(static_cast<std::size_t>(std::max<std::int64_t>(1, rows * width())), -7.0f);
     MutView ov{out.data(), MemorySpace::kHost, DType::kF32, rows, width(), width()};
     describe("prefill layer " + std::to_string(layer) + " " + spans_str(spans));
-    bool expect = store_ok(spans, {layer});
+    bool placed = false;
+    bool expect = store_ok(spans, {layer}, nullptr, &placed);
     for (const auto& sp : spans) {
       if (sp.count < 1) expect = false;
       SeqModel* s = live(sp.seq);
       if (s == nullptr) continue;
       const PlaneModel& p = s->planes[static_cast<std::size_t>(layer)];
       const std::int64_t lo = visible_begin(cfg_, cfg_.kind(layer), sp.start);
-      if (lo < sp.start && lo < p.origin) expect = false;
+      if (lo < sp.start && lo < p.origin) expect = placed = false;
     }
     if (spans.empty()) expect = true;
     const StoreImage before = image();
     const Status st = store_->prefill(layer, spans, k.view, v.view, q.view, ov);
-    if (!outcome(st, expect, before) || !st.ok()) return false;
+    if (!outcome(st, expect, before, placed ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) || !st.ok())
+      return false;
     std::size_t row = 0;
     for (const auto& sp : spans) {
       append(*find(sp.seq), layer, sp.count, k.rows, v.rows, row);
@@ -1282,7 +1296,10 @@ class Harness {
     const bool expect = s != nullptr && valid && !null_rows && install_fits(*s, l, ring);
     const StoreImage before = image();
     const Status st = store_->install(id, l, ring, null_rows ? nullptr : kb.data(), vb.data());
-    if (!outcome(st, expect, before) || !st.ok()) return;
+    std::optional<ErrorCode> code;
+    if (s == nullptr) code = ErrorCode::kNotFound;
+    else if (valid && !null_rows) code = ErrorCode::kCapacityExceeded;
+    if (!outcome(st, expect, before, code) || !st.ok()) return;
     install_model(*s, l, ring, &k.rows, &v.rows);
   }
 
@@ -1306,7 +1323,10 @@ class Harness {
     const bool expect = s != nullptr && s->detached && valid && install_fits(*s, l, ring);
     const StoreImage before = image();
     const Status st = store_->install_plane(id, l, ring);
-    if (!outcome(st, expect, before) || !st.ok()) return;
+    std::optional<ErrorCode> code;
+    if (s == nullptr) code = ErrorCode::kNotFound;
+    else if (s->detached && valid) code = ErrorCode::kCapacityExceeded;
+    if (!outcome(st, expect, before, code) || !st.ok()) return;
     install_model(*s, l, ring, nullptr, nullptr);
   }
 
@@ -1544,7 +1564,10 @@ class Harness {
     const bool expect = s != nullptr && valid && restore_fits(*snap, *s);
     const StoreImage before = image();
     const Status st = restore(*snap, *store_, id);
-    if (!outcome(st, expect, before) || !st.ok()) return;
+    std::optional<ErrorCode> code;
+    if (s == nullptr) code = ErrorCode::kNotFound;
+    else if (valid) code = ErrorCode::kCapacityExceeded;
+    if (!outcome(st, expect, before, code) || !st.ok()) return;
     restore_model(*s, *snap);
   }
 
@@ -1559,7 +1582,10 @@ class Harness {
     const bool expect = valid && slot_free() && restore_fits(*snap, empty);
     const StoreImage before = image();
     auto id = restore_new_sequence(*snap, *store_);
-    if (!outcome(id.ok() ? Status::Ok() : Status(id.error()), expect, before) || !id) return;
+    if (!outcome(id.ok() ? Status::Ok() : Status(id.error()), expect, before,
+                 valid ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
+        !id)
+      return;
     SeqModel m = fresh_model(*id, false);
     restore_model(m, *snap);
     seqs_.push_back(std::move(m));
