@@ -1024,14 +1024,17 @@ class Harness {
   }
 
   // Whether storing `spans` into `layers` must succeed.
-  // `placed`: every span is a valid continuation of every layer, whatever
-  // the pool holds (blocks_needed then counts the blocks they take).
+  // `continues`: the spans name live sequences once each and continue every
+  // layer, so that only a plane's limit or the pool can refuse them;
+  // `placed`: they also fit every plane, whatever the pool holds
+  // (blocks_needed then counts the blocks they take).
   bool store_ok(const std::vector<SeqSpan>& spans, const std::vector<std::int64_t>& layers,
-                std::int64_t* blocks_needed = nullptr, bool* placed = nullptr) {
+                std::int64_t* blocks_needed = nullptr, bool* placed = nullptr, bool* continues = nullptr) {
     std::int64_t need = 0;
-    bool valid = true;
+    bool valid = true, next = true;
     std::vector<SeqId> seen;
     if (placed != nullptr) *placed = false;
+    if (continues != nullptr) *continues = false;
     for (const auto& sp : spans) {
       SeqModel* s = live(sp.seq);
       if (s == nullptr || sp.count < 1) return false;
@@ -1039,12 +1042,14 @@ class Harness {
       seen.push_back(sp.seq);
       for (const std::int64_t l : layers) {
         const PlaneModel& p = s->planes[static_cast<std::size_t>(l)];
+        if (sp.start != p.next) next = false;
         if (sp.start != p.next || sp.start + sp.count > limit(l)) valid = false;
         else need += store_blocks(*s, l, sp.start, sp.count);
       }
     }
     if (blocks_needed != nullptr) *blocks_needed = need;
     if (placed != nullptr) *placed = valid && !spans.empty();
+    if (continues != nullptr) *continues = next && !spans.empty();
     return valid && need <= model_free();
   }
 
@@ -1084,8 +1089,8 @@ class Harness {
     else
       layers.push_back(layer);
     std::int64_t need = 0;
-    bool placed = false;
-    bool expect = store_ok(spans, layers, &need, &placed) && view_ok;
+    bool placed = false, continues = false;
+    bool expect = store_ok(spans, layers, &need, &placed, &continues) && view_ok;
     for (const auto& sp : spans)
       if (sp.count < 1) expect = false;
     if (spans.empty()) expect = view_ok;
@@ -1100,8 +1105,9 @@ class Harness {
     const StoreImage before = image();
     const Status st = all_layers ? store_->store_all_layers(spans, k.view, v.view)
                                  : store_->store(layer, spans, k.view, v.view);
-    // Spans that fit every plane are refused only for the pool.
-    if (!outcome(st, expect, before, placed && view_ok ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
+    // Spans that continue every plane are refused only for a plane's limit
+    // or the pool.
+    if (!outcome(st, expect, before, continues && view_ok ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
         !st.ok())
       return;
     std::size_t row = 0;
@@ -1136,20 +1142,21 @@ class Harness {
     std::vector<float> out(static_cast<std::size_t>(std::max<std::int64_t>(1, rows * width())), -7.0f);
     MutView ov{out.data(), MemorySpace::kHost, DType::kF32, rows, width(), width()};
     describe("prefill layer " + std::to_string(layer) + " " + spans_str(spans));
-    bool placed = false;
-    bool expect = store_ok(spans, {layer}, nullptr, &placed);
+    bool continues = false;
+    bool expect = store_ok(spans, {layer}, nullptr, nullptr, &continues);
     for (const auto& sp : spans) {
       if (sp.count < 1) expect = false;
       SeqModel* s = live(sp.seq);
       if (s == nullptr) continue;
       const PlaneModel& p = s->planes[static_cast<std::size_t>(layer)];
       const std::int64_t lo = visible_begin(cfg_, cfg_.kind(layer), sp.start);
-      if (lo < sp.start && lo < p.origin) expect = placed = false;
+      if (lo < sp.start && lo < p.origin) expect = continues = false;
     }
     if (spans.empty()) expect = true;
     const StoreImage before = image();
     const Status st = store_->prefill(layer, spans, k.view, v.view, q.view, ov);
-    if (!outcome(st, expect, before, placed ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) || !st.ok())
+    if (!outcome(st, expect, before, continues ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
+        !st.ok())
       return false;
     std::size_t row = 0;
     for (const auto& sp : spans) {
