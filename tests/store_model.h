@@ -1,7 +1,8 @@
 // A seeded, randomized state-machine test of the many-sequence store against
-// a reference model, for any backend (tests/store_model_test.cc runs it on
-// the CPU; a CUDA test runs the same harness on the GPU, whose store keeps
-// the same contracts).
+// a reference model, for any backend: run_seeds(kind, ...) at the end.
+// tests/store_model_test.cc runs it on the CPU; the CUDA store keeps the
+// same contracts (the same stored f16 bits, batch and solo outputs equal bit
+// for bit, refusals that change nothing), so a CUDA test runs it unchanged.
 //
 // Random operations (sequences added, removed, reset, forked, truncated;
 // stores into one layer or all layers, prefill, decode; installs into live
@@ -9,13 +10,18 @@
 // corrupted) run against a small geometry whose pool and slots run out
 // often: a fixed hybrid one, or one drawn per seed. The model holds, per
 // sequence and layer, the live range [origin, next), the f16 bits of every
-// live row and the pool blocks of full planes (shared after a fork until
-// written). It predicts whether each call must succeed, and the test checks:
+// live row, the storage of sliding rings and the pool blocks of full planes
+// (shared after a fork until written). It predicts whether each call must
+// succeed, and the test checks:
 //   - a call succeeds exactly when the model says it may (the documented
-//     rules: positions, capacities, the pool, the slots, detached sequences);
+//     rules: positions, capacities, the pool, the slots, detached sequences),
+//     a refusal has the documented code where the model knows it, and none
+//     is an internal error;
 //   - after a success, every sequence's ring(), next_position(),
-//     blocks_held(), read_rows(), read_plane() and the store's free_blocks()
-//     and sequences() agree with the model (free blocks: the pool less the
+//     blocks_held(), read_rows() (all live rows and a stretch of them),
+//     read_plane() (live rows where the layout puts them; zeros, or rows
+//     written before, elsewhere) and the store's free_blocks() and
+//     sequences() agree with the model (free blocks: the pool less the
 //     distinct blocks the sequences hold);
 //   - after a failure, the whole store (every ring state, every plane image,
 //     the blocks held and free, the sequence list) is byte-identical to
@@ -23,9 +29,12 @@
 //   - decode and prefill outputs are bitwise equal to a decode, one query at
 //     a time, in a fresh store of the same backend, another slack and block
 //     size that holds the same visible rows (bits never depend on batch,
-//     rotation, slot or blocks; a prefilled token equals a decoded one);
-//   - snapshots hold the model's rows; blocks_to_store and blocks_to_install
-//     agree with the model's count of blocks.
+//     rotation, slot or blocks; a prefilled token equals a decoded one), and
+//     within rounding of attention computed from its definition;
+//   - snapshots hold the model's rows and restore into stores of other
+//     slack, blocks and context; restore_ring, blocks_to_store and
+//     blocks_to_install agree with the model; the planes' capacities, limits
+//     and sizes and the resolved options agree with the geometry.
 // Every view and row buffer is in host memory, which both backends take.
 //
 // Environment: KVRING_MODEL_SEEDS and KVRING_MODEL_OPS override the seed
