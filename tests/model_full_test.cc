@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "kvring/model.h"
 #include "test_util.h"
@@ -19,9 +18,7 @@ namespace {
 
 constexpr std::int64_t kContext = 2560;
 
-bool same_bits(const float* a, const float* b, std::size_t n) {
-  return std::memcmp(a, b, n * sizeof(float)) == 0;
-}
+using testing::same_bits;
 
 TEST(ExactnessGate, MuseGlimmerFullGeometryAt2047To2049) {
   const ModelConfig glimmer = *preset_config("muse-glimmer");

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <set>
@@ -47,9 +46,7 @@ ModelRun run_model(std::shared_ptr<const ReferenceModel> model, const std::vecto
   return r;
 }
 
-bool same_bits(const float* a, const float* b, std::size_t n) {
-  return std::memcmp(a, b, n * sizeof(float)) == 0;
-}
+using testing::same_bits;
 
 void gate(const ModelConfig& config, const ModelOptions& options, std::int64_t context,
           const std::vector<std::int64_t>& positions) {

@@ -70,11 +70,7 @@
 namespace kvring::store_model {
 
 using Row = std::vector<std::uint16_t>;  // kv_dim f16 bits; empty: not known
-
-inline std::uint64_t env_or(const char* name, std::uint64_t fallback) {
-  const char* s = std::getenv(name);
-  return s != nullptr ? std::strtoull(s, nullptr, 10) : fallback;
-}
+using testing::env_or;
 
 inline float bf16_value(std::uint16_t bits) {
   const std::uint32_t u = static_cast<std::uint32_t>(bits) << 16;

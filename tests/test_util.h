@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -25,6 +27,18 @@ inline std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float
   std::vector<float> v(n);
   for (auto& x : v) x = dist(rng);
   return v;
+}
+
+// An unsigned integer from the environment variable `name`, or `fallback`
+// when it is not set (seed counts and the like of the randomized tests).
+inline std::uint64_t env_or(const char* name, std::uint64_t fallback) {
+  const char* s = std::getenv(name);
+  return s != nullptr ? std::strtoull(s, nullptr, 10) : fallback;
+}
+
+// The same bits in n floats (NaNs compare by their bits).
+inline bool same_bits(const float* a, const float* b, std::size_t n) {
+  return std::memcmp(a, b, n * sizeof(float)) == 0;
 }
 
 // A figure of /proc/self/status in bytes: key "VmSize" (the address space)
@@ -71,12 +85,16 @@ struct PlaneBytes {
   bool operator==(const PlaneBytes&) const = default;
 };
 
-inline PlaneBytes plane_bytes(const KvCache& c, std::int64_t layer) {
-  const auto n = static_cast<std::size_t>(c.ring(layer).capacity() * c.config().kv_dim());
+inline PlaneBytes plane_bytes(const KvStore& store, SeqId seq, std::int64_t layer) {
+  const auto n = static_cast<std::size_t>(store.capacity(layer) * store.config().kv_dim());
   PlaneBytes b{std::vector<std::uint16_t>(n), std::vector<std::uint16_t>(n)};
-  const Status s = c.read_plane(layer, b.k.data(), b.v.data());
+  const Status s = store.read_plane(seq, layer, b.k.data(), b.v.data());
   EXPECT_TRUE(s.ok()) << s.to_string();
   return b;
+}
+
+inline PlaneBytes plane_bytes(const KvCache& c, std::int64_t layer) {
+  return plane_bytes(c.store(), c.seq(), layer);
 }
 
 // Every ring state and every physical byte of a cache.
@@ -86,13 +104,18 @@ struct CacheImage {
   bool operator==(const CacheImage&) const = default;
 };
 
-inline CacheImage image(const KvCache& c) {
+// The image of one sequence of a store.
+inline CacheImage image(const KvStore& store, SeqId seq) {
   CacheImage im;
-  for (std::int64_t l = 0; l < c.n_layers(); ++l) {
-    im.rings.push_back(c.ring(l));
-    im.planes.push_back(plane_bytes(c, l));
+  for (std::int64_t l = 0; l < store.n_layers(); ++l) {
+    auto ring = store.ring(seq, l);
+    EXPECT_TRUE(ring.ok()) << ring.error().to_string();
+    im.rings.push_back(ring.ok() ? *ring : RingState{});
+    im.planes.push_back(plane_bytes(store, seq, l));
   }
   return im;
 }
+
+inline CacheImage image(const KvCache& c) { return image(c.store(), c.seq()); }
 
 }  // namespace kvring::testing
