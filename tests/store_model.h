@@ -1052,6 +1052,18 @@ class Harness {
         else need += store_blocks(*s, l, sp.start, sp.count);
       }
     }
+    // When every holder of a shared block writes into it, one keeps it.
+    if (valid)
+      for (const std::int64_t l : layers) {
+        if (!full(l)) continue;
+        std::map<std::int64_t, std::int64_t> writers;
+        for (const auto& sp : spans) {
+          const PlaneModel& p = live(sp.seq)->planes[static_cast<std::size_t>(l)];
+          const auto first = static_cast<std::size_t>(sp.start / opt_.block_rows);
+          if (first < p.blocks.size() && refs(l, p.blocks[first]) > 1) ++writers[p.blocks[first]];
+        }
+        for (const auto& [block, n] : writers) need -= n == refs(l, block) ? 1 : 0;
+      }
     if (blocks_needed != nullptr) *blocks_needed = need;
     if (placed != nullptr) *placed = valid && !spans.empty();
     if (continues != nullptr) *continues = next && !spans.empty();

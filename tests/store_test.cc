@@ -519,6 +519,57 @@ TEST(Store, TruncateIntoASharedBlockCopiesItOnWrite) {
   EXPECT_EQ(live_bytes(*s, a), a_bytes);
 }
 
+// When every holder of a shared block writes into it in one call, the one
+// that starts furthest keeps it and the others copy it: a fork and its
+// source decoding together fit a pool sized for every slot at one block a
+// plane, and each equals a solo run.
+TEST(Store, HoldersWritingASharedBlockTogetherLeaveItToOne) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/64, /*n_layers=*/4);
+  auto s = cpu_store(c, {.max_sequences = 2});
+  ASSERT_EQ(s->pool_blocks(), 2);  // one full layer, one block of 64 rows a slot
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 10}}}, out);
+  const SeqId b = *s->fork_sequence(a);
+  EXPECT_EQ(s->free_blocks(), 1);
+  const SeqSpan both[] = {{a, 10, 1}, {b, 10, 1}};
+  EXPECT_EQ(*s->blocks_to_store(both), 1);
+  run_batch(*s, {{1, SeqSpan{a, 10, 1}}, {2, SeqSpan{b, 10, 1}}}, out);
+  EXPECT_EQ(s->free_blocks(), 0);
+  run_batch(*s, {{2, SeqSpan{b, 11, 3}}, {1, SeqSpan{a, 11, 4}}}, out);
+  Outputs solo;
+  std::vector<std::uint16_t> a_bytes;
+  run_solo(c, {}, 1, 15, solo, a_bytes);
+  EXPECT_EQ(live_bytes(*s, a), a_bytes);
+  auto t = cpu_store(c, {});
+  const SeqId u = *t->add_sequence();
+  Outputs solo_b;
+  run_batch(*t, {{1, SeqSpan{u, 0, 10}}}, solo_b);
+  run_batch(*t, {{2, SeqSpan{u, 10, 4}}}, solo_b);
+  EXPECT_EQ(live_bytes(*s, b), live_bytes(*t, u));
+  for (std::int64_t p = 10; p < 14; ++p) EXPECT_EQ((out[{2, 3, p}]), (solo_b[{2, 3, p}]));
+
+  // From different positions (a fork rolled back): the furthest keeps the
+  // block. With a third holder that does not write, both writers copy.
+  auto r = cpu_store(c, {.max_sequences = 3});
+  const SeqId x = *r->add_sequence();
+  run_batch(*r, {{1, SeqSpan{x, 0, 10}}}, out);
+  const SeqId y = *r->fork_sequence(x);
+  ASSERT_TRUE(r->truncate_sequence(y, 4).ok());
+  const SeqSpan apart[] = {{y, 6, 2}, {x, 10, 1}};
+  EXPECT_EQ(*r->blocks_to_store(apart), 1);
+  const SeqId z = *r->fork_sequence(x);
+  EXPECT_EQ(*r->blocks_to_store(apart), 2);
+  const std::int64_t free_before = r->free_blocks();
+  run_batch(*r, {{2, SeqSpan{y, 6, 2}}, {1, SeqSpan{x, 10, 1}}}, out);
+  EXPECT_EQ(r->free_blocks(), free_before - 2);
+  std::vector<std::uint16_t> x_solo, z_solo;
+  run_solo(c, {}, 1, 11, solo, x_solo);
+  run_solo(c, {}, 1, 10, solo, z_solo);
+  EXPECT_EQ(live_bytes(*r, x), x_solo);
+  EXPECT_EQ(live_bytes(*r, z), z_solo);
+}
+
 TEST(Store, ARefusedBatchChangesNoSequence) {
   const ModelConfig c = small_config();
   auto s = cpu_store(c, {.max_sequences = 3, .block_rows = 16});

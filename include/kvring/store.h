@@ -185,7 +185,8 @@ class KvStore {
   Status reset_sequence(SeqId seq);
   // A new sequence with the same contents: its sliding rings are copied,
   // its full blocks are shared (a block is written only while one sequence
-  // holds it; the first write into a shared block copies it).
+  // holds it; the first write into a shared block copies it, and when all
+  // its holders write into it in one call, all but one copy it).
   Result<SeqId> fork_sequence(SeqId source);
   // Rolls the sequence back by its last `tokens` tokens. Refused, changing
   // nothing, past its start or when a sliding ring would then hold fewer
@@ -202,7 +203,9 @@ class KvStore {
   // Blocks the sequence's full planes hold (shared ones included).
   Result<std::int64_t> blocks_held(SeqId seq) const;
   // Blocks that storing `spans` into every full layer would take from the
-  // pool (new blocks, and copies of shared blocks written into).
+  // pool (new blocks, and copies of shared blocks written into; of the
+  // holders of a shared block that all write into it in one call, one
+  // keeps it).
   Result<std::int64_t> blocks_to_store(std::span<const SeqSpan> spans) const;
   // What install() of a ring of `rows` rows into plane `layer` of `seq`
   // takes from the pool while it runs (new blocks, and new ones for blocks
@@ -436,6 +439,14 @@ class KvStore {
                          std::int64_t cols) const;
   Status check_out_view(const char* what, const MutView& v, std::int64_t rows,
                         std::int64_t cols) const;
+  // Whether span i, whose first row falls in `block` of full plane `fi`,
+  // a block other sequences hold too, writes into it in place instead of
+  // copying it: when every holder of the block writes into it in the same
+  // call, the one that starts furthest (the last of equals) takes it over
+  // and the others copy it. Its rows then land past every row the others
+  // hold, so no holder ever sees another's writes, even after a rollback.
+  bool keeps_shared_block(std::span<const SeqSpan> spans, std::size_t i, std::int64_t fi,
+                          std::int32_t block) const;
   // Plans the writes of `spans` into `layer` in `txn`: ring placements,
   // new blocks, copies of shared blocks. Leaves the store unchanged.
   Status plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
