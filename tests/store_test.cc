@@ -506,6 +506,28 @@ TEST(Store, TruncateRollsBackWithinTheSlack) {
   EXPECT_EQ(s->free_blocks(), free_before);
 }
 
+// A snapshot holds no slack rows: a sequence restored into a store with
+// slack rolls back only the tokens stored after the restore.
+TEST(Store, RollbackAfterARestoreStopsAtTheRestorePoint) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  const StoreOptions o{.max_sequences = 2, .slack = 4, .block_rows = 16};
+  auto s = cpu_store(c, o);
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 100}}}, out);
+  auto snap = take_snapshot(*s, a);
+  ASSERT_TRUE(snap.ok());
+  auto b = restore_new_sequence(*snap, *s);
+  ASSERT_TRUE(b.ok()) << b.error().to_string();
+  const Status before_restore_point = s->truncate_sequence(*b, 1);
+  EXPECT_EQ(before_restore_point.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(before_restore_point.error().message.find("not before a restore"), std::string::npos);
+  EXPECT_TRUE(s->truncate_sequence(a, 1).ok());  // the live one still can
+  run_batch(*s, {{2, SeqSpan{*b, 100, 4}}}, out);
+  EXPECT_TRUE(s->truncate_sequence(*b, 4).ok());
+  EXPECT_EQ(*s->next_position(*b), 100);
+}
+
 TEST(Store, TruncateIntoASharedBlockCopiesItOnWrite) {
   const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
   auto s = cpu_store(c, {.max_sequences = 2, .block_rows = 16});

@@ -125,8 +125,8 @@ struct StoreOptions {
   // it; one whose ring is shorter than W stops there, like a full layer.
   std::int64_t context = 0;
   // Extra rows of every sliding ring: a sequence can always be rolled back
-  // to any position within `slack` of the furthest it reached
-  // (truncate_sequence).
+  // to any position within `slack` of the furthest it reached, and not
+  // before its last restore (truncate_sequence).
   std::int64_t slack = 0;
   // Rows of one full-attention block: a power of two in [16, 65536]
   // (0: 256, or the smallest power of two from 16 that holds a full plane
@@ -189,9 +189,11 @@ class KvStore {
   // its holders write into it in one call, all but one copy it).
   Result<SeqId> fork_sequence(SeqId source);
   // Rolls the sequence back by its last `tokens` tokens. Refused, changing
-  // nothing, past its start or when a sliding ring would then hold fewer
-  // than the W rows before the new end (always allowed to an end within
-  // `slack` of the furthest position the sequence reached).
+  // nothing, past its start or when a sliding ring would then no longer
+  // hold the rows a ring without slack holds at the new end (at least the W
+  // before it). Always allowed to an end within `slack` of the furthest
+  // position the sequence reached and not before the position it was
+  // restored or installed at: a snapshot holds no slack rows.
   Status truncate_sequence(SeqId seq, std::int64_t tokens);
 
   bool contains(SeqId seq) const;

@@ -460,7 +460,7 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
           "cannot roll " + seq_name(seq) + " back by " + std::to_string(tokens) +
           " tokens: layer " + std::to_string(l) + "'s ring no longer holds position " +
           std::to_string(need) + " (rollback is guaranteed to within " +
-          std::to_string(options_.slack) + " tokens, the store's slack, of the furthest position it reached)");
+          std::to_string(options_.slack) + " tokens, the store's slack, of the furthest position it reached, and not before a restore)");
     r = r.rolled_back(tokens);
   }
   s.rings = std::move(rings);
