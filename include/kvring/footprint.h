@@ -31,8 +31,9 @@ Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t cont
                                     std::int64_t slots);
 
 // How many sequences of `length` tokens a store holds in `memory_bytes`:
-// each takes its sliding rings (max(32, min(context, W)) + slack rows) and, per full layer, its
-// rows rounded up to whole blocks (block_rows 0: the store's default).
+// each takes its sliding rings (max(32, min(context, W)) + slack rows)
+// and, per full layer, its rows rounded up to whole blocks (block_rows 0:
+// the store's default).
 struct SequenceFit {
   std::int64_t length = 0;
   std::int64_t memory_bytes = 0;

@@ -53,7 +53,8 @@ class RingState {
   static RingState full(std::int64_t capacity) { return RingState(capacity, false); }
   // A state as recorded elsewhere (a snapshot); checks that a sequentially
   // built ring can hold it (not a rolled-back one: a moved origin needs a
-  // full ring), and that its end (origin_logical + len) stays within 2^62 positions.
+  // full ring), and that its end (origin_logical + len) stays within 2^62
+  // positions.
   static Result<RingState> from_parts(std::int64_t capacity, bool wraps, std::int64_t len,
                                       std::int64_t origin_logical,
                                       std::int64_t origin_physical);

@@ -1,8 +1,9 @@
 // The KV store an engine embeds: many sequences of one model geometry.
 //
 // Per sequence: one ring per sliding layer (max(32, min(context, W)) +
-// slack rows, token-major, in the sequence's slot) and, per full layer, a block table into one pool of
-// fixed-size blocks that every sequence shares (head-major inside a block).
+// slack rows, token-major, in the sequence's slot) and, per full layer, a
+// block table into one pool of fixed-size blocks that every sequence
+// shares (head-major inside a block).
 // The base class owns every ring state, block table and reference count,
 // and does every check and every piece of placement arithmetic; a backend
 // only moves bytes to the placements it is given and attends over them
