@@ -442,14 +442,17 @@ class KvStore {
                          std::int64_t cols) const;
   Status check_out_view(const char* what, const MutView& v, std::int64_t rows,
                         std::int64_t cols) const;
-  // Whether span i, whose first row falls in `block` of full plane `fi`,
-  // a block other sequences hold too, writes into it in place instead of
-  // copying it: when every holder of the block writes into it in the same
-  // call, the one that starts furthest (the last of equals) takes it over
-  // and the others copy it. Its rows then land past every row the others
-  // hold, so no holder ever sees another's writes, even after a rollback.
-  bool keeps_shared_block(std::span<const SeqSpan> spans, std::size_t i, std::int64_t fi,
-                          std::int32_t block) const;
+  // The block of `slot`'s full plane `fi` that holds `position`; -1 when
+  // the table does not reach it.
+  std::int32_t block_at(std::int32_t slot, std::int64_t fi, std::int64_t position) const;
+  // Whether span i (of `slot`) copies the block its first row falls in on
+  // full plane `fi`: a block other sequences hold too is written in place
+  // only when every holder writes into it in the same call, and then only
+  // by the one that starts furthest (the last of equals); the others copy
+  // it. Its rows land past every row the others hold, so no holder ever
+  // sees another's writes, even after a rollback.
+  bool copies_first_block(std::span<const SeqSpan> spans, std::size_t i, std::int32_t slot,
+                          std::int64_t fi) const;
   // Plans the writes of `spans` into `layer` in `txn`: ring placements,
   // new blocks, copies of shared blocks. Leaves the store unchanged.
   Status plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,

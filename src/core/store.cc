@@ -176,14 +176,14 @@ struct KvStore::Scratch {
   std::vector<RowWrite> writes;
   std::vector<AttendItem> items;
   std::vector<RingState> before;
-  std::vector<char> keeps;  // plan_store: per span, keeps_shared_block
+  std::vector<char> copies;  // plan_store: per span, copies_first_block
   // The transaction and vectors of one batched call, emptied.
   Txn& begin() {
     txn.clear();
     writes.clear();
     items.clear();
     before.clear();
-    keeps.clear();
+    copies.clear();
     return txn;
   }
 };
@@ -540,16 +540,11 @@ Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) co
       continue;
     const auto& tables = slots_[static_cast<std::size_t>(*slot)].tables;
     for (std::size_t fi = 0; fi < tables.size(); ++fi) {
-      const auto& table = tables[fi];
-      const auto held = static_cast<std::int64_t>(table.size());
-      const std::int64_t first = sp.start / B;
+      const auto held = static_cast<std::int64_t>(tables[fi].size());
       n += std::max<std::int64_t>(0, ceil_div(sp.start + sp.count, B) - held);
-      if (first < held) {
-        const std::int32_t b = table[static_cast<std::size_t>(first)];
-        if (refs(b) > 1 && !keeps_shared_block(spans, static_cast<std::size_t>(&sp - spans.data()),
-                                               static_cast<std::int64_t>(fi), b))
-          ++n;
-      }
+      if (copies_first_block(spans, static_cast<std::size_t>(&sp - spans.data()), *slot,
+                             static_cast<std::int64_t>(fi)))
+        ++n;
     }
   }
   return n;
@@ -687,42 +682,37 @@ Result<std::vector<std::int32_t>> KvStore::slots_of_spans(std::span<const SeqSpa
 
 // ---- Planning ---------------------------------------------------------------------
 
-bool KvStore::keeps_shared_block(std::span<const SeqSpan> spans, std::size_t i, std::int64_t fi,
-                                 std::int32_t block) const {
-  const std::int64_t B = options_.block_rows;
+std::int32_t KvStore::block_at(std::int32_t slot, std::int64_t fi, std::int64_t position) const {
+  const auto& table = slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)];
+  const std::int64_t b = position / options_.block_rows;
+  return b >= 0 && b < static_cast<std::int64_t>(table.size()) ? table[static_cast<std::size_t>(b)] : -1;
+}
+
+bool KvStore::copies_first_block(std::span<const SeqSpan> spans, std::size_t i, std::int32_t slot,
+                                 std::int64_t fi) const {
+  const std::int32_t block = block_at(slot, fi, spans[i].start);
+  if (block < 0 || refs(block) == 1) return false;
   std::int64_t writers = 0;
   for (std::size_t j = 0; j < spans.size(); ++j) {
-    auto slot = slot_of(spans[j].seq);
-    if (!slot) continue;
-    const auto& table = slots_[static_cast<std::size_t>(*slot)].tables[static_cast<std::size_t>(fi)];
-    const std::int64_t first = spans[j].start / B;
-    if (first < 0 || first >= static_cast<std::int64_t>(table.size()) ||
-        table[static_cast<std::size_t>(first)] != block)
-      continue;
+    auto other = slot_of(spans[j].seq);
+    if (!other || block_at(*other, fi, spans[j].start) != block) continue;
     ++writers;
     if (j != i && (spans[j].start > spans[i].start || (spans[j].start == spans[i].start && j > i)))
-      return false;
+      return true;
   }
-  return writers == refs(block);
+  return writers != refs(block);
 }
 
 Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
                            std::span<const std::int32_t> slots, std::vector<RowWrite>& writes) {
   const std::int64_t fi = full_index(layer);
   const std::int64_t B = options_.block_rows;
-  // Which writers of shared blocks keep them, decided on the tables as they
-  // are before this call changes any.
-  std::vector<char>& keeps = scratch_->keeps;
-  keeps.assign(spans.size(), 0);
+  // Which spans copy the shared block they start in, decided on the tables
+  // as they are before this call changes any.
+  std::vector<char>& copies = scratch_->copies;
+  copies.assign(spans.size(), 0);
   if (fi >= 0)
-    for (std::size_t i = 0; i < spans.size(); ++i) {
-      const auto& table = slots_[static_cast<std::size_t>(slots[i])].tables[static_cast<std::size_t>(fi)];
-      const std::int64_t first = spans[i].start / B;
-      if (first >= 0 && first < static_cast<std::int64_t>(table.size())) {
-        const std::int32_t b = table[static_cast<std::size_t>(first)];
-        keeps[i] = refs(b) > 1 && keeps_shared_block(spans, i, fi, b);
-      }
-    }
+    for (std::size_t i = 0; i < spans.size(); ++i) copies[i] = copies_first_block(spans, i, slots[i], fi);
   std::int64_t row = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const std::int32_t slot = slots[i];
@@ -747,8 +737,7 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
       auto& table = s.tables[static_cast<std::size_t>(fi)];
       const std::int64_t first_block = spans[i].start / B;
       const std::int64_t end_block = ceil_div(spans[i].start + spans[i].count, B);
-      const bool shared = first_block < static_cast<std::int64_t>(table.size()) &&
-                          refs(table[static_cast<std::size_t>(first_block)]) > 1 && keeps[i] == 0;
+      const bool shared = copies[i] != 0;
       if (shared || end_block > static_cast<std::int64_t>(table.size())) {
         txn.save(*this, slot, fi);
         const std::int64_t change_from =
