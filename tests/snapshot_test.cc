@@ -318,25 +318,6 @@ TEST_F(RestoreRefusal, SlidingRingLacksRows) {
   expect_refused(s, *wide, ErrorCode::kMismatch, "layer 0: the target ring of capacity 64");
 }
 
-// A sliding ring installed rolled back past the rows a snapshot records
-// (install takes any rotation of a sequentially built ring) cannot be
-// snapshotted: a bad request, refused as one.
-TEST(Snapshot, ASequenceLackingRowsASnapshotRecordsIsRefused) {
-  const ModelConfig cfg = small_config(32, 256, 4);  // layers 0-2 sliding, 3 full
-  auto store = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1});
-  ASSERT_TRUE(store.ok());
-  KvStore& s = **store;
-  const SeqId a = *s.add_sequence();
-  const std::vector<std::uint16_t> rows(static_cast<std::size_t>(32 * cfg.kv_dim()), 0x3c00);
-  // Every plane ends at position 32; the rings hold only [8, 32) of it.
-  const RingState sliding = RingState::sequential(32, true, 40)->rolled_back(8);
-  for (std::int64_t l = 0; l < 3; ++l) ASSERT_TRUE(s.install(a, l, sliding, rows.data(), rows.data()).ok());
-  ASSERT_TRUE(s.install(a, 3, *RingState::sequential(s.capacity(3), false, 32), rows.data(), rows.data()).ok());
-  auto snap = take_snapshot(s, a);
-  ASSERT_FALSE(snap.ok());
-  EXPECT_EQ(snap.error().code, ErrorCode::kInvalidArgument) << snap.error().to_string();
-}
-
 TEST_F(RestoreRefusal, InconsistentSnapshot) {
   const ModelConfig cfg = small_config(32, 256, 4);
   auto live = filled_cache(cfg, 256, 50, 1);

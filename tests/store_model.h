@@ -1267,6 +1267,9 @@ class Harness {
     RingState r = *RingState::sequential(c, !full(l), n);
     if (!full(l) && chance(20) && r.len() > 0) r = r.rolled_back(uniform(0, r.len()));
     if (r.next_position() > limit(l)) *valid = false;
+    // Rolled back past the rows a ring without slack holds at its end.
+    if (!full(l) && r.origin_logical() > std::max<std::int64_t>(0, r.next_position() - (c - opt_.slack)))
+      *valid = false;
     return r;
   }
 

@@ -778,33 +778,40 @@ TEST(Store, ShortRingsStopAtTheContext) {
   }
 }
 
-// A sliding ring installed rolled back past its window (install takes any
-// rotation of a sequentially built ring) holds fewer than the W rows before
-// its end: a query that needs the rows it dropped is a bad request, refused
-// alike by decode and prefill, and nothing changes.
-TEST(Store, QueriesNeedingRowsARingDroppedAreRefused) {
+// A sliding ring rolled back past its window (fewer than the W rows before
+// its end, a state truncate_sequence refuses to make) is refused by install
+// and install_plane alike, and nothing changes; one rolled back within the
+// store's slack is taken.
+TEST(Store, InstallRefusesARingRolledBackPastItsWindow) {
   const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
-  auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  auto s = cpu_store(c, {.max_sequences = 2, .slack = 4, .block_rows = 16});
   const SeqId a = *s->add_sequence();
-  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
-  // Positions [8, 32) in a ring of 32 rows: built to 40, rolled back by 8.
-  const RingState ring = RingState::sequential(32, true, 40)->rolled_back(8);
-  const std::vector<std::uint16_t> rows(static_cast<std::size_t>(ring.len() * kv), 0x3c00);
-  ASSERT_TRUE(s->install(a, 0, ring, rows.data(), rows.data()).ok());
+  const std::int64_t kv = c.kv_dim();
+  ASSERT_EQ(s->capacity(0), 36);
+  std::vector<std::uint16_t> rows(static_cast<std::size_t>(36 * kv));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<std::uint16_t>(0x3c00 + i % 977);
+  ASSERT_TRUE(s->install(a, 0, *RingState::sequential(36, true, 50), rows.data(), rows.data()).ok());
+  const RingState before_ring = *s->ring(a, 0);
   const auto before = live_bytes(*s, a);
-  std::vector<float> k(static_cast<std::size_t>(kv), 0.25f), q(static_cast<std::size_t>(width), 0.5f),
-      o(q.size());
-  const SeqSpan next{a, 32, 1};
-  const Status prefill = s->prefill(0, {&next, 1}, host_view(k.data(), 1, kv), host_view(k.data(), 1, kv),
-                                    host_view(q.data(), 1, width), host_view(o.data(), 1, width));
-  ASSERT_FALSE(prefill.ok());
-  EXPECT_EQ(prefill.error().code, ErrorCode::kInvalidArgument) << prefill.to_string();
-  const SeqQuery last{a, 31};
-  const Status decode = s->attend_decode(0, {&last, 1}, host_view(q.data(), 1, width), host_view(o.data(), 1, width));
-  ASSERT_FALSE(decode.ok());
-  EXPECT_EQ(decode.error().code, ErrorCode::kInvalidArgument) << decode.to_string();
-  EXPECT_EQ(*s->ring(a, 0), ring);
+  // Built to 50 (positions [14, 50)): by 4 it still holds [14, 46), the 32
+  // rows before 46; by 5 it would lack position 13 of [13, 45).
+  const RingState within = RingState::sequential(36, true, 50)->rolled_back(4);
+  const RingState past = RingState::sequential(36, true, 50)->rolled_back(5);
+  const Status refused = s->install(a, 0, past, rows.data(), rows.data());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kInvalidArgument) << refused.to_string();
+  EXPECT_NE(refused.error().message.find("rolled back past its window"), std::string::npos)
+      << refused.to_string();
+  EXPECT_EQ(*s->ring(a, 0), before_ring);
   EXPECT_EQ(live_bytes(*s, a), before);
+  const SeqId d = *s->add_detached_sequence();
+  const Status plane = s->install_plane(d, 0, past);
+  ASSERT_FALSE(plane.ok());
+  EXPECT_EQ(plane.error().code, ErrorCode::kInvalidArgument) << plane.to_string();
+  EXPECT_EQ(s->ring(d, 0)->len(), 0);
+  ASSERT_TRUE(s->install(a, 0, within, rows.data(), rows.data()).ok());
+  EXPECT_EQ(*s->ring(a, 0), within);
+  ASSERT_TRUE(s->install_plane(d, 0, within).ok());
 }
 
 // A snapshot of one sequence of a store, taken after a fork and a rollback

@@ -288,7 +288,10 @@ class KvStore {
   Status read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k, std::uint16_t* v) const;
   // Replaces a plane of the sequence with `ring.len()` rows in logical order
   // (k, v [len, kv_dim]). `ring` is a state of this plane's capacity whose
-  // rotation is origin_logical % capacity (a sliding ring) or zero (full).
+  // rotation is origin_logical % capacity (a sliding ring) or zero (full),
+  // and a sliding ring holds at least the rows a ring without slack holds
+  // at its end (origin_logical <= max(0, next_position - (capacity -
+  // slack))), as truncate_sequence keeps them; else kInvalidArgument.
   // Should the backend fail while copying, the plane is left empty.
   Status install(SeqId seq, std::int64_t layer, const RingState& ring, const std::uint16_t* k,
                  const std::uint16_t* v, MemorySpace space = MemorySpace::kHost,

@@ -900,8 +900,10 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   for (std::size_t i = 0; i < chunks.size(); ++i) {
     writes[i].plane = plane_ref((*slots)[i], layer);
     const SeqSpan& c = chunks[i];
-    // A chunk whose first query sees rows the ring no longer holds (one
-    // installed rolled back past its window) is refused, as in decode.
+    // A chunk whose first query sees rows the ring no longer holds is
+    // refused, as in decode. No call leaves a ring rolled back past its
+    // window (truncate_sequence and install refuse one); this keeps the
+    // kernels' reads inside the live rows whatever the state.
     const std::int64_t lo = visible_begin(config_, config_.kind(layer), c.start);
     if (lo < c.start && lo < before[i].origin_logical()) {
       rollback(txn);
@@ -1004,7 +1006,7 @@ namespace {
 
 // A ring state install() accepts for a plane of `capacity` (sliding or full).
 Status check_install_ring(std::int64_t layer, const RingState& state, std::int64_t capacity,
-                          bool sliding, std::int64_t limit) {
+                          bool sliding, std::int64_t limit, std::int64_t slack) {
   if (state.capacity() != capacity || state.wraps() != sliding)
     return make_error(ErrorCode::kMismatch,
                       "layer " + std::to_string(layer) + ": plane of capacity " +
@@ -1020,6 +1022,14 @@ Status check_install_ring(std::int64_t layer, const RingState& state, std::int64
   if (state.origin_physical() != rotation || (!sliding && state.origin_logical() != 0))
     return invalid_argument("layer " + std::to_string(layer) +
                             ": ring state is not the rotation of a sequentially built ring");
+  // A sliding ring holds at least the rows a ring without slack holds at
+  // its end, as truncate_sequence keeps them: no state the store refuses
+  // to roll back into comes in through an install.
+  const std::int64_t need = std::max<std::int64_t>(0, state.next_position() - (capacity - slack));
+  if (sliding && state.origin_logical() > need)
+    return invalid_argument("layer " + std::to_string(layer) + ": sliding ring state ends at position " +
+                            std::to_string(state.next_position()) + " but no longer holds position " +
+                            std::to_string(need) + " (rolled back past its window)");
   return Status::Ok();
 }
 
@@ -1083,7 +1093,8 @@ Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   KVRING_RETURN_IF_ERROR(
-      check_install_ring(layer, state, capacity(layer), full_index(layer) < 0, position_limit(layer)));
+      check_install_ring(layer, state, capacity(layer), full_index(layer) < 0, position_limit(layer),
+                         options_.slack));
   if (state.len() > 0) KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
   Txn txn;
   if (Status st = plan_plane(txn, *slot, layer, state); !st.ok()) {
@@ -1110,7 +1121,8 @@ Status KvStore::install_plane(SeqId seq, std::int64_t layer, const RingState& st
                             " is live; only a detached sequence takes a plane before its rows");
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   KVRING_RETURN_IF_ERROR(
-      check_install_ring(layer, state, capacity(layer), full_index(layer) < 0, position_limit(layer)));
+      check_install_ring(layer, state, capacity(layer), full_index(layer) < 0, position_limit(layer),
+                         options_.slack));
   Txn txn;
   if (Status st = plan_plane(txn, *slot, layer, state); !st.ok()) {
     rollback(txn);

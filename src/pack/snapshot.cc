@@ -219,7 +219,8 @@ Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& s) {
       auto ring = RingState::sequential(s.config.plane_capacity(l, s.context), live->wraps(),
                                         s.token_count);
       if (!ring) return ring.error();
-      // A ring installed rolled back past those rows cannot be recorded.
+      // A ring that lacks those rows (rolled back past its window, which
+      // truncate_sequence and install refuse to leave) cannot be recorded.
       if (ring->origin_logical() < live->origin_logical())
         return invalid_argument(layer_str(l) + ": a snapshot records positions [" +
                                 std::to_string(ring->origin_logical()) + ", " +
