@@ -167,14 +167,20 @@ __device__ __forceinline__ HeadSet head_set(const FirstTiles& F) {
   return {kv_head, kv_head * F.group + set * kTensorHeads, min(kTensorHeads, F.group - set * kTensorHeads)};
 }
 
+// Query g's dims 8t + [0, 4) as float4 0; dims 32(i/2) + 8t + 4(i%2) +
+// [0, 4) are float4 (i >> 1) * 8 + (i & 1).
+__device__ __forceinline__ const float4* query_src(const AttendParams& P, const QueryRange& r, const HeadSet& hs,
+                                                   int g, int t) {
+  return reinterpret_cast<const float4*>(P.q + static_cast<std::int64_t>(r.qi) * P.q_stride +
+                                         static_cast<std::int64_t>(hs.head0 + g) * kTensorHeadDim + 8 * t);
+}
+
 // Query g's dims 32i + 8t + [0, 8) as qv[8i + ...]; zeros for a head past
 // the set's.
 __device__ __forceinline__ void load_query(const AttendParams& P, const QueryRange& r, const HeadSet& hs,
                                            int g, int t, float (&qv)[32]) {
   if (g < hs.heads_valid) {
-    const float4* src = reinterpret_cast<const float4*>(
-        P.q + static_cast<std::int64_t>(r.qi) * P.q_stride +
-        static_cast<std::int64_t>(hs.head0 + g) * kTensorHeadDim + 8 * t);
+    const float4* src = query_src(P, r, hs, g, t);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float4 x = src[(i >> 1) * 8 + (i & 1)];  // dims 32(i/2) + 8t + 4(i%2) + [0, 4)
@@ -193,26 +199,55 @@ __device__ __forceinline__ void load_query(const AttendParams& P, const QueryRan
 // (exact) so its largest element lies in [2^14, 2^15), in hi and lo halves,
 // and in `down` the factor that scales a score back. The lo halves then
 // stay normal f16 for every element that matters, whatever the query's
-// magnitude.
-__device__ __forceinline__ void query_operands(const float (&qv)[32], std::uint32_t (&qa)[8][4], float& down) {
+// magnitude. query_up gives the scale of query g (the same in its 4
+// lanes), kstep_operands the operands of k-step s from x = qv[4s .. 4s +
+// 4): k-step s = 2i + e covers dims 32i + 8t + 4e + [0, 4).
+__device__ __forceinline__ float query_up(const float (&qv)[32], float& down) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(qv[i]));
   amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-  const float up = query_scale(amax, down);
+  return query_scale(amax, down);
+}
+__device__ __forceinline__ uint4 kstep_operands(float4 x, float up) {
+  const Halves qa0 = split_f16(x.x * up);
+  const Halves qa1 = split_f16(x.y * up);
+  const Halves qa2 = split_f16(x.z * up);
+  const Halves qa3 = split_f16(x.w * up);
+  return make_uint4(pack(qa0.hi, qa1.hi),   // row g,     k 2t, 2t+1   <- first two
+                    pack(qa0.lo, qa1.lo),   // row g + 8, k 2t, 2t+1
+                    pack(qa2.hi, qa3.hi),   // row g,     k 2t+8, 2t+9 <- last two
+                    pack(qa2.lo, qa3.lo));  // row g + 8, k 2t+8, 2t+9
+}
+__device__ __forceinline__ void set_kstep(std::uint32_t (&qa)[8][4], int s, uint4 w) {
+  qa[s][0] = w.x;
+  qa[s][1] = w.y;
+  qa[s][2] = w.z;
+  qa[s][3] = w.w;
+}
+__device__ __forceinline__ void query_operands(const float (&qv)[32], std::uint32_t (&qa)[8][4], float& down) {
+  const float up = query_up(qv, down);
 #pragma unroll
-  for (int s = 0; s < 8; ++s) {
-    const Halves qa0 = split_f16(qv[4 * s] * up);
-    const Halves qa1 = split_f16(qv[4 * s + 1] * up);
-    const Halves qa2 = split_f16(qv[4 * s + 2] * up);
-    const Halves qa3 = split_f16(qv[4 * s + 3] * up);
-    // k-step s = 2i + e covers dims 32i + 8t + 4e + [0, 4) = qv[4s .. 4s + 4).
-    qa[s][0] = pack(qa0.hi, qa1.hi);  // row g,     k 2t, 2t+1   <- first two
-    qa[s][1] = pack(qa0.lo, qa1.lo);  // row g + 8, k 2t, 2t+1
-    qa[s][2] = pack(qa2.hi, qa3.hi);  // row g,     k 2t+8, 2t+9 <- last two
-    qa[s][3] = pack(qa2.lo, qa3.lo);  // row g + 8, k 2t+8, 2t+9
-  }
+  for (int s = 0; s < 8; ++s)
+    set_kstep(qa, s, kstep_operands(make_float4(qv[4 * s], qv[4 * s + 1], qv[4 * s + 2], qv[4 * s + 3]), up));
+}
+
+// query_operands' result, with each k-step's operands made by one warp of
+// the CTA kernel (warp s those of k-step s, from `own`, the lane's qv[4s ..
+// 4s + 4)) and handed to every warp through shared memory: the same bits,
+// from an eighth of the conversion code. A launch's code reaches each SM
+// anew, so a short decode's time follows the instructions on its path
+// (docs/CUDA.md, "Code on the critical path"). A CTA barrier: every thread
+// of the CTA calls it.
+__device__ __forceinline__ void query_operands_shared(const float (&qv)[32], float4 own, int warp, int lane,
+                                                      uint4 (&shared)[kAttendWarps][32],
+                                                      std::uint32_t (&qa)[8][4], float& down) {
+  static_assert(kAttendWarps == 8, "a warp a k-step");
+  shared[warp][lane] = kstep_operands(own, query_up(qv, down));
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < 8; ++s) set_kstep(qa, s, shared[s][lane]);
 }
 
 // The scores (log2 units) of query g against keys base + 2t, + 2t + 1,
@@ -303,18 +338,22 @@ __device__ __forceinline__ TileCopy tile_copy(unsigned area, unsigned v_base, in
 // The body of both launches' kernels (KernelArgs, InlineArgs).
 template <class Args>
 __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
-  if (A.P.cluster) cluster_arrive_relaxed();  // finish waits for every CTA's
+  extern __shared__ uint4 smem_raw[];
+  TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
+  if (A.P.cluster) cluster_begin(S.inbox);  // finish waits for every CTA's arrival
   enter_dependent();
   constexpr int HD = kTensorHeadDim;
   const FirstTiles& F = A.F;
   const AttendParams& P = A.P;
-  extern __shared__ uint4 smem_raw[];
-  TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   Shared& sh = S.sh;
   QueryRange r;
   if (!query_range(F, P, launch_items(A), r)) {
     if (P.resident) clock_idle(P);
-    return idle_in_cluster(P);
+    // An idle rank of a cluster waits for the arrivals at the start only:
+    // no store reaches it, and the combine holds no cluster barrier
+    // (finish_heads).
+    if (P.cluster) cluster_wait();
+    return;
   }
   const HeadSet hs = head_set(F);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
@@ -333,6 +372,9 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   // they would come back late, with the tiles already waiting.
   float qv[32];
   load_query(P, r, hs, g, t, qv);
+  // This warp's k-step of the query (query_operands_shared).
+  const float4 own = g < hs.heads_valid ? query_src(P, r, hs, g, t)[(warp >> 1) * 8 + (warp & 1)]
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   // Then the first tiles, before the query is used.
   // Rows [a, b) of the CTA's run of splits (one split unless F.split_run
   // says more); the current split ends at split_end.
@@ -355,7 +397,7 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   const Fragments fr(area, kTileBytes, lane);
   float down;
   std::uint32_t qa[8][4];
-  query_operands(qv, qa, down);
+  query_operands_shared(qv, own, warp, lane, S.qa, qa, down);
 
   float m = -INFINITY;  // uniform over the 4 lanes of query g
   float l = 0.0f;       // this lane's share of query g's weight sum
@@ -390,10 +432,13 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
     float pr[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) pr[i] = weight_of(x[i], m_new);
-    // A rescale by alpha = 1 (no query's maximum moved) changes no bit, so
-    // the warp skips it.
+    // A rescale by alpha = 1 (no query's maximum moved) changes no bit, nor
+    // does one from m = -inf (alpha = 0), whose query's outputs and sum are
+    // still the +0 of weights that were all 0 (0 x l + tile_l == 0 +
+    // tile_l; a NaN from 0 x a non-finite V stays a NaN), so the warp skips
+    // both: the first tile never rescales.
     const float tile_l = (pr[0] + pr[1]) + (pr[2] + pr[3]);
-    if (__any_sync(kFullMask, m_new != m)) {
+    if (__any_sync(kFullMask, m_new != m && m != -INFINITY)) {
       const float alpha = weight_of(m, m_new);
       l = __fmaf_rn(l, alpha, tile_l);
 #pragma unroll

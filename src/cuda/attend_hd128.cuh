@@ -44,7 +44,11 @@ struct TensorSmem {
   // warp 0's, behind its partial, the stage of a resident combine
   // (Warp0Finish).
   alignas(128) unsigned char area[kAttendWarps][kWarpArea];
+  // The query's A operands of k-step s for lane l at qa[s][l], made by
+  // warp s (query_operands_shared).
+  uint4 qa[kAttendWarps][32];
 };
+static_assert(sizeof(TensorSmem) <= 227 * 1024, "within the shared memory a CTA may opt in to");
 constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
 // Warp 0's area after the loop: its output partial, then the stage of a
 // resident combine.

@@ -149,6 +149,9 @@ inline constexpr int kInboxFloats = kPartFloats + 4 * kAttendSingleLevel;
 struct ClusterInbox {
   alignas(16) float o[kInboxFloats];
   float ml[kAttendSingleLevel][kTensorHeads][2];
+  // The tensor-core kernel's: the mbarrier its inbox's stores count their
+  // bytes at (finish_heads).
+  unsigned long long full;
 };
 struct InboxPartials {
   const ClusterInbox* in;
@@ -273,9 +276,10 @@ __device__ void combine_splits(const Partials& src, float* out, int n, int heads
   }
 }
 
-// A CTA of a cluster launch whose split does not exist for its query still
-// takes part in the cluster's barriers: the wait for the arrivals every CTA
-// made at its start (cluster_arrive_relaxed), then the combine's barrier.
+// A CTA of a cluster launch of the general kernel whose split does not
+// exist for its query still takes part in the cluster's barriers: the wait
+// for the arrivals every CTA made at its start (cluster_arrive_relaxed),
+// then the combine's barrier.
 __device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
   if (P.cluster) {
     cluster_wait();
@@ -283,32 +287,46 @@ __device__ __forceinline__ void idle_in_cluster(const AttendParams& P) {
   }
 }
 
-// combine_element's arithmetic over n partials of one output unit staged
-// in shared memory, `stride` apart (split s's sums o[s * stride], maximum
-// ml[2 s stride] and weight sum ml[2 s stride + 1]), in short loops rather
-// than unrolled code: its sum, maximum and weight sum, and the sum divided
-// by the weight sum (the output, when this is the last level). One copy of
-// the code (not inlined) serves every level of the resident combine, and
-// every call computes the quotient, so that the last level, which is on
-// the launch's critical path, finds all of its code in the instruction
-// cache where the calls of an earlier level brought it.
+// The tensor-core kernel's start in a cluster launch: thread 0 sets up the
+// inbox barrier (one arrival, its own, and the bytes it then expects), and
+// every thread arrives at the cluster barrier, which the CTA's stores into
+// other CTAs wait for (finish_heads), so no store reaches a barrier before
+// it is set up.
+__device__ __forceinline__ void cluster_begin(ClusterInbox& inbox) {
+  if (threadIdx.x == 0) mbarrier_init_for_cluster(static_cast<unsigned>(__cvta_generic_to_shared(&inbox.full)));
+  cluster_arrive_relaxed();
+}
+
+// combine_element's arithmetic over n partials of one output unit in
+// shared memory (split s's sums o[s * o_stride], maximum ml[s * ml_stride]
+// and weight sum ml[s * ml_stride + 1]), in short loops rather than
+// unrolled code: its sum, maximum and weight sum, and the sum divided by
+// the weight sum (the output, when this is the last level). A launch's
+// code reaches each SM anew (docs/CUDA.md, "Code on the critical path"),
+// so the combine that ends a short decode costs about its instruction
+// count in fetches: one copy of this code (not inlined) serves every level
+// of the resident combine and the cluster combine of the tensor-core
+// kernel, and every call computes the quotient, so that a last level finds
+// its code in the instruction cache where the calls of an earlier level
+// brought it.
 struct Staged {
   float4 acc;
   float max, sum;
   float4 out;
 };
-static __device__ __noinline__ Staged combine_staged(const float4* o, const float* ml, int n, int stride) {
+static __device__ __noinline__ Staged combine_staged(const float4* o, int o_stride, const float* ml,
+                                                     int ml_stride, int n) {
   Staged r;
   r.max = -INFINITY;
 #pragma unroll 4
-  for (int s = 0; s < n; ++s) r.max = fmaxf(r.max, ml[2 * s * stride]);
+  for (int s = 0; s < n; ++s) r.max = fmaxf(r.max, ml[s * ml_stride]);
   r.sum = -0.0f;
   r.acc = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
 #pragma unroll 4
   for (int s = 0; s < n; ++s) {
-    const float wt = weight_of(ml[2 * s * stride], r.max);
-    const float4 v = o[s * stride];
-    r.sum = __fmaf_rn(ml[2 * s * stride + 1], wt, r.sum);
+    const float wt = weight_of(ml[s * ml_stride], r.max);
+    const float4 v = o[s * o_stride];
+    r.sum = __fmaf_rn(ml[s * ml_stride + 1], wt, r.sum);
     r.acc.x = __fmaf_rn(v.x, wt, r.acc.x);
     r.acc.y = __fmaf_rn(v.y, wt, r.acc.y);
     r.acc.z = __fmaf_rn(v.z, wt, r.acc.z);
@@ -488,7 +506,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
     }
     __syncthreads();
     for (int j = tid; j < count; j += blockDim.x) {
-      out4[u0 + j] = combine_staged(st_o + j, st_ml + 2 * j, n, count).out;
+      out4[u0 + j] = combine_staged(st_o + j, count, st_ml + 2 * j, 2 * count, n).out;
     }
     if (tid < 32) clock_advance_if_last(P, clock, arrived);
     return;
@@ -508,7 +526,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
     __syncwarp();
     for (int j = lane; j < count; j += 32) {
       const int at = first * count + j;
-      const Staged c = combine_staged(st_o + at, st_ml + 2 * at, members, count);
+      const Staged c = combine_staged(st_o + at, count, st_ml + 2 * at, 2 * count, members);
       const int g = j * groups + warp;
       g_o[g] = c.acc;
       g_ml[2 * g] = c.max;
@@ -517,7 +535,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
   }
   __syncthreads();
   for (int j = tid; j < count; j += blockDim.x) {
-    out4[u0 + j] = combine_staged(g_o + j * groups, g_ml + 2 * j * groups, groups, 1).out;
+    out4[u0 + j] = combine_staged(g_o + j * groups, 1, g_ml + 2 * j * groups, 2, groups).out;
   }
   if (tid < 32) clock_advance_if_last(P, clock, arrived);
 }
@@ -726,21 +744,34 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
   if (P.cluster) {
     // As finish's cluster path: warp h stores its head's (m, l) into every
     // rank's inbox (lane s to rank s), each thread its 4 elements into their
-    // rank's.
+    // rank's, each store counted at the rank's inbox barrier (cluster_begin
+    // set it up), which the rank waits at for the n splits' bytes of its
+    // share: no cluster barrier, and no CTA waits for a rank that is not
+    // its source.
     const int n = r.n_splits;
     const int valid = heads_valid * hd;
     const InboxShare share(r.split, n, valid);
     const int stride = share.stride;
-    cluster_wait();  // every CTA of the cluster runs: its shared memory takes stores
+    cluster_wait();  // every CTA of the cluster runs, its inbox barrier set up
     if (lane < n)
-      store_cluster(cluster_address(&inbox->ml[r.split][h][0], static_cast<unsigned>(lane)), make_float2(hw.max, hw.sum));
+      store_async(cluster_address(&inbox->ml[r.split][h][0], static_cast<unsigned>(lane)), make_float2(hw.max, hw.sum),
+                  cluster_address(&inbox->full, static_cast<unsigned>(lane)));
     const int e = 4 * tid;
     if (e < valid) {
       const int rank = e / stride;
-      store_cluster(cluster_address(inbox->o + r.split * stride + e - rank * stride, static_cast<unsigned>(rank)), v);
+      store_async(cluster_address(inbox->o + r.split * stride + e - rank * stride, static_cast<unsigned>(rank)), v,
+                  cluster_address(&inbox->full, static_cast<unsigned>(rank)));
     }
-    cluster_sync();  // this CTA's stores released to their ranks, the others' acquired
-    combine_splits<true>(InboxPartials{inbox, stride, share.begin}, out, n, heads, hd, share.begin, share.end);
+    const unsigned full = static_cast<unsigned>(__cvta_generic_to_shared(&inbox->full));
+    if (tid == 0)
+      mbarrier_arrive_expect(full, static_cast<unsigned>(n * (heads * 8 + 4 * (share.end - share.begin))));
+    mbarrier_wait_first_phase(full);
+    // combine_splits' arithmetic on the inbox, in combine_staged's loops.
+    float4* out4 = reinterpret_cast<float4*>(out);
+    for (int u = share.begin / 4 + tid; 4 * u < share.end; u += static_cast<int>(blockDim.x))
+      out4[u] = combine_staged(reinterpret_cast<const float4*>(inbox->o + 4 * u - share.begin), stride / 4,
+                               &inbox->ml[0][4 * u / hd][0], 2 * heads, n)
+                    .out;
     return;
   }
   const Workspace ws = workspace_of(P, r, heads);

@@ -47,6 +47,48 @@ __device__ __forceinline__ void store_cluster(unsigned addr, float4 v) {
                : "memory");
 }
 
+// Stores into another CTA's shared memory that count their bytes at an
+// mbarrier of that CTA (`bar`, its shared::cluster address): the receiver
+// waits at its own barrier for the bytes it expects, and no cluster-wide
+// barrier or fence stands between the stores and its reads.
+__device__ __forceinline__ void store_async(unsigned addr, float2 v, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(addr),
+               "f"(v.x), "f"(v.y), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void store_async(unsigned addr, float4 v, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   addr),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+               : "memory");
+}
+
+// ---- mbarriers (shared::cta addresses) -----------------------------------------
+
+// One expected arrival; the init is released to the cluster by the fence,
+// before the CTA's arrival at the cluster barrier.
+__device__ __forceinline__ void mbarrier_init_for_cluster(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+               "fence.mbarrier_init.release.cluster;\n" ::"r"(bar)
+               : "memory");
+}
+// The one arrival, with the bytes the phase waits for.
+__device__ __forceinline__ void mbarrier_arrive_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until phase 0 completes, acquiring at cluster scope what the
+// stores that completed it wrote.
+__device__ __forceinline__ void mbarrier_wait_first_phase(unsigned bar) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n"
+      "@!done bra wait;\n"
+      "}\n" ::"r"(bar)
+      : "memory");
+}
+
 // ---- Programmatic dependent launch (sm_90) -------------------------------------------
 
 // The first statement of a kernel that may be launched as a programmatic
