@@ -592,6 +592,37 @@ TEST(Store, HoldersWritingASharedBlockTogetherLeaveItToOne) {
   EXPECT_EQ(live_bytes(*r, z), z_solo);
 }
 
+// Many forks of one sequence writing their shared block in one call: all
+// but one copy it (first_block_copies decides in one pass over the batch),
+// blocks_to_store says so, and a fork and the source each hold a solo
+// run's bytes.
+TEST(Store, ManyForksWritingTheirSharedBlockTogether) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/64, /*n_layers=*/4);
+  constexpr std::int64_t kForks = 1500;
+  auto s = cpu_store(c, {.max_sequences = kForks + 1});
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 10}}}, out);
+  std::vector<SeqId> ids{a};
+  for (std::int64_t i = 0; i < kForks; ++i) ids.push_back(*s->fork_sequence(a));
+  std::vector<SeqSpan> spans;
+  std::vector<std::pair<std::uint64_t, SeqSpan>> batch;
+  for (const SeqId id : ids) {
+    spans.push_back({id, 10, 1});
+    batch.push_back({1, SeqSpan{id, 10, 1}});
+  }
+  EXPECT_EQ(*s->blocks_to_store(spans), kForks);
+  const std::int64_t free_before = s->free_blocks();
+  run_batch(*s, batch, out);
+  EXPECT_EQ(s->free_blocks(), free_before - kForks);
+  Outputs solo;
+  std::vector<std::uint16_t> bytes;
+  run_solo(c, {}, 1, 11, solo, bytes);
+  EXPECT_EQ(live_bytes(*s, a), bytes);
+  EXPECT_EQ(live_bytes(*s, ids[kForks / 2]), bytes);
+  EXPECT_EQ(live_bytes(*s, ids.back()), bytes);
+}
+
 TEST(Store, ARefusedBatchChangesNoSequence) {
   const ModelConfig c = small_config();
   auto s = cpu_store(c, {.max_sequences = 3, .block_rows = 16});

@@ -448,14 +448,16 @@ class KvStore {
   // The block of `slot`'s full plane `fi` that holds `position`; -1 when
   // the table does not reach it.
   std::int32_t block_at(std::int32_t slot, std::int64_t fi, std::int64_t position) const;
-  // Whether span i (of `slot`) copies the block its first row falls in on
-  // full plane `fi`: a block other sequences hold too is written in place
+  // copies[i]: whether span i copies the block its first row falls in on
+  // full plane `fi`. A block other sequences hold too is written in place
   // only when every holder writes into it in the same call, and then only
   // by the one that starts furthest (the last of equals); the others copy
   // it. Its rows land past every row the others hold, so no holder ever
-  // sees another's writes, even after a rollback.
-  bool copies_first_block(std::span<const SeqSpan> spans, std::size_t i, std::int32_t slot,
-                          std::int64_t fi) const;
+  // sees another's writes, even after a rollback. `slots[i]` is span i's
+  // slot, or -1 for a span of no sequence (it writes nothing). One pass
+  // over the spans, however many hold a block.
+  void first_block_copies(std::span<const SeqSpan> spans, std::span<const std::int32_t> slots,
+                          std::int64_t fi, std::vector<char>& copies) const;
   // Plans the writes of `spans` into `layer` in `txn`: ring placements,
   // new blocks, copies of shared blocks. Leaves the store unchanged.
   Status plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,

@@ -6,6 +6,7 @@
 #include <limits>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 namespace kvring {
@@ -176,7 +177,7 @@ struct KvStore::Scratch {
   std::vector<RowWrite> writes;
   std::vector<AttendItem> items;
   std::vector<RingState> before;
-  std::vector<char> copies;  // plan_store: per span, copies_first_block
+  std::vector<char> copies;  // plan_store: per span, first_block_copies
   // The transaction and vectors of one batched call, emptied.
   Txn& begin() {
     txn.clear();
@@ -530,21 +531,25 @@ Result<KvStore::InstallBlocks> KvStore::blocks_to_install(SeqId seq, std::int64_
 
 Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) const {
   const std::int64_t B = options_.block_rows;
-  std::int64_t n = 0;
-  for (const SeqSpan& sp : spans) {
-    auto slot = slot_of(sp.seq);
+  std::vector<std::int32_t> slots(spans.size());
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    auto slot = slot_of(spans[i].seq);
     if (!slot) return slot.error();
-    // A span that a full plane refuses (past the context) takes no block.
-    const std::int64_t full_rows = config_.plane_capacity(LayerKind::kFullNope, options_.context);
-    if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows || sp.count > full_rows - sp.start)
-      continue;
-    const auto& tables = slots_[static_cast<std::size_t>(*slot)].tables;
-    for (std::size_t fi = 0; fi < tables.size(); ++fi) {
-      const auto held = static_cast<std::int64_t>(tables[fi].size());
-      n += std::max<std::int64_t>(0, ceil_div(sp.start + sp.count, B) - held);
-      if (copies_first_block(spans, static_cast<std::size_t>(&sp - spans.data()), *slot,
-                             static_cast<std::int64_t>(fi)))
-        ++n;
+    slots[i] = *slot;
+  }
+  std::int64_t n = 0;
+  std::vector<char> copies;
+  const std::int64_t full_rows = config_.plane_capacity(LayerKind::kFullNope, options_.context);
+  for (std::int64_t fi = 0; fi < n_full_; ++fi) {
+    first_block_copies(spans, slots, fi, copies);
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      const SeqSpan& sp = spans[i];
+      // A span that a full plane refuses (past the context) takes no block.
+      if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows || sp.count > full_rows - sp.start)
+        continue;
+      const auto held = static_cast<std::int64_t>(
+          slots_[static_cast<std::size_t>(slots[i])].tables[static_cast<std::size_t>(fi)].size());
+      n += std::max<std::int64_t>(0, ceil_div(sp.start + sp.count, B) - held) + copies[i];
     }
   }
   return n;
@@ -688,19 +693,35 @@ std::int32_t KvStore::block_at(std::int32_t slot, std::int64_t fi, std::int64_t 
   return b >= 0 && b < static_cast<std::int64_t>(table.size()) ? table[static_cast<std::size_t>(b)] : -1;
 }
 
-bool KvStore::copies_first_block(std::span<const SeqSpan> spans, std::size_t i, std::int32_t slot,
-                                 std::int64_t fi) const {
-  const std::int32_t block = block_at(slot, fi, spans[i].start);
-  if (block < 0 || refs(block) == 1) return false;
-  std::int64_t writers = 0;
-  for (std::size_t j = 0; j < spans.size(); ++j) {
-    auto other = slot_of(spans[j].seq);
-    if (!other || block_at(*other, fi, spans[j].start) != block) continue;
-    ++writers;
-    if (j != i && (spans[j].start > spans[i].start || (spans[j].start == spans[i].start && j > i)))
-      return true;
+void KvStore::first_block_copies(std::span<const SeqSpan> spans, std::span<const std::int32_t> slots,
+                                 std::int64_t fi, std::vector<char>& copies) const {
+  copies.assign(spans.size(), 0);
+  // Per shared block: how many spans start in it, and the one that starts
+  // furthest (the last of equals).
+  struct Writers {
+    std::int64_t count = 0;
+    std::size_t furthest = 0;
+  };
+  std::unordered_map<std::int32_t, Writers> writers;
+  auto shared_first = [&](std::size_t i) -> std::int32_t {
+    if (slots[i] < 0) return -1;
+    const std::int32_t block = block_at(slots[i], fi, spans[i].start);
+    return block >= 0 && refs(block) > 1 ? block : -1;
+  };
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const std::int32_t block = shared_first(i);
+    if (block < 0) continue;
+    Writers& w = writers[block];
+    if (w.count == 0 || spans[i].start >= spans[w.furthest].start) w.furthest = i;
+    ++w.count;
   }
-  return writers != refs(block);
+  if (writers.empty()) return;
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const std::int32_t block = shared_first(i);
+    if (block < 0) continue;
+    const Writers& w = writers.at(block);
+    copies[i] = w.furthest != i || w.count != refs(block);
+  }
 }
 
 Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
@@ -710,9 +731,10 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
   // Which spans copy the shared block they start in, decided on the tables
   // as they are before this call changes any.
   std::vector<char>& copies = scratch_->copies;
-  copies.assign(spans.size(), 0);
   if (fi >= 0)
-    for (std::size_t i = 0; i < spans.size(); ++i) copies[i] = copies_first_block(spans, i, slots[i], fi);
+    first_block_copies(spans, slots, fi, copies);
+  else
+    copies.assign(spans.size(), 0);
   std::int64_t row = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const std::int32_t slot = slots[i];
