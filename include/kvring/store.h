@@ -454,8 +454,7 @@ class KvStore {
   // by the one that starts furthest (the last of equals); the others copy
   // it. Its rows land past every row the others hold, so no holder ever
   // sees another's writes, even after a rollback. `slots[i]` is span i's
-  // slot, or -1 for a span of no sequence (it writes nothing). One pass
-  // over the spans, however many hold a block.
+  // slot. One pass over the spans, however many hold a block.
   void first_block_copies(std::span<const SeqSpan> spans, std::span<const std::int32_t> slots,
                           std::int64_t fi, std::vector<char>& copies) const;
   // Plans the writes of `spans` into `layer` in `txn`: ring placements,

@@ -704,7 +704,6 @@ void KvStore::first_block_copies(std::span<const SeqSpan> spans, std::span<const
   };
   std::unordered_map<std::int32_t, Writers> writers;
   auto shared_first = [&](std::size_t i) -> std::int32_t {
-    if (slots[i] < 0) return -1;
     const std::int32_t block = block_at(slots[i], fi, spans[i].start);
     return block >= 0 && refs(block) > 1 ? block : -1;
   };
