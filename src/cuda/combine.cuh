@@ -7,8 +7,10 @@
 //    (finish_resident, the stage in ResidentStage);
 //  - thread-block cluster: the item's splits form one cluster; each CTA
 //    stores its partial's values into the shared memory of the CTAs that
-//    combine them (ClusterInbox) and combines its share from its own
-//    (InboxPartials);
+//    combine them (ClusterInbox) and combines its share from its own (the
+//    general kernel through InboxPartials after a cluster barrier, the
+//    tensor-core kernel in combine_staged once its inbox mbarrier has
+//    counted every byte: finish_heads);
 //  - last arrival: partials in the global workspace, combined by the last
 //    CTA to arrive (GlobalPartials, arrive_last).
 // Every path runs the same arithmetic in the same order, and no value is
