@@ -16,6 +16,7 @@
 #include "kvring/backend.h"
 #include "kvring/f16.h"
 #include "cpu/attention_cpu.h"
+#include "cpu/cpu_store.h"
 #include "kvring/snapshot.h"
 #include "test_util.h"
 
@@ -653,6 +654,120 @@ TEST(Store, ARefusedBatchChangesNoSequence) {
   EXPECT_EQ(live_bytes(*s, b), ib);
   EXPECT_EQ(live_bytes(*s, d), id);
   EXPECT_EQ(s->free_blocks(), free_before);
+}
+
+// The CPU backend standing in for a device that fails on demand: row
+// writes fail while `fail_writes`, mirror updates while `fail_mirror`.
+class FailingStore : public CpuStore {
+ public:
+  using CpuStore::CpuStore;
+  bool fail_writes = false;
+  bool fail_mirror = false;
+
+ protected:
+  Status write_rows(std::span<const TableChange> changes, std::span<const RowWrite> writes,
+                    const ConstView& k, const ConstView& v, cudaStream_t stream) override {
+    if (fail_writes) return make_error(ErrorCode::kCuda, "row writes failed (injected)");
+    return CpuStore::write_rows(changes, writes, k, v, stream);
+  }
+  Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream) override {
+    if (fail_mirror) return make_error(ErrorCode::kCuda, "the table upload failed (injected)");
+    return CpuStore::tables_changed(changes, stream);
+  }
+};
+
+TEST(Store, ASequenceWhoseDeviceTablesCannotBeRestoredIsRefusedUntilReset) {
+  const ModelConfig c = small_config();
+  const StoreOptions o = *resolve_store_options(c, {.max_sequences = 3, .slack = 4, .block_rows = 16});
+  FailingStore s(c, o);
+  ASSERT_TRUE(s.allocate().ok());
+  const SeqId a = *s.add_sequence(), b = *s.add_sequence(), d = *s.add_sequence();
+  Outputs out;
+  // 32 tokens fill two blocks of each full plane: the next token takes a
+  // new block, so its store changes (and mirrors) a table.
+  run_batch(s, {{1, SeqSpan{a, 0, 32}}, {2, SeqSpan{b, 0, 32}}, {3, SeqSpan{d, 0, 32}}}, out);
+  const auto ia = live_bytes(s, a);
+  const std::int64_t free_before = s.free_blocks();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  const Rows r = rows_for(c, 1, 0, 32, 1);
+  Rows all;  // a's token 32 for every layer, for store_all_layers
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const Rows rl = rows_for(c, 1, l, 32, 1);
+    all.k.insert(all.k.end(), rl.k.begin(), rl.k.end());
+    all.v.insert(all.v.end(), rl.v.begin(), rl.v.end());
+  }
+  const auto kview = host_view(all.k.data(), c.n_layers, kv), vview = host_view(all.v.data(), c.n_layers, kv);
+  std::vector<float> o1(static_cast<std::size_t>(width));
+  const SeqSpan next_a{a, 32, 1};
+
+  // A failed write whose undo reaches the mirror: the call fails, nothing
+  // changed, and the sequence stays usable.
+  s.fail_writes = true;
+  EXPECT_EQ(s.store_all_layers(std::span(&next_a, 1), kview, vview).error().code, ErrorCode::kCuda);
+  s.fail_writes = false;
+  EXPECT_EQ(live_bytes(s, a), ia);
+  EXPECT_EQ(s.free_blocks(), free_before);
+  ASSERT_TRUE(s.store_all_layers(std::span(&next_a, 1), kview, vview).ok());
+  ASSERT_TRUE(s.truncate_sequence(a, 1).ok());
+
+  // A failed write whose undo cannot reach the mirror: the host's tables
+  // and the pool are restored, and the sequence is refused.
+  s.fail_writes = true;
+  s.fail_mirror = true;
+  EXPECT_EQ(s.store_all_layers(std::span(&next_a, 1), kview, vview).error().code, ErrorCode::kCuda);
+  s.fail_writes = false;
+  s.fail_mirror = false;
+  EXPECT_EQ(s.free_blocks(), free_before);
+  const SeqQuery qa{a, 31};
+  std::vector<std::uint16_t> rk(static_cast<std::size_t>(kv)), rv(rk.size());
+  for (const Status& st :
+       {s.store_all_layers(std::span(&next_a, 1), kview, vview),
+        s.attend_decode(1, std::span(&qa, 1), host_view(r.q.data(), 1, width), host_view(o1.data(), 1, width)),
+        s.read_rows(a, 1, 0, 1, rk.data(), rv.data()), s.fork_sequence(a).status(),
+        s.truncate_sequence(a, 1)}) {
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.error().code, ErrorCode::kCuda);
+    EXPECT_NE(st.error().message.find("reset or remove it"), std::string::npos) << st.to_string();
+  }
+  // A batch naming it is refused whole; its position is still known.
+  const SeqSpan both[] = {{b, 32, 1}, next_a};
+  const Rows r2 = rows_for(c, 2, 0, 32, 2);
+  EXPECT_FALSE(s.store(0, both, host_view(r2.k.data(), 2, kv), host_view(r2.v.data(), 2, kv)).ok());
+  EXPECT_EQ(*s.next_position(a), 32);
+  EXPECT_EQ(*s.next_position(b), 32);
+  EXPECT_TRUE(s.contains(a));
+
+  // The other sequences go on, bit for bit as if alone.
+  for (std::int64_t p = 32; p < 40; ++p) run_batch(s, {{2, SeqSpan{b, p, 1}}}, out);
+  Outputs solo;
+  std::vector<std::uint16_t> b_bytes;
+  run_solo(c, o, 2, 40, solo, b_bytes);
+  EXPECT_EQ(live_bytes(s, b), b_bytes);
+
+  // A prefill whose table change cannot be mirrored, nor undone: refused.
+  std::int64_t full = 0;
+  while (c.kind(full) != LayerKind::kFullNope) ++full;
+  s.fail_mirror = true;
+  const Rows rd = rows_for(c, 3, full, 32, 1);
+  std::vector<float> od(static_cast<std::size_t>(width));
+  const SeqSpan next_d{d, 32, 1};
+  const Status pd = s.prefill(full, std::span(&next_d, 1), host_view(rd.k.data(), 1, kv), host_view(rd.v.data(), 1, kv),
+                              host_view(rd.q.data(), 1, width), host_view(od.data(), 1, width));
+  s.fail_mirror = false;
+  EXPECT_EQ(pd.error().code, ErrorCode::kCuda);
+  EXPECT_EQ(s.read_rows(d, 0, 0, 1, rk.data(), rv.data()).error().code, ErrorCode::kCuda);
+
+  // Reset ends it: the sequence starts again from position 0.
+  ASSERT_TRUE(s.reset_sequence(a).ok());
+  run_batch(s, {{1, SeqSpan{a, 0, 40}}}, out);
+  std::vector<std::uint16_t> a_bytes;
+  run_solo(c, o, 1, 40, solo, a_bytes);
+  EXPECT_EQ(live_bytes(s, a), a_bytes);
+  // So does removal: the slot's next sequence is usable.
+  ASSERT_TRUE(s.remove_sequence(d).ok());
+  const SeqId e = *s.add_sequence();
+  run_batch(s, {{4, SeqSpan{e, 0, 33}}}, out);
+  EXPECT_EQ(*s.next_position(e), 33);
 }
 
 TEST(Store, ViewsAreCheckedAndReadInPlace) {

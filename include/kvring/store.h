@@ -16,7 +16,12 @@
 // Failure contract: an operation that returns an error has changed nothing,
 // for any sequence it names. Should a backend fail part-way (a device
 // error), the rows it had written are not reachable: ring states, block
-// tables and the pool are restored to what they were.
+// tables and the pool are restored to what they were. Should the device's
+// copy of a block table then fail to go back too, the sequences whose
+// tables the operation changed are refused (kCuda) by every call on them
+// but reset_sequence, remove_sequence, contains, is_detached,
+// next_position, ring and blocks_held, until they are reset or removed;
+// the store's other sequences are not affected.
 #pragma once
 
 #include <cstdint>
@@ -413,6 +418,10 @@ class KvStore {
     bool live = false;
     bool detached = false;  // taken by add_detached_sequence, not yet attached
     bool used = false;  // held a sequence since the store was created
+    // The device's copy of its block tables may differ from `tables`: a
+    // failed call's undo could not be mirrored. Refused by slot_of and
+    // slot_any; over once its tables are empty (reset, remove).
+    bool stale = false;
     std::uint32_t generation = 0;
     std::vector<RingState> rings;                    // [n_layers]
     std::vector<std::vector<std::int32_t>> tables;  // [n_full][blocks]
@@ -423,8 +432,11 @@ class KvStore {
   struct Scratch;
 
   // The slot of a live sequence; slot_any also finds a detached one.
+  // Both refuse a stale sequence; find_slot does not.
   Result<std::int32_t> slot_of(SeqId seq) const;
   Result<std::int32_t> slot_any(SeqId seq) const;
+  Result<std::int32_t> find_slot(SeqId seq, bool detached_ok) const;
+  Result<std::int32_t> usable_slot(SeqId seq, bool detached_ok) const;
   Result<SeqId> add_slot(bool detached);
   // Install's two halves before the rows: plan_plane takes the blocks a
   // plane of `state` needs (bookkeeping only; on an error roll back), and

@@ -207,7 +207,8 @@ void KvStore::rollback(Txn& txn) {
       if (!t.empty())
         back.push_back(TableChange{slot, fi, t.data(), 0, static_cast<std::int64_t>(t.size())});
     }
-    (void)tables_changed(back, nullptr);
+    if (!tables_changed(back, nullptr).ok())
+      for (const auto& [slot, fi, unused] : txn.saved) slots_[static_cast<std::size_t>(slot)].stale = true;
   }
   txn.clear();
 }
@@ -289,24 +290,32 @@ RingState KvStore::fresh_ring(std::int64_t layer) const {
 
 // ---- Sequences ---------------------------------------------------------------------
 
-Result<std::int32_t> KvStore::slot_any(SeqId seq) const {
+Result<std::int32_t> KvStore::find_slot(SeqId seq, bool detached_ok) const {
   const std::uint32_t slot = slot_part(seq);
   if (slot >= slots_.size() || !slots_[slot].live ||
       slots_[slot].generation != generation_part(seq))
     return make_error(ErrorCode::kNotFound,
                       seq_name(seq) + " is not in this store (never added, or removed)");
+  if (!detached_ok && slots_[slot].detached)
+    return make_error(ErrorCode::kNotFound,
+                      seq_name(seq) + " is detached (still being installed); attach it first");
   return static_cast<std::int32_t>(slot);
 }
 
-Result<std::int32_t> KvStore::slot_of(SeqId seq) const {
-  auto slot = slot_any(seq);
-  if (slot && slots_[static_cast<std::size_t>(*slot)].detached)
-    return make_error(ErrorCode::kNotFound,
-                      seq_name(seq) + " is detached (still being installed); attach it first");
+Result<std::int32_t> KvStore::usable_slot(SeqId seq, bool detached_ok) const {
+  auto slot = find_slot(seq, detached_ok);
+  if (slot && slots_[static_cast<std::size_t>(*slot)].stale)
+    return make_error(ErrorCode::kCuda,
+                      seq_name(seq) + "'s block tables on the device could not be restored after a "
+                                      "failed call, so its rows are neither read nor written; reset "
+                                      "or remove it");
   return slot;
 }
 
-bool KvStore::contains(SeqId seq) const { return slot_of(seq).ok(); }
+Result<std::int32_t> KvStore::slot_of(SeqId seq) const { return usable_slot(seq, false); }
+Result<std::int32_t> KvStore::slot_any(SeqId seq) const { return usable_slot(seq, true); }
+
+bool KvStore::contains(SeqId seq) const { return find_slot(seq, false).ok(); }
 
 std::vector<SeqId> KvStore::sequences() const {
   std::vector<SeqId> out;
@@ -325,7 +334,7 @@ Result<SeqId> KvStore::add_sequence() { return add_slot(false); }
 Result<SeqId> KvStore::add_detached_sequence() { return add_slot(true); }
 
 bool KvStore::is_detached(SeqId seq) const {
-  auto slot = slot_any(seq);
+  auto slot = find_slot(seq, true);
   return slot && slots_[static_cast<std::size_t>(*slot)].detached;
 }
 
@@ -373,24 +382,27 @@ void KvStore::release_tables(Sequence& s) {
 }
 
 Status KvStore::remove_sequence(SeqId seq) {
-  auto slot = slot_any(seq);
+  auto slot = find_slot(seq, true);
   if (!slot) return slot.error();
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   release_tables(s);
   s.live = false;
   s.detached = false;
+  s.stale = false;
   s.rings.clear();
   ++s.generation;
   return Status::Ok();
 }
 
 Status KvStore::reset_sequence(SeqId seq) {
-  auto slot = slot_of(seq);
+  auto slot = find_slot(seq, false);
   if (!slot) return slot.error();
   // The rows are forgotten first, so a ring whose zeroing fails holds no
-  // row the store still names; the first failure is reported.
+  // row the store still names; the first failure is reported. Empty
+  // tables read no entry of the device's copy, so a stale one is over.
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   release_tables(s);
+  s.stale = false;
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings[static_cast<std::size_t>(l)] = fresh_ring(l);
   Status st = Status::Ok();
   if (options_.zero_fill)
@@ -478,7 +490,7 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
 }
 
 Result<std::int64_t> KvStore::next_position(SeqId seq) const {
-  auto slot = slot_any(seq);
+  auto slot = find_slot(seq, true);
   if (!slot) return slot.error();
   const auto& rings = slots_[static_cast<std::size_t>(*slot)].rings;
   if (rings.empty()) return invalid_argument("the store has no layers");
@@ -490,14 +502,14 @@ Result<std::int64_t> KvStore::next_position(SeqId seq) const {
 }
 
 Result<RingState> KvStore::ring(SeqId seq, std::int64_t layer) const {
-  auto slot = slot_any(seq);
+  auto slot = find_slot(seq, true);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   return slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
 }
 
 Result<std::int64_t> KvStore::blocks_held(SeqId seq) const {
-  auto slot = slot_any(seq);
+  auto slot = find_slot(seq, true);
   if (!slot) return slot.error();
   std::int64_t n = 0;
   for (const auto& t : slots_[static_cast<std::size_t>(*slot)].tables)
@@ -1096,7 +1108,10 @@ Status KvStore::ready_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
 }
 
 void KvStore::empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer) {
-  // Rows of reused blocks may have changed: the plane is left empty.
+  // Rows of reused blocks may have changed: the plane is left empty. The
+  // transaction changed this plane's table alone, and the sequence was not
+  // stale before it (installs refuse a stale one), so with that table
+  // empty no entry of the device's copy is read: it is not stale after.
   rollback(txn);
   Sequence& s = slots_[static_cast<std::size_t>(slot)];
   s.rings[static_cast<std::size_t>(layer)] = fresh_ring(layer);
@@ -1105,6 +1120,7 @@ void KvStore::empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer) {
     std::lock_guard<std::mutex> lock(pool_mutex_);
     release_table(s.tables[static_cast<std::size_t>(fi)]);
   }
+  s.stale = false;
 }
 
 Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
