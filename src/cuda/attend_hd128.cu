@@ -107,6 +107,7 @@ __device__ __forceinline__ void issue_tile(const AttendParams& P,
   const std::uint16_t* k0 = nullptr;
   const std::uint16_t* v0 = nullptr;
   std::int64_t stride = 0;
+  std::int64_t ring_first = -1;  // a whole ring tile across the ring's end: its first physical row
   if (base + kAttendTile <= b) {
     if (base >= rows.chunk_start) {
       const std::int64_t off = base * P.kv_dim + rows.chunk_offset;
@@ -124,6 +125,8 @@ __device__ __forceinline__ void issue_tile(const AttendParams& P,
         k0 = rows.k + off;
         v0 = rows.v + off;
         stride = rows.row_stride;
+      } else if (rows.table == nullptr) {
+        ring_first = physical;
       }
     }
   }
@@ -138,6 +141,21 @@ __device__ __forceinline__ void issue_tile(const AttendParams& P,
         cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, v0, true, tc.policy);
       k0 += 2 * stride;
       v0 += 2 * stride;
+    }
+    return;
+  }
+  if (ring_first >= 0) {
+    // The rows run to the ring's end, then on from its row 0: the same
+    // rows row_at finds, without its per-row tests.
+    const std::int64_t first = ring_first + tc.half;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      std::int64_t physical = first + 2 * k;
+      if (physical >= rows.capacity) physical -= rows.capacity;
+      const std::int64_t off = physical * rows.row_stride + rows.head_offset + 8 * tc.c;
+      if (kParts & kCopyK) cp_async16(tc.k_dst + stage_off + k * 2 * kRowBytes, rows.k + off, true, tc.policy);
+      if (kParts & kCopyV)
+        cp_async16(tc.v_dst[k & 3] + stage_off + (k >> 2) * 8 * kRowBytes, rows.v + off, true, tc.policy);
     }
     return;
   }

@@ -234,15 +234,21 @@ __device__ __forceinline__ void store_own_row(const AttendParams& P, const Query
   std::uint16_t* k = const_cast<std::uint16_t*>(h.k) + off;
   std::uint16_t* v = const_cast<std::uint16_t*>(h.v) + off;
   const std::int64_t e0 = static_cast<std::int64_t>(kv_head) * head_dim;
+  // Both sources are read before either store: a store may alias a source
+  // as far as the compiler knows, so a load after it would wait for it.
   if (P.own_vec) {
     for (int d = lane * 8; d < head_dim; d += 32 * 8) {
-      *reinterpret_cast<uint4*>(k + d) = source_f16x8(P.own_k, r.chunk_row, e0 + d);
-      *reinterpret_cast<uint4*>(v + d) = source_f16x8(P.own_v, r.chunk_row, e0 + d);
+      const uint4 kx = source_f16x8(P.own_k, r.chunk_row, e0 + d);
+      const uint4 vx = source_f16x8(P.own_v, r.chunk_row, e0 + d);
+      *reinterpret_cast<uint4*>(k + d) = kx;
+      *reinterpret_cast<uint4*>(v + d) = vx;
     }
   } else {
     for (int d = lane; d < head_dim; d += 32) {
-      k[d] = source_f16(P.own_k, r.chunk_row, e0 + d);
-      v[d] = source_f16(P.own_v, r.chunk_row, e0 + d);
+      const std::uint16_t kx = source_f16(P.own_k, r.chunk_row, e0 + d);
+      const std::uint16_t vx = source_f16(P.own_v, r.chunk_row, e0 + d);
+      k[d] = kx;
+      v[d] = vx;
     }
   }
   __syncwarp();
