@@ -87,9 +87,8 @@ FirstTiles first_tiles(const AttendParams& P) {
 
 // The combine path of a launch of `grid` under these limits: a cluster a
 // work item, a resident grid, or neither (last arrival). Clusters come
-// first: a cluster launch may be a programmatic dependent, so in a chain of
-// short decodes (a decode step) each overlaps the end of the one before; a
-// resident grid (a cooperative launch) never is (docs/PERFORMANCE.md).
+// first: their splits combine in the cluster's shared memory, with no pass
+// through global memory (docs/CUDA.md, "Attention").
 struct Paths {
   bool resident, cluster;
 };
@@ -169,9 +168,11 @@ cudaError_t launch(Kernels kernel, int cluster_limit, std::int64_t cluster_ctas,
     a.id = cudaLaunchAttributeCooperative;
     a.val.cooperative = 1;
   }
-  // A resident grid is never a programmatic dependent: all of its CTAs
-  // must run at once, beside nothing that waits.
-  if (programmatic && !resident) programmatic_attribute(attrs[n_attrs++]);
+  // A resident grid may be one too: its CTAs wait for the grids before it
+  // before anything else, so each that starts early waits beside work that
+  // never waits for it, and its launch lets no dependent start before all of
+  // its CTAs run (each executes the trigger first).
+  if (programmatic) programmatic_attribute(attrs[n_attrs++]);
   cfg.attrs = attrs;
   cfg.numAttrs = n_attrs;
   cudaError_t e = launch_kernel(cfg, kernel, first, params, inline_items);

@@ -90,8 +90,8 @@ struct LaunchPolicy {
   int f16_stages = 0;
   std::int64_t f16_deep_wave = 0;
   // Whether the store and decode-attention kernels launch as programmatic
-  // dependents of the work before them on the stream (sm_90 and later; a
-  // resident grid never does): each starts, and lets the next one start,
+  // dependents of the work before them on the stream (sm_90 and later;
+  // resident grids too): each starts, and lets the next one start,
   // while the one before it finishes, and waits for it before touching
   // memory, so a chain of small launches (a decode step) overlaps each
   // launch with the end of the one before (docs/CUDA.md, "Programmatic
