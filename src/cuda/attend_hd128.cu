@@ -359,13 +359,19 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   extern __shared__ uint4 smem_raw[];
   TensorSmem& S = *reinterpret_cast<TensorSmem*>(smem_raw);
   if (A.P.cluster) cluster_begin(S.inbox);  // finish waits for every CTA's arrival
-  enter_dependent();
   constexpr int HD = kTensorHeadDim;
   const FirstTiles& F = A.F;
   const AttendParams& P = A.P;
   Shared& sh = S.sh;
+  // What the parameters alone give is worked out before the programmatic
+  // wait, while the grid before may still run, where the launch's items
+  // are in its parameters; uploaded items are read after it (ptx.cuh,
+  // enter_dependent).
+  const bool params_only = items_in_params(A);
+  if (!params_only) enter_dependent();
   QueryRange r;
   if (!query_range(F, P, launch_items(A), r)) {
+    if (params_only) enter_dependent();
     if (P.resident) clock_idle(P);
     // An idle rank of a cluster waits for the arrivals at the start only:
     // no store reaches it, and the combine holds no cluster barrier
@@ -377,16 +383,25 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
-
-  // A one-token prefill's own row p goes to the plane first, from the warp
-  // whose tiles (from the run's first row on, one in kAttendWarps of its
+  // Rows [a, b) of the CTA's run of splits (one split unless F.split_run
+  // says more); the current split ends at split_end.
+  std::int64_t a = r.lo + r.split * r.split_rows;
+  const std::int64_t b = min(a + F.split_run * r.split_rows, r.p + 1);
+  std::int64_t split_end = a + r.split_rows;
+  // A one-token prefill's own row p is stored by the warp whose tiles
+  // (from the run's first row on, one in kAttendWarps of its
   // kAttendTile-row tiles) hold it.
-  if (P.own_rows) {
-    const std::int64_t run = r.lo + r.split * r.split_rows;
-    if (run + F.split_run * r.split_rows > r.p && ((r.p - run) / kAttendTile) % kAttendWarps == warp)
-      store_own_row(P, r, HeadRows(P, r, HD, hs.kv_head), hs.kv_head, HD, lane);
-  }
-  // The query's loads go out first: behind the first tiles of every CTA
+  const bool stores_own_row = P.own_rows && b > r.p && ((r.p - a) / kAttendTile) % kAttendWarps == warp;
+  a += warp * kAttendTile;
+  const HeadRows rows(P, r, HD, hs.kv_head);
+  const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
+  const TileCopy tc = tile_copy(area, kTileBytes, lane, tile_policy(F.read_once != 0));
+  r.n_splits = split_count(r);
+  if (params_only) enter_dependent();
+
+  // The own row goes to the plane first.
+  if (stores_own_row) store_own_row(P, r, rows, hs.kv_head, HD, lane);
+  // The query's loads go out next: behind the first tiles of every CTA
   // they would come back late, with the tiles already waiting.
   float qv[32];
   load_query(P, r, hs, g, t, qv);
@@ -394,15 +409,6 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   const float4 own = g < hs.heads_valid ? query_src(P, r, hs, g, t)[(warp >> 1) * 8 + (warp & 1)]
                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   // Then the first tiles, before the query is used.
-  // Rows [a, b) of the CTA's run of splits (one split unless F.split_run
-  // says more); the current split ends at split_end.
-  std::int64_t a = r.lo + r.split * r.split_rows;
-  const std::int64_t b = min(a + F.split_run * r.split_rows, r.p + 1);
-  std::int64_t split_end = a + r.split_rows;
-  a += warp * kAttendTile;
-  const HeadRows rows(P, r, HD, hs.kv_head);
-  const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
-  const TileCopy tc = tile_copy(area, kTileBytes, lane, tile_policy(F.read_once != 0));
   // A resident CTA's clock count lands with thread 0's first tiles.
   if (P.resident && threadIdx.x == 0) clock_copy(P, sh);
 #pragma unroll
@@ -411,7 +417,6 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
       issue_tile<kCopyKV>(P, rows, a + st * kWarpStride, b, tc, static_cast<unsigned>(st * kStageBytes));
     cp_async_commit();
   }
-  r.n_splits = split_count(r);
   const Fragments fr(area, kTileBytes, lane);
   float down;
   std::uint32_t qa[8][4];

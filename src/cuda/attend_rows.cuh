@@ -75,6 +75,10 @@ static_assert(sizeof(InlineArgs) <= kMaxKernelParamBytes, "kernel parameters ove
 // The items a CTA searches: null for a launch of one item in P.single.
 __device__ __forceinline__ const AttendQueryItem* launch_items(const KernelArgs& A) { return A.P.items; }
 __device__ __forceinline__ const AttendQueryItem* launch_items(const InlineArgs& A) { return A.items; }
+// Whether the launch's items are in its parameters (read before the
+// programmatic wait), not in uploaded memory.
+__device__ __forceinline__ bool items_in_params(const KernelArgs& A) { return A.P.items == nullptr; }
+__device__ __forceinline__ bool items_in_params(const InlineArgs&) { return true; }
 
 struct QueryRange {
   int qi;                  // query index in the launch (its row of q and out)
@@ -135,7 +139,8 @@ __device__ __forceinline__ bool query_range(const FirstTiles& F, const AttendPar
   return r.lo + r.split * r.split_rows <= r.p;
 }
 // The query's split count: a division, which the tensor-core kernel does
-// once its first tiles are out.
+// with the rest of its setup (before its programmatic wait where its items
+// are in its parameters).
 __device__ __forceinline__ int split_count(const QueryRange& r) {
   return static_cast<int>((r.p - r.lo + r.split_rows) / r.split_rows);
 }

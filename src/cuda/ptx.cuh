@@ -91,12 +91,13 @@ __device__ __forceinline__ void mbarrier_wait_first_phase(unsigned bar) {
 
 // ---- Programmatic dependent launch (sm_90) -------------------------------------------
 
-// The first statement of a kernel that may be launched as a programmatic
-// dependent (LaunchPolicy::programmatic): the grid launched after this one
-// that way may start now (it waits here in turn), and this one waits until
-// the grids before it have completed with their memory visible. Nothing
-// global is read or written before it. Where the kernel was not launched
-// that way, or before sm_90, the wait returns at once.
+// Runs in a kernel that may be launched as a programmatic dependent
+// (LaunchPolicy::programmatic) before its first read or write of global
+// memory: the grid launched after this one that way may start now (it
+// waits here in turn), and this one waits until the grids before it have
+// completed with their memory visible. Before it a kernel works from its
+// parameters alone. Where the kernel was not launched that way, or before
+// sm_90, the wait returns at once.
 __device__ __forceinline__ void enter_dependent() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n"
