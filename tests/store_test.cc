@@ -768,6 +768,21 @@ TEST(Store, ASequenceWhoseDeviceTablesCannotBeRestoredIsRefusedUntilReset) {
   const SeqId e = *s.add_sequence();
   run_batch(s, {{4, SeqSpan{e, 0, 33}}}, out);
   EXPECT_EQ(*s.next_position(e), 33);
+
+  // An install that fails to mirror its table leaves its plane empty, which
+  // reads no mirror entry: the sequence is not stale, and a second install
+  // takes.
+  ASSERT_TRUE(s.remove_sequence(e).ok());
+  const SeqId f = *s.add_detached_sequence();
+  const RingState plane = *RingState::sequential(s.capacity(full), false, 40);
+  const std::int64_t free_then = s.free_blocks();
+  s.fail_mirror = true;
+  EXPECT_EQ(s.install_plane(f, full, plane).error().code, ErrorCode::kCuda);
+  s.fail_mirror = false;
+  EXPECT_EQ(s.ring(f, full)->len(), 0);
+  EXPECT_EQ(s.free_blocks(), free_then);
+  ASSERT_TRUE(s.install_plane(f, full, plane).ok());
+  EXPECT_EQ(s.ring(f, full)->len(), 40);
 }
 
 TEST(Store, ViewsAreCheckedAndReadInPlace) {

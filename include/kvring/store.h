@@ -21,7 +21,8 @@
 // tables the operation changed are refused (kCuda) by every call on them
 // but reset_sequence, remove_sequence, contains, is_detached,
 // next_position, ring and blocks_held, until they are reset or removed;
-// the store's other sequences are not affected.
+// the store's other sequences are not affected. (A failed install leaves
+// its plane empty instead, which needs no mirror.)
 #pragma once
 
 #include <cstdint>
@@ -420,7 +421,8 @@ class KvStore {
     bool used = false;  // held a sequence since the store was created
     // The device's copy of its block tables may differ from `tables`: a
     // failed call's undo could not be mirrored. Refused by slot_of and
-    // slot_any; over once its tables are empty (reset, remove).
+    // slot_any; over once its tables are empty (reset, remove). Set only
+    // by calls that run alone (stores and prefills), never by an install.
     bool stale = false;
     std::uint32_t generation = 0;
     std::vector<RingState> rings;                    // [n_layers]
@@ -484,7 +486,10 @@ class KvStore {
   // changes mirrored (apply_blocks).
   Status copy_blocks(const Txn& txn, cudaStream_t stream);
   Status apply_blocks(Txn& txn, cudaStream_t stream);
-  void rollback(Txn& txn);
+  // Undoes the transaction: tables, pool and, where `restore_mirror`, the
+  // device's copy of the changed tables; a failure there leaves their
+  // sequences stale (Sequence::stale).
+  void rollback(Txn& txn, bool restore_mirror = true);
   void commit(Txn& txn);
   Result<std::vector<std::int32_t>> slots_of_spans(std::span<const SeqSpan> spans,
                                                    bool unique) const;

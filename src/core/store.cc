@@ -189,7 +189,7 @@ struct KvStore::Scratch {
   }
 };
 
-void KvStore::rollback(Txn& txn) {
+void KvStore::rollback(Txn& txn, bool restore_mirror) {
   for (auto& [slot, fi, table] : txn.saved)
     slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)] = std::move(table);
   {
@@ -199,7 +199,7 @@ void KvStore::rollback(Txn& txn) {
       free_.push_back(b);
     }
   }
-  if (txn.mirrored) {
+  if (txn.mirrored && restore_mirror) {
     // Point the mirrors back at the tables as they were.
     std::vector<TableChange> back;
     for (const auto& [slot, fi, unused] : txn.saved) {
@@ -1109,10 +1109,11 @@ Status KvStore::ready_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
 
 void KvStore::empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer) {
   // Rows of reused blocks may have changed: the plane is left empty. The
-  // transaction changed this plane's table alone, and the sequence was not
-  // stale before it (installs refuse a stale one), so with that table
-  // empty no entry of the device's copy is read: it is not stale after.
-  rollback(txn);
+  // transaction changed this plane's table alone, and an empty table reads
+  // no entry of the device's copy, so that copy is left as it is (and an
+  // install, which may run beside installs of other layers, never marks
+  // the sequence stale).
+  rollback(txn, false);
   Sequence& s = slots_[static_cast<std::size_t>(slot)];
   s.rings[static_cast<std::size_t>(layer)] = fresh_ring(layer);
   const std::int64_t fi = full_index(layer);
@@ -1120,7 +1121,6 @@ void KvStore::empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer) {
     std::lock_guard<std::mutex> lock(pool_mutex_);
     release_table(s.tables[static_cast<std::size_t>(fi)]);
   }
-  s.stale = false;
 }
 
 Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
