@@ -73,6 +73,14 @@ constexpr std::int64_t kPositionLimit = std::int64_t{1} << 62;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// The oldest position a sliding ring of `capacity` rows (`slack` of them
+// the store's slack) must still hold when it ends at `next`: the oldest a
+// ring without slack holds there, at least the W rows before `next` and
+// what a snapshot records. truncate_sequence and install keep it.
+std::int64_t oldest_kept(std::int64_t next, std::int64_t capacity, std::int64_t slack) {
+  return std::max<std::int64_t>(0, next - (capacity - slack));
+}
+
 }  // namespace
 
 std::string seq_name(SeqId seq) {
@@ -463,11 +471,9 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
   std::vector<RingState> rings = s.rings;
   for (std::int64_t l = 0; l < n_layers(); ++l) {
     RingState& r = rings[static_cast<std::size_t>(l)];
-    // A sliding ring must still hold the rows a ring without slack would
-    // hold at the new end (at least the W rows every later query needs, and
-    // what a snapshot records); with `slack` extra rows it always does for
-    // the last `slack` tokens.
-    const std::int64_t need = std::max<std::int64_t>(0, end - (r.capacity() - options_.slack));
+    // A sliding ring must still hold oldest_kept at the new end; with
+    // `slack` extra rows it always does for the last `slack` tokens.
+    const std::int64_t need = oldest_kept(end, r.capacity(), options_.slack);
     if (r.wraps() && r.origin_logical() > need)
       return invalid_argument(
           "cannot roll " + seq_name(seq) + " back by " + std::to_string(tokens) +
@@ -1058,7 +1064,7 @@ Status check_install_ring(std::int64_t layer, const RingState& state, std::int64
   // A sliding ring holds at least the rows a ring without slack holds at
   // its end, as truncate_sequence keeps them: no state the store refuses
   // to roll back into comes in through an install.
-  const std::int64_t need = std::max<std::int64_t>(0, state.next_position() - (capacity - slack));
+  const std::int64_t need = oldest_kept(state.next_position(), capacity, slack);
   if (sliding && state.origin_logical() > need)
     return invalid_argument("layer " + std::to_string(layer) + ": sliding ring state ends at position " +
                             std::to_string(state.next_position()) + " but no longer holds position " +
