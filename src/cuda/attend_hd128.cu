@@ -254,15 +254,28 @@ __device__ __forceinline__ void query_operands(const float (&qv)[32], std::uint3
 // query_operands' result, with each k-step's operands made by one warp of
 // the CTA kernel (warp s those of k-step s, from `own`, the lane's qv[4s ..
 // 4s + 4)) and handed to every warp through shared memory: the same bits,
-// from an eighth of the conversion code. A launch's code reaches each SM
-// anew, so a short decode's time follows the instructions on its path
-// (docs/CUDA.md, "Code on the critical path"). A CTA barrier: every thread
-// of the CTA calls it.
-__device__ __forceinline__ void query_operands_shared(const float (&qv)[32], float4 own, int warp, int lane,
+// from an eighth of the conversion code and an eighth of the query's loads.
+// Each warp loads only its k-step: the largest magnitude of query g over
+// the 16 dims of k-step s goes to amax[g][s], and every lane takes the
+// largest of the 8 (fmaxf is exact and ignores NaNs, so the grouping gives
+// query_up's value). A launch's code reaches each SM anew, so a short
+// decode's time follows the instructions on its path (docs/CUDA.md, "Code
+// on the critical path"). Two CTA barriers: every thread of the CTA calls
+// it.
+__device__ __forceinline__ void query_operands_shared(float4 own, int warp, int lane, float (&amax)[kTensorHeads][kAttendWarps],
                                                       uint4 (&shared)[kAttendWarps][32],
                                                       std::uint32_t (&qa)[8][4], float& down) {
-  static_assert(kAttendWarps == 8, "a warp a k-step");
-  shared[warp][lane] = kstep_operands(own, query_up(qv, down));
+  static_assert(kAttendWarps == 8 && kTensorHeads == 8, "a warp a k-step, 8 query heads");
+  const int g = lane >> 2;
+  float m = fmaxf(fmaxf(fabsf(own.x), fabsf(own.y)), fmaxf(fabsf(own.z), fabsf(own.w)));
+  m = fmaxf(m, __shfl_xor_sync(kFullMask, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(kFullMask, m, 2));
+  if ((lane & 3) == 0) amax[g][warp] = m;
+  __syncthreads();
+  const float4 a0 = *reinterpret_cast<const float4*>(&amax[g][0]);
+  const float4 a1 = *reinterpret_cast<const float4*>(&amax[g][4]);
+  const float head_max = fmaxf(fmaxf(fmaxf(a0.x, a0.y), fmaxf(a0.z, a0.w)), fmaxf(fmaxf(a1.x, a1.y), fmaxf(a1.z, a1.w)));
+  shared[warp][lane] = kstep_operands(own, query_scale(fmaxf(0.0f, head_max), down));
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < 8; ++s) set_kstep(qa, s, shared[s][lane]);
@@ -401,11 +414,9 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
 
   // The own row goes to the plane first.
   if (stores_own_row) store_own_row(P, r, rows, hs.kv_head, HD, lane);
-  // The query's loads go out next: behind the first tiles of every CTA
-  // they would come back late, with the tiles already waiting.
-  float qv[32];
-  load_query(P, r, hs, g, t, qv);
-  // This warp's k-step of the query (query_operands_shared).
+  // The query's load goes out next: behind the first tiles of every CTA it
+  // would come back late, with the tiles already waiting. A warp loads its
+  // k-step of the query alone (query_operands_shared).
   const float4 own = g < hs.heads_valid ? query_src(P, r, hs, g, t)[(warp >> 1) * 8 + (warp & 1)]
                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   // Then the first tiles, before the query is used.
@@ -420,7 +431,7 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   const Fragments fr(area, kTileBytes, lane);
   float down;
   std::uint32_t qa[8][4];
-  query_operands_shared(qv, own, warp, lane, S.qa, qa, down);
+  query_operands_shared(own, warp, lane, S.amax, S.qa, qa, down);
 
   float m = -INFINITY;  // uniform over the 4 lanes of query g
   float l = 0.0f;       // this lane's share of query g's weight sum

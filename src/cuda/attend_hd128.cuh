@@ -47,6 +47,8 @@ struct TensorSmem {
   // The query's A operands of k-step s for lane l at qa[s][l], made by
   // warp s (query_operands_shared).
   uint4 qa[kAttendWarps][32];
+  // The largest magnitude of query head g over k-step s at amax[g][s].
+  alignas(16) float amax[kTensorHeads][kAttendWarps];
 };
 static_assert(sizeof(TensorSmem) <= 227 * 1024, "within the shared memory a CTA may opt in to");
 constexpr int kPartialBytes = kTensorHeads * kTensorHeadDim * 4;
