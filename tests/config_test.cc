@@ -109,6 +109,22 @@ void expect_error(const std::string& json, const std::string& names) {
       << "message '" << c.error().message << "' does not name '" << names << "'";
 }
 
+// The parser's message quotes the bytes it last read; they reach the
+// error escaped, as every other piece of config text does.
+TEST(HfConfig, MalformedJsonIsQuotedEscaped) {
+  for (const std::string& json : {std::string("{\"\xff\": 1}"), std::string("{\"a\": 1,\x1b[2J")}) {
+    auto c = parse_hf_config(json);
+    ASSERT_FALSE(c.ok());
+    EXPECT_NE(c.error().message.find("malformed JSON"), std::string::npos) << c.error().message;
+    for (const char ch : c.error().message) {
+      const auto u = static_cast<unsigned char>(ch);
+      EXPECT_TRUE(u >= 0x20 && u < 0x7f) << "raw byte " << static_cast<int>(u) << " in " << c.error().message;
+    }
+  }
+  auto bad = parse_hf_config("{\"\xff\": 1}");
+  EXPECT_NE(bad.error().message.find("\\xff"), std::string::npos) << bad.error().message;
+}
+
 TEST(HfConfig, ErrorsNameTheField) {
   const std::string base = R"("num_hidden_layers": 4, "num_attention_heads": 8,
     "head_dim": 64, "max_position_embeddings": 4096, "sliding_window_pattern": 2)";

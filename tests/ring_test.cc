@@ -150,6 +150,39 @@ TEST(Ring, FromPartsChecksInvariants) {
   EXPECT_FALSE(RingState::from_parts(32, true, -1, 0, 0).ok());
 }
 
+TEST(Ring, RollingBackChecksTheCount) {
+  const RingState r = *RingState::sequential(32, true, 40);  // positions [8, 40)
+  auto back = r.rolled_back(5);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->len(), 27);
+  EXPECT_EQ(back->origin_logical(), 8);
+  EXPECT_EQ(back->next_position(), 35);
+  EXPECT_EQ(r.rolled_back(32)->len(), 0);
+  EXPECT_EQ(r.rolled_back(0)->len(), 32);
+  for (const std::int64_t count : {std::int64_t{-1}, std::int64_t{-100}, std::int64_t{33},
+                                   std::numeric_limits<std::int64_t>::min(),
+                                   std::numeric_limits<std::int64_t>::max()}) {
+    const auto refused = r.rolled_back(count);
+    ASSERT_FALSE(refused.ok()) << count;
+    EXPECT_EQ(refused.error().code, ErrorCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(RingState::sliding(32).rolled_back(-100).ok());
+  EXPECT_FALSE(RingState::full(8).rolled_back(1).ok());
+}
+
+TEST(Ring, ABatchPastTheLastPositionSaysSo) {
+  const std::int64_t end = std::int64_t{1} << 62;
+  const RingState r = *RingState::sequential(32, true, end - 1);
+  EXPECT_TRUE(r.plan_batch(0, end - 1, 1).ok());
+  const auto past = r.plan_batch(3, end - 1, 2);
+  ASSERT_FALSE(past.ok());
+  EXPECT_EQ(past.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(past.error().message.find("layer 3: a batch of 2 rows from position 4611686018427387903 would pass "
+                                      "position 2^62"),
+            std::string::npos)
+      << past.error().message;
+}
+
 TEST(Ring, SequentialMatchesAppends) {
   for (std::int64_t cap : {1, 7, 32, 33}) {
     RingState r = RingState::sliding(cap);

@@ -1265,7 +1265,7 @@ class Harness {
     if (at >= 0 && chance(60)) n = at;
     if (full(l)) n = std::min(n, c);
     RingState r = *RingState::sequential(c, !full(l), n);
-    if (!full(l) && chance(20) && r.len() > 0) r = r.rolled_back(uniform(0, r.len()));
+    if (!full(l) && chance(20) && r.len() > 0) r = *r.rolled_back(uniform(0, r.len()));
     if (r.next_position() > limit(l)) *valid = false;
     // Rolled back past the rows a ring without slack holds at its end.
     if (!full(l) && r.origin_logical() > std::max<std::int64_t>(0, r.next_position() - (c - opt_.slack)))
@@ -1401,8 +1401,16 @@ class Harness {
     SeqModel* s = find(id);
     const StoreImage before = image();
     const Status st = store_->attach_sequence(id);
-    if (!outcome(st, s != nullptr && s->detached, before) || !st.ok()) return;
+    if (!outcome(st, s != nullptr && s->detached && whole(*s), before) || !st.ok()) return;
     s->detached = false;
+  }
+  // Every plane ends at one position and every live row was written.
+  bool whole(const SeqModel& s) const {
+    if (!model_next(s)) return false;
+    for (const PlaneModel& p : s.planes)
+      for (std::int64_t x = p.origin; x < p.next; ++x)
+        if (p.k[static_cast<std::size_t>(x)].empty()) return false;
+    return true;
   }
 
   // A snapshot of a live sequence, checked against the model.
@@ -1551,7 +1559,7 @@ class Harness {
     const PlaneSnapshot& p = snap.planes[static_cast<std::size_t>(l)];
     const std::int64_t c = cap(l);
     if (full(l)) return *RingState::sequential(c, false, snap.token_count);
-    return RingState::sequential(c, true, p.ring.origin_logical() + c)->rolled_back(c - p.ring.len());
+    return *RingState::sequential(c, true, p.ring.origin_logical() + c)->rolled_back(c - p.ring.len());
   }
 
   // restore_ring() agrees with the model for every layer.

@@ -557,6 +557,17 @@ TEST(Store, HoldersWritingASharedBlockTogetherLeaveItToOne) {
   EXPECT_EQ(s->free_blocks(), 1);
   const SeqSpan both[] = {{a, 10, 1}, {b, 10, 1}};
   EXPECT_EQ(*s->blocks_to_store(both), 1);
+  // What store refuses, blocks_to_store refuses with store's error.
+  const SeqSpan twice[] = {{a, 10, 1}, {a, 10, 1}};
+  EXPECT_EQ(s->blocks_to_store(twice).error().code, ErrorCode::kInvalidArgument);
+  const SeqSpan skips[] = {{a, 12, 1}};
+  EXPECT_EQ(s->blocks_to_store(skips).error().code, ErrorCode::kCacheDiscontinuity);
+  const SeqSpan empty[] = {{a, 10, 0}};
+  EXPECT_EQ(s->blocks_to_store(empty).error().code, ErrorCode::kInvalidArgument);
+  const SeqSpan past[] = {{a, 10, 55}};
+  EXPECT_EQ(s->blocks_to_store(past).error().code, ErrorCode::kCapacityExceeded);
+  const SeqSpan gone[] = {{SeqId{0x7777}, 0, 1}};
+  EXPECT_EQ(s->blocks_to_store(gone).error().code, ErrorCode::kNotFound);
   run_batch(*s, {{1, SeqSpan{a, 10, 1}}, {2, SeqSpan{b, 10, 1}}}, out);
   EXPECT_EQ(s->free_blocks(), 0);
   run_batch(*s, {{2, SeqSpan{b, 11, 3}}, {1, SeqSpan{a, 11, 4}}}, out);
@@ -897,9 +908,9 @@ TEST(Store, ExtremePositionsAndLayers) {
   }
   const SeqSpan far[] = {{a, std::numeric_limits<std::int64_t>::max(), 1}, {a, std::int64_t{1} << 62, 1}};
   for (const SeqSpan& sp : far) {
-    auto n = s->blocks_to_store({&sp, 1});
-    ASSERT_TRUE(n.ok());
-    EXPECT_EQ(*n, 0) << sp.start;  // a store refuses the span
+    auto n = s->blocks_to_store({&sp, 1});  // refused, as a store refuses the span
+    ASSERT_FALSE(n.ok()) << sp.start;
+    EXPECT_EQ(n.error().code, ErrorCode::kCacheDiscontinuity) << sp.start;
   }
   for (const std::int64_t l : {std::int64_t{-1}, c.n_layers, std::numeric_limits<std::int64_t>::max()}) {
     EXPECT_EQ(s->capacity(l), 0) << l;
@@ -956,8 +967,8 @@ TEST(Store, InstallRefusesARingRolledBackPastItsWindow) {
   const auto before = live_bytes(*s, a);
   // Built to 50 (positions [14, 50)): by 4 it still holds [14, 46), the 32
   // rows before 46; by 5 it would lack position 13 of [13, 45).
-  const RingState within = RingState::sequential(36, true, 50)->rolled_back(4);
-  const RingState past = RingState::sequential(36, true, 50)->rolled_back(5);
+  const RingState within = *RingState::sequential(36, true, 50)->rolled_back(4);
+  const RingState past = *RingState::sequential(36, true, 50)->rolled_back(5);
   const Status refused = s->install(a, 0, past, rows.data(), rows.data());
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.error().code, ErrorCode::kInvalidArgument) << refused.to_string();
@@ -1024,20 +1035,33 @@ TEST(Store, SnapshotsMoveOneSequenceBetweenStores) {
   EXPECT_EQ(small->sequence_count(), 0);
 }
 
+// The source the detached-sequence tests copy: a store of 4 layers (one
+// sliding window of 32 rows) holding sequence `a` at 70 positions, its
+// snapshot and its live bytes.
+class StoreDetached : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Outputs out;
+    run_batch(*s, {{1, SeqSpan{a, 0, 70}}}, out);
+    auto taken = take_snapshot(*s, a);
+    ASSERT_TRUE(taken.ok());
+    taken_ = std::move(*taken);
+    a_bytes = live_bytes(*s, a);
+  }
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  const std::unique_ptr<KvStore> s = cpu_store(c, {.max_sequences = 3, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  Snapshot taken_;
+  const Snapshot* snap = &taken_;
+  std::vector<std::uint16_t> a_bytes;
+};
+
 // A detached sequence takes a slot and blocks but is invisible and refused
 // by every batched operation and every read until attached; its planes are
 // installed in pieces (install_plane, then install_rows in any order) and
 // end up equal to the sequence they were copied from; removing it gives
 // everything back.
-TEST(Store, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
-  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
-  auto s = cpu_store(c, {.max_sequences = 3, .block_rows = 16});
-  const SeqId a = *s->add_sequence();
-  Outputs out;
-  run_batch(*s, {{1, SeqSpan{a, 0, 70}}}, out);
-  auto snap = take_snapshot(*s, a);
-  ASSERT_TRUE(snap.ok());
-  const auto a_bytes = live_bytes(*s, a);
+TEST_F(StoreDetached, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
   const std::int64_t free_before = s->free_blocks();
   const std::int64_t kv = c.kv_dim();
   // Every plane of `d` from the snapshot, rows back to front in pieces of 5.
@@ -1108,6 +1132,80 @@ TEST(Store, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached) {
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kCapacityExceeded);
   EXPECT_EQ(s->add_detached_sequence().error().code, ErrorCode::kCapacityExceeded);
+}
+
+// attach_sequence takes a detached sequence only whole: every layer's
+// plane installed to one end and every live row written (in any pieces,
+// rows written twice counted once); otherwise it stays detached, and a
+// removed sequence's rows left in the blocks or rings it took are never
+// read.
+TEST_F(StoreDetached, ADetachedSequenceIsAttachedOnlyWhole) {
+  const std::int64_t kv = c.kv_dim();
+  // Live rows [first, first + count) of layer l from the snapshot.
+  auto put = [&](SeqId d, std::int64_t l, std::int64_t first, std::int64_t count) {
+    const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
+    const auto at = static_cast<std::size_t>((first - p.ring.origin_logical()) * kv);
+    return s->install_rows(d, l, first, count, p.k.data() + at, p.v.data() + at);
+  };
+  auto planes = [&](SeqId d) {
+    for (std::int64_t l = 0; l < c.n_layers; ++l) ASSERT_TRUE(s->install_plane(d, l, *restore_ring(*snap, l, *s)).ok());
+  };
+  auto refused = [&](SeqId d, const char* why) {
+    const Status st = s->attach_sequence(d);
+    ASSERT_FALSE(st.ok()) << why;
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.error().message.find("is not whole"), std::string::npos) << st.to_string();
+    EXPECT_TRUE(s->is_detached(d)) << why;
+    EXPECT_FALSE(s->contains(d)) << why;
+  };
+
+  // Nothing installed yet: every plane ends at 0 with no rows, a whole
+  // empty sequence.
+  const SeqId empty = *s->add_detached_sequence();
+  ASSERT_TRUE(s->attach_sequence(empty).ok());
+  EXPECT_EQ(*s->next_position(empty), 0);
+  ASSERT_TRUE(s->remove_sequence(empty).ok());
+
+  // One layer installed, the others left at position 0.
+  const SeqId d = *s->add_detached_sequence();
+  const RingState r1 = *restore_ring(*snap, 1, *s);
+  ASSERT_TRUE(s->install_plane(d, 1, r1).ok());
+  ASSERT_TRUE(put(d, 1, r1.origin_logical(), r1.len()).ok());
+  refused(d, "one layer");
+  // Every plane, but layer 2 short of its last 3 rows; rows written twice
+  // count once.
+  planes(d);
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const RingState r = *s->ring(d, l);
+    const std::int64_t n = l == 2 ? r.len() - 3 : r.len();
+    ASSERT_TRUE(put(d, l, r.origin_logical(), n).ok());
+    ASSERT_TRUE(put(d, l, r.origin_logical(), std::min<std::int64_t>(n, 4)).ok());
+  }
+  refused(d, "rows missing");
+  const RingState r2 = *s->ring(d, 2);
+  ASSERT_TRUE(put(d, 2, r2.next_position() - 3, 3).ok());
+  // A plane installed again forgets the rows written before it.
+  ASSERT_TRUE(s->install_plane(d, 3, *s->ring(d, 3)).ok());
+  refused(d, "plane installed again");
+  const RingState r3 = *s->ring(d, 3);
+  ASSERT_TRUE(put(d, 3, r3.origin_logical(), r3.len()).ok());
+  ASSERT_TRUE(s->attach_sequence(d).ok());
+  EXPECT_EQ(live_bytes(*s, d), a_bytes);
+  Outputs o1, o2;
+  run_batch(*s, {{6, SeqSpan{a, 70, 9}}}, o1);
+  run_batch(*s, {{6, SeqSpan{d, 70, 9}}}, o2);
+  EXPECT_EQ(o1, o2);
+
+  // install writes every live row of its plane at once.
+  const SeqId e = *s->add_detached_sequence();
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
+    const RingState r = *restore_ring(*snap, l, *s);
+    const auto at = static_cast<std::size_t>((r.origin_logical() - p.ring.origin_logical()) * kv);
+    ASSERT_TRUE(s->install(e, l, r, p.k.data() + at, p.v.data() + at).ok());
+  }
+  ASSERT_TRUE(s->attach_sequence(e).ok());
+  EXPECT_EQ(live_bytes(*s, e), a_bytes);
 }
 
 }  // namespace

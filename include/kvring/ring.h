@@ -91,14 +91,11 @@ class RingState {
   Result<BatchPlacement> append_batch(std::int64_t layer, std::int64_t start,
                                       std::int64_t count);
 
-  // The state with its last `count` rows dropped (precondition:
-  // 0 <= count <= len): the origins stay, so a sliding ring may then hold
-  // fewer rows than its capacity with origin_logical > 0.
-  RingState rolled_back(std::int64_t count) const {
-    RingState r = *this;
-    r.len_ -= count;
-    return r;
-  }
+  // The state with its last `count` rows dropped: the origins stay, so a
+  // sliding ring may then hold fewer rows than its capacity with
+  // origin_logical > 0. kInvalidArgument unless 0 <= count <= len, so no
+  // state a program builds holds rows outside [0, capacity].
+  Result<RingState> rolled_back(std::int64_t count) const;
 
   // The live rows [first, first + count) as physical spans; a range that
   // is not all live gives none (n_spans 0).

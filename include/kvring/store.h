@@ -214,7 +214,9 @@ class KvStore {
   // Blocks that storing `spans` into every full layer would take from the
   // pool (new blocks, and copies of shared blocks written into; of the
   // holders of a shared block that all write into it in one call, one
-  // keeps it).
+  // keeps it). Spans that store would refuse for the full layers (an
+  // unknown or repeated sequence, an empty span, one that does not continue
+  // a plane or runs past it) get store's error, not a count.
   Result<std::int64_t> blocks_to_store(std::span<const SeqSpan> spans) const;
   // What install() of a ring of `rows` rows into plane `layer` of `seq`
   // takes from the pool while it runs (new blocks, and new ones for blocks
@@ -273,7 +275,10 @@ class KvStore {
   // read_plane, fork, truncate and reset refuse it (kNotFound), so nothing
   // reads or extends rows that are still arriving (nor, in blocks taken
   // from the pool, rows some removed sequence left there). attach_sequence
-  // makes it live; remove_sequence frees it and everything it took instead.
+  // makes it live once it is whole: every layer's plane ends at one
+  // position and an install wrote every one of its live rows (else
+  // kInvalidArgument, and it stays detached); remove_sequence frees it and
+  // everything it took instead.
   // Errors: kCapacityExceeded when every slot is taken.
   Result<SeqId> add_detached_sequence();
   Status attach_sequence(SeqId seq);
@@ -427,6 +432,14 @@ class KvStore {
     std::uint32_t generation = 0;
     std::vector<RingState> rings;                    // [n_layers]
     std::vector<std::vector<std::int32_t>> tables;  // [n_full][blocks]
+    // While detached: which live rows of each layer's plane an install
+    // wrote, bit i for row origin_logical + i, and how many ([n_layers];
+    // installs of different layers touch different entries).
+    struct Written {
+      std::vector<std::uint64_t> bits;
+      std::int64_t rows = 0;
+    };
+    std::vector<Written> written;
   };
   struct Txn;
   // Working vectors of the batched calls, kept between calls so that a
@@ -448,6 +461,11 @@ class KvStore {
                      cudaStream_t stream);
   // A plane left empty after a backend failed part-way through an install.
   void empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer);
+  // A detached sequence's record of written rows (Sequence::written) after
+  // an install of the layer's plane (all its live rows written, or none),
+  // and after install_rows wrote live rows [first, first + count).
+  void mark_installed(std::int32_t slot, std::int64_t layer, bool rows_written);
+  void mark_written(std::int32_t slot, std::int64_t layer, std::int64_t first, std::int64_t count);
   Status check_rows_memory(MemorySpace space, const std::uint16_t* k,
                            const std::uint16_t* v) const;
   // Rows [first, first + count) are live in ring `r` of the sequence.

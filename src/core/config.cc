@@ -172,11 +172,12 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   try {
     root = json::parse(json_text.begin(), json_text.end());
   } catch (const json::parse_error& e) {
-    return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + e.what());
+    // The parser's message quotes the input's last bytes as they are.
+    return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + printable(e.what()));
   } catch (const json::exception& e) {
     // The parser throws other errors too: a number too large for a double
     // (out_of_range 406) among them.
-    return config_error(std::string("malformed JSON: ") + e.what());
+    return config_error("malformed JSON: " + printable(e.what()));
   }
   if (!root.is_object()) return config_error("config is not a JSON object");
   // Multimodal Gemma 3 configs nest the language model under text_config.

@@ -66,6 +66,15 @@ Result<RingState> RingState::from_parts(std::int64_t capacity, bool wraps, std::
   return r;
 }
 
+Result<RingState> RingState::rolled_back(std::int64_t count) const {
+  if (count < 0 || count > len_)
+    return invalid_argument("cannot roll a ring of " + std::to_string(len_) + " rows back by " +
+                            std::to_string(count));
+  RingState r = *this;
+  r.len_ -= count;
+  return r;
+}
+
 Result<std::int64_t> RingState::append(std::int64_t layer, std::int64_t position) {
   if (capacity_ < 1) return no_rows(layer, capacity_);
   const std::int64_t expected = next_position();
@@ -94,8 +103,9 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
   // Positions stay far below 2^62, so start + count and len + count cannot
   // overflow past this bound.
   if (count > (std::int64_t{1} << 62) - start)
-    return invalid_argument("layer " + std::to_string(layer) + ": batch of " +
-                            std::to_string(count) + " rows is too large");
+    return invalid_argument("layer " + std::to_string(layer) + ": a batch of " + std::to_string(count) +
+                            " rows from position " + std::to_string(start) +
+                            " would pass position 2^62, the last a ring holds");
   const std::int64_t total = len_ + count;
   if (!wraps_ && total > capacity_)
     return capacity_exceeded(layer, capacity_, start + count - 1);

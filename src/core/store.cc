@@ -351,8 +351,45 @@ Status KvStore::attach_sequence(SeqId seq) {
   if (!slot) return slot.error();
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   if (!s.detached) return invalid_argument(seq_name(seq) + " is already live");
+  // Whole, or not at all: a layer left out or rows never written would
+  // read whatever the blocks and rings held before.
+  const std::int64_t end = s.rings[0].next_position();
+  for (std::int64_t l = 0; l < n_layers(); ++l) {
+    const RingState& r = s.rings[static_cast<std::size_t>(l)];
+    if (r.next_position() != end)
+      return invalid_argument("attach_sequence: " + seq_name(seq) + " is not whole: layer " + std::to_string(l) +
+                              " ends at position " + std::to_string(r.next_position()) + ", layer 0 at " +
+                              std::to_string(end));
+    const std::int64_t written = s.written[static_cast<std::size_t>(l)].rows;
+    if (written != r.len())
+      return invalid_argument("attach_sequence: " + seq_name(seq) + " is not whole: layer " + std::to_string(l) +
+                              " has " + std::to_string(written) + " of its " + std::to_string(r.len()) +
+                              " live rows written");
+  }
   s.detached = false;
+  s.written.clear();
   return Status::Ok();
+}
+
+void KvStore::mark_installed(std::int32_t slot, std::int64_t layer, bool rows_written) {
+  Sequence& s = slots_[static_cast<std::size_t>(slot)];
+  if (!s.detached) return;
+  const std::int64_t len = s.rings[static_cast<std::size_t>(layer)].len();
+  Sequence::Written& w = s.written[static_cast<std::size_t>(layer)];
+  w.bits.assign(static_cast<std::size_t>(ceil_div(len, 64)), rows_written ? ~std::uint64_t{0} : 0);
+  w.rows = rows_written ? len : 0;
+}
+
+void KvStore::mark_written(std::int32_t slot, std::int64_t layer, std::int64_t first, std::int64_t count) {
+  Sequence& s = slots_[static_cast<std::size_t>(slot)];
+  const std::int64_t from = first - s.rings[static_cast<std::size_t>(layer)].origin_logical();
+  Sequence::Written& w = s.written[static_cast<std::size_t>(layer)];
+  for (std::int64_t i = from; i < from + count; ++i) {
+    std::uint64_t& word = w.bits[static_cast<std::size_t>(i >> 6)];
+    const std::uint64_t bit = std::uint64_t{1} << (i & 63);
+    if ((word & bit) == 0) ++w.rows;
+    word |= bit;
+  }
 }
 
 Result<SeqId> KvStore::add_slot(bool detached) {
@@ -374,6 +411,7 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   s.rings.clear();
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings.push_back(fresh_ring(l));
   s.tables.assign(static_cast<std::size_t>(n_full_), {});
+  s.written.assign(detached ? static_cast<std::size_t>(n_layers()) : 0, {});
   return make_seq(static_cast<std::uint32_t>(i), s.generation);
 }
 
@@ -398,6 +436,7 @@ Status KvStore::remove_sequence(SeqId seq) {
   s.detached = false;
   s.stale = false;
   s.rings.clear();
+  s.written.clear();
   ++s.generation;
   return Status::Ok();
 }
@@ -480,7 +519,9 @@ Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
           " tokens: layer " + std::to_string(l) + "'s ring no longer holds position " +
           std::to_string(need) + " (rollback is guaranteed to within " +
           std::to_string(options_.slack) + " tokens, the store's slack, of the furthest position it reached, and not before a restore)");
-    r = r.rolled_back(tokens);
+    auto back = r.rolled_back(tokens);
+    if (!back) return back.error();
+    r = *back;
   }
   s.rings = std::move(rings);
   for (std::int64_t fi = 0; fi < n_full_; ++fi) {
@@ -549,24 +590,27 @@ Result<KvStore::InstallBlocks> KvStore::blocks_to_install(SeqId seq, std::int64_
 
 Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) const {
   const std::int64_t B = options_.block_rows;
-  std::vector<std::int32_t> slots(spans.size());
-  for (std::size_t i = 0; i < spans.size(); ++i) {
-    auto slot = slot_of(spans[i].seq);
-    if (!slot) return slot.error();
-    slots[i] = *slot;
+  // What storing the spans would refuse is refused here too: an unknown or
+  // repeated sequence, an empty span, a span that does not continue a full
+  // plane or runs past it.
+  auto slots = slots_of_spans(spans, true);
+  if (!slots) return slots.error();
+  for (std::int64_t l = 0; l < n_layers(); ++l) {
+    if (full_index(l) < 0) continue;
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      const RingState& r = slots_[static_cast<std::size_t>((*slots)[i])].rings[static_cast<std::size_t>(l)];
+      auto plan = r.plan_batch(l, spans[i].start, spans[i].count);
+      if (!plan) return make_error(plan.error().code, seq_name(spans[i].seq) + ": " + plan.error().message);
+    }
   }
   std::int64_t n = 0;
   std::vector<char> copies;
-  const std::int64_t full_rows = config_.plane_capacity(LayerKind::kFullNope, options_.context);
   for (std::int64_t fi = 0; fi < n_full_; ++fi) {
-    first_block_copies(spans, slots, fi, copies);
+    first_block_copies(spans, *slots, fi, copies);
     for (std::size_t i = 0; i < spans.size(); ++i) {
       const SeqSpan& sp = spans[i];
-      // A span that a full plane refuses (past the context) takes no block.
-      if (sp.count < 1 || sp.start < 0 || sp.count > kMaxBatchRows || sp.count > full_rows - sp.start)
-        continue;
       const auto held = static_cast<std::int64_t>(
-          slots_[static_cast<std::size_t>(slots[i])].tables[static_cast<std::size_t>(fi)].size());
+          slots_[static_cast<std::size_t>((*slots)[i])].tables[static_cast<std::size_t>(fi)].size());
       n += std::max<std::int64_t>(0, ceil_div(sp.start + sp.count, B) - held) + copies[i];
     }
   }
@@ -1148,10 +1192,12 @@ Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
   if (st.ok()) st = copy_in(plane_ref(*slot, layer), state.live_spans(), k, v, space, stream);
   if (!st.ok()) {
     empty_plane(txn, *slot, layer);
+    mark_installed(*slot, layer, false);
     return st;
   }
   txn.rings.emplace_back(*slot, layer, state);
   commit(txn);
+  mark_installed(*slot, layer, true);
   return Status::Ok();
 }
 
@@ -1173,10 +1219,12 @@ Status KvStore::install_plane(SeqId seq, std::int64_t layer, const RingState& st
   }
   if (Status st = ready_plane(txn, *slot, layer, state, stream); !st.ok()) {
     empty_plane(txn, *slot, layer);
+    mark_installed(*slot, layer, false);
     return st;
   }
   txn.rings.emplace_back(*slot, layer, state);
   commit(txn);
+  mark_installed(*slot, layer, false);
   return Status::Ok();
 }
 
@@ -1193,7 +1241,9 @@ Status KvStore::install_rows(SeqId seq, std::int64_t layer, std::int64_t first,
   KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
-  return copy_in(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream);
+  KVRING_RETURN_IF_ERROR(copy_in(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream));
+  mark_written(*slot, layer, first, count);
+  return Status::Ok();
 }
 
 }  // namespace kvring

@@ -131,7 +131,9 @@ Result<Placement> place(const Snapshot& s, std::int64_t layer, const KvStore& ta
     // to token_count, which is what a live ring holds there.
     auto built = RingState::sequential(capacity, wraps, origin + capacity);
     if (!built) return built.error();
-    return Placement{built->rolled_back(capacity - rows), p.ring.len() - rows};
+    auto back = built->rolled_back(capacity - rows);
+    if (!back) return back.error();
+    return Placement{*back, p.ring.len() - rows};
   }
   auto ring = RingState::from_parts(capacity, wraps, rows, origin, origin % capacity);
   if (!ring) return ring.error();
