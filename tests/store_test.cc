@@ -888,6 +888,71 @@ TEST(Store, OddViewsAreRefused) {
   ASSERT_TRUE(s->attend_decode(0, two, host_view(qo.data(), 2, width), host_view(qo.data(), 2, width)).ok());
   EXPECT_EQ(0, std::memcmp(apart.data(), qo.data(), apart.size() * 4));
   EXPECT_EQ(live_bytes(*s, a), before);
+
+  // Queries and outputs side by side in the rows of one buffer, [q | out]
+  // a row, share no byte: the bits of separate buffers. One column more
+  // and each output row runs into the next query row.
+  std::vector<float> rows = testing::random_floats(static_cast<std::size_t>(2 * 2 * width + 1), 12);
+  const ConstView q_cols{rows.data(), MemorySpace::kHost, DType::kF32, 2, width, 2 * width};
+  std::vector<float> q_apart(static_cast<std::size_t>(2 * width));
+  for (std::size_t r = 0; r < 2; ++r)
+    std::memcpy(q_apart.data() + r * width, rows.data() + r * 2 * width, static_cast<std::size_t>(width) * 4);
+  ASSERT_TRUE(s->attend_decode(0, two, host_view(q_apart.data(), 2, width), host_view(apart.data(), 2, width)).ok());
+  ASSERT_TRUE(
+      s->attend_decode(0, two, q_cols, MutView{rows.data() + width, MemorySpace::kHost, DType::kF32, 2, width, 2 * width})
+          .ok());
+  for (std::size_t r = 0; r < 2; ++r)
+    EXPECT_EQ(0, std::memcmp(apart.data() + r * width, rows.data() + r * 2 * width + width,
+                             static_cast<std::size_t>(width) * 4));
+  const Status into_next = s->attend_decode(
+      0, two, q_cols, MutView{rows.data() + width + 1, MemorySpace::kHost, DType::kF32, 2, width, 2 * width});
+  EXPECT_EQ(into_next.error().code, ErrorCode::kInvalidArgument) << into_next.to_string();
+  EXPECT_EQ(live_bytes(*s, a), before);
+}
+
+// Queries and outputs placed at random in one buffer, with random row
+// strides: a decode is refused exactly when an output row shares a byte
+// with a query row (out == q, row for row, aside), and otherwise writes
+// the bits of separate buffers.
+TEST(Store, OutputsApartFromTheirQueriesByteForByte) {
+  const ModelConfig c = small_config();
+  auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 12}}}, out);
+  const std::int64_t w = c.n_heads * c.head_dim;
+  const SeqQuery three[] = {{a, 11}, {a, 10}, {a, 9}};
+  std::mt19937_64 rng(20261204);
+  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  int refused = 0, taken = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::int64_t qs = pick(w, 3 * w), os = pick(w, 3 * w);
+    const std::int64_t span = 6 * 3 * w;
+    std::vector<float> buf = testing::random_floats(static_cast<std::size_t>(span), static_cast<std::uint64_t>(trial));
+    const std::int64_t qo = pick(0, span - 2 * qs - w), oo = pick(0, span - 2 * os - w);
+    bool meet = false;
+    for (std::int64_t i = 0; i < 3; ++i)
+      for (std::int64_t j = 0; j < 3; ++j)
+        meet = meet || (qo + i * qs < oo + j * os + w && oo + j * os < qo + i * qs + w);
+    const bool same = qo == oo && qs == os;
+    const ConstView q{buf.data() + qo, MemorySpace::kHost, DType::kF32, 3, w, qs};
+    std::vector<float> qa(static_cast<std::size_t>(3 * w)), want(qa.size());
+    for (std::int64_t i = 0; i < 3; ++i)
+      std::memcpy(qa.data() + i * w, buf.data() + qo + i * qs, static_cast<std::size_t>(w) * 4);
+    ASSERT_TRUE(s->attend_decode(0, three, host_view(qa.data(), 3, w), host_view(want.data(), 3, w)).ok());
+    const Status st = s->attend_decode(0, three, q, MutView{buf.data() + oo, MemorySpace::kHost, DType::kF32, 3, w, os});
+    ASSERT_EQ(st.ok(), !meet || same) << "q at " << qo << " stride " << qs << ", out at " << oo << " stride " << os;
+    if (!st.ok()) {
+      EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument);
+      ++refused;
+      continue;
+    }
+    ++taken;
+    for (std::int64_t j = 0; j < 3; ++j)
+      ASSERT_EQ(0, std::memcmp(want.data() + j * w, buf.data() + oo + j * os, static_cast<std::size_t>(w) * 4)) << trial;
+  }
+  EXPECT_GT(refused, 20);
+  EXPECT_GT(taken, 20);
 }
 
 // Extreme positions and layers get errors or defined values, never

@@ -681,14 +681,49 @@ Extent extent_of(const View& v) {
 }
 bool overlap(Extent a, Extent b) { return a.begin < b.end && b.begin < a.end; }
 
+std::int64_t floor_div(std::int64_t a, std::int64_t b) {  // b > 0
+  const std::int64_t q = a / b;
+  return q * b > a ? q - 1 : q;
+}
+// Whether a row of `a` shares a byte with a row of `b` (rows > 0 each, in
+// one memory space). Where the views' extents meet, each row of the view
+// of fewer rows finds by division the other's rows it could meet, so views
+// that interleave their rows ([q | out] in each row of one buffer) pass;
+// past kExactRows rows the extents answer, and such views are refused.
+template <class A, class B>
+bool rows_overlap(const A& a, const B& b) {
+  if (!overlap(extent_of(a), extent_of(b))) return false;
+  constexpr std::int64_t kExactRows = std::int64_t{1} << 16;
+  struct Rows {
+    std::int64_t first, stride, bytes, n;
+  };
+  auto rows_of = [](const auto& v) {
+    const auto e = static_cast<std::int64_t>(dtype_bytes(v.dtype));
+    return Rows{static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(v.data)), v.row_stride * e, v.cols * e,
+                v.rows};
+  };
+  Rows few = rows_of(a), many = rows_of(b);
+  if (few.n > many.n) std::swap(few, many);
+  if (few.n > kExactRows) return true;
+  for (std::int64_t j = 0; j < few.n; ++j) {
+    // Rows i of `many` with many.first + i * stride in (f - many.bytes, f + few.bytes).
+    const std::int64_t f = few.first + j * few.stride - many.first;
+    const std::int64_t lo = std::max<std::int64_t>(0, floor_div(f - many.bytes, many.stride) + 1);
+    const std::int64_t hi = std::min(many.n - 1, floor_div(f + few.bytes - 1, many.stride));
+    if (lo <= hi) return true;
+  }
+  return false;
+}
+
 // The output of an attention call may be its queries exactly (each output
-// row is written after its query row is read), but may overlap nothing
-// else it reads: a prefill reads its K and V again when it stores them.
+// row is written after its query row is read), but may share a byte with
+// nothing else it reads: a prefill reads its K and V again when it stores
+// them.
 Status check_out_apart(const MutView& out, const char* what, const ConstView& in, bool may_equal) {
   if (out.rows < 1 || in.rows < 1 || out.space != in.space) return Status::Ok();
   if (may_equal && out.data == in.data && out.row_stride == in.row_stride && out.dtype == in.dtype)
     return Status::Ok();
-  if (overlap(extent_of(out), extent_of(in)))
+  if (rows_overlap(out, in))
     return invalid_argument(std::string("out overlaps ") + what +
                             (may_equal ? " (it may be q itself, row for row, and nothing else)" : ""));
   return Status::Ok();
