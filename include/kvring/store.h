@@ -247,8 +247,9 @@ class KvStore {
                           const ConstView& v, cudaStream_t stream = nullptr);
   // Decode attention of queries whose K/V is stored: q, out
   // [queries, n_heads * head_dim], f32 out. A sequence may appear many times.
-  // out may be q itself (same data and row stride), and may overlap no other
-  // view of the call (here or in prefill).
+  // out may be q itself (same data and row stride), and may share no byte
+  // with another view of the call (here or in prefill); rows of out beside
+  // rows of q in one buffer share none.
   Status attend_decode(std::int64_t layer, std::span<const SeqQuery> queries, const ConstView& q,
                        const MutView& out, cudaStream_t stream = nullptr);
   // Ragged chunked prefill: stores each span's chunk and computes attention
