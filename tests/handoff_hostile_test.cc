@@ -443,6 +443,46 @@ TEST_F(Hostile, OtherGeometryHeader) {
   EXPECT_EQ(store_->free_blocks(), free_before_);
 }
 
+// A begin refused for its header leaves the session in progress as it was,
+// and rows at negative positions or counts are refused, not dropped.
+TEST_F(Hostile, ARefusedBeginLeavesTheSessionInProgress) {
+  const ModelConfig other = testing::small_config(32, 256, 4, 4, 2, 32);  // head_dim 32
+  const Snapshot good = make_header(config_, 256, 60), bad = make_header(other, 256, 60);
+  StoreTarget target(*store_, {.expect = config_});
+  ASSERT_TRUE(target.begin(good).ok());
+  const std::int64_t pending = target.pending_blocks();
+  ASSERT_GT(pending, 0);
+  const Status refused = target.begin(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("head_dim"), std::string::npos) << refused.to_string();
+  EXPECT_EQ(target.pending_blocks(), pending);
+  EXPECT_EQ(store_->free_blocks(), free_before_ - pending);
+  const std::vector<std::uint8_t> rows(static_cast<std::size_t>(4 * config_.kv_dim() * 2), 0);
+  for (const auto& [first, n] : {std::pair<std::int64_t, std::int64_t>{-5, 3}, {-100, 1}, {0, -3}}) {
+    const Status st = target.put_rows(0, first, n, rows.data(), rows.data());
+    ASSERT_FALSE(st.ok()) << first << " " << n;
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << st.to_string();
+  }
+  EXPECT_EQ(target.pending_blocks(), pending);
+  // A header it takes replaces the session.
+  ASSERT_TRUE(target.begin(good).ok());
+  EXPECT_EQ(store_->free_blocks(), free_before_ - pending);
+  target.abort();
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+  EXPECT_EQ(store_->sequence_count(), 1);
+
+  DetachedCacheTarget::Options o;
+  o.store = store_.get();
+  DetachedCacheTarget d(o);
+  ASSERT_TRUE(d.begin(good).ok());
+  const std::int64_t held = d.held_row_bytes();
+  ASSERT_GT(held, 0);
+  EXPECT_FALSE(d.begin(bad).ok());
+  EXPECT_EQ(d.held_row_bytes(), held);
+  d.abort();
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+}
+
 // A header that claims 2^26 token ids in a message of a few hundred bytes is
 // refused for its ids before their vector is sized.
 TEST_F(Hostile, HeaderClaimingMoreTokenIdsThanItHolds) {

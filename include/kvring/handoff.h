@@ -399,7 +399,9 @@ class HandoffTarget {
 // backend; KvStore::add_detached_sequence): begin() refuses a session the
 // store cannot take (another geometry, more positions than its context, no
 // free slot or too few free blocks) and otherwise takes a slot and every
-// plane's blocks; each message's rows are written where they belong as they
+// plane's blocks (a header it refuses for its geometry or positions leaves
+// a session in progress as it was; one it takes replaces it); each
+// message's rows are written where they belong as they
 // arrive (once: no snapshot buffer; only a ring the rows do not fill is
 // cleared, as install() does); commit() waits for the
 // device and makes the sequence live; abort() removes it, leaving the store
@@ -442,6 +444,8 @@ class StoreTarget : public HandoffTarget {
   bool committed_ = false;
   std::vector<std::int64_t> skip_;  // per layer: the first position the store keeps
   cudaStream_t device_stream_ = nullptr;  // the stream device rows were taken on
+  // A layer of the store and rows at no negative position or count.
+  Status check_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows) const;
   std::unique_ptr<device::TargetSlots> slots_;  // the CUDA backend's staging
 };
 

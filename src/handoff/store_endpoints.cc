@@ -154,13 +154,15 @@ StoreTarget::StoreTarget(KvStore& store, Options options) : store_(store), optio
 StoreTarget::~StoreTarget() { abort(); }
 
 Status StoreTarget::begin(const Snapshot& header) {
-  abort();
-  seq_.reset();  // a committed session's sequence is the store's now
-  committed_ = false;
+  // A header refused here leaves a session in progress as it was; one
+  // taken replaces it.
   KVRING_RETURN_IF_ERROR(check_session(header, options_));
   if (!options_.expect && store_.config().fingerprint() != header.config.fingerprint())
     return geometry_mismatch(header.config, store_.config());
   KVRING_RETURN_IF_ERROR(check_restorable(header, store_));
+  abort();
+  seq_.reset();  // a committed session's sequence is the store's now
+  committed_ = false;
   auto seq = store_.add_detached_sequence();
   if (!seq) return make_error(seq.error().code, "handoff: " + seq.error().message);
   seq_ = *seq;
@@ -189,10 +191,18 @@ std::pair<std::int64_t, std::int64_t> kept(std::int64_t first, std::int64_t rows
 
 }  // namespace
 
+Status StoreTarget::check_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows) const {
+  if (layer < 0 || layer >= store_.n_layers()) return invalid_argument("handoff: rows for layer " + std::to_string(layer));
+  if (first_row < 0 || rows < 0)
+    return invalid_argument("handoff: rows [" + std::to_string(first_row) + ", +" + std::to_string(rows) +
+                            ") of layer " + std::to_string(layer) + ": positions and counts are not negative");
+  return Status::Ok();
+}
+
 Status StoreTarget::put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows, const std::uint8_t* k,
                              const std::uint8_t* v) {
   if (!seq_ || committed_) return make_error(ErrorCode::kInternal, "handoff: rows before begin or after commit");
-  if (layer < 0 || layer >= store_.n_layers()) return invalid_argument("handoff: rows for layer " + std::to_string(layer));
+  KVRING_RETURN_IF_ERROR(check_rows(layer, first_row, rows));
   const auto [skip, n] = kept(first_row, rows, skip_[static_cast<std::size_t>(layer)]);
   if (n == 0) return Status::Ok();
   const std::size_t at = static_cast<std::size_t>(skip * store_.config().kv_dim()) * 2;
@@ -219,7 +229,7 @@ Status StoreTarget::put_device_rows(std::int64_t layer, std::int64_t first_row, 
                                     const void* v, cudaStream_t stream) {
   if (!accepts_device()) return HandoffTarget::put_device_rows(layer, first_row, rows, k, v, stream);
   if (!seq_ || committed_) return make_error(ErrorCode::kInternal, "handoff: rows before begin or after commit");
-  if (layer < 0 || layer >= store_.n_layers()) return invalid_argument("handoff: rows for layer " + std::to_string(layer));
+  KVRING_RETURN_IF_ERROR(check_rows(layer, first_row, rows));
   const auto [skip, n] = kept(first_row, rows, skip_[static_cast<std::size_t>(layer)]);
   if (n == 0) return Status::Ok();
   const std::size_t at = static_cast<std::size_t>(skip * store_.config().kv_dim()) * 2;
@@ -265,7 +275,8 @@ DetachedCacheTarget::DetachedCacheTarget(Options options) : options_(std::move(o
 DetachedCacheTarget::~DetachedCacheTarget() { abort(); }
 
 Status DetachedCacheTarget::begin(const Snapshot& header) {
-  abort();
+  // The checks of the header alone come before a session in progress is
+  // dropped: a header refused by them leaves it as it was.
   const std::int64_t context = options_.context == 0 ? header.context : options_.context;
   if (context > header.config.max_context || context < 1)
     return invalid_argument("handoff: context " + std::to_string(context) + " outside the model's [1, " +
@@ -287,6 +298,9 @@ Status DetachedCacheTarget::begin(const Snapshot& header) {
                         "handoff: a store for this session's geometry at context " + std::to_string(context) +
                             " takes " + std::to_string(footprint->total_bytes) + " B, above this target's limit of " +
                             std::to_string(options_.max_row_bytes) + " B");
+  }
+  abort();
+  if (into == nullptr) {
     // Every row a reader can see is installed, and a ring the rows do not
     // fill is cleared: no zero-fill.
     auto made = make_store(options_.backend, header.config,
