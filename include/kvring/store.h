@@ -127,9 +127,11 @@ inline constexpr std::int64_t kF16AttendSplitRows = 2048;
 struct StoreOptions {
   // Sequences the store holds at once (slots; each holds its sliding rings).
   std::int64_t max_sequences = 1;
-  // Positions one sequence may reach (0: the model's max_context). A
-  // sliding layer whose ring holds its window (context >= W) may run past
-  // it; one whose ring is shorter than W stops there, like a full layer.
+  // Positions one sequence may reach (0: the model's max_context), with no
+  // plane shorter than kMinPlaneRows (32): a full layer holds max(32,
+  // context) positions and stops there. A sliding layer whose ring holds its
+  // window (max(32, min(context, W)) >= W) may run past it; one whose ring
+  // is shorter than W stops at the context.
   std::int64_t context = 0;
   // Extra rows of every sliding ring: a sequence can always be rolled back
   // to any position within `slack` of the furthest it reached, and not
