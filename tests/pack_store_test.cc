@@ -7,6 +7,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -299,6 +300,20 @@ class DirStoreFaults : public ::testing::Test {
 // A process killed between writing a chunk and renaming it (simulated by
 // _exit in the fault hook, so no destructor cleans up) leaves only a
 // temporary file: no chunk under the name, no pack; a later write succeeds.
+// A store opened only to be read is not made where it is absent.
+TEST_F(DirStoreFaults, AStoreOpenedToReadIsNotMade) {
+  auto absent = open_dir_store(root_, {.create = false});
+  ASSERT_FALSE(absent.ok());
+  EXPECT_EQ(absent.error().code, ErrorCode::kNotFound) << absent.error().to_string();
+  EXPECT_FALSE(std::filesystem::exists(root_));
+  auto spec = open_chunk_store("dir:" + root_, {.create = false});
+  ASSERT_FALSE(spec.ok());
+  EXPECT_FALSE(std::filesystem::exists(root_));
+  ASSERT_TRUE(open_dir_store(root_).ok());  // made
+  EXPECT_TRUE(std::filesystem::is_directory(root_));
+  EXPECT_TRUE(open_dir_store(root_, {.create = false}).ok());
+}
+
 TEST_F(DirStoreFaults, CrashBeforeRenameLeavesNoChunk) {
   for (IoStep crash_at : {IoStep::kWrite, IoStep::kFsync, IoStep::kRename}) {
     SCOPED_TRACE(io_step_name(crash_at));

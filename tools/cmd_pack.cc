@@ -88,7 +88,8 @@ int verify(const std::string& path, const std::string& store_spec) {
   if (!src) return fail(src.error());
   std::unique_ptr<ChunkStore> store;
   if (!store_spec.empty()) {
-    auto s = open_chunk_store(store_spec);
+    // Verifying reads: a store that is not there is not made.
+    auto s = open_chunk_store(store_spec, {.create = false});
     if (!s) return fail(s.error());
     store = std::move(*s);
   }

@@ -30,6 +30,9 @@ const char* io_step_name(IoStep step);
 // reported as that step's failure. Empty in production.
 struct IoOptions {
   std::function<Status(IoStep step, const std::string& path)> fault;
+  // A directory store's directory is made where it is absent; false (a
+  // store only read from): its absence is kNotFound and nothing is made.
+  bool create = true;
 };
 
 // One chunk to store: its name and its bytes, given as up to two spans that
@@ -90,7 +93,8 @@ class ChunkStore {
   virtual Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const = 0;
 };
 
-// A directory store rooted at `path` (created if absent, parent must exist).
+// A directory store rooted at `path` (created if absent and io.create,
+// parent must exist).
 Result<std::unique_ptr<ChunkStore>> open_dir_store(const std::string& path,
                                                    IoOptions io = {});
 // Temporary files of killed writers in a directory store. A temporary
