@@ -88,10 +88,16 @@ int verify(const std::string& path, const std::string& store_spec) {
   if (!src) return fail(src.error());
   std::unique_ptr<ChunkStore> store;
   if (!store_spec.empty()) {
-    // Verifying reads: a store that is not there is not made.
+    // Verifying reads: a store that is not there is not made. A
+    // self-contained pack never reads it, so only a thin one (or a pack
+    // whose manifest does not read) fails on its absence.
     auto s = open_chunk_store(store_spec, {.create = false});
-    if (!s) return fail(s.error());
-    store = std::move(*s);
+    if (s) {
+      store = std::move(*s);
+    } else {
+      auto m = read_manifest(**src);
+      if (s.error().code != ErrorCode::kNotFound || !m || m->thin) return fail(s.error());
+    }
   }
   auto r = verify_pack(**src, store.get());
   // Exit 1 says the pack is wrong: damaged, truncated, planted or missing
@@ -117,7 +123,8 @@ int verify(const std::string& path, const std::string& store_spec) {
   // pack's chunks are its own, whatever --store says.
   std::string where;
   if (r->thin) where = " in " + store->spec();
-  else if (store) where = " in the pack itself (self-contained: " + store->spec() + " was not read)";
+  else if (!store_spec.empty())
+    where = " in the pack itself (self-contained: " + (store ? store->spec() : store_spec) + " was not read)";
   std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", path.c_str(),
               static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(), where.c_str());
   return 0;
