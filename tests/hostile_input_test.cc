@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <future>
@@ -524,6 +525,11 @@ TEST_F(HostileFiles, VerifyOfASelfContainedPackDoesNotClaimTheStore) {
   EXPECT_NE(r.out.find("verified in the pack itself (self-contained: dir:store was not read)"), std::string::npos)
       << describe(r);
   EXPECT_EQ(r.out.find("verified in dir:store"), std::string::npos) << describe(r);
+  // Nor does resuming it: the absent store is neither read nor made.
+  const Ran resumed =
+      run_tool({"run", "--resume", "own.kvpack", "--tokens", "44", "--store", "dir:store", "--no-progress"}, dir_);
+  EXPECT_EQ(resumed.rc, 0) << describe(resumed);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/store"));
 }
 
 TEST_F(HostileFiles, ArgumentErrorsPrintNothingOnStdout) {

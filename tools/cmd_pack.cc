@@ -9,6 +9,7 @@
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
 #include "core/text.h"
+#include "run_pack.h"
 
 namespace kvring::cli {
 
@@ -86,19 +87,9 @@ int inspect(const std::string& path) {
 int verify(const std::string& path, const std::string& store_spec) {
   auto src = open_pack_file(path);
   if (!src) return fail(src.error());
-  std::unique_ptr<ChunkStore> store;
-  if (!store_spec.empty()) {
-    // Verifying reads: a store that is not there is not made. A
-    // self-contained pack never reads it, so only a thin one (or a pack
-    // whose manifest does not read) fails on its absence.
-    auto s = open_chunk_store(store_spec, {.create = false});
-    if (s) {
-      store = std::move(*s);
-    } else {
-      auto m = read_manifest(**src);
-      if (s.error().code != ErrorCode::kNotFound || !m || m->thin) return fail(s.error());
-    }
-  }
+  auto opened = store_to_read(store_spec, **src);
+  if (!opened) return fail(opened.error());
+  const std::unique_ptr<ChunkStore> store = std::move(*opened);
   auto r = verify_pack(**src, store.get());
   // Exit 1 says the pack is wrong: damaged, truncated, planted or missing
   // bytes. What stops the check from being made (a thin pack without its

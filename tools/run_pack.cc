@@ -48,12 +48,21 @@ Result<std::vector<float>> logits_from_hex(const std::string& hex) {
   return out;
 }
 
-Result<std::unique_ptr<ChunkStore>> maybe_store(const std::string& spec, bool create) {
+Result<std::unique_ptr<ChunkStore>> maybe_store(const std::string& spec) {
   if (spec.empty()) return std::unique_ptr<ChunkStore>();
-  return open_chunk_store(spec, {.create = create});
+  return open_chunk_store(spec);
 }
 
 }  // namespace
+
+Result<std::unique_ptr<ChunkStore>> store_to_read(const std::string& store_spec, const PackSource& pack) {
+  if (store_spec.empty()) return std::unique_ptr<ChunkStore>();
+  auto store = open_chunk_store(store_spec, {.create = false});
+  if (store || store.error().code != ErrorCode::kNotFound) return store;
+  auto m = read_manifest(pack);
+  if (!m || m->thin) return store.error();
+  return std::unique_ptr<ChunkStore>();
+}
 
 std::string encode_run_record(const RunRecord& r) {
   nlohmann::json j;
@@ -194,7 +203,7 @@ Result<std::string> save_run(const Session& session, const RunRecord& record, co
 Result<std::string> save_sequence(const KvStore& kv, SeqId seq, const std::vector<std::int32_t>& tokens,
                                   const RunRecord& record, const std::string& path,
                                   const std::string& store_spec) {
-  auto store = maybe_store(store_spec, true);
+  auto store = maybe_store(store_spec);
   if (!store) return store.error();
   auto snapshot = take_snapshot(kv, seq);
   if (!snapshot) return snapshot.error();
@@ -241,7 +250,7 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
       return invalid_argument(path + ": tokens: token id " + std::to_string(ids[i]) + " at position " +
                               std::to_string(i) + " is outside the vocabulary [0, " +
                               std::to_string(record->options.vocab) + ") of " + model_name);
-  auto store = maybe_store(store_spec, false);  // loading reads the store
+  auto store = store_to_read(store_spec, **src);
   if (!store) return store.error();
   auto snapshot = read_pack(**src, {.store = store->get()});
   if (!snapshot) return snapshot.error();

@@ -3,11 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "kvring/backend.h"
+#include "kvring/chunk_store.h"
 #include "kvring/model.h"
+#include "kvring/pack.h"
 #include "kvring/status.h"
 
 namespace kvring::cli {
@@ -49,6 +52,11 @@ Result<std::string> save_run(const Session& session, const RunRecord& record,
 Result<std::string> save_sequence(const KvStore& store, SeqId seq,
                                   const std::vector<std::int32_t>& tokens, const RunRecord& record,
                                   const std::string& path, const std::string& store_spec);
+// The chunk store a pack is read with (none for an empty spec), opened
+// without being made (IoOptions::create false). Its absence is an error
+// only for a thin pack, whose chunks are in it: a self-contained pack
+// never reads it, and gets none.
+Result<std::unique_ptr<ChunkStore>> store_to_read(const std::string& store_spec, const PackSource& pack);
 // Fails when save_run could not store chunks in `store_spec` (it cannot be
 // opened, or it cannot be written), so that a run refuses before computing.
 Status check_save_store(const std::string& store_spec);

@@ -280,13 +280,12 @@ Result<DirStoreGcReport> gc_dir_store(const std::string& path, std::chrono::seco
 Result<std::unique_ptr<ChunkStore>> open_dir_store(const std::string& path, IoOptions io) {
   std::string root = path;
   while (root.size() > 1 && root.back() == '/') root.pop_back();
-  struct stat st {};
-  if (!io.create && ::stat(root.c_str(), &st) != 0)
-    return make_error(ErrorCode::kNotFound, "chunk store dir:" + root + ": " + errno_text(errno));
   if (io.create && ::mkdir(root.c_str(), 0755) != 0 && errno != EEXIST)
     return io_error("chunk store dir:" + root + ": cannot create the directory: " + errno_text(errno));
-  if (::stat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-    return io_error("chunk store dir:" + root + " is not a directory");
+  struct stat st {};
+  if (::stat(root.c_str(), &st) != 0 && !io.create)
+    return make_error(ErrorCode::kNotFound, "chunk store dir:" + root + ": " + errno_text(errno));
+  if (!S_ISDIR(st.st_mode)) return io_error("chunk store dir:" + root + " is not a directory");
   return std::unique_ptr<ChunkStore>(new DirStore(std::move(root), std::move(io)));
 }
 
