@@ -268,6 +268,37 @@ TEST_F(HostileFiles, ThinPackClaimingGigabyteChunksFailsSmall) {
   EXPECT_EQ(r.out, "");
 }
 
+// What stands under a thin pack's chunk names in a directory store and is
+// not a chunk file is named for what it is, not called missing, and the
+// tool reads nothing through it.
+TEST_F(HostileFiles, ANonFileUnderAChunkNameIsNamedNotMissing) {
+  std::int64_t payload = 0;
+  write_file(dir_ + "/thin.kvpack",
+             hostile_pack_head(with_record(gigabyte_chunks_pack(3, /*thin=*/true)), &payload));
+  ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
+  const auto chunk_path = [&](std::uint32_t n) { return dir_ + "/store/" + to_hex(sha256(&n, sizeof n)); };
+  ASSERT_EQ(::mkdir(chunk_path(0).c_str(), 0755), 0);
+  ASSERT_EQ(::mkfifo(chunk_path(1).c_str(), 0600), 0);
+  ASSERT_EQ(::symlink("/dev/zero", chunk_path(2).c_str()), 0);
+
+  const Ran v = run_tool({"pack", "verify", "thin.kvpack", "--store", "dir:store"}, dir_, kToolAddressSpace);
+  EXPECT_EQ(v.rc, 1) << describe(v);
+  EXPECT_NE(v.err.find("thin.kvpack: chunk 0 (layer 0, positions [0, 16384)"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find(" is a directory, not a chunk file"), std::string::npos) << describe(v);
+  EXPECT_EQ(v.err.find("missing"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find("3 of 3 chunks are bad"), std::string::npos) << describe(v);
+
+  for (const auto& [n, kind] : {std::pair{0u, "a directory"}, {1u, "a FIFO"}, {2u, "a symbolic link"}}) {
+    auto store = open_dir_store(dir_ + "/store", {.create = false});
+    ASSERT_TRUE(store.ok());
+    const Result<bool> has = (*store)->contains(sha256(&n, sizeof n));
+    ASSERT_FALSE(has.ok());
+    EXPECT_EQ(has.error().code, ErrorCode::kCorruption);
+    EXPECT_NE(has.error().message.find(std::string(" is ") + kind + ", not a chunk file"), std::string::npos)
+        << has.error().message;
+  }
+}
+
 TEST_F(HostileFiles, SparseSelfContainedPackFailsSmall) {
   std::int64_t payload = 0;
   const std::string head = hostile_pack_head(with_record(gigabyte_chunks_pack(1, /*thin=*/false)), &payload);

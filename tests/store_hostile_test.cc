@@ -615,8 +615,11 @@ TEST_F(DirStoreHostile, ASymlinkUnderAChunkNameIsReplacedNotFollowed) {
     const Status s = get();
     ASSERT_FALSE(s.ok());
     EXPECT_EQ(s.error().code, ErrorCode::kCorruption);
-    EXPECT_NE(s.error().message.find("symbolic link"), std::string::npos) << s.to_string();
-    EXPECT_FALSE(*store_->contains(chunk_.name));
+    EXPECT_NE(s.error().message.find("is a symbolic link, not a chunk file"), std::string::npos) << s.to_string();
+    const Result<bool> has = store_->contains(chunk_.name);
+    ASSERT_FALSE(has.ok());
+    EXPECT_EQ(has.error().code, ErrorCode::kCorruption);
+    EXPECT_NE(has.error().message.find("is a symbolic link, not a chunk file"), std::string::npos);
     expect_stored();
   }
   std::ifstream in(victim);
@@ -630,7 +633,10 @@ TEST_F(DirStoreHostile, AFifoUnderAChunkNameNeitherBlocksNorStays) {
   const Status s = get();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.error().code, ErrorCode::kCorruption);
-  EXPECT_NE(s.error().message.find("not a regular file"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.error().message.find("is a FIFO, not a chunk file"), std::string::npos) << s.to_string();
+  const Result<bool> has = store_->contains(chunk_.name);
+  ASSERT_FALSE(has.ok());
+  EXPECT_NE(has.error().message.find("is a FIFO, not a chunk file"), std::string::npos);
   expect_stored();
   EXPECT_LT(seconds_since(t0), 5.0);
 }

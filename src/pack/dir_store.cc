@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <chrono>
 
+#include "core/file_read.h"
 #include "cpu/parallel.h"
 #include "file_io.h"
 #include "kvring/chunk_store.h"
@@ -26,6 +27,7 @@ namespace kvring {
 namespace {
 
 using namespace pack_internal;
+using file_internal::file_type_name;
 
 bool is_chunk_name(const char* name) {
   std::size_t n = 0;
@@ -100,10 +102,16 @@ class DirStore final : public ChunkStore {
     return read_raw(name, bytes).ok() && sha256(bytes.data(), bytes.size()) == name;
   }
 
-  // Only a regular file is a chunk; a symlink or a FIFO under the name is not.
+  // False only when nothing has the name. Only a regular file is a chunk:
+  // anything else under the name (a symlink, a directory, a FIFO) is
+  // kCorruption, named, as read_raw names it.
   Result<bool> contains(const Digest& name) const override {
     struct stat st {};
-    if (::lstat(path_of(name).c_str(), &st) == 0) return S_ISREG(st.st_mode);
+    if (::lstat(path_of(name).c_str(), &st) == 0) {
+      if (S_ISREG(st.st_mode)) return true;
+      return corruption(spec() + ": chunk " + to_hex(name) + " is " + file_type_name(st.st_mode) +
+                        ", not a chunk file");
+    }
     if (errno == ENOENT) return false;
     return io_error(spec() + ": checking chunk " + to_hex(name) + ": " + errno_text(errno));
   }
@@ -152,7 +160,7 @@ class DirStore final : public ChunkStore {
       const int err = errno;
       if (err == ENOENT) return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
       if (err == ELOOP)
-        return corruption(spec() + ": chunk " + to_hex(name) + " is a symbolic link, not a chunk file");
+        return corruption(spec() + ": chunk " + to_hex(name) + " is " + file_type_name(S_IFLNK) + ", not a chunk file");
       return io_error(spec() + ": opening chunk " + to_hex(name) + ": " + errno_text(err));
     }
     struct stat st {};
@@ -160,7 +168,7 @@ class DirStore final : public ChunkStore {
     if (::fstat(fd, &st) != 0)
       s = io_error(spec() + ": chunk " + to_hex(name) + ": " + errno_text(errno));
     else if (!S_ISREG(st.st_mode))
-      s = corruption(spec() + ": chunk " + to_hex(name) + " is not a regular file");
+      s = corruption(spec() + ": chunk " + to_hex(name) + " is " + file_type_name(st.st_mode) + ", not a chunk file");
     else if (static_cast<std::size_t>(st.st_size) != dst.size())
       s = corruption(spec() + ": chunk " + to_hex(name) + " holds " + std::to_string(st.st_size) +
                      " bytes, the pack expects " + std::to_string(dst.size()));
