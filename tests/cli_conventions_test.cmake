@@ -69,11 +69,24 @@ foreach(spec "redis://alice:s3cret@127.0.0.1:1" "redis:/alice:s3cret@127.0.0.1:1
   endif()
 endforeach()
 expect(2 "cannot list" store gc dir:no-such-store)
+expect(2 "'/tmp/x' has no scheme; name a directory as dir:/tmp/x" store gc /tmp/x)
+expect(2 "'redis:' is not a directory store" store gc redis://h:1)
+expect(2 "'dir:' names no directory" store gc dir:)
+expect(2 "no scheme this tool knows" store gc "/a/b:pass")
 file(WRITE ${WORK}/small.json [=[
 {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
  "sliding_window": 32, "max_position_embeddings": 256, "sliding_window_pattern": 2}
 ]=])
 set(small --config small.json --hidden 16 --vocab 32 --tokens 40 --no-progress)
+# --json output is JSON whatever the model's name (a config's path) holds.
+file(COPY_FILE ${WORK}/small.json "${WORK}/q\"uote\\.json")
+foreach(fit "" "--fit;1GiB;--length;100")
+  expect(0 "model" footprint --config "q\"uote\\.json" ${fit} --json)
+  string(JSON model ERROR_VARIABLE json_err GET "${last_out}" model)
+  if(json_err OR NOT model STREQUAL "q\"uote\\.json")
+    message(FATAL_ERROR "footprint ${fit} --json: not JSON naming the model (${json_err}): ${last_out}")
+  endif()
+endforeach()
 expect(0 "saved" run ${small} --save a.kvpack)
 expect(0 "ok: a.kvpack" pack verify a.kvpack)
 file(SIZE ${WORK}/a.kvpack size)

@@ -17,16 +17,31 @@ const char* kStoreUsage = R"(usage: kvring store gc dir:PATH [--min-age SECONDS]
        kvring store gc --help
 )";
 
+// Why `spec` is not a directory store. Of a spec with a scheme only the
+// scheme is shown (the rest may hold a password); a spec without one is a
+// path, shown as given.
+std::string not_a_dir_store(const std::string& spec) {
+  const std::string tail = "; only directory stores (dir:PATH) keep temporary files";
+  if (spec == "dir:") return "store gc: 'dir:' names no directory" + tail;
+  const std::size_t colon = spec.find(':');
+  const std::string scheme = spec.substr(0, colon);
+  const bool is_scheme = colon != std::string::npos && !scheme.empty() && scheme.size() <= 16 &&
+                         std::all_of(scheme.begin(), scheme.end(), [](char ch) {
+                           return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '+' ||
+                                  ch == '-' || ch == '.';
+                         });
+  if (is_scheme) return "store gc: '" + scheme + ":' is not a directory store" + tail;
+  if (colon == std::string::npos) return "store gc: '" + spec + "' has no scheme; name a directory as dir:" + spec;
+  return "store gc: the store has no scheme this tool knows" + tail;
+}
+
 int gc(const std::vector<std::string>& argv) {
   auto args = Args::parse(argv, {}, {"min-age"});
   if (!args) return fail(args.error());
   if (args->positional().size() != 1)
     return fail("store gc takes one store (dir:PATH), got " + std::to_string(args->positional().size()));
   const std::string spec = args->positional()[0];
-  if (!spec.starts_with("dir:") || spec.size() == 4)
-    // Only the scheme is shown: the rest of a store's spec may hold a password.
-    return fail("store gc: a '" + spec.substr(0, std::min(spec.find(':'), std::size_t{16})) +
-                ":' store; only directory stores (dir:PATH) keep temporary files");
+  if (!spec.starts_with("dir:") || spec.size() == 4) return fail(not_a_dir_store(spec));
   auto age = args->integer("min-age", kDirStoreTempMinAge.count(), 0, std::numeric_limits<std::int32_t>::max());
   if (!age) return fail(age.error());
   auto report = gc_dir_store(spec.substr(4), std::chrono::seconds(*age));

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "args.h"
 #include "commands.h"
 #include "kvring/config.h"
@@ -39,7 +41,7 @@ struct CommandHelp {
   const char* text;
 };
 const CommandHelp kHelp[] = {
-    {"footprint", R"(  footprint  [--model NAME | --config FILE] [--context N] [--slots N]
+    {"footprint", R"(  footprint  [--model NAME | --config FILE] [--context N] [--slots N] [--json]
              KV-cache bytes per token, per plane class, per slot and for N
              slots; without --context, a table for 2048, 32768 and 131072
   footprint  [--model NAME | --config FILE] --fit MEMORY --length L
@@ -156,6 +158,27 @@ void print_footprint(const ModelConfig& c, const Footprint& f) {
               format_bytes(f.total_bytes).c_str());
 }
 
+// One object: the model, then a row per context.
+void print_footprint_json(const ModelConfig& c, const std::vector<Footprint>& rows) {
+  nlohmann::json contexts = nlohmann::json::array();
+  for (const Footprint& f : rows)
+    contexts.push_back({{"context", f.context},
+                        {"sliding_rows", f.sliding_rows},
+                        {"full_rows", f.full_rows},
+                        {"sliding_bytes", f.sliding_bytes},
+                        {"full_bytes", f.full_bytes},
+                        {"slot_bytes", f.slot_bytes},
+                        {"total_bytes", f.total_bytes}});
+  const nlohmann::json j = {{"model", c.name},
+                            {"layers", c.n_layers},
+                            {"sliding_layers", rows.front().n_sliding},
+                            {"full_layers", rows.front().n_full},
+                            {"bytes_per_token", rows.front().bytes_per_token},
+                            {"slots", rows.front().slots},
+                            {"contexts", std::move(contexts)}};
+  std::printf("%s\n", j.dump().c_str());
+}
+
 }  // namespace
 
 // kvring footprint --fit MEM --length L: how many sequences fit.
@@ -173,13 +196,16 @@ int footprint_fit(const ModelConfig& config, const Args& args) {
   auto fit = fit_sequences(config, *length, *memory, *block_rows, *slack);
   if (!fit) return fail(fit.error());
   if (args.flag("json")) {
-    std::printf("{\"model\":\"%s\",\"length\":%lld,\"memory_bytes\":%lld,\"block_rows\":%lld,"
-                "\"sliding_bytes\":%lld,\"full_bytes\":%lld,\"sequence_bytes\":%lld,"
-                "\"sequences\":%lld}\n",
-                config.name.c_str(), static_cast<long long>(fit->length),
-                static_cast<long long>(fit->memory_bytes), static_cast<long long>(fit->block_rows),
-                static_cast<long long>(fit->sliding_bytes), static_cast<long long>(fit->full_bytes),
-                static_cast<long long>(fit->sequence_bytes), static_cast<long long>(fit->sequences));
+    // nlohmann escapes the model's name, which may be a config file's path.
+    const nlohmann::json j = {{"model", config.name},
+                              {"length", fit->length},
+                              {"memory_bytes", fit->memory_bytes},
+                              {"block_rows", fit->block_rows},
+                              {"sliding_bytes", fit->sliding_bytes},
+                              {"full_bytes", fit->full_bytes},
+                              {"sequence_bytes", fit->sequence_bytes},
+                              {"sequences", fit->sequences}};
+    std::printf("%s\n", j.dump().c_str());
     return 0;
   }
   std::printf("model %s: %s sequences of %s tokens fit in %s\n", config.name.c_str(),
@@ -234,12 +260,6 @@ int cmd_footprint(const std::vector<std::string>& argv) {
     if (contexts.empty() || contexts.back() != config->max_context)
       if (config->max_context < 131072) contexts.push_back(config->max_context);
   }
-  if (contexts.size() == 1) {
-    auto f = compute_footprint(*config, contexts[0], *slots);
-    if (!f) return fail(f.error());
-    print_footprint(*config, *f);
-    return 0;
-  }
   // Every row is computed before anything is printed: an error prints
   // nothing on stdout.
   std::vector<Footprint> rows;
@@ -247,6 +267,14 @@ int cmd_footprint(const std::vector<std::string>& argv) {
     auto f = compute_footprint(*config, ctx, *slots);
     if (!f) return fail(f.error());
     rows.push_back(*f);
+  }
+  if (args->flag("json")) {
+    print_footprint_json(*config, rows);
+    return 0;
+  }
+  if (rows.size() == 1) {
+    print_footprint(*config, rows[0]);
+    return 0;
   }
   std::printf("model %s: %lld layers, %s B per token; %lld slot%s\n", config->name.c_str(),
               static_cast<long long>(config->n_layers),
