@@ -295,7 +295,10 @@ int print_run_report(const RunReport& r) {
   print_ring("sliding", use.sliding_layer, use.sliding_ring);
   print_ring("full", use.full_layer, use.full_ring);
   std::string gen;
-  for (std::size_t i = 0; i < generated.size() && i < 16; ++i) gen += " " + std::to_string(generated[i]);
+  for (std::size_t i = 0; i < generated.size() && i < 16; ++i) {
+    gen += ' ';
+    gen += std::to_string(generated[i]);
+  }
   if (generated.size() > 16) gen += " ...";
   std::printf("  generated   %s\n", gen.c_str());
   std::printf("  last logits sha256 %s\n", logits_sha.c_str());

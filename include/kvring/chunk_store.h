@@ -29,7 +29,7 @@ const char* io_step_name(IoStep step);
 // called before each step with the path it acts on; an error it returns is
 // reported as that step's failure. Empty in production.
 struct IoOptions {
-  std::function<Status(IoStep step, const std::string& path)> fault;
+  std::function<Status(IoStep step, const std::string& path)> fault = nullptr;
   // A directory store's directory is made where it is absent; false (a
   // store only read from): its absence is kNotFound and nothing is made.
   bool create = true;
