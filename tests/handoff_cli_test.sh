@@ -134,10 +134,21 @@ grep -q "handoff to 127.0.0.1:1 failed" none.err || fail "no error for a closed 
 "$K" handoff serve --listen 127.0.0.1:0 --tokens 10 --timeout 1 >idle.out 2>idle.err && fail "an idle serve succeeded"
 grep -q "no sender connected.*\|nothing installed" idle.err || fail "idle serve: $(cat idle.err)"
 
+# An address this host cannot listen on (192.0.2.1 is TEST-NET-1, nobody's
+# own; a port taken) is refused with the system's reason, and UCX says
+# nothing of it.
+"$K" handoff serve --listen 192.0.2.1:0 --tokens 5 >bind.out 2>bind.err && fail "a serve on a foreign address"
+grep -q "cannot listen on 192.0.2.1:0: Cannot assign requested address" bind.err || fail "bind: $(cat bind.err)"
+start_serve held --tokens 5 --timeout 20
+"$K" handoff serve --listen "127.0.0.1:$PORT" --tokens 5 >taken.out 2>taken.err && fail "a serve on a taken port"
+grep -q "cannot listen on 127.0.0.1:$PORT: Address already in use" taken.err || fail "taken: $(cat taken.err)"
+kill -9 "$SERVE_PID"
+grep -q "UCX" bind.err taken.err && fail "UCX logged on stderr: $(cat bind.err taken.err)"
+
 # Argument errors.
 "$K" run "${common[@]}" --handoff-to 127.0.0.1:9 --tokens 5 2>args.err && fail "--tokens with --handoff-to"
 grep -q "does not go with --handoff-to" args.err || fail "args: $(cat args.err)"
 "$K" handoff serve --listen nowhere --tokens 5 2>args.err && fail "a bad --listen"
 grep -q "not HOST:PORT" args.err || fail "args: $(cat args.err)"
 
-echo "cli_handoff: 12 passed, 0 failed"
+echo "cli_handoff: 14 passed, 0 failed"

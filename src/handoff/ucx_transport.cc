@@ -10,6 +10,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <charconv>
 #include <cstring>
@@ -287,6 +288,22 @@ class UcxTransport : public Transport {
   std::vector<std::uint8_t> staging_;
 };
 
+// Binds `addr` with a socket of its own and closes it, so that an address
+// this host cannot listen on (not one of its own, a port in use or
+// privileged) is refused with the system's reason, before UCX, which would
+// log its own lines about it to stderr. Same SO_REUSEADDR as UCX's listener.
+Status check_bindable(const sockaddr_in& addr, const std::string& where) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return io_error("cannot listen on " + where + ": socket: " + std::strerror(errno));
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  const int rc = ::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return io_error("cannot listen on " + where + ": " + std::strerror(err));
+  return Status::Ok();
+}
+
 class Listener : public UcxListener {
  public:
   Listener(std::shared_ptr<Worker> w, std::string host) : worker_(std::move(w)), host_(std::move(host)) {}
@@ -297,6 +314,7 @@ class Listener : public UcxListener {
 
   Status open(int port) {
     const sockaddr_in addr = make_addr(host_, port);
+    KVRING_RETURN_IF_ERROR(check_bindable(addr, host_ + ":" + std::to_string(port)));
     ucp_listener_params_t p{};
     p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
     p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
