@@ -252,16 +252,16 @@ __device__ __forceinline__ void query_operands(const float (&qv)[32], std::uint3
 }
 
 // query_operands' result, with each k-step's operands made by one warp of
-// the CTA kernel (warp s those of k-step s, from `own`, the lane's qv[4s ..
-// 4s + 4)) and handed to every warp through shared memory: the same bits,
-// from an eighth of the conversion code and an eighth of the query's loads.
-// Each warp loads only its k-step: the largest magnitude of query g over
-// the 16 dims of k-step s goes to amax[g][s], and every lane takes the
-// largest of the 8 (fmaxf is exact and ignores NaNs, so the grouping gives
-// query_up's value). A launch's code reaches each SM anew, so a short
-// decode's time follows the instructions on its path (docs/CUDA.md, "Code
-// on the critical path"). Two CTA barriers: every thread of the CTA calls
-// it.
+// the CTA kernel (warp s those of k-step s, from `own`: the four values
+// query_operands takes from qv[4s .. 4s + 4)) and handed to every warp
+// through shared memory: the same bits, from an eighth of the conversion
+// code and an eighth of the query's loads. Each warp loads only its
+// k-step: the largest magnitude of query g over the 16 dims of k-step s
+// goes to amax[g][s], and every lane takes the largest of the 8 (fmaxf is
+// exact and ignores NaNs, so the grouping gives query_up's value). A
+// launch's code reaches each SM anew, so a short decode's time follows the
+// instructions on its path (docs/CUDA.md, "Code on the critical path").
+// Two CTA barriers: every thread of the CTA calls it.
 __device__ __forceinline__ void query_operands_shared(float4 own, int warp, int lane, float (&amax)[kTensorHeads][kAttendWarps],
                                                       uint4 (&shared)[kAttendWarps][32],
                                                       std::uint32_t (&qa)[8][4], float& down) {
