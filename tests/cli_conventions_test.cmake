@@ -114,11 +114,18 @@ if(EXISTS ${WORK}/x.kvpack)
 endif()
 
 # --- store gc ----------------------------------------------------------------------
-file(WRITE ${WORK}/chunks/.tmp-dead-1-2-3 "partial")
-file(WRITE ${WORK}/chunks/.tmp-fresh-1-2-3 "partial")
-execute_process(COMMAND touch -d "2 hours ago" ${WORK}/chunks/.tmp-dead-1-2-3)
+# Temporaries as writers name them (.tmp-<chunk name>-<pid>-<counter>-<clock>);
+# a user's file that only starts like one is not the store's.
+string(REPEAT "ab" 32 chunk_name)
+set(dead ${WORK}/chunks/.tmp-${chunk_name}-1-2-3)
+set(fresh ${WORK}/chunks/.tmp-${chunk_name}-1-2-4)
+set(users ${WORK}/chunks/.tmp-notes.txt)
+file(WRITE ${dead} "partial")
+file(WRITE ${fresh} "partial")
+file(WRITE ${users} "someone's")
+execute_process(COMMAND touch -d "2 hours ago" ${dead} ${users})
 expect(0 "removed 1 temporary file of dead writers; kept 1" store gc dir:chunks)
-if(EXISTS ${WORK}/chunks/.tmp-dead-1-2-3 OR NOT EXISTS ${WORK}/chunks/.tmp-fresh-1-2-3)
+if(EXISTS ${dead} OR NOT EXISTS ${fresh} OR NOT EXISTS ${users})
   message(FATAL_ERROR "store gc removed the wrong temporaries")
 endif()
 expect(0 "removed 1 temporary file" store gc dir:chunks --min-age 0)

@@ -711,15 +711,24 @@ void age(const std::string& path, int seconds) {
 }
 
 // Temporaries of dead writers go; those of live writers, recent ones, and
-// everything else stay.
+// everything else stay, files named like temporaries but not by a writer
+// among them.
 TEST_F(DirStoreHostile, GcRemovesOnlyTemporariesNoWriterOwns) {
   ASSERT_TRUE(store_->put({&chunk_, 1}).ok());
   const std::string dead = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-0-1";
   const std::string held = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-1-1";
   const std::string fresh = root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-2-1";
-  const std::string link = root_ + "/.tmp-link";
+  const std::string link = root_ + "/.tmp-probe-999999-3-1";
   const std::string victim = dir_ + "/victim";
+  const std::vector<std::string> foreign = {
+      root_ + "/.tmp-notes.txt", root_ + "/.tmp-" + to_hex(chunk_.name) + "-999999-4",
+      root_ + "/.tmp-" + to_hex(chunk_.name) + "-9x-4-1", root_ + "/.tmp-" + to_hex(chunk_.name) + "-1-2-3-4",
+      root_ + "/.tmp-probe-1-2-", root_ + "/.tmp-" + to_hex(chunk_.name).substr(1) + "-1-2-3"};
   for (const std::string& p : {dead, held, fresh, victim}) std::ofstream(p) << "partial";
+  for (const std::string& p : foreign) {
+    std::ofstream(p) << "someone's";
+    age(p, 3600);
+  }
   ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0);
   age(dead, 3600);
   age(held, 3600);
@@ -736,6 +745,7 @@ TEST_F(DirStoreHostile, GcRemovesOnlyTemporariesNoWriterOwns) {
   EXPECT_EQ(::access(fresh.c_str(), F_OK), 0);
   EXPECT_EQ(::access(victim.c_str(), F_OK), 0);
   EXPECT_EQ(::access(path_.c_str(), F_OK), 0);  // chunks are never touched
+  for (const std::string& p : foreign) EXPECT_EQ(::access(p.c_str(), F_OK), 0) << p;
   ::close(fd);                                  // the writer died
   report = gc_dir_store(root_, std::chrono::seconds(600));
   ASSERT_TRUE(report.ok());

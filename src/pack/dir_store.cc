@@ -38,6 +38,31 @@ bool is_chunk_name(const char* name) {
 
 constexpr const char* kTempPrefix = ".tmp-";
 constexpr const char* kQuarantinePrefix = ".quarantine-";
+constexpr const char* kProbeName = "probe";
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// True for the names unique_name(root, prefix, what) makes, `what` a chunk's
+// name or (with `probe_too`) the write probe's: prefix, what, then the
+// pid, the counter and the clock, each decimal after a '-'. Nothing else in
+// a store's directory is the store's own to remove.
+bool is_unique_name(std::string_view name, std::string_view prefix, bool probe_too) {
+  if (!name.starts_with(prefix)) return false;
+  name.remove_prefix(prefix.size());
+  const std::size_t dash = name.find('-');
+  if (dash == std::string_view::npos) return false;
+  const std::string what(name.substr(0, dash));
+  if (!is_chunk_name(what.c_str()) && !(probe_too && what == kProbeName)) return false;
+  name.remove_prefix(dash + 1);
+  for (int field = 0; field < 3; ++field) {
+    const std::size_t end = field < 2 ? name.find('-') : name.size();
+    if (end == std::string_view::npos || !all_digits(name.substr(0, end))) return false;
+    name.remove_prefix(field < 2 ? end + 1 : end);
+  }
+  return true;
+}
 
 // A name in the store's directory no other writer (thread or process) uses
 // at the same time: `prefix`, the chunk's name, the pid, a counter, a clock.
@@ -123,7 +148,7 @@ class DirStore final : public ChunkStore {
   }
 
   Status check_writable() const override {
-    const std::string probe = unique_name(root_, kTempPrefix, "probe");
+    const std::string probe = unique_name(root_, kTempPrefix, kProbeName);
     const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd < 0) return io_error(spec() + ": cannot write into the store: " + errno_text(errno));
     ::close(fd);
@@ -249,11 +274,11 @@ Result<DirStoreGcReport> gc_dir_store(const std::string& path, std::chrono::seco
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     const std::string full = root + "/" + name;
-    if (name.rfind(kQuarantinePrefix, 0) == 0) {
+    if (is_unique_name(name, kQuarantinePrefix, false)) {
       ++report.quarantined;
       continue;
     }
-    if (name.rfind(kTempPrefix, 0) != 0) continue;
+    if (!is_unique_name(name, kTempPrefix, true)) continue;
     struct stat st {};
     if (::lstat(full.c_str(), &st) != 0) continue;  // renamed into place meanwhile
     if (S_ISLNK(st.st_mode)) {
