@@ -444,7 +444,8 @@ TEST_F(Hostile, OtherGeometryHeader) {
 }
 
 // A begin refused for its header leaves the session in progress as it was,
-// and rows at negative positions or counts are refused, not dropped.
+// and rows outside the session's positions (negative, past its end, or so
+// far that first + count overflows) are refused, not dropped.
 TEST_F(Hostile, ARefusedBeginLeavesTheSessionInProgress) {
   const ModelConfig other = testing::small_config(32, 256, 4, 4, 2, 32);  // head_dim 32
   const Snapshot good = make_header(config_, 256, 60), bad = make_header(other, 256, 60);
@@ -458,7 +459,9 @@ TEST_F(Hostile, ARefusedBeginLeavesTheSessionInProgress) {
   EXPECT_EQ(target.pending_blocks(), pending);
   EXPECT_EQ(store_->free_blocks(), free_before_ - pending);
   const std::vector<std::uint8_t> rows(static_cast<std::size_t>(4 * config_.kv_dim() * 2), 0);
-  for (const auto& [first, n] : {std::pair<std::int64_t, std::int64_t>{-5, 3}, {-100, 1}, {0, -3}}) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  for (const auto& [first, n] : {std::pair<std::int64_t, std::int64_t>{-5, 3}, {-100, 1}, {0, -3}, {kMax - 1, 10},
+                                 {58, 3}, {61, 0}, {0, kMax}}) {
     const Status st = target.put_rows(0, first, n, rows.data(), rows.data());
     ASSERT_FALSE(st.ok()) << first << " " << n;
     EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << st.to_string();
@@ -683,6 +686,57 @@ TEST_F(Hostile, APacedSenderHearsTheRefusalWithRowsInFlight) {
   ASSERT_FALSE(got.ok());
   ASSERT_FALSE(sent.ok());
   EXPECT_NE(sent.error().message.find("does not match"), std::string::npos) << sent.error().to_string();
+}
+
+// A paced sender whose gaps between messages outlast the receiver's
+// timeout keeps the link alive through them, as through a prefill wait,
+// and the session completes.
+TEST_F(Hostile, APacedSendersGapsOutlastTheReceiversTimeout) {
+  PlanOptions o;
+  o.chunk_tokens = kChunk;
+  o.message_bytes = 4 << 20;
+  o.credit_bytes = 64 << 20;
+  auto t = plan_handoff(config_, kPrompt, o);
+  ASSERT_TRUE(t.ok());
+  // The wait before message i + 1 is message i's bytes at the rate.
+  std::int64_t largest = 0;
+  for (std::size_t i = 0; i + 1 < t->messages.size(); ++i) largest = std::max(largest, t->messages[i].bytes);
+  const double rate = static_cast<double>(t->payload.payload_bytes) / 1.5;  // the whole send about 1.5 s
+  const double gap = static_cast<double>(largest) / rate;
+  ASSERT_GE(gap, 0.2) << t->messages.size() << " messages: too many for a gap to show";
+  auto src = StoreSource::create(*from_, seq_, *t, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "m");
+  ASSERT_TRUE(src.ok());
+  auto [a, b] = local_pair();
+  DetachedCacheTarget target({});
+  Result<ReceiveReport> got = io_error("not run");
+  std::thread rx([&, bb = b.get()] {
+    got = receive_session(*bb, target, {.timeout_s = gap / 2});
+    bb->close();
+  });
+  const auto sent = send_session(*a, **src, *t, {.timeout_s = gap / 2, .rate_bytes_per_s = rate});
+  a->close();
+  rx.join();
+  ASSERT_TRUE(sent.ok()) << sent.error().to_string();
+  ASSERT_TRUE(got.ok()) << got.error().to_string();
+  EXPECT_GE(sent->seconds, 0.9 * (static_cast<double>(t->payload.payload_bytes - t->messages.back().bytes) / rate));
+}
+
+// Send options outside their ranges are refused before anything is sent.
+TEST_F(Hostile, SendOptionsOutOfRangeAreRefused) {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (const SendOptions& bad : {SendOptions{.timeout_s = 0}, SendOptions{.timeout_s = nan},
+                                 SendOptions{.rate_bytes_per_s = -1}, SendOptions{.rate_bytes_per_s = nan},
+                                 SendOptions{.rate_bytes_per_s = inf}}) {
+    auto src = StoreSource::create(*from_, seq_, timeline_, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "m");
+    ASSERT_TRUE(src.ok());
+    auto [a, b] = local_pair();
+    const auto sent = send_session(*a, **src, timeline_, bad);
+    ASSERT_FALSE(sent.ok());
+    EXPECT_EQ(sent.error().code, ErrorCode::kInvalidArgument);
+    EXPECT_NE(sent.error().message.find("send options"), std::string::npos) << sent.error().message;
+    std::vector<std::uint8_t> in;
+    EXPECT_FALSE(b->recv_message(in, deadline_in(0.05), 1 << 20).ok());  // nothing was sent
+  }
 }
 
 // ---------------------------------------------------------------- hostile receivers

@@ -444,7 +444,7 @@ class StoreTarget : public HandoffTarget {
   bool committed_ = false;
   std::vector<std::int64_t> skip_;  // per layer: the first position the store keeps
   cudaStream_t device_stream_ = nullptr;  // the stream device rows were taken on
-  // A layer of the store and rows at no negative position or count.
+  // A layer of the store and rows within the session's positions.
   Status check_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows) const;
   std::unique_ptr<device::TargetSlots> slots_;  // the CUDA backend's staging
 };

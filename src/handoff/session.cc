@@ -19,6 +19,7 @@
 // says BYE, briefly: closing at once could let the disconnect overtake its
 // last message.
 #include <bit>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -376,6 +377,10 @@ std::int64_t PrefillSource::staged_bytes_peak() const {
 Result<SendReport> send_session(Transport& transport, HandoffSource& source, const Timeline& timeline,
                                 const SendOptions& options) {
   const auto t0 = Clock::now();
+  if (!(options.timeout_s > 0) || !(options.rate_bytes_per_s >= 0) || !std::isfinite(options.rate_bytes_per_s))
+    return invalid_argument("send options: timeout_s " + std::to_string(options.timeout_s) +
+                            " must be above 0 and rate_bytes_per_s " + std::to_string(options.rate_bytes_per_s) +
+                            " a finite rate of at least 0 (0: unpaced)");
   const std::string who = "receiver at " + transport.describe();
   const RowDigest digest = source.digest();
   const std::string header = encode_header(source.header(), timeline, digest);
@@ -436,22 +441,32 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   const std::int64_t kv = source.header().config.kv_dim();
   const bool device_ok = transport.carries(MemoryKind::kCudaDevice);
   const double keepalive_s = std::max(0.05, options.timeout_s / 4);
+  auto keep_alive = [&]() -> Status {
+    const std::uint8_t keep = kKeep;
+    if (Status s = transport.send_message(&keep, 1, deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
+    return Status::Ok();
+  };
   auto allowed_at = Clock::now();
   for (const PlannedMessage& m : timeline.messages) {
     for (;;) {
       auto ready = source.wait_final(m, deadline_in(keepalive_s));
       if (!ready) return abort_with(make_error(ready.error().code, "the sender's session failed: " + ready.error().message));
       if (*ready) break;
-      const std::uint8_t keep = kKeep;
-      if (Status s = transport.send_message(&keep, 1, deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
+      KVRING_RETURN_IF_ERROR(keep_alive());
     }
     if (m.bytes > report.credit_bytes)
       return abort_with(invalid_argument("a message of " + std::to_string(m.bytes) + " B exceeds the receiver's credits of " +
                                          std::to_string(report.credit_bytes) + " B"));
     while (sent - acked + m.bytes > report.credit_bytes) KVRING_RETURN_IF_ERROR(read_reply());
     if (options.rate_bytes_per_s > 0) {
+      // The pacing wait keeps the link alive as a prefill wait does: the
+      // receiver bounds a run of keep-alives by its max_keep_s, so a rate
+      // too slow for it ends there, not at the sender's last message.
       const auto now = Clock::now();
-      if (allowed_at > now) std::this_thread::sleep_until(allowed_at);
+      while (Clock::now() < allowed_at) {
+        std::this_thread::sleep_until(std::min(allowed_at, Clock::now() + duration_of(keepalive_s)));
+        if (Clock::now() < allowed_at) KVRING_RETURN_IF_ERROR(keep_alive());
+      }
       allowed_at = std::max(allowed_at, now) +
                    duration_of(static_cast<double>(m.bytes) / options.rate_bytes_per_s);
     }

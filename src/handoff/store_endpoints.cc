@@ -193,9 +193,10 @@ std::pair<std::int64_t, std::int64_t> kept(std::int64_t first, std::int64_t rows
 
 Status StoreTarget::check_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows) const {
   if (layer < 0 || layer >= store_.n_layers()) return invalid_argument("handoff: rows for layer " + std::to_string(layer));
-  if (first_row < 0 || rows < 0)
+  if (first_row < 0 || rows < 0 || first_row > header_.token_count || rows > header_.token_count - first_row)
     return invalid_argument("handoff: rows [" + std::to_string(first_row) + ", +" + std::to_string(rows) +
-                            ") of layer " + std::to_string(layer) + ": positions and counts are not negative");
+                            ") of layer " + std::to_string(layer) + ": outside the session's " +
+                            std::to_string(header_.token_count) + " positions");
   return Status::Ok();
 }
 
