@@ -95,6 +95,18 @@ wait "$SERVE_PID" && fail "serve accepted another geometry"
 grep -q "refused" geo_send.err || fail "the sender did not report the refusal"
 grep -q "differs from this store" geometry.err || fail "the receiver did not name the mismatch"
 
+# A receiver that could not decode the session to its --tokens (below the
+# prompt, past the context) refuses it at the header: the sender hears why
+# and fails, its session intact, and no row moves.
+for tok in 90 5000; do
+  start_serve short --tokens "$tok" --timeout 20
+  "$K" run "${common[@]}" --prompt-tokens 100 --handoff-to "127.0.0.1:$PORT" >short.out 2>short_send.err &&
+    fail "a session serve could not decode to --tokens $tok was handed over"
+  wait "$SERVE_PID" && fail "serve --tokens $tok decoded a session it could not"
+  grep -q "refused the session: --tokens = $tok" short_send.err || fail "sender, --tokens $tok: $(cat short_send.err)"
+  grep -q "intact" short_send.err || fail "the sender's error does not say its session is intact"
+done
+
 # A slow stream of small messages (about 6 s), to kill either side midway.
 slow=(--prompt-tokens 600 --chunk 8 --handoff-message 1 --handoff-rate 0.000015 --handoff-timeout 5)
 
@@ -151,4 +163,4 @@ grep -q "does not go with --handoff-to" args.err || fail "args: $(cat args.err)"
 "$K" handoff serve --listen nowhere --tokens 5 2>args.err && fail "a bad --listen"
 grep -q "not HOST:PORT" args.err || fail "args: $(cat args.err)"
 
-echo "cli_handoff: 14 passed, 0 failed"
+echo "cli_handoff: 16 passed, 0 failed"

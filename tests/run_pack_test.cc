@@ -67,5 +67,32 @@ TEST(RunPack, RunRecordsCarryTheAttentionNumeric) {
   EXPECT_NE(bad.error().message.find("'attention' must be a string"), std::string::npos) << bad.error().message;
 }
 
+// A record that could only be served wrongly (a RoPE base of 0 or less),
+// or whose text would cost far more to parse than a record can hold, is
+// refused by decode_run_record itself, for resume and handoff alike.
+TEST(RunPack, RunRecordsRefusedBeforeUse) {
+  RunRecord r{"m[[[[[[", 10000.0, {.hidden = 8, .vocab = 4, .mlp = 0, .seed = 1}, 1, 3, 2, {0.5f, -1.0f, 2.0f, 0.0f}};
+  const nlohmann::json good = nlohmann::json::parse(encode_run_record(r));
+  ASSERT_TRUE(decode_run_record(good.dump(), "p").ok());  // brackets in strings are not nesting
+  for (double theta : {0.0, -5.0, -0.0, 1e-320 * -1}) {
+    nlohmann::json j = good;
+    j["rope_theta"] = theta;
+    auto bad = decode_run_record(j.dump(), "p");
+    ASSERT_FALSE(bad.ok()) << theta;
+    EXPECT_NE(bad.error().message.find("field 'rope_theta' must be a positive finite number"), std::string::npos)
+        << bad.error().message;
+  }
+  nlohmann::json deep = good;
+  deep["x"] = nlohmann::json::parse("[[[[{\"a\":[1]}]]]]");
+  auto nested = decode_run_record(deep.dump(), "p");
+  ASSERT_FALSE(nested.ok());
+  EXPECT_NE(nested.error().message.find("nested 7 deep"), std::string::npos) << nested.error().message;
+  std::string big = good.dump();
+  big.insert(1, static_cast<std::size_t>(kMaxRunRecordBytes), ' ');
+  auto huge = decode_run_record(big, "p");
+  ASSERT_FALSE(huge.ok());
+  EXPECT_NE(huge.error().message.find("more than a run record's"), std::string::npos) << huge.error().message;
+}
+
 }  // namespace
 }  // namespace kvring::cli

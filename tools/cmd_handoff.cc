@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "args.h"
@@ -175,6 +176,67 @@ int cmd_plan(const std::vector<std::string>& argv) {
   return 0;
 }
 
+// What serve needs of a session before it takes any row, from its header
+// alone: a run record it can decode with, the prompt's last token, and
+// --tokens within the prompt and the session's context.
+struct ServedSession {
+  RunRecord record;
+  std::int32_t next_token = 0;
+};
+Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens) {
+  auto record = decode_run_record(header.metadata, "the handed-off session");
+  if (!record) return record.error();
+  auto meta = nlohmann::json::parse(header.metadata, nullptr, false);
+  if (!meta.is_object() || !meta.contains(kNextTokenKey) || !meta[kNextTokenKey].is_number_integer())
+    return invalid_argument("the handed-off session does not name the prompt's last token");
+  const auto next = meta[kNextTokenKey].get<std::int64_t>();
+  if (next < 0 || next >= record->options.vocab)
+    return invalid_argument("the handed-off session's last prompt token " + std::to_string(next) +
+                            " is outside its vocabulary [0, " + std::to_string(record->options.vocab) + ")");
+  if (record->prompt_tokens != header.token_count + 1)
+    return invalid_argument("the handed-off session holds " + std::to_string(header.token_count) +
+                            " positions of a " + std::to_string(record->prompt_tokens) + "-token prompt");
+  if (tokens < record->prompt_tokens)
+    return invalid_argument("--tokens = " + std::to_string(tokens) + " is below the prompt's " +
+                            std::to_string(record->prompt_tokens) + " tokens");
+  if (tokens > header.context)
+    return invalid_argument("--tokens = " + std::to_string(tokens) + " exceeds the session's context " +
+                            std::to_string(header.context));
+  return ServedSession{std::move(*record), static_cast<std::int32_t>(next)};
+}
+
+// A target that refuses at begin() a session serve could not decode, so the
+// sender hears why before a row moves, and passes the rest through.
+class ServeTarget final : public handoff::HandoffTarget {
+ public:
+  ServeTarget(handoff::DetachedCacheTarget& inner, std::int64_t tokens) : inner_(inner), tokens_(tokens) {}
+  Status begin(const Snapshot& header) override {
+    auto served = check_served(header, tokens_);
+    if (!served) return served.error();
+    KVRING_RETURN_IF_ERROR(inner_.begin(header));
+    served_ = std::move(*served);
+    return Status::Ok();
+  }
+  Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows, const std::uint8_t* k,
+                  const std::uint8_t* v) override {
+    return inner_.put_rows(layer, first_row, rows, k, v);
+  }
+  bool accepts_device() const override { return inner_.accepts_device(); }
+  Status put_device_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows, const void* k,
+                         const void* v, cudaStream_t stream) override {
+    return inner_.put_device_rows(layer, first_row, rows, k, v, stream);
+  }
+  Status commit() override { return inner_.commit(); }
+  void abort() override { inner_.abort(); }
+  // After begin() took the session.
+  const ServedSession& served() const { return *served_; }
+
+ private:
+  handoff::DetachedCacheTarget& inner_;
+  std::int64_t tokens_;
+  std::optional<ServedSession> served_;
+};
+
 // The receiver: one session, decoded greedily to --tokens.
 int cmd_serve(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
@@ -231,31 +293,21 @@ int cmd_serve(const std::vector<std::string>& argv) {
   auto link = (*listener)->accept(handoff::deadline_in(timeout_s));
   if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);
+  ServeTarget serve_target(target, *tokens);
   ro.timeout_s = timeout_s;
   ro.credit_bytes = *credits * kMiB;
   const auto t0 = Clock::now();
-  auto received = handoff::receive_session(**link, target, ro);
+  auto received = handoff::receive_session(**link, serve_target, ro);
   (*link)->close();
   if (!received) return fail("handoff from " + (*link)->describe() + " failed, nothing installed: " + received.error().to_string());
   const Snapshot& header = target.header();
-  auto record = decode_run_record(header.metadata, "the handed-off session");
-  if (!record) return fail(record.error());
-  auto meta = nlohmann::json::parse(header.metadata, nullptr, false);
-  if (!meta.is_object() || !meta.contains(kNextTokenKey) || !meta[kNextTokenKey].is_number_integer())
-    return fail("the handed-off session does not name the prompt's last token");
-  const auto next_token = meta[kNextTokenKey].get<std::int32_t>();
-  if (record->prompt_tokens != header.token_count + 1)
-    return fail("the handed-off session holds " + std::to_string(header.token_count) + " positions of a " +
-                std::to_string(record->prompt_tokens) + "-token prompt");
-  if (*tokens < record->prompt_tokens)
-    return fail("--tokens = " + std::to_string(*tokens) + " is below the prompt's " + std::to_string(record->prompt_tokens) + " tokens");
+  const RunRecord* record = &serve_target.served().record;
+  const std::int32_t next_token = serve_target.served().next_token;
   ModelConfig config = header.config;
   config.name = record->model;
   config.rope_theta = record->rope_theta;
   auto cache = target.take();
   const std::int64_t context = cache->context();
-  if (*tokens > context)
-    return fail("--tokens = " + std::to_string(*tokens) + " exceeds the cache context " + std::to_string(context));
   auto model = ReferenceModel::create(config, record->options);
   if (!model) return fail(model.error());
   auto session = Session::resume(*model, std::move(cache), header.token_ids,

@@ -100,12 +100,42 @@ std::string field_before(const std::string& text, std::size_t at) {
   return field;
 }
 
+// The deepest nesting of arrays and objects in `text`, outside strings.
+int json_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 }  // namespace
 
 Result<RunRecord> decode_run_record(const std::string& metadata, const std::string& pack) {
   const std::string where = pack + ": metadata: ";
   const std::string not_ours = pack + " was not written by kvring run --save";
   if (metadata.empty()) return invalid_argument(not_ours + " (its metadata is empty)");
+  // Bounded before it is parsed: a parse takes tens of bytes of memory for
+  // each byte of deeply nested text. A run record is one flat object whose
+  // largest field holds the last logits.
+  if (static_cast<std::int64_t>(metadata.size()) > kMaxRunRecordBytes)
+    return invalid_argument(where + std::to_string(metadata.size()) + " bytes, more than a run record's " +
+                            std::to_string(kMaxRunRecordBytes) + " (the last logits of a " +
+                            std::to_string(kMaxRunVocab) + "-entry vocabulary and its other fields)");
+  if (const int depth = json_depth(metadata); depth > kMaxRunRecordDepth)
+    return invalid_argument(where + "arrays and objects nested " + std::to_string(depth) +
+                            " deep; a run record nests at most " + std::to_string(kMaxRunRecordDepth));
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(metadata);
@@ -150,6 +180,9 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   r.model = j["model"].get<std::string>();
   if (r.model.empty()) return invalid_argument(where + "field 'model' is empty (a run names its model)");
   r.rope_theta = j["rope_theta"].get<double>();
+  if (!(r.rope_theta > 0.0) || !std::isfinite(r.rope_theta))
+    return invalid_argument(where + "field 'rope_theta' must be a positive finite number, got " +
+                            shown(j["rope_theta"]));
   r.options.hidden = j["hidden"].get<std::int64_t>();
   r.options.vocab = j["vocab"].get<std::int64_t>();
   r.options.mlp = j["mlp"].get<std::int64_t>();
@@ -242,8 +275,6 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   if (record->last_logits.empty())
     return invalid_argument(path + ": metadata: field 'last_logits_f32le' is empty; a saved run "
                             "holds the logits of its last token");
-  if (!(record->rope_theta > 0.0) || !std::isfinite(record->rope_theta))
-    return invalid_argument(path + ": metadata: rope_theta must be a positive finite number");
   const auto& ids = m->header.token_ids;
   for (std::size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= record->options.vocab)

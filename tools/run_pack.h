@@ -22,6 +22,10 @@ namespace kvring::cli {
 // --hidden and --vocab ranges); a run record outside them is refused.
 inline constexpr std::int64_t kMaxRunHidden = 16384;
 inline constexpr std::int64_t kMaxRunVocab = std::int64_t{1} << 20;
+// A run record's text: the last logits' hex (8 digits a vocabulary entry)
+// and room for its other fields; nesting: the record and a field's value.
+inline constexpr std::int64_t kMaxRunRecordBytes = 8 * kMaxRunVocab + (std::int64_t{1} << 16);
+inline constexpr int kMaxRunRecordDepth = 4;
 
 struct RunRecord {
   std::string model;  // the name the summary reports
