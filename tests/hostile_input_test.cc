@@ -143,6 +143,25 @@ class HostileFiles : public ::testing::Test {
   std::string dir_, fifo_;
 };
 
+// An empty value is refused, not taken for the option's absence (an empty
+// --resume ran a fresh session, an empty --save saved nothing, an empty
+// --config ran the default model).
+TEST_F(HostileFiles, EmptyOptionValuesAreRefused) {
+  for (const char* opt : {"--resume", "--save", "--config", "--model", "--backend", "--store", "--tokens"}) {
+    const Ran r = run_tool({"run", opt, "", "--no-progress"}, dir_);
+    EXPECT_EQ(r.rc, 2) << opt << describe(r);
+    EXPECT_NE(r.err.find(std::string(opt) + " needs a value, got an empty one"), std::string::npos) << describe(r);
+    EXPECT_EQ(r.out, "") << opt;
+  }
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"footprint", "--model", ""}, {"pack", "verify", "x.kvpack", "--store", ""},
+           {"handoff", "serve", "--listen", "", "--tokens", "5"}, {"config", "--config", ""}}) {
+    const Ran r = run_tool(args, dir_);
+    EXPECT_EQ(r.rc, 2) << args[0] << describe(r);
+    EXPECT_NE(r.err.find("needs a value, got an empty one"), std::string::npos) << describe(r);
+  }
+}
+
 TEST_F(HostileFiles, FifoAsPackIsRefusedWithoutBlocking) {
   auto r = within_deadline(fifo_, [&] { return open_pack_file(fifo_); });
   ASSERT_FALSE(r.ok());

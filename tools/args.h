@@ -15,7 +15,9 @@ namespace kvring::cli {
 
 class Args {
  public:
-  // `flags` take no value; `options` take one.
+  // `flags` take no value; `options` take one, never empty. A value given
+  // as the next argument may not start with "--": that is an option, and
+  // the value was left out (`--save --json`); `--name=VALUE` takes any.
   static Result<Args> parse(const std::vector<std::string>& argv, const std::set<std::string>& flags,
                             const std::set<std::string>& options) {
     Args a;
@@ -38,8 +40,12 @@ class Args {
       } else if (options.count(name)) {
         if (!has_value) {
           if (i + 1 >= argv.size()) return invalid_argument("--" + name + " needs a value");
+          if (argv[i + 1].rfind("--", 0) == 0)
+            return invalid_argument("--" + name + " needs a value, got the option " + argv[i + 1] +
+                                    " (a value that starts with -- goes as --" + name + "=VALUE)");
           value = argv[++i];
         }
+        if (value.empty()) return invalid_argument("--" + name + " needs a value, got an empty one");
         a.values_[name] = value;
       } else {
         return invalid_argument("unknown option --" + name);

@@ -69,7 +69,6 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   o.save = a->str("save");
   o.resume = a->str("resume");
   o.store = a->str("store");
-  if (a->has("store") && o.store.empty()) return invalid_argument("--store needs a value");
   if (!o.store.empty() && o.save.empty() && o.resume.empty())
     return invalid_argument("--store is the chunk store of --save or --resume; give one of them");
   if (a->has("attention")) {

@@ -295,6 +295,7 @@ int cmd_config(const std::vector<std::string>& argv) {
   if (wants_help(argv)) return print_help("config");
   auto args = Args::parse(argv, {}, {"model", "config"});
   if (!args) return fail(args.error());
+  if (!args->positional().empty()) return fail("config: unexpected argument '" + args->positional()[0] + "'");
   auto c = resolve_config(args->str("model"), args->str("config"));
   if (!c) return fail(c.error());
   std::printf("model        %s\n", c->name.c_str());
