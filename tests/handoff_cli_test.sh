@@ -157,10 +157,16 @@ grep -q "cannot listen on 127.0.0.1:$PORT: Address already in use" taken.err || 
 kill -9 "$SERVE_PID"
 grep -q "UCX" bind.err taken.err && fail "UCX logged on stderr: $(cat bind.err taken.err)"
 
+# A port file that cannot be written fails serve and leaves no temporary.
+mkdir -p pdir
+"$K" handoff serve --listen 127.0.0.1:0 --tokens 5 --port-file pdir >pf.out 2>pf.err && fail "a port file onto a directory"
+grep -q "cannot write --port-file pdir" pf.err || fail "port file: $(cat pf.err)"
+[ -e pdir.tmp ] && fail "serve left pdir.tmp"
+
 # Argument errors.
 "$K" run "${common[@]}" --handoff-to 127.0.0.1:9 --tokens 5 2>args.err && fail "--tokens with --handoff-to"
 grep -q "does not go with --handoff-to" args.err || fail "args: $(cat args.err)"
 "$K" handoff serve --listen nowhere --tokens 5 2>args.err && fail "a bad --listen"
 grep -q "not HOST:PORT" args.err || fail "args: $(cat args.err)"
 
-echo "cli_handoff: 16 passed, 0 failed"
+echo "cli_handoff: 17 passed, 0 failed"

@@ -2,8 +2,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -278,16 +280,27 @@ int cmd_serve(const std::vector<std::string>& argv) {
   const auto hp = handoff::parse_host_port(a->str("listen"));
   const std::string where = hp->first + ":" + std::to_string((*listener)->port());
   if (a->has("port-file")) {
-    // Written whole, then renamed: a reader never sees half a number.
+    // Written whole, then renamed: a reader never sees half a number. A
+    // failure leaves no temporary behind.
     const std::string path = a->str("port-file"), tmp = path + ".tmp";
+    std::error_code ec;
     {
+      errno = 0;
       std::ofstream f(tmp);
       f << (*listener)->port() << "\n";
-      if (!f) return fail("cannot write --port-file " + tmp);
+      f.close();
+      if (!f) {
+        const std::string why = errno != 0 ? std::strerror(errno) : "the write failed";
+        std::filesystem::remove(tmp, ec);
+        return fail("cannot write --port-file " + path + " (through " + tmp + "): " + why);
+      }
     }
-    std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
-    if (ec) return fail("cannot write --port-file " + path + ": " + ec.message());
+    if (ec) {
+      const std::string why = ec.message();
+      std::filesystem::remove(tmp, ec);
+      return fail("cannot write --port-file " + path + ": " + why);
+    }
   }
   if (!a->flag("json")) std::fprintf(stderr, "kvring handoff serve: listening on %s\n", where.c_str());
   auto link = (*listener)->accept(handoff::deadline_in(timeout_s));
