@@ -86,15 +86,18 @@ file(WRITE ${WORK}/small.json [=[
  "sliding_window": 32, "max_position_embeddings": 256, "sliding_window_pattern": 2}
 ]=])
 set(small --config small.json --hidden 16 --vocab 32 --tokens 40 --no-progress)
-# --json output is JSON whatever the model's name (a config's path) holds.
-file(COPY_FILE ${WORK}/small.json "${WORK}/q\"uote\\.json")
+# --json output is JSON whatever the model's name (a config's path) holds:
+# a quote as it is, a backslash and bytes that are not UTF-8 escaped.
+string(ASCII 255 byte_ff)
+file(COPY_FILE ${WORK}/small.json "${WORK}/q\"uote\\${byte_ff}.json")
 foreach(fit "" "--fit;1GiB;--length;100")
-  expect(0 "model" footprint --config "q\"uote\\.json" ${fit} --json)
+  expect(0 "model" footprint --config "q\"uote\\${byte_ff}.json" ${fit} --json)
   string(JSON model ERROR_VARIABLE json_err GET "${last_out}" model)
-  if(json_err OR NOT model STREQUAL "q\"uote\\.json")
+  if(json_err OR NOT model STREQUAL "q\"uote\\x5c\\xff.json")
     message(FATAL_ERROR "footprint ${fit} --json: not JSON naming the model (${json_err}): ${last_out}")
   endif()
 endforeach()
+expect(0 "\"model\":\"q\\\\\"uote" run --config "q\"uote\\${byte_ff}.json" --hidden 16 --vocab 32 --tokens 20 --no-progress --json)
 expect(0 "saved" run ${small} --save a.kvpack)
 expect(0 "ok: a.kvpack" pack verify a.kvpack)
 file(SIZE ${WORK}/a.kvpack size)

@@ -83,6 +83,8 @@ ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
 // Hugging Face style config.json (Gemma 3, Cohere 2, gpt-oss shapes).
 Result<ModelConfig> parse_hf_config(std::string_view json_text,
                                     std::string name = "config");
+// The config is named by its path, non-printable bytes and invalid UTF-8
+// escaped as \xHH.
 Result<ModelConfig> load_hf_config(const std::string& path);
 
 // `--model NAME` or `--config PATH`: at most one of them non-empty;

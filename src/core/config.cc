@@ -290,10 +290,12 @@ Result<ModelConfig> load_hf_config(const std::string& path) {
     e.code = ErrorCode::kConfig;
     return e;
   }
-  auto r = parse_hf_config(*text, path);
+  // The model's name is its path, escaped (core/text.h): it goes into
+  // messages, JSON and packs, which need valid UTF-8 and no control bytes.
+  auto r = parse_hf_config(*text, printable(path));
   if (!r) {
     Error e = r.error();
-    e.message = path + ": " + e.message;
+    e.message = printable(path) + ": " + e.message;
     return e;
   }
   return r;
