@@ -68,6 +68,14 @@ done
 "$K" handoff plan --model muse-glimmer --tokens 130815 --schedule swa-first >plan.txt 2>plan.err || fail "plan swa-first"
 grep -q "1,823,184,896" plan.txt || fail "plan text: no payload figure"
 
+# Rates and latencies past their bounds are named, not overflowed.
+"$K" handoff plan --model muse-glimmer --tokens 1000 --rate 1e300 2>bound.err && fail "plan --rate 1e300"
+grep -q -- "--rate = 1e300 is past its bound" bound.err || fail "plan --rate bound: $(cat bound.err)"
+"$K" handoff plan --model muse-glimmer --tokens 1000 --ack-latency-us 1e308 2>bound.err && fail "plan --ack-latency-us"
+grep -q -- "--ack-latency-us = 1e308 is past its bound" bound.err || fail "plan ack bound: $(cat bound.err)"
+"$K" handoff plan --model muse-glimmer --tokens 1000 --rate 1e-9 --prefill-tps 0.01 --message 1 >slow.txt 2>bound.err ||
+  fail "a slow plan: $(cat bound.err)"
+
 if [ "$UCX" = 0 ]; then
   echo "cli_handoff: this build has no UCX transport; serve and --handoff-to skipped"
   exit 77

@@ -34,6 +34,30 @@ TEST(HandoffPlanHostile, NonFiniteTimesAreRefused) {
   EXPECT_FALSE(plan_handoff(c, 200, slow_prefill).ok());
 }
 
+// Slow rates, slow prefills and long answer times put a plan's times far
+// past 1000 s; the plan's own check compares them within rounding there,
+// so every such plan is made, none refused as an internal error.
+TEST(HandoffPlanHostile, SlowPlansAreMadeNotRefusedAsInternal) {
+  const ModelConfig c = testing::small_config(32, 256);
+  int made = 0;
+  for (double rate : {1.0, 1e3, 1e-3, 7.3e-6})
+    for (double tps : {1e-6, 0.01, 3.7, 1e9})
+      for (double ack : {0.0, 1e-6, 1e6, 3.3e8})
+        for (Schedule sched : {Schedule::kPaced, Schedule::kSwaFirst}) {
+          PlanOptions o;
+          o.schedule = sched;
+          o.rate_bytes_per_s = rate;
+          o.prefill_tokens_per_s = tps;
+          o.ack_latency_s = ack;
+          o.message_bytes = c.kv_dim() * 4 * 3;
+          o.chunk_tokens = 7;
+          auto t = plan_handoff(c, 200, o);
+          ASSERT_TRUE(t.ok()) << rate << " " << tps << " " << ack << ": " << t.error().to_string();
+          ++made;
+        }
+  EXPECT_EQ(made, 128);
+}
+
 // Messages of one row at muse-glimmer's whole context: 1.8M messages,
 // planned and checked in seconds (the idle measure was quadratic).
 TEST(HandoffPlanHostile, ManySmallMessagesPlanQuickly) {

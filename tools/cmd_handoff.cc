@@ -67,17 +67,17 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (!context) return fail(context.error());
   po.context = *context;
   if (a->has("rate")) {
-    auto r = parse_positive_double("rate", a->str("rate"), false);
+    auto r = parse_positive_double("rate", a->str("rate"), false, kMaxRateGbS);
     if (!r) return fail(r.error());
     po.rate_bytes_per_s = *r * 1e9;
   }
   if (a->has("prefill-tps")) {
-    auto r = parse_positive_double("prefill-tps", a->str("prefill-tps"), false);
+    auto r = parse_positive_double("prefill-tps", a->str("prefill-tps"), false, kMaxTokensPerS);
     if (!r) return fail(r.error());
     po.prefill_tokens_per_s = *r;
   }
   if (a->has("ack-latency-us")) {
-    auto r = parse_positive_double("ack-latency-us", a->str("ack-latency-us"), true);
+    auto r = parse_positive_double("ack-latency-us", a->str("ack-latency-us"), true, kMaxAckLatencyUs);
     if (!r) return fail(r.error());
     po.ack_latency_s = *r * 1e-6;
   }
@@ -364,12 +364,18 @@ int cmd_serve(const std::vector<std::string>& argv) {
 
 }  // namespace
 
-Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero) {
+Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero,
+                                     double most) {
   char* end = nullptr;
   const double v = std::strtod(value.c_str(), &end);
   if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(v) || v < 0 || (!allow_zero && v == 0))
     return invalid_argument("--" + option + " must be a " + (allow_zero ? "non-negative" : "positive") +
                             " number, got '" + value + "'");
+  if (v > most) {
+    char bound[32];
+    std::snprintf(bound, sizeof bound, "%g", most);
+    return invalid_argument("--" + option + " = " + value + " is past its bound of " + bound);
+  }
   return v;
 }
 

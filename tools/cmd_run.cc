@@ -84,7 +84,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
         return invalid_argument(std::string("--") + name + " does not go with --handoff-to (the receiver decodes)");
     o.handoff_schedule = a->str("handoff-schedule", o.handoff_schedule);
     if (a->has("handoff-rate")) {
-      auto r = parse_positive_double("handoff-rate", a->str("handoff-rate"), false);
+      auto r = parse_positive_double("handoff-rate", a->str("handoff-rate"), false, kMaxRateGbS);
       if (!r) return r.error();
       o.handoff_rate_gb_s = *r;
     }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "kvring/config.h"
@@ -29,6 +30,12 @@ struct HandoffSendOptions {
 int run_handoff_send(Session& session, const ModelConfig& config, const HandoffSendOptions& options);
 
 // "1.25" -> 1.25; an error names the option.
-Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero);
+// Rates are bounded so that what they become (bytes per second, seconds)
+// stays finite and a plan's times stay within a double's precision.
+inline constexpr double kMaxRateGbS = 1e6;          // 1 PB/s
+inline constexpr double kMaxTokensPerS = 1e12;
+inline constexpr double kMaxAckLatencyUs = 1e9;     // 1000 s
+Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero,
+                                     double most = std::numeric_limits<double>::max());
 
 }  // namespace kvring::cli

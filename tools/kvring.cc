@@ -79,9 +79,12 @@ const CommandHelp kHelp[] = {
 )"},
     {"handoff plan", R"(  handoff plan (--model NAME | --config FILE) --tokens N
              [--schedule swa-first|paced] [--rate GB/s] [--chunk C]
-             [--credits MiB] [--message MiB] [--prefill-tps T] [--json]
+             [--credits MiB] [--message MiB] [--prefill-tps T]
+             [--context N] [--ack-latency-us U] [--json]
              the payload of an N-token prompt by layer class and the send
-             schedule relative to prefill, with the bytes in flight over time
+             schedule relative to prefill, with the bytes in flight over time;
+             --context sizes the session's store (default: the model's),
+             --ack-latency-us the receiver's answer time (default 50)
 )"},
     {"handoff serve", R"(  handoff serve --listen HOST:PORT --tokens N [--model NAME | --config FILE]
              [--backend cpu|cuda|auto] [--timeout S] [--credits MiB]

@@ -182,7 +182,10 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
 
 Status check_timeline(Timeline& t, double max_idle_s) {
   const Payload& p = t.payload;
-  const double eps = 1e-9;
+  // Times are compared to within rounding: 1 ns, or 1e-12 of the time where
+  // times run past 1000 s (a slow rate or prefill), which a double's 53
+  // bits hold with room to spare.
+  auto eps_at = [](double t) { return std::max(1e-9, 1e-12 * std::abs(t)); };
   auto bad = [](const std::string& what) { return make_error(ErrorCode::kInternal, "handoff timeline: " + what); };
   // Every byte exactly once: per layer, the messages tile the live rows.
   std::map<std::int64_t, std::vector<const PlannedMessage*>> by_layer;
@@ -225,6 +228,7 @@ Status check_timeline(Timeline& t, double max_idle_s) {
   double busy = 0;
   for (std::size_t i = 0; i < order.size(); ++i) {
     const PlannedMessage& m = *order[i];
+    const double eps = eps_at(m.ack_s);
     if (m.release_step < m.final_step || m.release_s + eps < m.final_s || m.start_s + eps < m.release_s)
       return bad("message " + std::to_string(m.index) + " leaves before its rows are final or released");
     if (m.end_s - m.start_s + eps < static_cast<double>(m.bytes) / t.options.rate_bytes_per_s)
@@ -274,7 +278,7 @@ Status check_timeline(Timeline& t, double max_idle_s) {
     idle = std::max(idle, order[i]->start_s - std::max(free_at, earliest));
     free_at = order[i]->end_s;
   }
-  if (idle > max_idle_s + eps)
+  if (idle > max_idle_s + eps_at(order.empty() ? 0.0 : order.back()->end_s))
     return bad("the link idles " + std::to_string(idle) + " s while data is ready (bound " +
                std::to_string(max_idle_s) + " s)");
   t.max_in_flight = peak;
