@@ -84,8 +84,21 @@ run_fail("--attention: unknown attention numeric 'fp8'" ${common} --attention fp
 run_fail("--attention does not go with --handoff-to" ${half} --attention f16 --handoff-to 127.0.0.1:1)
 
 run_fail("unknown model" --model nope)
-run_fail("is a directory" --save ${WORK})
-run_fail("does not exist" --save ${WORK}/no/such/dir/x.kvpack)
+run_fail("is a directory, not a regular file" --save ${WORK})
+run_fail("no/such/dir/.tmp-x.kvpack.*: No such file or directory" --save ${WORK}/no/such/dir/x.kvpack)
+run_fail("/dev/null: it is a character device" --save /dev/null)
+# Every pack of --sequences is checked before the sessions run, and nothing
+# is written or made (a store directory) for a run refused.
+file(MAKE_DIRECTORY ${WORK}/many.1.kvpack)
+run_fail("many.1.kvpack: it is a directory" --sequences 2 --tokens 40 --save ${WORK}/many.kvpack)
+if(EXISTS ${WORK}/many.0.kvpack)
+  message(FATAL_ERROR "a refused --sequences save wrote many.0.kvpack")
+endif()
+run_fail("--tokens = 999999 exceeds" --tokens 999999 --save ${WORK}/s.kvpack --store dir:${WORK}/never-made)
+run_fail("unknown backend" --backend bogus --save ${WORK}/s.kvpack --store dir:${WORK}/never-made)
+if(EXISTS ${WORK}/never-made)
+  message(FATAL_ERROR "a refused run made its store's directory")
+endif()
 run_fail("weights would take" --hidden 16384 --vocab 1048576)
 run_fail("use smaller chunks" --vocab 1048576 --hidden 8 --prompt-tokens 4000 --tokens 4000 --chunk 4000 --context 4096)
 run_fail("--tokens = 0 is outside" --tokens 0)

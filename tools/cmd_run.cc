@@ -132,16 +132,6 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   std::int64_t seed = 1;
   KVRING_RETURN_IF_ERROR(get("seed", 1, 0, std::numeric_limits<std::int64_t>::max(), seed));
   o.seed = static_cast<std::uint64_t>(seed);
-  if (!o.save.empty()) {
-    // Refuse an unwritable destination before the session runs, not after.
-    std::error_code ec;
-    const std::filesystem::path path(o.save);
-    if (std::filesystem::is_directory(path, ec))
-      return invalid_argument("--save " + o.save + " is a directory");
-    const std::filesystem::path parent = path.has_parent_path() ? path.parent_path() : ".";
-    if (!std::filesystem::is_directory(parent, ec))
-      return invalid_argument("--save " + o.save + ": directory " + parent.string() + " does not exist");
-  }
   return o;
 }
 
@@ -152,8 +142,6 @@ int cmd_run(const std::vector<std::string>& argv) {
   auto opts = parse(argv);
   if (!opts) return fail(opts.error());
   RunOptions& o = *opts;
-  if (!o.save.empty() && !o.store.empty())
-    if (Status s = check_save_store(o.store); !s.ok()) return fail(s.error());
   auto backend = parse_backend(o.backend);
   if (!backend) return fail(backend.error());
   if (o.sequences > 0) {
@@ -189,6 +177,8 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (o.tokens > context)
     return fail("--tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
                 std::to_string(context) + " of model '" + printable(config->name) + "'");
+  if (!o.save.empty())
+    if (Status s = check_save(o.save, 0, o.store); !s.ok()) return fail(s.error());
   std::optional<Session> fresh;
   if (!resumed) {
     auto model = ReferenceModel::create(*config, o.model);

@@ -113,6 +113,8 @@ int run_many(const RunOptions& o, BackendKind backend) {
                   std::to_string(members[static_cast<std::size_t>(i)].target) +
                   " tokens, past the store's context " + std::to_string(context));
 
+  if (!o.save.empty())
+    if (Status s = check_save(o.save, n, o.store); !s.ok()) return fail(s.error());
   auto model = ReferenceModel::create(config, model_options);
   if (!model) return fail(model.error());
   auto store = make_store(backend, config, {.max_sequences = n, .context = context, .attention = attention});

@@ -221,7 +221,24 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   return r;
 }
 
-Status check_save_store(const std::string& store_spec) {
+std::string indexed_path(const std::string& path, std::int64_t i) {
+  const std::size_t slash = path.find_last_of('/');
+  const std::size_t dot = path.find_last_of('.');
+  std::string index = std::to_string(i);
+  index.insert(index.begin(), '.');
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash) ||
+      dot == (slash == std::string::npos ? 0 : slash + 1))
+    return path + index;
+  return path.substr(0, dot) + index + path.substr(dot);
+}
+
+Status check_save(const std::string& save, std::int64_t sequences, const std::string& store_spec) {
+  for (std::int64_t i = 0; i < std::max<std::int64_t>(1, sequences); ++i) {
+    const std::string path = sequences > 0 ? indexed_path(save, i) : save;
+    if (Status s = check_pack_destination(path); !s.ok())
+      return make_error(s.error().code, "--save: " + s.error().message);
+  }
+  if (store_spec.empty()) return Status::Ok();
   auto store = open_chunk_store(store_spec);
   if (!store) return store.error();
   return (*store)->check_writable();

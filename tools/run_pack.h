@@ -61,9 +61,14 @@ Result<std::string> save_sequence(const KvStore& store, SeqId seq,
 // only for a thin pack, whose chunks are in it: a self-contained pack
 // never reads it, and gets none.
 Result<std::unique_ptr<ChunkStore>> store_to_read(const std::string& store_spec, const PackSource& pack);
-// Fails when save_run could not store chunks in `store_spec` (it cannot be
-// opened, or it cannot be written), so that a run refuses before computing.
-Status check_save_store(const std::string& store_spec);
+// The path of sequence i's pack: FILE.kvpack -> FILE.i.kvpack.
+std::string indexed_path(const std::string& path, std::int64_t i);
+// Fails where a save could not be written: a pack path check_pack_destination
+// refuses (`sequences` 0: `save` itself; n: the n paths indexed_path gives),
+// or a `store_spec` (if any) that cannot be opened or written. Called once
+// the run's other inputs are checked and before it computes, so that
+// nothing computed is lost and nothing is made for a run refused anyway.
+Status check_save(const std::string& save, std::int64_t sequences, const std::string& store_spec);
 
 struct ResumedRun {
   RunRecord record;

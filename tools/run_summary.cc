@@ -68,15 +68,4 @@ void print_ring(const char* name, std::int64_t layer, const RingState& r) {
               static_cast<long long>(r.origin_physical()));
 }
 
-std::string indexed_path(const std::string& path, std::int64_t i) {
-  const std::size_t slash = path.find_last_of('/');
-  const std::size_t dot = path.find_last_of('.');
-  std::string index = std::to_string(i);
-  index.insert(index.begin(), '.');
-  if (dot == std::string::npos || (slash != std::string::npos && dot < slash) ||
-      dot == (slash == std::string::npos ? 0 : slash + 1))
-    return path + index;
-  return path.substr(0, dot) + index + path.substr(dot);
-}
-
 }  // namespace kvring::cli

@@ -64,7 +64,4 @@ void print_ring(const char* name, std::int64_t layer, const RingState& r);
 // `kvring run --sequences N` (o.sequences >= 1).
 int run_many(const RunOptions& o, BackendKind backend);
 
-// The path of sequence i's pack: FILE.kvpack -> FILE.i.kvpack.
-std::string indexed_path(const std::string& path, std::int64_t i);
-
 }  // namespace kvring::cli

@@ -113,6 +113,11 @@ Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& op
 // before its manifest file appears.
 Status write_pack(const Snapshot& snapshot, const std::string& path,
                   const WriteOptions& options = {});
+// What write_pack would refuse about `path` itself, found before a session
+// is computed for it: anything there but a regular file, a directory that
+// is absent or not writable, a name too long for the temporary beside it.
+// Creates the temporary and removes it; leaves nothing.
+Status check_pack_destination(const std::string& path);
 
 // Reading.
 Result<Manifest> read_manifest(const PackSource& source);

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/file_read.h"
+
 namespace kvring::pack_internal {
 
 std::string errno_text(int err) { return std::strerror(err); }
@@ -102,7 +104,8 @@ Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
   // writable by root): only a regular file, or nothing, may be replaced.
   struct stat st {};
   if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
-    return invalid_argument("refusing to write " + path + ": it exists and is not a regular file");
+    return invalid_argument("refusing to write " + path + ": it is " + file_internal::file_type_name(st.st_mode) +
+                            ", not a regular file");
   const std::string temp = temp_name_for(path);
   KVRING_RETURN_IF_ERROR(inject(io, IoStep::kOpen, temp));
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);

@@ -265,4 +265,9 @@ Status write_pack(const Snapshot& snapshot, const std::string& path, const Write
   return (*file)->commit();
 }
 
+Status check_pack_destination(const std::string& path) {
+  auto file = pack_internal::AtomicFile::create(path, {});
+  return file ? Status::Ok() : Status(file.error());
+}
+
 }  // namespace kvring
