@@ -668,22 +668,31 @@ TEST(Store, ARefusedBatchChangesNoSequence) {
 }
 
 // The CPU backend standing in for a device that fails on demand: row
-// writes fail while `fail_writes`, mirror updates while `fail_mirror`.
+// writes fail while `fail_writes` (before writing, or after when
+// `fail_after_writing`), mirror updates while `fail_mirror`.
 class FailingStore : public CpuStore {
  public:
   using CpuStore::CpuStore;
   bool fail_writes = false;
+  bool fail_after_writing = false;
   bool fail_mirror = false;
+  std::int64_t fail_copy_at_layer = -1;  // copy_ring of this layer fails
 
  protected:
   Status write_rows(std::span<const TableChange> changes, std::span<const RowWrite> writes,
                     const ConstView& k, const ConstView& v, cudaStream_t stream) override {
-    if (fail_writes) return make_error(ErrorCode::kCuda, "row writes failed (injected)");
-    return CpuStore::write_rows(changes, writes, k, v, stream);
+    if (fail_writes && !fail_after_writing) return make_error(ErrorCode::kCuda, "row writes failed (injected)");
+    Status s = CpuStore::write_rows(changes, writes, k, v, stream);
+    if (fail_writes) return make_error(ErrorCode::kCuda, "row writes failed after landing (injected)");
+    return s;
   }
   Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream) override {
     if (fail_mirror) return make_error(ErrorCode::kCuda, "the table upload failed (injected)");
     return CpuStore::tables_changed(changes, stream);
+  }
+  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, cudaStream_t stream) override {
+    if (layer == fail_copy_at_layer) return make_error(ErrorCode::kCuda, "the ring copy failed (injected)");
+    return CpuStore::copy_ring(from, to, layer, stream);
   }
 };
 
@@ -794,6 +803,84 @@ TEST(Store, ASequenceWhoseDeviceTablesCannotBeRestoredIsRefusedUntilReset) {
   EXPECT_EQ(s.free_blocks(), free_then);
   ASSERT_TRUE(s.install_plane(f, full, plane).ok());
   EXPECT_EQ(s.ring(f, full)->len(), 40);
+}
+
+// A device that fails after its rows landed in a full sliding ring: the new
+// rows took the slots of the oldest live ones, so the ring state that goes
+// back would name rows that are gone. Those sequences are refused until
+// reset; a sequence whose rings had room, in the same failed batch, is not.
+TEST(Store, ASequenceThatLostRowsToAFailedWriteIsRefusedUntilReset) {
+  const ModelConfig c = small_config();  // window 32, slack 4: sliding rings of 36
+  const StoreOptions o = *resolve_store_options(c, {.max_sequences = 2, .slack = 4, .block_rows = 16});
+  FailingStore s(c, o);
+  ASSERT_TRUE(s.allocate().ok());
+  const SeqId a = *s.add_sequence(), b = *s.add_sequence();
+  Outputs out;
+  run_batch(s, {{1, SeqSpan{a, 0, 40}}, {2, SeqSpan{b, 0, 20}}}, out);  // a's rings wrapped, b's not
+  const auto ib = live_bytes(s, b);
+  const std::int64_t kv = c.kv_dim(), free_before = s.free_blocks();
+  Rows all;
+  for (std::int64_t l = 0; l < c.n_layers; ++l)
+    for (const auto& [seed, pos] : {std::pair<int, std::int64_t>{1, 40}, {2, 20}}) {
+      const Rows rl = rows_for(c, seed, l, pos, 1);
+      all.k.insert(all.k.end(), rl.k.begin(), rl.k.end());
+      all.v.insert(all.v.end(), rl.v.begin(), rl.v.end());
+    }
+  const SeqSpan next[] = {{a, 40, 1}, {b, 20, 1}};
+  s.fail_writes = true;
+  s.fail_after_writing = true;
+  const Status failed = s.store_all_layers(next, host_view(all.k.data(), 2 * c.n_layers, kv),
+                                           host_view(all.v.data(), 2 * c.n_layers, kv));
+  s.fail_writes = false;
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.error().code, ErrorCode::kCuda);
+  EXPECT_EQ(s.free_blocks(), free_before);
+  std::vector<std::uint16_t> rk(static_cast<std::size_t>(kv)), rv(rk.size());
+  const Status read = s.read_rows(a, 0, 39, 1, rk.data(), rv.data());
+  ASSERT_FALSE(read.ok());
+  EXPECT_EQ(read.error().code, ErrorCode::kCuda);
+  EXPECT_NE(read.error().message.find("lost live rows of a full sliding ring"), std::string::npos) << read.to_string();
+  EXPECT_EQ(s.truncate_sequence(a, 4).error().code, ErrorCode::kCuda);
+  EXPECT_EQ(*s.next_position(a), 40);
+  // b's rings had room: its rows are as they were, and it goes on.
+  EXPECT_EQ(live_bytes(s, b), ib);
+  run_batch(s, {{2, SeqSpan{b, 20, 5}}}, out);
+  Outputs solo;
+  std::vector<std::uint16_t> b_bytes;
+  run_solo(c, o, 2, 25, solo, b_bytes);
+  EXPECT_EQ(live_bytes(s, b), b_bytes);
+  // Reset ends it.
+  ASSERT_TRUE(s.reset_sequence(a).ok());
+  run_batch(s, {{1, SeqSpan{a, 0, 40}}}, out);
+  std::vector<std::uint16_t> a_bytes;
+  run_solo(c, o, 1, 40, solo, a_bytes);
+  EXPECT_EQ(live_bytes(s, a), a_bytes);
+}
+
+// A fork whose ring copies fail part-way has written the source's rows into
+// a free slot: the next sequence added there starts from zeros all the
+// same (zero_fill), not from another sequence's rows.
+TEST(Store, AFailedForkLeavesNoRowsToTheNextSequence) {
+  const ModelConfig c = small_config();
+  const StoreOptions o = *resolve_store_options(c, {.max_sequences = 2, .slack = 4, .block_rows = 16});
+  ASSERT_TRUE(o.zero_fill);
+  FailingStore s(c, o);
+  ASSERT_TRUE(s.allocate().ok());
+  const SeqId a = *s.add_sequence();
+  Outputs out;
+  run_batch(s, {{1, SeqSpan{a, 0, 10}}}, out);
+  ASSERT_EQ(c.kind(0), LayerKind::kSlidingRope);
+  s.fail_copy_at_layer = 1;  // layer 0's ring is copied first
+  const auto fork = s.fork_sequence(a);
+  s.fail_copy_at_layer = -1;
+  ASSERT_FALSE(fork.ok());
+  EXPECT_EQ(fork.error().code, ErrorCode::kCuda);
+  const SeqId b = *s.add_sequence();
+  const std::size_t n = static_cast<std::size_t>(s.capacity(0) * c.kv_dim());
+  std::vector<std::uint16_t> k(n, 1), v(n, 1);
+  ASSERT_TRUE(s.read_plane(b, 0, k.data(), v.data()).ok());
+  EXPECT_EQ(std::count(k.begin(), k.end(), 0), static_cast<std::ptrdiff_t>(n));
+  EXPECT_EQ(std::count(v.begin(), v.end(), 0), static_cast<std::ptrdiff_t>(n));
 }
 
 TEST(Store, ViewsAreCheckedAndReadInPlace) {

@@ -16,13 +16,14 @@
 // Failure contract: an operation that returns an error has changed nothing,
 // for any sequence it names. Should a backend fail part-way (a device
 // error), the rows it had written are not reachable: ring states, block
-// tables and the pool are restored to what they were. Should the device's
-// copy of a block table then fail to go back too, the sequences whose
-// tables the operation changed are refused (kCuda) by every call on them
-// but reset_sequence, remove_sequence, contains, is_detached,
-// next_position, ring and blocks_held, until they are reset or removed;
-// the store's other sequences are not affected. (A failed install leaves
-// its plane empty instead, which needs no mirror.)
+// tables and the pool are restored to what they were. Two cases cannot be
+// restored so: the device's copy of a block table failing to go back too,
+// and a write into a full sliding ring, whose new rows take the slots of
+// its oldest live ones. The sequences concerned are refused (kCuda) by
+// every call on them but reset_sequence, remove_sequence, contains,
+// is_detached, next_position, ring and blocks_held, until they are reset
+// or removed; the store's other sequences are not affected. (A failed
+// install leaves its plane empty instead, which needs no mirror.)
 #pragma once
 
 #include <cstdint>
@@ -427,14 +428,20 @@ class KvStore {
     bool live = false;
     bool detached = false;  // taken by add_detached_sequence, not yet attached
     bool used = false;  // held a sequence since the store was created
-    // The device's copy of its block tables may differ from `tables`: a
-    // failed call's undo could not be mirrored. Refused by slot_of and
-    // slot_any; over once its tables are empty (reset, remove). Set only
-    // by calls that run alone (stores and prefills), never by an install.
-    bool stale = false;
+    // Why the sequence's rows can no longer be trusted after a failed call:
+    // the device's copy of its block tables may differ from `tables` (the
+    // undo could not be mirrored), or a backend failed part-way through a
+    // write that overwrote live rows of a full sliding ring. Refused by
+    // slot_of and slot_any until reset or removed. Set only by calls that
+    // run alone (stores and prefills), never by an install.
+    enum class Stale : std::uint8_t { kNo, kMirror, kOverwritten };
+    Stale stale = Stale::kNo;
     std::uint32_t generation = 0;
     std::vector<RingState> rings;                    // [n_layers]
     std::vector<std::vector<std::int32_t>> tables;  // [n_full][blocks]
+    // [n_full]: the serial of the last transaction that saved the table
+    // (Txn::save keeps each table once, found in constant time).
+    std::vector<std::uint64_t> saved_in;
     // While detached: which live rows of each layer's plane an install
     // wrote, bit i for row origin_logical + i, and how many ([n_layers];
     // installs of different layers touch different entries).
@@ -501,6 +508,10 @@ class KvStore {
   void seal(Txn& txn);
   // Applies block copies, then the table changes and the writes in one
   // write_rows, then commits; rolls back on a backend error.
+  // After a device error (kCuda) in `writes`, rolled back: the sequences
+  // whose full sliding rings a write went into are refused until reset
+  // (Sequence::stale), their oldest live rows' slots written over.
+  void mark_overwritten(const Status& failed, std::span<const RowWrite> writes);
   Status finish_store(Txn& txn, std::vector<RowWrite>& writes, const ConstView& k,
                       const ConstView& v, cudaStream_t stream);
   // The planned copies of shared blocks (copy_blocks), then the table
@@ -523,6 +534,12 @@ class KvStore {
   std::int64_t ring_rows_ = 0;
   std::int64_t max_blocks_ = 0;
   std::vector<Sequence> slots_;
+  // Every slot below this one is live or retired (add_slot and fork look
+  // from here; a removal moves it down).
+  std::size_t free_from_ = 0;
+  // The first slot a new sequence may take, from free_from_ on, or
+  // slots_.size() when none.
+  std::size_t free_slot();
   // The pool's bookkeeping grows with the blocks taken, not with the pool:
   // blocks [fresh_, pool_blocks) were never taken, and free_ holds the
   // blocks given back, taken from the back before a fresh one (so the pool

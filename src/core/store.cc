@@ -3,6 +3,7 @@
 #include "kvring/cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <mutex>
 #include <tuple>
@@ -164,6 +165,7 @@ struct KvStore::Txn {
   }
   // Empties the transaction, keeping its vectors' storage.
   void clear() {
+    serial = next_serial();
     rings.clear();
     saved.clear();
     taken.clear();
@@ -172,11 +174,20 @@ struct KvStore::Txn {
     changes.clear();
     mirrored = false;
   }
+  // Keeps a table as it was before this transaction first changes it.
   void save(KvStore& s, std::int32_t slot, std::int64_t fi) {
-    for (const auto& t : saved)
-      if (std::get<0>(t) == slot && std::get<1>(t) == fi) return;
-    saved.emplace_back(slot, fi,
-                       s.slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)]);
+    Sequence& seq = s.slots_[static_cast<std::size_t>(slot)];
+    std::uint64_t& mark = seq.saved_in[static_cast<std::size_t>(fi)];
+    if (mark == serial) return;
+    mark = serial;
+    saved.emplace_back(slot, fi, seq.tables[static_cast<std::size_t>(fi)]);
+  }
+  // Distinct for every transaction of the process (and never 0, a fresh
+  // table's mark), so a mark left by an earlier one never matches.
+  std::uint64_t serial = next_serial();
+  static std::uint64_t next_serial() {
+    static std::atomic<std::uint64_t> counter{1};
+    return counter.fetch_add(1, std::memory_order_relaxed);
   }
 };
 
@@ -216,7 +227,7 @@ void KvStore::rollback(Txn& txn, bool restore_mirror) {
         back.push_back(TableChange{slot, fi, t.data(), 0, static_cast<std::int64_t>(t.size())});
     }
     if (!tables_changed(back, nullptr).ok())
-      for (const auto& [slot, fi, unused] : txn.saved) slots_[static_cast<std::size_t>(slot)].stale = true;
+      for (const auto& [slot, fi, unused] : txn.saved) slots_[static_cast<std::size_t>(slot)].stale = Sequence::Stale::kMirror;
   }
   txn.clear();
 }
@@ -312,12 +323,22 @@ Result<std::int32_t> KvStore::find_slot(SeqId seq, bool detached_ok) const {
 
 Result<std::int32_t> KvStore::usable_slot(SeqId seq, bool detached_ok) const {
   auto slot = find_slot(seq, detached_ok);
-  if (slot && slots_[static_cast<std::size_t>(*slot)].stale)
-    return make_error(ErrorCode::kCuda,
-                      seq_name(seq) + "'s block tables on the device could not be restored after a "
-                                      "failed call, so its rows are neither read nor written; reset "
-                                      "or remove it");
-  return slot;
+  if (!slot) return slot;
+  switch (slots_[static_cast<std::size_t>(*slot)].stale) {
+    case Sequence::Stale::kNo:
+      return slot;
+    case Sequence::Stale::kMirror:
+      return make_error(ErrorCode::kCuda,
+                        seq_name(seq) + "'s block tables on the device could not be restored after a "
+                                        "failed call, so its rows are neither read nor written; reset "
+                                        "or remove it");
+    case Sequence::Stale::kOverwritten:
+      break;
+  }
+  return make_error(ErrorCode::kCuda,
+                    seq_name(seq) + " lost live rows of a full sliding ring to a write the backend failed "
+                                    "part-way through, so its rows are neither read nor written; reset "
+                                    "or remove it");
 }
 
 Result<std::int32_t> KvStore::slot_of(SeqId seq) const { return usable_slot(seq, false); }
@@ -392,9 +413,14 @@ void KvStore::mark_written(std::int32_t slot, std::int64_t layer, std::int64_t f
   }
 }
 
+std::size_t KvStore::free_slot() {
+  while (free_from_ < slots_.size() && (slots_[free_from_].live || slots_[free_from_].generation == kRetired))
+    ++free_from_;
+  return free_from_;
+}
+
 Result<SeqId> KvStore::add_slot(bool detached) {
-  std::size_t i = 0;
-  while (i < slots_.size() && (slots_[i].live || slots_[i].generation == kRetired)) ++i;
+  const std::size_t i = free_slot();
   if (i == slots_.size())
     return make_error(ErrorCode::kCapacityExceeded,
                       "every one of the store's " + std::to_string(slots_.size()) +
@@ -411,6 +437,7 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   s.rings.clear();
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings.push_back(fresh_ring(l));
   s.tables.assign(static_cast<std::size_t>(n_full_), {});
+  s.saved_in.assign(static_cast<std::size_t>(n_full_), 0);
   s.written.assign(detached ? static_cast<std::size_t>(n_layers()) : 0, {});
   return make_seq(static_cast<std::uint32_t>(i), s.generation);
 }
@@ -433,8 +460,9 @@ Status KvStore::remove_sequence(SeqId seq) {
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   release_tables(s);
   s.live = false;
+  free_from_ = std::min(free_from_, static_cast<std::size_t>(*slot));
   s.detached = false;
-  s.stale = false;
+  s.stale = Sequence::Stale::kNo;
   s.rings.clear();
   s.written.clear();
   ++s.generation;
@@ -449,7 +477,7 @@ Status KvStore::reset_sequence(SeqId seq) {
   // tables read no entry of the device's copy, so a stale one is over.
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   release_tables(s);
-  s.stale = false;
+  s.stale = Sequence::Stale::kNo;
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings[static_cast<std::size_t>(l)] = fresh_ring(l);
   Status st = Status::Ok();
   if (options_.zero_fill)
@@ -464,21 +492,24 @@ Status KvStore::reset_sequence(SeqId seq) {
 Result<SeqId> KvStore::fork_sequence(SeqId source) {
   auto from = slot_of(source);
   if (!from) return from.error();
-  std::size_t i = 0;
-  while (i < slots_.size() && (slots_[i].live || slots_[i].generation == kRetired)) ++i;
+  const std::size_t i = free_slot();
   if (i == slots_.size())
     return make_error(ErrorCode::kCapacityExceeded,
                       "cannot fork " + seq_name(source) + ": every one of the store's " +
                           std::to_string(slots_.size()) + " sequence slots is taken");
   const auto to = static_cast<std::int32_t>(i);
+  // The slot holds the source's rows from the first copy on: a copy that
+  // fails part-way leaves it for the next add to zero (zero_fill), as any
+  // slot that held a sequence.
+  slots_[i].used = true;
   for (std::int64_t l = 0; l < n_layers(); ++l)
     if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(copy_ring(*from, to, l, nullptr));
   const Sequence& src = slots_[static_cast<std::size_t>(*from)];
   Sequence& dst = slots_[i];
   dst.live = true;
-  dst.used = true;
   dst.rings = src.rings;
   dst.tables = src.tables;
+  dst.saved_in.assign(static_cast<std::size_t>(n_full_), 0);
   for (const auto& t : dst.tables)
     for (const std::int32_t b : t) ++refs(b);
   std::vector<TableChange> changes;
@@ -899,10 +930,23 @@ Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const Cons
   }
   if (!st.ok()) {
     rollback(txn);
+    mark_overwritten(st, writes);
     return st;
   }
   commit(txn);
   return Status::Ok();
+}
+
+void KvStore::mark_overwritten(const Status& failed, std::span<const RowWrite> writes) {
+  if (failed.ok() || failed.error().code != ErrorCode::kCuda) return;
+  for (const RowWrite& w : writes) {
+    Sequence& s = slots_[static_cast<std::size_t>(w.plane.slot)];
+    const RingState& r = s.rings[static_cast<std::size_t>(w.plane.layer)];
+    std::int64_t rows = 0;
+    for (int i = 0; i < w.placement.n_spans; ++i) rows += w.placement.spans[static_cast<std::size_t>(i)].rows;
+    if (r.wraps() && r.len() + rows > r.capacity() && s.stale == Sequence::Stale::kNo)
+      s.stale = Sequence::Stale::kOverwritten;
+  }
 }
 
 // ---- Batched operations ------------------------------------------------------------
@@ -1038,6 +1082,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   if (st.ok()) st = attend_and_store(AttendBatch{layer, items, &q, &out, &k, &v, stream}, writes);
   if (!st.ok()) {
     rollback(txn);
+    mark_overwritten(st, writes);
     return st;
   }
   commit(txn);
