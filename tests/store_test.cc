@@ -646,18 +646,23 @@ TEST(Store, ARefusedBatchChangesNoSequence) {
   const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
   std::vector<float> k(static_cast<std::size_t>(3 * kv), 0.25f), q(static_cast<std::size_t>(3 * width), 0.5f),
       o(q.size());
-  // The third span skips a position.
+  // The third span skips a position: every batched call names its sequence.
   const SeqSpan bad[] = {{a, 20, 1}, {b, 5, 1}, {d, 10, 1}};
   auto st = s->store(3, bad, host_view(k.data(), 3, kv), host_view(k.data(), 3, kv));
   EXPECT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
+  EXPECT_NE(st.error().message.find(seq_name(d) + ": layer 3: expected position 9, got 10"), std::string::npos)
+      << st.to_string();
   st = s->store_all_layers(bad, host_view(k.data(), 3, kv), host_view(k.data(), 3, kv));
   EXPECT_FALSE(st.ok());
   st = s->prefill(3, bad, host_view(k.data(), 3, kv), host_view(k.data(), 3, kv),
                   host_view(q.data(), 3, width), host_view(o.data(), 3, width));
   EXPECT_EQ(st.error().code, ErrorCode::kCacheDiscontinuity);
-  // A sequence twice in one store batch.
-  const SeqSpan twice[] = {{a, 20, 1}, {a, 21, 1}};
-  EXPECT_FALSE(s->store(3, twice, host_view(k.data(), 2, kv), host_view(k.data(), 2, kv)).ok());
+  EXPECT_NE(st.error().message.find(seq_name(d) + ": "), std::string::npos) << st.to_string();
+  // A sequence twice in one store batch, named.
+  const SeqSpan twice[] = {{b, 5, 1}, {a, 20, 1}, {a, 21, 1}};
+  st = s->store(3, twice, host_view(k.data(), 3, kv), host_view(k.data(), 3, kv));
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.error().message.find(seq_name(a) + " appears more than once"), std::string::npos) << st.to_string();
   // A decode whose rows are not stored.
   const SeqQuery ahead[] = {{a, 19}, {b, 5}};
   EXPECT_FALSE(s->attend_decode(3, ahead, host_view(q.data(), 2, width), host_view(o.data(), 2, width)).ok());
@@ -998,9 +1003,9 @@ TEST(Store, OddViewsAreRefused) {
 }
 
 // Queries and outputs placed at random in one buffer, with random row
-// strides: a decode is refused exactly when an output row shares a byte
-// with a query row (out == q, row for row, aside), and otherwise writes
-// the bits of separate buffers.
+// strides (one stride for both in half the trials): a decode is refused
+// exactly when an output row shares a byte with a query row (out == q, row
+// for row, aside), and otherwise writes the bits of separate buffers.
 TEST(Store, OutputsApartFromTheirQueriesByteForByte) {
   const ModelConfig c = small_config();
   auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
@@ -1013,7 +1018,7 @@ TEST(Store, OutputsApartFromTheirQueriesByteForByte) {
   auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
   int refused = 0, taken = 0;
   for (int trial = 0; trial < 400; ++trial) {
-    const std::int64_t qs = pick(w, 3 * w), os = pick(w, 3 * w);
+    const std::int64_t qs = pick(w, 3 * w), os = trial % 2 == 0 ? qs : pick(w, 3 * w);
     const std::int64_t span = 6 * 3 * w;
     std::vector<float> buf = testing::random_floats(static_cast<std::size_t>(span), static_cast<std::uint64_t>(trial));
     const std::int64_t qo = pick(0, span - 2 * qs - w), oo = pick(0, span - 2 * os - w);
@@ -1040,6 +1045,27 @@ TEST(Store, OutputsApartFromTheirQueriesByteForByte) {
   }
   EXPECT_GT(refused, 20);
   EXPECT_GT(taken, 20);
+}
+
+// [q | out] in each row of one buffer, for more rows than the row-by-row
+// check covers: one row stride is answered exactly, so the call is taken,
+// and an out one float into q is refused.
+TEST(Store, InterleavedQueriesAndOutputsOfManyRows) {
+  const ModelConfig c = small_config();
+  auto s = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  const SeqId a = *s->add_sequence();
+  Outputs out;
+  run_batch(*s, {{1, SeqSpan{a, 0, 12}}}, out);
+  const std::int64_t w = c.n_heads * c.head_dim, n = (std::int64_t{1} << 16) + 3;
+  const std::vector<SeqQuery> queries(static_cast<std::size_t>(n), SeqQuery{a, 11});
+  std::vector<float> buf = testing::random_floats(static_cast<std::size_t>(2 * w * n), 7);
+  const ConstView q{buf.data(), MemorySpace::kHost, DType::kF32, n, w, 2 * w};
+  const Status taken = s->attend_decode(0, queries, q, MutView{buf.data() + w, MemorySpace::kHost, DType::kF32, n, w, 2 * w});
+  ASSERT_TRUE(taken.ok()) << taken.to_string();
+  const Status refused =
+      s->attend_decode(0, queries, q, MutView{buf.data() + w - 1, MemorySpace::kHost, DType::kF32, n, w, 2 * w});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("out overlaps q"), std::string::npos) << refused.to_string();
 }
 
 // Extreme positions and layers get errors or defined values, never

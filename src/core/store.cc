@@ -717,13 +717,15 @@ std::int64_t floor_div(std::int64_t a, std::int64_t b) {  // b > 0
   return q * b > a ? q - 1 : q;
 }
 // Whether a row of `a` shares a byte with a row of `b` (rows > 0 each, in
-// one memory space). Where the views' extents meet, each row of the view
-// of fewer rows finds by division the other's rows it could meet, so views
-// that interleave their rows ([q | out] in each row of one buffer) pass;
-// past kExactRows rows the extents answer, and such views are refused.
+// one memory space). Where the views' extents meet: views of one row
+// stride (rows of out beside rows of q in each row of one buffer) are
+// answered exactly by one division; otherwise each row of the view of
+// fewer rows finds by division the other's rows it could meet, up to
+// kExactRows rows, past which the answer is kUnresolved (refused).
+enum class Overlap { kApart, kShared, kUnresolved };
 template <class A, class B>
-bool rows_overlap(const A& a, const B& b) {
-  if (!overlap(extent_of(a), extent_of(b))) return false;
+Overlap rows_overlap(const A& a, const B& b) {
+  if (!overlap(extent_of(a), extent_of(b))) return Overlap::kApart;
   constexpr std::int64_t kExactRows = std::int64_t{1} << 16;
   struct Rows {
     std::int64_t first, stride, bytes, n;
@@ -735,15 +737,23 @@ bool rows_overlap(const A& a, const B& b) {
   };
   Rows few = rows_of(a), many = rows_of(b);
   if (few.n > many.n) std::swap(few, many);
-  if (few.n > kExactRows) return true;
+  if (few.stride == many.stride && few.stride > 0) {
+    // Row j of `few` meets row i of `many` where k = i - j, in
+    // [-(few.n - 1), many.n - 1], has k * stride in (d - many.bytes, d + few.bytes).
+    const std::int64_t d = few.first - many.first;
+    const std::int64_t lo = std::max(-(few.n - 1), floor_div(d - many.bytes, few.stride) + 1);
+    const std::int64_t hi = std::min(many.n - 1, floor_div(d + few.bytes - 1, few.stride));
+    return lo <= hi ? Overlap::kShared : Overlap::kApart;
+  }
+  if (few.n > kExactRows) return Overlap::kUnresolved;
   for (std::int64_t j = 0; j < few.n; ++j) {
     // Rows i of `many` with many.first + i * stride in (f - many.bytes, f + few.bytes).
     const std::int64_t f = few.first + j * few.stride - many.first;
     const std::int64_t lo = std::max<std::int64_t>(0, floor_div(f - many.bytes, many.stride) + 1);
     const std::int64_t hi = std::min(many.n - 1, floor_div(f + few.bytes - 1, many.stride));
-    if (lo <= hi) return true;
+    if (lo <= hi) return Overlap::kShared;
   }
-  return false;
+  return Overlap::kApart;
 }
 
 // The output of an attention call may be its queries exactly (each output
@@ -754,10 +764,18 @@ Status check_out_apart(const MutView& out, const char* what, const ConstView& in
   if (out.rows < 1 || in.rows < 1 || out.space != in.space) return Status::Ok();
   if (may_equal && out.data == in.data && out.row_stride == in.row_stride && out.dtype == in.dtype)
     return Status::Ok();
-  if (rows_overlap(out, in))
-    return invalid_argument(std::string("out overlaps ") + what +
-                            (may_equal ? " (it may be q itself, row for row, and nothing else)" : ""));
-  return Status::Ok();
+  switch (rows_overlap(out, in)) {
+    case Overlap::kApart:
+      return Status::Ok();
+    case Overlap::kShared:
+      return invalid_argument(std::string("out overlaps ") + what +
+                              (may_equal ? " (it may be q itself, row for row, and nothing else)" : ""));
+    case Overlap::kUnresolved:
+      break;
+  }
+  return invalid_argument(std::string("out and ") + what + " lie within each other's extent with other row " +
+                          "strides over more than 65536 rows, which is not checked row by row; give them " +
+                          "apart, or one row stride");
 }
 
 // Two outputs of `values` f16 values each must not share a byte: one would
@@ -807,8 +825,11 @@ Result<std::vector<std::int32_t>> KvStore::slots_of_spans(std::span<const SeqSpa
   if (unique) {
     std::vector<std::int32_t> sorted = slots;
     std::sort(sorted.begin(), sorted.end());
-    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-      return invalid_argument("a sequence appears more than once in one batch");
+    if (auto twice = std::adjacent_find(sorted.begin(), sorted.end()); twice != sorted.end()) {
+      const auto at = std::find(slots.begin(), slots.end(), *twice) - slots.begin();
+      return invalid_argument(seq_name(spans[static_cast<std::size_t>(at)].seq) +
+                              " appears more than once in one batch");
+    }
   }
   return slots;
 }
@@ -868,7 +889,11 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
     Sequence& s = slots_[static_cast<std::size_t>(slot)];
     RingState r = s.rings[static_cast<std::size_t>(layer)];
     auto placement = r.plan_batch(layer, spans[i].start, spans[i].count);
-    if (!placement) return placement.error();
+    if (!placement) {
+      Error e = placement.error();  // its fields (layer, expected, got) kept
+      e.message = seq_name(spans[i].seq) + ": " + e.message;
+      return e;
+    }
     const std::int64_t limit = position_limit(layer);
     if (spans[i].count > limit - spans[i].start)
       return make_error(ErrorCode::kCapacityExceeded,
