@@ -39,6 +39,12 @@ run_expect(FALSE "go together" footprint --model muse-glimmer --fit 1GiB)
 run_expect(FALSE "unknown unit" footprint --model muse-glimmer --fit 1XB --length 10)
 run_expect(FALSE "--length = 0 is outside" footprint --model muse-glimmer --fit 1GiB --length 0)
 run_expect(FALSE "power of two" footprint --model muse-glimmer --fit 1GiB --length 10 --block-rows 24)
+run_expect(FALSE "--slots = 1048577 is outside \\[1, 1048576\\]" footprint --slots 1048577)
+run_expect(TRUE "1,000,000,000,000,000,000 B" footprint --fit 1000000000000000000 --length 100)
+run_expect(FALSE "exceeds 2\\^63 bytes" footprint --fit 9223372036854775808 --length 100)
+run_expect(FALSE "--slots does not go with --fit" footprint --fit 1GiB --length 5 --slots 3)
+run_expect(FALSE "--context does not go with --fit" footprint --fit 1GiB --length 5 --context 64)
+run_expect(FALSE "--block-rows goes with --fit" footprint --block-rows 64)
 
 # An error prints nothing on stdout, also for the table of several contexts.
 execute_process(COMMAND ${KVRING} footprint --model muse-glimmer --slots 2000000

@@ -198,9 +198,9 @@ TEST_F(PackFaults, NewerVersionAndUnknownFlags) {
   coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(zero.data() + 8), 0);
   expect_rejected(zero, ErrorCode::kCorruption, "version at byte 8: 0 is not a kvpack version");
   std::string flags = pack_;
-  coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(flags.data() + 10), 0x0004);
+  coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(flags.data() + 10), 0x0204);
   testing::reseal(&flags);
-  expect_rejected(flags, ErrorCode::kUnsupported, "flags at byte 10");
+  expect_rejected(flags, ErrorCode::kUnsupported, "flags at byte 10: 0x0204 has bits");
 }
 
 TEST_F(PackFaults, TrailingBytes) {

@@ -248,8 +248,16 @@ int cmd_footprint(const std::vector<std::string>& argv) {
   if (!args->positional().empty()) return fail("footprint: unexpected argument '" + args->positional()[0] + "'");
   auto config = resolve_config(args->str("model"), args->str("config"));
   if (!config) return fail(config.error());
-  if (args->has("fit") || args->has("length")) return footprint_fit(*config, *args);
-  auto slots = args->integer("slots", 1, 1, kInt64Max);
+  // Each form takes its own options; one given to the other is refused,
+  // not ignored.
+  const bool fit = args->has("fit") || args->has("length");
+  static constexpr const char* kTableOnly[] = {"context", "slots"};
+  static constexpr const char* kFitOnly[] = {"block-rows", "slack"};
+  for (const char* name : fit ? kTableOnly : kFitOnly)
+    if (args->has(name))
+      return fail(std::string("footprint: --") + name + (fit ? " does not go with --fit" : " goes with --fit"));
+  if (fit) return footprint_fit(*config, *args);
+  auto slots = args->integer("slots", 1, 1, kMaxFootprintSlots);
   if (!slots) return fail(slots.error());
   std::vector<std::int64_t> contexts;
   if (args->has("context")) {

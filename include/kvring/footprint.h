@@ -26,7 +26,10 @@ struct Footprint {
   std::int64_t total_bytes = 0;      // slots * slot_bytes
 };
 
-// Errors: context outside [1, max_context], slots < 1 or absurd.
+// The most slots a footprint is computed for (a store holds at most as
+// many sequences).
+inline constexpr std::int64_t kMaxFootprintSlots = std::int64_t{1} << 20;
+// Errors: context outside [1, max_context], slots outside [1, kMaxFootprintSlots].
 Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t context,
                                     std::int64_t slots);
 

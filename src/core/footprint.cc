@@ -7,8 +7,6 @@
 
 namespace kvring {
 
-inline constexpr std::int64_t kMaxSlots = 1 << 20;
-
 Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t context,
                                     std::int64_t slots) {
   KVRING_RETURN_IF_ERROR(config.validate());
@@ -16,9 +14,9 @@ Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t cont
     return invalid_argument("context " + std::to_string(context) + " outside [1, " +
                             std::to_string(config.max_context) + "] for model '" +
                             config.name + "'");
-  if (slots < 1 || slots > kMaxSlots)
+  if (slots < 1 || slots > kMaxFootprintSlots)
     return invalid_argument("slots " + std::to_string(slots) + " outside [1, " +
-                            std::to_string(kMaxSlots) + "]");
+                            std::to_string(kMaxFootprintSlots) + "]");
   Footprint f;
   f.context = context;
   f.slots = slots;
@@ -72,8 +70,11 @@ Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length
 Result<std::int64_t> parse_bytes(const std::string& text) {
   std::size_t i = 0;
   while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
-  if (i == 0 || i > 18) return invalid_argument("'" + text + "' is not a byte count (e.g. 80GiB)");
-  const std::int64_t number = std::stoll(text.substr(0, i));
+  if (i == 0) return invalid_argument("'" + text + "' is not a byte count (e.g. 80GiB)");
+  std::int64_t number = 0;
+  for (std::size_t d = 0; d < i; ++d)
+    if (__builtin_mul_overflow(number, 10, &number) || __builtin_add_overflow(number, text[d] - '0', &number))
+      return invalid_argument("'" + text + "' exceeds 2^63 bytes");
   std::string unit = text.substr(i);
   while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
   static const std::pair<const char*, std::int64_t> kUnits[] = {

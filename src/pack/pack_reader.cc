@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <new>
 
@@ -24,6 +25,11 @@
 namespace kvring {
 
 namespace {
+
+// A 16-bit value's bytes, most significant first, for showing it in hex.
+std::array<std::uint8_t, 2> be16(std::uint16_t v) {
+  return {static_cast<std::uint8_t>(v >> 8), static_cast<std::uint8_t>(v & 0xff)};
+}
 
 using namespace pack_internal;
 
@@ -555,7 +561,7 @@ Result<Manifest> read_manifest(const PackSource& src) {
                           " is newer than this build reads (" + num(std::uint64_t{kPackVersion}) + ")");
   const std::uint16_t flags = coding::decode_fixed16(pre + 10);
   if ((flags & ~kFlagThin) != 0)
-    return make_error(ErrorCode::kUnsupported, name + ": preamble: flags at byte 10: 0x" + to_hex(pre + 10, 2) +
+    return make_error(ErrorCode::kUnsupported, name + ": preamble: flags at byte 10: 0x" + to_hex(be16(flags).data(), 2) +
                                                    " has bits this build does not know");
   m.thin = (flags & kFlagThin) != 0;
   const std::uint32_t manifest_len = coding::decode_fixed32(pre + 12);
