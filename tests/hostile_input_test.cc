@@ -572,8 +572,11 @@ TEST_F(HostileFiles, VerifyOfASelfContainedPackDoesNotClaimTheStore) {
   s.write(dir_ + "/own.kvpack");
   const Ran r = run_tool({"pack", "verify", "own.kvpack", "--store", "dir:store"}, dir_);
   EXPECT_EQ(r.rc, 0) << describe(r);
-  EXPECT_NE(r.out.find("verified in the pack itself (self-contained: dir:store was not read)"), std::string::npos)
+  EXPECT_NE(r.out.find("verified in the pack itself (self-contained: --store was not read)"), std::string::npos)
       << describe(r);
+  // Nor is a store it could not reach: a Redis where nothing listens.
+  const Ran redis = run_tool({"pack", "verify", "own.kvpack", "--store", "redis://127.0.0.1:1"}, dir_);
+  EXPECT_EQ(redis.rc, 0) << describe(redis);
   EXPECT_EQ(r.out.find("verified in dir:store"), std::string::npos) << describe(r);
   // Nor does resuming it: the absent store is neither read nor made.
   const Ran resumed =

@@ -115,7 +115,7 @@ int verify(const std::string& path, const std::string& store_spec) {
   std::string where;
   if (r->thin) where = " in " + store->spec();
   else if (!store_spec.empty())
-    where = " in the pack itself (self-contained: " + (store ? store->spec() : store_spec) + " was not read)";
+    where = " in the pack itself (self-contained: --store was not read)";
   std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", path.c_str(),
               static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(), where.c_str());
   return 0;

@@ -57,11 +57,14 @@ Result<std::unique_ptr<ChunkStore>> maybe_store(const std::string& spec) {
 
 Result<std::unique_ptr<ChunkStore>> store_to_read(const std::string& store_spec, const PackSource& pack) {
   if (store_spec.empty()) return std::unique_ptr<ChunkStore>();
-  auto store = open_chunk_store(store_spec, {.create = false});
-  if (store || store.error().code != ErrorCode::kNotFound) return store;
+  // A self-contained pack's reader never opens the store (an unreachable
+  // Redis is no more its concern than an absent directory), though a spec
+  // that names no store is refused; a pack whose manifest does not read is
+  // left to the reader to report.
+  KVRING_RETURN_IF_ERROR(check_chunk_store_spec(store_spec));
   auto m = read_manifest(pack);
-  if (!m || m->thin) return store.error();
-  return std::unique_ptr<ChunkStore>();
+  if (m && !m->thin) return std::unique_ptr<ChunkStore>();
+  return open_chunk_store(store_spec, {.create = false});
 }
 
 std::string encode_run_record(const RunRecord& r) {

@@ -57,9 +57,9 @@ Result<std::string> save_sequence(const KvStore& store, SeqId seq,
                                   const std::vector<std::int32_t>& tokens, const RunRecord& record,
                                   const std::string& path, const std::string& store_spec);
 // The chunk store a pack is read with (none for an empty spec), opened
-// without being made (IoOptions::create false). Its absence is an error
-// only for a thin pack, whose chunks are in it: a self-contained pack
-// never reads it, and gets none.
+// without being made (IoOptions::create false). Only a thin pack, whose
+// chunks are in it, opens it; a self-contained pack never reads it and
+// gets none, its spec only checked.
 Result<std::unique_ptr<ChunkStore>> store_to_read(const std::string& store_spec, const PackSource& pack);
 // The path of sequence i's pack: FILE.kvpack -> FILE.i.kvpack.
 std::string indexed_path(const std::string& path, std::int64_t i);

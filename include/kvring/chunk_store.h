@@ -145,6 +145,8 @@ inline constexpr std::int64_t kMaxRedisControlBytes = std::int64_t{64} << 20;
 // 6379 when omitted, USER and PASSWORD percent-decoded, and OPTIONS
 // "timeout_ms=N" and "deadline_ms=N" (RedisOptions) joined by '&'.
 Result<std::unique_ptr<ChunkStore>> open_chunk_store(std::string_view spec, IoOptions io = {});
+// open_chunk_store's refusals of the spec itself, without opening anything.
+Status check_chunk_store_spec(std::string_view spec);
 // The Redis part of open_chunk_store: the options a redis:// spec names.
 Result<RedisOptions> parse_redis_spec(std::string_view spec);
 

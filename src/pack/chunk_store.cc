@@ -163,19 +163,25 @@ Result<RedisOptions> parse_redis_spec(std::string_view spec) {
   return o;
 }
 
-Result<std::unique_ptr<ChunkStore>> open_chunk_store(std::string_view spec, IoOptions io) {
+Status check_chunk_store_spec(std::string_view spec) {
   if (spec.starts_with("dir:")) {
-    const std::string path(spec.substr(4));
-    if (path.empty()) return invalid_argument("chunk store 'dir:' needs a path (dir:PATH)");
-    return open_dir_store(path, std::move(io));
+    if (spec.size() == 4) return invalid_argument("chunk store 'dir:' needs a path (dir:PATH)");
+    return Status::Ok();
   }
   if (spec.starts_with("redis://")) {
     auto options = parse_redis_spec(spec);
-    if (!options) return options.error();
-    return open_redis_store(*options);
+    return options ? Status::Ok() : Status(options.error());
   }
   return invalid_argument("unknown chunk store '" + redacted(spec) +
                           "' (dir:PATH or redis://HOST:PORT)");
+}
+
+Result<std::unique_ptr<ChunkStore>> open_chunk_store(std::string_view spec, IoOptions io) {
+  KVRING_RETURN_IF_ERROR(check_chunk_store_spec(spec));
+  if (spec.starts_with("dir:")) return open_dir_store(std::string(spec.substr(4)), std::move(io));
+  auto options = parse_redis_spec(spec);
+  if (!options) return options.error();
+  return open_redis_store(*options);
 }
 
 }  // namespace kvring
