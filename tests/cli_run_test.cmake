@@ -87,6 +87,8 @@ run_fail("unknown model" --model nope)
 run_fail("is a directory, not a regular file" --save ${WORK})
 run_fail("no/such/dir/.tmp-x.kvpack.*: No such file or directory" --save ${WORK}/no/such/dir/x.kvpack)
 run_fail("/dev/null: it is a character device" --save /dev/null)
+run_fail("--tokens = 320 \\(the default\\) exceeds the cache context 200 .*; give --tokens"
+         --config ${config} --hidden 32 --vocab 64 --context 200)
 # Every pack of --sequences is checked before the sessions run, and nothing
 # is written or made (a store directory) for a run refused.
 file(MAKE_DIRECTORY ${WORK}/many.1.kvpack)

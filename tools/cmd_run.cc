@@ -175,8 +175,9 @@ int cmd_run(const std::vector<std::string>& argv) {
     return fail("--context = " + std::to_string(context) + " exceeds the model's maximum " +
                 std::to_string(config->max_context));
   if (o.tokens > context)
-    return fail("--tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
-                std::to_string(context) + " of model '" + printable(config->name) + "'");
+    return fail("--tokens = " + std::to_string(o.tokens) + (o.tokens_given ? "" : " (the default)") +
+                " exceeds the cache context " + std::to_string(context) + " of model '" +
+                printable(config->name) + "'" + (o.tokens_given ? "" : "; give --tokens"));
   if (!o.save.empty())
     if (Status s = check_save(o.save, 0, o.store); !s.ok()) return fail(s.error());
   std::optional<Session> fresh;

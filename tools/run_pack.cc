@@ -317,6 +317,9 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   };
   auto model = ReferenceModel::create(config, record->options);
   if (!model) return named(model.error());
+  // The snapshot's geometry under the record's name, so that what the
+  // restore says of the model names it.
+  snapshot->config.name = config.name;
   auto cache = restore_detached(*snapshot, backend, context, record->attention);
   if (!cache) return named(cache.error());
   auto session = Session::resume(*model, std::move(*cache), snapshot->token_ids, record->last_logits);
