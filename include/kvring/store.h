@@ -506,12 +506,12 @@ class KvStore {
   // Points the planned table changes at the tables (planning may have
   // moved a table's storage after a change named it).
   void seal(Txn& txn);
-  // Applies block copies, then the table changes and the writes in one
-  // write_rows, then commits; rolls back on a backend error.
   // After a device error (kCuda) in `writes`, rolled back: the sequences
   // whose full sliding rings a write went into are refused until reset
   // (Sequence::stale), their oldest live rows' slots written over.
   void mark_overwritten(const Status& failed, std::span<const RowWrite> writes);
+  // Applies block copies, then the table changes and the writes in one
+  // write_rows, then commits; rolls back on a backend error.
   Status finish_store(Txn& txn, std::vector<RowWrite>& writes, const ConstView& k,
                       const ConstView& v, cudaStream_t stream);
   // The planned copies of shared blocks (copy_blocks), then the table

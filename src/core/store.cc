@@ -227,7 +227,8 @@ void KvStore::rollback(Txn& txn, bool restore_mirror) {
         back.push_back(TableChange{slot, fi, t.data(), 0, static_cast<std::int64_t>(t.size())});
     }
     if (!tables_changed(back, nullptr).ok())
-      for (const auto& [slot, fi, unused] : txn.saved) slots_[static_cast<std::size_t>(slot)].stale = Sequence::Stale::kMirror;
+      for (const auto& [slot, fi, unused] : txn.saved)
+        slots_[static_cast<std::size_t>(slot)].stale = Sequence::Stale::kMirror;
   }
   txn.clear();
 }
