@@ -115,6 +115,27 @@ TEST_P(StoreTest, ReadsVerifyTheName) {
   EXPECT_NE(hash.error().message.find("damaged or planted"), std::string::npos) << hash.to_string();
 }
 
+// A Redis key under a chunk's name that holds a list (WRONGTYPE to a
+// read) is a planted chunk, kCorruption, not a failing link.
+TEST_P(StoreTest, AKeyOfAnotherTypeIsAPlantedChunk) {
+  if (GetParam() != "redis") GTEST_SKIP() << "Redis keys only";
+  const std::string real = "rows under a listed name";
+  const Digest name = sha256(real.data(), real.size());
+  const std::string cmd = "redis-cli -p " + std::to_string(redis_->port()) + " RPUSH kvpack:chunk:" + to_hex(name) +
+                          " x > /dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "no redis-cli to plant the key with";
+  std::string buf(real.size(), '\0');
+  const Status got = store_->get(name, {reinterpret_cast<std::uint8_t*>(buf.data()), buf.size()});
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.error().code, ErrorCode::kCorruption) << got.to_string();
+  EXPECT_NE(got.error().message.find("holds a value that is not a string"), std::string::npos) << got.to_string();
+  // The store goes on: a put replaces the key, and it reads back.
+  const std::vector<ChunkData> chunk = {{name, bytes_of(real), {}}};
+  ASSERT_TRUE(store_->put(chunk).ok());
+  ASSERT_TRUE(store_->get(name, {reinterpret_cast<std::uint8_t*>(buf.data()), buf.size()}).ok());
+  EXPECT_EQ(buf, real);
+}
+
 // A planted value of the right size under a chunk's name does not stop the
 // true bytes from being stored: the next put replaces it.
 TEST_P(StoreTest, PutReplacesAPlantedChunk) {

@@ -614,8 +614,15 @@ class RedisStore final : public ChunkStore {
     }
     Reply r(static_cast<redisReply*>(raw));
     if (c.pending > 0) --c.pending;
-    if (r->type == REDIS_REPLY_ERROR)
-      return io_error(spec() + ": " + what + " refused: " + shown({r->str, r->len}));
+    if (r->type == REDIS_REPLY_ERROR) {
+      // WRONGTYPE: a key under a chunk's name holds a list, a set, ...: the
+      // store's content is damaged or planted, not the link.
+      const std::string_view text(r->str, r->len);
+      if (text.starts_with("WRONGTYPE"))
+        return corruption(spec() + ": " + what + ": the key holds a value that is not a string (" + shown(text) +
+                          ")");
+      return io_error(spec() + ": " + what + " refused: " + shown(text));
+    }
     return r;
   }
 
