@@ -567,6 +567,22 @@ TEST_F(HostileFiles, ToolEscapesTheModelNameAndNamesIt) {
   EXPECT_EQ(i.out.find('\x1b'), std::string::npos);
 }
 
+// A path with control bytes is shown escaped, on stdout and in errors:
+// nothing the tool prints sends them to the terminal.
+TEST_F(HostileFiles, ControlBytesInPathsAreShownEscaped) {
+  SavedSession s;
+  const std::string name = "p\x1b[2J\x07.kvpack";
+  s.write(dir_ + "/" + name);
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"pack", "verify", name}, {"pack", "inspect", name}, {"pack", "verify", "no\x1b[2J.kvpack"},
+           {"config", "--config", "no\x1b]0;t\x07.json"}}) {
+    const Ran r = run_tool(args, dir_);
+    EXPECT_EQ((r.out + r.err).find('\x1b'), std::string::npos) << describe(r);
+    EXPECT_EQ((r.out + r.err).find('\x07'), std::string::npos) << describe(r);
+    EXPECT_NE((r.out + r.err).find("\\x1b"), std::string::npos) << describe(r);
+  }
+}
+
 TEST_F(HostileFiles, VerifyOfASelfContainedPackDoesNotClaimTheStore) {
   SavedSession s;
   s.write(dir_ + "/own.kvpack");

@@ -42,7 +42,7 @@ int inspect(const std::string& path) {
   const Manifest& m = *mr;
   const Snapshot& h = m.header;
   const ModelConfig& c = h.config;
-  std::printf("kvpack %s: version %u, %s, %s B (manifest %s B, payload %s B%s)\n", path.c_str(),
+  std::printf("kvpack %s: version %u, %s, %s B (manifest %s B, payload %s B%s)\n", printable(path).c_str(),
               static_cast<unsigned>(m.version), m.thin ? "thin" : "self-contained",
               with_commas((*src)->size()).c_str(), with_commas(m.manifest_bytes).c_str(),
               with_commas(m.payload_bytes).c_str(), m.thin ? " in a chunk store" : "");
@@ -106,7 +106,7 @@ int verify(const std::string& path, const std::string& store_spec) {
   }
   if (r->bad_chunks > 0) {
     fail(r->first_error.error());
-    std::fprintf(stderr, "kvring: %s: %lld of %lld chunks are bad\n", path.c_str(),
+    std::fprintf(stderr, "kvring: %s: %lld of %lld chunks are bad\n", printable(path).c_str(),
                  static_cast<long long>(r->bad_chunks), static_cast<long long>(r->chunks));
     return verdict(r->first_error.error());
   }
@@ -116,7 +116,7 @@ int verify(const std::string& path, const std::string& store_spec) {
   if (r->thin) where = " in " + store->spec();
   else if (!store_spec.empty())
     where = " in the pack itself (self-contained: --store was not read)";
-  std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", path.c_str(),
+  std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", printable(path).c_str(),
               static_cast<long long>(r->chunks), with_commas(r->bytes).c_str(), where.c_str());
   return 0;
 }
