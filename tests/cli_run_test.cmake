@@ -87,6 +87,14 @@ run_fail("unknown model" --model nope)
 run_fail("is a directory, not a regular file" --save ${WORK})
 run_fail("no/such/dir/.tmp-x.kvpack.*: No such file or directory" --save ${WORK}/no/such/dir/x.kvpack)
 run_fail("/dev/null: it is a character device" --save /dev/null)
+# A name as long as the file system takes is saved (its temporary keeps
+# only the name's first 100 bytes).
+string(REPEAT "n" 248 long_name)
+execute_process(COMMAND ${KVRING} run ${common} --save ${WORK}/${long_name}.kvpack
+                RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT EXISTS ${WORK}/${long_name}.kvpack)
+  message(FATAL_ERROR "a save under a 255-byte name: exit ${rc}: ${err}")
+endif()
 run_fail("--tokens = 320 \\(the default\\) exceeds the cache context 200 .*; give --tokens"
          --config ${config} --hidden 32 --vocab 64 --context 200)
 # Every pack of --sequences is checked before the sessions run, and nothing

@@ -84,11 +84,14 @@ Status fsync_dir(const std::string& dir, const IoOptions& io) {
 
 namespace {
 
-// A temporary name no other writer (thread or process) uses at the same time.
+// A temporary name no other writer (thread or process) uses at the same
+// time (the pid, a counter and a clock make it so). It keeps at most the
+// first 100 bytes of the file's name, so that a name the file system takes
+// (up to 255 bytes) leaves room for the rest.
 std::string temp_name_for(const std::string& path) {
   static std::atomic<std::uint64_t> counter{0};
   const auto slash = path.find_last_of('/');
-  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  const std::string base = (slash == std::string::npos ? path : path.substr(slash + 1)).substr(0, 100);
   const std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
   const auto ticks = static_cast<std::uint64_t>(
       std::chrono::steady_clock::now().time_since_epoch().count());
