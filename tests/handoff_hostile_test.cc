@@ -177,6 +177,14 @@ class Hostile : public ::testing::Test {
     free_before_ = store_->free_blocks();
   }
 
+  // A plan of few large messages (4 MiB each), for paced sends.
+  static PlanOptions few_messages() {
+    PlanOptions o;
+    o.chunk_tokens = kChunk;
+    o.message_bytes = 4 << 20;
+    o.credit_bytes = 64 << 20;
+    return o;
+  }
   // Queues `msgs` then BYE (ends the receiver's linger) and runs the receiver here.
   Replay replay(const std::vector<Msg>& msgs, HandoffTarget& target, ReceiveOptions ro = {.timeout_s = 1}) {
     auto [a, b] = local_pair();
@@ -664,11 +672,7 @@ class FlipOneSend : public Transport {
 // corrupted message: the receiver's linger takes them, so the sender hears
 // the reason, not a closed link.
 TEST_F(Hostile, APacedSenderHearsTheRefusalWithRowsInFlight) {
-  PlanOptions o;
-  o.chunk_tokens = kChunk;
-  o.message_bytes = 4 << 20;
-  o.credit_bytes = 64 << 20;
-  auto t = plan_handoff(config_, kPrompt, o);
+  auto t = plan_handoff(config_, kPrompt, few_messages());
   ASSERT_TRUE(t.ok());
   auto src = StoreSource::create(*from_, seq_, *t, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "m");
   ASSERT_TRUE(src.ok());
@@ -692,11 +696,7 @@ TEST_F(Hostile, APacedSenderHearsTheRefusalWithRowsInFlight) {
 // timeout keeps the link alive through them, as through a prefill wait,
 // and the session completes.
 TEST_F(Hostile, APacedSendersGapsOutlastTheReceiversTimeout) {
-  PlanOptions o;
-  o.chunk_tokens = kChunk;
-  o.message_bytes = 4 << 20;
-  o.credit_bytes = 64 << 20;
-  auto t = plan_handoff(config_, kPrompt, o);
+  auto t = plan_handoff(config_, kPrompt, few_messages());
   ASSERT_TRUE(t.ok());
   // The wait before message i + 1 is message i's bytes at the rate.
   std::int64_t largest = 0;

@@ -13,27 +13,16 @@
 
 #include "args.h"
 #include "commands.h"
+#include "core/text.h"
 #include "kvring/config.h"
 #include "kvring/footprint.h"
 
 namespace kvring::cli {
 
 int fail(const std::string& message) {
-  // Messages quote paths and names as given: their control bytes are shown
-  // as \xHH, never sent to the terminal.
-  std::string shown;
-  shown.reserve(message.size());
-  for (const char c : message) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x20 && u != 0x7f) {
-      shown += c;
-      continue;
-    }
-    char hex[5];
-    std::snprintf(hex, sizeof hex, "\\x%02x", u);
-    shown += hex;
-  }
-  std::fprintf(stderr, "kvring: %s\n", shown.c_str());
+  // Messages quote paths and names as given: what could act on a terminal
+  // is shown as \xHH (backslashes kept: a message may quote escaped text).
+  std::fprintf(stderr, "kvring: %s\n", printable(message, /*escape_backslash=*/false).c_str());
   return kExitUsage;
 }
 int fail(const Error& e) { return fail(e.to_string()); }

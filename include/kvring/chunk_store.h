@@ -99,12 +99,13 @@ Result<std::unique_ptr<ChunkStore>> open_dir_store(const std::string& path,
                                                    IoOptions io = {});
 // Temporary files of killed writers in a directory store. A temporary
 // (".tmp-<chunk name or probe>-<pid>-<counter>-<clock>", the name a writer
-// gives it; no other file) is removed only when no writer holds its lock (writers hold an
-// exclusive flock on it until it is renamed into place) and it has not been
-// modified for `min_age` (which also covers writers that take no lock, and
-// the moment between a writer's create and its lock). Directories that a
-// put moved aside from chunk names (".quarantine-*") are counted, never
-// removed: they may hold someone's files.
+// gives it; no other file) is removed only when no writer holds its lock
+// (writers hold an exclusive flock on it until it is renamed into place)
+// and it has not been modified for `min_age` (which also covers writers
+// that take no lock, and the moment between a writer's create and its
+// lock). Directories that a put moved aside from chunk names
+// (".quarantine-*") are counted, never removed: they may hold someone's
+// files.
 struct DirStoreGcReport {
   std::int64_t removed = 0;
   std::int64_t kept = 0;  // held by a live writer, or modified within min_age

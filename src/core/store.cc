@@ -968,9 +968,7 @@ void KvStore::mark_overwritten(const Status& failed, std::span<const RowWrite> w
   for (const RowWrite& w : writes) {
     Sequence& s = slots_[static_cast<std::size_t>(w.plane.slot)];
     const RingState& r = s.rings[static_cast<std::size_t>(w.plane.layer)];
-    std::int64_t rows = 0;
-    for (int i = 0; i < w.placement.n_spans; ++i) rows += w.placement.spans[static_cast<std::size_t>(i)].rows;
-    if (r.wraps() && r.len() + rows > r.capacity() && s.stale == Sequence::Stale::kNo)
+    if (r.wraps() && r.len() + w.placement.live_rows > r.capacity() && s.stale == Sequence::Stale::kNo)
       s.stale = Sequence::Stale::kOverwritten;
   }
 }

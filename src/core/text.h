@@ -11,9 +11,10 @@ namespace kvring {
 // `s` with every byte that could act on a terminal written as \xNN: C0
 // controls (newline and tab included), DEL, the C1 controls U+0080 to
 // U+009F, and bytes that are not part of valid UTF-8. A backslash is
-// written as \x5c, so the result reads back unambiguously. Other UTF-8
-// passes through.
-inline std::string printable(std::string_view s) {
+// written as \x5c, so the result reads back unambiguously, unless
+// `escape_backslash` is false (text that may already hold printable()'s
+// output, such as an error message quoting it). Other UTF-8 passes through.
+inline std::string printable(std::string_view s, bool escape_backslash = true) {
   static const char* kHex = "0123456789abcdef";
   std::string out;
   out.reserve(s.size());
@@ -25,7 +26,7 @@ inline std::string printable(std::string_view s) {
   for (std::size_t i = 0; i < s.size();) {
     const auto c = static_cast<unsigned char>(s[i]);
     if (c < 0x80) {
-      if (c < 0x20 || c == 0x7f || c == '\\') escape(c);
+      if (c < 0x20 || c == 0x7f || (c == '\\' && escape_backslash)) escape(c);
       else out += static_cast<char>(c);
       ++i;
       continue;
