@@ -24,6 +24,9 @@ class NullStore final : public ChunkStore {
   std::string spec() const override { return "null"; }
   Status put(std::span<const ChunkData>) override { return Status::Ok(); }
   Result<bool> contains(const Digest&) const override { return false; }
+  Status check_stored(const Digest&, std::int64_t) const override {
+    return make_error(ErrorCode::kNotFound, spec() + ": holds no chunk");
+  }
   Status erase(const Digest&) override { return Status::Ok(); }
   Result<StoreStats> stats() const override { return StoreStats{}; }
 

@@ -30,6 +30,7 @@ class PatternStore final : public ChunkStore {
   std::string spec() const override { return "fuzz:pattern"; }
   Status put(std::span<const ChunkData>) override { return Status::Ok(); }
   Result<bool> contains(const Digest&) const override { return true; }
+  Status check_stored(const Digest&, std::int64_t) const override { return Status::Ok(); }
   Status erase(const Digest&) override { return Status::Ok(); }
   Result<StoreStats> stats() const override { return StoreStats{}; }
 
@@ -68,12 +69,15 @@ class EmptyStore final : public ChunkStore {
   std::string spec() const override { return "fuzz:empty"; }
   Status put(std::span<const ChunkData>) override { return Status::Ok(); }
   Result<bool> contains(const Digest&) const override { return false; }
+  Status check_stored(const Digest&, std::int64_t) const override {
+    return make_error(ErrorCode::kNotFound, spec() + ": holds no chunk");
+  }
   Status erase(const Digest&) override { return Status::Ok(); }
   Result<StoreStats> stats() const override { return StoreStats{}; }
 
  protected:
   Status read_raw(const Digest&, std::span<std::uint8_t>) const override {
-    std::abort();  // a reader must ask contains() before it reads
+    std::abort();  // a reader must ask check_stored() before it reads
   }
 };
 

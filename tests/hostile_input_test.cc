@@ -4,6 +4,7 @@
 // with a clear error, in bounded memory; the command-line cases run the
 // kvring tool in a child with a wall-clock deadline (a hang fails the test)
 // and, where memory is the point, under RLIMIT_AS.
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -61,9 +62,11 @@ struct Ran {
 };
 
 // Runs the kvring tool with `args` in `dir`, under an address-space limit
-// when `as_bytes` > 0, killed after `seconds`.
+// when `as_bytes` > 0 and a file size limit when `file_bytes` > 0, killed
+// after `seconds`. SIGXFSZ is as a shell leaves it (the default action),
+// whatever this process set.
 Ran run_tool(const std::vector<std::string>& args, const std::string& dir, std::int64_t as_bytes = 0,
-             int seconds = 60) {
+             int seconds = 60, std::int64_t file_bytes = 0) {
   int out_pipe[2], err_pipe[2];
   if (::pipe(out_pipe) != 0 || ::pipe(err_pipe) != 0) std::abort();
   std::vector<std::string> argv_s = {KVRING_TOOL};
@@ -82,6 +85,11 @@ Ran run_tool(const std::vector<std::string>& args, const std::string& dir, std::
       const rlimit lim{static_cast<rlim_t>(as_bytes), static_cast<rlim_t>(as_bytes)};
       if (::setrlimit(RLIMIT_AS, &lim) != 0) ::_exit(126);
     }
+    if (file_bytes > 0) {
+      const rlimit lim{static_cast<rlim_t>(file_bytes), static_cast<rlim_t>(file_bytes)};
+      if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) ::_exit(126);
+    }
+    ::signal(SIGXFSZ, SIG_DFL);
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
@@ -265,6 +273,8 @@ HostilePack with_record(HostilePack p) {
 // What the tool may use: enough for itself, far below the claimed chunks
 // (1 GiB each) and rows (512 MiB per chunk).
 constexpr std::int64_t kToolAddressSpace = std::int64_t{768} << 20;
+// The first chunk a gigabyte_chunks_pack names is sha256 of this counter.
+constexpr std::uint32_t kFirst = 0;
 
 TEST_F(HostileFiles, ThinPackClaimingGigabyteChunksFailsSmall) {
   std::int64_t payload = 0;
@@ -276,14 +286,68 @@ TEST_F(HostileFiles, ThinPackClaimingGigabyteChunksFailsSmall) {
   const Ran v = run_tool({"pack", "verify", "thin.kvpack", "--store", "dir:store"}, dir_, kToolAddressSpace);
   EXPECT_EQ(v.rc, 1) << describe(v);
   EXPECT_NE(v.err.find("thin.kvpack: chunk 0 (layer 0, positions [0, 16384)"), std::string::npos) << describe(v);
-  EXPECT_NE(v.err.find("the chunk is missing from dir:store"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find(": dir:store: chunk " + to_hex(sha256(&kFirst, sizeof kFirst)) + " is missing"), std::string::npos)
+      << describe(v);
   EXPECT_NE(v.err.find("2 of 2 chunks are bad"), std::string::npos) << describe(v);
 
   const Ran r = run_tool({"run", "--resume", "thin.kvpack", "--store", "dir:store", "--no-progress"}, dir_,
                          kToolAddressSpace);
   EXPECT_EQ(r.rc, 2) << describe(r);
   EXPECT_NE(r.err.find("NotFound: thin.kvpack: chunk 0"), std::string::npos) << describe(r);
-  EXPECT_NE(r.err.find("the chunk is missing from dir:store"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("dir:store: chunk " + to_hex(sha256(&kFirst, sizeof kFirst)) + " is missing"), std::string::npos)
+      << describe(r);
+  EXPECT_EQ(r.out, "");
+}
+
+// A save cut short by the file size limit (ulimit -f) is an error with its
+// reason, and leaves neither a pack nor a temporary, into a file or a store.
+TEST_F(HostileFiles, FileSizeLimitFailsTheSaveCleanly) {
+  write_file(dir_ + "/tiny.json",
+             R"({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,)"
+             R"( "sliding_window": 32, "max_position_embeddings": 256, "sliding_window_pattern": 2})");
+  const std::vector<std::string> common = {"run",     "--config", "tiny.json", "--hidden", "32",
+                                           "--vocab", "64",       "--tokens",  "200",      "--no-progress"};
+  for (const bool thin : {false, true}) {
+    std::vector<std::string> args = common;
+    for (const char* a : {"--save", "out.kvpack"}) args.push_back(a);
+    if (thin)
+      for (const char* a : {"--store", "dir:store"}) args.push_back(a);
+    const Ran r = run_tool(args, dir_, 0, 60, /*file_bytes=*/4096);
+    EXPECT_EQ(r.rc, 2) << describe(r);
+    EXPECT_NE(r.err.find("File too large"), std::string::npos) << describe(r);
+    std::vector<std::string> left;
+    for (const std::string& sub : {std::string(), std::string("/store")}) {
+      DIR* d = ::opendir((dir_ + sub).c_str());
+      if (d == nullptr) continue;
+      while (const dirent* e = ::readdir(d))
+        if (std::string_view(e->d_name).starts_with(".tmp-") || std::string_view(e->d_name) == "out.kvpack")
+          left.push_back(sub + "/" + e->d_name);
+      ::closedir(d);
+    }
+    EXPECT_TRUE(left.empty()) << (thin ? "thin: " : "") << left.front();
+  }
+}
+
+// Small files under the names of chunks that claim 1 GiB each: each is
+// refused for its size before any buffer is sized by the claim.
+TEST_F(HostileFiles, ThinPackOverSmallPlantedChunksFailsSmall) {
+  std::int64_t payload = 0;
+  write_file(dir_ + "/thin.kvpack",
+             hostile_pack_head(with_record(gigabyte_chunks_pack(2, /*thin=*/true)), &payload));
+  ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
+  for (std::uint32_t n : {0u, 1u}) write_file(dir_ + "/store/" + to_hex(sha256(&n, sizeof n)), "tiny");
+
+  const Ran v = run_tool({"pack", "verify", "thin.kvpack", "--store", "dir:store"}, dir_, kToolAddressSpace);
+  EXPECT_EQ(v.rc, 1) << describe(v);
+  EXPECT_NE(v.err.find("thin.kvpack: chunk 0 (layer 0, positions [0, 16384)"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find("holds 4 bytes, the pack expects 1073741824"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find("2 of 2 chunks are bad"), std::string::npos) << describe(v);
+
+  const Ran r = run_tool({"run", "--resume", "thin.kvpack", "--store", "dir:store", "--no-progress"}, dir_,
+                         kToolAddressSpace);
+  EXPECT_EQ(r.rc, 2) << describe(r);
+  EXPECT_NE(r.err.find("Corruption: thin.kvpack: chunk 0"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("holds 4 bytes, the pack expects 1073741824"), std::string::npos) << describe(r);
   EXPECT_EQ(r.out, "");
 }
 
@@ -351,7 +415,7 @@ TEST_F(HostileFiles, LibraryChecksChunksBeforeRows) {
   auto r = read_pack(*src, {.store = store->get()});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error().code, ErrorCode::kNotFound);
-  EXPECT_NE(r.error().message.find("the chunk is missing from dir:"), std::string::npos) << r.error().message;
+  EXPECT_NE(r.error().message.find(" is missing"), std::string::npos) << r.error().message;
   auto v = verify_pack(*src, store->get());
   ASSERT_TRUE(v.ok());
   EXPECT_TRUE(v->thin);

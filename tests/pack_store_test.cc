@@ -115,6 +115,34 @@ TEST_P(StoreTest, ReadsVerifyTheName) {
   EXPECT_NE(hash.error().message.find("damaged or planted"), std::string::npos) << hash.to_string();
 }
 
+// check_stored answers what get() would refuse, without reading: absent,
+// another size (either way), or present with the size asked.
+TEST_P(StoreTest, CheckStoredComparesTheSizeUnread) {
+  const std::string real = "a chunk of known size";
+  const Digest name = sha256(real.data(), real.size());
+  const auto size = static_cast<std::int64_t>(real.size());
+  const Status missing = store_->check_stored(name, size);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.error().code, ErrorCode::kNotFound);
+  EXPECT_NE(missing.error().message.find(to_hex(name) + " is missing"), std::string::npos) << missing.to_string();
+  const std::vector<ChunkData> chunk = {{name, bytes_of(real), {}}};
+  ASSERT_TRUE(store_->put(chunk).ok());
+  EXPECT_TRUE(store_->check_stored(name, size).ok());
+  for (const std::int64_t claim : {size - 1, size + 1, std::int64_t{1} << 30}) {
+    const Status other = store_->check_stored(name, claim);
+    ASSERT_FALSE(other.ok());
+    EXPECT_EQ(other.error().code, ErrorCode::kCorruption);
+    EXPECT_NE(other.error().message.find("holds 21 bytes, the pack expects " + std::to_string(claim)),
+              std::string::npos)
+        << other.to_string();
+  }
+  // An empty value is present, of size 0.
+  const Digest empty = sha256("", 0);
+  const std::vector<ChunkData> none = {{empty, {}, {}}};
+  ASSERT_TRUE(store_->put(none).ok());
+  EXPECT_TRUE(store_->check_stored(empty, 0).ok());
+}
+
 // A Redis key under a chunk's name that holds a list (WRONGTYPE to a
 // read) is a planted chunk, kCorruption, not a failing link.
 TEST_P(StoreTest, AKeyOfAnotherTypeIsAPlantedChunk) {
@@ -129,6 +157,9 @@ TEST_P(StoreTest, AKeyOfAnotherTypeIsAPlantedChunk) {
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.error().code, ErrorCode::kCorruption) << got.to_string();
   EXPECT_NE(got.error().message.find("holds a value that is not a string"), std::string::npos) << got.to_string();
+  const Status checked = store_->check_stored(name, static_cast<std::int64_t>(real.size()));
+  ASSERT_FALSE(checked.ok());
+  EXPECT_EQ(checked.error().code, ErrorCode::kCorruption) << checked.to_string();
   // The store goes on: a put replaces the key, and it reads back.
   const std::vector<ChunkData> chunk = {{name, bytes_of(real), {}}};
   ASSERT_TRUE(store_->put(chunk).ok());

@@ -265,6 +265,26 @@ TEST_F(RedisHostile, AServerThatHangsUpMidPutIsAnErrorNotSigpipe) {
       "put: IOError: redis://127\\.0\\.0\\.1:[0-9]+: sending SET: the server closed the connection");
 }
 
+// A server that refuses what it is sent and hangs up (a value past Redis's
+// proto-max-bulk-len) is quoted in the error.
+TEST_F(RedisHostile, WhatAServerSaidBeforeHangingUpIsShown) {
+  EXPECT_EXIT(
+      {
+        auto server = FakeServer::start(
+            "127.0.0.1", {"+PONG\r\n", "-ERR Protocol error: invalid bulk length\r\n<THENCLOSE>"});
+        if (!server) std::_Exit(2);
+        auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=5000");
+        if (!store.ok()) std::_Exit(3);
+        const std::string big(64 << 20, 'x');
+        const std::vector<ChunkData> chunks = {chunk_of(big)};
+        const Status s = (*store)->put(chunks);
+        std::fprintf(stderr, "put: %s\n", s.to_string().c_str());
+        std::_Exit(s.ok() ? 4 : 0);
+      },
+      ::testing::ExitedWithCode(0),
+      "sending SET: the server closed the connection \\([^)]*\\); it said: ERR Protocol error: invalid bulk length");
+}
+
 // A pooled connection the server has since closed (as Redis's `timeout`
 // does to idle clients) is dropped, and the call gets a fresh one.
 TEST_F(RedisHostile, AConnectionTheServerClosedIsNotReused) {

@@ -1278,6 +1278,20 @@ TEST_F(StoreDetached, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached)
   // install_rows and install_plane take only a detached sequence.
   const RingState r0 = *restore_ring(*snap, 0, *s);
   EXPECT_EQ(s->install_plane(a, 0, r0).error().code, ErrorCode::kInvalidArgument);
+  // restore_ring refuses what check_restorable refuses: another geometry, or
+  // a header whose rings do not end at its token count.
+  {
+    Snapshot other = *snap;
+    other.config.head_dim *= 2;
+    auto ring = restore_ring(other, 0, *s);
+    ASSERT_FALSE(ring.ok());
+    EXPECT_EQ(ring.error().code, ErrorCode::kMismatch) << ring.error().message;
+    other = *snap;
+    other.token_count += 5000;
+    ring = restore_ring(other, 0, *s);
+    ASSERT_FALSE(ring.ok());
+    EXPECT_EQ(ring.error().code, ErrorCode::kInvalidArgument) << ring.error().message;
+  }
   EXPECT_EQ(s->install_rows(a, 0, 69, 1, snap->planes[0].k.data(), snap->planes[0].v.data()).error().code,
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(live_bytes(*s, a), a_bytes);

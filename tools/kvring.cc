@@ -375,6 +375,10 @@ int main(int argc, char** argv) {
   // with SIGPIPE and no message: each write reports its failure, and
   // output that could not be written fails the command below.
   std::signal(SIGPIPE, SIG_IGN);
+  // Likewise a write past the file size limit (ulimit -f) fails with EFBIG
+  // and a message, and the writer removes its temporary, instead of the
+  // process ending with SIGXFSZ part-way through a file.
+  std::signal(SIGXFSZ, SIG_IGN);
   const int rc = dispatch(argc, argv);
   std::cout.flush();
   errno = 0;

@@ -83,6 +83,12 @@ class ChunkStore {
   Status get(const Digest& name, std::span<std::uint8_t> dst) const;
 
   virtual Result<bool> contains(const Digest& name) const = 0;
+  // What get() would refuse without reading the bytes: kNotFound when
+  // `name` is absent; kCorruption when what stands under it is not a chunk
+  // or holds other than `bytes` bytes. A reader asks this before it sizes
+  // any buffer by a pack's claim, so a planted small chunk under a name
+  // that claims 1 GiB costs nothing. The bytes are checked only by get().
+  virtual Status check_stored(const Digest& name, std::int64_t bytes) const = 0;
   // Removes a chunk (absent: nothing to do). Packs that name it stop reading.
   virtual Status erase(const Digest& name) = 0;
   // Chunks and bytes held (what prefix sharing saves shows up here).

@@ -141,6 +141,13 @@ class DirStore final : public ChunkStore {
     return io_error(spec() + ": checking chunk " + to_hex(name) + ": " + errno_text(errno));
   }
 
+  Status check_stored(const Digest& name, std::int64_t bytes) const override {
+    struct stat st {};
+    if (::lstat(path_of(name).c_str(), &st) == 0) return check_file(name, st, bytes);
+    if (errno == ENOENT) return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
+    return io_error(spec() + ": checking chunk " + to_hex(name) + ": " + errno_text(errno));
+  }
+
   Status erase(const Digest& name) override {
     if (::unlink(path_of(name).c_str()) != 0 && errno != ENOENT)
       return io_error(spec() + ": removing chunk " + to_hex(name) + ": " + errno_text(errno));
@@ -192,19 +199,26 @@ class DirStore final : public ChunkStore {
     Status s;
     if (::fstat(fd, &st) != 0)
       s = io_error(spec() + ": chunk " + to_hex(name) + ": " + errno_text(errno));
-    else if (!S_ISREG(st.st_mode))
-      s = corruption(spec() + ": chunk " + to_hex(name) + " is " + file_type_name(st.st_mode) + ", not a chunk file");
-    else if (static_cast<std::size_t>(st.st_size) != dst.size())
-      s = corruption(spec() + ": chunk " + to_hex(name) + " holds " + std::to_string(st.st_size) +
-                     " bytes, the pack expects " + std::to_string(dst.size()));
     else
-      s = pread_all(fd, dst.data(), static_cast<std::int64_t>(dst.size()), 0, path);
+      s = check_file(name, st, static_cast<std::int64_t>(dst.size()));
+    if (s.ok()) s = pread_all(fd, dst.data(), static_cast<std::int64_t>(dst.size()), 0, path);
     ::close(fd);
     return s;
   }
 
  private:
   std::string path_of(const Digest& name) const { return root_ + "/" + to_hex(name); }
+
+  // A chunk file is a regular file of the chunk's size.
+  Status check_file(const Digest& name, const struct stat& st, std::int64_t bytes) const {
+    if (!S_ISREG(st.st_mode))
+      return corruption(spec() + ": chunk " + to_hex(name) + " is " + file_type_name(st.st_mode) +
+                        ", not a chunk file");
+    if (static_cast<std::int64_t>(st.st_size) != bytes)
+      return corruption(spec() + ": chunk " + to_hex(name) + " holds " + std::to_string(st.st_size) +
+                        " bytes, the pack expects " + std::to_string(bytes));
+    return Status::Ok();
+  }
 
   // Frees a chunk's name of whatever is not a regular file. A directory may
   // hold someone's files: it is renamed aside (".quarantine-<name>-..."),

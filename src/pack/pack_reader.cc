@@ -451,19 +451,16 @@ Status verify_streamed(const PackSource& src, const Manifest& m, std::int64_t i)
   return check_name(src, m, i, h.finish());
 }
 
-// kNotFound, naming the chunk and the store, when chunk i of a thin pack is
-// not in the store. Nothing is read or allocated for it.
+// Chunk i of a thin pack is in the store with the size the pack gives it
+// (kNotFound or kCorruption, naming the chunk and the store, otherwise).
+// Nothing is read or allocated for it.
 Status check_present(const PackSource& src, const Manifest& m, const ChunkStore& store, std::int64_t i) {
   const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
-  auto has = store.contains(ch.name);
-  if (!has) return with_chunk(src, m, i, has.status());
-  if (!*has)
-    return make_error(ErrorCode::kNotFound, chunk_where(src, m, i) + ": the chunk is missing from " + store.spec());
-  return Status::Ok();
+  return with_chunk(src, m, i, store.check_stored(ch.name, ch.byte_length));
 }
 
 // What must hold before a pack's rows are allocated: every chunk of a thin
-// pack present in its store; every chunk of a self-contained pack verified
+// pack present in its store with its size; every chunk of a self-contained pack verified
 // when the file holds fewer bytes than it claims (st_blocks below st_size).
 // Returns the first failure in table order.
 Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkStore* store) {

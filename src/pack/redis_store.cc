@@ -336,6 +336,31 @@ class RedisStore final : public ChunkStore {
     return present;
   }
 
+  // EXISTS tells a missing key from an empty value; STRLEN of a key that
+  // holds no string is WRONGTYPE, which receive() reports as kCorruption.
+  Status check_stored(const Digest& name, std::int64_t bytes) const override {
+    auto conn = acquire();
+    if (!conn) return conn.error();
+    Conn& c = **conn;
+    c.queue({"EXISTS", key_of(name)});
+    c.queue({"STRLEN", key_of(name)});
+    const Status s = send(c, kControlLimits, "STRLEN");
+    Result<Reply> exists = s.ok() ? receive(c, "EXISTS") : Result<Reply>(s.error());
+    Result<bool> present = exists ? exists_answer(c, **exists) : Result<bool>(exists.error());
+    Result<Reply> len = present ? receive(c, "STRLEN") : Result<Reply>(present.error());
+    if (len && ((*len)->type != REDIS_REPLY_INTEGER || (*len)->integer < 0 || (*len)->integer > kMaxStrlen)) {
+      c.broken = true;
+      len = io_error(spec() + ": unexpected reply to STRLEN: " + reply_kind(**len));
+    }
+    release(std::move(*conn));
+    if (!len) return len.error();
+    if (!*present) return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
+    if ((*len)->integer != bytes)
+      return corruption(spec() + ": chunk " + to_hex(name) + " holds " + std::to_string((*len)->integer) +
+                        " bytes, the pack expects " + std::to_string(bytes));
+    return Status::Ok();
+  }
+
   Status erase(const Digest& name) override {
     auto c = acquire();
     if (!c) return c.error();
@@ -567,7 +592,7 @@ class RedisStore final : public ChunkStore {
         s = timed_out("sending to", deadline);
       } else if (err == EPIPE || err == ECONNRESET) {
         s = io_error(spec() + ": sending " + what + ": the server closed the connection (" +
-                     std::strerror(err) + ")");
+                     std::strerror(err) + ")" + last_words(c));
       } else {
         s = io_error(spec() + ": sending " + what + ": " + std::strerror(err));
       }
@@ -577,6 +602,17 @@ class RedisStore final : public ChunkStore {
     c.out.clear();
     if (c.out.capacity() > kKeptSendBytes) std::string().swap(c.out);
     return s;
+  }
+
+  // The error line a server sent before it closed the connection (a
+  // value past its proto-max-bulk-len, say), as "; it said: ...", or
+  // nothing: only what has already arrived is read.
+  std::string last_words(Conn& c) const {
+    char buf[512];
+    const ssize_t n = ::recv(c.ctx->fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n <= 1 || buf[0] != '-') return "";
+    const std::string_view line(buf + 1, static_cast<std::size_t>(n) - 1);
+    return "; it said: " + shown(line.substr(0, line.find('\r')));
   }
 
   // The next reply, read under the guard; a server error reply is an error.

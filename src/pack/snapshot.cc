@@ -264,6 +264,8 @@ Status check_restorable(const Snapshot& header, const KvStore& target) {
 Result<RingState> restore_ring(const Snapshot& header, std::int64_t layer, const KvStore& target) {
   if (layer < 0 || layer >= target.n_layers() || layer >= static_cast<std::int64_t>(header.planes.size()))
     return invalid_argument(layer_str(layer) + " is not a layer of both the snapshot and the store");
+  KVRING_RETURN_IF_ERROR(validate_snapshot(header, /*header_only=*/true));
+  KVRING_RETURN_IF_ERROR(compare_geometry(header.config, target.config()));
   auto placement = place(header, layer, target);
   if (!placement) return placement.error();
   return placement->ring;
