@@ -5,6 +5,7 @@
 // Each is a clear error or a right answer, never undefined behaviour.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -151,6 +152,40 @@ TEST(ApiHostile, SixteenBitViewsAtOddAddressesReadAsAligned) {
     }
     EXPECT_TRUE(outs[0] == outs[1]);
     EXPECT_NE(outs[0][0], 0.0f);
+  }
+}
+
+// Row buffers at an odd address get the bytes aligned ones get, from
+// read_rows and from read_plane, of a sliding and of a full layer.
+TEST(ApiHostile, RowBuffersAtOddAddressesReadAsAligned) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(made.ok());
+  KvStore& s = **made;
+  const SeqId seq = *s.add_sequence();
+  const std::int64_t kv = cfg.kv_dim(), rows = 40;
+  const auto x = testing::random_floats(static_cast<std::size_t>(cfg.n_layers * rows * kv), 5);
+  for (std::int64_t p = 0; p < rows; ++p) {
+    const SeqSpan span{seq, p, 1};
+    const float* row = x.data() + p * cfg.n_layers * kv;
+    ASSERT_TRUE(s.store_all_layers({&span, 1}, host_view(row, cfg.n_layers, kv), host_view(row, cfg.n_layers, kv)).ok());
+  }
+  for (const std::int64_t layer : {std::int64_t{0}, std::int64_t{3}}) {
+    SCOPED_TRACE(layer);
+    ASSERT_EQ(cfg.kind(layer), layer == 0 ? LayerKind::kSlidingRope : LayerKind::kFullNope);
+    const auto n = static_cast<std::size_t>(s.capacity(layer) * kv);
+    std::vector<std::uint16_t> k(n), v(n);
+    std::vector<unsigned char> odd(4 * n + 2);
+    auto* ok = reinterpret_cast<std::uint16_t*>(odd.data() + 1);
+    auto* ov = reinterpret_cast<std::uint16_t*>(odd.data() + 1 + 2 * n);
+    ASSERT_TRUE(s.read_plane(seq, layer, k.data(), v.data()).ok());
+    ASSERT_TRUE(s.read_plane(seq, layer, ok, ov).ok());
+    EXPECT_EQ(std::memcmp(odd.data() + 1, k.data(), 2 * n), 0);
+    EXPECT_EQ(std::memcmp(odd.data() + 1 + 2 * n, v.data(), 2 * n), 0);
+    ASSERT_TRUE(s.read_rows(seq, layer, rows - 8, 8, k.data(), v.data()).ok());
+    ASSERT_TRUE(s.read_rows(seq, layer, rows - 8, 8, ok, ov).ok());
+    EXPECT_EQ(std::memcmp(odd.data() + 1, k.data(), static_cast<std::size_t>(16 * kv)), 0);
+    EXPECT_NE(std::count(k.begin(), k.begin() + 8 * kv, std::uint16_t{0}), 8 * kv);
   }
 }
 

@@ -507,6 +507,55 @@ TEST(Store, TruncateRollsBackWithinTheSlack) {
   EXPECT_EQ(s->free_blocks(), free_before);
 }
 
+// A step of one call per layer that the pool refuses at a later full layer
+// leaves the earlier layers a step ahead; truncate_sequence_to rolls every
+// layer back to one position, and the sequence goes on as a solo run.
+TEST(Store, AStepRefusedPartWayIsRolledBackAcrossLayers) {
+  // Layers 1 and 3 full; a 20-token step takes 2 blocks of each.
+  const ModelConfig c = make_hybrid_config("two-full", 4, 2, 4, 2, 16, 32, 256);
+  auto s = cpu_store(c, {.max_sequences = 1, .slack = 4, .block_rows = 16, .pool_blocks = 3});
+  const SeqId a = *s->add_sequence();
+  const std::int64_t n = 20, kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  const SeqSpan span{a, 0, n};
+  Status refused;
+  std::int64_t layers_done = 0;
+  for (std::int64_t l = 0; l < c.n_layers && refused.ok(); ++l) {
+    Rows r = rows_for(c, 9, l, 0, n);
+    std::vector<float> out(static_cast<std::size_t>(n * width));
+    refused = s->prefill(l, {&span, 1}, host_view(r.k.data(), n, kv), host_view(r.v.data(), n, kv),
+                         host_view(r.q.data(), n, width), host_view(out.data(), n, width));
+    if (refused.ok()) ++layers_done;
+  }
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kCapacityExceeded);
+  ASSERT_GT(layers_done, 0);
+  ASSERT_LT(layers_done, c.n_layers);
+  EXPECT_EQ(s->next_position(a).error().code, ErrorCode::kCacheDiscontinuity);
+  EXPECT_EQ(s->truncate_sequence(a, 0).error().code, ErrorCode::kCacheDiscontinuity);
+  // Past what a layer holds, or before 0: refused, nothing changed.
+  const auto before = live_bytes(*s, a);
+  const std::int64_t free_before = s->free_blocks();
+  for (const std::int64_t bad : {std::int64_t{-1}, std::int64_t{1}, n}) {
+    const Status st = s->truncate_sequence_to(a, bad);
+    ASSERT_FALSE(st.ok()) << bad;
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument);
+  }
+  EXPECT_EQ(live_bytes(*s, a), before);
+  EXPECT_EQ(s->free_blocks(), free_before);
+  // Back to the step's start: every layer empty, every block free; then a
+  // shorter step fits and equals a solo run of the same tokens.
+  ASSERT_TRUE(s->truncate_sequence_to(a, 0).ok());
+  EXPECT_EQ(*s->next_position(a), 0);
+  EXPECT_EQ(s->free_blocks(), 3);
+  Outputs out, solo;
+  run_batch(*s, {{9, SeqSpan{a, 0, 16}}}, out);
+  auto t = cpu_store(c, {.max_sequences = 1, .slack = 4, .block_rows = 16});
+  const SeqId u = *t->add_sequence();
+  run_batch(*t, {{9, SeqSpan{u, 0, 16}}}, solo);
+  EXPECT_EQ(live_bytes(*s, a), live_bytes(*t, u));
+  EXPECT_EQ(out, solo);
+}
+
 // A snapshot holds no slack rows: a sequence restored into a store with
 // slack rolls back only the tokens stored after the restore.
 TEST(Store, RollbackAfterARestoreStopsAtTheRestorePoint) {

@@ -205,11 +205,20 @@ class KvStore {
   // position the sequence reached and not before the position it was
   // restored or installed at: a snapshot holds no slack rows.
   Status truncate_sequence(SeqId seq, std::int64_t tokens);
+  // Rolls every layer of the sequence back to `position` tokens, also when
+  // its layers stand at different positions, as a step of one call per
+  // layer that was refused part-way (the pool ran dry at a full layer)
+  // leaves them: every layer must hold at least `position` tokens, and the
+  // rule above holds at `position`. Refused, changing nothing, otherwise.
+  Status truncate_sequence_to(SeqId seq, std::int64_t position);
 
   bool contains(SeqId seq) const;
   std::vector<SeqId> sequences() const;
   std::int64_t sequence_count() const;
-  // The next position every layer of the sequence expects.
+  // The next position every layer of the sequence expects; when its layers
+  // stand at different positions (a step refused part-way through its
+  // layers), kCacheDiscontinuity naming the first layer that differs from
+  // layer 0 (truncate_sequence_to rolls them back to one).
   Result<std::int64_t> next_position(SeqId seq) const;
   Result<RingState> ring(SeqId seq, std::int64_t layer) const;
   // Blocks the sequence's full planes hold (shared ones included).

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <tuple>
@@ -528,30 +529,39 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
 }
 
 Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {
-  auto slot = slot_of(seq);
-  if (!slot) return slot.error();
-  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  if (auto slot = slot_of(seq); !slot) return slot.error();
   auto next = next_position(seq);
   if (!next) return next.error();
   if (tokens < 0 || tokens > *next)
     return invalid_argument("cannot roll " + seq_name(seq) + " back by " +
                             std::to_string(tokens) + " tokens: it holds " +
                             std::to_string(*next));
-  if (tokens == 0) return Status::Ok();
-  const std::int64_t end = *next - tokens;
+  return truncate_sequence_to(seq, *next - tokens);
+}
+
+Status KvStore::truncate_sequence_to(SeqId seq, std::int64_t end) {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  const auto refused = [&](const std::string& why) {
+    return invalid_argument("cannot roll " + seq_name(seq) + " back to position " + std::to_string(end) + ": " +
+                            why);
+  };
+  if (end < 0) return refused("a position is at least 0");
   std::vector<RingState> rings = s.rings;
   for (std::int64_t l = 0; l < n_layers(); ++l) {
     RingState& r = rings[static_cast<std::size_t>(l)];
+    if (r.next_position() < end)
+      return refused("layer " + std::to_string(l) + " holds only " + std::to_string(r.next_position()) + " tokens");
+    if (r.next_position() == end) continue;  // nothing to roll back
     // A sliding ring must still hold oldest_kept at the new end; with
     // `slack` extra rows it always does for the last `slack` tokens.
     const std::int64_t need = oldest_kept(end, r.capacity(), options_.slack);
     if (r.wraps() && r.origin_logical() > need)
-      return invalid_argument(
-          "cannot roll " + seq_name(seq) + " back by " + std::to_string(tokens) +
-          " tokens: layer " + std::to_string(l) + "'s ring no longer holds position " +
-          std::to_string(need) + " (rollback is guaranteed to within " +
-          std::to_string(options_.slack) + " tokens, the store's slack, of the furthest position it reached, and not before a restore)");
-    auto back = r.rolled_back(tokens);
+      return refused("layer " + std::to_string(l) + "'s ring no longer holds position " + std::to_string(need) +
+                     " (rollback is guaranteed to within " + std::to_string(options_.slack) +
+                     " tokens, the store's slack, of the furthest position it reached, and not before a restore)");
+    auto back = r.rolled_back(r.next_position() - end);
     if (!back) return back.error();
     r = *back;
   }
@@ -1160,32 +1170,31 @@ Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
   auto slot = slot_of(seq);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
-  if (k == nullptr || v == nullptr) return invalid_argument("read_plane: null buffer");
+  KVRING_RETURN_IF_ERROR(check_rows_memory(MemorySpace::kHost, k, v));
   KVRING_RETURN_IF_ERROR(check_apart("read_plane", k, v, capacity(layer) * config_.kv_dim()));
   if (full_index(layer) < 0) return read_ring(*slot, layer, k, v);
   const std::int64_t kv_dim = config_.kv_dim();
   const std::int64_t hd = config_.head_dim;
   const std::int64_t cap = capacity(layer);
-  const auto n = static_cast<std::size_t>(cap * kv_dim);
-  std::fill(k, k + n, std::uint16_t{0});
-  std::fill(v, v + n, std::uint16_t{0});
+  // Host buffers may sit at any address (store.h): bytes are copied, never
+  // stored through a misaligned std::uint16_t*.
+  const auto plane_bytes = static_cast<std::size_t>(cap * kv_dim) * sizeof(std::uint16_t);
+  std::memset(k, 0, plane_bytes);
+  std::memset(v, 0, plane_bytes);
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   if (r.len() == 0) return Status::Ok();
   std::vector<std::uint16_t> rk(static_cast<std::size_t>(r.len() * kv_dim)), rv(rk.size());
   KVRING_RETURN_IF_ERROR(copy_out(plane_ref(*slot, layer), r.live_spans(), rk.data(), rv.data(),
                                   MemorySpace::kHost, nullptr));
+  const auto head_bytes = static_cast<std::size_t>(hd) * sizeof(std::uint16_t);
   for (std::int64_t row = 0; row < r.len(); ++row)
-    for (std::int64_t h = 0; h < config_.n_kv_heads; ++h)
-      for (std::int64_t d = 0; d < hd; ++d) {
-        const auto dst = head_major_index(static_cast<std::uint64_t>(h),
-                                          static_cast<std::uint64_t>(row),
-                                          static_cast<std::uint64_t>(d),
-                                          static_cast<std::uint64_t>(cap),
-                                          static_cast<std::uint64_t>(hd));
-        const auto src = static_cast<std::size_t>(row * kv_dim + h * hd + d);
-        k[dst] = rk[src];
-        v[dst] = rv[src];
-      }
+    for (std::int64_t h = 0; h < config_.n_kv_heads; ++h) {
+      const auto dst = head_major_index(static_cast<std::uint64_t>(h), static_cast<std::uint64_t>(row), 0,
+                                        static_cast<std::uint64_t>(cap), static_cast<std::uint64_t>(hd));
+      const auto src = static_cast<std::size_t>(row * kv_dim + h * hd);
+      std::memcpy(reinterpret_cast<unsigned char*>(k) + dst * sizeof(std::uint16_t), rk.data() + src, head_bytes);
+      std::memcpy(reinterpret_cast<unsigned char*>(v) + dst * sizeof(std::uint16_t), rv.data() + src, head_bytes);
+    }
   return Status::Ok();
 }
 
