@@ -101,6 +101,74 @@ TEST(HfConfig, GptOss) {
   EXPECT_EQ(c->kv_dim(), 512);
 }
 
+void expect_error(const std::string& json, const std::string& names);
+
+// Attention the store's kernels do not compute is refused, naming the field;
+// the same fields at values that change nothing are accepted.
+TEST(HfConfig, AttentionTheStoreDoesNotComputeIsRefused) {
+  const std::string base = R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "sliding_window": 512, "sliding_window_pattern": 2, )";
+  expect_error(base + R"("head_dim": 128, "attn_logit_softcapping": 50.0})", "attn_logit_softcapping = 50.0");
+  expect_error(base + R"("head_dim": 128, "query_pre_attn_scalar": 168})", "query_pre_attn_scalar = 168");
+  expect_error(base + R"("head_dim": 128, "attention_chunk_size": 8192})", "attention_chunk_size = 8192");
+  expect_error(base + R"("head_dim": 192, "kv_lora_rank": 512})", "kv_lora_rank = 512");
+  expect_error(base + R"("head_dim": 192, "v_head_dim": 128})", "v_head_dim = 128");
+  for (const char* fine : {R"("head_dim": 256, "query_pre_attn_scalar": 256, "attn_logit_softcapping": null})",
+                           R"("head_dim": 128, "attention_chunk_size": null, "v_head_dim": 128})"}) {
+    auto c = parse_hf_config(base + fine);
+    EXPECT_TRUE(c.ok()) << fine << ": " << c.error().to_string();
+  }
+}
+
+// Which layers a window covers, as Hugging Face's configs say it: not at all
+// (use_sliding_window false), from max_window_layers on (Qwen2), or every
+// layer (Mistral's bare window). A window no layer uses leaves the
+// geometry: the fingerprint is that of the same config without it.
+TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
+  const std::string base = R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 64, "max_position_embeddings": 32768, )";
+  auto none = parse_hf_config(base + R"("model_type": "qwen2"})");
+  ASSERT_TRUE(none.ok()) << none.error().to_string();
+  auto off = parse_hf_config(base + R"("model_type": "qwen2", "sliding_window": 32768,
+    "use_sliding_window": false, "max_window_layers": 2})");
+  ASSERT_TRUE(off.ok()) << off.error().to_string();
+  EXPECT_EQ(off->count(LayerKind::kFullNope), 4);
+  EXPECT_EQ(off->sliding_window, 0);
+  EXPECT_EQ(off->fingerprint(), none->fingerprint());
+  auto listed = parse_hf_config(base + R"("sliding_window": 512, "layer_types": ["full_attention",
+    "full_attention", "full_attention", "full_attention"]})");
+  ASSERT_TRUE(listed.ok()) << listed.error().to_string();
+  EXPECT_EQ(listed->fingerprint(), none->fingerprint());
+
+  auto upper = parse_hf_config(base + R"("sliding_window": 512, "use_sliding_window": true,
+    "max_window_layers": 2})");
+  ASSERT_TRUE(upper.ok()) << upper.error().to_string();
+  EXPECT_EQ(upper->kind(1), LayerKind::kFullNope);
+  EXPECT_EQ(upper->kind(2), LayerKind::kSlidingRope);
+  EXPECT_EQ(upper->count(LayerKind::kSlidingRope), 2);
+  EXPECT_EQ(upper->sliding_window, 512);
+  expect_error(base + R"("sliding_window": 512, "max_window_layers": 2})", "use_sliding_window");
+  expect_error(base + R"("sliding_window": 512, "use_sliding_window": true, "max_window_layers": 9})",
+               "max_window_layers");
+
+  for (const char* every : {R"("model_type": "mistral", "sliding_window": 4096})",
+                            R"("sliding_window": 4096, "use_sliding_window": true})"}) {
+    auto c = parse_hf_config(base + every);
+    ASSERT_TRUE(c.ok()) << every << ": " << c.error().to_string();
+    EXPECT_EQ(c->count(LayerKind::kSlidingRope), 4) << every;
+  }
+  expect_error(base + R"("model_type": "llama", "sliding_window": 4096})", "which layers slide");
+}
+
+// Gemma's head_dim is never derived from hidden_size (Gemma 3 12B's would
+// come out 240, not 256).
+TEST(HfConfig, GemmaHeadDimIsNeverDerived) {
+  expect_error(R"({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 3840,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072}})",
+               "missing field 'head_dim': a Gemma model's head_dim is not hidden_size");
+}
+
 void expect_error(const std::string& json, const std::string& names) {
   auto c = parse_hf_config(json);
   ASSERT_FALSE(c.ok()) << json;

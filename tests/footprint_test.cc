@@ -101,6 +101,13 @@ TEST(Footprint, SequencesFitByTheirLiveRows) {
   auto ten = fit_sequences(c, 131072, std::int64_t{10} << 30);
   EXPECT_EQ(ten->sequence_bytes, 1826619392);
   EXPECT_EQ(ten->sequences, 5);
+  EXPECT_FALSE(ten->capped);
+  // More than a store holds: the answer is the store's bound, marked.
+  const ModelConfig tiny = make_hybrid_config("tiny", 2, 2, 1, 1, 1, 32, 64);
+  auto many = fit_sequences(tiny, 1, std::int64_t{1} << 40);
+  ASSERT_TRUE(many.ok());
+  EXPECT_TRUE(many->capped);
+  EXPECT_EQ(many->sequences, kMaxFootprintSlots);
   EXPECT_FALSE(fit_sequences(c, 0, 1 << 30).ok());
   EXPECT_FALSE(fit_sequences(c, 131073, 1 << 30).ok());
   EXPECT_FALSE(fit_sequences(c, 10, 0).ok());

@@ -210,13 +210,17 @@ int footprint_fit(const ModelConfig& config, const Args& args) {
                               {"sliding_bytes", fit->sliding_bytes},
                               {"full_bytes", fit->full_bytes},
                               {"sequence_bytes", fit->sequence_bytes},
-                              {"sequences", fit->sequences}};
+                              {"sequences", fit->sequences},
+                              {"capped", fit->capped}};
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
   std::printf("model %s: %s sequences of %s tokens fit in %s\n", config.name.c_str(),
               with_commas(fit->sequences).c_str(), with_commas(fit->length).c_str(),
               format_bytes(fit->memory_bytes).c_str());
+  if (fit->capped)
+    std::printf("  (the memory holds more; a store holds at most %s sequences)\n",
+                with_commas(kMaxFootprintSlots).c_str());
   std::printf("  one sequence         %s\n", format_bytes(fit->sequence_bytes).c_str());
   std::printf("  sliding rings        %s\n", format_bytes(fit->sliding_bytes).c_str());
   std::printf("  full blocks          %s  (blocks of %lld rows)\n",

@@ -45,6 +45,9 @@ struct SequenceFit {
   std::int64_t full_bytes = 0;      // one sequence's blocks
   std::int64_t sequence_bytes = 0;
   std::int64_t sequences = 0;
+  // The memory holds more, but a store holds at most kMaxFootprintSlots
+  // sequences: `sequences` is that bound.
+  bool capped = false;
 };
 Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length,
                                   std::int64_t memory_bytes, std::int64_t block_rows = 0,

@@ -165,6 +165,61 @@ Result<std::int64_t> int_field(const json& j, const char* field, bool required,
                       describe(*it));
 }
 
+std::string model_type(const json& root, const json& j) {
+  for (const json* o : {&j, &root})
+    if (auto it = o->find("model_type"); it != o->end() && it->is_string()) return it->get<std::string>();
+  return "";
+}
+
+// What use_sliding_window says: absent (or null), true or false.
+enum class Sliding { kUnsaid, kOn, kOff };
+Sliding uses_sliding_window(const json& j) {
+  auto it = j.find("use_sliding_window");
+  if (it == j.end() || !it->is_boolean()) return Sliding::kUnsaid;
+  return it->get<bool>() ? Sliding::kOn : Sliding::kOff;
+}
+
+// Models whose sliding_window, given alone, applies to every layer.
+bool every_layer_slides(const json& root, const json& j) {
+  const std::string type = model_type(root, j);
+  return type == "mistral" || type == "mixtral" || type == "phi3" || type == "starcoder2";
+}
+
+bool set(const json& j, const char* field) {
+  auto it = j.find(field);
+  return it != j.end() && !it->is_null();
+}
+
+// Attention the store's kernels do not compute (they take softmax(q . k /
+// sqrt(head_dim)) over a row's visible positions, docs/DESIGN.md): a config
+// that asks for it is refused, naming the field, rather than cached and
+// attended as if it did not.
+Status check_attention_features(const json& j, std::int64_t head_dim) {
+  if (set(j, "attn_logit_softcapping") &&
+      !(j["attn_logit_softcapping"].is_number() && j["attn_logit_softcapping"].get<double>() == 0.0))
+    return config_error("attn_logit_softcapping = " + describe(j["attn_logit_softcapping"]) +
+                        ": the store's attention has no logit soft-capping");
+  if (set(j, "query_pre_attn_scalar")) {
+    const json& q = j["query_pre_attn_scalar"];
+    if (!q.is_number() || q.get<double>() != static_cast<double>(head_dim))
+      return config_error("query_pre_attn_scalar = " + describe(q) + " is not head_dim = " +
+                          std::to_string(head_dim) +
+                          ": the store's attention scales scores by 1/sqrt(head_dim) (scale the queries "
+                          "by sqrt(head_dim / query_pre_attn_scalar) and give head_dim here)");
+  }
+  if (set(j, "attention_chunk_size"))
+    return config_error("attention_chunk_size = " + describe(j["attention_chunk_size"]) +
+                        ": the store has no chunked local attention (its layers are sliding or full)");
+  if (set(j, "kv_lora_rank"))
+    return config_error("kv_lora_rank = " + describe(j["kv_lora_rank"]) +
+                        ": multi-head latent attention caches a latent, not K and V heads");
+  if (set(j, "v_head_dim") && !(j["v_head_dim"].is_number() && j["v_head_dim"].get<double>() ==
+                                                                      static_cast<double>(head_dim)))
+    return config_error("v_head_dim = " + describe(j["v_head_dim"]) + " is not head_dim = " +
+                        std::to_string(head_dim) + ": the store's K and V heads are one width");
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
@@ -206,6 +261,12 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     if (!hidden) return hidden.error();
     if (*hidden == -1)
       return config_error("missing field 'head_dim' (and no 'hidden_size' to derive it from)");
+    // Gemma's heads are not hidden_size / num_attention_heads wide (Gemma 3
+    // 12B: 3840 / 16 = 240, its head_dim 256); its configs may leave
+    // head_dim to a library default, which is not this file's to guess.
+    if (model_type(root, j).starts_with("gemma"))
+      return config_error("missing field 'head_dim': a Gemma model's head_dim is not hidden_size / "
+                          "num_attention_heads; give it (256 for Gemma 2 and 3 except Gemma 3 27B: 128)");
     KVRING_RETURN_IF_ERROR(check_range("hidden_size", *hidden, 1, kMaxHiddenSize));
     if (*hidden % c.n_heads != 0)
       return config_error("hidden_size = " + std::to_string(*hidden) +
@@ -226,6 +287,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     if (!vocab) return vocab.error();
     KVRING_RETURN_IF_ERROR(check_range("vocab_size", *vocab, 1, kMaxVocabSize));
   }
+
+  KVRING_RETURN_IF_ERROR(check_attention_features(j, c.head_dim));
 
   auto max_pos = int_field(j, "max_position_embeddings", true);
   if (!max_pos) return max_pos.error();
@@ -267,10 +330,25 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     for (std::int64_t l = 0; l < c.n_layers; ++l)
       c.layer_kinds.push_back((l + 1) % *pattern == 0 ? LayerKind::kFullNope
                                                       : LayerKind::kSlidingRope);
+  } else if (c.sliding_window > 0 && uses_sliding_window(j) == Sliding::kOff) {
+    // Qwen2's configs name a window that no layer uses.
+    c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
+  } else if (c.sliding_window > 0 && j.contains("max_window_layers") && !j["max_window_layers"].is_null()) {
+    if (uses_sliding_window(j) != Sliding::kOn)
+      return config_error("max_window_layers is set but 'use_sliding_window' is not true");
+    // Qwen2: layers from max_window_layers on slide, those before are full.
+    auto first = int_field(j, "max_window_layers", true);
+    if (!first) return first.error();
+    KVRING_RETURN_IF_ERROR(check_range("max_window_layers", *first, 0, c.n_layers));
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      c.layer_kinds.push_back(l >= *first ? LayerKind::kSlidingRope : LayerKind::kFullNope);
+  } else if (c.sliding_window > 0 && (uses_sliding_window(j) == Sliding::kOn || every_layer_slides(root, j))) {
+    // Mistral, Mixtral, Phi-3, Starcoder2: the window applies to every layer.
+    c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kSlidingRope);
   } else if (c.sliding_window > 0) {
     return config_error(
-        "sliding_window is set but neither 'layer_types' nor 'sliding_window_pattern' "
-        "says which layers slide");
+        "sliding_window is set but neither 'layer_types', 'sliding_window_pattern', "
+        "'use_sliding_window' nor the model_type says which layers slide");
   } else {
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
   }
@@ -278,6 +356,10 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
                                                 !j["sliding_window"].is_null()))
     return config_error("missing field 'sliding_window' (the config has sliding layers)");
   KVRING_RETURN_IF_ERROR(c.validate());
+  // A window no layer uses is no part of the geometry (once checked as a
+  // field): two all-full configs of the same shapes give interchangeable
+  // caches and one fingerprint.
+  if (c.count(LayerKind::kSlidingRope) == 0) c.sliding_window = 0;
   return c;
 }
 

@@ -64,6 +64,10 @@ Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length
   fit.full_bytes = config.count(LayerKind::kFullNope) * blocks * o->block_rows * row_bytes;
   fit.sequence_bytes = fit.sliding_bytes + fit.full_bytes;
   fit.sequences = memory_bytes / fit.sequence_bytes;
+  if (fit.sequences > kMaxFootprintSlots) {
+    fit.sequences = kMaxFootprintSlots;
+    fit.capped = true;
+  }
   return fit;
 }
 
