@@ -46,7 +46,7 @@ std::vector<double> reference(const ModelConfig& c, LayerKind kind, const Data& 
       for (std::int64_t e = 0; e < hd; ++e)
         dot += static_cast<double>(d.qrow(p)[h * hd + e]) *
                f16_to_f32(f32_to_f16(d.krow(j)[g * hd + e]));
-      s.push_back(dot / std::sqrt(static_cast<double>(hd)));
+      s.push_back(dot / std::sqrt(c.score_scale_dim()));
       m = std::max(m, s.back());
     }
     double sum = 0;
@@ -116,6 +116,34 @@ std::vector<float> run_stream(const ModelConfig& c, std::int64_t layer, const Da
     p += m;
   }
   return out;
+}
+
+// A score scale other than 1/sqrt(head_dim) (query_pre_attn_scalar, Gemma 3
+// 27B's 168 at head_dim 128): decode and prefill follow it, under both
+// numerics, on every path, and the outputs are not the usual scale's.
+TEST(Attention, TheScoreScaleFollowsQueryPreAttnScalar) {
+  ModelConfig c = make_hybrid_config("scaled", 2, 2, 16, 2, 128, 33, 256);
+  ModelConfig usual = c;
+  c.query_pre_attn_scalar = 168;
+  ASSERT_TRUE(c.validate().ok());
+  const std::int64_t n = 70;
+  Data d(c, n, 41);
+  for (const AttentionNumeric numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
+    SCOPED_TRACE(numeric == AttentionNumeric::kF32 ? "f32" : "f16");
+    for (std::int64_t l = 0; l < 2; ++l) {
+      const std::vector<float> decoded = run_stream(c, l, d, n, 1, {.attention = numeric});
+      const std::vector<float> prefilled = run_stream(c, l, d, n, 16, {.attention = numeric});
+      EXPECT_EQ(decoded, prefilled) << "layer " << l;
+      const std::vector<float> other = run_stream(usual, l, d, n, 1, {.attention = numeric});
+      double worst = 0, moved = 0;
+      for (std::int64_t p = 0; p < n; ++p) {
+        worst = std::max(worst, rel_error(decoded.data() + p * d.q_dim, reference(c, c.kind(l), d, p)));
+        moved = std::max(moved, rel_error(other.data() + p * d.q_dim, reference(c, c.kind(l), d, p)));
+      }
+      EXPECT_LT(worst, numeric == AttentionNumeric::kF32 ? 1e-5 : 2e-3) << "layer " << l;
+      EXPECT_GT(moved, 1e-3) << "layer " << l << ": the usual scale gives the same outputs";
+    }
+  }
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {

@@ -80,6 +80,33 @@ if(NOT f4 STREQUAL f1)
   message(FATAL_ERROR "the resumed f16 run differs from the run that never stopped:\n${f4}\n${f1}")
 endif()
 run_fail("--attention comes from the pack" --resume ${WORK}/f16.kvpack --attention f32)
+
+# A score scale other than 1/sqrt(head_dim) (query_pre_attn_scalar): its own
+# bits, the same for any chunking, and a saved session resumes under it.
+set(scaled_config ${WORK}/window32-scaled.json)
+file(WRITE ${scaled_config} [=[
+{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 32, "max_position_embeddings": 1024, "sliding_window_pattern": 4,
+ "query_pre_attn_scalar": 24}
+]=])
+set(scaled --config ${scaled_config} --hidden 32 --vocab 64 --prompt-tokens 100 --backend cpu)
+run_json(s1 ${scaled} --tokens 120 --chunk 1)
+run_json(s2 ${scaled} --tokens 120 --chunk 7)
+if(NOT s1 STREQUAL s2)
+  message(FATAL_ERROR "scaled summaries differ across chunkings:\n${s1}\n${s2}")
+endif()
+if(s1 STREQUAL a)
+  message(FATAL_ERROR "query_pre_attn_scalar 24 gave the usual scale's summary")
+endif()
+execute_process(COMMAND ${KVRING} run ${scaled} --tokens 110 --chunk 7 --save ${WORK}/scaled.kvpack
+                RESULT_VARIABLE rc ERROR_VARIABLE err OUTPUT_QUIET)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "saving a scaled run: ${err}")
+endif()
+run_json(s3 --resume ${WORK}/scaled.kvpack --tokens 120 --backend cpu)
+if(NOT s3 STREQUAL s1)
+  message(FATAL_ERROR "the resumed scaled run differs from the run that never stopped:\n${s3}\n${s1}")
+endif()
 run_fail("--attention: unknown attention numeric 'fp8'" ${common} --attention fp8)
 run_fail("--attention does not go with --handoff-to" ${half} --attention f16 --handoff-to 127.0.0.1:1)
 

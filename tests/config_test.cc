@@ -109,7 +109,6 @@ TEST(HfConfig, AttentionTheStoreDoesNotComputeIsRefused) {
   const std::string base = R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
     "max_position_embeddings": 4096, "sliding_window": 512, "sliding_window_pattern": 2, )";
   expect_error(base + R"("head_dim": 128, "attn_logit_softcapping": 50.0})", "attn_logit_softcapping = 50.0");
-  expect_error(base + R"("head_dim": 128, "query_pre_attn_scalar": 168})", "query_pre_attn_scalar = 168");
   expect_error(base + R"("head_dim": 128, "attention_chunk_size": 8192})", "attention_chunk_size = 8192");
   expect_error(base + R"("head_dim": 192, "kv_lora_rank": 512})", "kv_lora_rank = 512");
   expect_error(base + R"("head_dim": 192, "v_head_dim": 128})", "v_head_dim = 128");
@@ -118,6 +117,28 @@ TEST(HfConfig, AttentionTheStoreDoesNotComputeIsRefused) {
     auto c = parse_hf_config(base + fine);
     EXPECT_TRUE(c.ok()) << fine << ": " << c.error().to_string();
   }
+}
+
+// query_pre_attn_scalar sets the score scale (Gemma 3 27B: 168 at head_dim
+// 128), which is no part of the geometry; equal to head_dim it is the usual
+// scale, recorded as 0.
+TEST(HfConfig, QueryPreAttnScalarSetsTheScoreScale) {
+  const std::string base = R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "sliding_window": 512, "sliding_window_pattern": 2, "head_dim": 128)";
+  auto plain = parse_hf_config(base + "}");
+  auto scaled = parse_hf_config(base + R"(, "query_pre_attn_scalar": 168})");
+  auto same = parse_hf_config(base + R"(, "query_pre_attn_scalar": 128.0})");
+  ASSERT_TRUE(plain.ok() && scaled.ok() && same.ok());
+  EXPECT_EQ(plain->score_scale_dim(), 128.0);
+  EXPECT_EQ(scaled->query_pre_attn_scalar, 168.0);
+  EXPECT_EQ(scaled->score_scale_dim(), 168.0);
+  EXPECT_EQ(same->query_pre_attn_scalar, 0.0);
+  EXPECT_EQ(scaled->fingerprint(), plain->fingerprint());
+  for (const char* bad : {"0", "-4", "\"168\"", "2e9", "true"})
+    expect_error(base + R"(, "query_pre_attn_scalar": )" + bad + "}", "query_pre_attn_scalar");
+  ModelConfig c = *plain;
+  c.query_pre_attn_scalar = -1;
+  EXPECT_FALSE(c.validate().ok());
 }
 
 // Which layers a window covers, as Hugging Face's configs say it: not at all

@@ -62,6 +62,13 @@ Geometry geometry(std::string name, std::int64_t layers, std::int64_t full_every
   return g;
 }
 
+// g with scores scaled by 1/sqrt(scalar) (query_pre_attn_scalar).
+Geometry scaled(Geometry g, double scalar) {
+  g.config.query_pre_attn_scalar = scalar;
+  g.config.name += "-scaled";
+  return g;
+}
+
 std::vector<Geometry> f32_geometries() {
   std::vector<Geometry> g = {
       // The general kernel: head_dim 1 (a group of 3) with a full layer past
@@ -78,6 +85,10 @@ std::vector<Geometry> f32_geometries() {
       // full), 32 and 64 (4 and 8 sets), 1024 (128 sets).
       geometry("tc-group1", 2, 2, 4, 4, 128, 100, 1200, 16, {1100, 60}, 200),
       geometry("tc-group2", 2, 2, 4, 2, 128, 17, 700, 32, {650, 5}, 100),
+      // Gemma 3 27B's score scale (query_pre_attn_scalar 168, head_dim 128),
+      // on the tensor-core kernels and the general one.
+      scaled(geometry("tc-group8", 2, 2, 16, 2, 128, 300, 2500, 16, {2300, 90}, 300), 168),
+      scaled(geometry("hd96", 2, 2, 4, 2, 96, 40, 300, 16, {250, 30}, 64), 50.5),
       geometry("tc-group3", 2, 2, 6, 2, 128, 300, 700, 64, {690, 130}, 150),
       geometry("tc-group32", 2, 2, 32, 1, 128, 64, 600, 16, {520, 30}, 128),
       geometry("tc-group64", 2, 2, 128, 2, 128, 64, 300, 16, {260, 9}, 64),
@@ -233,6 +244,7 @@ TEST(CudaGeometry, F16NumericAtGroupsOf1To64AgreesWithTheCpuBackend) {
       // tile row by row).
       geometry("f16-group1", 2, 2, 1, 1, 128, 64, 2200, 16, {2100, 40}, 300),
       geometry("f16-group3", 2, 2, 6, 2, 128, 100, 400, 32, {350, 70}, 100),
+      scaled(geometry("f16-group8", 2, 2, 16, 2, 128, 300, 2500, 16, {2300, 90}, 300), 168),
       // A tile of one query, of 64 and of 48 (query, head) rows.
       geometry("f16-group64", 2, 2, 64, 1, 128, 40, 200, 16, {150, 20}, 64),
       geometry("f16-group48", 2, 2, 48, 1, 128, 40, 200, 32, {150, 20}, 64),

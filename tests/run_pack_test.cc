@@ -67,6 +67,46 @@ TEST(RunPack, RunRecordsCarryTheAttentionNumeric) {
   EXPECT_NE(bad.error().message.find("'attention' must be a string"), std::string::npos) << bad.error().message;
 }
 
+// The score scale travels in the record (absent: the usual scale): a
+// resumed session of a scaled config attends as the session that never
+// stopped.
+TEST(RunPack, RunRecordsCarryTheScoreScale) {
+  ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
+  c.query_pre_attn_scalar = 37;
+  const ModelOptions options{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 4};
+  auto model = ReferenceModel::create(c, options);
+  ASSERT_TRUE(model.ok());
+  auto cache = make_cpu_cache(c);
+  ASSERT_TRUE(cache.ok());
+  Session s(*model, std::move(*cache));
+  const std::vector<std::int32_t> tokens = seeded_tokens(45, 50, 1);
+  ASSERT_TRUE(s.feed({tokens.begin(), tokens.begin() + 40}, 7).ok());
+  RunRecord r{c.name, c.rope_theta, options, 1, 40, 7, s.last_logits()};
+  r.query_pre_attn_scalar = c.query_pre_attn_scalar;
+  const std::string path = ::testing::TempDir() + "/run_pack_scaled.kvpack";
+  ASSERT_TRUE(save_run(s, r, path, "").ok());
+  auto resumed = resume_run(path, "", BackendKind::kCpu, 0);
+  ASSERT_TRUE(resumed.ok()) << resumed.error().to_string();
+  EXPECT_EQ(resumed->session.model().config().query_pre_attn_scalar, 37.0);
+  const std::vector<std::int32_t> rest(tokens.begin() + 40, tokens.end());
+  ASSERT_TRUE(s.feed(rest, 7).ok());
+  ASSERT_TRUE(resumed->session.feed(rest, 7).ok());
+  EXPECT_EQ(resumed->session.last_logits(), s.last_logits());
+
+  nlohmann::json j = nlohmann::json::parse(encode_run_record(r));
+  EXPECT_EQ(j["query_pre_attn_scalar"], 37.0);
+  j.erase("query_pre_attn_scalar");
+  auto plain = decode_run_record(j.dump(), "p.kvpack");
+  ASSERT_TRUE(plain.ok()) << plain.error().message;
+  EXPECT_EQ(plain->query_pre_attn_scalar, 0.0);
+  for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json(-3.0), nlohmann::json("37"), nlohmann::json(4e9)}) {
+    j["query_pre_attn_scalar"] = bad;
+    auto refused = decode_run_record(j.dump(), "p.kvpack");
+    ASSERT_FALSE(refused.ok()) << bad.dump();
+    EXPECT_NE(refused.error().message.find("query_pre_attn_scalar"), std::string::npos) << refused.error().message;
+  }
+}
+
 // A record that could only be served wrongly (a RoPE base of 0 or less),
 // or whose text would cost far more to parse than a record can hold, is
 // refused by decode_run_record itself, for resume and handoff alike.

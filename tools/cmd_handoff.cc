@@ -215,7 +215,11 @@ class ServeTarget final : public handoff::HandoffTarget {
   Status begin(const Snapshot& header) override {
     auto served = check_served(header, tokens_);
     if (!served) return served.error();
-    KVRING_RETURN_IF_ERROR(inner_.begin(header));
+    // The cache attends with the run's score scale, which the geometry in
+    // the header does not carry.
+    Snapshot scaled = header;
+    scaled.config.query_pre_attn_scalar = served->record.query_pre_attn_scalar;
+    KVRING_RETURN_IF_ERROR(inner_.begin(scaled));
     served_ = std::move(*served);
     return Status::Ok();
   }
@@ -319,6 +323,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
   ModelConfig config = header.config;
   config.name = record->model;
   config.rope_theta = record->rope_theta;
+  config.query_pre_attn_scalar = record->query_pre_attn_scalar;
   auto cache = target.take();
   const std::int64_t context = cache->context();
   auto model = ReferenceModel::create(config, record->options);
@@ -400,8 +405,9 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
   header.context = session.cache().context();
   header.token_count = rows_tokens;
   header.token_ids.assign(prompt.begin(), prompt.begin() + rows_tokens);
-  auto meta = nlohmann::json::parse(
-      encode_run_record(RunRecord{config.name, config.rope_theta, o.model, o.seed, o.prompt_tokens, o.chunk, {}}));
+  RunRecord record{config.name, config.rope_theta, o.model, o.seed, o.prompt_tokens, o.chunk, {}};
+  record.query_pre_attn_scalar = config.query_pre_attn_scalar;
+  auto meta = nlohmann::json::parse(encode_run_record(record));
   meta[kNextTokenKey] = prompt.back();
   header.metadata = meta.dump();
   for (const auto& lp : timeline->payload.layers) {

@@ -224,9 +224,10 @@ int cmd_run(const std::vector<std::string>& argv) {
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   std::string saved;
   if (!o.save.empty()) {
-    auto line = save_run(session, RunRecord{config->name, config->rope_theta, o.model, o.seed,
-                                            o.prompt_tokens, o.chunk, session.last_logits(), o.attention},
-                         o.save, o.store);
+    RunRecord record{config->name,  config->rope_theta,     o.model,    o.seed,
+                     o.prompt_tokens, o.chunk, session.last_logits(), o.attention};
+    record.query_pre_attn_scalar = config->query_pre_attn_scalar;
+    auto line = save_run(session, record, o.save, o.store);
     if (!line) return fail(line.error());
     saved = *line;
   }

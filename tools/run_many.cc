@@ -69,6 +69,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
         attention = r->record.attention;
       } else if (r->session.model().config().fingerprint() != config.fingerprint() ||
                  r->session.model().config().rope_theta != config.rope_theta ||
+                 r->session.model().config().query_pre_attn_scalar != config.query_pre_attn_scalar ||
                  r->record.options.hidden != model_options.hidden ||
                  r->record.options.vocab != model_options.vocab ||
                  r->record.options.mlp != model_options.mlp ||
@@ -193,10 +194,10 @@ int run_many(const RunOptions& o, BackendKind backend) {
   std::vector<std::string> saved;
   for (std::int64_t i = 0; i < n && !o.save.empty(); ++i) {
     const Member& m = members[static_cast<std::size_t>(i)];
-    auto line = save_sequence(kv, m.seq, m.tokens,
-                              RunRecord{config.name, config.rope_theta, model_options, m.seed,
-                                        m.prompt_tokens, chunk, m.last_logits, attention},
-                              indexed_path(o.save, i), o.store);
+    RunRecord record{config.name, config.rope_theta, model_options, m.seed, m.prompt_tokens, chunk,
+                     m.last_logits, attention};
+    record.query_pre_attn_scalar = config.query_pre_attn_scalar;
+    auto line = save_sequence(kv, m.seq, m.tokens, record, indexed_path(o.save, i), o.store);
     if (!line) return fail(line.error());
     saved.push_back(*line);
   }

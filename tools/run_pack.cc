@@ -80,6 +80,7 @@ std::string encode_run_record(const RunRecord& r) {
   j["prompt_tokens"] = r.prompt_tokens;
   j["chunk"] = r.chunk;
   j["attention"] = attention_numeric_name(r.attention);
+  if (r.query_pre_attn_scalar > 0) j["query_pre_attn_scalar"] = r.query_pre_attn_scalar;
   j["last_logits_f32le"] = logits_hex(r.last_logits);
   return j.dump();
 }
@@ -199,6 +200,13 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
     if (!numeric) return invalid_argument(where + "field 'attention': " + numeric.error().message);
     r.attention = *numeric;
   }
+  if (j.contains("query_pre_attn_scalar")) {
+    KVRING_RETURN_IF_ERROR(need("query_pre_attn_scalar", &J::is_number, "a number"));
+    r.query_pre_attn_scalar = j["query_pre_attn_scalar"].get<double>();
+    if (!(r.query_pre_attn_scalar > 0) || !(r.query_pre_attn_scalar <= kMaxScoreScaleDim))
+      return invalid_argument(where + "field 'query_pre_attn_scalar' must be a number in (0, 2^30], got " +
+                              shown(j["query_pre_attn_scalar"]));
+  }
   // The reference model's bounds, checked here so that nothing is built for
   // a record that cannot be served.
   auto range = [&](const char* field, std::int64_t v, std::int64_t lo, std::int64_t hi) -> Status {
@@ -305,11 +313,12 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   if (!store) return store.error();
   auto snapshot = read_pack(**src, {.store = store->get()});
   if (!snapshot) return snapshot.error();
-  // The geometry comes from the pack; the name and RoPE base, which the
-  // fingerprint does not cover, from the run record.
+  // The geometry comes from the pack; the name, RoPE base and score scale,
+  // which the fingerprint does not cover, from the run record.
   ModelConfig config = m->header.config;
   config.name = record->model;
   config.rope_theta = record->rope_theta;
+  config.query_pre_attn_scalar = record->query_pre_attn_scalar;
   auto named = [&](const Error& e) -> Error {
     Error out = e;
     out.message = path + ": " + model_name + ": " + e.message;
@@ -317,9 +326,9 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   };
   auto model = ReferenceModel::create(config, record->options);
   if (!model) return named(model.error());
-  // The snapshot's geometry under the record's name, so that what the
-  // restore says of the model names it.
-  snapshot->config.name = config.name;
+  // The snapshot's geometry with the record's name (what the restore says
+  // of the model names it) and score scale (the cache attends with it).
+  snapshot->config = config;
   auto cache = restore_detached(*snapshot, backend, context, record->attention);
   if (!cache) return named(cache.error());
   auto session = Session::resume(*model, std::move(*cache), snapshot->token_ids, record->last_logits);

@@ -38,6 +38,9 @@ struct RunRecord {
   // The store's attention numeric (absent in records written before it
   // existed: f32).
   AttentionNumeric attention = AttentionNumeric::kF32;
+  // ModelConfig::query_pre_attn_scalar of the run (absent: 0, the usual
+  // 1/sqrt(head_dim)); like rope_theta, no part of a pack's geometry.
+  double query_pre_attn_scalar = 0;
 };
 
 std::string encode_run_record(const RunRecord& record);

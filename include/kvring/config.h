@@ -32,6 +32,8 @@ inline constexpr std::int64_t kMaxKvDim = 65536;
 // hidden_size (for head_dim when absent) and vocab_size.
 inline constexpr std::int64_t kMaxHiddenSize = 65536;
 inline constexpr std::int64_t kMaxVocabSize = std::int64_t{1} << 20;
+// query_pre_attn_scalar's bound (a score scale of at least 2^-15).
+inline constexpr double kMaxScoreScaleDim = 1073741824.0;
 // Every plane holds at least this many rows (docs/DESIGN.md, "Memory").
 inline constexpr std::int64_t kMinPlaneRows = 32;
 
@@ -45,6 +47,13 @@ struct ModelConfig {
   std::int64_t max_context = 0;
   std::vector<LayerKind> layer_kinds;  // one per layer
   double rope_theta = 10000.0;         // used by the reference model only
+  // Attention scores are q . k / sqrt(query_pre_attn_scalar) (0: head_dim,
+  // the usual scale; Gemma 3 27B: 168 with head_dim 128). The attention's,
+  // not the cache's: no part of the fingerprint.
+  double query_pre_attn_scalar = 0;
+  double score_scale_dim() const {
+    return query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim);
+  }
 
   std::int64_t kv_dim() const { return n_kv_heads * head_dim; }
   std::int64_t gqa_group() const { return n_heads / n_kv_heads; }
@@ -60,8 +69,9 @@ struct ModelConfig {
   // Checks every field; the error names the field.
   Status validate() const;
 
-  // SHA-256 over a canonical encoding of the geometry (not the name, not
-  // rope_theta): equal fingerprints mean caches are interchangeable.
+  // SHA-256 over a canonical encoding of the geometry (not the name,
+  // rope_theta or query_pre_attn_scalar): equal fingerprints mean caches
+  // are interchangeable.
   std::array<std::uint8_t, 32> fingerprint() const;
   std::string fingerprint_hex() const;
 };

@@ -76,6 +76,9 @@ Status ModelConfig::validate() const {
     KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 1, kMaxContext));
   else
     KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 0, kMaxContext));
+  if (!(query_pre_attn_scalar == 0 || (query_pre_attn_scalar > 0 && query_pre_attn_scalar <= kMaxScoreScaleDim)))
+    return config_error("query_pre_attn_scalar = " + std::to_string(query_pre_attn_scalar) + " outside (0, " +
+                        std::to_string(static_cast<std::int64_t>(kMaxScoreScaleDim)) + "]");
   return Status::Ok();
 }
 
@@ -191,7 +194,7 @@ bool set(const json& j, const char* field) {
 }
 
 // Attention the store's kernels do not compute (they take softmax(q . k /
-// sqrt(head_dim)) over a row's visible positions, docs/DESIGN.md): a config
+// sqrt(query_pre_attn_scalar)) over a row's visible positions, docs/DESIGN.md): a config
 // that asks for it is refused, naming the field, rather than cached and
 // attended as if it did not.
 Status check_attention_features(const json& j, std::int64_t head_dim) {
@@ -199,14 +202,6 @@ Status check_attention_features(const json& j, std::int64_t head_dim) {
       !(j["attn_logit_softcapping"].is_number() && j["attn_logit_softcapping"].get<double>() == 0.0))
     return config_error("attn_logit_softcapping = " + describe(j["attn_logit_softcapping"]) +
                         ": the store's attention has no logit soft-capping");
-  if (set(j, "query_pre_attn_scalar")) {
-    const json& q = j["query_pre_attn_scalar"];
-    if (!q.is_number() || q.get<double>() != static_cast<double>(head_dim))
-      return config_error("query_pre_attn_scalar = " + describe(q) + " is not head_dim = " +
-                          std::to_string(head_dim) +
-                          ": the store's attention scales scores by 1/sqrt(head_dim) (scale the queries "
-                          "by sqrt(head_dim / query_pre_attn_scalar) and give head_dim here)");
-  }
   if (set(j, "attention_chunk_size"))
     return config_error("attention_chunk_size = " + describe(j["attention_chunk_size"]) +
                         ": the store has no chunked local attention (its layers are sliding or full)");
@@ -289,6 +284,13 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   }
 
   KVRING_RETURN_IF_ERROR(check_attention_features(j, c.head_dim));
+  if (set(j, "query_pre_attn_scalar")) {
+    const json& q = j["query_pre_attn_scalar"];
+    if (!q.is_number() || !(q.get<double>() > 0) || !(q.get<double>() <= kMaxScoreScaleDim))
+      return config_error("query_pre_attn_scalar = " + describe(q) + " must be a number in (0, 2^30]");
+    // Equal to head_dim: the usual scale, recorded as such.
+    if (q.get<double>() != static_cast<double>(c.head_dim)) c.query_pre_attn_scalar = q.get<double>();
+  }
 
   auto max_pos = int_field(j, "max_position_embeddings", true);
   if (!max_pos) return max_pos.error();

@@ -774,7 +774,7 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
   const std::int64_t G = shape.n_heads / shape.n_kv_heads;
   const std::int64_t Gp = round_up(G, 8);
   const std::int64_t n_kv = shape.n_kv_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(shape.scale_dim));
   const Kernels& K = kernels_for(attention_isa(), hd);
   // One split's partial: m[Gp], l[Gp], o[G * hd].
   const std::int64_t stride = 2 * Gp + G * hd;
@@ -855,7 +855,7 @@ void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionSh
   const std::int64_t G = shape.n_heads / shape.n_kv_heads;
   const std::int64_t Gp = round_up(G, 8);
   const std::int64_t n_kv = shape.n_kv_heads;
-  const float scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(hd)));
+  const float scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(shape.scale_dim));
   const Kernels& K = kernels_for(attention_isa(), hd);
   const std::int64_t work = n_queries * shape.n_heads * hd * 2 *
                             (shape.window > 0 ? shape.window : first_position + n_queries);

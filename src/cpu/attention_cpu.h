@@ -37,6 +37,7 @@ struct AttentionShape {
   std::int64_t n_kv_heads;
   std::int64_t head_dim;
   std::int64_t window;  // 0: full attention
+  double scale_dim;     // scores are q . k / sqrt(scale_dim) (ModelConfig::score_scale_dim)
 };
 
 // Rows of one split of a query's visible range of `rows` rows: a function
@@ -58,7 +59,7 @@ AttentionIsa attention_isa();
 bool set_attention_isa(AttentionIsa isa);
 
 // For each query i (logical position first_position + i) and head h:
-// softmax(scale * q . K[lo..p]) . V[lo..p] with rows before chunk_start read
+// softmax(q . K[lo..p] / sqrt(scale_dim)) . V[lo..p] with rows before chunk_start read
 // from `plane` through `ring` and rows from chunk_start on from the chunk.
 // Each task reads one split of one KV head's rows once for all the query
 // heads of its group; each split reduces its rows in increasing logical
@@ -75,7 +76,7 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
 // The f16 numeric (AttentionNumeric::kF16), same arguments as attend: per
 // query head, the query scaled by 2^k (its largest magnitude into
 // [2^14, 2^15)) and rounded to f16; s the f32 dot products with the f16
-// rows and c = 2^-k log2(e) / sqrt(head_dim); rows in splits of
+// rows and c = 2^-k log2(e) / sqrt(scale_dim); rows in splits of
 // kF16AttendSplitRows and tiles of kF16AttendTile at multiples of those
 // positions, each tile one step of the online softmax: m the running
 // maximum of s, weights exp2(fma(s, c, -m c)) rounded to f16, their f32

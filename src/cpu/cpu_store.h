@@ -102,7 +102,7 @@ class CpuStore : public KvStore {
     const std::int64_t width = config_.n_heads * config_.head_dim;
     const bool sliding = full_index(b.layer) < 0;
     const cpu::AttentionShape shape{config_.n_heads, config_.n_kv_heads, config_.head_dim,
-                                    sliding ? config_.sliding_window : 0};
+                                    sliding ? config_.sliding_window : 0, config_.score_scale_dim()};
     std::vector<std::uint16_t> ck, cv;
     std::vector<float> q;
     for (const AttendItem& it : b.items) {

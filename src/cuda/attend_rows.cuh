@@ -17,7 +17,7 @@
 // boundary is a function of the query's logical range alone (kernels.h).
 //
 // Numerics: f32 scores, softmax and accumulation, exp2 with the scale
-// log2(e)/sqrt(head_dim) folded into the scores.
+// log2(e)/sqrt(score_scale_dim) folded into the scores.
 #pragma once
 
 #include <cmath>

@@ -1052,7 +1052,7 @@ void CudaStore::launch_params(const AttendBatch& b, const float* dq, std::int64_
   P.head_dim = static_cast<std::int32_t>(config_.head_dim);
   P.kv_dim = static_cast<std::int32_t>(kv_dim);
   P.window = full ? 0 : config_.sliding_window;
-  P.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(config_.head_dim)));
+  P.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(config_.score_scale_dim()));
 }
 
 // The f32 numeric's launches (kernels.h, "Attention").

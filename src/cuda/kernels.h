@@ -332,7 +332,7 @@ struct AttendParams {
   std::int32_t head_dim = 0;
   std::int32_t kv_dim = 0;
   std::int64_t window = 0;  // 0: full attention
-  float scale_log2 = 0;     // log2(e) / sqrt(head_dim)
+  float scale_log2 = 0;     // log2(e) / sqrt(ModelConfig::score_scale_dim())
   // Split and group partials and arrival counters (AttendQueryItem's
   // ws_slot, ws_counter). Counters are zero between launches: the last CTA
   // to arrive at one resets it.
