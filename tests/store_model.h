@@ -51,6 +51,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -889,7 +890,8 @@ class Harness {
     if (r < 14) return op_remove();
     if (r < 17) return op_reset();
     if (r < 23) return op_fork();
-    if (r < 30) return op_truncate();
+    if (r < 27) return op_truncate();
+    if (r < 30) return op_truncate_to();
     if (r < 38) return op_store(false);
     if (r < 55) return op_store(true);
     if (r < 63) return op_prefill();
@@ -988,6 +990,70 @@ class Harness {
     for (std::int64_t l = 0; l < L(); ++l) {
       PlaneModel& p = s->planes[static_cast<std::size_t>(l)];
       p.next -= tokens;
+      p.k.resize(static_cast<std::size_t>(p.next));
+      p.v.resize(static_cast<std::size_t>(p.next));
+      if (full(l)) p.blocks.resize(static_cast<std::size_t>(ceil_div(p.next, opt_.block_rows)));
+    }
+  }
+
+  // The smallest position truncate_sequence_to takes: every layer that ends
+  // past it must hold it, and a sliding ring that dropped rows must still
+  // hold what a ring without slack holds there.
+  std::optional<std::int64_t> model_floor(const SeqModel& s) const {
+    std::int64_t floor = 0, ceiling = std::numeric_limits<std::int64_t>::max();
+    for (std::int64_t l = 0; l < L(); ++l) {
+      const PlaneModel& p = s.planes[static_cast<std::size_t>(l)];
+      const std::int64_t own =
+          !full(l) && p.origin > 0 ? p.origin + cfg_.plane_capacity(l, opt_.context) : p.origin;
+      floor = std::max(floor, std::min(own, p.next));
+      ceiling = std::min(ceiling, p.next);
+    }
+    if (floor > ceiling) return std::nullopt;
+    return floor;
+  }
+
+  // truncate_sequence_to, also on sequences whose layers stand at
+  // different positions (a per-layer store refused part-way), and
+  // rollback_floor against the model.
+  void op_truncate_to() {
+    const SeqId id = any_seq(5);
+    SeqModel* s = live(id);
+    std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = 0;
+    if (s != nullptr)
+      for (const PlaneModel& p : s->planes) lo = std::min(lo, p.next), hi = std::max(hi, p.next);
+    const std::optional<std::int64_t> floor = s != nullptr ? model_floor(*s) : std::nullopt;
+    const Result<std::int64_t> got = store_->rollback_floor(id);
+    if (s != nullptr && got.ok() != floor.has_value()) {
+      fail("rollback_floor " + name(id) + ": ok " + std::to_string(got.ok()) + " against the model");
+      return;
+    }
+    if (got.ok() && floor && *got != *floor) {
+      fail("rollback_floor " + name(id) + " = " + std::to_string(*got) + ", the model " + std::to_string(*floor));
+      return;
+    }
+    std::int64_t end = 0;
+    switch (uniform(0, 4)) {
+      case 0: end = floor.value_or(0); break;
+      case 1: end = floor.value_or(1) - 1; break;
+      case 2: end = s != nullptr ? lo : 0; break;
+      case 3: end = s != nullptr ? uniform(0, hi + 1) : 0; break;
+      default: end = -uniform(0, 2); break;
+    }
+    describe("truncate_sequence_to " + name(id) + " at " + std::to_string(end));
+    const StoreImage before = image();
+    bool expect = s != nullptr && end >= 0 && end <= lo;
+    for (std::int64_t l = 0; expect && l < L(); ++l) {
+      const PlaneModel& p = s->planes[static_cast<std::size_t>(l)];
+      if (full(l) || p.next == end) continue;
+      const std::int64_t need = std::max<std::int64_t>(0, end - cfg_.plane_capacity(l, opt_.context));
+      if (p.origin > need) expect = false;
+    }
+    const Status st = store_->truncate_sequence_to(id, end);
+    if (!outcome(st, expect, before, s == nullptr ? std::optional(ErrorCode::kNotFound) : std::nullopt) || !st.ok())
+      return;
+    for (std::int64_t l = 0; l < L(); ++l) {
+      PlaneModel& p = s->planes[static_cast<std::size_t>(l)];
+      p.next = end;
       p.k.resize(static_cast<std::size_t>(p.next));
       p.v.resize(static_cast<std::size_t>(p.next));
       if (full(l)) p.blocks.resize(static_cast<std::size_t>(ceil_div(p.next, opt_.block_rows)));

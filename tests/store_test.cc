@@ -479,7 +479,10 @@ TEST(Store, TruncateRollsBackWithinTheSlack) {
   Outputs out;
   run_batch(*s, {{1, SeqSpan{a, 0, 100}}}, out);  // the rings wrapped
   const auto before = live_bytes(*s, a);
-  // Past the slack on a wrapped ring, or past the start: refused, unchanged.
+  // The floor is the slack's 4 tokens back; past it, or past the start:
+  // refused, unchanged.
+  EXPECT_EQ(*s->rollback_floor(a), 96);
+  EXPECT_FALSE(s->truncate_sequence_to(a, 95).ok());
   EXPECT_FALSE(s->truncate_sequence(a, 5).ok());
   EXPECT_FALSE(s->truncate_sequence(a, 101).ok());
   EXPECT_FALSE(s->truncate_sequence(a, -1).ok());
@@ -502,6 +505,7 @@ TEST(Store, TruncateRollsBackWithinTheSlack) {
   const SeqId b = *s->add_sequence();
   const std::int64_t free_before = s->free_blocks();
   run_batch(*s, {{3, SeqSpan{b, 0, 20}}}, out);
+  EXPECT_EQ(*s->rollback_floor(b), 0);
   ASSERT_TRUE(s->truncate_sequence(b, 20).ok());
   EXPECT_EQ(*s->next_position(b), 0);
   EXPECT_EQ(s->free_blocks(), free_before);
@@ -532,6 +536,7 @@ TEST(Store, AStepRefusedPartWayIsRolledBackAcrossLayers) {
   ASSERT_LT(layers_done, c.n_layers);
   EXPECT_EQ(s->next_position(a).error().code, ErrorCode::kCacheDiscontinuity);
   EXPECT_EQ(s->truncate_sequence(a, 0).error().code, ErrorCode::kCacheDiscontinuity);
+  EXPECT_EQ(*s->rollback_floor(a), 0);
   // Past what a layer holds, or before 0: refused, nothing changed.
   const auto before = live_bytes(*s, a);
   const std::int64_t free_before = s->free_blocks();
@@ -554,6 +559,44 @@ TEST(Store, AStepRefusedPartWayIsRolledBackAcrossLayers) {
   run_batch(*t, {{9, SeqSpan{u, 0, 16}}}, solo);
   EXPECT_EQ(live_bytes(*s, a), live_bytes(*t, u));
   EXPECT_EQ(out, solo);
+}
+
+// Free slots leave out live and detached sequences; a slot comes back when
+// its sequence is removed.
+TEST(Store, FreeSlotsCountWhatAddSequenceCanTake) {
+  auto s = cpu_store(small_config(), {.max_sequences = 3});
+  EXPECT_EQ(s->free_slots(), 3);
+  const SeqId a = *s->add_sequence();
+  const SeqId d = *s->add_detached_sequence();
+  EXPECT_EQ(s->free_slots(), 1);
+  EXPECT_EQ(s->sequence_count(), 1);
+  ASSERT_TRUE(s->fork_sequence(a).ok());
+  EXPECT_EQ(s->free_slots(), 0);
+  EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kCapacityExceeded);
+  ASSERT_TRUE(s->remove_sequence(d).ok());
+  EXPECT_EQ(s->free_slots(), 1);
+}
+
+// blocks_to_store refuses what store refuses in any layer, not only the
+// full ones: a ring shorter than its window stops at the store's context
+// (20), where the full plane holds its 32 rows.
+TEST(Store, BlocksToStoreRefusesPastASlidingRingsLimit) {
+  auto s = cpu_store(small_config(/*window=*/64, /*max_context=*/256, /*n_layers=*/4),
+                     {.max_sequences = 1, .context = 20, .block_rows = 16});
+  ASSERT_EQ(s->position_limit(0), 20);
+  ASSERT_EQ(s->capacity(3), 32);
+  const SeqId a = *s->add_sequence();
+  const SeqSpan fits{a, 0, 20}, past{a, 0, 25};
+  EXPECT_EQ(*s->blocks_to_store({&fits, 1}), 2);
+  const std::vector<float> rows(static_cast<std::size_t>(25 * s->config().kv_dim()), 0.5f);
+  EXPECT_EQ(s->store(0, {&past, 1}, host_view(rows.data(), 25, s->config().kv_dim()),
+                     host_view(rows.data(), 25, s->config().kv_dim())).error().code,
+            ErrorCode::kCapacityExceeded);
+  auto refused = s->blocks_to_store({&past, 1});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_NE(refused.error().message.find("layer 0: a ring shorter than the window"), std::string::npos)
+      << refused.error().message;
 }
 
 // A snapshot holds no slack rows: a sequence restored into a store with

@@ -211,10 +211,18 @@ class KvStore {
   // leaves them: every layer must hold at least `position` tokens, and the
   // rule above holds at `position`. Refused, changing nothing, otherwise.
   Status truncate_sequence_to(SeqId seq, std::int64_t position);
+  // The smallest position truncate_sequence_to accepts for the sequence
+  // now: how far speculative tokens can be taken back. kInvalidArgument
+  // when no one position is accepted.
+  Result<std::int64_t> rollback_floor(SeqId seq) const;
 
   bool contains(SeqId seq) const;
   std::vector<SeqId> sequences() const;
   std::int64_t sequence_count() const;
+  // Slots that add_sequence, add_detached_sequence or fork_sequence can
+  // still take: not those of live or detached sequences, nor slots retired
+  // after 2^32 generations. O(max_sequences).
+  std::int64_t free_slots() const;
   // The next position every layer of the sequence expects; when its layers
   // stand at different positions (a step refused part-way through its
   // layers), kCacheDiscontinuity naming the first layer that differs from
@@ -226,9 +234,10 @@ class KvStore {
   // Blocks that storing `spans` into every full layer would take from the
   // pool (new blocks, and copies of shared blocks written into; of the
   // holders of a shared block that all write into it in one call, one
-  // keeps it). Spans that store would refuse for the full layers (an
-  // unknown or repeated sequence, an empty span, one that does not continue
-  // a plane or runs past it) get store's error, not a count.
+  // keeps it). Spans that store would refuse in any layer (an unknown or
+  // repeated sequence, an empty span, one that does not continue a plane,
+  // runs past it or past the layer's position_limit) get store's error,
+  // not a count: a step priced here is refused only for want of blocks.
   Result<std::int64_t> blocks_to_store(std::span<const SeqSpan> spans) const;
   // What install() of a ring of `rows` rows into plane `layer` of `seq`
   // takes from the pool while it runs (new blocks, and new ones for blocks
@@ -534,6 +543,9 @@ class KvStore {
   void commit(Txn& txn);
   Result<std::vector<std::int32_t>> slots_of_spans(std::span<const SeqSpan> spans,
                                                    bool unique) const;
+  // Where span `sp` of sequence `seq` lands in `layer`'s plane `r`, or
+  // store's refusal (discontinuity, capacity, position_limit).
+  Result<BatchPlacement> place_span(std::int64_t layer, const RingState& r, const SeqSpan& sp) const;
   void release_table(std::vector<std::int32_t>& table);
   void release_tables(Sequence& s);
   RingState fresh_ring(std::int64_t layer) const;

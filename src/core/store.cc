@@ -361,6 +361,11 @@ std::int64_t KvStore::sequence_count() const {
       slots_.begin(), slots_.end(), [](const Sequence& s) { return s.live && !s.detached; }));
 }
 
+std::int64_t KvStore::free_slots() const {
+  return static_cast<std::int64_t>(std::count_if(
+      slots_.begin(), slots_.end(), [](const Sequence& s) { return !s.live && s.generation != kRetired; }));
+}
+
 Result<SeqId> KvStore::add_sequence() { return add_slot(false); }
 Result<SeqId> KvStore::add_detached_sequence() { return add_slot(true); }
 
@@ -578,6 +583,26 @@ Status KvStore::truncate_sequence_to(SeqId seq, std::int64_t end) {
   return Status::Ok();
 }
 
+Result<std::int64_t> KvStore::rollback_floor(SeqId seq) const {
+  auto slot = slot_of(seq);
+  if (!slot) return slot.error();
+  // truncate_sequence_to(P) needs P <= every layer's end and, for each
+  // layer that ends past P, P >= its floor: its origin, and for a sliding
+  // ring that has dropped rows, origin + capacity - slack (oldest_kept).
+  std::int64_t floor = 0, ceiling = std::numeric_limits<std::int64_t>::max();
+  for (const RingState& r : slots_[static_cast<std::size_t>(*slot)].rings) {
+    const std::int64_t own = r.wraps() && r.origin_logical() > 0
+                                 ? r.origin_logical() + r.capacity() - options_.slack
+                                 : r.origin_logical();
+    floor = std::max(floor, std::min(own, r.next_position()));
+    ceiling = std::min(ceiling, r.next_position());
+  }
+  if (floor > ceiling)
+    return invalid_argument(seq_name(seq) + " cannot be rolled back to one position: a layer ends at " +
+                            std::to_string(ceiling) + ", another keeps nothing before " + std::to_string(floor));
+  return floor;
+}
+
 Result<std::int64_t> KvStore::next_position(SeqId seq) const {
   auto slot = find_slot(seq, true);
   if (!slot) return slot.error();
@@ -632,19 +657,16 @@ Result<KvStore::InstallBlocks> KvStore::blocks_to_install(SeqId seq, std::int64_
 
 Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) const {
   const std::int64_t B = options_.block_rows;
-  // What storing the spans would refuse is refused here too: an unknown or
-  // repeated sequence, an empty span, a span that does not continue a full
-  // plane or runs past it.
+  // What storing the spans would refuse in any layer is refused here too:
+  // an unknown or repeated sequence, an empty span, a span that does not
+  // continue a plane, runs past it or past the layer's position limit.
   auto slots = slots_of_spans(spans, true);
   if (!slots) return slots.error();
-  for (std::int64_t l = 0; l < n_layers(); ++l) {
-    if (full_index(l) < 0) continue;
+  for (std::int64_t l = 0; l < n_layers(); ++l)
     for (std::size_t i = 0; i < spans.size(); ++i) {
       const RingState& r = slots_[static_cast<std::size_t>((*slots)[i])].rings[static_cast<std::size_t>(l)];
-      auto plan = r.plan_batch(l, spans[i].start, spans[i].count);
-      if (!plan) return make_error(plan.error().code, seq_name(spans[i].seq) + ": " + plan.error().message);
+      if (auto placed = place_span(l, r, spans[i]); !placed) return placed.error();
     }
-  }
   std::int64_t n = 0;
   std::vector<char> copies;
   for (std::int64_t fi = 0; fi < n_full_; ++fi) {
@@ -821,6 +843,22 @@ Status KvStore::check_out_view(const char* what, const MutView& v, std::int64_t 
 
 Status KvStore::check_attention(const ConstView&, const MutView&) const { return Status::Ok(); }
 
+Result<BatchPlacement> KvStore::place_span(std::int64_t layer, const RingState& r, const SeqSpan& sp) const {
+  auto placement = r.plan_batch(layer, sp.start, sp.count);
+  if (!placement) {
+    Error e = placement.error();  // its fields (layer, expected, got) kept
+    e.message = seq_name(sp.seq) + ": " + e.message;
+    return e;
+  }
+  const std::int64_t limit = position_limit(layer);
+  if (sp.count > limit - sp.start)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      seq_name(sp.seq) + ", layer " + std::to_string(layer) +
+                          ": a ring shorter than the window holds positions [0, " + std::to_string(limit) +
+                          ") (the store's context), asked for position " + std::to_string(sp.start + sp.count - 1));
+  return placement;
+}
+
 Result<std::vector<std::int32_t>> KvStore::slots_of_spans(std::span<const SeqSpan> spans,
                                                           bool unique) const {
   std::vector<std::int32_t> slots;
@@ -899,19 +937,8 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
     const std::int32_t slot = slots[i];
     Sequence& s = slots_[static_cast<std::size_t>(slot)];
     RingState r = s.rings[static_cast<std::size_t>(layer)];
-    auto placement = r.plan_batch(layer, spans[i].start, spans[i].count);
-    if (!placement) {
-      Error e = placement.error();  // its fields (layer, expected, got) kept
-      e.message = seq_name(spans[i].seq) + ": " + e.message;
-      return e;
-    }
-    const std::int64_t limit = position_limit(layer);
-    if (spans[i].count > limit - spans[i].start)
-      return make_error(ErrorCode::kCapacityExceeded,
-                        seq_name(spans[i].seq) + ", layer " + std::to_string(layer) +
-                            ": a ring shorter than the window holds positions [0, " + std::to_string(limit) +
-                            ") (the store's context), asked for position " +
-                            std::to_string(spans[i].start + spans[i].count - 1));
+    auto placement = place_span(layer, r, spans[i]);
+    if (!placement) return placement.error();
     r.commit_batch(spans[i].count);
     txn.rings.emplace_back(slot, layer, r);
     if (fi >= 0) {
