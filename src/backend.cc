@@ -3,6 +3,7 @@
 #include <string>
 
 #include "cpu/cpu_store.h"
+#include "cpu/parallel.h"
 
 #if KVRING_HAVE_CUDA
 #include "kvring/cuda_store.h"
@@ -11,6 +12,13 @@
 namespace kvring {
 
 bool cuda_compiled() { return KVRING_HAVE_CUDA != 0; }
+
+void set_cpu_threads(unsigned threads) { cpu::set_thread_limit(threads); }
+
+unsigned cpu_threads() {
+  const unsigned limit = cpu::thread_limit();
+  return limit == 0 ? cpu::worker_count() : std::min(limit, cpu::worker_count());
+}
 
 bool cuda_device_available() {
 #if KVRING_HAVE_CUDA

@@ -5,11 +5,14 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include "cpu/parallel.h"
+#include "kvring/backend.h"
 
 namespace kvring {
 namespace {
@@ -18,9 +21,26 @@ constexpr std::int64_t kBig = std::int64_t{1} << 30;  // work past the serial cu
 
 class ParallelFor : public ::testing::TestWithParam<unsigned> {
  protected:
-  void SetUp() override { cpu::set_thread_limit(GetParam()); }
-  void TearDown() override { cpu::set_thread_limit(0); }
+  void SetUp() override { set_cpu_threads(GetParam()); }
+  void TearDown() override { set_cpu_threads(0); }
 };
+
+// No more threads run a job's tasks than the limit allows, the caller's
+// included.
+TEST_P(ParallelFor, NoMoreThreadsThanTheLimit) {
+  std::mutex mu;
+  std::set<std::thread::id> ran_on;
+  for (int job = 0; job < 20; ++job)
+    cpu::parallel_for(256, kBig, [&](std::int64_t) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      const std::lock_guard<std::mutex> lock(mu);
+      ran_on.insert(std::this_thread::get_id());
+    });
+  const unsigned limit = GetParam() == 0 ? cpu::worker_count() : std::min(GetParam(), cpu::worker_count());
+  EXPECT_LE(ran_on.size(), limit);
+  EXPECT_GE(ran_on.size(), 1u);
+  EXPECT_EQ(cpu_threads(), limit);
+}
 
 TEST_P(ParallelFor, RunsEveryTaskExactlyOnce) {
   for (std::int64_t n : {1, 2, 3, 17, 1000}) {
@@ -102,8 +122,10 @@ TEST_P(ParallelFor, CallsFromTwoThreadsBothComplete) {
   EXPECT_EQ(b.load(), 200 * 120);
 }
 
-INSTANTIATE_TEST_SUITE_P(Threads, ParallelFor, ::testing::Values(0u, 1u),
-                         [](const auto& info) { return info.param == 0 ? std::string("AllWorkers") : std::string("CallerOnly"); });
+INSTANTIATE_TEST_SUITE_P(Threads, ParallelFor, ::testing::Values(0u, 1u, 2u), [](const auto& info) {
+  return info.param == 0 ? std::string("AllWorkers")
+                         : info.param == 1 ? std::string("CallerOnly") : std::string("TwoThreads");
+});
 
 }  // namespace
 }  // namespace kvring

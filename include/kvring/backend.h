@@ -14,6 +14,14 @@ bool cuda_compiled();
 // True when the CUDA backend is compiled and a GPU is visible.
 bool cuda_device_available();
 
+// The CPU backend's threads: its calls use at most `threads` (the calling
+// thread included; 1: only the caller's; 0, the default: one a hardware
+// thread, at most 64), process-wide, from the next call on. The workers it
+// leaves out sleep, so an engine's own thread pool keeps those cores. The
+// bits of every result are the same at any setting.
+void set_cpu_threads(unsigned threads);
+unsigned cpu_threads();
+
 // "cpu", "cuda" or "auto" (CUDA where a GPU is visible, else CPU).
 Result<BackendKind> parse_backend(std::string_view name);
 

@@ -57,6 +57,7 @@ bool spin_until(F&& ready) {
 struct Job {
   const std::function<void(std::int64_t)>* fn;
   std::int64_t n;
+  unsigned helpers;  // workers 0..helpers-1 join it
   std::atomic<std::int64_t> next{0};
   std::atomic<std::int64_t> done{0};
   std::atomic<bool> failed{false};
@@ -71,7 +72,7 @@ struct Job {
 class Pool {
  public:
   explicit Pool(unsigned threads) {
-    for (unsigned t = 1; t < threads; ++t) workers_.emplace_back([this] { loop(); });
+    for (unsigned t = 1; t < threads; ++t) workers_.emplace_back([this, t] { loop(t - 1); });
   }
   ~Pool() {
     {
@@ -87,6 +88,7 @@ class Pool {
     auto job = std::make_shared<Job>();
     job->fn = &fn;
     job->n = n;
+    job->helpers = helpers();
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = job;
@@ -128,14 +130,24 @@ class Pool {
     t_in_task = false;
   }
 
-  void loop() {
+  // Workers a job takes under the thread limit (the caller is one thread).
+  unsigned helpers() const {
+    const unsigned limit = g_thread_limit.load(std::memory_order_relaxed);
+    const auto all = static_cast<unsigned>(workers_.size());
+    return limit == 0 ? all : std::min(all, limit - 1);
+  }
+
+  // Worker `index` runs the jobs that take it; one the limit leaves out
+  // sleeps between jobs instead of spinning, so it costs the engine's own
+  // threads nothing.
+  void loop(unsigned index) {
     std::uint64_t seen = 0;
     for (;;) {
       auto news = [&] {
         return stop_.load(std::memory_order_acquire) ||
                generation_.load(std::memory_order_acquire) != seen;
       };
-      spin_until(news);
+      if (index < helpers()) spin_until(news);
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -144,7 +156,7 @@ class Pool {
         seen = generation_.load();
         job = job_;
       }
-      if (job) drain(*job);
+      if (job && index < job->helpers) drain(*job);
     }
   }
 
@@ -169,6 +181,7 @@ unsigned worker_count() {
 }
 
 void set_thread_limit(unsigned limit) { g_thread_limit.store(limit); }
+unsigned thread_limit() { return g_thread_limit.load(); }
 
 void parallel_for(std::int64_t n, std::int64_t work, const std::function<void(std::int64_t)>& fn) {
   if (n <= 0) return;

@@ -9,9 +9,10 @@ namespace kvring::cpu {
 
 unsigned worker_count();
 
-// Caps the threads parallel_for uses (1: the calling thread only; 0: all
-// workers). For tests that show results do not depend on the thread count.
+// Caps the threads parallel_for uses, the caller's included (1: the
+// calling thread only; 0: all workers). Results never depend on it.
 void set_thread_limit(unsigned limit);
+unsigned thread_limit();
 
 // Runs fn(i) for every i in [0, n). `work` estimates the total cost in
 // multiply-adds; small jobs run on the calling thread. Calls from inside a
