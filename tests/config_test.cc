@@ -179,6 +179,7 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
     EXPECT_EQ(c->count(LayerKind::kSlidingRope), 4) << every;
   }
   expect_error(base + R"("model_type": "llama", "sliding_window": 4096})", "which layers slide");
+  expect_error(base + R"("sliding_window": 4096, "use_sliding_window": "yes"})", "use_sliding_window = \"yes\"");
 }
 
 // Gemma's head_dim is never derived from hidden_size (Gemma 3 12B's would

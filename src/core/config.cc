@@ -174,7 +174,8 @@ std::string model_type(const json& root, const json& j) {
   return "";
 }
 
-// What use_sliding_window says: absent (or null), true or false.
+// What use_sliding_window says: absent (or null), true or false (another
+// value is refused before this is asked).
 enum class Sliding { kUnsaid, kOn, kOff };
 Sliding uses_sliding_window(const json& j) {
   auto it = j.find("use_sliding_window");
@@ -284,6 +285,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   }
 
   KVRING_RETURN_IF_ERROR(check_attention_features(j, c.head_dim));
+  if (set(j, "use_sliding_window") && !j["use_sliding_window"].is_boolean())
+    return config_error("use_sliding_window = " + describe(j["use_sliding_window"]) + " must be true or false");
   if (set(j, "query_pre_attn_scalar")) {
     const json& q = j["query_pre_attn_scalar"];
     if (!q.is_number() || !(q.get<double>() > 0) || !(q.get<double>() <= kMaxScoreScaleDim))
