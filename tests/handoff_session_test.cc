@@ -189,6 +189,23 @@ TEST_F(Handoff, InProcessIsBitExact) {
   }
 }
 
+// The fresh store attends with the expected model's score scale, which the
+// header (geometry only) does not carry.
+TEST_F(Handoff, TheFreshStoreTakesTheExpectedScoreScale) {
+  Session s = prefilled();
+  const Timeline t = plan(Schedule::kPaced, std::int64_t{4} << 20);
+  auto src = source(s, t);
+  auto [a, b] = local_pair();
+  ModelConfig expect = config_;
+  expect.query_pre_attn_scalar = 37;
+  DetachedCacheTarget target({.expect = expect});
+  auto o = run(*a, *b, *src, t, target, 5, std::int64_t{4} << 20);
+  ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
+  auto cache = target.take();
+  ASSERT_TRUE(cache != nullptr);
+  EXPECT_EQ(cache->store().config().query_pre_attn_scalar, 37.0);
+}
+
 // The sender streams while prefill runs on this thread, for both schedules.
 TEST_F(Handoff, OverlappedWithPrefillIsBitExact) {
   for (Schedule sched : {Schedule::kPaced, Schedule::kSwaFirst}) {

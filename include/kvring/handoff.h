@@ -460,7 +460,10 @@ class DetachedCacheTarget : public HandoffTarget {
   struct Options {
     BackendKind backend = BackendKind::kCpu;
     std::int64_t context = 0;  // 0: the sender's
-    // Set: a session of another geometry is refused (kMismatch).
+    // Set: a session of another geometry is refused (kMismatch), and a
+    // fresh store attends with its query_pre_attn_scalar unless the header
+    // given to begin() names one (a header off the wire carries the
+    // geometry only; neither: scores scale by 1/sqrt(head_dim)).
     std::optional<ModelConfig> expect;
     // The most a session may bring: its rows, and without `store` the fresh
     // store's footprint (compute_footprint at the context), refused at

@@ -304,8 +304,13 @@ Status DetachedCacheTarget::begin(const Snapshot& header) {
   if (into == nullptr) {
     // Every row a reader can see is installed, and a ring the rows do not
     // fill is cleared: no zero-fill.
-    auto made = make_store(options_.backend, header.config,
-                           {.max_sequences = 1, .context = context, .zero_fill = false});
+    // A header off the wire carries the geometry, not the score scale: a
+    // caller that knows the run's sets it in the header; otherwise the
+    // receiver's model (expect) gives it.
+    ModelConfig config = header.config;
+    if (options_.expect && config.query_pre_attn_scalar == 0)
+      config.query_pre_attn_scalar = options_.expect->query_pre_attn_scalar;
+    auto made = make_store(options_.backend, config, {.max_sequences = 1, .context = context, .zero_fill = false});
     if (!made) return made.error();
     own_ = std::move(*made);
     into = own_.get();
