@@ -134,7 +134,7 @@ TEST(HfConfig, QueryPreAttnScalarSetsTheScoreScale) {
   EXPECT_EQ(scaled->score_scale_dim(), 168.0);
   EXPECT_EQ(same->query_pre_attn_scalar, 0.0);
   EXPECT_EQ(scaled->fingerprint(), plain->fingerprint());
-  for (const char* bad : {"0", "-4", "\"168\"", "2e9", "true"})
+  for (const char* bad : {"0", "-4", "0.5", "1e-300", "\"168\"", "2e9", "true"})
     expect_error(base + R"(, "query_pre_attn_scalar": )" + bad + "}", "query_pre_attn_scalar");
   ModelConfig c = *plain;
   c.query_pre_attn_scalar = -1;

@@ -99,7 +99,8 @@ TEST(RunPack, RunRecordsCarryTheScoreScale) {
   auto plain = decode_run_record(j.dump(), "p.kvpack");
   ASSERT_TRUE(plain.ok()) << plain.error().message;
   EXPECT_EQ(plain->query_pre_attn_scalar, 0.0);
-  for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json(-3.0), nlohmann::json("37"), nlohmann::json(4e9)}) {
+  for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json(-3.0), nlohmann::json(1e-300), nlohmann::json("37"),
+                                    nlohmann::json(4e9)}) {
     j["query_pre_attn_scalar"] = bad;
     auto refused = decode_run_record(j.dump(), "p.kvpack");
     ASSERT_FALSE(refused.ok()) << bad.dump();

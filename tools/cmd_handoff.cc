@@ -216,9 +216,11 @@ class ServeTarget final : public handoff::HandoffTarget {
     auto served = check_served(header, tokens_);
     if (!served) return served.error();
     // The cache attends with the run's score scale, which the geometry in
-    // the header does not carry.
+    // the header does not carry; the usual scale is named as head_dim (the
+    // same bits), so --config's scale never replaces the run's.
     Snapshot scaled = header;
-    scaled.config.query_pre_attn_scalar = served->record.query_pre_attn_scalar;
+    const double run_scale = served->record.query_pre_attn_scalar;
+    scaled.config.query_pre_attn_scalar = run_scale > 0 ? run_scale : static_cast<double>(header.config.head_dim);
     KVRING_RETURN_IF_ERROR(inner_.begin(scaled));
     served_ = std::move(*served);
     return Status::Ok();

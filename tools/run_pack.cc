@@ -203,8 +203,8 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   if (j.contains("query_pre_attn_scalar")) {
     KVRING_RETURN_IF_ERROR(need("query_pre_attn_scalar", &J::is_number, "a number"));
     r.query_pre_attn_scalar = j["query_pre_attn_scalar"].get<double>();
-    if (!(r.query_pre_attn_scalar > 0) || !(r.query_pre_attn_scalar <= kMaxScoreScaleDim))
-      return invalid_argument(where + "field 'query_pre_attn_scalar' must be a number in (0, 2^30], got " +
+    if (!(r.query_pre_attn_scalar >= kMinScoreScaleDim) || !(r.query_pre_attn_scalar <= kMaxScoreScaleDim))
+      return invalid_argument(where + "field 'query_pre_attn_scalar' must be a number in [1, 2^30], got " +
                               shown(j["query_pre_attn_scalar"]));
   }
   // The reference model's bounds, checked here so that nothing is built for

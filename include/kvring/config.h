@@ -32,7 +32,9 @@ inline constexpr std::int64_t kMaxKvDim = 65536;
 // hidden_size (for head_dim when absent) and vocab_size.
 inline constexpr std::int64_t kMaxHiddenSize = 65536;
 inline constexpr std::int64_t kMaxVocabSize = std::int64_t{1} << 20;
-// query_pre_attn_scalar's bound (a score scale of at least 2^-15).
+// query_pre_attn_scalar's range: a score scale from 2^-15 to 1 (below 1,
+// scores past f16's range make the f16 numeric's weights overflow).
+inline constexpr double kMinScoreScaleDim = 1.0;
 inline constexpr double kMaxScoreScaleDim = 1073741824.0;
 // Every plane holds at least this many rows (docs/DESIGN.md, "Memory").
 inline constexpr std::int64_t kMinPlaneRows = 32;

@@ -76,9 +76,9 @@ Status ModelConfig::validate() const {
     KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 1, kMaxContext));
   else
     KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 0, kMaxContext));
-  if (!(query_pre_attn_scalar == 0 || (query_pre_attn_scalar > 0 && query_pre_attn_scalar <= kMaxScoreScaleDim)))
-    return config_error("query_pre_attn_scalar = " + std::to_string(query_pre_attn_scalar) + " outside (0, " +
-                        std::to_string(static_cast<std::int64_t>(kMaxScoreScaleDim)) + "]");
+  if (!(query_pre_attn_scalar == 0 ||
+        (query_pre_attn_scalar >= kMinScoreScaleDim && query_pre_attn_scalar <= kMaxScoreScaleDim)))
+    return config_error("query_pre_attn_scalar = " + std::to_string(query_pre_attn_scalar) + " outside [1, 2^30]");
   return Status::Ok();
 }
 
@@ -289,8 +289,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     return config_error("use_sliding_window = " + describe(j["use_sliding_window"]) + " must be true or false");
   if (set(j, "query_pre_attn_scalar")) {
     const json& q = j["query_pre_attn_scalar"];
-    if (!q.is_number() || !(q.get<double>() > 0) || !(q.get<double>() <= kMaxScoreScaleDim))
-      return config_error("query_pre_attn_scalar = " + describe(q) + " must be a number in (0, 2^30]");
+    if (!q.is_number() || !(q.get<double>() >= kMinScoreScaleDim) || !(q.get<double>() <= kMaxScoreScaleDim))
+      return config_error("query_pre_attn_scalar = " + describe(q) + " must be a number in [1, 2^30]");
     // Equal to head_dim: the usual scale, recorded as such.
     if (q.get<double>() != static_cast<double>(c.head_dim)) c.query_pre_attn_scalar = q.get<double>();
   }
