@@ -262,7 +262,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     // head_dim to a library default, which is not this file's to guess.
     if (model_type(root, j).starts_with("gemma"))
       return config_error("missing field 'head_dim': a Gemma model's head_dim is not hidden_size / "
-                          "num_attention_heads; give it (256 for Gemma 2 and 3 except Gemma 3 27B: 128)");
+                          "num_attention_heads; give it (the model card's config.json has it)");
     KVRING_RETURN_IF_ERROR(check_range("hidden_size", *hidden, 1, kMaxHiddenSize));
     if (*hidden % c.n_heads != 0)
       return config_error("hidden_size = " + std::to_string(*hidden) +
