@@ -189,7 +189,8 @@ bool every_layer_slides(const json& root, const json& j) {
   return type == "mistral" || type == "mixtral" || type == "phi3" || type == "starcoder2";
 }
 
-bool set(const json& j, const char* field) {
+// The field is in the object with a value other than null.
+bool given(const json& j, const char* field) {
   auto it = j.find(field);
   return it != j.end() && !it->is_null();
 }
@@ -199,17 +200,17 @@ bool set(const json& j, const char* field) {
 // that asks for it is refused, naming the field, rather than cached and
 // attended as if it did not.
 Status check_attention_features(const json& j, std::int64_t head_dim) {
-  if (set(j, "attn_logit_softcapping") &&
+  if (given(j, "attn_logit_softcapping") &&
       !(j["attn_logit_softcapping"].is_number() && j["attn_logit_softcapping"].get<double>() == 0.0))
     return config_error("attn_logit_softcapping = " + describe(j["attn_logit_softcapping"]) +
                         ": the store's attention has no logit soft-capping");
-  if (set(j, "attention_chunk_size"))
+  if (given(j, "attention_chunk_size"))
     return config_error("attention_chunk_size = " + describe(j["attention_chunk_size"]) +
                         ": the store has no chunked local attention (its layers are sliding or full)");
-  if (set(j, "kv_lora_rank"))
+  if (given(j, "kv_lora_rank"))
     return config_error("kv_lora_rank = " + describe(j["kv_lora_rank"]) +
                         ": multi-head latent attention caches a latent, not K and V heads");
-  if (set(j, "v_head_dim") && !(j["v_head_dim"].is_number() && j["v_head_dim"].get<double>() ==
+  if (given(j, "v_head_dim") && !(j["v_head_dim"].is_number() && j["v_head_dim"].get<double>() ==
                                                                       static_cast<double>(head_dim)))
     return config_error("v_head_dim = " + describe(j["v_head_dim"]) + " is not head_dim = " +
                         std::to_string(head_dim) + ": the store's K and V heads are one width");
@@ -252,7 +253,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
 
   auto head_dim = int_field(j, "head_dim", false, -1);
   if (!head_dim) return head_dim.error();
-  if (*head_dim == -1 && !(j.contains("head_dim") && !j["head_dim"].is_null())) {
+  if (*head_dim == -1 && !given(j, "head_dim")) {
     auto hidden = int_field(j, "hidden_size", false, -1);
     if (!hidden) return hidden.error();
     if (*hidden == -1)
@@ -273,21 +274,21 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     c.head_dim = *head_dim;
   }
 
-  if (j.contains("hidden_size") && !j["hidden_size"].is_null()) {
+  if (given(j, "hidden_size")) {
     auto hidden = int_field(j, "hidden_size", true);
     if (!hidden) return hidden.error();
     KVRING_RETURN_IF_ERROR(check_range("hidden_size", *hidden, 1, kMaxHiddenSize));
   }
-  if (j.contains("vocab_size") && !j["vocab_size"].is_null()) {
+  if (given(j, "vocab_size")) {
     auto vocab = int_field(j, "vocab_size", true);
     if (!vocab) return vocab.error();
     KVRING_RETURN_IF_ERROR(check_range("vocab_size", *vocab, 1, kMaxVocabSize));
   }
 
   KVRING_RETURN_IF_ERROR(check_attention_features(j, c.head_dim));
-  if (set(j, "use_sliding_window") && !j["use_sliding_window"].is_boolean())
+  if (given(j, "use_sliding_window") && !j["use_sliding_window"].is_boolean())
     return config_error("use_sliding_window = " + describe(j["use_sliding_window"]) + " must be true or false");
-  if (set(j, "query_pre_attn_scalar")) {
+  if (given(j, "query_pre_attn_scalar")) {
     const json& q = j["query_pre_attn_scalar"];
     if (!q.is_number() || !(q.get<double>() >= kMinScoreScaleDim) || !(q.get<double>() <= kMaxScoreScaleDim))
       return config_error("query_pre_attn_scalar = " + describe(q) + " must be a number in [1, 2^30]");
@@ -303,14 +304,14 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   if (!window) return window.error();
   c.sliding_window = *window;
 
-  if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
+  if (given(j, "rope_theta")) {
     const json& theta = j["rope_theta"];
     if (!theta.is_number() || !(theta.get<double>() > 0.0) || !std::isfinite(theta.get<double>()))
       return config_error("rope_theta = " + describe(theta) + " must be a positive number");
     c.rope_theta = theta.get<double>();
   }
 
-  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+  if (given(j, "layer_types")) {
     const json& types = j["layer_types"];
     if (!types.is_array()) return config_error("field 'layer_types' must be an array");
     for (std::size_t i = 0; i < types.size(); ++i) {
@@ -324,7 +325,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
         return config_error("layer_types[" + std::to_string(i) + "] = " + describe(t) +
                             " is not a known layer type (sliding_attention, full_attention)");
     }
-  } else if (j.contains("sliding_window_pattern") && !j["sliding_window_pattern"].is_null()) {
+  } else if (given(j, "sliding_window_pattern")) {
     auto pattern = int_field(j, "sliding_window_pattern", true);
     if (!pattern) return pattern.error();
     if (*pattern < 1 || *pattern > kMaxLayers)
@@ -338,7 +339,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   } else if (c.sliding_window > 0 && uses_sliding_window(j) == Sliding::kOff) {
     // Qwen2's configs name a window that no layer uses.
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
-  } else if (c.sliding_window > 0 && j.contains("max_window_layers") && !j["max_window_layers"].is_null()) {
+  } else if (c.sliding_window > 0 && given(j, "max_window_layers")) {
     if (uses_sliding_window(j) != Sliding::kOn)
       return config_error("max_window_layers is set but 'use_sliding_window' is not true");
     // Qwen2: layers from max_window_layers on slide, those before are full.
@@ -357,8 +358,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   } else {
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
   }
-  if (c.count(LayerKind::kSlidingRope) > 0 && !(j.contains("sliding_window") &&
-                                                !j["sliding_window"].is_null()))
+  if (c.count(LayerKind::kSlidingRope) > 0 && !given(j, "sliding_window"))
     return config_error("missing field 'sliding_window' (the config has sliding layers)");
   KVRING_RETURN_IF_ERROR(c.validate());
   // A window no layer uses is no part of the geometry (once checked as a
