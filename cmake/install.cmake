@@ -1,0 +1,45 @@
+# What an engine links: the same target names from add_subdirectory(kvring)
+# and from find_package(kvring) after `cmake --install`:
+#   kvring::kvring   the store, the CPU backend and the CUDA backend where built
+#   kvring::pack     snapshots, packs and chunk stores (with kvring::kvring)
+#   kvring::handoff  the handoff (with kvring::pack)
+#   kvring::core     the store and the CPU backend alone
+# Static libraries: their private dependencies (hiredis, UCX) are found again
+# by kvringConfig.cmake, as this build found them.
+include(CMakePackageConfigHelpers)
+
+set(kvring_exported kvring_core kvring kvring_pack kvring_handoff)
+if(TARGET kvring_cuda)
+  list(APPEND kvring_exported kvring_cuda)
+endif()
+foreach(target IN LISTS kvring_exported)
+  string(REGEX REPLACE "^kvring_" "" name ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name})
+  add_library(kvring::${name} ALIAS ${target})
+endforeach()
+
+install(TARGETS ${kvring_exported} EXPORT kvringTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+install(TARGETS kvring_tool RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(DIRECTORY include/kvring DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+
+set(kvring_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvring)
+install(EXPORT kvringTargets NAMESPACE kvring:: DESTINATION ${kvring_cmake_dir})
+# The config file repeats this build's choices of dependencies.
+foreach(pair CUDA:KVRING_HAVE_CUDA HIREDIS:HIREDIS_FOUND UCX:UCX_FOUND STATIC_OPENSSL:KVRING_STATIC_DEPS)
+  string(REPLACE ":" ";" pair ${pair})
+  list(GET pair 0 key)
+  list(GET pair 1 var)
+  if(${var})
+    set(KVRING_CONFIG_${key} TRUE)
+  else()
+    set(KVRING_CONFIG_${key} FALSE)
+  endif()
+endforeach()
+configure_package_config_file(cmake/kvringConfig.cmake.in
+  ${CMAKE_CURRENT_BINARY_DIR}/kvringConfig.cmake INSTALL_DESTINATION ${kvring_cmake_dir})
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/kvringConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvringConfig.cmake
+              ${CMAKE_CURRENT_BINARY_DIR}/kvringConfigVersion.cmake
+        DESTINATION ${kvring_cmake_dir})

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# An engine's build against kvring (tests/consumer): MODE "installed" installs
+# BUILD into a prefix and uses find_package(kvring); "subdirectory" adds the
+# source tree with add_subdirectory (CPU backend only, to keep it short).
+# usage: consumer_test.sh MODE SOURCE BUILD WORK README_EXAMPLE GENERATOR
+set -euo pipefail
+mode=$1 src=$2 build=$3 work=$4 example=$5 generator=$6
+# A step's output is shown only when it fails.
+quiet() { "$@" >"$work/step.log" 2>&1 || { cat "$work/step.log" >&2; return 1; }; }
+rm -rf "$work"
+mkdir -p "$work"
+args=(-G "$generator" -DCMAKE_BUILD_TYPE=Release -DREADME_EXAMPLE="$example")
+case $mode in
+  installed)
+    quiet cmake --install "$build" --prefix "$work/prefix"
+    args+=(-DCMAKE_PREFIX_PATH="$work/prefix") ;;
+  subdirectory)
+    args+=(-DKVRING_SOURCE="$src" -DKVRING_CUDA=OFF) ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
+quiet cmake -S "$src/tests/consumer" -B "$work/build" "${args[@]}"
+quiet cmake --build "$work/build" -j"$(nproc)"
+"$work/build/readme_example"
+"$work/build/pack_round_trip"
