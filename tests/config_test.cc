@@ -172,6 +172,19 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
   expect_error(base + R"("sliding_window": 512, "use_sliding_window": true, "max_window_layers": 9})",
                "max_window_layers");
 
+  // Qwen's classes take max_window_layers = 28 when it is absent.
+  const std::string deep = R"({"num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 64, "max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": true, )";
+  auto qwen = parse_hf_config(deep + R"("model_type": "qwen2"})");
+  ASSERT_TRUE(qwen.ok()) << qwen.error().to_string();
+  EXPECT_EQ(qwen->kind(27), LayerKind::kFullNope);
+  EXPECT_EQ(qwen->kind(28), LayerKind::kSlidingRope);
+  EXPECT_EQ(qwen->count(LayerKind::kSlidingRope), 2);
+  auto shallow = parse_hf_config(base + R"("model_type": "qwen3", "sliding_window": 512, "use_sliding_window": true})");
+  ASSERT_TRUE(shallow.ok()) << shallow.error().to_string();
+  EXPECT_EQ(shallow->count(LayerKind::kFullNope), 4);
+  EXPECT_EQ(shallow->sliding_window, 0);
+
   for (const char* every : {R"("model_type": "mistral", "sliding_window": 4096})",
                             R"("sliding_window": 4096, "use_sliding_window": true})"}) {
     auto c = parse_hf_config(base + every);

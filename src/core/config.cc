@@ -183,6 +183,11 @@ Sliding uses_sliding_window(const json& j) {
   return it->get<bool>() ? Sliding::kOn : Sliding::kOff;
 }
 
+// Qwen's model types (qwen2, qwen2_moe, qwen3, ...), whose configs read
+// max_window_layers, 28 when absent.
+bool qwen(const json& root, const json& j) { return model_type(root, j).starts_with("qwen"); }
+constexpr std::int64_t kQwenMaxWindowLayers = 28;
+
 // Models whose sliding_window, given alone, applies to every layer.
 bool every_layer_slides(const json& root, const json& j) {
   const std::string type = model_type(root, j);
@@ -339,15 +344,22 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   } else if (c.sliding_window > 0 && uses_sliding_window(j) == Sliding::kOff) {
     // Qwen2's configs name a window that no layer uses.
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
-  } else if (c.sliding_window > 0 && given(j, "max_window_layers")) {
+  } else if (c.sliding_window > 0 &&
+             (given(j, "max_window_layers") || (uses_sliding_window(j) == Sliding::kOn && qwen(root, j)))) {
     if (uses_sliding_window(j) != Sliding::kOn)
       return config_error("max_window_layers is set but 'use_sliding_window' is not true");
-    // Qwen2: layers from max_window_layers on slide, those before are full.
-    auto first = int_field(j, "max_window_layers", true);
-    if (!first) return first.error();
-    KVRING_RETURN_IF_ERROR(check_range("max_window_layers", *first, 0, c.n_layers));
+    // Qwen2 and Qwen3: layers from max_window_layers on slide, those before
+    // are full; Hugging Face's classes of these models take 28 when the
+    // field is absent (then a model of 28 layers or fewer slides nowhere).
+    std::int64_t first = kQwenMaxWindowLayers;
+    if (given(j, "max_window_layers")) {
+      auto field = int_field(j, "max_window_layers", true);
+      if (!field) return field.error();
+      KVRING_RETURN_IF_ERROR(check_range("max_window_layers", *field, 0, c.n_layers));
+      first = *field;
+    }
     for (std::int64_t l = 0; l < c.n_layers; ++l)
-      c.layer_kinds.push_back(l >= *first ? LayerKind::kSlidingRope : LayerKind::kFullNope);
+      c.layer_kinds.push_back(l >= first ? LayerKind::kSlidingRope : LayerKind::kFullNope);
   } else if (c.sliding_window > 0 && (uses_sliding_window(j) == Sliding::kOn || every_layer_slides(root, j))) {
     // Mistral, Mixtral, Phi-3, Starcoder2: the window applies to every layer.
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kSlidingRope);
