@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -10,6 +13,9 @@
 #include <stdexcept>
 #include <thread>
 #include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "cpu/parallel.h"
 #include "kvring/backend.h"
@@ -120,6 +126,79 @@ TEST_P(ParallelFor, CallsFromTwoThreadsBothComplete) {
   other.join();
   EXPECT_EQ(a.load(), 200 * 120);
   EXPECT_EQ(b.load(), 200 * 120);
+}
+
+// A job whose tasks wait for release(): it holds the pool's workers (and
+// its caller) until then.
+class HeldJob {
+ public:
+  HeldJob() {
+    caller_ = std::thread([this] {
+      cpu::parallel_for(2, kBig, [this](std::int64_t) {
+        started_.fetch_add(1);
+        while (!released_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      });
+    });
+    while (started_.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ~HeldJob() { release(); }
+  void release() {
+    released_.store(true);
+    if (caller_.joinable()) caller_.join();
+  }
+
+ private:
+  std::atomic<int> started_{0};
+  std::atomic<bool> released_{false};
+  std::thread caller_;
+};
+
+// A call made while another thread's job holds the pool runs its tasks on
+// its own thread instead of waiting for that job (one store's decode is not
+// held up behind another store's prefill).
+TEST_P(ParallelFor, ACallNeverWaitsForAnotherThreadsJob) {
+  HeldJob held;
+  std::atomic<std::int64_t> sum{0};
+  std::atomic<bool> done{false};
+  std::thread other([&] {
+    cpu::parallel_for(64, kBig, [&](std::int64_t i) { sum.fetch_add(i); });
+    done.store(true);
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!done.load() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_TRUE(done.load()) << "the call waited for the held job";
+  held.release();
+  other.join();
+  EXPECT_EQ(sum.load(), 63 * 64 / 2);
+}
+
+// A child of fork() has none of the parent's workers, and the parent's pool
+// may be copied in the middle of a job: the child's calls run all the same,
+// and it exits through its static destructors.
+TEST_P(ParallelFor, AForkedChildRunsCallsAndExits) {
+  cpu::parallel_for(16, kBig, [](std::int64_t) {});  // the pool exists
+  HeldJob held;
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  ASSERT_NE(pid, -1);
+  if (pid == 0) {
+    std::atomic<std::int64_t> sum{0};
+    cpu::parallel_for(64, kBig, [&](std::int64_t i) { sum.fetch_add(i); });
+    std::exit(sum.load() == 63 * 64 / 2 ? 0 : 3);
+  }
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  pid_t got = 0;
+  while ((got = ::waitpid(pid, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (got == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    FAIL() << "the forked child hung";
+  }
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, ParallelFor, ::testing::Values(0u, 1u, 2u), [](const auto& info) {

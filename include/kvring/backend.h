@@ -17,8 +17,10 @@ bool cuda_device_available();
 // The CPU backend's threads: its calls use at most `threads` (the calling
 // thread included; 1: only the caller's; 0, the default: one a hardware
 // thread, at most 64), process-wide, from the next call on. The workers it
-// leaves out sleep, so an engine's own thread pool keeps those cores. The
-// bits of every result are the same at any setting.
+// leaves out are not woken, so an engine's own thread pool keeps those
+// cores. The workers serve one call at a time; a call from another thread
+// that finds them busy runs on its own thread instead of waiting. The bits
+// of every result are the same at any setting.
 void set_cpu_threads(unsigned threads);
 unsigned cpu_threads();
 

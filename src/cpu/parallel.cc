@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -65,26 +67,28 @@ struct Job {
   std::exception_ptr error;
 };
 
-// A fixed pool of workers. One job runs at a time. The caller publishes a
-// job and runs its tasks too; workers join when they see it, and the
-// caller returns once every task has finished, without waiting for a
-// worker that has not woken: a late worker finds nothing left to take.
+// A fixed pool of workers. One job runs at a time; a caller that finds
+// another job running runs its own tasks alone rather than wait (a second
+// store's decode is not held up behind a first store's prefill). The
+// caller publishes a job and runs its tasks too; the workers the job takes
+// are woken, each by its own signal, so the ones the thread limit leaves
+// out stay asleep. The caller returns once every task has finished,
+// without waiting for a worker that has not woken: a late worker finds
+// nothing left to take.
 class Pool {
  public:
-  explicit Pool(unsigned threads) {
-    for (unsigned t = 1; t < threads; ++t) workers_.emplace_back([this, t] { loop(t - 1); });
+  explicit Pool(unsigned threads)
+      : n_workers_(threads - 1), wake_(std::make_unique<std::condition_variable[]>(n_workers_)) {
+    workers_.reserve(n_workers_);
+    for (unsigned t = 0; t < n_workers_; ++t) workers_.emplace_back([this, t] { loop(t); });
   }
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_.store(true);
-    }
-    wake_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
 
-  void run(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
-    std::lock_guard<std::mutex> job_lock(job_mu_);
+  // False when another job holds the pool; nothing ran then.
+  bool try_run(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
+    std::unique_lock<std::mutex> job_lock(job_mu_, std::try_to_lock);
+    if (!job_lock.owns_lock()) return false;
     auto job = std::make_shared<Job>();
     job->fn = &fn;
     job->n = n;
@@ -94,7 +98,7 @@ class Pool {
       job_ = job;
       generation_.fetch_add(1, std::memory_order_release);
     }
-    wake_.notify_all();
+    for (unsigned w = 0; w < job->helpers; ++w) wake_[w].notify_one();
     drain(*job);
     auto finished = [&] { return job->done.load(std::memory_order_acquire) == n; };
     if (!spin_until(finished)) {
@@ -106,6 +110,7 @@ class Pool {
       job_.reset();
     }
     if (job->error) std::rethrow_exception(job->error);
+    return true;
   }
 
  private:
@@ -133,44 +138,63 @@ class Pool {
   // Workers a job takes under the thread limit (the caller is one thread).
   unsigned helpers() const {
     const unsigned limit = g_thread_limit.load(std::memory_order_relaxed);
-    const auto all = static_cast<unsigned>(workers_.size());
-    return limit == 0 ? all : std::min(all, limit - 1);
+    return limit == 0 ? n_workers_ : std::min(n_workers_, limit - 1);
   }
 
-  // Worker `index` runs the jobs that take it; one the limit leaves out
-  // sleeps between jobs instead of spinning, so it costs the engine's own
-  // threads nothing.
+  // Worker `index` runs the jobs that take it. One the limit leaves out
+  // sleeps until a job takes it, so it costs the engine's own threads
+  // nothing; one a job takes spins a while for the next.
   void loop(unsigned index) {
     std::uint64_t seen = 0;
     for (;;) {
-      auto news = [&] {
-        return stop_.load(std::memory_order_acquire) ||
-               generation_.load(std::memory_order_acquire) != seen;
-      };
-      if (index < helpers()) spin_until(news);
+      if (index < helpers())
+        spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, news);
-        if (stop_.load()) return;
-        seen = generation_.load();
+        wake_[index].wait(lock, [&] {
+          return generation_.load(std::memory_order_relaxed) != seen && job_ && index < job_->helpers;
+        });
+        seen = generation_.load(std::memory_order_relaxed);
         job = job_;
       }
-      if (job && index < job->helpers) drain(*job);
+      drain(*job);
     }
   }
 
+  const unsigned n_workers_;
+  std::unique_ptr<std::condition_variable[]> wake_;  // one a worker (mu_)
   std::vector<std::thread> workers_;
   std::mutex job_mu_, mu_;
-  std::condition_variable wake_, done_;
+  std::condition_variable done_;
   std::shared_ptr<Job> job_;  // the job running now (mu_), null between jobs
   std::atomic<std::uint64_t> generation_{0};
-  std::atomic<bool> stop_{false};
 };
 
+// The process's pool, made at the first parallel call and never destroyed:
+// its workers sleep through exit instead of being joined. A child of fork()
+// has none of the parent's workers and may have copied the pool's locks
+// held, so it forgets the parent's pool (left as it is) and makes its own
+// at its first parallel call. g_pool_mu is held across fork(), so the child
+// never copies it held.
+std::mutex g_pool_mu;
+std::atomic<Pool*> g_pool{nullptr};
+Pool* g_parents_pool = nullptr;  // kept reachable, never used
+
 Pool& pool() {
-  static Pool p(worker_count());
-  return p;
+  if (Pool* p = g_pool.load(std::memory_order_acquire)) return *p;
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (g_pool.load(std::memory_order_relaxed) == nullptr) {
+    static const int registered = pthread_atfork(
+        [] { g_pool_mu.lock(); }, [] { g_pool_mu.unlock(); },
+        [] {
+          g_parents_pool = g_pool.exchange(nullptr, std::memory_order_relaxed);
+          g_pool_mu.unlock();
+        });
+    (void)registered;
+    g_pool.store(new Pool(worker_count()), std::memory_order_release);
+  }
+  return *g_pool.load(std::memory_order_relaxed);
 }
 
 }  // namespace
@@ -190,7 +214,8 @@ void parallel_for(std::int64_t n, std::int64_t work, const std::function<void(st
     for (std::int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  pool().run(n, fn);
+  if (!pool().try_run(n, fn))
+    for (std::int64_t i = 0; i < n; ++i) fn(i);
 }
 
 }  // namespace kvring::cpu

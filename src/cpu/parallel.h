@@ -16,7 +16,8 @@ unsigned thread_limit();
 
 // Runs fn(i) for every i in [0, n). `work` estimates the total cost in
 // multiply-adds; small jobs run on the calling thread. Calls from inside a
-// task run serially. When a task throws, the tasks not yet started are
+// task, and calls made while another thread's job holds the workers, run
+// serially on the calling thread. When a task throws, the tasks not yet started are
 // skipped and the first exception is rethrown to the caller once no task
 // runs any more.
 void parallel_for(std::int64_t n, std::int64_t work, const std::function<void(std::int64_t)>& fn);
