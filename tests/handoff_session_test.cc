@@ -434,7 +434,7 @@ TEST_F(Handoff, StoreTargetFaultsLeaveTheStoreAsItWas) {
   // A store whose pool cannot hold the session refuses it at the header.
   auto tight = make_store(BackendKind::kCpu, config_, {.max_sequences = 2, .block_rows = 16, .pool_blocks = 4});
   ASSERT_TRUE(tight.ok());
-  EXPECT_EQ(attempt(**tight, [](Faulty&) {}), ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(attempt(**tight, [](Faulty&) {}), ErrorCode::kResourceExhausted);
   EXPECT_EQ((*tight)->free_blocks(), 4);
   EXPECT_EQ((*tight)->sequence_count(), 0);
   // And so does a store of another geometry, or with no free slot.
@@ -442,7 +442,7 @@ TEST_F(Handoff, StoreTargetFaultsLeaveTheStoreAsItWas) {
   ASSERT_TRUE(wrong.ok());
   EXPECT_EQ(attempt(**wrong, [](Faulty&) {}), ErrorCode::kMismatch);
   ASSERT_TRUE(store.add_sequence().ok());
-  EXPECT_EQ(attempt(store, [](Faulty&) {}), ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(attempt(store, [](Faulty&) {}), ErrorCode::kResourceExhausted);
   EXPECT_EQ(store_bytes(store, other), before);
 }
 

@@ -164,7 +164,7 @@ TEST_F(RestoreRefusal, PoolTooSmallForTheFullPlanes) {
       // Its own 3 are reused; 2 free can never make the other 4: refused
       // before anything changes.
       ASSERT_FALSE(s.ok());
-      EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.to_string();
+      EXPECT_EQ(s.error().code, ErrorCode::kResourceExhausted) << s.to_string();
       EXPECT_NE(s.error().message.find("need 4 new blocks of 16 rows; the target's pool has 2 free and"),
                 std::string::npos) << s.to_string();
       EXPECT_EQ(target.free_blocks(), 2);
@@ -238,7 +238,7 @@ TEST_F(RestoreRefusal, ForkedPlanesGetTheirBlocksInAnOrderThatFits) {
       EXPECT_EQ(target.free_blocks(), 3);
     } else {
       ASSERT_FALSE(s.ok());
-      EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.to_string();
+      EXPECT_EQ(s.error().code, ErrorCode::kResourceExhausted) << s.to_string();
       const std::string name = seq_name(*fork);
       EXPECT_NE(s.error().message.find("need 4 new blocks of 16 rows (4 for blocks " + name +
                                        " shares with a fork); the target's pool has 1 free and " + name +
@@ -264,7 +264,7 @@ TEST_F(RestoreRefusal, NewSequenceBeyondThePoolLeavesTheNextHandle) {
   ASSERT_TRUE(made.ok() && twin.ok());
   auto s = restore_new_sequence(*snap, **made);
   ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.error().code, ErrorCode::kCapacityExceeded) << s.error().to_string();
+  EXPECT_EQ(s.error().code, ErrorCode::kResourceExhausted) << s.error().to_string();
   EXPECT_NE(s.error().message.find("need 7 new blocks of 16 rows; the target's pool has 6 free"), std::string::npos)
       << s.error().to_string();
   EXPECT_EQ((*made)->sequence_count(), 0);

@@ -754,7 +754,8 @@ class Harness {
   // Checks a call's outcome against the prediction; on a failure, that the
   // store is as before, and its code where the model knows it (the
   // documented ones: kNotFound for a handle that is not live, or not there;
-  // kCapacityExceeded for slots or blocks that run out).
+  // kResourceExhausted for slots or blocks that run out, kCapacityExceeded
+  // for positions past a plane's limit).
   bool outcome(const Status& st, bool expect_ok, const StoreImage& before,
                std::optional<ErrorCode> code = std::nullopt) {
     {
@@ -910,7 +911,7 @@ class Harness {
     describe(detached ? "add_detached_sequence" : "add_sequence");
     const StoreImage before = image();
     auto id = detached ? store_->add_detached_sequence() : store_->add_sequence();
-    if (!outcome(id.ok() ? Status::Ok() : Status(id.error()), slot_free(), before, ErrorCode::kCapacityExceeded))
+    if (!outcome(id.ok() ? Status::Ok() : Status(id.error()), slot_free(), before, ErrorCode::kResourceExhausted))
       return;
     if (!id) return;
     if (find(*id) != nullptr) return void(fail("a new sequence reuses a live handle"));
@@ -951,7 +952,7 @@ class Harness {
     SeqModel* s = live(id);
     auto f = store_->fork_sequence(id);
     if (!outcome(f.ok() ? Status::Ok() : Status(f.error()), s != nullptr && slot_free(), before,
-                 s == nullptr ? ErrorCode::kNotFound : ErrorCode::kCapacityExceeded) ||
+                 s == nullptr ? ErrorCode::kNotFound : ErrorCode::kResourceExhausted) ||
         !f)
       return;
     SeqModel copy = *s;
@@ -1099,6 +1100,12 @@ class Harness {
   // layer, so that only a plane's limit or the pool can refuse them;
   // `placed`: they also fit every plane, whatever the pool holds
   // (blocks_needed then counts the blocks they take).
+  // The code of a refusal of spans that continue their planes: within every
+  // limit (placed), only the pool can refuse them.
+  static ErrorCode limit_or_pool(bool placed) {
+    return placed ? ErrorCode::kResourceExhausted : ErrorCode::kCapacityExceeded;
+  }
+
   bool store_ok(const std::vector<SeqSpan>& spans, const std::vector<std::int64_t>& layers,
                 std::int64_t* blocks_needed = nullptr, bool* placed = nullptr, bool* continues = nullptr) {
     std::int64_t need = 0;
@@ -1189,8 +1196,8 @@ class Harness {
     const Status st = all_layers ? store_->store_all_layers(spans, k.view, v.view)
                                  : store_->store(layer, spans, k.view, v.view);
     // Spans that continue every plane are refused only for a plane's limit
-    // or the pool.
-    if (!outcome(st, expect, before, continues && view_ok ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
+    // or, within the limits, the pool.
+    if (!outcome(st, expect, before, continues && view_ok ? std::optional(limit_or_pool(placed)) : std::nullopt) ||
         !st.ok())
       return;
     std::size_t row = 0;
@@ -1225,8 +1232,8 @@ class Harness {
     std::vector<float> out(static_cast<std::size_t>(std::max<std::int64_t>(1, rows * width())), -7.0f);
     MutView ov{out.data(), MemorySpace::kHost, DType::kF32, rows, width(), width()};
     describe("prefill layer " + std::to_string(layer) + " " + spans_str(spans));
-    bool continues = false;
-    bool expect = store_ok(spans, {layer}, nullptr, nullptr, &continues);
+    bool continues = false, placed = false;
+    bool expect = store_ok(spans, {layer}, nullptr, &placed, &continues);
     for (const auto& sp : spans) {
       if (sp.count < 1) expect = false;
       SeqModel* s = live(sp.seq);
@@ -1238,7 +1245,7 @@ class Harness {
     if (spans.empty()) expect = true;
     const StoreImage before = image();
     const Status st = store_->prefill(layer, spans, k.view, v.view, q.view, ov);
-    if (!outcome(st, expect, before, continues ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
+    if (!outcome(st, expect, before, continues ? std::optional(limit_or_pool(placed)) : std::nullopt) ||
         !st.ok())
       return false;
     std::size_t row = 0;
@@ -1391,7 +1398,7 @@ class Harness {
     const Status st = store_->install(id, l, ring, null_rows ? nullptr : kb.data(), vb.data());
     std::optional<ErrorCode> code;
     if (s == nullptr) code = ErrorCode::kNotFound;
-    else if (valid && !null_rows) code = ErrorCode::kCapacityExceeded;
+    else if (valid && !null_rows) code = ErrorCode::kResourceExhausted;
     if (!outcome(st, expect, before, code) || !st.ok()) return;
     install_model(*s, l, ring, &k.rows, &v.rows);
   }
@@ -1418,7 +1425,7 @@ class Harness {
     const Status st = store_->install_plane(id, l, ring);
     std::optional<ErrorCode> code;
     if (s == nullptr) code = ErrorCode::kNotFound;
-    else if (s->detached && valid) code = ErrorCode::kCapacityExceeded;
+    else if (s->detached && valid) code = ErrorCode::kResourceExhausted;
     if (!outcome(st, expect, before, code) || !st.ok()) return;
     install_model(*s, l, ring, nullptr, nullptr);
   }
@@ -1667,7 +1674,7 @@ class Harness {
     const Status st = restore(*snap, *store_, id);
     std::optional<ErrorCode> code;
     if (s == nullptr) code = ErrorCode::kNotFound;
-    else if (valid) code = ErrorCode::kCapacityExceeded;
+    else if (valid) code = ErrorCode::kResourceExhausted;
     if (!outcome(st, expect, before, code) || !st.ok()) return;
     restore_model(*s, *snap);
   }
@@ -1684,7 +1691,7 @@ class Harness {
     const StoreImage before = image();
     auto id = restore_new_sequence(*snap, *store_);
     if (!outcome(id.ok() ? Status::Ok() : Status(id.error()), expect, before,
-                 valid ? std::optional(ErrorCode::kCapacityExceeded) : std::nullopt) ||
+                 valid ? std::optional(ErrorCode::kResourceExhausted) : std::nullopt) ||
         !id)
       return;
     SeqModel m = fresh_model(*id, false);

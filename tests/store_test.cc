@@ -144,7 +144,7 @@ TEST(Store, SequencesComeAndGoAndStaleHandlesAreRefused) {
   EXPECT_EQ(s->sequence_count(), 2);
   auto c = s->add_sequence();
   ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(c.error().code, ErrorCode::kResourceExhausted);
   ASSERT_TRUE(s->remove_sequence(*a).ok());
   auto again = s->remove_sequence(*a);
   EXPECT_EQ(again.error().code, ErrorCode::kNotFound);
@@ -386,7 +386,7 @@ TEST(Store, FullPlanesGrowByBlocks) {
   const SeqSpan next{seqs[0], 256, 1};
   const Status st = s->store(3, {&next, 1}, host_view(r.k.data(), 1, kv), host_view(r.v.data(), 1, kv));
   ASSERT_FALSE(st.ok());
-  EXPECT_EQ(st.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(st.error().code, ErrorCode::kResourceExhausted);
   EXPECT_NE(st.error().message.find("pool"), std::string::npos);
   EXPECT_EQ(live_bytes(*s, seqs[0]), before);
   EXPECT_EQ(s->free_blocks(), 0);
@@ -467,7 +467,7 @@ TEST(Store, ForkSharesBlocksAndWritesNeverReachTheOther) {
       EXPECT_EQ((out[{2, l, p}]), (solo_b[{2, l, p}]));
   // The last slot is the fork's; a third sequence cannot fork.
   ASSERT_TRUE(s->add_sequence().ok());
-  EXPECT_EQ(s->fork_sequence(a).error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(s->fork_sequence(a).error().code, ErrorCode::kResourceExhausted);
 }
 
 TEST(Store, TruncateRollsBackWithinTheSlack) {
@@ -531,7 +531,7 @@ TEST(Store, AStepRefusedPartWayIsRolledBackAcrossLayers) {
     if (refused.ok()) ++layers_done;
   }
   ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(refused.error().code, ErrorCode::kResourceExhausted);
   ASSERT_GT(layers_done, 0);
   ASSERT_LT(layers_done, c.n_layers);
   EXPECT_EQ(s->next_position(a).error().code, ErrorCode::kCacheDiscontinuity);
@@ -572,7 +572,7 @@ TEST(Store, FreeSlotsCountWhatAddSequenceCanTake) {
   EXPECT_EQ(s->sequence_count(), 1);
   ASSERT_TRUE(s->fork_sequence(a).ok());
   EXPECT_EQ(s->free_slots(), 0);
-  EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kResourceExhausted);
   ASSERT_TRUE(s->remove_sequence(d).ok());
   EXPECT_EQ(s->free_slots(), 1);
 }
@@ -597,6 +597,58 @@ TEST(Store, BlocksToStoreRefusesPastASlidingRingsLimit) {
   EXPECT_EQ(refused.error().code, ErrorCode::kCapacityExceeded);
   EXPECT_NE(refused.error().message.find("layer 0: a ring shorter than the window"), std::string::npos)
       << refused.error().message;
+}
+
+// A refusal tells an engine whether freeing helps: kResourceExhausted for a
+// pool (or slots) used up, kCapacityExceeded for a span no pool could take,
+// also when an earlier span of the batch would have used up the pool.
+// blocks_held_alone prices a preemption: what removing a sequence gives back.
+TEST(Store, RefusalsTellAUsedUpPoolFromASpanThatNeverFits) {
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  auto s = cpu_store(c, {.max_sequences = 3, .context = 64, .block_rows = 16, .pool_blocks = 5});
+  const std::int64_t kv = c.kv_dim(), L = c.n_layers;
+  auto store_all = [&](std::span<const SeqSpan> spans) {
+    std::int64_t n = 0;
+    for (const SeqSpan& sp : spans) n += sp.count;
+    std::vector<float> k, v;
+    for (std::int64_t l = 0; l < L; ++l)
+      for (const SeqSpan& sp : spans) {
+        Rows r = rows_for(c, static_cast<std::uint64_t>(sp.seq), l, sp.start, sp.count);
+        k.insert(k.end(), r.k.begin(), r.k.end());
+        v.insert(v.end(), r.v.begin(), r.v.end());
+      }
+    return s->store_all_layers(spans, host_view(k.data(), n * L, kv), host_view(v.data(), n * L, kv));
+  };
+  const SeqId a = *s->add_sequence();
+  const SeqSpan first{a, 0, 40};
+  ASSERT_TRUE(store_all({&first, 1}).ok());
+  const SeqId b = *s->fork_sequence(a);
+  EXPECT_EQ(*s->blocks_held(a), 3);
+  EXPECT_EQ(*s->blocks_held_alone(a), 0);
+  EXPECT_EQ(*s->blocks_held_alone(b), 0);
+  // b copies the shared block it writes into and takes one more.
+  const SeqSpan grow{b, 40, 10};
+  ASSERT_TRUE(store_all({&grow, 1}).ok());
+  EXPECT_EQ(s->free_blocks(), 0);
+  EXPECT_EQ(*s->blocks_held_alone(a), 1);
+  EXPECT_EQ(*s->blocks_held_alone(b), 2);
+
+  const SeqSpan more{a, 40, 10}, past{b, 50, 20};
+  const Status exhausted = store_all({&more, 1});
+  ASSERT_FALSE(exhausted.ok());
+  EXPECT_EQ(exhausted.error().code, ErrorCode::kResourceExhausted) << exhausted.error().to_string();
+  const std::vector<SeqSpan> both = {more, past};
+  const Status never = store_all(both);
+  ASSERT_FALSE(never.ok());
+  EXPECT_EQ(never.error().code, ErrorCode::kCapacityExceeded) << never.error().to_string();
+  EXPECT_EQ(s->blocks_to_store(both).error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(*s->next_position(a), 40);
+
+  const std::int64_t alone = *s->blocks_held_alone(b);
+  ASSERT_TRUE(s->remove_sequence(b).ok());
+  EXPECT_EQ(s->free_blocks(), alone);
+  EXPECT_EQ(*s->blocks_held_alone(a), 3);
+  EXPECT_TRUE(store_all({&more, 1}).ok());
 }
 
 // A snapshot holds no slack rows: a sequence restored into a store with
@@ -1414,8 +1466,8 @@ TEST_F(StoreDetached, DetachedSequencesInstallInPiecesAndGoLiveOnlyWhenAttached)
   // A detached sequence takes a slot: with every slot taken, none is added.
   auto f = s->add_detached_sequence();
   ASSERT_TRUE(f.ok());
-  EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kCapacityExceeded);
-  EXPECT_EQ(s->add_detached_sequence().error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kResourceExhausted);
+  EXPECT_EQ(s->add_detached_sequence().error().code, ErrorCode::kResourceExhausted);
 }
 
 // attach_sequence takes a detached sequence only whole: every layer's

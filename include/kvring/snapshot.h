@@ -105,7 +105,7 @@ Result<RingState> restore_ring(const Snapshot& header, std::int64_t layer, const
 Status restore(const Snapshot& snapshot, KvCache& target);
 // The same into one sequence of a store; other sequences are not touched.
 // Full planes whose blocks the pool cannot give in any order of installs
-// are refused first (kCapacityExceeded, nothing changed). The new rows
+// are refused first (kResourceExhausted, nothing changed). The new rows
 // take the free blocks, reuse the blocks the sequence holds alone and
 // replace those it shares with a fork (KvStore::blocks_to_install); when
 // the free blocks do not cover them all at once, planes that give blocks

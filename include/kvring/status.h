@@ -15,7 +15,10 @@ namespace kvring {
 enum class ErrorCode {
   kInvalidArgument,     // bad input from the caller (sizes, names, options)
   kCacheDiscontinuity,  // a skipped or replayed logical position
-  kCapacityExceeded,    // a full-attention plane asked past its capacity
+  // More positions than a plane, a sequence or a limit can ever hold (a
+  // full plane past its capacity, a short ring past its context, rows past
+  // a caller's byte limit): retrying the same request cannot succeed.
+  kCapacityExceeded,
   kConfig,              // a model config that is missing or inconsistent
   kCorruption,          // bytes that do not decode (packs, chunks)
   kMismatch,            // data for another geometry or model
@@ -24,6 +27,10 @@ enum class ErrorCode {
   kUnsupported,         // a valid request this build cannot serve
   kCuda,                // a CUDA runtime call failed
   kInternal,            // an invariant of kvring itself broke
+  // What a store shares is taken for now: its pool's blocks or its sequence
+  // slots. Freeing some (removing, resetting or truncating sequences) and
+  // retrying can succeed.
+  kResourceExhausted,
 };
 
 const char* error_code_name(ErrorCode code);

@@ -171,8 +171,12 @@ class KvStore {
   std::int64_t capacity(std::int64_t layer) const;
   // The positions a layer's plane may reach: for a sliding ring shorter
   // than its window, the context (past it, its queries would need rows it
-  // dropped); other planes are bounded by their capacity alone.
+  // dropped). Other planes are bounded by their capacity alone: a full
+  // plane stops at capacity(layer) and a ring that holds its window never
+  // stops, and for both this returns kNoPositionLimit (2^62).
   std::int64_t position_limit(std::int64_t layer) const;
+  // Positions stay below it (RingState::plan_batch's bound).
+  static constexpr std::int64_t kNoPositionLimit = std::int64_t{1} << 62;
 
   // Bytes of plane storage: every slot's rings plus the whole pool.
   std::int64_t allocated_bytes() const;
@@ -185,7 +189,7 @@ class KvStore {
   }
 
   // ---- Sequences ----------------------------------------------------------
-  // Errors: kCapacityExceeded when every slot is taken.
+  // Errors: kResourceExhausted when every slot is taken.
   Result<SeqId> add_sequence();
   // Frees the slot and drops the sequence's references to its blocks.
   Status remove_sequence(SeqId seq);
@@ -209,7 +213,9 @@ class KvStore {
   // its layers stand at different positions, as a step of one call per
   // layer that was refused part-way (the pool ran dry at a full layer)
   // leaves them: every layer must hold at least `position` tokens, and the
-  // rule above holds at `position`. Refused, changing nothing, otherwise.
+  // rule above holds at `position`. Refused, changing nothing, otherwise:
+  // a step of more tokens than `slack` may have overwritten ring rows its
+  // start needs, and is then completed forward instead (docs/DESIGN.md).
   Status truncate_sequence_to(SeqId seq, std::int64_t position);
   // The smallest position truncate_sequence_to accepts for the sequence
   // now: how far speculative tokens can be taken back. kInvalidArgument
@@ -231,13 +237,17 @@ class KvStore {
   Result<RingState> ring(SeqId seq, std::int64_t layer) const;
   // Blocks the sequence's full planes hold (shared ones included).
   Result<std::int64_t> blocks_held(SeqId seq) const;
+  // Of those, the blocks no other sequence holds: what remove_sequence and
+  // reset_sequence give back to the pool (a preemption's price).
+  Result<std::int64_t> blocks_held_alone(SeqId seq) const;
   // Blocks that storing `spans` into every full layer would take from the
   // pool (new blocks, and copies of shared blocks written into; of the
   // holders of a shared block that all write into it in one call, one
   // keeps it). Spans that store would refuse in any layer (an unknown or
   // repeated sequence, an empty span, one that does not continue a plane,
   // runs past it or past the layer's position_limit) get store's error,
-  // not a count: a step priced here is refused only for want of blocks.
+  // not a count: a step priced here is refused only for want of blocks
+  // (kResourceExhausted).
   Result<std::int64_t> blocks_to_store(std::span<const SeqSpan> spans) const;
   // What install() of a ring of `rows` rows into plane `layer` of `seq`
   // takes from the pool while it runs (new blocks, and new ones for blocks
@@ -268,6 +278,9 @@ class KvStore {
                           const ConstView& v, cudaStream_t stream = nullptr);
   // Decode attention of queries whose K/V is stored: q, out
   // [queries, n_heads * head_dim], f32 out. A sequence may appear many times.
+  // A query's visible rows must still be live: after a store of more tokens
+  // than a ring's slack, the earlier of those tokens can no longer be
+  // queried here (kInvalidArgument); a chunk's own queries are prefill's.
   // out may be q itself (same data and row stride), and may share no byte
   // with another view of the call (here or in prefill); rows of out beside
   // rows of q in one buffer share none.
@@ -291,7 +304,7 @@ class KvStore {
   // A sequence being installed from elsewhere (a handoff's receiving side):
   // it holds a slot and the blocks its planes take, but it is not live.
   // Only install, install_plane, install_rows, blocks_to_install, ring,
-  // next_position, blocks_held, is_detached, attach_sequence and
+  // next_position, blocks_held, blocks_held_alone, is_detached, attach_sequence and
   // remove_sequence reach it; sequences(), sequence_count()
   // and contains() leave it out, and every batched operation, read_rows,
   // read_plane, fork, truncate and reset refuse it (kNotFound), so nothing
@@ -301,7 +314,7 @@ class KvStore {
   // position and an install wrote every one of its live rows (else
   // kInvalidArgument, and it stays detached); remove_sequence frees it and
   // everything it took instead.
-  // Errors: kCapacityExceeded when every slot is taken.
+  // Errors: kResourceExhausted when every slot is taken.
   Result<SeqId> add_detached_sequence();
   Status attach_sequence(SeqId seq);
   bool is_detached(SeqId seq) const;
@@ -546,6 +559,11 @@ class KvStore {
   // Where span `sp` of sequence `seq` lands in `layer`'s plane `r`, or
   // store's refusal (discontinuity, capacity, position_limit).
   Result<BatchPlacement> place_span(std::int64_t layer, const RingState& r, const SeqSpan& sp) const;
+  // place_span's refusal of any span in `layer`, before any block is taken:
+  // a batch that could never be stored is refused as such, not for want of
+  // blocks (kResourceExhausted) that an earlier span took.
+  Status check_placements(std::int64_t layer, std::span<const SeqSpan> spans,
+                          std::span<const std::int32_t> slots) const;
   void release_table(std::vector<std::int32_t>& table);
   void release_tables(Sequence& s);
   RingState fresh_ring(std::int64_t layer) const;

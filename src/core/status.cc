@@ -15,6 +15,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kUnsupported: return "Unsupported";
     case ErrorCode::kCuda: return "CudaError";
     case ErrorCode::kInternal: return "Internal";
+    case ErrorCode::kResourceExhausted: return "ResourceExhausted";
   }
   return "Unknown";
 }

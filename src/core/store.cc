@@ -70,8 +70,6 @@ SeqId make_seq(std::uint32_t slot, std::uint32_t generation) {
 constexpr std::int64_t kMaxSequences = 1 << 20;
 constexpr std::int64_t kMaxPoolBlocks = std::int64_t{1} << 30;
 constexpr std::int64_t kMaxBatchRows = std::int64_t{1} << 32;
-// Positions stay below this (RingState::plan_batch's bound).
-constexpr std::int64_t kPositionLimit = std::int64_t{1} << 62;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -155,7 +153,7 @@ struct KvStore::Txn {
       if (!page) page = std::make_unique<std::int32_t[]>(static_cast<std::size_t>(kRefPage));
       ++s.fresh_;
     } else {
-      return make_error(ErrorCode::kCapacityExceeded,
+      return make_error(ErrorCode::kResourceExhausted,
                         "the block pool is exhausted: all " + std::to_string(s.pool_blocks()) +
                             " blocks of " + std::to_string(s.options_.block_rows) +
                             " rows are in use");
@@ -301,7 +299,7 @@ std::int64_t KvStore::position_limit(std::int64_t layer) const {
   if (!check_layer(layer).ok()) return 0;
   // A full plane's own capacity bounds it (RingState::plan_batch).
   if (full_index(layer) < 0 && ring_rows_ - options_.slack < config_.sliding_window) return options_.context;
-  return kPositionLimit;
+  return kNoPositionLimit;
 }
 
 RingState KvStore::fresh_ring(std::int64_t layer) const {
@@ -429,7 +427,7 @@ std::size_t KvStore::free_slot() {
 Result<SeqId> KvStore::add_slot(bool detached) {
   const std::size_t i = free_slot();
   if (i == slots_.size())
-    return make_error(ErrorCode::kCapacityExceeded,
+    return make_error(ErrorCode::kResourceExhausted,
                       "every one of the store's " + std::to_string(slots_.size()) +
                           " sequence slots is taken");
   const auto slot = static_cast<std::int32_t>(i);
@@ -501,7 +499,7 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   if (!from) return from.error();
   const std::size_t i = free_slot();
   if (i == slots_.size())
-    return make_error(ErrorCode::kCapacityExceeded,
+    return make_error(ErrorCode::kResourceExhausted,
                       "cannot fork " + seq_name(source) + ": every one of the store's " +
                           std::to_string(slots_.size()) + " sequence slots is taken");
   const auto to = static_cast<std::int32_t>(i);
@@ -631,6 +629,15 @@ Result<std::int64_t> KvStore::blocks_held(SeqId seq) const {
   return n;
 }
 
+Result<std::int64_t> KvStore::blocks_held_alone(SeqId seq) const {
+  auto slot = find_slot(seq, true);
+  if (!slot) return slot.error();
+  std::int64_t n = 0;
+  for (const auto& t : slots_[static_cast<std::size_t>(*slot)].tables)
+    n += std::count_if(t.begin(), t.end(), [&](std::int32_t b) { return refs(b) == 1; });
+  return n;
+}
+
 Result<KvStore::InstallBlocks> KvStore::blocks_to_install(SeqId seq, std::int64_t layer,
                                                           std::int64_t rows) const {
   auto slot = slot_any(seq);
@@ -662,11 +669,7 @@ Result<std::int64_t> KvStore::blocks_to_store(std::span<const SeqSpan> spans) co
   // continue a plane, runs past it or past the layer's position limit.
   auto slots = slots_of_spans(spans, true);
   if (!slots) return slots.error();
-  for (std::int64_t l = 0; l < n_layers(); ++l)
-    for (std::size_t i = 0; i < spans.size(); ++i) {
-      const RingState& r = slots_[static_cast<std::size_t>((*slots)[i])].rings[static_cast<std::size_t>(l)];
-      if (auto placed = place_span(l, r, spans[i]); !placed) return placed.error();
-    }
+  for (std::int64_t l = 0; l < n_layers(); ++l) KVRING_RETURN_IF_ERROR(check_placements(l, spans, *slots));
   std::int64_t n = 0;
   std::vector<char> copies;
   for (std::int64_t fi = 0; fi < n_full_; ++fi) {
@@ -859,6 +862,15 @@ Result<BatchPlacement> KvStore::place_span(std::int64_t layer, const RingState& 
   return placement;
 }
 
+Status KvStore::check_placements(std::int64_t layer, std::span<const SeqSpan> spans,
+                                 std::span<const std::int32_t> slots) const {
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const RingState& r = slots_[static_cast<std::size_t>(slots[i])].rings[static_cast<std::size_t>(layer)];
+    if (auto placed = place_span(layer, r, spans[i]); !placed) return placed.error();
+  }
+  return Status::Ok();
+}
+
 Result<std::vector<std::int32_t>> KvStore::slots_of_spans(std::span<const SeqSpan> spans,
                                                           bool unique) const {
   std::vector<std::int32_t> slots;
@@ -923,6 +935,7 @@ void KvStore::first_block_copies(std::span<const SeqSpan> spans, std::span<const
 
 Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
                            std::span<const std::int32_t> slots, std::vector<RowWrite>& writes) {
+  KVRING_RETURN_IF_ERROR(check_placements(layer, spans, slots));
   const std::int64_t fi = full_index(layer);
   const std::int64_t B = options_.block_rows;
   // Which spans copy the shared block they start in, decided on the tables
@@ -1040,6 +1053,7 @@ Status KvStore::store_all_layers(std::span<const SeqSpan> spans, const ConstView
   KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows * n_layers(), config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows * n_layers(), config_.kv_dim()));
   if (spans.empty()) return Status::Ok();
+  for (std::int64_t l = 0; l < n_layers(); ++l) KVRING_RETURN_IF_ERROR(check_placements(l, spans, *slots));
   Txn& txn = scratch_->begin();
   std::vector<RowWrite>& writes = scratch_->writes;
   writes.reserve(spans.size() * static_cast<std::size_t>(n_layers()));

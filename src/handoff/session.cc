@@ -219,7 +219,7 @@ Error decode_status(const std::vector<std::uint8_t>& m, const std::string& who) 
   Reader r{m.data(), m.data() + m.size()};
   r.u(1);
   const auto code = r.u(4);
-  if (!r.ok || code > static_cast<std::uint64_t>(ErrorCode::kInternal)) return wire_error(who + " sent a malformed error");
+  if (!r.ok || code > static_cast<std::uint64_t>(ErrorCode::kResourceExhausted)) return wire_error(who + " sent a malformed error");
   return make_error(static_cast<ErrorCode>(code),
                     who + ": " + std::string(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p)));
 }

@@ -311,7 +311,7 @@ Result<std::vector<std::int64_t>> install_order(const KvStore& target, SeqId seq
       (shared > 0 ? " (" + std::to_string(shared) + " for blocks " + seq_name(seq) + " shares with a fork)" : "") +
       "; the target's pool has " + std::to_string(free) + " free and " + seq_name(seq) +
       "'s planes give back " + std::to_string(give) + " once in";
-  if (take > free + give) return make_error(ErrorCode::kCapacityExceeded, need);
+  if (take > free + give) return make_error(ErrorCode::kResourceExhausted, need);
   std::stable_sort(planes.begin(), planes.end(), [](const Plane& a, const Plane& b) {
     const bool a_gains = a.blocks.give >= a.blocks.take;
     const bool b_gains = b.blocks.give >= b.blocks.take;
@@ -322,7 +322,7 @@ Result<std::vector<std::int64_t>> install_order(const KvStore& target, SeqId seq
   std::int64_t left = free;
   for (const Plane& p : planes) {
     if (p.blocks.take > left)
-      return make_error(ErrorCode::kCapacityExceeded,
+      return make_error(ErrorCode::kResourceExhausted,
                         need + "; no order of the planes fits: layer " + std::to_string(p.layer) +
                             " needs " + std::to_string(p.blocks.take) + " with at most " +
                             std::to_string(left) + " free before it");
@@ -396,7 +396,7 @@ Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
     need += (ring->len() + block_rows - 1) / block_rows;
   }
   if (need > target.free_blocks())
-    return make_error(ErrorCode::kCapacityExceeded,
+    return make_error(ErrorCode::kResourceExhausted,
                       "the snapshot's full planes need " + std::to_string(need) + " new blocks of " +
                           std::to_string(block_rows) + " rows; the target's pool has " +
                           std::to_string(target.free_blocks()) + " free");
