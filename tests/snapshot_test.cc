@@ -272,6 +272,24 @@ TEST_F(RestoreRefusal, NewSequenceBeyondThePoolLeavesTheNextHandle) {
   EXPECT_EQ(*(*made)->add_sequence(), *(*twin)->add_sequence());
 }
 
+// blocks_to_restore is what restore_new_sequence takes from the pool.
+TEST_F(RestoreRefusal, BlocksToRestoreIsWhatARestoreTakes) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto live = filled_cache(cfg, 256, 100, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16, .pool_blocks = 9});
+  ASSERT_TRUE(made.ok());
+  auto price = blocks_to_restore(*snap, **made);
+  ASSERT_TRUE(price.ok()) << price.error().to_string();
+  EXPECT_EQ(*price, 7);  // 100 rows of the one full layer, blocks of 16
+  ASSERT_TRUE(restore_new_sequence(*snap, **made).ok());
+  EXPECT_EQ((*made)->free_blocks(), 9 - *price);
+  auto other = make_store(BackendKind::kCpu, small_config(64, 256, 4), {.max_sequences = 1});
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(blocks_to_restore(*snap, **other).error().code, ErrorCode::kMismatch);
+}
+
 TEST_F(RestoreRefusal, ShortRingsPastTheTargetContext) {
   // Window 64, layer 3 full. At context 20 every ring is 32 rows, shorter
   // than the window: such a store stops at its context, so a session of 20

@@ -116,6 +116,10 @@ Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq);
 // too small for the full planes included); a device failure part-way
 // removes it again.
 Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target);
+// The pool blocks restore_new_sequence of this snapshot (its header is
+// enough) takes from `target`, or check_restorable's refusal: an engine's
+// price for resuming a paused sequence.
+Result<std::int64_t> blocks_to_restore(const Snapshot& header, const KvStore& target);
 
 // The detached install path: a new cache on `backend` (context: the
 // snapshot's, or `context` when non-zero; attention under `attention`)

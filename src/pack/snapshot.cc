@@ -381,20 +381,27 @@ Status restore(const Snapshot& snapshot, KvCache& target) {
   return restore(snapshot, target.store(), target.seq());
 }
 
-Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
-  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
-  KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
-  // A new sequence's full planes take every block from the free pool;
-  // checked before the sequence is added, so a refusal leaves even the
-  // next handle as it was.
+Result<std::int64_t> blocks_to_restore(const Snapshot& header, const KvStore& target) {
+  KVRING_RETURN_IF_ERROR(check_restorable(header, target));
+  // A new sequence's full planes take every block from the free pool.
   std::int64_t need = 0;
   const std::int64_t block_rows = target.options().block_rows;
   for (std::int64_t l = 0; l < target.n_layers(); ++l) {
     if (target.config().kind(l) != LayerKind::kFullNope) continue;
-    auto ring = restore_ring(snapshot, l, target);
+    auto ring = restore_ring(header, l, target);
     if (!ring) return ring.error();
     need += (ring->len() + block_rows - 1) / block_rows;
   }
+  return need;
+}
+
+Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
+  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
+  // Checked before the sequence is added, so a refusal leaves even the next
+  // handle as it was.
+  auto blocks = blocks_to_restore(snapshot, target);
+  if (!blocks) return blocks.error();
+  const std::int64_t need = *blocks, block_rows = target.options().block_rows;
   if (need > target.free_blocks())
     return make_error(ErrorCode::kResourceExhausted,
                       "the snapshot's full planes need " + std::to_string(need) + " new blocks of " +
