@@ -4,8 +4,11 @@
 #   kvring::pack     snapshots, packs and chunk stores (with kvring::kvring)
 #   kvring::handoff  the handoff (with kvring::pack)
 #   kvring::core     the store and the CPU backend alone
-# Static libraries: their private dependencies (hiredis, UCX) are found again
-# by kvringConfig.cmake, as this build found them.
+# Static libraries of position-independent code, so an engine that is a
+# shared object (a Python extension) links them too; their private
+# dependencies (hiredis, UCX) are found again by kvringConfig.cmake, as this
+# build found them. Installed when KVRING_INSTALL is on (the default for the
+# top-level project, not for add_subdirectory).
 include(CMakePackageConfigHelpers)
 
 set(kvring_exported kvring_core kvring kvring_pack kvring_handoff)
@@ -14,9 +17,13 @@ if(TARGET kvring_cuda)
 endif()
 foreach(target IN LISTS kvring_exported)
   string(REGEX REPLACE "^kvring_" "" name ${target})
-  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} POSITION_INDEPENDENT_CODE ON)
   add_library(kvring::${name} ALIAS ${target})
 endforeach()
+
+if(NOT KVRING_INSTALL)
+  return()
+endif()
 
 install(TARGETS ${kvring_exported} EXPORT kvringTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
@@ -26,7 +33,11 @@ install(DIRECTORY include/kvring DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 set(kvring_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvring)
 install(EXPORT kvringTargets NAMESPACE kvring:: DESTINATION ${kvring_cmake_dir})
 # The config file repeats this build's choices of dependencies.
-foreach(pair CUDA:KVRING_HAVE_CUDA HIREDIS:HIREDIS_FOUND UCX:UCX_FOUND STATIC_OPENSSL:KVRING_STATIC_DEPS)
+set(kvring_built_cuda FALSE)
+if(TARGET kvring_cuda)
+  set(kvring_built_cuda TRUE)
+endif()
+foreach(pair CUDA:kvring_built_cuda HIREDIS:HIREDIS_FOUND UCX:UCX_FOUND STATIC_OPENSSL:KVRING_STATIC_DEPS)
   string(REPLACE ":" ";" pair ${pair})
   list(GET pair 0 key)
   list(GET pair 1 var)

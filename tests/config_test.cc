@@ -172,7 +172,8 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
   expect_error(base + R"("sliding_window": 512, "use_sliding_window": true, "max_window_layers": 9})",
                "max_window_layers");
 
-  // Qwen's classes take max_window_layers = 28 when it is absent.
+  // Qwen's classes take use_sliding_window = false when it is absent, and
+  // max_window_layers = 28 (80 for the VL models' text configs).
   const std::string deep = R"({"num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 2,
     "head_dim": 64, "max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": true, )";
   auto qwen = parse_hf_config(deep + R"("model_type": "qwen2"})");
@@ -184,6 +185,12 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
   ASSERT_TRUE(shallow.ok()) << shallow.error().to_string();
   EXPECT_EQ(shallow->count(LayerKind::kFullNope), 4);
   EXPECT_EQ(shallow->sliding_window, 0);
+  auto vl = parse_hf_config(deep + R"("model_type": "qwen2_5_vl"})");
+  ASSERT_TRUE(vl.ok()) << vl.error().to_string();
+  EXPECT_EQ(vl->count(LayerKind::kFullNope), 30);
+  auto unsaid = parse_hf_config(base + R"("model_type": "qwen2", "sliding_window": 512, "max_window_layers": 2})");
+  ASSERT_TRUE(unsaid.ok()) << unsaid.error().to_string();
+  EXPECT_EQ(unsaid->count(LayerKind::kFullNope), 4);
 
   for (const char* every : {R"("model_type": "mistral", "sliding_window": 4096})",
                             R"("sliding_window": 4096, "use_sliding_window": true})"}) {

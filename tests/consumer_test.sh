@@ -20,5 +20,9 @@ case $mode in
 esac
 quiet cmake -S "$src/tests/consumer" -B "$work/build" "${args[@]}"
 quiet cmake --build "$work/build" -j"$(nproc)"
-"$work/build/readme_example"
-"$work/build/pack_round_trip"
+# Each program must exit 0 and say what it checked.
+"$work/build/readme_example" | tee "$work/readme.out"
+grep -q "a at 6, draft at 4" "$work/readme.out"
+"$work/build/pack_round_trip" | tee "$work/pack.out"
+grep -q "pack of [0-9]* bytes restored: 3 layers equal" "$work/pack.out"
+test -f "$work/build/libengine_module.so"

@@ -183,10 +183,17 @@ Sliding uses_sliding_window(const json& j) {
   return it->get<bool>() ? Sliding::kOn : Sliding::kOff;
 }
 
-// Qwen's model types (qwen2, qwen2_moe, qwen3, ...), whose configs read
-// max_window_layers, 28 when absent.
-bool qwen(const json& root, const json& j) { return model_type(root, j).starts_with("qwen"); }
-constexpr std::int64_t kQwenMaxWindowLayers = 28;
+// Qwen's model types whose Hugging Face classes read use_sliding_window
+// (false when absent) and max_window_layers, with that class's default
+// when absent; 0 for other model types.
+std::int64_t qwen_max_window_layers(const json& root, const json& j) {
+  const std::string type = model_type(root, j);
+  for (const char* t : {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+    if (type == t) return 28;
+  for (const char* t : {"qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text"})
+    if (type == t) return 80;
+  return 0;
+}
 
 // Models whose sliding_window, given alone, applies to every layer.
 bool every_layer_slides(const json& root, const json& j) {
@@ -341,17 +348,21 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     for (std::int64_t l = 0; l < c.n_layers; ++l)
       c.layer_kinds.push_back((l + 1) % *pattern == 0 ? LayerKind::kFullNope
                                                       : LayerKind::kSlidingRope);
-  } else if (c.sliding_window > 0 && uses_sliding_window(j) == Sliding::kOff) {
-    // Qwen2's configs name a window that no layer uses.
+  } else if (c.sliding_window > 0 && (uses_sliding_window(j) == Sliding::kOff ||
+                                       (uses_sliding_window(j) == Sliding::kUnsaid &&
+                                        qwen_max_window_layers(root, j) > 0))) {
+    // Qwen's configs name a window that no layer uses unless
+    // use_sliding_window is true.
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
-  } else if (c.sliding_window > 0 &&
-             (given(j, "max_window_layers") || (uses_sliding_window(j) == Sliding::kOn && qwen(root, j)))) {
+  } else if (c.sliding_window > 0 && (given(j, "max_window_layers") ||
+                                       (uses_sliding_window(j) == Sliding::kOn &&
+                                        qwen_max_window_layers(root, j) > 0))) {
     if (uses_sliding_window(j) != Sliding::kOn)
       return config_error("max_window_layers is set but 'use_sliding_window' is not true");
-    // Qwen2 and Qwen3: layers from max_window_layers on slide, those before
-    // are full; Hugging Face's classes of these models take 28 when the
-    // field is absent (then a model of 28 layers or fewer slides nowhere).
-    std::int64_t first = kQwenMaxWindowLayers;
+    // Qwen: layers from max_window_layers on slide, those before are full;
+    // without the field, the model type's default (a model of no more
+    // layers than it slides nowhere).
+    std::int64_t first = qwen_max_window_layers(root, j);
     if (given(j, "max_window_layers")) {
       auto field = int_field(j, "max_window_layers", true);
       if (!field) return field.error();

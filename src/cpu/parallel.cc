@@ -58,7 +58,8 @@ bool spin_until(F&& ready) {
 // is kept for the caller; the tasks not yet started are then skipped.
 struct Job {
   const std::function<void(std::int64_t)>* fn;
-  std::int64_t n;
+  std::int64_t n;      // tasks next .. n-1
+  std::int64_t total;  // how many that is when the job starts
   unsigned helpers;  // workers 0..helpers-1 join it
   std::atomic<std::int64_t> next{0};
   std::atomic<std::int64_t> done{0};
@@ -85,13 +86,16 @@ class Pool {
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
-  // False when another job holds the pool; nothing ran then.
-  bool try_run(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
+  // Runs fn(i) for i in [first, n); false when another job holds the
+  // pool, and nothing ran then.
+  bool try_run(std::int64_t first, std::int64_t n, const std::function<void(std::int64_t)>& fn) {
     std::unique_lock<std::mutex> job_lock(job_mu_, std::try_to_lock);
     if (!job_lock.owns_lock()) return false;
     auto job = std::make_shared<Job>();
     job->fn = &fn;
     job->n = n;
+    job->total = n - first;
+    job->next.store(first, std::memory_order_relaxed);
     job->helpers = helpers();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -100,7 +104,7 @@ class Pool {
     }
     for (unsigned w = 0; w < job->helpers; ++w) wake_[w].notify_one();
     drain(*job);
-    auto finished = [&] { return job->done.load(std::memory_order_acquire) == n; };
+    auto finished = [&] { return job->done.load(std::memory_order_acquire) == job->total; };
     if (!spin_until(finished)) {
       std::unique_lock<std::mutex> lock(mu_);
       done_.wait(lock, finished);
@@ -126,7 +130,7 @@ class Pool {
           job.failed.store(true, std::memory_order_relaxed);
         }
       }
-      if (job.done.fetch_add(1, std::memory_order_acq_rel) == job.n - 1) {
+      if (job.done.fetch_add(1, std::memory_order_acq_rel) == job.total - 1) {
         // The last task: wake a caller that stopped spinning.
         std::lock_guard<std::mutex> lock(mu_);
         done_.notify_all();
@@ -175,25 +179,25 @@ class Pool {
 // its workers sleep through exit instead of being joined. A child of fork()
 // has none of the parent's workers and may have copied the pool's locks
 // held, so it forgets the parent's pool (left as it is) and makes its own
-// at its first parallel call. g_pool_mu is held across fork(), so the child
-// never copies it held.
+// at its first parallel call. g_pool_mu is held across fork() (handlers
+// registered when the library is loaded), so the child never copies it
+// held.
 std::mutex g_pool_mu;
 std::atomic<Pool*> g_pool{nullptr};
 Pool* g_parents_pool = nullptr;  // kept reachable, never used
 
+const int g_fork_handlers = pthread_atfork(
+    [] { g_pool_mu.lock(); }, [] { g_pool_mu.unlock(); },
+    [] {
+      g_parents_pool = g_pool.exchange(nullptr, std::memory_order_relaxed);
+      g_pool_mu.unlock();
+    });
+
 Pool& pool() {
   if (Pool* p = g_pool.load(std::memory_order_acquire)) return *p;
   std::lock_guard<std::mutex> lock(g_pool_mu);
-  if (g_pool.load(std::memory_order_relaxed) == nullptr) {
-    static const int registered = pthread_atfork(
-        [] { g_pool_mu.lock(); }, [] { g_pool_mu.unlock(); },
-        [] {
-          g_parents_pool = g_pool.exchange(nullptr, std::memory_order_relaxed);
-          g_pool_mu.unlock();
-        });
-    (void)registered;
+  if (g_pool.load(std::memory_order_relaxed) == nullptr)
     g_pool.store(new Pool(worker_count()), std::memory_order_release);
-  }
   return *g_pool.load(std::memory_order_relaxed);
 }
 
@@ -214,8 +218,12 @@ void parallel_for(std::int64_t n, std::int64_t work, const std::function<void(st
     for (std::int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  if (!pool().try_run(n, fn))
-    for (std::int64_t i = 0; i < n; ++i) fn(i);
+  // While another thread's job holds the pool, this call's tasks run on
+  // its own thread, and the rest go to the pool once it is free.
+  for (std::int64_t first = 0; first < n; ++first) {
+    if (pool().try_run(first, n, fn)) return;
+    fn(first);
+  }
 }
 
 }  // namespace kvring::cpu

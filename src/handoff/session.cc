@@ -56,8 +56,9 @@ void linger(Transport& t, double seconds, std::size_t max_bytes) {
   }
 }
 constexpr char kMagic[8] = {'k', 'v', 'h', 'a', 'n', 'd', 'o', 'f'};
-// Version 2 added the row digest to the header.
-constexpr std::uint16_t kVersion = 2;
+// Version 2 added the row digest to the header; version 3 the status code
+// kResourceExhausted (a peer of version 2 would read it as malformed).
+constexpr std::uint16_t kVersion = 3;
 constexpr std::size_t kRowsHead = 1 + 8 + 4 + 8 + 8;  // type, seq, layer, first, rows
 constexpr std::size_t kRowsFixed = kRowsHead + 32;     // + digest
 constexpr std::int64_t kMaxIds = std::int64_t{1} << 26;

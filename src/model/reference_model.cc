@@ -217,7 +217,7 @@ Status ReferenceModel::check_tokens(const KvStore& store, std::span<const SeqSpa
   auto blocks = store.blocks_to_store(spans);
   if (!blocks) return blocks.error();
   if (*blocks > store.free_blocks())
-    return make_error(ErrorCode::kCapacityExceeded,
+    return make_error(ErrorCode::kResourceExhausted,
                       "the block pool has " + std::to_string(store.free_blocks()) +
                           " free blocks; this step needs " + std::to_string(*blocks));
   for (std::int64_t i = 0; i < n; ++i)

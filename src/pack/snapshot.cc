@@ -278,7 +278,7 @@ Status check_restorable(const Snapshot& header, const KvCache& target) {
 namespace {
 
 // The order in which to install the planes so that the pool never runs dry,
-// or kCapacityExceeded when no order can. Empty when the free pool covers
+// or kResourceExhausted when no order can. Empty when the free pool covers
 // every plane's new blocks at once (the planes may then go in any order, in
 // parallel). Otherwise some planes must give their blocks back before
 // others take theirs: first the planes that give back at least what they
