@@ -29,7 +29,8 @@ enum class ErrorCode {
   kInternal,            // an invariant of kvring itself broke
   // What a store shares is taken for now: its pool's blocks or its sequence
   // slots. Freeing some (removing, resetting or truncating sequences) and
-  // retrying can succeed.
+  // retrying can succeed, unless the request needs more blocks than the
+  // whole pool (KvStore::blocks_to_store above pool_blocks()).
   kResourceExhausted,
 };
 
