@@ -531,7 +531,8 @@ class KvStore {
   void first_block_copies(std::span<const SeqSpan> spans, std::span<const std::int32_t> slots,
                           std::int64_t fi, std::vector<char>& copies) const;
   // Plans the writes of `spans` into `layer` in `txn`: ring placements,
-  // new blocks, copies of shared blocks. Leaves the store unchanged.
+  // new blocks, copies of shared blocks. Leaves the store unchanged. The
+  // caller has passed every layer's spans through check_placements first.
   Status plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
                     std::span<const std::int32_t> slots, std::vector<RowWrite>& writes);
   // Points the planned table changes at the tables (planning may have

@@ -323,6 +323,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     c.rope_theta = theta.get<double>();
   }
 
+  const Sliding sliding = uses_sliding_window(j);
+  const std::int64_t qwen_first = qwen_max_window_layers(root, j);
   if (given(j, "layer_types")) {
     const json& types = j["layer_types"];
     if (!types.is_array()) return config_error("field 'layer_types' must be an array");
@@ -348,21 +350,19 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     for (std::int64_t l = 0; l < c.n_layers; ++l)
       c.layer_kinds.push_back((l + 1) % *pattern == 0 ? LayerKind::kFullNope
                                                       : LayerKind::kSlidingRope);
-  } else if (c.sliding_window > 0 && (uses_sliding_window(j) == Sliding::kOff ||
-                                       (uses_sliding_window(j) == Sliding::kUnsaid &&
-                                        qwen_max_window_layers(root, j) > 0))) {
+  } else if (c.sliding_window > 0 &&
+             (sliding == Sliding::kOff || (sliding == Sliding::kUnsaid && qwen_first > 0))) {
     // Qwen's configs name a window that no layer uses unless
     // use_sliding_window is true.
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kFullNope);
-  } else if (c.sliding_window > 0 && (given(j, "max_window_layers") ||
-                                       (uses_sliding_window(j) == Sliding::kOn &&
-                                        qwen_max_window_layers(root, j) > 0))) {
-    if (uses_sliding_window(j) != Sliding::kOn)
+  } else if (c.sliding_window > 0 &&
+             (given(j, "max_window_layers") || (sliding == Sliding::kOn && qwen_first > 0))) {
+    if (sliding != Sliding::kOn)
       return config_error("max_window_layers is set but 'use_sliding_window' is not true");
     // Qwen: layers from max_window_layers on slide, those before are full;
     // without the field, the model type's default (a model of no more
     // layers than it slides nowhere).
-    std::int64_t first = qwen_max_window_layers(root, j);
+    std::int64_t first = qwen_first;
     if (given(j, "max_window_layers")) {
       auto field = int_field(j, "max_window_layers", true);
       if (!field) return field.error();
@@ -371,7 +371,7 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     }
     for (std::int64_t l = 0; l < c.n_layers; ++l)
       c.layer_kinds.push_back(l >= first ? LayerKind::kSlidingRope : LayerKind::kFullNope);
-  } else if (c.sliding_window > 0 && (uses_sliding_window(j) == Sliding::kOn || every_layer_slides(root, j))) {
+  } else if (c.sliding_window > 0 && (sliding == Sliding::kOn || every_layer_slides(root, j))) {
     // Mistral, Mixtral, Phi-3, Starcoder2: the window applies to every layer.
     c.layer_kinds.assign(static_cast<std::size_t>(c.n_layers), LayerKind::kSlidingRope);
   } else if (c.sliding_window > 0) {

@@ -935,7 +935,6 @@ void KvStore::first_block_copies(std::span<const SeqSpan> spans, std::span<const
 
 Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
                            std::span<const std::int32_t> slots, std::vector<RowWrite>& writes) {
-  KVRING_RETURN_IF_ERROR(check_placements(layer, spans, slots));
   const std::int64_t fi = full_index(layer);
   const std::int64_t B = options_.block_rows;
   // Which spans copy the shared block they start in, decided on the tables
@@ -1035,6 +1034,7 @@ Status KvStore::store(std::int64_t layer, std::span<const SeqSpan> spans, const 
   KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows, config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
   if (spans.empty()) return Status::Ok();
+  KVRING_RETURN_IF_ERROR(check_placements(layer, spans, *slots));
   Txn& txn = scratch_->begin();
   std::vector<RowWrite>& writes = scratch_->writes;
   if (Status st = plan_store(txn, layer, spans, *slots, writes); !st.ok()) {
@@ -1119,6 +1119,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   KVRING_RETURN_IF_ERROR(check_out_apart(out, "k", k, false));
   KVRING_RETURN_IF_ERROR(check_out_apart(out, "v", v, false));
   if (chunks.empty()) return Status::Ok();
+  KVRING_RETURN_IF_ERROR(check_placements(layer, chunks, *slots));
   // The rings as before the chunks: attention reads the rows before each
   // chunk from the plane and the chunk's own rows from k and v.
   Txn& txn = scratch_->begin();
