@@ -1,5 +1,6 @@
 // Handoff of a prefilled session: bit-exact decode on the receiver, over the
-// in-process transport and over UCX on loopback, and each fault on its own:
+// in-process transport, UCX on loopback and a Unix socket, and each fault
+// on its own:
 // a truncated stream, a flipped byte, a wrong geometry, a sender or receiver
 // that dies midway, a stalled peer, a port where nothing listens.
 #include <arpa/inet.h>
@@ -165,6 +166,8 @@ class Handoff : public ::testing::Test {
     receiver.join();
     return o;
   }
+  void expect_bit_exact_over(const std::function<Result<std::unique_ptr<Transport>>()>& accept,
+                             const std::function<Result<std::unique_ptr<Transport>>()>& connect);
 
   ModelConfig config_;
   std::shared_ptr<const ReferenceModel> model_;
@@ -527,20 +530,20 @@ TEST_F(Handoff, StalledPeersTimeOut) {
 
 // ---------------------------------------------------------------- UCX
 
-TEST_F(Handoff, UcxLoopbackIsBitExact) {
-  if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
+// Sessions of both schedules between two threads over a link between
+// processes: `accept` (the receiver's, on its thread) and `connect` make
+// its two ends.
+void Handoff::expect_bit_exact_over(const std::function<Result<std::unique_ptr<Transport>>()>& accept,
+                                    const std::function<Result<std::unique_ptr<Transport>>()>& connect) {
   for (Schedule sched : {Schedule::kPaced, Schedule::kSwaFirst}) {
+    SCOPED_TRACE(schedule_name(sched));
     Session s = prefilled();
     const Timeline t = plan(sched, 3 * 256);
     auto src = source(s, t);
-    auto listener = ucx_listen("127.0.0.1:0");
-    ASSERT_TRUE(listener.ok()) << listener.error().to_string();
-    const int port = (*listener)->port();
-    ASSERT_GT(port, 0);
     DetachedCacheTarget target({.expect = config_});
     std::optional<Result<ReceiveReport>> received;
     std::thread receiver([&] {
-      auto link = (*listener)->accept(deadline_in(10));
+      auto link = accept();
       if (!link) {
         received.emplace(link.error());
         return;
@@ -548,16 +551,39 @@ TEST_F(Handoff, UcxLoopbackIsBitExact) {
       received.emplace(receive_session(**link, target, {.timeout_s = 10, .credit_bytes = 4 * 256}));
       (*link)->close();
     });
-    auto link = ucx_connect("127.0.0.1:" + std::to_string(port), deadline_in(10));
-    ASSERT_TRUE(link.ok()) << link.error().to_string();
+    auto link = connect();
+    if (!link.ok()) {
+      receiver.join();  // its accept ends at its deadline
+      FAIL() << link.error().to_string();
+    }
     auto sent = send_session(**link, *src, t, {.timeout_s = 10});
     (*link)->close();  // both ends progress their close (one thread each)
     receiver.join();
     ASSERT_TRUE(sent.ok()) << sent.error().to_string();
     ASSERT_TRUE(received->ok()) << received->error().to_string();
+    EXPECT_EQ(sent->payload_bytes, t.payload.payload_bytes);
     EXPECT_LE(sent->max_in_flight, 4 * 256);
+    EXPECT_EQ(target.header().metadata, "meta");
     expect_reference(finish_received(target));
   }
+}
+
+TEST_F(Handoff, UcxLoopbackIsBitExact) {
+  if (!ucx_compiled()) GTEST_SKIP() << "no UCX in this build";
+  auto listener = ucx_listen("127.0.0.1:0");
+  ASSERT_TRUE(listener.ok()) << listener.error().to_string();
+  const int port = (*listener)->port();
+  ASSERT_GT(port, 0);
+  expect_bit_exact_over([&] { return (*listener)->accept(deadline_in(10)); },
+                        [&] { return ucx_connect("127.0.0.1:" + std::to_string(port), deadline_in(10)); });
+}
+
+TEST_F(Handoff, UnixSocketIsBitExact) {
+  const std::string path = ::testing::TempDir() + "kvring-session-" + std::to_string(getpid()) + ".sock";
+  auto listener = unix_listen(path);
+  ASSERT_TRUE(listener.ok()) << listener.error().to_string();
+  expect_bit_exact_over([&] { return (*listener)->accept(deadline_in(10)); },
+                        [&] { return unix_connect(path, deadline_in(10)); });
 }
 
 TEST_F(Handoff, UcxReceiverDroppingTheLinkIsReported) {

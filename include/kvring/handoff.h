@@ -8,7 +8,8 @@
 //     sender follows its message list and order).
 //   - Transport: whole messages with deadlines; in-process (local_pair, and
 //     local_device_pair, which carries device memory of one GPU) and between
-//     processes (UCX: ucx_listen / ucx_connect).
+//     processes (UCX: ucx_listen / ucx_connect; Unix sockets: unix_listen /
+//     unix_connect).
 //   - HandoffSource / HandoffTarget: the sending session and the detached
 //     receiving one: a sequence of a store read where it lies (StoreSource)
 //     and installed straight into a detached sequence (StoreTarget), on
@@ -238,6 +239,23 @@ class UcxListener {
 Result<std::unique_ptr<UcxListener>> ucx_listen(const std::string& host_port);
 Result<std::unique_ptr<Transport>> ucx_connect(const std::string& host_port, Deadline deadline);
 Result<std::pair<std::string, int>> parse_host_port(const std::string& host_port);
+
+// Unix-domain stream sockets between processes of one host, host memory
+// only: each message is an 8-byte little-endian length and its bytes. Every
+// build has it.
+class UnixListener {
+ public:
+  virtual ~UnixListener() = default;
+  virtual const std::string& path() const = 0;
+  // Waits for one connection.
+  virtual Result<std::unique_ptr<Transport>> accept(Deadline deadline) = 0;
+};
+// Listens at `path` (at most 107 bytes). A socket file already there is
+// replaced (a listener that died left it); anything else there is refused.
+// The listener removes its file when destroyed.
+Result<std::unique_ptr<UnixListener>> unix_listen(const std::string& path);
+// Connects to a listener at `path`; fails at once where none listens.
+Result<std::unique_ptr<Transport>> unix_connect(const std::string& path, Deadline deadline);
 
 // ---------------------------------------------------------------- sessions
 
