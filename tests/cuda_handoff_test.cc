@@ -5,16 +5,27 @@
 // that never moved; a corrupted byte or a dropped link leaves the receiving
 // store as it was; CPU->CUDA and CUDA->CPU, and CUDA->CUDA through pinned
 // staging (a host transport), store the sender's bytes exactly; the GPU's
-// digest64 is the host's.
+// digest64 is the host's. local_peer_pair between GPUs of one process, and
+// cuda_ipc_link between two processes, carry the same sessions exactly.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 #include <tuple>
 
 #include "cuda/digest.h"
 #include "core/digest64.h"
 #include "cuda_test_util.h"
+#include "handoff_test_util.h"
 #include "kvring/handoff.h"
 #include "kvring/model.h"
 
@@ -28,13 +39,12 @@ constexpr std::int64_t kPrompt = 100, kTokens = 130, kChunk = 7, kVocab = 64;
 // Passes messages through, counting device parts sent and device messages
 // received; the n-th send (from 1) can flip a byte of its device bytes (in a
 // copy: the sender's staging is left alone) or drop the link.
-class Probe : public Transport {
+class Probe : public kvring::testing::Relay {
  public:
-  explicit Probe(Transport& inner) : inner_(inner) {}
+  using Relay::Relay;
   int flip_at_send = -1, drop_at_send = -1;
   int device_parts_sent = 0, device_messages_received = 0;
 
-  bool carries(MemoryKind kind) const override { return inner_.carries(kind); }
   Status send_message(const std::vector<Part>& parts, Deadline d) override {
     ++sends_;
     if (sends_ == drop_at_send) {
@@ -71,19 +81,13 @@ class Probe : public Transport {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the transport's copy is done before `copy` goes
     return s;
   }
-  Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
-    return inner_.recv_message(out, d, max);
-  }
   Status recv(ReceivedMessage& out, Deadline d, std::size_t max, bool keep_device) override {
     Status s = inner_.recv(out, d, max, keep_device);
     if (s.ok() && out.device) ++device_messages_received;
     return s;
   }
-  std::string describe() const override { return inner_.describe(); }
-  void close() override { inner_.close(); }
 
  private:
-  Transport& inner_;
   int sends_ = 0;
 };
 
@@ -168,6 +172,8 @@ class CudaHandoff : public ::testing::Test {
   std::vector<std::int32_t> prompt_;
 };
 
+// Both in-process device links: local_device_pair, and local_peer_pair
+// with one GPU at both ends (its buffers, their reuse and growth).
 TEST_F(CudaHandoff, DeviceToDeviceIsBitExact) {
   KVRING_SKIP_WITHOUT_GPU();
   auto from = store(BackendKind::kCuda);
@@ -176,13 +182,15 @@ TEST_F(CudaHandoff, DeviceToDeviceIsBitExact) {
   const SeqId seq = prefilled(*from, prompt_);
   const SeqId other = prefilled(*to, seeded_tokens(kPrompt, kVocab, 5));
   const auto other_before = live_bytes(*to, other);
+  for (const bool peer : {false, true})
   for (std::int64_t message_bytes : {std::int64_t{4} << 20, std::int64_t{3 * 256}}) {
-    SCOPED_TRACE("messages of " + std::to_string(message_bytes) + " B");
+    SCOPED_TRACE(std::string(peer ? "local_peer_pair" : "local_device_pair") + ", messages of " +
+                 std::to_string(message_bytes) + " B");
     const Timeline t = plan(config_, kPrompt, message_bytes);
     auto src = source(*from, seq, t);
     ASSERT_TRUE(src);
     EXPECT_EQ(src->digest(), RowDigest::kDigest64);
-    auto pair = local_device_pair();
+    auto pair = peer ? local_peer_pair({.sender_gpu = 0, .receiver_gpu = 0}) : local_device_pair();
     ASSERT_TRUE(pair.ok()) << pair.error().to_string();
     Probe probe(*pair->first);
     Probe seen(*pair->second);
@@ -337,6 +345,343 @@ TEST_F(CudaHandoff, UcxLoopbackStagesThroughPinnedMemory) {
   const auto got = decode(*to, *target.sequence());
   EXPECT_EQ(got.first, want.first);
   EXPECT_EQ(std::memcmp(got.second.data(), want.second.data(), got.second.size() * 4), 0) << "logits differ";
+}
+
+// Where a link cannot carry device memory (asked to stage; two ends of a
+// CUDA IPC link in one process), its endpoints say so and a CUDA store's
+// rows travel through pinned host memory, stored exactly.
+TEST_F(CudaHandoff, LinksThatStageSayWhyAndStoreTheSendersBytes) {
+  KVRING_SKIP_WITHOUT_GPU();
+  auto from = store(BackendKind::kCuda);
+  auto to = store(BackendKind::kCuda);
+  ASSERT_TRUE(from && to);
+  const SeqId seq = prefilled(*from, prompt_);
+  for (const bool ipc : {false, true}) {
+    SCOPED_TRACE(ipc ? "cuda_ipc_link in one process" : "local_peer_pair with host_staging");
+    std::unique_ptr<Transport> a, b;
+    if (ipc) {
+      std::unique_ptr<Transport> x, y;
+      std::tie(x, y) = local_pair();
+      Result<std::unique_ptr<Transport>> other = io_error("not run");
+      std::thread t([&] { other = cuda_ipc_link(std::move(y), deadline_in(10)); });
+      auto one = cuda_ipc_link(std::move(x), deadline_in(10));
+      t.join();
+      ASSERT_TRUE(one.ok()) << one.error().to_string();
+      ASSERT_TRUE(other.ok()) << other.error().to_string();
+      a = std::move(*one);
+      b = std::move(*other);
+      EXPECT_NE(a->describe().find("one process"), std::string::npos) << a->describe();
+    } else {
+      auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = 0, .host_staging = true});
+      ASSERT_TRUE(pair.ok()) << pair.error().to_string();
+      a = std::move(pair->first);
+      b = std::move(pair->second);
+    }
+    EXPECT_FALSE(a->carries(MemoryKind::kCudaDevice));
+    EXPECT_NE(a->describe().find("staged through pinned host memory"), std::string::npos) << a->describe();
+    const Timeline t = plan(config_, kPrompt, 3 * 256);
+    auto src = source(*from, seq, t);
+    ASSERT_TRUE(src);
+    Probe probe(*a);
+    StoreTarget target(*to);
+    auto o = run(probe, *b, *src, t, target);
+    ASSERT_TRUE(o.sent.ok()) << o.sent.error().to_string();
+    ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
+    EXPECT_EQ(probe.device_parts_sent, 0);
+    ASSERT_TRUE(target.sequence().has_value());
+    EXPECT_EQ(live_bytes(*to, *target.sequence()), live_bytes(*from, seq));
+    ASSERT_TRUE(to->remove_sequence(*target.sequence()).ok());
+  }
+}
+
+TEST_F(CudaHandoff, PeerLinkRefusesAGpuThatIsNotVisible) {
+  KVRING_SKIP_WITHOUT_GPU();
+  for (const int bad : {-1, cuda_device_count()}) {
+    auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = bad});
+    ASSERT_FALSE(pair.ok());
+    EXPECT_EQ(pair.error().code, ErrorCode::kInvalidArgument);
+    EXPECT_NE(pair.error().message.find("GPU " + std::to_string(bad)), std::string::npos) << pair.error().message;
+  }
+}
+
+// GPU 0's session into a store of GPU 1 in one process (peer to peer where
+// the pair has peer access, staged otherwise), then decoded there.
+TEST_F(CudaHandoff, PeerLinkBetweenTwoGpusIsBitExact) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto from = store(BackendKind::kCuda);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  auto to = store(BackendKind::kCuda);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_TRUE(from && to);
+  const SeqId seq = prefilled(*from, prompt_);
+  for (std::int64_t message_bytes : {std::int64_t{4} << 20, std::int64_t{3 * 256}}) {
+    SCOPED_TRACE("messages of " + std::to_string(message_bytes) + " B");
+    const Timeline t = plan(config_, kPrompt, message_bytes);
+    auto src = source(*from, seq, t);
+    ASSERT_TRUE(src);
+    auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = 1});
+    ASSERT_TRUE(pair.ok()) << pair.error().to_string();
+    std::printf("  %s\n", pair->first->describe().c_str());
+    Probe probe(*pair->first);
+    StoreTarget target(*to);
+    Outcome o;
+    std::thread receiver([&] {
+      ASSERT_EQ(cudaSetDevice(1), cudaSuccess);  // the receiver's session works on its store's GPU
+      o.received = receive_session(*pair->second, target, {.timeout_s = 10});
+      pair->second->close();
+    });
+    o.sent = send_session(probe, *src, t, {.timeout_s = 10});
+    probe.close();
+    receiver.join();
+    ASSERT_TRUE(o.sent.ok()) << o.sent.error().to_string();
+    ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
+    EXPECT_EQ(probe.device_parts_sent > 0, pair->first->carries(MemoryKind::kCudaDevice));
+    ASSERT_TRUE(target.sequence().has_value());
+    EXPECT_EQ(live_bytes(*to, *target.sequence()), live_bytes(*from, seq));
+    const auto stay_or = from->fork_sequence(seq);
+    ASSERT_TRUE(stay_or.ok()) << stay_or.error().to_string();
+    const auto want = decode(*from, *stay_or);
+    const auto got = decode(*to, *target.sequence());
+    EXPECT_EQ(got.first, want.first);
+    EXPECT_EQ(std::memcmp(got.second.data(), want.second.data(), got.second.size() * 4), 0) << "logits differ";
+    ASSERT_TRUE(from->remove_sequence(*stay_or).ok());
+    ASSERT_TRUE(to->remove_sequence(*target.sequence()).ok());
+  }
+}
+
+// Runs `argv` with its output in `out`; its exit status, or -1 when it ran
+// past `seconds` (then killed).
+int run_process(const std::vector<std::string>& args, const std::string& out, double seconds, pid_t* started = nullptr) {
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return -2;
+  if (started) {
+    *started = pid;
+    return 0;
+  }
+  const Deadline end = deadline_in(seconds);
+  for (;;) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (Clock::now() > end) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// The peer program beside this test's executable (the build puts both in
+// one directory).
+std::string ipc_peer() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return (self.parent_path() / "kvring_handoff_ipc_peer").string();
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// Runs a receiver and a sender of kvring_handoff_ipc_peer, each with its
+// extra arguments; their outputs.
+struct PeerRun {
+  int sent = -3, received = -3;
+  std::string send_out, recv_out;
+};
+PeerRun run_peers(const std::vector<std::string>& recv_extra, const std::vector<std::string>& send_extra) {
+  PeerRun run;
+  const std::string dir = ::testing::TempDir(), sock = dir + "kvring-ipc-" + std::to_string(getpid()) + ".sock";
+  const std::string recv_out = dir + "ipc-recv.out", send_out = dir + "ipc-send.out";
+  const std::string peer = ipc_peer();
+  if (access(peer.c_str(), X_OK) != 0) {
+    run.recv_out = "no program " + peer;
+    return run;
+  }
+  std::vector<std::string> recv_args = {peer, "recv", sock}, send_args = {peer, "send", sock};
+  recv_args.insert(recv_args.end(), recv_extra.begin(), recv_extra.end());
+  send_args.insert(send_args.end(), send_extra.begin(), send_extra.end());
+  pid_t receiver = 0;
+  if (run_process(recv_args, recv_out, 0, &receiver) != 0) return run;
+  // The sender connects once the receiver listens.
+  struct stat st{};
+  int status = 0;
+  bool reaped = false;
+  for (int i = 0; i < 6000 && stat(sock.c_str(), &st) != 0 && !reaped; ++i) {
+    reaped = waitpid(receiver, &status, WNOHANG) == receiver;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  run.sent = run_process(send_args, send_out, 120);
+  const Deadline end = deadline_in(120);
+  while (!reaped && waitpid(receiver, &status, WNOHANG) != receiver) {
+    if (Clock::now() > end) {
+      kill(receiver, SIGKILL);
+      waitpid(receiver, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  run.received = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.recv_out = slurp(recv_out);
+  run.send_out = slurp(send_out);
+  std::printf("  %s  %s", run.send_out.c_str(), run.recv_out.c_str());
+  return run;
+}
+
+// Two processes on this GPU: rows through CUDA IPC (the receiver maps the
+// sender's buffers), and through pinned host memory where the receiver asks
+// to stage; either way the receiver's new sequence holds the session it
+// prefilled itself and decodes bit for bit as it.
+TEST(CudaHandoffIpc, TwoProcessesHandOffBitExact) {
+  KVRING_SKIP_WITHOUT_GPU();
+  for (const bool staged : {false, true}) {
+    SCOPED_TRACE(staged ? "staged through host memory" : "through CUDA IPC");
+    const PeerRun p = run_peers(staged ? std::vector<std::string>{"--host-staging"} : std::vector<std::string>{}, {});
+    const std::string &r = p.recv_out, &s = p.send_out;
+    EXPECT_EQ(p.sent, 0) << s;
+    ASSERT_EQ(p.received, 0) << r;
+    ASSERT_EQ(r.rfind("ok received", 0), 0u) << r;
+    const bool device = r.find("device_messages=0 ") == std::string::npos;
+    EXPECT_EQ(device, !staged) << r;
+    EXPECT_EQ(r.find("rows received are staged through pinned host memory (asked for)") != std::string::npos, staged) << r;
+    EXPECT_EQ(s.find("rows sent are staged through pinned host memory (asked for)") != std::string::npos, staged) << s;
+  }
+}
+
+// A sender whose process ends mid-session, its rows mapped by the receiver:
+// the receiver refuses the session in bounded time and its store is as it
+// was.
+TEST(CudaHandoffIpc, ASenderThatDiesLeavesTheReceiversStoreAsItWas) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const PeerRun p = run_peers({"--expect-loss"}, {"--die-after", "9"});
+  EXPECT_EQ(p.sent, 3) << p.send_out;
+  ASSERT_EQ(p.received, 0) << p.recv_out;
+  EXPECT_EQ(p.recv_out.rfind("ok refused", 0), 0u) << p.recv_out;
+  EXPECT_EQ(p.recv_out.find("after 0 device messages"), std::string::npos) << p.recv_out;
+}
+
+// One end of a cuda_ipc_link whose other end is raw frames on `raw`,
+// spoken as another process on this GPU would (another pid).
+struct RawIpcPeer {
+  std::unique_ptr<Transport> link, raw;
+};
+RawIpcPeer raw_ipc_peer(bool host_staging) {
+  RawIpcPeer p;
+  std::unique_ptr<Transport> end;
+  std::tie(end, p.raw) = local_pair();
+  int dev = 0;
+  EXPECT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  cudaDeviceProp prop{};
+  EXPECT_EQ(cudaGetDeviceProperties(&prop, dev), cudaSuccess);
+  char bus[32] = {};
+  EXPECT_EQ(cudaDeviceGetPCIBusId(bus, sizeof bus, dev), cudaSuccess);
+  std::vector<std::uint8_t> hello(1 + 8 + 8 + 16 + 16, 0);
+  const std::uint64_t pid = static_cast<std::uint64_t>(getpid()) + 1;
+  std::memcpy(hello.data(), "Hkvripc01", 9);
+  std::memcpy(hello.data() + 9, &pid, 8);
+  std::memcpy(hello.data() + 17, prop.uuid.bytes, 16);
+  std::memcpy(hello.data() + 33, bus, 16);
+  EXPECT_TRUE(p.raw->send_message(hello.data(), hello.size(), deadline_in(5)).ok());
+  const std::uint8_t verdict[2] = {'V', 1};
+  EXPECT_TRUE(p.raw->send_message(verdict, 2, deadline_in(5)).ok());
+  auto link = cuda_ipc_link(std::move(end), deadline_in(5), host_staging);
+  EXPECT_TRUE(link.ok()) << link.error().to_string();
+  if (link.ok()) p.link = std::move(*link);
+  std::vector<std::uint8_t> in;
+  EXPECT_TRUE(p.raw->recv_message(in, deadline_in(5), 4096).ok());  // its hello
+  EXPECT_TRUE(p.raw->recv_message(in, deadline_in(5), 4096).ok());  // its verdict
+  return p;
+}
+
+// A device frame: slot, generation, buffer and message sizes, zeroed
+// handles unless given.
+std::vector<std::uint8_t> device_frame(std::uint8_t slot, std::uint64_t buffer, std::uint64_t size,
+                                       const cudaIpcMemHandle_t* mem = nullptr) {
+  std::vector<std::uint8_t> f(2 + 24 + 128, 0);
+  f[0] = 'D';
+  f[1] = slot;
+  const std::uint64_t fields[3] = {1, buffer, size};
+  std::memcpy(f.data() + 2, fields, sizeof fields);
+  if (mem) std::memcpy(f.data() + 26, mem, 64);
+  return f;
+}
+
+// Frames a peer process could send wrongly: each is refused with a clear
+// error, the link stays broken after it, and nothing is read past what a
+// mapping holds.
+TEST(CudaHandoffIpc, HostileFramesAreRefused) {
+  KVRING_SKIP_WITHOUT_GPU();
+  {
+    auto [end, raw] = local_pair();
+    const std::uint8_t not_hello[3] = {'M', 1, 2};
+    ASSERT_TRUE(raw->send_message(not_hello, 3, deadline_in(5)).ok());
+    auto link = cuda_ipc_link(std::move(end), deadline_in(5));
+    ASSERT_FALSE(link.ok());
+    EXPECT_NE(link.error().message.find("did not answer as a cuda ipc link"), std::string::npos) << link.error().message;
+  }
+  // A buffer of this process, exported: the receiver maps it as it would a
+  // peer's, since the hello claims another pid.
+  DeviceArray<std::uint8_t> buffer(1 << 16);
+  cudaIpcMemHandle_t mem{};
+  ASSERT_EQ(cudaIpcGetMemHandle(&mem, buffer.get()), cudaSuccess);
+  struct Case {
+    const char* what;
+    std::vector<std::uint8_t> frame;
+    bool host_staging;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"a slot past the link's", device_frame(9, 4096, 1024), false, "malformed device frame"},
+      {"more bytes than the buffer", device_frame(0, 4096, 8192), false, "malformed device frame"},
+      {"more bytes than asked for", device_frame(0, std::uint64_t{1} << 40, std::uint64_t{1} << 40), false,
+       "exceeds"},
+      {"a handle that maps nothing", device_frame(0, 4096, 1024), false, "cudaIpcOpenMemHandle"},
+      {"device memory to an end that stages", device_frame(0, 4096, 1024, &mem), true, "cannot map"},
+      {"a release of a buffer never sent", {'R', 0, 0}, false, "malformed"},
+      {"an empty frame", {}, false, "empty frame"},
+      {"a frame of no kind", {'Z', 1}, false, "malformed frame"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    RawIpcPeer p = raw_ipc_peer(c.host_staging);
+    ASSERT_TRUE(p.link);
+    std::vector<std::uint8_t> frame = c.frame;
+    if (frame.size() == 3 && frame[0] == 'R') frame.resize(3 + 64);
+    ASSERT_TRUE(p.raw->send_message(frame.data(), frame.size(), deadline_in(5)).ok());
+    ReceivedMessage m;
+    const Status st = p.link->recv(m, deadline_in(5), 1 << 20, true);
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find(c.says), std::string::npos) << st.error().message;
+    const Status again = p.link->recv(m, deadline_in(5), 1 << 20, true);
+    EXPECT_FALSE(again.ok());  // broken for good
+  }
+  // A buffer it claims to be larger than the mapping is refused; its
+  // true size is read, whatever the frame says.
+  {
+    RawIpcPeer p = raw_ipc_peer(false);
+    ASSERT_TRUE(p.link);
+    const auto frame = device_frame(0, std::uint64_t{1} << 18, 1024, &mem);
+    ASSERT_TRUE(p.raw->send_message(frame.data(), frame.size(), deadline_in(5)).ok());
+    ReceivedMessage m;
+    const Status st = p.link->recv(m, deadline_in(5), 1 << 20, true);
+    // CUDA IPC maps nothing in the process that exported it: the open
+    // fails here; between processes the size check refuses it.
+    ASSERT_FALSE(st.ok());
+    EXPECT_TRUE(st.error().message.find("cudaIpcOpenMemHandle") != std::string::npos ||
+                st.error().message.find("its mapping holds") != std::string::npos)
+        << st.error().message;
+  }
 }
 
 TEST(CudaDigest64, TheGpuSumIsTheHosts) {

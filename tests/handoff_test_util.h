@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvring/handoff.h"
 #include "kvring/model.h"
 #include "kvring/store.h"
 
@@ -25,5 +26,27 @@ inline SeqId prefill_in(const ReferenceModel& model, KvStore& store, const std::
   }
   return seq;
 }
+
+// A transport that passes every call to `inner`: tests override the calls
+// they count or break.
+class Relay : public handoff::Transport {
+ public:
+  explicit Relay(handoff::Transport& inner) : inner_(inner) {}
+  bool carries(handoff::MemoryKind kind) const override { return inner_.carries(kind); }
+  Status send_message(const std::vector<handoff::Part>& parts, handoff::Deadline d) override {
+    return inner_.send_message(parts, d);
+  }
+  Status recv_message(std::vector<std::uint8_t>& out, handoff::Deadline d, std::size_t max) override {
+    return inner_.recv_message(out, d, max);
+  }
+  Status recv(handoff::ReceivedMessage& out, handoff::Deadline d, std::size_t max, bool keep_device) override {
+    return inner_.recv(out, d, max, keep_device);
+  }
+  std::string describe() const override { return inner_.describe(); }
+  void close() override { inner_.close(); }
+
+ protected:
+  handoff::Transport& inner_;
+};
 
 }  // namespace kvring::testing

@@ -6,10 +6,11 @@
 //     and a schedule of when each message is sent relative to prefill's
 //     progress (a pure function; `kvring handoff plan` prints it and the
 //     sender follows its message list and order).
-//   - Transport: whole messages with deadlines; in-process (local_pair, and
-//     local_device_pair, which carries device memory of one GPU) and between
-//     processes (UCX: ucx_listen / ucx_connect; Unix sockets: unix_listen /
-//     unix_connect).
+//   - Transport: whole messages with deadlines; in-process (local_pair;
+//     local_device_pair, which carries device memory of one GPU;
+//     local_peer_pair, between two GPUs) and between processes (UCX:
+//     ucx_listen / ucx_connect; Unix sockets: unix_listen / unix_connect;
+//     cuda_ipc_link, device memory over either).
 //   - HandoffSource / HandoffTarget: the sending session and the detached
 //     receiving one: a sequence of a store read where it lies (StoreSource)
 //     and installed straight into a detached sequence (StoreTarget), on
@@ -223,6 +224,42 @@ std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair();
 // without CUDA or where no GPU is visible.
 Result<std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>>> local_device_pair();
 
+// Two connected in-process endpoints between two GPUs of one host: the
+// sender works on `sender_gpu`, the receiver on `receiver_gpu` (each side's
+// thread has its GPU current while it calls the transport and the session).
+// A message's device parts are copied peer to peer (cudaMemcpyPeerAsync on
+// their stream, peer access enabled both ways) into buffers of the
+// receiver's GPU that the receiver reads where they lie. Where the pair has
+// no peer access, or `host_staging` asks for it, neither endpoint carries
+// device memory: a CUDA store's rows are then staged through pinned host
+// memory at both ends, and describe() says so and why. The same ordinal on
+// both sides is a copy within one GPU. kUnsupported without CUDA; an ordinal
+// that names no visible GPU is kInvalidArgument.
+struct PeerLinkOptions {
+  int sender_gpu = 0;
+  int receiver_gpu = 1;
+  bool host_staging = false;
+};
+Result<std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>>> local_peer_pair(const PeerLinkOptions& options);
+
+// Carries device memory between two processes of one host through CUDA IPC,
+// over `host`, a connected transport between them (unix_connect /
+// UnixListener::accept, or UCX). Both processes wrap their end; the two
+// exchange their GPUs at once (within `deadline`). A message's device parts
+// are copied on their stream into one of a few buffers of the sender's GPU
+// that the receiver maps (cudaIpcOpenMemHandle, peer access where its GPU
+// is another) and reads where they lie; interprocess events order the
+// copy before the receiver's reads and those reads before the buffer's
+// reuse. Where the receiver cannot map the sender's memory (its GPU has no
+// peer access to the sender's, or cannot see it), the sender's end does not
+// carry device memory: rows are staged through pinned host memory, and
+// describe() says so and why; `host_staging` asks for that path at this
+// end's receiving side. Two ends in one process stage too (CUDA IPC maps
+// nothing in the process that exported it). Both ends run on the thread's
+// current GPU. kUnsupported without CUDA or a visible GPU.
+Result<std::unique_ptr<Transport>> cuda_ipc_link(std::unique_ptr<Transport> host, Deadline deadline,
+                                                 bool host_staging = false);
+
 // UCX (ucp tag API, one tagged message per message, over a client-server
 // endpoint made from a TCP sockaddr; UCX picks TCP, shared memory or CMA
 // lanes for the data). kUnsupported when this build has no UCX.
@@ -242,7 +279,7 @@ Result<std::pair<std::string, int>> parse_host_port(const std::string& host_port
 
 // Unix-domain stream sockets between processes of one host, host memory
 // only: each message is an 8-byte little-endian length and its bytes. Every
-// build has it.
+// build has it; it is also the control channel cuda_ipc_link wraps.
 class UnixListener {
  public:
   virtual ~UnixListener() = default;

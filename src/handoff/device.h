@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kvring/handoff.h"
@@ -17,13 +18,44 @@ namespace kvring::handoff::device {
 // A build with CUDA and a visible GPU.
 bool usable();
 
+// Device bytes that the GPU side made for a transport; they can be read
+// back to the host (waiting for them).
+class OwnBytes : public DeviceBytes {
+ public:
+  virtual Status to_host(std::uint8_t* out) = 0;
+};
+
 // ---- The same-GPU transport's halves ----------------------------------------
 
 // `parts` (device parts, all on one stream) copied device to device, in
 // order, into one new allocation (stream-ordered on that stream).
 Result<std::unique_ptr<DeviceBytes>> copy_parts(const std::vector<Part>& parts);
-// The bytes appended to `out` (waits for them).
+// The bytes of an OwnBytes appended to `out` (waits for them).
 Status append_to_host(DeviceBytes& bytes, std::vector<std::uint8_t>& out);
+
+// ---- Two GPUs of one process (local_peer_pair) -------------------------------
+
+// Whether a pair of GPUs carries device memory peer to peer, and the words
+// describe() adds. Checks the ordinals and enables peer access both ways
+// where the pair has it.
+struct PeerPlan {
+  bool device = false;
+  std::string note;
+};
+Result<PeerPlan> plan_peer(int sender_gpu, int receiver_gpu, bool host_staging);
+
+// Copies a message's device parts (sender's GPU, one stream) peer to peer
+// into one of a few buffers of the receiver's GPU; a buffer is reused once
+// the receiver dropped the bytes it held and its reads of them ran. copy()
+// waits, up to `deadline`, for a buffer the receiver released.
+class PeerCopier {
+ public:
+  static Result<std::shared_ptr<PeerCopier>> create(int sender_gpu, int receiver_gpu);
+  virtual ~PeerCopier() = default;
+  virtual Result<std::unique_ptr<DeviceBytes>> copy(const std::vector<Part>& parts, Deadline deadline) = 0;
+  // Wakes a copy() waiting for a buffer; it then fails. Idempotent.
+  virtual void close() = 0;
+};
 
 // ---- digest64 on the GPU --------------------------------------------------------
 

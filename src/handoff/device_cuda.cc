@@ -3,7 +3,10 @@
 
 #include <algorithm>
 #include <array>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include "cuda/digest.h"
@@ -120,7 +123,7 @@ class CudaDigester : public Digester {
 // filled there; `ready` is recorded after the copies. It is freed in the
 // order of the stream it was last made ready on (after the work enqueued
 // there that reads it), or of the legacy stream after `ready`: no host wait.
-class Block : public DeviceBytes {
+class Block : public OwnBytes {
  public:
   Block(void* p, std::size_t n, cudaEvent_t ready) : p_(p), n_(n), ready_(ready) {}
   ~Block() override {
@@ -139,7 +142,7 @@ class Block : public DeviceBytes {
     waited_ = true;
     return Status::Ok();
   }
-  Status to_host(std::uint8_t* out) {
+  Status to_host(std::uint8_t* out) override {
     HANDOFF_CUDA("waiting for a device message", cudaEventSynchronize(ready_));
     HANDOFF_CUDA("copying a device message to the host", cudaMemcpy(out, p_, n_, cudaMemcpyDeviceToHost));
     return Status::Ok();
@@ -298,9 +301,237 @@ class CudaTargetSlots : public TargetSlots {
   SlotStream sync_;
 };
 
+// Makes `device` the thread's current GPU for a scope, then restores the
+// one it had.
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      previous_ = -1;
+    }
+    if (previous_ != device) status_ = cudaSetDevice(device);
+  }
+  ~OnDevice() {
+    if (previous_ >= 0 && status_ == cudaSuccess && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// The receiver's GPU buffers of a peer link. A buffer is busy from copy()
+// until the bytes it backs are dropped; `consumed` (on the receiver's GPU)
+// is then recorded after the receiver's reads, and the next copy into the
+// buffer waits for it on the sender's stream. `ready` (on the sender's GPU)
+// follows each copy.
+class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<PeerSlots> {
+ public:
+  static constexpr std::size_t kSlots = 4;
+  PeerSlots(int sender_gpu, int receiver_gpu) : send_(sender_gpu), recv_(receiver_gpu) {}
+  ~PeerSlots() override {
+    for (Slot& slot : slots_) {
+      if (slot.consumed_pending) cudaEventSynchronize(slot.consumed);
+      if (slot.ready) {
+        cudaEventSynchronize(slot.ready);
+        cudaEventDestroy(slot.ready);
+      }
+      if (slot.consumed) cudaEventDestroy(slot.consumed);
+      if (slot.p) {
+        OnDevice on(recv_);
+        cudaFree(slot.p);
+      }
+    }
+  }
+  Status init() {
+    for (Slot& slot : slots_) {
+      {
+        OnDevice on(send_);
+        HANDOFF_CUDA("selecting the sender's GPU", on.status());
+        HANDOFF_CUDA("cudaEventCreate", cudaEventCreateWithFlags(&slot.ready, cudaEventDisableTiming));
+      }
+      OnDevice on(recv_);
+      HANDOFF_CUDA("selecting the receiver's GPU", on.status());
+      HANDOFF_CUDA("cudaEventCreate", cudaEventCreateWithFlags(&slot.consumed, cudaEventDisableTiming));
+    }
+    return Status::Ok();
+  }
+
+  Result<std::unique_ptr<DeviceBytes>> copy(const std::vector<Part>& parts, Deadline deadline) override {
+    std::size_t total = 0;
+    const cudaStream_t s = parts.empty() ? nullptr : parts[0].stream;
+    for (const Part& p : parts) {
+      if (p.kind != MemoryKind::kCudaDevice || p.stream != s)
+        return invalid_argument("handoff: a message's device parts come last and name one stream");
+      total += p.size;
+    }
+    std::size_t which = kSlots;
+    {
+      std::unique_lock lock(mu_);
+      auto free_slot = [&] {
+        for (std::size_t i = 0; i < kSlots; ++i)
+          if (!slots_[i].busy) return i;
+        return kSlots;
+      };
+      if (!cv_.wait_until(lock, deadline, [&] { return closed_ || (which = free_slot()) < kSlots; }))
+        return io_error("peer link: no buffer of GPU " + std::to_string(recv_) + " came free in time");
+      if (closed_) return io_error("peer link is closed");
+      slots_[which].busy = true;
+    }
+    Slot& slot = slots_[which];
+    Status st = fill(slot, parts, total, s);
+    if (!st.ok()) {
+      // What was enqueued runs out before the buffer is handed out again.
+      if (s && cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
+      release(which, nullptr);
+      return st.error();
+    }
+    return std::unique_ptr<DeviceBytes>(std::make_unique<Bytes>(shared_from_this(), which, total));
+  }
+
+  void close() override {
+    {
+      std::lock_guard lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  struct Slot {
+    void* p = nullptr;
+    std::size_t bytes = 0;
+    bool busy = false;
+    bool consumed_pending = false;  // `consumed` recorded after the last reads
+    cudaEvent_t ready = nullptr, consumed = nullptr;
+  };
+
+  // The receiver's view of one buffer.
+  class Bytes final : public OwnBytes {
+   public:
+    Bytes(std::shared_ptr<PeerSlots> slots, std::size_t which, std::size_t n)
+        : slots_(std::move(slots)), which_(which), n_(n) {}
+    ~Bytes() override { slots_->release(which_, last_); }
+    const void* data() const override { return slots_->slots_[which_].p; }
+    std::size_t size() const override { return n_; }
+    Status ready_on(cudaStream_t stream) override {
+      HANDOFF_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream, slots_->slots_[which_].ready, 0));
+      last_ = stream;
+      return Status::Ok();
+    }
+    Status to_host(std::uint8_t* out) override {
+      HANDOFF_CUDA("waiting for a peer copy", cudaEventSynchronize(slots_->slots_[which_].ready));
+      HANDOFF_CUDA("copying a device message to the host", cudaMemcpy(out, data(), n_, cudaMemcpyDefault));
+      return Status::Ok();
+    }
+
+   private:
+    std::shared_ptr<PeerSlots> slots_;
+    std::size_t which_, n_;
+    std::optional<cudaStream_t> last_;  // the stream the receiver read the bytes on
+  };
+
+  // Enqueues the copy of `parts` into `slot` on `s`, growing the buffer
+  // first where it is too small (after the receiver's reads of it ran).
+  Status fill(Slot& slot, const std::vector<Part>& parts, std::size_t total, cudaStream_t s) {
+    if (slot.bytes < total) {
+      if (slot.consumed_pending) HANDOFF_CUDA("waiting for the receiver's reads", cudaEventSynchronize(slot.consumed));
+      slot.consumed_pending = false;
+      OnDevice on(recv_);
+      HANDOFF_CUDA("selecting the receiver's GPU", on.status());
+      if (slot.p) HANDOFF_CUDA("cudaFree of a peer buffer", cudaFree(slot.p));
+      slot.p = nullptr;
+      slot.bytes = 0;
+      const std::size_t grown = (total + 255) / 256 * 256;
+      HANDOFF_CUDA("allocating " + std::to_string(grown) + " B on GPU " + std::to_string(recv_),
+                   cudaMalloc(&slot.p, std::max<std::size_t>(grown, 1)));
+      slot.bytes = grown;
+    }
+    if (slot.consumed_pending) HANDOFF_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(s, slot.consumed, 0));
+    slot.consumed_pending = false;
+    std::size_t at = 0;
+    for (const Part& p : parts) {
+      if (p.size)
+        HANDOFF_CUDA("a peer copy from GPU " + std::to_string(send_) + " to GPU " + std::to_string(recv_),
+                     cudaMemcpyPeerAsync(static_cast<char*>(slot.p) + at, recv_, p.data, send_, p.size, s));
+      at += p.size;
+    }
+    HANDOFF_CUDA("cudaEventRecord on the sender's stream", cudaEventRecord(slot.ready, s));
+    return Status::Ok();
+  }
+
+  // The buffer's bytes were dropped: `consumed` follows the reads enqueued
+  // on `last` (a host wait where it cannot be recorded there), or, where the
+  // receiver read none there, the copy itself is waited for.
+  void release(std::size_t which, std::optional<cudaStream_t> last) {
+    Slot& slot = slots_[which];
+    slot.consumed_pending = false;
+    if (last) {
+      if (cudaEventRecord(slot.consumed, *last) == cudaSuccess) {
+        slot.consumed_pending = true;
+      } else {
+        (void)cudaGetLastError();
+        cudaStreamSynchronize(*last);
+      }
+    } else if (cudaEventSynchronize(slot.ready) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+    {
+      std::lock_guard lock(mu_);
+      slot.busy = false;
+    }
+    cv_.notify_all();
+  }
+
+  const int send_, recv_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool closed_ = false;
+  std::array<Slot, kSlots> slots_;
+};
+
 }  // namespace
 
 bool usable() { return cuda_device_count() > 0; }
+
+Result<PeerPlan> plan_peer(int sender_gpu, int receiver_gpu, bool host_staging) {
+  const int n = cuda_device_count();
+  if (n == 0) return make_error(ErrorCode::kUnsupported, "the peer transport needs a visible GPU");
+  for (int g : {sender_gpu, receiver_gpu})
+    if (g < 0 || g >= n)
+      return invalid_argument("peer link: GPU " + std::to_string(g) + " is not one of the " + std::to_string(n) +
+                              " visible");
+  const std::string pair = "GPU " + std::to_string(sender_gpu) + " -> GPU " + std::to_string(receiver_gpu);
+  const std::string staged = ": rows staged through pinned host memory";
+  if (host_staging) return PeerPlan{false, pair + staged + " (asked for)"};
+  if (sender_gpu == receiver_gpu) return PeerPlan{true, pair + " (one GPU)"};
+  int there = 0, back = 0;
+  HANDOFF_CUDA("cudaDeviceCanAccessPeer", cudaDeviceCanAccessPeer(&there, receiver_gpu, sender_gpu));
+  HANDOFF_CUDA("cudaDeviceCanAccessPeer", cudaDeviceCanAccessPeer(&back, sender_gpu, receiver_gpu));
+  if (!there || !back) return PeerPlan{false, pair + staged + " (the pair has no peer access)"};
+  for (auto [on_gpu, peer] : {std::pair{receiver_gpu, sender_gpu}, std::pair{sender_gpu, receiver_gpu}}) {
+    OnDevice on(on_gpu);
+    HANDOFF_CUDA("selecting GPU " + std::to_string(on_gpu), on.status());
+    const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return PeerPlan{false, pair + staged + " (enabling peer access failed: " + cudaGetErrorName(e) + ")"};
+    }
+  }
+  return PeerPlan{true, pair + " peer to peer"};
+}
+
+Result<std::shared_ptr<PeerCopier>> PeerCopier::create(int sender_gpu, int receiver_gpu) {
+  auto slots = std::make_shared<PeerSlots>(sender_gpu, receiver_gpu);
+  KVRING_RETURN_IF_ERROR(slots->init());
+  return std::shared_ptr<PeerCopier>(std::move(slots));
+}
 
 Result<std::unique_ptr<DeviceBytes>> copy_parts(const std::vector<Part>& parts) {
   std::size_t total = 0;
@@ -336,7 +567,7 @@ Result<std::unique_ptr<DeviceBytes>> copy_parts(const std::vector<Part>& parts) 
 }
 
 Status append_to_host(DeviceBytes& bytes, std::vector<std::uint8_t>& out) {
-  auto* block = dynamic_cast<Block*>(&bytes);
+  auto* block = dynamic_cast<OwnBytes*>(&bytes);
   if (block == nullptr) return make_error(ErrorCode::kInternal, "handoff: device bytes of another transport");
   const std::size_t at = out.size();
   out.resize(at + bytes.size());

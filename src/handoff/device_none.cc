@@ -16,5 +16,11 @@ Result<std::unique_ptr<Digester>> Digester::create() { return no_cuda(); }
 Result<std::unique_ptr<Stream>> Stream::create() { return no_cuda(); }
 Result<std::unique_ptr<SourceSlots>> SourceSlots::create(const KvStore&, std::int64_t) { return no_cuda(); }
 Result<std::unique_ptr<TargetSlots>> TargetSlots::create() { return no_cuda(); }
+Result<PeerPlan> plan_peer(int, int, bool) { return no_cuda(); }
+Result<std::shared_ptr<PeerCopier>> PeerCopier::create(int, int) { return no_cuda(); }
 
 }  // namespace kvring::handoff::device
+
+namespace kvring::handoff {
+Result<std::unique_ptr<Transport>> cuda_ipc_link(std::unique_ptr<Transport>, Deadline, bool) { return device::no_cuda(); }
+}  // namespace kvring::handoff

@@ -1,7 +1,8 @@
 // In-process transport: two endpoints over a pair of message queues (the
 // same-process handoff). local_pair carries host memory; local_device_pair
-// also carries device memory of the current GPU, copied device to device
-// (device.h) so that rows never bounce through the host.
+// also carries device memory of the current GPU, copied device to device,
+// and local_peer_pair device memory between two GPUs, copied peer to peer
+// (device.h), so that rows never bounce through the host.
 #include <cstring>
 #include <deque>
 
@@ -27,13 +28,16 @@ struct Link {
 
 class LocalTransport : public Transport {
  public:
-  LocalTransport(std::shared_ptr<Link> link, int self, bool device)
-      : link_(std::move(link)), self_(self), device_(device) {}
+  // `peer`: device parts go through it (local_peer_pair); otherwise,
+  // where `device`, into a new allocation of the current GPU.
+  LocalTransport(std::shared_ptr<Link> link, int self, bool device, std::shared_ptr<device::PeerCopier> peer,
+                 std::string what)
+      : link_(std::move(link)), self_(self), device_(device), peer_(std::move(peer)), what_(std::move(what)) {}
   ~LocalTransport() override { close(); }
 
   bool carries(MemoryKind kind) const override { return kind == MemoryKind::kHost || device_; }
 
-  Status send_message(const std::vector<Part>& parts, Deadline) override {
+  Status send_message(const std::vector<Part>& parts, Deadline deadline) override {
     Message m;
     std::size_t host_bytes = 0, first_device = parts.size();
     for (std::size_t i = 0; i < parts.size(); ++i) {
@@ -59,7 +63,8 @@ class LocalTransport : public Transport {
       at += parts[i].size;
     }
     if (first_device < parts.size()) {
-      auto block = device::copy_parts({parts.begin() + static_cast<std::ptrdiff_t>(first_device), parts.end()});
+      const std::vector<Part> device_parts(parts.begin() + static_cast<std::ptrdiff_t>(first_device), parts.end());
+      auto block = peer_ ? peer_->copy(device_parts, deadline) : device::copy_parts(device_parts);
       if (!block) return block.error();
       m.device = std::move(*block);
     }
@@ -103,7 +108,7 @@ class LocalTransport : public Transport {
     return Status::Ok();
   }
 
-  std::string describe() const override { return device_ ? "in-process device link" : "in-process link"; }
+  std::string describe() const override { return what_; }
 
   void close() override {
     {
@@ -111,28 +116,46 @@ class LocalTransport : public Transport {
       link_->closed = true;
     }
     link_->cv.notify_all();
+    if (peer_) peer_->close();
   }
 
  private:
   std::shared_ptr<Link> link_;
   int self_;
   bool device_;
+  std::shared_ptr<device::PeerCopier> peer_;
+  std::string what_;
 };
 
-std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> make_pair(bool device) {
+std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> make_pair(
+    bool device, std::string what, std::shared_ptr<device::PeerCopier> peer = nullptr) {
   auto link = std::make_shared<Link>();
-  return {std::make_unique<LocalTransport>(link, 0, device), std::make_unique<LocalTransport>(link, 1, device)};
+  return {std::make_unique<LocalTransport>(link, 0, device, peer, what),
+          std::make_unique<LocalTransport>(link, 1, device, peer, what)};
 }
 
 }  // namespace
 
-std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair() { return make_pair(false); }
+std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> local_pair() {
+  return make_pair(false, "in-process link");
+}
 
 Result<std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>>> local_device_pair() {
   if (!device::usable())
     return make_error(ErrorCode::kUnsupported,
                       "the in-process device transport needs the CUDA backend and a visible GPU");
-  return make_pair(true);
+  return make_pair(true, "in-process device link");
+}
+
+Result<std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>>> local_peer_pair(
+    const PeerLinkOptions& options) {
+  auto plan = device::plan_peer(options.sender_gpu, options.receiver_gpu, options.host_staging);
+  if (!plan) return plan.error();
+  const std::string what = "in-process link " + plan->note;
+  if (!plan->device) return make_pair(false, what);
+  auto peer = device::PeerCopier::create(options.sender_gpu, options.receiver_gpu);
+  if (!peer) return peer.error();
+  return make_pair(true, what, std::move(*peer));
 }
 
 }  // namespace kvring::handoff

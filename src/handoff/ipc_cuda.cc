@@ -1,0 +1,575 @@
+// cuda_ipc_link: device memory between two processes of one host through
+// CUDA IPC, over a host transport that carries the link's frames.
+//
+// Frames on the host transport (the first byte names the kind):
+//   hello    'H' magic, pid, the GPU's UUID and PCI bus id (both ends, first)
+//   verdict  'V' whether this end maps the peer's memory, and why not
+//   host     'M' a message of host bytes only
+//   device   'D' a message whose device parts lie in the sender's buffer
+//            `slot` (generation, sizes, its memory and `ready` event
+//            handles), then the message's host bytes
+//   release  'R' the receiver dropped buffer `slot`'s bytes; its `consumed`
+//            event (handle in the frame) follows the reads it enqueued
+// A sender's buffer is reused only after its release: the next copy into
+// it waits on the stream for `consumed`. A buffer that grows is a new
+// allocation (a new generation), which the receiver maps anew, checking
+// that the mapping holds what the frame claims. CUDA IPC opens no handle
+// in the process that made it, so two ends of one process (the same pid)
+// stage rows through the host.
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+
+#include "device.h"
+#include "kvring/handoff.h"
+
+namespace kvring::handoff {
+namespace {
+
+constexpr std::uint8_t kHello = 'H', kVerdict = 'V', kHostMsg = 'M', kDeviceMsg = 'D', kRelease = 'R';
+constexpr char kMagic[8] = {'k', 'v', 'r', 'i', 'p', 'c', '0', '1'};
+constexpr std::size_t kSlots = 4;
+constexpr std::size_t kHelloBytes = 1 + 8 + 8 + 16 + 16;
+// 'D' slot generation buffer-bytes size mem-handle event-handle
+constexpr std::size_t kDeviceHead = 1 + 1 + 8 + 8 + 8 + 64 + 64;
+// 'R' slot has-event event-handle
+constexpr std::size_t kReleaseBytes = 1 + 1 + 1 + 64;
+// Frames a sender queues while it waits for a release.
+constexpr std::size_t kMostQueued = 4096;
+
+static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(cudaIpcEventHandle_t) == 64);
+
+Error cuda_failed(const std::string& what, cudaError_t e) {
+  (void)cudaGetLastError();
+  return make_error(ErrorCode::kCuda, "cuda ipc link: " + what + " failed: " + cudaGetErrorName(e) + " (" +
+                                          cudaGetErrorString(e) + ")");
+}
+#define IPC_CUDA(what, expr)                                                              \
+  do {                                                                                    \
+    if (const cudaError_t e_ = (expr); e_ != cudaSuccess) return cuda_failed((what), e_); \
+  } while (0)
+
+void put(std::vector<std::uint8_t>& out, const void* p, std::size_t n) {
+  const auto* b = static_cast<const std::uint8_t*>(p);
+  out.insert(out.end(), b, b + n);
+}
+void put64(std::vector<std::uint8_t>& out, std::uint64_t v) { put(out, &v, 8); }
+std::uint64_t get64(const std::uint8_t* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// This process's GPU, as the peer names it.
+struct Gpu {
+  int ordinal = -1;
+  std::array<char, 16> uuid{};
+  std::array<char, 16> bus{};  // "0000:3b:00.0", NUL-padded
+  std::string bus_id() const { return std::string(bus.data(), strnlen(bus.data(), bus.size())); }
+};
+
+Result<Gpu> current_gpu() {
+  Gpu g;
+  IPC_CUDA("cudaGetDevice", cudaGetDevice(&g.ordinal));
+  cudaDeviceProp prop{};
+  IPC_CUDA("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, g.ordinal));
+  std::memcpy(g.uuid.data(), prop.uuid.bytes, 16);
+  char bus[32] = {};
+  IPC_CUDA("cudaDeviceGetPCIBusId", cudaDeviceGetPCIBusId(bus, sizeof bus, g.ordinal));
+  std::memcpy(g.bus.data(), bus, std::min(strnlen(bus, sizeof bus), g.bus.size()));
+  return g;
+}
+
+// The bytes from `p` to the end of the allocation that holds it, from the
+// driver (cuMemGetAddressRange): a mapping is never read past what it
+// holds, whatever a frame claims.
+Result<std::uint64_t> allocation_bytes(const void* p) {
+  using GetRange = int (*)(unsigned long long*, std::size_t*, unsigned long long);
+  static const GetRange get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetRange>(fn);
+  }();
+  if (!get_range) return make_error(ErrorCode::kCuda, "cuda ipc link: the driver has no cuMemGetAddressRange");
+  unsigned long long base = 0;
+  std::size_t bytes = 0;
+  const auto at = static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p));
+  if (get_range(&base, &bytes, at) != 0 || at < base || at - base > bytes)
+    return make_error(ErrorCode::kCuda, "cuda ipc link: the mapped buffer's size is unknown");
+  return static_cast<std::uint64_t>(bytes - (at - base));
+}
+
+class IpcLink;
+
+// The receiver's view of one of the peer's buffers.
+class IpcBytes final : public device::OwnBytes {
+ public:
+  IpcBytes(std::shared_ptr<IpcLink> link, std::size_t slot, const void* p, std::size_t n)
+      : link_(std::move(link)), slot_(slot), p_(p), n_(n) {}
+  ~IpcBytes() override;
+  const void* data() const override { return p_; }
+  std::size_t size() const override { return n_; }
+  Status ready_on(cudaStream_t stream) override;
+  Status to_host(std::uint8_t* out) override;
+
+ private:
+  std::shared_ptr<IpcLink> link_;
+  std::size_t slot_;
+  const void* p_;
+  std::size_t n_;
+  std::optional<cudaStream_t> last_;  // the stream the receiver read the bytes on
+};
+
+// Both directions' state; the transport and every IpcBytes hold it.
+class IpcLink : public std::enable_shared_from_this<IpcLink> {
+ public:
+  explicit IpcLink(std::unique_ptr<Transport> host) : host_(std::move(host)) {}
+  ~IpcLink() {
+    for (In& in : in_) {
+      if (in.consumed_pending) cudaEventSynchronize(in.consumed);
+      if (in.mapped) cudaIpcCloseMemHandle(in.mapped);
+      if (in.ready) cudaEventDestroy(in.ready);
+      if (in.consumed) cudaEventDestroy(in.consumed);
+    }
+    for (Out& out : out_) {
+      if (out.ready) {
+        cudaEventSynchronize(out.ready);
+        cudaEventDestroy(out.ready);
+      }
+      if (out.consumed) cudaEventDestroy(out.consumed);
+      if (out.p) cudaFree(out.p);
+    }
+    if (stream_) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+
+  Status handshake(Deadline deadline, bool host_staging) {
+    auto gpu = current_gpu();
+    if (!gpu) return gpu.error();
+    self_ = *gpu;
+    std::vector<std::uint8_t> hello{kHello};
+    put(hello, kMagic, 8);
+    put64(hello, static_cast<std::uint64_t>(getpid()));
+    put(hello, self_.uuid.data(), 16);
+    put(hello, self_.bus.data(), 16);
+    KVRING_RETURN_IF_ERROR(host_->send_message(hello.data(), hello.size(), deadline));
+    std::vector<std::uint8_t> in;
+    KVRING_RETURN_IF_ERROR(host_->recv_message(in, deadline, 4096));
+    if (in.size() != kHelloBytes || in[0] != kHello || std::memcmp(in.data() + 1, kMagic, 8) != 0)
+      return io_error("cuda ipc link: " + host_->describe() + " did not answer as a cuda ipc link");
+    const bool same_process = get64(in.data() + 9) == static_cast<std::uint64_t>(getpid());
+    std::memcpy(peer_.uuid.data(), in.data() + 17, 16);
+    std::memcpy(peer_.bus.data(), in.data() + 33, 16);
+    peer_.bus.back() = '\0';
+    // Whether this end maps the peer's buffers.
+    std::string why_not;
+    if (host_staging) {
+      why_not = "asked for";
+    } else if (same_process) {
+      why_not = "both ends are in one process, where local_device_pair carries device memory";
+    } else if (peer_.uuid != self_.uuid) {
+      int there = -1, ok = 0;
+      if (cudaDeviceGetByPCIBusId(&there, peer_.bus_id().c_str()) != cudaSuccess) {
+        (void)cudaGetLastError();
+        why_not = "the sender's GPU " + peer_.bus_id() + " is not visible to the receiver";
+      } else if (cudaDeviceCanAccessPeer(&ok, self_.ordinal, there) != cudaSuccess || !ok) {
+        (void)cudaGetLastError();
+        why_not = "GPU " + self_.bus_id() + " has no peer access to GPU " + peer_.bus_id();
+      }
+    }
+    std::vector<std::uint8_t> verdict{kVerdict, static_cast<std::uint8_t>(why_not.empty())};
+    put(verdict, why_not.data(), why_not.size());
+    KVRING_RETURN_IF_ERROR(host_->send_message(verdict.data(), verdict.size(), deadline));
+    KVRING_RETURN_IF_ERROR(host_->recv_message(in, deadline, 4096));
+    if (in.size() < 2 || in[0] != kVerdict || in[1] > 1)
+      return io_error("cuda ipc link: " + host_->describe() + " sent a malformed verdict");
+    sends_device_ = in[1] == 1;
+    maps_peer_ = why_not.empty();
+    // Each direction that stages says so, and why.
+    const std::string peer_why(in.begin() + 2, in.end());
+    what_ = "cuda ipc over " + host_->describe() + ", GPU " + self_.bus_id() + " <-> GPU " + peer_.bus_id();
+    if (!sends_device_) what_ += "; rows sent are staged through pinned host memory (" + peer_why + ")";
+    if (!why_not.empty()) what_ += "; rows received are staged through pinned host memory (" + why_not + ")";
+    return Status::Ok();
+  }
+
+  bool sends_device() const { return sends_device_; }
+  const std::string& what() const { return what_; }
+
+  Status send(const std::vector<Part>& parts, Deadline deadline) {
+    KVRING_RETURN_IF_ERROR(usable());
+    KVRING_RETURN_IF_ERROR(flush_releases(deadline));
+    std::size_t first_device = parts.size(), device_bytes = 0, host_bytes = 0;
+    cudaStream_t s = nullptr;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      if (p.kind == MemoryKind::kHost) {
+        if (first_device < parts.size()) return invalid_argument("cuda ipc link: a host part after a device part");
+        host_bytes += p.size;
+        continue;
+      }
+      if (!sends_device_) return make_error(ErrorCode::kUnsupported, what_);
+      if (first_device == parts.size()) {
+        first_device = i;
+        s = p.stream;
+      } else if (p.stream != s) {
+        return invalid_argument("cuda ipc link: a message's device parts name one stream");
+      }
+      device_bytes += p.size;
+    }
+    std::vector<std::uint8_t> frame;
+    if (first_device == parts.size()) {
+      frame.reserve(1 + host_bytes);
+      frame.push_back(kHostMsg);
+    } else {
+      auto slot = take_slot(deadline);
+      if (!slot) return broken(slot.error());
+      Out& out = out_[*slot];
+      if (Status st = fill(out, parts, first_device, device_bytes, s); !st.ok()) {
+        if (s && cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
+        out.busy = false;
+        return broken(st.error());
+      }
+      frame.reserve(kDeviceHead + host_bytes);
+      frame.push_back(kDeviceMsg);
+      frame.push_back(static_cast<std::uint8_t>(*slot));
+      put64(frame, out.generation);
+      put64(frame, out.bytes);
+      put64(frame, device_bytes);
+      put(frame, &out.mem_handle, 64);
+      put(frame, &out.ready_handle, 64);
+    }
+    for (std::size_t i = 0; i < first_device; ++i) put(frame, parts[i].data, parts[i].size);
+    if (Status st = host_->send_message(frame.data(), frame.size(), deadline); !st.ok()) return broken(st.error());
+    return Status::Ok();
+  }
+
+  Status recv(ReceivedMessage& out, Deadline deadline, std::size_t max_size, bool keep_device) {
+    out.device.reset();  // its release goes out before this end waits
+    KVRING_RETURN_IF_ERROR(usable());
+    KVRING_RETURN_IF_ERROR(flush_releases(deadline));
+    max_frame_ = max_size + kDeviceHead;
+    std::vector<std::uint8_t> frame;
+    if (!inbox_.empty()) {
+      frame = std::move(inbox_.front());
+      inbox_.pop_front();
+    } else {
+      for (;;) {
+        if (Status st = host_->recv_message(frame, deadline, max_size + kDeviceHead); !st.ok()) return broken(st.error());
+        if (frame.empty() || frame[0] != kRelease) break;
+        KVRING_RETURN_IF_ERROR(take_release(frame));
+      }
+    }
+    if (frame.empty()) return broken(io_error("cuda ipc link: an empty frame from " + host_->describe()));
+    if (frame[0] == kHostMsg) {
+      if (frame.size() - 1 > max_size) return broken(too_big(frame.size() - 1, max_size));
+      out.host.assign(frame.begin() + 1, frame.end());
+      return Status::Ok();
+    }
+    if (frame[0] != kDeviceMsg || frame.size() < kDeviceHead)
+      return broken(io_error("cuda ipc link: a malformed frame from " + host_->describe()));
+    if (!maps_peer_)
+      return broken(io_error("cuda ipc link: " + host_->describe() + " sent device memory this end said it cannot map"));
+    const std::size_t slot = frame[1];
+    const std::uint64_t generation = get64(frame.data() + 2), buffer = get64(frame.data() + 10),
+                        size = get64(frame.data() + 18);
+    if (slot >= kSlots || size > buffer || size > max_size || frame.size() - kDeviceHead > max_size - size)
+      return broken(size > max_size ? too_big(size, max_size)
+                                    : io_error("cuda ipc link: a malformed device frame from " + host_->describe()));
+    In& in = in_[slot];
+    if (in.held) return broken(io_error("cuda ipc link: buffer " + std::to_string(slot) + " reused before its release"));
+    if (Status st = map(in, frame, generation, buffer); !st.ok()) return broken(st.error());
+    in.held = true;
+    auto bytes = std::make_unique<IpcBytes>(shared_from_this(), slot, in.mapped, static_cast<std::size_t>(size));
+    out.host.assign(frame.begin() + static_cast<std::ptrdiff_t>(kDeviceHead), frame.end());
+    if (keep_device) {
+      out.device = std::move(bytes);
+      return Status::Ok();
+    }
+    const std::size_t at = out.host.size();
+    out.host.resize(at + size);
+    if (Status st = bytes->to_host(out.host.data() + at); !st.ok()) return broken(st.error());
+    return Status::Ok();
+  }
+
+  void close() {
+    if (!closed_ && !broken_) (void)flush_releases(deadline_in(0.5));
+    closed_ = true;
+    host_->close();
+  }
+
+  // IpcBytes' side.
+  Status wait_ready(std::size_t slot, cudaStream_t stream) {
+    IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream, in_[slot].ready, 0));
+    return Status::Ok();
+  }
+  Status copy_to_host(std::size_t slot, const void* p, std::size_t n, std::uint8_t* out) {
+    if (!stream_) IPC_CUDA("cudaStreamCreate", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream_, in_[slot].ready, 0));
+    IPC_CUDA("copying a device message to the host", cudaMemcpyAsync(out, p, n, cudaMemcpyDeviceToHost, stream_));
+    IPC_CUDA("copying a device message to the host", cudaStreamSynchronize(stream_));
+    return Status::Ok();
+  }
+  // The bytes of `slot` were dropped, read on `last` where set.
+  void dropped(std::size_t slot, std::optional<cudaStream_t> last) {
+    In& in = in_[slot];
+    in.held = false;
+    bool has_event = false;
+    if (last) {
+      Status st = consumed_event(in);
+      if (st.ok() && cudaEventRecord(in.consumed, *last) == cudaSuccess) {
+        has_event = true;
+        in.consumed_pending = true;
+      } else {
+        (void)cudaGetLastError();
+        cudaStreamSynchronize(*last);
+      }
+    }
+    std::vector<std::uint8_t> frame{kRelease, static_cast<std::uint8_t>(slot), static_cast<std::uint8_t>(has_event)};
+    cudaIpcEventHandle_t h{};
+    if (has_event) h = in.consumed_handle;
+    put(frame, &h, 64);
+    std::lock_guard lock(mu_);
+    releases_.push_back(std::move(frame));
+  }
+
+ private:
+  // A buffer of this end's GPU for outgoing device bytes.
+  struct Out {
+    void* p = nullptr;
+    std::uint64_t bytes = 0, generation = 0;
+    cudaIpcMemHandle_t mem_handle{};
+    cudaEvent_t ready = nullptr;  // interprocess, after each copy into it
+    cudaIpcEventHandle_t ready_handle{};
+    bool busy = false;
+    cudaEvent_t consumed = nullptr;  // the peer's, opened from its release
+    cudaIpcEventHandle_t consumed_handle{};
+    bool consumed_pending = false;  // the next copy waits for `consumed`
+  };
+  // The peer's buffer as this end maps it.
+  struct In {
+    void* mapped = nullptr;
+    std::uint64_t mapped_bytes = 0;  // from the mapping's start to the allocation's end
+    std::uint64_t generation = 0;
+    cudaEvent_t ready = nullptr;
+    cudaIpcEventHandle_t ready_handle{};
+    cudaEvent_t consumed = nullptr;  // this end's, interprocess
+    cudaIpcEventHandle_t consumed_handle{};
+    bool consumed_pending = false;
+    bool held = false;  // bytes handed out and not yet dropped
+  };
+
+  Status usable() const {
+    if (broken_) return *broken_;
+    if (closed_) return io_error("cuda ipc link over " + host_->describe() + " is closed");
+    return Status::Ok();
+  }
+  Error broken(Error e) {
+    if (!broken_) broken_ = e;
+    return e;
+  }
+  Error too_big(std::size_t n, std::size_t max) {
+    return io_error("cuda ipc link: a message of " + std::to_string(n) + " B from " + host_->describe() + " exceeds " +
+                    std::to_string(max) + " B");
+  }
+
+  Status flush_releases(Deadline deadline) {
+    std::deque<std::vector<std::uint8_t>> pending;
+    {
+      std::lock_guard lock(mu_);
+      pending.swap(releases_);
+    }
+    for (const auto& frame : pending)
+      if (Status st = host_->send_message(frame.data(), frame.size(), deadline); !st.ok()) return broken(st.error());
+    return Status::Ok();
+  }
+
+  // A buffer no message holds, reading the peer's frames (and queueing what
+  // is not a release) until one is released.
+  Result<std::size_t> take_slot(Deadline deadline) {
+    for (;;) {
+      for (std::size_t i = 0; i < kSlots; ++i)
+        if (!out_[i].busy) {
+          out_[i].busy = true;
+          return i;
+        }
+      std::vector<std::uint8_t> frame;
+      KVRING_RETURN_IF_ERROR(host_->recv_message(frame, deadline, max_frame_));
+      if (!frame.empty() && frame[0] == kRelease) {
+        KVRING_RETURN_IF_ERROR(take_release(frame));
+      } else {
+        if (inbox_.size() == kMostQueued)
+          return io_error("cuda ipc link: " + host_->describe() + " sent " + std::to_string(kMostQueued) +
+                          " messages and released no buffer");
+        inbox_.push_back(std::move(frame));
+      }
+    }
+  }
+
+  Status take_release(const std::vector<std::uint8_t>& frame) {
+    if (frame.size() != kReleaseBytes || frame[1] >= kSlots || frame[2] > 1 || !out_[frame[1]].busy)
+      return broken(io_error("cuda ipc link: a malformed release from " + host_->describe()));
+    Out& out = out_[frame[1]];
+    out.busy = false;
+    out.consumed_pending = frame[2] == 1;
+    if (!out.consumed_pending) return Status::Ok();
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, frame.data() + 3, 64);
+    if (!out.consumed || std::memcmp(&h, &out.consumed_handle, 64) != 0) {
+      if (out.consumed) cudaEventDestroy(out.consumed);
+      out.consumed = nullptr;
+      if (const cudaError_t e = cudaIpcOpenEventHandle(&out.consumed, h); e != cudaSuccess)
+        return broken(cuda_failed("opening the receiver's event", e));
+      out.consumed_handle = h;
+    }
+    return Status::Ok();
+  }
+
+  // Copies the device parts into `out` on `s`, growing it first (a new
+  // generation) once the peer's reads of it ran.
+  Status fill(Out& out, const std::vector<Part>& parts, std::size_t first_device, std::size_t bytes, cudaStream_t s) {
+    if (!out.ready) {
+      IPC_CUDA("cudaEventCreate",
+               cudaEventCreateWithFlags(&out.ready, cudaEventDisableTiming | cudaEventInterprocess));
+      IPC_CUDA("cudaIpcGetEventHandle", cudaIpcGetEventHandle(&out.ready_handle, out.ready));
+    }
+    if (out.bytes < bytes) {
+      if (out.consumed_pending) IPC_CUDA("waiting for the receiver's reads", cudaEventSynchronize(out.consumed));
+      out.consumed_pending = false;
+      // The previous allocation's copies ran (they precede `ready`).
+      IPC_CUDA("waiting for a buffer's last copy", cudaEventSynchronize(out.ready));
+      if (out.p) IPC_CUDA("cudaFree of an ipc buffer", cudaFree(out.p));
+      out.p = nullptr;
+      out.bytes = 0;
+      const std::size_t grown = (bytes + 255) / 256 * 256;
+      IPC_CUDA("allocating " + std::to_string(grown) + " B of ipc buffer", cudaMalloc(&out.p, grown));
+      out.bytes = grown;
+      ++out.generation;
+      IPC_CUDA("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&out.mem_handle, out.p));
+    }
+    if (out.consumed_pending) IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(s, out.consumed, 0));
+    out.consumed_pending = false;
+    std::size_t at = 0;
+    for (std::size_t i = first_device; i < parts.size(); ++i) {
+      if (parts[i].size)
+        IPC_CUDA("a device copy into an ipc buffer", cudaMemcpyAsync(static_cast<char*>(out.p) + at, parts[i].data,
+                                                                      parts[i].size, cudaMemcpyDeviceToDevice, s));
+      at += parts[i].size;
+    }
+    IPC_CUDA("cudaEventRecord", cudaEventRecord(out.ready, s));
+    return Status::Ok();
+  }
+
+  // Maps the peer's buffer of `frame` (a new generation replaces the old
+  // mapping once this end's reads of it ran) and its `ready` event.
+  Status map(In& in, const std::vector<std::uint8_t>& frame, std::uint64_t generation, std::uint64_t buffer) {
+    cudaIpcMemHandle_t mem;
+    cudaIpcEventHandle_t ready;
+    std::memcpy(&mem, frame.data() + 26, 64);
+    std::memcpy(&ready, frame.data() + 90, 64);
+    if (!in.mapped || in.generation != generation) {
+      if (in.consumed_pending) IPC_CUDA("waiting for reads of a buffer", cudaEventSynchronize(in.consumed));
+      in.consumed_pending = false;
+      if (in.mapped) IPC_CUDA("cudaIpcCloseMemHandle", cudaIpcCloseMemHandle(in.mapped));
+      in.mapped = nullptr;
+      in.mapped_bytes = 0;
+      IPC_CUDA("mapping the sender's buffer (cudaIpcOpenMemHandle)",
+               cudaIpcOpenMemHandle(&in.mapped, mem, cudaIpcMemLazyEnablePeerAccess));
+      in.generation = generation;
+      auto held = allocation_bytes(in.mapped);
+      if (!held) return held.error();
+      in.mapped_bytes = *held;
+    }
+    if (buffer > in.mapped_bytes)
+      return io_error("cuda ipc link: " + host_->describe() + " claims a buffer of " + std::to_string(buffer) +
+                      " B, its mapping holds " + std::to_string(in.mapped_bytes) + " B");
+    if (!in.ready || std::memcmp(&ready, &in.ready_handle, 64) != 0) {
+      if (in.ready) cudaEventDestroy(in.ready);
+      in.ready = nullptr;
+      IPC_CUDA("opening the sender's event", cudaIpcOpenEventHandle(&in.ready, ready));
+      in.ready_handle = ready;
+    }
+    return Status::Ok();
+  }
+
+  Status consumed_event(In& in) {
+    if (in.consumed) return Status::Ok();
+    IPC_CUDA("cudaEventCreate", cudaEventCreateWithFlags(&in.consumed, cudaEventDisableTiming | cudaEventInterprocess));
+    IPC_CUDA("cudaIpcGetEventHandle", cudaIpcGetEventHandle(&in.consumed_handle, in.consumed));
+    return Status::Ok();
+  }
+
+  std::unique_ptr<Transport> host_;
+  Gpu self_, peer_;
+  bool sends_device_ = false, maps_peer_ = false, closed_ = false;
+  std::optional<Error> broken_;
+  std::string what_;
+  std::array<Out, kSlots> out_;
+  std::array<In, kSlots> in_;
+  std::deque<std::vector<std::uint8_t>> inbox_;  // frames read while waiting for a release
+  std::size_t max_frame_ = std::size_t{1} << 20;  // the bound of the last recv, for frames read ahead
+  std::mutex mu_;                                // guards releases_ (IpcBytes may drop on another thread)
+  std::deque<std::vector<std::uint8_t>> releases_;
+  cudaStream_t stream_ = nullptr;  // host copies of device messages
+};
+
+IpcBytes::~IpcBytes() { link_->dropped(slot_, last_); }
+Status IpcBytes::ready_on(cudaStream_t stream) {
+  KVRING_RETURN_IF_ERROR(link_->wait_ready(slot_, stream));
+  last_ = stream;
+  return Status::Ok();
+}
+Status IpcBytes::to_host(std::uint8_t* out) { return link_->copy_to_host(slot_, p_, n_, out); }
+
+class IpcTransport : public Transport {
+ public:
+  explicit IpcTransport(std::shared_ptr<IpcLink> link) : link_(std::move(link)) {}
+  ~IpcTransport() override { close(); }
+  bool carries(MemoryKind kind) const override { return kind == MemoryKind::kHost || link_->sends_device(); }
+  Status send_message(const std::vector<Part>& parts, Deadline deadline) override { return link_->send(parts, deadline); }
+  Status recv(ReceivedMessage& out, Deadline deadline, std::size_t max_size, bool keep_device) override {
+    return link_->recv(out, deadline, max_size, keep_device);
+  }
+  Status recv_message(std::vector<std::uint8_t>& out, Deadline deadline, std::size_t max_size) override {
+    ReceivedMessage m;
+    KVRING_RETURN_IF_ERROR(link_->recv(m, deadline, max_size, false));
+    out = std::move(m.host);
+    return Status::Ok();
+  }
+  std::string describe() const override { return link_->what(); }
+  void close() override { link_->close(); }
+
+ private:
+  std::shared_ptr<IpcLink> link_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Transport>> cuda_ipc_link(std::unique_ptr<Transport> host, Deadline deadline,
+                                                 bool host_staging) {
+  if (!host) return invalid_argument("cuda ipc link: no host transport");
+  if (!device::usable())
+    return make_error(ErrorCode::kUnsupported, "the cuda ipc link needs the CUDA backend and a visible GPU");
+  auto link = std::make_shared<IpcLink>(std::move(host));
+  if (Status st = link->handshake(deadline, host_staging); !st.ok()) {
+    link->close();
+    return st.error();
+  }
+  return std::unique_ptr<Transport>(std::make_unique<IpcTransport>(std::move(link)));
+}
+
+}  // namespace kvring::handoff
