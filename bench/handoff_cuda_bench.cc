@@ -2,11 +2,12 @@
 // run (docs/PERFORMANCE.md, "Handoff on the GPU").
 //
 //   kvring-handoff-cuda-bench [--tokens N]... [--message-mib M] [--pinned-message-mib M]
-//                             [--repeats R] [--json FILE]
+//                             [--peer-gpu G] [--prefill-tps T | --no-held] [--repeats R] [--json FILE]
 //
 // For each N (default 32768 and 131072), two CUDA stores of muse-glimmer at
-// context N, the sender's sequence filled with N - 1 positions of seeded
-// rows (the values do not change what moves):
+// context N, the sender's sequence prefilled with N - 1 positions of seeded
+// rows and queries (the values do not change what moves), the prefill
+// timed:
 //   device    StoreSource -> local_device_pair -> StoreTarget: rows gathered
 //             on the GPU, digested there (digest64), copied device to
 //             device by the transport, digested and installed by the
@@ -20,12 +21,38 @@
 //             build has UCX): the staging path with a real transport
 //   d2h, h2d  cudaMemcpyAsync of the payload's bytes between the GPU and one
 //             pinned buffer, each way alone
-// Handoffs: the best of R runs after one warm-up; copies: the best of R.
+//   peer      StoreSource on GPU 0 -> local_peer_pair -> StoreTarget of a
+//             store on GPU G (--peer-gpu; by default 1 where two GPUs are
+//             visible, else 0): device messages copied peer to peer into
+//             the receiver's buffers (staged through pinned memory where
+//             the pair has no peer access, as the table's line says)
+//   p2p       cudaMemcpyPeerAsync of the payload's bytes from GPU 0 to GPU G,
+//             once: the peer handoff's ceiling
+//   ipc       StoreSource on GPU 0 -> cuda_ipc_link over a Unix socket ->
+//             StoreTarget of a store on GPU G in another process (this
+//             program again, started with --ipc-receiver): the receiver
+//             maps the sender's buffers (CUDA IPC)
+//   held      the peer handoff under each schedule while a simulated
+//             prefill runs at the pace of the sender's own prefill, timed
+//             when its session is filled (every layer's store and f16
+//             attention, chunks of 2048), or at --prefill-tps T: each
+//             message is held until the plan releases it (its rows final
+//             under paced, the end of prefill for swa-first's full rows);
+//             reported: the time from prefill's start to the commit, the
+//             tail past prefill's end, and the share of the unheld
+//             handoff's time that the prefill hid (--no-held: not run)
+// Handoffs: the best of R runs after one warm-up (held: of one run after
+// one); copies: the best of R.
 // Without a GPU it says so and exits 1.
 #include <cuda_runtime_api.h>
 
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -81,8 +108,12 @@ struct Handoff {
   std::int64_t messages = 0;
 };
 
-enum class Link { kDevice, kHost, kUcx };
-const char* link_name(Link l) { return l == Link::kDevice ? "device" : l == Link::kHost ? "pinned" : "pinned-ucx"; }
+enum class Link { kDevice, kHost, kUcx, kPeer };
+const char* link_name(Link l) {
+  return l == Link::kDevice ? "device" : l == Link::kHost ? "pinned" : l == Link::kUcx ? "pinned-ucx" : "peer";
+}
+int g_peer_gpu = 0;  // the receiver's GPU of Link::kPeer
+std::string g_peer_link;  // its describe()
 
 // One session from `from` to `to` over a fresh link, the receiver on a
 // thread; the installed sequence is removed again. Returns the sender's
@@ -97,6 +128,12 @@ double hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link l
     b = std::move(pair->second);
   } else if (link == Link::kHost) {
     std::tie(a, b) = local_pair();
+  } else if (link == Link::kPeer) {
+    auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = g_peer_gpu});
+    if (!pair) die(pair.error().to_string());
+    a = std::move(pair->first);
+    b = std::move(pair->second);
+    g_peer_link = a->describe();
   } else {
     auto l = ucx_listen("127.0.0.1:0");
     if (!l) die(l.error().to_string());
@@ -108,6 +145,7 @@ double hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link l
   StoreTarget target(to);
   std::optional<Result<ReceiveReport>> received;
   std::thread receiver([&] {
+    if (link == Link::kPeer) check_cuda(cudaSetDevice(g_peer_gpu), "cudaSetDevice");
     if (listener) {
       auto accepted = listener->accept(deadline_in(30));
       if (!accepted) {
@@ -134,12 +172,129 @@ double hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link l
   return sent->seconds;
 }
 
-Handoff measure(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link link, int repeats) {
-  (void)hand_off(from, seq, to, t, link);  // warm-up: pools, pinned buffers
+// The best and median of `repeats` runs of `run` after one warm-up (pools,
+// pinned buffers).
+Handoff measure(const Timeline& t, int repeats, const std::function<double()>& run) {
+  (void)run();
   std::vector<double> runs;
-  for (int r = 0; r < repeats; ++r) runs.push_back(hand_off(from, seq, to, t, link));
+  for (int r = 0; r < repeats; ++r) runs.push_back(run());
   std::sort(runs.begin(), runs.end());
   return {runs.front(), runs[runs.size() / 2], static_cast<std::int64_t>(t.messages.size())};
+}
+Handoff measure(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link link, int repeats) {
+  return measure(t, repeats, [&] { return hand_off(from, seq, to, t, link); });
+}
+
+// A source whose messages are held until the plan releases them, counted
+// from the first wait (the simulated prefill's start).
+class HeldSource : public HandoffSource {
+ public:
+  explicit HeldSource(HandoffSource& inner) : inner_(inner) {}
+  const Snapshot& header() const override { return inner_.header(); }
+  RowDigest digest() const override { return inner_.digest(); }
+  Result<bool> wait_final(const PlannedMessage& m, Deadline deadline) override {
+    if (!t0_) t0_ = Clock::now();
+    const auto at = *t0_ + duration_of(m.release_s);
+    std::this_thread::sleep_until(std::min(at, deadline));
+    return at <= deadline;
+  }
+  Status rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) override {
+    return inner_.rows(m, k, v);
+  }
+  Status message_rows(const PlannedMessage& m, bool device_ok, SourceRows* out) override {
+    return inner_.message_rows(m, device_ok, out);
+  }
+  void release(const PlannedMessage& m) override { inner_.release(m); }
+
+ private:
+  HandoffSource& inner_;
+  std::optional<Clock::time_point> t0_;
+};
+
+// One peer session held to a simulated prefill: seconds from the prefill's
+// start to the commit.
+double held_hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t) {
+  auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = g_peer_gpu});
+  if (!pair) die(pair.error().to_string());
+  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(t.payload.rows_tokens), 1),
+                                 "bench");
+  if (!src) die(src.error().to_string());
+  HeldSource held(**src);
+  StoreTarget target(to);
+  std::optional<Result<ReceiveReport>> received;
+  std::thread receiver([&] {
+    check_cuda(cudaSetDevice(g_peer_gpu), "cudaSetDevice");
+    received.emplace(receive_session(*pair->second, target, {.timeout_s = 60, .max_keep_s = 0,
+                                                              .credit_bytes = std::int64_t{1} << 30,
+                                                              .max_message_bytes = std::int64_t{1} << 30}));
+    pair->second->close();
+  });
+  const auto t0 = Clock::now();
+  auto sent = send_session(*pair->first, held, t, {.timeout_s = 60});
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  pair->first->close();
+  receiver.join();
+  if (!sent) die("held handoff: " + sent.error().to_string());
+  if (!*received) die("held handoff: " + received->error().to_string());
+  check(to.remove_sequence(*target.sequence()), "remove_sequence");
+  return seconds;
+}
+
+// One session to the receiving process listening at `socket`; the
+// sender's seconds.
+std::string g_ipc_link;  // its describe()
+double ipc_hand_off(KvStore& from, SeqId seq, const Timeline& t, const std::string& socket) {
+  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(t.payload.rows_tokens), 1),
+                                 "bench");
+  if (!src) die(src.error().to_string());
+  auto host = unix_connect(socket, deadline_in(30));
+  if (!host) die(host.error().to_string());
+  auto link = cuda_ipc_link(std::move(*host), deadline_in(30));
+  if (!link) die(link.error().to_string());
+  g_ipc_link = (*link)->describe();
+  auto sent = send_session(**link, **src, t, {.timeout_s = 60});
+  (*link)->close();
+  if (!sent) die("ipc handoff: " + sent.error().to_string());
+  return sent->seconds;
+}
+
+// The receiving process of the ipc handoffs: `sessions` sessions into a
+// store of muse-glimmer at context `n` on `gpu`, each removed again.
+int ipc_receiver(const std::string& socket, std::int64_t n, int sessions, int gpu) {
+  check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
+  auto to = make_store(BackendKind::kCuda, *preset_config("muse-glimmer"), {.max_sequences = 1, .context = n});
+  if (!to) die(to.error().to_string());
+  auto listener = unix_listen(socket);
+  if (!listener) die(listener.error().to_string());
+  for (int i = 0; i < sessions; ++i) {
+    auto host = (*listener)->accept(deadline_in(120));
+    if (!host) die(host.error().to_string());
+    auto link = cuda_ipc_link(std::move(*host), deadline_in(30));
+    if (!link) die(link.error().to_string());
+    StoreTarget target(**to);
+    auto received = receive_session(**link, target, {.timeout_s = 60, .credit_bytes = std::int64_t{1} << 30,
+                                                     .max_message_bytes = std::int64_t{1} << 30});
+    (*link)->close();
+    if (!received) die("ipc receiver: " + received.error().to_string());
+    check((*to)->remove_sequence(*target.sequence()), "remove_sequence");
+  }
+  return 0;
+}
+
+// Starts this program as the ipc receiver and waits for its socket.
+pid_t start_ipc_receiver(const char* self, const std::string& socket, std::int64_t n, int sessions, int gpu) {
+  const std::string ns = std::to_string(n), ss = std::to_string(sessions), gs = std::to_string(gpu);
+  std::vector<const char*> argv = {self, "--ipc-receiver", socket.c_str(), "--tokens", ns.c_str(),
+                                   "--sessions", ss.c_str(), "--peer-gpu", gs.c_str(), nullptr};
+  pid_t pid = 0;
+  if (posix_spawn(&pid, self, nullptr, nullptr, const_cast<char* const*>(argv.data()), environ) != 0)
+    die("cannot start the ipc receiver");
+  for (int i = 0; i < 3000 && access(socket.c_str(), F_OK) != 0; ++i) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) die("the ipc receiver ended before it listened");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return pid;
 }
 
 }  // namespace
@@ -147,18 +302,29 @@ Handoff measure(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link l
 int main(int argc, char** argv) {
   std::vector<std::int64_t> tokens;
   std::int64_t message_mib = 64, pinned_message_mib = 8;
-  int repeats = 3;
-  std::string json_path;
+  int repeats = 3, peer_gpu = -1, sessions = 0;
+  double prefill_tps = 0;
+  bool held_runs = true;
+  std::string json_path, ipc_socket;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tokens" && i + 1 < argc) tokens.push_back(std::atoll(argv[++i]));
     else if (a == "--message-mib" && i + 1 < argc) message_mib = std::atoll(argv[++i]);
     else if (a == "--pinned-message-mib" && i + 1 < argc) pinned_message_mib = std::atoll(argv[++i]);
     else if (a == "--repeats" && i + 1 < argc) repeats = std::atoi(argv[++i]);
+    else if (a == "--peer-gpu" && i + 1 < argc) peer_gpu = std::atoi(argv[++i]);
+    else if (a == "--ipc-receiver" && i + 1 < argc) ipc_socket = argv[++i];
+    else if (a == "--sessions" && i + 1 < argc) sessions = std::atoi(argv[++i]);
+    else if (a == "--prefill-tps" && i + 1 < argc) prefill_tps = std::atof(argv[++i]);
+    else if (a == "--no-held") held_runs = false;
     else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else
       die("usage: kvring-handoff-cuda-bench [--tokens N]... [--message-mib M] [--pinned-message-mib M] "
-          "[--repeats R] [--json FILE]");
+          "[--peer-gpu G] [--prefill-tps T | --no-held] [--repeats R] [--json FILE]");
+  }
+  if (!ipc_socket.empty()) {
+    if (tokens.size() != 1 || sessions < 1 || peer_gpu < 0) die("--ipc-receiver takes one --tokens, --sessions, --peer-gpu");
+    return ipc_receiver(ipc_socket, tokens[0], sessions, peer_gpu);
   }
   if (tokens.empty()) tokens = {32768, 131072};
   if (repeats < 1 || message_mib < 1 || pinned_message_mib < 1) die("--repeats and message sizes are at least 1");
@@ -166,6 +332,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvring-handoff-cuda-bench: no GPU is visible; nothing measured\n");
     return 1;
   }
+  if (peer_gpu < 0) peer_gpu = cuda_device_count() > 1 ? 1 : 0;
+  if (peer_gpu >= cuda_device_count()) die("--peer-gpu " + std::to_string(peer_gpu) + ": no such GPU");
+  g_peer_gpu = peer_gpu;
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const ModelConfig config = *preset_config("muse-glimmer");
@@ -178,27 +347,47 @@ int main(int argc, char** argv) {
   nlohmann::json out = nlohmann::json::array();
   for (const std::int64_t n : tokens) {
     if (n < 2 || n > config.max_context) die("--tokens " + std::to_string(n) + " outside [2, max_context]");
-    const StoreOptions o{.max_sequences = 1, .context = n};
+    const StoreOptions o{.max_sequences = 1, .context = n, .attention = AttentionNumeric::kF16};
     auto from = make_store(BackendKind::kCuda, config, o);
     if (!from) die(from.error().to_string());
     auto to = make_store(BackendKind::kCuda, config, o);
     if (!to) die(to.error().to_string());
     const SeqId seq = *(*from)->add_sequence();
-    // N - 1 positions of seeded f16 rows, stored in chunks through device views.
+    // The sender's session: N - 1 positions prefilled in chunks of 2048
+    // (every layer's store and attention under the f16 numeric, seeded f16
+    // K and V, f32 queries), timed: the pace of the simulated prefills below.
     const std::int64_t kv = config.kv_dim(), chunk = 2048, layers = config.n_layers;
-    std::vector<std::uint16_t> host(static_cast<std::size_t>(chunk * layers * kv));
+    const std::int64_t width = config.n_heads * config.head_dim;
+    std::vector<std::uint16_t> host(static_cast<std::size_t>(chunk * std::max(kv, width)));
     for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::uint16_t>(0x3000 + (i * 2654435761u) % 0x0c00);
-    void* dev = nullptr;
+    std::vector<float> queries(static_cast<std::size_t>(chunk * width));
+    for (std::size_t i = 0; i < queries.size(); ++i) queries[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000 - 1;
+    void *dev = nullptr, *attended = nullptr, *qdev = nullptr;
     check_cuda(cudaMalloc(&dev, host.size() * 2), "cudaMalloc");
+    check_cuda(cudaMalloc(&qdev, queries.size() * 4), "cudaMalloc");
+    check_cuda(cudaMalloc(&attended, queries.size() * 4), "cudaMalloc");
     check_cuda(cudaMemcpy(dev, host.data(), host.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
+    check_cuda(cudaMemcpy(qdev, queries.data(), queries.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    check((*from)->synchronize(), "synchronize");
+    const auto fill0 = Clock::now();
     for (std::int64_t at = 0; at < n - 1; at += chunk) {
       const std::int64_t c = std::min(chunk, n - 1 - at);
       const SeqSpan span{seq, at, c};
-      const ConstView rows{dev, MemorySpace::kDevice, DType::kF16, c * layers, kv, kv};
-      check((*from)->store_all_layers({&span, 1}, rows, rows), "store_all_layers");
+      const ConstView rows{dev, MemorySpace::kDevice, DType::kF16, c, kv, kv};
+      const ConstView q{qdev, MemorySpace::kDevice, DType::kF32, c, width, width};
+      const MutView o_view{attended, MemorySpace::kDevice, DType::kF32, c, width, width};
+      for (std::int64_t l = 0; l < layers; ++l)
+        check((*from)->prefill(l, {&span, 1}, rows, rows, q, o_view), "prefill");
     }
     check((*from)->synchronize(), "synchronize");
+    const double prefill_s = std::chrono::duration<double>(Clock::now() - fill0).count();
+    const double measured_tps = static_cast<double>(n - 1) / prefill_s;
     check_cuda(cudaFree(dev), "cudaFree");
+    check_cuda(cudaFree(attended), "cudaFree");
+    check_cuda(cudaFree(qdev), "cudaFree");
+    std::printf("%8lld prefill of the session's KV work (store and f16 attention, 52 layers, chunks of %lld): "
+                "%.3f s, %.0f tokens/s\n",
+                static_cast<long long>(n), static_cast<long long>(chunk), prefill_s, measured_tps);
 
     PlanOptions po;
     po.context = n;
@@ -214,6 +403,37 @@ int main(int argc, char** argv) {
     const Handoff pinned = measure(**from, seq, **to, *pinned_plan, Link::kHost, repeats);
     std::optional<Handoff> ucx;
     if (ucx_compiled()) ucx = measure(**from, seq, **to, *pinned_plan, Link::kUcx, repeats);
+    check_cuda(cudaSetDevice(peer_gpu), "cudaSetDevice");
+    auto peer_to = make_store(BackendKind::kCuda, config, o);
+    check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    if (!peer_to) die(peer_to.error().to_string());
+    const Handoff peer = measure(**from, seq, **peer_to, *device_plan, Link::kPeer, repeats);
+    // Each schedule held to a simulated prefill of n tokens at prefill_tps.
+    nlohmann::json held = nlohmann::json::array();
+    for (const Schedule sched : {Schedule::kSwaFirst, Schedule::kPaced}) {
+      if (!held_runs) break;
+      PlanOptions ho = po;
+      ho.schedule = sched;
+      ho.message_bytes = message_mib << 20;
+      ho.prefill_tokens_per_s = prefill_tps > 0 ? prefill_tps : measured_tps;
+      auto plan = plan_handoff(config, n, ho);
+      if (!plan) die(plan.error().to_string());
+      const Handoff h = measure(*plan, 1, [&] { return held_hand_off(**from, seq, **peer_to, *plan); });
+      const double tail = h.best_s - plan->prefill_end_s;
+      std::printf("%8s %-9s held to a prefill of %.3f s: commit at %.3f s, %.2f ms past its end; %.0f%% of the "
+                  "unheld %.2f ms hidden\n",
+                  "", schedule_name(sched), plan->prefill_end_s, h.best_s, tail * 1e3,
+                  100 * std::clamp(1 - tail / peer.best_s, 0.0, 1.0), peer.best_s * 1e3);
+      held.push_back({{"schedule", schedule_name(sched)}, {"prefill_s", plan->prefill_end_s}, {"commit_s", h.best_s},
+                      {"commit_median_s", h.median_s}, {"tail_s", tail}});
+    }
+    peer_to->reset();
+    const std::string socket = "/tmp/kvring-handoff-bench-" + std::to_string(getpid()) + ".sock";
+    const pid_t receiver = start_ipc_receiver(argv[0], socket, n, repeats + 1, peer_gpu);
+    const Handoff ipc = measure(*device_plan, repeats, [&] { return ipc_hand_off(**from, seq, *device_plan, socket); });
+    int status = 0;
+    waitpid(receiver, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) die("the ipc receiver failed");
 
     // The ceilings, on buffers of the payload's size.
     cudaStream_t s = nullptr;
@@ -227,6 +447,14 @@ int main(int argc, char** argv) {
     const double d2d = best_copy(repeats, s, [&] { check_cuda(cudaMemcpyAsync(dst, src, size, cudaMemcpyDeviceToDevice, s), "d2d"); });
     const double d2h = best_copy(repeats, s, [&] { check_cuda(cudaMemcpyAsync(pin, src, size, cudaMemcpyDeviceToHost, s), "d2h"); });
     const double h2d = best_copy(repeats, s, [&] { check_cuda(cudaMemcpyAsync(dst, pin, size, cudaMemcpyHostToDevice, s), "h2d"); });
+    void* far = nullptr;
+    check_cuda(cudaSetDevice(peer_gpu), "cudaSetDevice");
+    check_cuda(cudaMalloc(&far, size), "cudaMalloc");
+    check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    const double p2p = best_copy(repeats, s, [&] {
+      check_cuda(cudaMemcpyPeerAsync(far, peer_gpu, src, 0, size, s), "p2p");
+    });
+    cudaFree(far);
     cudaFree(src);
     cudaFree(dst);
     cudaFreeHost(pin);
@@ -241,6 +469,10 @@ int main(int argc, char** argv) {
                 static_cast<long long>(bytes), cell(device.best_s).c_str(), cell(d2d).c_str(), d2d / device.best_s,
                 cell(pinned.best_s).c_str(), cell(d2h).c_str(), cell(h2d).c_str(),
                 std::max(d2h, h2d) / pinned.best_s, ucx ? cell(ucx->best_s).c_str() : "(no UCX)");
+    std::printf("%8s peer handoff %s, p2p copy %s, ratio %.2f (%s)\n", "", cell(peer.best_s).c_str(),
+                cell(p2p).c_str(), p2p / peer.best_s, g_peer_link.c_str());
+    std::printf("%8s ipc handoff  %s, p2p copy %s, ratio %.2f (%s)\n", "", cell(ipc.best_s).c_str(),
+                cell(p2p).c_str(), p2p / ipc.best_s, g_ipc_link.c_str());
     out.push_back({{"tokens", n},
                    {"payload_bytes", bytes},
                    {"device_messages", device.messages},
@@ -253,7 +485,18 @@ int main(int argc, char** argv) {
                    {"d2h_pinned_s", d2h},
                    {"h2d_pinned_s", h2d},
                    {"pinned_ucx_handoff_s", ucx ? nlohmann::json(ucx->best_s) : nlohmann::json()},
-                   {"pinned_ucx_handoff_median_s", ucx ? nlohmann::json(ucx->median_s) : nlohmann::json()}});
+                   {"pinned_ucx_handoff_median_s", ucx ? nlohmann::json(ucx->median_s) : nlohmann::json()},
+                   {"peer_gpu", peer_gpu},
+                   {"peer_link", g_peer_link},
+                   {"peer_handoff_s", peer.best_s},
+                   {"peer_handoff_median_s", peer.median_s},
+                   {"p2p_copy_s", p2p},
+                   {"ipc_link", g_ipc_link},
+                   {"ipc_handoff_s", ipc.best_s},
+                   {"ipc_handoff_median_s", ipc.median_s},
+                   {"prefill_s", prefill_s},
+                   {"prefill_tps", prefill_tps > 0 ? prefill_tps : measured_tps},
+                   {"held", held}});
   }
   std::printf("ratio: the ceiling's time over the handoff's (1.0 = the handoff moves its payload as fast as\n"
               "one copy of it; the pinned path's ceiling is the slower of its two copies, which the staging\n"
