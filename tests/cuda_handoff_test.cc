@@ -448,6 +448,19 @@ TEST_F(CudaHandoff, PeerLinkBetweenTwoGpusIsBitExact) {
     ASSERT_TRUE(from->remove_sequence(*stay_or).ok());
     ASSERT_TRUE(to->remove_sequence(*target.sequence()).ok());
   }
+  // A receiving thread whose current GPU is not its store's is refused at
+  // the header, by name, and the store is as it was.
+  const Timeline t = plan(config_, kPrompt, 3 * 256);
+  auto src = source(*from, seq, t);
+  ASSERT_TRUE(src);
+  auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = 1});
+  ASSERT_TRUE(pair.ok());
+  StoreTarget target(*to);
+  auto o = run(*pair->first, *pair->second, *src, t, target);  // the receiver's thread has GPU 0 current
+  ASSERT_FALSE(o.received.ok());
+  EXPECT_EQ(o.received.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(o.received.error().message.find("current GPU is 0"), std::string::npos) << o.received.error().message;
+  EXPECT_EQ(to->sequence_count(), 0);
 }
 
 // Runs `argv` with its output in `out`; its exit status, or -1 when it ran

@@ -22,8 +22,10 @@
 // side feeds the last prompt token itself as its first step.
 //
 // A session's own GPU work (staging, digests, local_device_pair's copies)
-// runs on the calling thread's current GPU: with CUDA stores, that is the
-// stores' GPU. A CUDA store's calls restore the thread's current device.
+// runs on the calling thread's current GPU, which must be the CUDA store's
+// GPU on each side: StoreSource::create and StoreTarget::begin refuse
+// another (kInvalidArgument). A CUDA store's calls restore the thread's
+// current device.
 #pragma once
 
 #include <algorithm>

@@ -18,6 +18,11 @@ namespace kvring::handoff::device {
 // A build with CUDA and a visible GPU.
 bool usable();
 
+// A session's GPU work runs on the thread's current GPU, so a CUDA store's
+// endpoint requires its store's GPU to be current (kInvalidArgument naming
+// both otherwise); any other store passes.
+Status on_store_gpu(const KvStore& store);
+
 // Device bytes that the GPU side made for a transport; they can be read
 // back to the host (waiting for them).
 class OwnBytes : public DeviceBytes {

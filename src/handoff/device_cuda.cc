@@ -498,6 +498,19 @@ class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<P
 
 bool usable() { return cuda_device_count() > 0; }
 
+Status on_store_gpu(const KvStore& store) {
+  const auto* cuda = dynamic_cast<const CudaStore*>(&store);
+  if (cuda == nullptr) return Status::Ok();
+  int current = -1;
+  HANDOFF_CUDA("cudaGetDevice", cudaGetDevice(&current));
+  if (current != cuda->device())
+    return invalid_argument("handoff: the store is on GPU " + std::to_string(cuda->device()) +
+                            " and this thread's current GPU is " + std::to_string(current) +
+                            "; a session's GPU work runs on the current GPU (cudaSetDevice(" +
+                            std::to_string(cuda->device()) + ") on this thread first)");
+  return Status::Ok();
+}
+
 Result<PeerPlan> plan_peer(int sender_gpu, int receiver_gpu, bool host_staging) {
   const int n = cuda_device_count();
   if (n == 0) return make_error(ErrorCode::kUnsupported, "the peer transport needs a visible GPU");

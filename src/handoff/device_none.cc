@@ -10,6 +10,7 @@ Error no_cuda() {
 }  // namespace
 
 bool usable() { return false; }
+Status on_store_gpu(const KvStore&) { return Status::Ok(); }
 Result<std::unique_ptr<DeviceBytes>> copy_parts(const std::vector<Part>&) { return no_cuda(); }
 Status append_to_host(DeviceBytes&, std::vector<std::uint8_t>&) { return no_cuda(); }
 Result<std::unique_ptr<Digester>> Digester::create() { return no_cuda(); }

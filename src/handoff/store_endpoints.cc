@@ -66,6 +66,7 @@ Result<std::unique_ptr<StoreSource>> StoreSource::create(const KvStore& store, S
   std::unique_ptr<StoreSource> s(new StoreSource(store, seq, timeline));
   s->header_ = std::move(*header);
   if (store.backend() == BackendKind::kCuda) {
+    KVRING_RETURN_IF_ERROR(device::on_store_gpu(store));
     std::int64_t most = 1;
     for (const PlannedMessage& m : timeline.messages) most = std::max(most, m.rows);
     auto slots = device::SourceSlots::create(store, most);
@@ -160,6 +161,7 @@ Status StoreTarget::begin(const Snapshot& header) {
   if (!options_.expect && store_.config().fingerprint() != header.config.fingerprint())
     return geometry_mismatch(header.config, store_.config());
   KVRING_RETURN_IF_ERROR(check_restorable(header, store_));
+  KVRING_RETURN_IF_ERROR(device::on_store_gpu(store_));
   abort();
   seq_.reset();  // a committed session's sequence is the store's now
   committed_ = false;
