@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kvring handoff plan | serve and kvring run --handoff-to, on loopback.
+# kvring handoff plan | serve and kvring run --handoff-to, on loopback and
+# over a Unix socket.
 #
 # The pair `handoff serve --tokens N --json` + `run --handoff-to` prints the
 # same tokens, logits_sha256 and generated as one `run --tokens N --json`
@@ -76,8 +77,26 @@ grep -q -- "--ack-latency-us = 1e308 is past its bound" bound.err || fail "plan 
 "$K" handoff plan --model muse-glimmer --tokens 1000 --rate 1e-9 --prefill-tps 0.01 --message 1 >slow.txt 2>bound.err ||
   fail "a slow plan: $(cat bound.err)"
 
+# The pair over a Unix socket (every build has it) equals one run; serve
+# refuses a port file with it.
+"$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --tokens 140 --json >uref.json 2>uref.err || fail "reference run"
+"$K" handoff serve --listen "unix:$W/serve.sock" --tokens 140 --json --timeout 20 --backend "$B" >unix.out 2>unix.err &
+SERVE_PID=$!
+pids+=("$SERVE_PID")
+for _ in $(seq 100); do
+  [ -S serve.sock ] && break
+  sleep 0.1
+done
+"$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/serve.sock" >usend.out 2>usend.err ||
+  fail "run --handoff-to unix:"
+wait "$SERVE_PID" || fail "handoff serve on unix: exited $?"
+[ "$(fields unix.out)" = "$(fields uref.json)" ] || fail "unix: summaries differ: $(fields unix.out) vs $(fields uref.json)"
+[ -e serve.sock ] && fail "serve left its socket file"
+"$K" handoff serve --listen "unix:$W/pf.sock" --port-file p --tokens 5 2>args.err && fail "--port-file with unix:"
+grep -q "goes with --listen HOST:PORT" args.err || fail "args: $(cat args.err)"
+
 if [ "$UCX" = 0 ]; then
-  echo "cli_handoff: this build has no UCX transport; serve and --handoff-to skipped"
+  echo "cli_handoff: this build has no UCX transport; serve and --handoff-to over UCX skipped"
   exit 77
 fi
 
@@ -177,4 +196,4 @@ grep -q "does not go with --handoff-to" args.err || fail "args: $(cat args.err)"
 "$K" handoff serve --listen nowhere --tokens 5 2>args.err && fail "a bad --listen"
 grep -q "not HOST:PORT" args.err || fail "args: $(cat args.err)"
 
-echo "cli_handoff: 17 passed, 0 failed"
+echo "cli_handoff: 19 passed, 0 failed"

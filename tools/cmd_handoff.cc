@@ -251,7 +251,8 @@ int cmd_serve(const std::vector<std::string>& argv) {
                        {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "max-mib", "max-keep", "port-file"});
   if (!a) return fail(a.error());
   if (!a->positional().empty()) return fail("handoff serve: unexpected argument '" + a->positional()[0] + "'");
-  if (!a->has("listen")) return fail("handoff serve needs --listen HOST:PORT (port 0: any free port)");
+  if (!a->has("listen"))
+    return fail("handoff serve needs --listen HOST:PORT (port 0: any free port) or --listen unix:PATH");
   if (!a->has("tokens")) return fail("handoff serve needs --tokens N (the length to decode to)");
   auto tokens = a->integer("tokens", 0, 1, kIntMax);
   if (!tokens) return fail(tokens.error());
@@ -281,10 +282,24 @@ int cmd_serve(const std::vector<std::string>& argv) {
     if (!c) return fail(c.error());
     to.expect = *c;
   }
-  auto listener = handoff::ucx_listen(a->str("listen"));
-  if (!listener) return fail(listener.error());
-  const auto hp = handoff::parse_host_port(a->str("listen"));
-  const std::string where = hp->first + ":" + std::to_string((*listener)->port());
+  // unix:PATH: a Unix socket; otherwise HOST:PORT over UCX.
+  const std::string listen = a->str("listen");
+  const bool unix_socket = listen.rfind("unix:", 0) == 0;
+  if (unix_socket && a->has("port-file")) return fail("--port-file goes with --listen HOST:PORT, not unix:PATH");
+  std::unique_ptr<handoff::UnixListener> unix_listener;
+  std::unique_ptr<handoff::UcxListener> ucx_listener;
+  std::string where;
+  if (unix_socket) {
+    auto l = handoff::unix_listen(listen.substr(5));
+    if (!l) return fail(l.error());
+    unix_listener = std::move(*l);
+    where = listen;
+  } else {
+    auto l = handoff::ucx_listen(listen);
+    if (!l) return fail(l.error());
+    ucx_listener = std::move(*l);
+    where = handoff::parse_host_port(listen)->first + ":" + std::to_string(ucx_listener->port());
+  }
   if (a->has("port-file")) {
     // Written whole, then renamed: a reader never sees half a number. A
     // failure leaves no temporary behind.
@@ -293,7 +308,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
     {
       errno = 0;
       std::ofstream f(tmp);
-      f << (*listener)->port() << "\n";
+      f << ucx_listener->port() << "\n";
       f.close();
       if (!f) {
         const std::string why = errno != 0 ? std::strerror(errno) : "the write failed";
@@ -309,7 +324,8 @@ int cmd_serve(const std::vector<std::string>& argv) {
     }
   }
   if (!a->flag("json")) std::fprintf(stderr, "kvring handoff serve: listening on %s\n", where.c_str());
-  auto link = (*listener)->accept(handoff::deadline_in(timeout_s));
+  auto link = unix_listener ? unix_listener->accept(handoff::deadline_in(timeout_s))
+                            : ucx_listener->accept(handoff::deadline_in(timeout_s));
   if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);
   ServeTarget serve_target(target, *tokens);
@@ -419,7 +435,8 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
     p.ring = lp.ring;
     header.planes.push_back(std::move(p));
   }
-  auto link = handoff::ucx_connect(o.to, handoff::deadline_in(o.timeout_s));
+  auto link = o.to.rfind("unix:", 0) == 0 ? handoff::unix_connect(o.to.substr(5), handoff::deadline_in(o.timeout_s))
+                                           : handoff::ucx_connect(o.to, handoff::deadline_in(o.timeout_s));
   if (!link) return fail(link.error());
   handoff::PrefillSource source(session.cache(), *timeline, std::move(header));
   handoff::SendOptions so;

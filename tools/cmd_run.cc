@@ -78,7 +78,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
   }
   o.handoff_to = a->str("handoff-to");
   if (a->has("handoff-to")) {
-    if (o.handoff_to.empty()) return invalid_argument("--handoff-to needs HOST:PORT");
+    if (o.handoff_to.empty()) return invalid_argument("--handoff-to needs HOST:PORT or unix:PATH");
     for (const char* name : {"tokens", "save", "resume", "store", "attention"})
       if (a->has(name))
         return invalid_argument(std::string("--") + name + " does not go with --handoff-to (the receiver decodes)");

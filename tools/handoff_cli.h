@@ -1,4 +1,4 @@
-// `kvring run ... --handoff-to HOST:PORT`: prefill the prompt and hand the
+// `kvring run ... --handoff-to HOST:PORT|unix:PATH`: prefill the prompt and hand the
 // session to `kvring handoff serve` instead of decoding it.
 #pragma once
 
@@ -12,7 +12,7 @@
 namespace kvring::cli {
 
 struct HandoffSendOptions {
-  std::string to;                 // HOST:PORT
+  std::string to;                 // HOST:PORT (UCX) or unix:PATH
   std::string schedule = "paced";
   double rate_gb_s = 0;           // 0: unpaced
   double timeout_s = 10;

@@ -75,8 +75,9 @@ const CommandHelp kHelp[] = {
   run        --resume FILE [--tokens N] [--store STORE] [--save FILE] [--json]
              continues a saved session to N tokens, bit for bit as if it had
              never stopped
-  run        ... --handoff-to HOST:PORT [--handoff-schedule swa-first|paced]
-             [--handoff-rate GB/s] [--handoff-timeout S] [--handoff-message KiB]
+  run        ... --handoff-to HOST:PORT|unix:PATH
+             [--handoff-schedule swa-first|paced] [--handoff-rate GB/s]
+             [--handoff-timeout S] [--handoff-message KiB]
              prefills the prompt and hands the session to `handoff serve`
              instead of decoding it (no --tokens: the receiver decodes)
 )"},
@@ -89,15 +90,17 @@ const CommandHelp kHelp[] = {
              --context sizes the session's store (default: the model's),
              --ack-latency-us the receiver's answer time (default 50)
 )"},
-    {"handoff serve", R"(  handoff serve --listen HOST:PORT --tokens N [--model NAME | --config FILE]
-             [--backend cpu|cuda|auto] [--timeout S] [--credits MiB]
-             [--max-mib M] [--max-keep S] [--port-file F] [--json]
-             receives one session (UCX), decodes it greedily to N tokens and
-             prints the summary of `run`; port 0 picks a free port; a session
-             whose store would take more than M MiB (default 65536) is
-             refused, and one whose sender keeps the link alive with no rows
-             for S seconds (default 300; 0: no limit), which must outlast the
-             sender's prefill under swa-first, is ended
+    {"handoff serve", R"(  handoff serve --listen HOST:PORT|unix:PATH --tokens N
+             [--model NAME | --config FILE] [--backend cpu|cuda|auto]
+             [--timeout S] [--credits MiB] [--max-mib M] [--max-keep S]
+             [--port-file F] [--json]
+             receives one session (UCX on HOST:PORT, or a Unix socket at
+             PATH), decodes it greedily to N tokens and prints the summary
+             of `run`; port 0 picks a free port (--port-file F gets it);
+             a session whose store would take more than M MiB (default
+             65536) is refused, and one whose sender keeps the link alive
+             with no rows for S seconds (default 300; 0: no limit), which
+             must outlast the sender's prefill under swa-first, is ended
 )"},
     {"config", R"(  config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
