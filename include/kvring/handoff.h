@@ -165,8 +165,13 @@ struct Part {
 };
 
 // Bytes a transport left in device memory for the receiver. Destroying the
-// object frees them once the work enqueued on the streams they were made
-// ready on has run (stream-ordered: no wait).
+// object gives them back once the work enqueued on the last stream they
+// were made ready on has run (stream-ordered; a host wait only where they
+// were never made ready). Links that lend a few buffers (local_peer_pair,
+// cuda_ipc_link) hold the sender back until the receiver drops a message,
+// and cuda_ipc_link tells the sender so on the receiver's next call: a
+// receiver drops each message's bytes before waiting for the next
+// (receive_session does), and all of them before closing the link.
 class DeviceBytes {
  public:
   virtual ~DeviceBytes() = default;

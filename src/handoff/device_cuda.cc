@@ -418,7 +418,14 @@ class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<P
     ~Bytes() override { slots_->release(which_, last_); }
     const void* data() const override { return slots_->slots_[which_].p; }
     std::size_t size() const override { return n_; }
+    // The receiver reads its GPU's buffers from that GPU: a session made
+    // ready elsewhere is refused rather than left to fault.
     Status ready_on(cudaStream_t stream) override {
+      int current = -1;
+      HANDOFF_CUDA("cudaGetDevice", cudaGetDevice(&current));
+      if (current != slots_->recv_)
+        return invalid_argument("peer link: the receiver's bytes are on GPU " + std::to_string(slots_->recv_) +
+                                " and its thread's current GPU is " + std::to_string(current));
       HANDOFF_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream, slots_->slots_[which_].ready, 0));
       last_ = stream;
       return Status::Ok();

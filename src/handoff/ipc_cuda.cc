@@ -10,12 +10,20 @@
 //            handles), then the message's host bytes
 //   release  'R' the receiver dropped buffer `slot`'s bytes; its `consumed`
 //            event (handle in the frame) follows the reads it enqueued
+//   closed   'C' this end unmapped the peer's buffers and closed its events,
+//            and touches neither again
 // A sender's buffer is reused only after its release: the next copy into
-// it waits on the stream for `consumed`. A buffer that grows is a new
-// allocation (a new generation), which the receiver maps anew, checking
-// that the mapping holds what the frame claims. CUDA IPC opens no handle
-// in the process that made it, so two ends of one process (the same pid)
-// stage rows through the host.
+// it waits on its stream for `consumed` and for the buffer's last copy
+// (`ready`). A buffer that grows is a new allocation (a new generation),
+// which the receiver maps anew, checking that the mapping holds what the
+// frame claims; the old allocation is freed at the first release of the
+// new one, by which time the receiver has unmapped it. What an end
+// exported (buffers, events) is freed only after the peer said 'C' or its
+// link ended (a peer that closes says 'C' first); a peer that does
+// neither within kCloseWaitS leaves them allocated, never freed under its
+// mappings. CUDA IPC opens no handle in the process that made it, so two
+// ends of one process (the same process nonce) stage rows through the
+// host.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
@@ -25,6 +33,7 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <random>
 
 #include "device.h"
 #include "kvring/handoff.h"
@@ -32,7 +41,8 @@
 namespace kvring::handoff {
 namespace {
 
-constexpr std::uint8_t kHello = 'H', kVerdict = 'V', kHostMsg = 'M', kDeviceMsg = 'D', kRelease = 'R';
+constexpr std::uint8_t kHello = 'H', kVerdict = 'V', kHostMsg = 'M', kDeviceMsg = 'D', kRelease = 'R',
+                       kClosed = 'C';
 constexpr char kMagic[8] = {'k', 'v', 'r', 'i', 'p', 'c', '0', '1'};
 constexpr std::size_t kSlots = 4;
 constexpr std::size_t kHelloBytes = 1 + 8 + 8 + 16 + 16;
@@ -40,8 +50,21 @@ constexpr std::size_t kHelloBytes = 1 + 8 + 8 + 16 + 16;
 constexpr std::size_t kDeviceHead = 1 + 1 + 8 + 8 + 8 + 64 + 64;
 // 'R' slot has-event event-handle
 constexpr std::size_t kReleaseBytes = 1 + 1 + 1 + 64;
-// Frames a sender queues while it waits for a release.
-constexpr std::size_t kMostQueued = 4096;
+// Frames, and their bytes, that a sender queues while it waits for a
+// release.
+constexpr std::size_t kMostQueued = 4096, kMostQueuedBytes = std::size_t{64} << 20;
+// How long closing waits for the peer's 'C'.
+constexpr double kCloseWaitS = 2;
+
+// This process, as the peer tells it from another: random, so that
+// processes of separate pid namespaces never look like one.
+std::uint64_t process_nonce() {
+  static const std::uint64_t nonce = [] {
+    std::random_device rd;
+    return (std::uint64_t{rd()} << 32) ^ rd() ^ static_cast<std::uint64_t>(getpid());
+  }();
+  return nonce;
+}
 
 static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(cudaIpcEventHandle_t) == 64);
 
@@ -136,24 +159,24 @@ class IpcBytes final : public device::OwnBytes {
 class IpcLink : public std::enable_shared_from_this<IpcLink> {
  public:
   explicit IpcLink(std::unique_ptr<Transport> host) : host_(std::move(host)) {}
+  // Every IpcBytes is gone (each holds the link): what this end imported
+  // is released; what it exported is freed once the peer is done with it.
   ~IpcLink() {
-    for (In& in : in_) {
-      if (in.consumed_pending) cudaEventSynchronize(in.consumed);
-      if (in.mapped) cudaIpcCloseMemHandle(in.mapped);
-      if (in.ready) cudaEventDestroy(in.ready);
-      if (in.consumed) cudaEventDestroy(in.consumed);
+    release_imports();
+    if (stream_) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
     }
+    if (!peer_done_) return;  // left allocated: the peer may still map it
+    for (In& in : in_)
+      if (in.consumed) cudaEventDestroy(in.consumed);
     for (Out& out : out_) {
       if (out.ready) {
         cudaEventSynchronize(out.ready);
         cudaEventDestroy(out.ready);
       }
-      if (out.consumed) cudaEventDestroy(out.consumed);
+      if (out.retired) cudaFree(out.retired);
       if (out.p) cudaFree(out.p);
-    }
-    if (stream_) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
     }
   }
 
@@ -163,7 +186,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     self_ = *gpu;
     std::vector<std::uint8_t> hello{kHello};
     put(hello, kMagic, 8);
-    put64(hello, static_cast<std::uint64_t>(getpid()));
+    put64(hello, process_nonce());
     put(hello, self_.uuid.data(), 16);
     put(hello, self_.bus.data(), 16);
     KVRING_RETURN_IF_ERROR(host_->send_message(hello.data(), hello.size(), deadline));
@@ -171,7 +194,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     KVRING_RETURN_IF_ERROR(host_->recv_message(in, deadline, 4096));
     if (in.size() != kHelloBytes || in[0] != kHello || std::memcmp(in.data() + 1, kMagic, 8) != 0)
       return io_error("cuda ipc link: " + host_->describe() + " did not answer as a cuda ipc link");
-    const bool same_process = get64(in.data() + 9) == static_cast<std::uint64_t>(getpid());
+    const bool same_process = get64(in.data() + 9) == process_nonce();
     std::memcpy(peer_.uuid.data(), in.data() + 17, 16);
     std::memcpy(peer_.bus.data(), in.data() + 33, 16);
     peer_.bus.back() = '\0';
@@ -199,6 +222,14 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       return io_error("cuda ipc link: " + host_->describe() + " sent a malformed verdict");
     sends_device_ = in[1] == 1;
     maps_peer_ = why_not.empty();
+    // The events this end records after its reads of each peer buffer, on
+    // its GPU, exported once.
+    if (maps_peer_)
+      for (In& slot : in_) {
+        IPC_CUDA("cudaEventCreate",
+                 cudaEventCreateWithFlags(&slot.consumed, cudaEventDisableTiming | cudaEventInterprocess));
+        IPC_CUDA("cudaIpcGetEventHandle", cudaIpcGetEventHandle(&slot.consumed_handle, slot.consumed));
+      }
     // Each direction that stages says so, and why.
     const std::string peer_why(in.begin() + 2, in.end());
     what_ = "cuda ipc over " + host_->describe() + ", GPU " + self_.bus_id() + " <-> GPU " + peer_.bus_id();
@@ -232,10 +263,13 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       device_bytes += p.size;
     }
     std::vector<std::uint8_t> frame;
-    if (first_device == parts.size()) {
+    if (device_bytes == 0) {
+      // No device bytes to carry (empty device parts): a host message.
+      first_device = parts.size();
       frame.reserve(1 + host_bytes);
       frame.push_back(kHostMsg);
     } else {
+      KVRING_RETURN_IF_ERROR(on_link_gpu());
       auto slot = take_slot(deadline);
       if (!slot) return broken(slot.error());
       Out& out = out_[*slot];
@@ -253,7 +287,8 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       put(frame, &out.mem_handle, 64);
       put(frame, &out.ready_handle, 64);
     }
-    for (std::size_t i = 0; i < first_device; ++i) put(frame, parts[i].data, parts[i].size);
+    for (std::size_t i = 0; i < parts.size() && parts[i].kind == MemoryKind::kHost; ++i)
+      put(frame, parts[i].data, parts[i].size);
     if (Status st = host_->send_message(frame.data(), frame.size(), deadline); !st.ok()) return broken(st.error());
     return Status::Ok();
   }
@@ -267,6 +302,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     if (!inbox_.empty()) {
       frame = std::move(inbox_.front());
       inbox_.pop_front();
+      inbox_bytes_ -= frame.size();
     } else {
       for (;;) {
         if (Status st = host_->recv_message(frame, deadline, max_size + kDeviceHead); !st.ok()) return broken(st.error());
@@ -275,6 +311,10 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       }
     }
     if (frame.empty()) return broken(io_error("cuda ipc link: an empty frame from " + host_->describe()));
+    if (frame[0] == kClosed) {
+      peer_done_ = true;
+      return broken(io_error("cuda ipc link: " + host_->describe() + " closed by the peer"));
+    }
     if (frame[0] == kHostMsg) {
       if (frame.size() - 1 > max_size) return broken(too_big(frame.size() - 1, max_size));
       out.host.assign(frame.begin() + 1, frame.end());
@@ -290,10 +330,15 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     if (slot >= kSlots || size > buffer || size > max_size || frame.size() - kDeviceHead > max_size - size)
       return broken(size > max_size ? too_big(size, max_size)
                                     : io_error("cuda ipc link: a malformed device frame from " + host_->describe()));
+    if (Status st = on_link_gpu(); !st.ok()) return broken(st.error());
     In& in = in_[slot];
-    if (in.held) return broken(io_error("cuda ipc link: buffer " + std::to_string(slot) + " reused before its release"));
-    if (Status st = map(in, frame, generation, buffer); !st.ok()) return broken(st.error());
-    in.held = true;
+    {
+      std::lock_guard lock(mu_);
+      if (in.held)
+        return broken(io_error("cuda ipc link: buffer " + std::to_string(slot) + " reused before its release"));
+      if (Status st = map(in, frame, generation, buffer); !st.ok()) return broken(st.error());
+      in.held = true;
+    }
     auto bytes = std::make_unique<IpcBytes>(shared_from_this(), slot, in.mapped, static_cast<std::size_t>(size));
     out.host.assign(frame.begin() + static_cast<std::ptrdiff_t>(kDeviceHead), frame.end());
     if (keep_device) {
@@ -306,9 +351,25 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     return Status::Ok();
   }
 
+  // Releases what this end imported (where no bytes are held), says 'C',
+  // and waits up to kCloseWaitS for the peer's 'C' or the link's end.
   void close() {
-    if (!closed_ && !broken_) (void)flush_releases(deadline_in(0.5));
+    if (closed_) return;
     closed_ = true;
+    if (!broken_) (void)flush_releases(deadline_in(0.5));
+    const bool all_released = release_imports();
+    if (!exported()) peer_done_ = true;
+    const Deadline until = deadline_in(kCloseWaitS);
+    if (!broken_ && all_released && !host_->send_message(&kClosed, 1, until).ok()) peer_done_ = true;
+    std::vector<std::uint8_t> frame;
+    while (!peer_done_) {
+      const Status st = host_->recv_message(frame, until, max_frame_);
+      if (st.ok() && (frame.empty() || frame[0] != kClosed)) continue;  // what the peer still sends is dropped
+      // Its 'C', or the link's end: a peer's process ends or says 'C' before
+      // its link does. A deadline that passed leaves the exports allocated.
+      peer_done_ = st.ok() || st.error().message.find("timed out") == std::string::npos;
+      break;
+    }
     host_->close();
   }
 
@@ -324,14 +385,16 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     IPC_CUDA("copying a device message to the host", cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
-  // The bytes of `slot` were dropped, read on `last` where set.
+  // The bytes of `slot` were dropped, read on `last` where set: `consumed`
+  // follows those reads (a host wait where it cannot be recorded there),
+  // and the release goes out with this end's next call.
   void dropped(std::size_t slot, std::optional<cudaStream_t> last) {
+    std::lock_guard lock(mu_);
     In& in = in_[slot];
     in.held = false;
     bool has_event = false;
     if (last) {
-      Status st = consumed_event(in);
-      if (st.ok() && cudaEventRecord(in.consumed, *last) == cudaSuccess) {
+      if (cudaEventRecord(in.consumed, *last) == cudaSuccess) {
         has_event = true;
         in.consumed_pending = true;
       } else {
@@ -343,7 +406,6 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     cudaIpcEventHandle_t h{};
     if (has_event) h = in.consumed_handle;
     put(frame, &h, 64);
-    std::lock_guard lock(mu_);
     releases_.push_back(std::move(frame));
   }
 
@@ -359,6 +421,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     cudaEvent_t consumed = nullptr;  // the peer's, opened from its release
     cudaIpcEventHandle_t consumed_handle{};
     bool consumed_pending = false;  // the next copy waits for `consumed`
+    void* retired = nullptr;        // the previous generation, freed at the next release
   };
   // The peer's buffer as this end maps it.
   struct In {
@@ -372,6 +435,55 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     bool consumed_pending = false;
     bool held = false;  // bytes handed out and not yet dropped
   };
+
+  // The current GPU is the one the link was made on (its buffers, its
+  // events and what it told the peer about mapping).
+  Status on_link_gpu() const {
+    int current = -1;
+    IPC_CUDA("cudaGetDevice", cudaGetDevice(&current));
+    if (current != self_.ordinal)
+      return invalid_argument("cuda ipc link: made on GPU " + std::to_string(self_.ordinal) +
+                              ", used with GPU " + std::to_string(current) + " current");
+    return Status::Ok();
+  }
+
+  // Whether this end made anything the peer may have opened.
+  bool exported() const {
+    for (const In& in : in_)
+      if (in.consumed) return true;
+    for (const Out& out : out_)
+      if (out.ready || out.p || out.retired) return true;
+    return false;
+  }
+
+  // Unmaps the peer's buffers and closes its events where this end holds
+  // no bytes of them (after this end's reads of them ran); whether it
+  // released all of them.
+  bool release_imports() {
+    std::lock_guard lock(mu_);
+    bool all = true;
+    for (In& in : in_) {
+      if (in.held) {
+        all = false;
+        continue;
+      }
+      if (in.consumed_pending && cudaEventSynchronize(in.consumed) != cudaSuccess) (void)cudaGetLastError();
+      in.consumed_pending = false;
+      if (in.mapped && cudaIpcCloseMemHandle(in.mapped) != cudaSuccess) (void)cudaGetLastError();
+      in.mapped = nullptr;
+      if (in.ready) cudaEventDestroy(in.ready);
+      in.ready = nullptr;
+    }
+    for (Out& out : out_) {
+      // This end's waits on the peer's event precede its buffer's `ready`.
+      if (out.consumed) {
+        if (out.ready) cudaEventSynchronize(out.ready);
+        cudaEventDestroy(out.consumed);
+        out.consumed = nullptr;
+      }
+    }
+    return all;
+  }
 
   Status usable() const {
     if (broken_) return *broken_;
@@ -412,9 +524,10 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       if (!frame.empty() && frame[0] == kRelease) {
         KVRING_RETURN_IF_ERROR(take_release(frame));
       } else {
-        if (inbox_.size() == kMostQueued)
-          return io_error("cuda ipc link: " + host_->describe() + " sent " + std::to_string(kMostQueued) +
-                          " messages and released no buffer");
+        if (inbox_.size() == kMostQueued || inbox_bytes_ + frame.size() > kMostQueuedBytes)
+          return io_error("cuda ipc link: " + host_->describe() + " sent " + std::to_string(inbox_.size()) +
+                          " messages (" + std::to_string(inbox_bytes_) + " B) and released no buffer");
+        inbox_bytes_ += frame.size();
         inbox_.push_back(std::move(frame));
       }
     }
@@ -425,6 +538,12 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       return broken(io_error("cuda ipc link: a malformed release from " + host_->describe()));
     Out& out = out_[frame[1]];
     out.busy = false;
+    // The receiver mapped this generation, so it unmapped the one before.
+    if (out.retired) {
+      if (out.ready) cudaEventSynchronize(out.ready);
+      cudaFree(out.retired);
+      out.retired = nullptr;
+    }
     out.consumed_pending = frame[2] == 1;
     if (!out.consumed_pending) return Status::Ok();
     cudaIpcEventHandle_t h;
@@ -448,11 +567,10 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       IPC_CUDA("cudaIpcGetEventHandle", cudaIpcGetEventHandle(&out.ready_handle, out.ready));
     }
     if (out.bytes < bytes) {
-      if (out.consumed_pending) IPC_CUDA("waiting for the receiver's reads", cudaEventSynchronize(out.consumed));
+      // The previous allocation stays until the receiver unmapped it (the
+      // next release of this buffer).
       out.consumed_pending = false;
-      // The previous allocation's copies ran (they precede `ready`).
-      IPC_CUDA("waiting for a buffer's last copy", cudaEventSynchronize(out.ready));
-      if (out.p) IPC_CUDA("cudaFree of an ipc buffer", cudaFree(out.p));
+      out.retired = out.p;
       out.p = nullptr;
       out.bytes = 0;
       const std::size_t grown = (bytes + 255) / 256 * 256;
@@ -463,6 +581,8 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     }
     if (out.consumed_pending) IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(s, out.consumed, 0));
     out.consumed_pending = false;
+    // After the buffer's last copy too, which may have run on another stream.
+    if (out.generation > 0) IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(s, out.ready, 0));
     std::size_t at = 0;
     for (std::size_t i = first_device; i < parts.size(); ++i) {
       if (parts[i].size)
@@ -506,23 +626,18 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     return Status::Ok();
   }
 
-  Status consumed_event(In& in) {
-    if (in.consumed) return Status::Ok();
-    IPC_CUDA("cudaEventCreate", cudaEventCreateWithFlags(&in.consumed, cudaEventDisableTiming | cudaEventInterprocess));
-    IPC_CUDA("cudaIpcGetEventHandle", cudaIpcGetEventHandle(&in.consumed_handle, in.consumed));
-    return Status::Ok();
-  }
-
   std::unique_ptr<Transport> host_;
   Gpu self_, peer_;
   bool sends_device_ = false, maps_peer_ = false, closed_ = false;
+  bool peer_done_ = false;  // the peer said 'C', or its link ended: this end's exports may go
   std::optional<Error> broken_;
   std::string what_;
   std::array<Out, kSlots> out_;
   std::array<In, kSlots> in_;
   std::deque<std::vector<std::uint8_t>> inbox_;  // frames read while waiting for a release
+  std::size_t inbox_bytes_ = 0;
   std::size_t max_frame_ = std::size_t{1} << 20;  // the bound of the last recv, for frames read ahead
-  std::mutex mu_;                                // guards releases_ (IpcBytes may drop on another thread)
+  std::mutex mu_;  // guards in_'s mappings and holds, and releases_ (IpcBytes may drop on another thread)
   std::deque<std::vector<std::uint8_t>> releases_;
   cudaStream_t stream_ = nullptr;  // host copies of device messages
 };
