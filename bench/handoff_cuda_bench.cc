@@ -31,7 +31,7 @@
 //   ipc       StoreSource on GPU 0 -> cuda_ipc_link over a Unix socket ->
 //             StoreTarget of a store on GPU G in another process (this
 //             program again, started with --ipc-receiver): the receiver
-//             maps the sender's buffers (CUDA IPC)
+//             maps the sender's buffers (CUDA IPC); paced, then swa-first
 //   held      the peer handoff under each schedule while a simulated
 //             prefill runs at the pace of the sender's own prefill, timed
 //             when its session is filled (every layer's store and f16
@@ -429,8 +429,16 @@ int main(int argc, char** argv) {
     }
     peer_to->reset();
     const std::string socket = "/tmp/kvring-handoff-bench-" + std::to_string(getpid()) + ".sock";
-    const pid_t receiver = start_ipc_receiver(argv[0], socket, n, repeats + 1, peer_gpu);
+    // Under swa-first too, whose 2 MiB ring messages come before the full
+    // layers' 64 MiB ones: every link buffer grows once a session.
+    PlanOptions so = po;
+    so.schedule = Schedule::kSwaFirst;
+    so.message_bytes = message_mib << 20;
+    auto swa_plan = plan_handoff(config, n, so);
+    if (!swa_plan) die(swa_plan.error().to_string());
+    const pid_t receiver = start_ipc_receiver(argv[0], socket, n, 2 * (repeats + 1), peer_gpu);
     const Handoff ipc = measure(*device_plan, repeats, [&] { return ipc_hand_off(**from, seq, *device_plan, socket); });
+    const Handoff ipc_swa = measure(*swa_plan, repeats, [&] { return ipc_hand_off(**from, seq, *swa_plan, socket); });
     int status = 0;
     waitpid(receiver, &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) die("the ipc receiver failed");
@@ -473,6 +481,8 @@ int main(int argc, char** argv) {
                 cell(p2p).c_str(), p2p / peer.best_s, g_peer_link.c_str());
     std::printf("%8s ipc handoff  %s, p2p copy %s, ratio %.2f (%s)\n", "", cell(ipc.best_s).c_str(),
                 cell(p2p).c_str(), p2p / ipc.best_s, g_ipc_link.c_str());
+    std::printf("%8s ipc handoff  %s under swa-first (its buffers grow once a session)\n", "",
+                cell(ipc_swa.best_s).c_str());
     out.push_back({{"tokens", n},
                    {"payload_bytes", bytes},
                    {"device_messages", device.messages},
@@ -494,6 +504,7 @@ int main(int argc, char** argv) {
                    {"ipc_link", g_ipc_link},
                    {"ipc_handoff_s", ipc.best_s},
                    {"ipc_handoff_median_s", ipc.median_s},
+                   {"ipc_swa_first_handoff_s", ipc_swa.best_s},
                    {"prefill_s", prefill_s},
                    {"prefill_tps", prefill_tps > 0 ? prefill_tps : measured_tps},
                    {"held", held}});
