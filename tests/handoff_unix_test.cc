@@ -337,18 +337,24 @@ TEST_F(UnixTransport, ListenReplacesAStaleSocketAndRemovesItsOwn) {
     EXPECT_TRUE(is_socket(path_));
   }
   EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(path_)));
-  // A listener whose file another one replaced leaves that one's file alone.
+  // A second listener on a live one's path is refused; the first still
+  // takes connections.
   auto first = unix_listen(path_);
   ASSERT_TRUE(first.ok());
   auto second = unix_listen(path_);
-  ASSERT_TRUE(second.ok());
-  first->reset();
-  ASSERT_TRUE(is_socket(path_));
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.error().message.find("another listener is there"), std::string::npos) << second.error().message;
   auto c = unix_connect(path_, deadline_in(5));
   ASSERT_TRUE(c.ok()) << c.error().to_string();
-  EXPECT_TRUE((*second)->accept(deadline_in(5)).ok());
-  second->reset();
-  EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(path_)));
+  EXPECT_TRUE((*first)->accept(deadline_in(5)).ok());
+  // A listener whose file someone else replaced leaves that file alone.
+  ASSERT_EQ(::unlink(path_.c_str()), 0);
+  leave_stale_socket(path_);
+  first->reset();
+  EXPECT_TRUE(is_socket(path_));
+  // Once the first is gone, the path is free again.
+  auto third = unix_listen(path_);
+  EXPECT_TRUE(third.ok()) << third.error().to_string();
 }
 
 TEST_F(UnixTransport, CloseEndsThePeersWaitAndItsOwnCalls) {

@@ -294,9 +294,11 @@ class UnixListener {
   // Waits for one connection.
   virtual Result<std::unique_ptr<Transport>> accept(Deadline deadline) = 0;
 };
-// Listens at `path` (at most 107 bytes). A socket file already there is
-// replaced (a listener that died left it); anything else there is refused.
-// The listener removes its file when destroyed.
+// Listens at `path` (at most 107 bytes), holding a lock on `path`.lock
+// (made if absent, never removed) for its life: a path another listener
+// holds is refused, and a socket file there otherwise is replaced (a
+// listener that died left it); anything else there is refused. The
+// listener removes its socket file when destroyed.
 Result<std::unique_ptr<UnixListener>> unix_listen(const std::string& path);
 // Connects to a listener at `path`; fails at once where none listens.
 Result<std::unique_ptr<Transport>> unix_connect(const std::string& path, Deadline deadline);

@@ -8,6 +8,7 @@
 // the transport for good. No threads: one call at a time per endpoint.
 #include <limits.h>
 #include <poll.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -182,12 +183,25 @@ class Listener : public UnixListener {
         st.st_ino == ino_)
       ::unlink(path_.c_str());
     if (fd_ >= 0) ::close(fd_);
+    if (lock_fd_ >= 0) ::close(lock_fd_);  // the lock goes with it; the file stays for the next listener
   }
 
   Status open() {
-    // A socket file is what a listener that died leaves: replaced. Anything
-    // else at the path is someone's data: refused, untouched.
+    // A live listener holds an exclusive lock on PATH.lock for its life, so
+    // a second one on the path is refused, and a socket file at the path
+    // while the lock is free is what a listener that died left: replaced.
+    // The lock file is never removed (removing it would let two listeners
+    // lock two files of one name). Anything but a socket at the path is
+    // someone's data: refused, untouched.
+    const std::string lock_path = path_ + ".lock";
+    lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
     struct stat st{};
+    if (lock_fd_ < 0 || ::fstat(lock_fd_, &st) != 0 || !S_ISREG(st.st_mode))
+      return io_error("cannot listen on unix " + path_ + ": its lock file " + lock_path + ": " +
+                      (lock_fd_ < 0 ? errno_text() : std::string("not a regular file")));
+    if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0)
+      return io_error("cannot listen on unix " + path_ + ": " +
+                      (errno == EWOULDBLOCK ? std::string("another listener is there") : errno_text()));
     if (::lstat(path_.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode))
         return io_error("cannot listen on unix " + path_ + ": it exists and is not a socket (" + kind_of(st.st_mode) +
@@ -227,7 +241,7 @@ class Listener : public UnixListener {
 
  private:
   std::string path_;
-  int fd_ = -1;
+  int fd_ = -1, lock_fd_ = -1;
   bool bound_ = false;
   dev_t dev_ = 0;
   ino_t ino_ = 0;
