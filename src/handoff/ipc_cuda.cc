@@ -19,9 +19,10 @@
 // frame claims; the old allocation is freed at the first release of the
 // new one, by which time the receiver has unmapped it. What an end
 // exported (buffers, events) is freed only after the peer said 'C' or its
-// link ended (a peer that closes says 'C' first); a peer that does
-// neither within kCloseWaitS leaves them allocated, never freed under its
-// mappings. CUDA IPC opens no handle in the process that made it, so two
+// link ended (an end says 'C' once it holds nothing of the peer's: at
+// close, or when the last bytes it handed out are dropped after it); a
+// peer that does neither within kCloseWaitS leaves them allocated, never
+// freed under its mappings. CUDA IPC opens no handle in the process that made it, so two
 // ends of one process (the same process nonce) stage rows through the
 // host.
 #include <cuda_runtime_api.h>
@@ -163,6 +164,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
   // is released; what it exported is freed once the peer is done with it.
   ~IpcLink() {
     release_imports();
+    if (!host_closed_) finish_close();
     if (stream_) {
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
@@ -224,6 +226,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     maps_peer_ = why_not.empty();
     // The events this end records after its reads of each peer buffer, on
     // its GPU, exported once.
+    if (maps_peer_) IPC_CUDA("cudaStreamCreate", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     if (maps_peer_)
       for (In& slot : in_) {
         IPC_CUDA("cudaEventCreate",
@@ -253,7 +256,6 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
         host_bytes += p.size;
         continue;
       }
-      if (!sends_device_) return make_error(ErrorCode::kUnsupported, what_);
       if (first_device == parts.size()) {
         first_device = i;
         s = p.stream;
@@ -262,6 +264,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       }
       device_bytes += p.size;
     }
+    if (device_bytes > 0 && !sends_device_) return make_error(ErrorCode::kUnsupported, what_);
     std::vector<std::uint8_t> frame;
     if (device_bytes == 0) {
       // No device bytes to carry (empty device parts): a host message.
@@ -351,35 +354,22 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     return Status::Ok();
   }
 
-  // Releases what this end imported (where no bytes are held), says 'C',
-  // and waits up to kCloseWaitS for the peer's 'C' or the link's end.
+  // Refuses further calls, then finishes the close once no bytes of the
+  // peer's buffers are held (here, or when the last IpcBytes goes).
   void close() {
     if (closed_) return;
     closed_ = true;
     if (!broken_) (void)flush_releases(deadline_in(0.5));
-    const bool all_released = release_imports();
-    if (!exported()) peer_done_ = true;
-    const Deadline until = deadline_in(kCloseWaitS);
-    if (!broken_ && all_released && !host_->send_message(&kClosed, 1, until).ok()) peer_done_ = true;
-    std::vector<std::uint8_t> frame;
-    while (!peer_done_) {
-      const Status st = host_->recv_message(frame, until, max_frame_);
-      if (st.ok() && (frame.empty() || frame[0] != kClosed)) continue;  // what the peer still sends is dropped
-      // Its 'C', or the link's end: a peer's process ends or says 'C' before
-      // its link does. A deadline that passed leaves the exports allocated.
-      peer_done_ = st.ok() || st.error().message.find("timed out") == std::string::npos;
-      break;
-    }
-    host_->close();
+    if (release_imports()) finish_close();
   }
 
   // IpcBytes' side.
   Status wait_ready(std::size_t slot, cudaStream_t stream) {
+    KVRING_RETURN_IF_ERROR(on_link_gpu());
     IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream, in_[slot].ready, 0));
     return Status::Ok();
   }
   Status copy_to_host(std::size_t slot, const void* p, std::size_t n, std::uint8_t* out) {
-    if (!stream_) IPC_CUDA("cudaStreamCreate", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream_, in_[slot].ready, 0));
     IPC_CUDA("copying a device message to the host", cudaMemcpyAsync(out, p, n, cudaMemcpyDeviceToHost, stream_));
     IPC_CUDA("copying a device message to the host", cudaStreamSynchronize(stream_));
@@ -445,6 +435,33 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       return invalid_argument("cuda ipc link: made on GPU " + std::to_string(self_.ordinal) +
                               ", used with GPU " + std::to_string(current) + " current");
     return Status::Ok();
+  }
+
+  // Says 'C' (this end holds nothing of the peer's any more) and waits up
+  // to kCloseWaitS for the peer's 'C' or the link's end, which is when what
+  // this end exported may go; then closes the host link.
+  void finish_close() {
+    host_closed_ = true;
+    const Deadline until = deadline_in(kCloseWaitS);
+    (void)host_->send_message(&kClosed, 1, until);
+    for (const auto& f : inbox_)
+      if (!f.empty() && f[0] == kClosed) peer_done_ = true;
+    if (!exported()) peer_done_ = true;
+    std::vector<std::uint8_t> frame;
+    while (!peer_done_) {
+      const Status st = host_->recv_message(frame, until, kMostQueuedBytes);
+      if (st.ok()) {
+        peer_done_ = !frame.empty() && frame[0] == kClosed;  // anything else the peer still sends is dropped
+        continue;
+      }
+      // The link's end: a peer says 'C' before its link ends, and a process
+      // that ended holds no mappings. A deadline that passed, or a frame
+      // past the bound, says nothing of the peer: its exports stay.
+      const std::string& why = st.error().message;
+      peer_done_ = why.find("timed out") == std::string::npos && why.find("exceeds") == std::string::npos;
+      break;
+    }
+    host_->close();
   }
 
   // Whether this end made anything the peer may have opened.
@@ -523,6 +540,9 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       KVRING_RETURN_IF_ERROR(host_->recv_message(frame, deadline, max_frame_));
       if (!frame.empty() && frame[0] == kRelease) {
         KVRING_RETURN_IF_ERROR(take_release(frame));
+      } else if (!frame.empty() && frame[0] == kClosed) {
+        peer_done_ = true;
+        return io_error("cuda ipc link: " + host_->describe() + " closed by the peer");
       } else {
         if (inbox_.size() == kMostQueued || inbox_bytes_ + frame.size() > kMostQueuedBytes)
           return io_error("cuda ipc link: " + host_->describe() + " sent " + std::to_string(inbox_.size()) +
@@ -629,7 +649,8 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
   std::unique_ptr<Transport> host_;
   Gpu self_, peer_;
   bool sends_device_ = false, maps_peer_ = false, closed_ = false;
-  bool peer_done_ = false;  // the peer said 'C', or its link ended: this end's exports may go
+  bool peer_done_ = false;    // the peer said 'C', or its link ended: this end's exports may go
+  bool host_closed_ = false;  // finish_close ran
   std::optional<Error> broken_;
   std::string what_;
   std::array<Out, kSlots> out_;
@@ -639,7 +660,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
   std::size_t max_frame_ = std::size_t{1} << 20;  // the bound of the last recv, for frames read ahead
   std::mutex mu_;  // guards in_'s mappings and holds, and releases_ (IpcBytes may drop on another thread)
   std::deque<std::vector<std::uint8_t>> releases_;
-  cudaStream_t stream_ = nullptr;  // host copies of device messages
+  cudaStream_t stream_ = nullptr;  // host copies of device messages (made with the link where it maps)
 };
 
 IpcBytes::~IpcBytes() { link_->dropped(slot_, last_); }
