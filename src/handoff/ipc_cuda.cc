@@ -2,7 +2,8 @@
 // CUDA IPC, over a host transport that carries the link's frames.
 //
 // Frames on the host transport (the first byte names the kind):
-//   hello    'H' magic, pid, the GPU's UUID and PCI bus id (both ends, first)
+//   hello    'H' magic, a per-process nonce, the GPU's UUID and PCI bus id
+//            (both ends, first)
 //   verdict  'V' whether this end maps the peer's memory, and why not
 //   host     'M' a message of host bytes only
 //   device   'D' a message whose device parts lie in the sender's buffer
@@ -22,9 +23,9 @@
 // link ended (an end says 'C' once it holds nothing of the peer's: at
 // close, or when the last bytes it handed out are dropped after it); a
 // peer that does neither within kCloseWaitS leaves them allocated, never
-// freed under its mappings. CUDA IPC opens no handle in the process that made it, so two
-// ends of one process (the same process nonce) stage rows through the
-// host.
+// freed under its mappings. CUDA IPC opens no handle in the process that
+// made it, so two ends of one process (the same nonce) stage rows through
+// the host.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
