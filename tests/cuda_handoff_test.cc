@@ -33,6 +33,7 @@ namespace kvring::handoff {
 namespace {
 
 using testing::DeviceArray;
+using testing::live_bytes;
 
 constexpr std::int64_t kPrompt = 100, kTokens = 130, kChunk = 7, kVocab = 64;
 
@@ -117,21 +118,6 @@ Timeline plan(const ModelConfig& c, std::int64_t prompt, std::int64_t message_by
   auto t = plan_handoff(c, prompt, o);
   EXPECT_TRUE(t.ok()) << t.error().to_string();
   return *t;
-}
-
-// Every live row of every layer of a sequence (with each ring's origin).
-std::vector<std::uint16_t> live_bytes(const KvStore& s, SeqId seq) {
-  std::vector<std::uint16_t> out;
-  for (std::int64_t l = 0; l < s.n_layers(); ++l) {
-    const RingState r = *s.ring(seq, l);
-    const auto n = static_cast<std::size_t>(r.len() * s.config().kv_dim());
-    std::vector<std::uint16_t> k(n), v(n);
-    EXPECT_TRUE(s.read_rows(seq, l, r.origin_logical(), r.len(), k.data(), v.data()).ok());
-    out.insert(out.end(), k.begin(), k.end());
-    out.insert(out.end(), v.begin(), v.end());
-    out.push_back(static_cast<std::uint16_t>(r.origin_logical()));
-  }
-  return out;
 }
 
 class CudaHandoff : public ::testing::Test {
@@ -599,14 +585,16 @@ RawIpcPeer raw_ipc_peer(bool host_staging) {
   EXPECT_EQ(cudaGetDeviceProperties(&prop, dev), cudaSuccess);
   char bus[32] = {};
   EXPECT_EQ(cudaDeviceGetPCIBusId(bus, sizeof bus, dev), cudaSuccess);
-  std::vector<std::uint8_t> hello(1 + 8 + 8 + 16 + 16, 0);
-  const std::uint64_t pid = static_cast<std::uint64_t>(getpid()) + 1;
-  std::memcpy(hello.data(), "Hkvripc01", 9);
-  std::memcpy(hello.data() + 9, &pid, 8);
-  std::memcpy(hello.data() + 17, prop.uuid.bytes, 16);
-  std::memcpy(hello.data() + 33, bus, 16);
+  // The link's frames end in their kind: magic, nonce, uuid, bus id, 'H'.
+  std::vector<std::uint8_t> hello(8 + 8 + 16 + 16 + 1, 0);
+  const std::uint64_t nonce = 0x5eed;  // not this process's
+  std::memcpy(hello.data(), "kvripc01", 8);
+  std::memcpy(hello.data() + 8, &nonce, 8);
+  std::memcpy(hello.data() + 16, prop.uuid.bytes, 16);
+  std::memcpy(hello.data() + 32, bus, 16);
+  hello.back() = 'H';
   EXPECT_TRUE(p.raw->send_message(hello.data(), hello.size(), deadline_in(5)).ok());
-  const std::uint8_t verdict[2] = {'V', 1};
+  const std::uint8_t verdict[2] = {1, 'V'};
   EXPECT_TRUE(p.raw->send_message(verdict, 2, deadline_in(5)).ok());
   auto link = cuda_ipc_link(std::move(end), deadline_in(5), host_staging);
   EXPECT_TRUE(link.ok()) << link.error().to_string();
@@ -617,16 +605,16 @@ RawIpcPeer raw_ipc_peer(bool host_staging) {
   return p;
 }
 
-// A device frame: slot, generation, buffer and message sizes, zeroed
-// handles unless given.
+// A device frame of no host bytes: slot, generation, buffer and message
+// sizes, zeroed handles unless given, 'D'.
 std::vector<std::uint8_t> device_frame(std::uint8_t slot, std::uint64_t buffer, std::uint64_t size,
                                        const cudaIpcMemHandle_t* mem = nullptr) {
-  std::vector<std::uint8_t> f(2 + 24 + 128, 0);
-  f[0] = 'D';
-  f[1] = slot;
+  std::vector<std::uint8_t> f(1 + 24 + 128 + 1, 0);
+  f[0] = slot;
   const std::uint64_t fields[3] = {1, buffer, size};
-  std::memcpy(f.data() + 2, fields, sizeof fields);
-  if (mem) std::memcpy(f.data() + 26, mem, 64);
+  std::memcpy(f.data() + 1, fields, sizeof fields);
+  if (mem) std::memcpy(f.data() + 25, mem, 64);
+  f.back() = 'D';
   return f;
 }
 
@@ -637,7 +625,7 @@ TEST(CudaHandoffIpc, HostileFramesAreRefused) {
   KVRING_SKIP_WITHOUT_GPU();
   {
     auto [end, raw] = local_pair();
-    const std::uint8_t not_hello[3] = {'M', 1, 2};
+    const std::uint8_t not_hello[3] = {1, 2, 'M'};
     ASSERT_TRUE(raw->send_message(not_hello, 3, deadline_in(5)).ok());
     auto link = cuda_ipc_link(std::move(end), deadline_in(5));
     ASSERT_FALSE(link.ok());
@@ -661,16 +649,16 @@ TEST(CudaHandoffIpc, HostileFramesAreRefused) {
        "exceeds"},
       {"a handle that maps nothing", device_frame(0, 4096, 1024), false, "cudaIpcOpenMemHandle"},
       {"device memory to an end that stages", device_frame(0, 4096, 1024, &mem), true, "cannot map"},
-      {"a release of a buffer never sent", {'R', 0, 0}, false, "malformed"},
+      {"a release of a buffer never sent", {0, 0, 'R'}, false, "malformed"},
       {"an empty frame", {}, false, "empty frame"},
-      {"a frame of no kind", {'Z', 1}, false, "malformed frame"},
+      {"a frame of no kind", {1, 'Z'}, false, "malformed frame"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     RawIpcPeer p = raw_ipc_peer(c.host_staging);
     ASSERT_TRUE(p.link);
     std::vector<std::uint8_t> frame = c.frame;
-    if (frame.size() == 3 && frame[0] == 'R') frame.resize(3 + 64);
+    if (frame.size() == 3 && frame.back() == 'R') frame.insert(frame.begin() + 2, 64, 0);  // a zero handle
     ASSERT_TRUE(p.raw->send_message(frame.data(), frame.size(), deadline_in(5)).ok());
     ReceivedMessage m;
     const Status st = p.link->recv(m, deadline_in(5), 1 << 20, true);

@@ -51,20 +51,6 @@ class Counting : public testing::Relay {
   }
 };
 
-std::vector<std::uint16_t> live(const KvStore& s, SeqId seq) {
-  std::vector<std::uint16_t> out;
-  for (std::int64_t l = 0; l < s.n_layers(); ++l) {
-    const RingState r = *s.ring(seq, l);
-    const auto n = static_cast<std::size_t>(r.len() * s.config().kv_dim());
-    std::vector<std::uint16_t> k(n), v(n);
-    if (!s.read_rows(seq, l, r.origin_logical(), r.len(), k.data(), v.data()).ok()) return {};
-    out.insert(out.end(), k.begin(), k.end());
-    out.insert(out.end(), v.begin(), v.end());
-    out.push_back(static_cast<std::uint16_t>(r.origin_logical()));
-  }
-  return out;
-}
-
 int run(int argc, char** argv) {
   if (argc < 3) return fail("usage: kvring_handoff_ipc_peer send|recv SOCKET [--host-staging]");
   const std::string role = argv[1], path = argv[2];
@@ -109,7 +95,7 @@ int run(int argc, char** argv) {
   auto link = cuda_ipc_link(std::move(*host), deadline_in(timeout_s), host_staging);
   if (!link) return fail(link.error().to_string());
   Counting counting(**link);
-  const auto before = live(*store, seq);
+  const auto before = testing::live_bytes(*store, seq);
   const std::int64_t free_before = store->free_blocks();
   StoreTarget target(*store, {.expect = config});
   auto received = receive_session(counting, target, {.timeout_s = timeout_s, .credit_bytes = 64 << 20});
@@ -117,7 +103,7 @@ int run(int argc, char** argv) {
   if (expect_loss) {
     if (received) return fail("a session whose sender died was committed");
     if (target.sequence() || store->sequence_count() != 1 || store->free_blocks() != free_before ||
-        live(*store, seq) != before)
+        testing::live_bytes(*store, seq) != before)
       return fail("the refused session changed the store");
     std::printf("ok refused (%s) after %d device messages; the store is as it was\n",
                 received.error().to_string().c_str(), counting.device_messages);
@@ -127,7 +113,7 @@ int run(int argc, char** argv) {
   if (!target.sequence()) return fail("nothing committed");
   const SeqId moved = *target.sequence();
   if (target.header().metadata != "ipc") return fail("metadata '" + target.header().metadata + "'");
-  const auto want = live(*store, seq), got = live(*store, moved);
+  const auto want = testing::live_bytes(*store, seq), got = testing::live_bytes(*store, moved);
   if (want.empty() || got != want) return fail("the installed rows differ from the session prefilled here");
   const std::vector<std::int32_t> head(prompt.begin(), prompt.end() - 1);
   const auto a = testing::greedy_decode(**model, *store, seq, head, prompt.back(), kTokens);

@@ -27,6 +27,21 @@ inline SeqId prefill_in(const ReferenceModel& model, KvStore& store, const std::
   return seq;
 }
 
+// Every live row of every layer of a sequence (with each ring's origin).
+inline std::vector<std::uint16_t> live_bytes(const KvStore& s, SeqId seq) {
+  std::vector<std::uint16_t> out;
+  for (std::int64_t l = 0; l < s.n_layers(); ++l) {
+    const RingState r = *s.ring(seq, l);
+    const auto n = static_cast<std::size_t>(r.len() * s.config().kv_dim());
+    std::vector<std::uint16_t> k(n), v(n);
+    EXPECT_TRUE(s.read_rows(seq, l, r.origin_logical(), r.len(), k.data(), v.data()).ok());
+    out.insert(out.end(), k.begin(), k.end());
+    out.insert(out.end(), v.begin(), v.end());
+    out.push_back(static_cast<std::uint16_t>(r.origin_logical()));
+  }
+  return out;
+}
+
 // A transport that passes every call to `inner`: tests override the calls
 // they count or break.
 class Relay : public handoff::Transport {

@@ -10,22 +10,15 @@
 #include <string>
 
 #include "cuda/digest.h"
+#include "cuda_call.h"
 #include "device.h"
 #include "kvring/cuda_store.h"
 
 namespace kvring::handoff::device {
 namespace {
 
-Error cuda_failed(const std::string& what, cudaError_t e) {
-  (void)cudaGetLastError();
-  return make_error(ErrorCode::kCuda, "handoff: " + what + " failed: " + cudaGetErrorName(e) + " (" +
-                                          cudaGetErrorString(e) + ")");
-}
-
-#define HANDOFF_CUDA(what, expr)                                  \
-  do {                                                            \
-    if (const cudaError_t e_ = (expr); e_ != cudaSuccess) return cuda_failed((what), e_); \
-  } while (0)
+Error cuda_failed(const std::string& what, cudaError_t e) { return device::cuda_failed("handoff", what, e); }
+#define HANDOFF_CUDA(what, expr) HANDOFF_CUDA_CALL("handoff", (what), (expr))
 
 cudaError_t pinned_alloc(void** p, std::size_t n) { return cudaHostAlloc(p, n, cudaHostAllocDefault); }
 
@@ -421,11 +414,7 @@ class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<P
     // The receiver reads its GPU's buffers from that GPU: a session made
     // ready elsewhere is refused rather than left to fault.
     Status ready_on(cudaStream_t stream) override {
-      int current = -1;
-      HANDOFF_CUDA("cudaGetDevice", cudaGetDevice(&current));
-      if (current != slots_->recv_)
-        return invalid_argument("peer link: the receiver's bytes are on GPU " + std::to_string(slots_->recv_) +
-                                " and its thread's current GPU is " + std::to_string(current));
+      KVRING_RETURN_IF_ERROR(current_gpu_is(slots_->recv_, "peer link: the receiver's bytes"));
       HANDOFF_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream, slots_->slots_[which_].ready, 0));
       last_ = stream;
       return Status::Ok();
@@ -507,15 +496,8 @@ bool usable() { return cuda_device_count() > 0; }
 
 Status on_store_gpu(const KvStore& store) {
   const auto* cuda = dynamic_cast<const CudaStore*>(&store);
-  if (cuda == nullptr) return Status::Ok();
-  int current = -1;
-  HANDOFF_CUDA("cudaGetDevice", cudaGetDevice(&current));
-  if (current != cuda->device())
-    return invalid_argument("handoff: the store is on GPU " + std::to_string(cuda->device()) +
-                            " and this thread's current GPU is " + std::to_string(current) +
-                            "; a session's GPU work runs on the current GPU (cudaSetDevice(" +
-                            std::to_string(cuda->device()) + ") on this thread first)");
-  return Status::Ok();
+  // A session's GPU work runs on the current GPU.
+  return cuda == nullptr ? Status::Ok() : current_gpu_is(cuda->device(), "handoff: the store");
 }
 
 Result<PeerPlan> plan_peer(int sender_gpu, int receiver_gpu, bool host_staging) {

@@ -1,14 +1,18 @@
 // cuda_ipc_link: device memory between two processes of one host through
 // CUDA IPC, over a host transport that carries the link's frames.
 //
-// Frames on the host transport (the first byte names the kind):
+// Frames on the host transport; the last byte names the kind, and the
+// fixed fields of that kind come just before it, so that a message's host
+// bytes lead the frame and travel in place (the sender passes the caller's
+// parts through; the receiver hands out the frame without its tail):
 //   hello    'H' magic, a per-process nonce, the GPU's UUID and PCI bus id
 //            (both ends, first)
-//   verdict  'V' whether this end maps the peer's memory, and why not
+//   verdict  'V' why this end cannot map the peer's memory (empty: it
+//            can), then whether it can
 //   host     'M' a message of host bytes only
-//   device   'D' a message whose device parts lie in the sender's buffer
-//            `slot` (generation, sizes, its memory and `ready` event
-//            handles), then the message's host bytes
+//   device   'D' the message's host bytes, then where its device parts lie:
+//            the sender's buffer `slot` (generation, sizes, its memory and
+//            `ready` event handles)
 //   release  'R' the receiver dropped buffer `slot`'s bytes; its `consumed`
 //            event (handle in the frame) follows the reads it enqueued
 //   closed   'C' this end unmapped the peer's buffers and closed its events,
@@ -37,6 +41,7 @@
 #include <optional>
 #include <random>
 
+#include "cuda_call.h"
 #include "device.h"
 #include "kvring/handoff.h"
 
@@ -47,11 +52,15 @@ constexpr std::uint8_t kHello = 'H', kVerdict = 'V', kHostMsg = 'M', kDeviceMsg 
                        kClosed = 'C';
 constexpr char kMagic[8] = {'k', 'v', 'r', 'i', 'p', 'c', '0', '1'};
 constexpr std::size_t kSlots = 4;
-constexpr std::size_t kHelloBytes = 1 + 8 + 8 + 16 + 16;
-// 'D' slot generation buffer-bytes size mem-handle event-handle
-constexpr std::size_t kDeviceHead = 1 + 1 + 8 + 8 + 8 + 64 + 64;
-// 'R' slot has-event event-handle
-constexpr std::size_t kReleaseBytes = 1 + 1 + 1 + 64;
+// magic nonce uuid bus-id 'H'
+constexpr std::size_t kHelloBytes = 8 + 8 + 16 + 16 + 1;
+// slot generation buffer-bytes size mem-handle event-handle 'D'
+constexpr std::size_t kDeviceTail = 1 + 8 + 8 + 8 + 64 + 64 + 1;
+// slot has-event event-handle 'R'
+constexpr std::size_t kReleaseBytes = 1 + 1 + 64 + 1;
+
+// A frame's kind (0 for an empty one).
+std::uint8_t kind_of(const std::vector<std::uint8_t>& frame) { return frame.empty() ? 0 : frame.back(); }
 // Frames, and their bytes, that a sender queues while it waits for a
 // release.
 constexpr std::size_t kMostQueued = 4096, kMostQueuedBytes = std::size_t{64} << 20;
@@ -70,15 +79,8 @@ std::uint64_t process_nonce() {
 
 static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(cudaIpcEventHandle_t) == 64);
 
-Error cuda_failed(const std::string& what, cudaError_t e) {
-  (void)cudaGetLastError();
-  return make_error(ErrorCode::kCuda, "cuda ipc link: " + what + " failed: " + cudaGetErrorName(e) + " (" +
-                                          cudaGetErrorString(e) + ")");
-}
-#define IPC_CUDA(what, expr)                                                              \
-  do {                                                                                    \
-    if (const cudaError_t e_ = (expr); e_ != cudaSuccess) return cuda_failed((what), e_); \
-  } while (0)
+Error cuda_failed(const std::string& what, cudaError_t e) { return device::cuda_failed("cuda ipc link", what, e); }
+#define IPC_CUDA(what, expr) HANDOFF_CUDA_CALL("cuda ipc link", (what), (expr))
 
 void put(std::vector<std::uint8_t>& out, const void* p, std::size_t n) {
   const auto* b = static_cast<const std::uint8_t*>(p);
@@ -187,19 +189,20 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     auto gpu = current_gpu();
     if (!gpu) return gpu.error();
     self_ = *gpu;
-    std::vector<std::uint8_t> hello{kHello};
+    std::vector<std::uint8_t> hello;
     put(hello, kMagic, 8);
     put64(hello, process_nonce());
     put(hello, self_.uuid.data(), 16);
     put(hello, self_.bus.data(), 16);
+    hello.push_back(kHello);
     KVRING_RETURN_IF_ERROR(host_->send_message(hello.data(), hello.size(), deadline));
     std::vector<std::uint8_t> in;
     KVRING_RETURN_IF_ERROR(host_->recv_message(in, deadline, 4096));
-    if (in.size() != kHelloBytes || in[0] != kHello || std::memcmp(in.data() + 1, kMagic, 8) != 0)
+    if (in.size() != kHelloBytes || kind_of(in) != kHello || std::memcmp(in.data(), kMagic, 8) != 0)
       return io_error("cuda ipc link: " + host_->describe() + " did not answer as a cuda ipc link");
-    const bool same_process = get64(in.data() + 9) == process_nonce();
-    std::memcpy(peer_.uuid.data(), in.data() + 17, 16);
-    std::memcpy(peer_.bus.data(), in.data() + 33, 16);
+    const bool same_process = get64(in.data() + 8) == process_nonce();
+    std::memcpy(peer_.uuid.data(), in.data() + 16, 16);
+    std::memcpy(peer_.bus.data(), in.data() + 32, 16);
     peer_.bus.back() = '\0';
     // Whether this end maps the peer's buffers.
     std::string why_not;
@@ -217,13 +220,15 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
         why_not = "GPU " + self_.bus_id() + " has no peer access to GPU " + peer_.bus_id();
       }
     }
-    std::vector<std::uint8_t> verdict{kVerdict, static_cast<std::uint8_t>(why_not.empty())};
+    std::vector<std::uint8_t> verdict;
     put(verdict, why_not.data(), why_not.size());
+    verdict.push_back(static_cast<std::uint8_t>(why_not.empty()));
+    verdict.push_back(kVerdict);
     KVRING_RETURN_IF_ERROR(host_->send_message(verdict.data(), verdict.size(), deadline));
     KVRING_RETURN_IF_ERROR(host_->recv_message(in, deadline, 4096));
-    if (in.size() < 2 || in[0] != kVerdict || in[1] > 1)
+    if (in.size() < 2 || kind_of(in) != kVerdict || in[in.size() - 2] > 1)
       return io_error("cuda ipc link: " + host_->describe() + " sent a malformed verdict");
-    sends_device_ = in[1] == 1;
+    sends_device_ = in[in.size() - 2] == 1;
     maps_peer_ = why_not.empty();
     // The events this end records after its reads of each peer buffer, on
     // its GPU, exported once.
@@ -235,7 +240,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
         IPC_CUDA("cudaIpcGetEventHandle", cudaIpcGetEventHandle(&slot.consumed_handle, slot.consumed));
       }
     // Each direction that stages says so, and why.
-    const std::string peer_why(in.begin() + 2, in.end());
+    const std::string peer_why(in.begin(), in.end() - 2);
     what_ = "cuda ipc over " + host_->describe() + ", GPU " + self_.bus_id() + " <-> GPU " + peer_.bus_id();
     if (!sends_device_) what_ += "; rows sent are staged through pinned host memory (" + peer_why + ")";
     if (!why_not.empty()) what_ += "; rows received are staged through pinned host memory (" + why_not + ")";
@@ -248,13 +253,12 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
   Status send(const std::vector<Part>& parts, Deadline deadline) {
     KVRING_RETURN_IF_ERROR(usable());
     KVRING_RETURN_IF_ERROR(flush_releases(deadline));
-    std::size_t first_device = parts.size(), device_bytes = 0, host_bytes = 0;
+    std::size_t first_device = parts.size(), device_bytes = 0;
     cudaStream_t s = nullptr;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const Part& p = parts[i];
       if (p.kind == MemoryKind::kHost) {
         if (first_device < parts.size()) return invalid_argument("cuda ipc link: a host part after a device part");
-        host_bytes += p.size;
         continue;
       }
       if (first_device == parts.size()) {
@@ -266,12 +270,12 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       device_bytes += p.size;
     }
     if (device_bytes > 0 && !sends_device_) return make_error(ErrorCode::kUnsupported, what_);
-    std::vector<std::uint8_t> frame;
+    // The host parts as they are, then the tail.
+    std::vector<Part> frame(parts.begin(), parts.begin() + static_cast<std::ptrdiff_t>(first_device));
+    std::vector<std::uint8_t> tail;
     if (device_bytes == 0) {
       // No device bytes to carry (empty device parts): a host message.
-      first_device = parts.size();
-      frame.reserve(1 + host_bytes);
-      frame.push_back(kHostMsg);
+      tail.push_back(kHostMsg);
     } else {
       KVRING_RETURN_IF_ERROR(on_link_gpu());
       auto slot = take_slot(deadline);
@@ -282,18 +286,16 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
         out.busy = false;
         return broken(st.error());
       }
-      frame.reserve(kDeviceHead + host_bytes);
-      frame.push_back(kDeviceMsg);
-      frame.push_back(static_cast<std::uint8_t>(*slot));
-      put64(frame, out.generation);
-      put64(frame, out.bytes);
-      put64(frame, device_bytes);
-      put(frame, &out.mem_handle, 64);
-      put(frame, &out.ready_handle, 64);
+      tail.push_back(static_cast<std::uint8_t>(*slot));
+      put64(tail, out.generation);
+      put64(tail, out.bytes);
+      put64(tail, device_bytes);
+      put(tail, &out.mem_handle, 64);
+      put(tail, &out.ready_handle, 64);
+      tail.push_back(kDeviceMsg);
     }
-    for (std::size_t i = 0; i < parts.size() && parts[i].kind == MemoryKind::kHost; ++i)
-      put(frame, parts[i].data, parts[i].size);
-    if (Status st = host_->send_message(frame.data(), frame.size(), deadline); !st.ok()) return broken(st.error());
+    frame.push_back({tail.data(), tail.size()});
+    if (Status st = host_->send_message(frame, deadline); !st.ok()) return broken(st.error());
     return Status::Ok();
   }
 
@@ -301,7 +303,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     out.device.reset();  // its release goes out before this end waits
     KVRING_RETURN_IF_ERROR(usable());
     KVRING_RETURN_IF_ERROR(flush_releases(deadline));
-    max_frame_ = max_size + kDeviceHead;
+    max_frame_ = max_size + kDeviceTail;
     std::vector<std::uint8_t> frame;
     if (!inbox_.empty()) {
       frame = std::move(inbox_.front());
@@ -309,29 +311,31 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       inbox_bytes_ -= frame.size();
     } else {
       for (;;) {
-        if (Status st = host_->recv_message(frame, deadline, max_size + kDeviceHead); !st.ok()) return broken(st.error());
-        if (frame.empty() || frame[0] != kRelease) break;
+        if (Status st = host_->recv_message(frame, deadline, max_frame_); !st.ok()) return broken(st.error());
+        if (kind_of(frame) != kRelease) break;
         KVRING_RETURN_IF_ERROR(take_release(frame));
       }
     }
     if (frame.empty()) return broken(io_error("cuda ipc link: an empty frame from " + host_->describe()));
-    if (frame[0] == kClosed) {
+    if (kind_of(frame) == kClosed) {
       peer_done_ = true;
       return broken(io_error("cuda ipc link: " + host_->describe() + " closed by the peer"));
     }
-    if (frame[0] == kHostMsg) {
-      if (frame.size() - 1 > max_size) return broken(too_big(frame.size() - 1, max_size));
-      out.host.assign(frame.begin() + 1, frame.end());
+    if (kind_of(frame) == kHostMsg) {
+      frame.pop_back();
+      if (frame.size() > max_size) return broken(too_big(frame.size(), max_size));
+      out.host = std::move(frame);
       return Status::Ok();
     }
-    if (frame[0] != kDeviceMsg || frame.size() < kDeviceHead)
+    if (kind_of(frame) != kDeviceMsg || frame.size() < kDeviceTail)
       return broken(io_error("cuda ipc link: a malformed frame from " + host_->describe()));
     if (!maps_peer_)
       return broken(io_error("cuda ipc link: " + host_->describe() + " sent device memory this end said it cannot map"));
-    const std::size_t slot = frame[1];
-    const std::uint64_t generation = get64(frame.data() + 2), buffer = get64(frame.data() + 10),
-                        size = get64(frame.data() + 18);
-    if (slot >= kSlots || size > buffer || size > max_size || frame.size() - kDeviceHead > max_size - size)
+    const std::size_t host_size = frame.size() - kDeviceTail;
+    const std::uint8_t* tail = frame.data() + host_size;
+    const std::size_t slot = tail[0];
+    const std::uint64_t generation = get64(tail + 1), buffer = get64(tail + 9), size = get64(tail + 17);
+    if (slot >= kSlots || size > buffer || size > max_size || host_size > max_size - size)
       return broken(size > max_size ? too_big(size, max_size)
                                     : io_error("cuda ipc link: a malformed device frame from " + host_->describe()));
     if (Status st = on_link_gpu(); !st.ok()) return broken(st.error());
@@ -340,11 +344,12 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       std::lock_guard lock(mu_);
       if (in.held)
         return broken(io_error("cuda ipc link: buffer " + std::to_string(slot) + " reused before its release"));
-      if (Status st = map(in, frame, generation, buffer); !st.ok()) return broken(st.error());
+      if (Status st = map(in, tail, generation, buffer); !st.ok()) return broken(st.error());
       in.held = true;
     }
     auto bytes = std::make_unique<IpcBytes>(shared_from_this(), slot, in.mapped, static_cast<std::size_t>(size));
-    out.host.assign(frame.begin() + static_cast<std::ptrdiff_t>(kDeviceHead), frame.end());
+    frame.resize(host_size);
+    out.host = std::move(frame);
     if (keep_device) {
       out.device = std::move(bytes);
       return Status::Ok();
@@ -393,10 +398,11 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
         cudaStreamSynchronize(*last);
       }
     }
-    std::vector<std::uint8_t> frame{kRelease, static_cast<std::uint8_t>(slot), static_cast<std::uint8_t>(has_event)};
+    std::vector<std::uint8_t> frame{static_cast<std::uint8_t>(slot), static_cast<std::uint8_t>(has_event)};
     cudaIpcEventHandle_t h{};
     if (has_event) h = in.consumed_handle;
     put(frame, &h, 64);
+    frame.push_back(kRelease);
     releases_.push_back(std::move(frame));
   }
 
@@ -429,14 +435,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
 
   // The current GPU is the one the link was made on (its buffers, its
   // events and what it told the peer about mapping).
-  Status on_link_gpu() const {
-    int current = -1;
-    IPC_CUDA("cudaGetDevice", cudaGetDevice(&current));
-    if (current != self_.ordinal)
-      return invalid_argument("cuda ipc link: made on GPU " + std::to_string(self_.ordinal) +
-                              ", used with GPU " + std::to_string(current) + " current");
-    return Status::Ok();
-  }
+  Status on_link_gpu() const { return device::current_gpu_is(self_.ordinal, "cuda ipc link: the link"); }
 
   // Says 'C' (this end holds nothing of the peer's any more) and waits up
   // to kCloseWaitS for the peer's 'C' or the link's end, which is when what
@@ -446,13 +445,13 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     const Deadline until = deadline_in(kCloseWaitS);
     (void)host_->send_message(&kClosed, 1, until);
     for (const auto& f : inbox_)
-      if (!f.empty() && f[0] == kClosed) peer_done_ = true;
+      if (kind_of(f) == kClosed) peer_done_ = true;
     if (!exported()) peer_done_ = true;
     std::vector<std::uint8_t> frame;
     while (!peer_done_) {
       const Status st = host_->recv_message(frame, until, kMostQueuedBytes);
       if (st.ok()) {
-        peer_done_ = !frame.empty() && frame[0] == kClosed;  // anything else the peer still sends is dropped
+        peer_done_ = kind_of(frame) == kClosed;  // anything else the peer still sends is dropped
         continue;
       }
       // The link's end: a peer says 'C' before its link ends, and a process
@@ -539,9 +538,9 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
         }
       std::vector<std::uint8_t> frame;
       KVRING_RETURN_IF_ERROR(host_->recv_message(frame, deadline, max_frame_));
-      if (!frame.empty() && frame[0] == kRelease) {
+      if (kind_of(frame) == kRelease) {
         KVRING_RETURN_IF_ERROR(take_release(frame));
-      } else if (!frame.empty() && frame[0] == kClosed) {
+      } else if (kind_of(frame) == kClosed) {
         peer_done_ = true;
         return io_error("cuda ipc link: " + host_->describe() + " closed by the peer");
       } else {
@@ -555,9 +554,9 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
   }
 
   Status take_release(const std::vector<std::uint8_t>& frame) {
-    if (frame.size() != kReleaseBytes || frame[1] >= kSlots || frame[2] > 1 || !out_[frame[1]].busy)
+    if (frame.size() != kReleaseBytes || frame[0] >= kSlots || frame[1] > 1 || !out_[frame[0]].busy)
       return broken(io_error("cuda ipc link: a malformed release from " + host_->describe()));
-    Out& out = out_[frame[1]];
+    Out& out = out_[frame[0]];
     out.busy = false;
     // The receiver mapped this generation, so it unmapped the one before.
     if (out.retired) {
@@ -565,10 +564,10 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       cudaFree(out.retired);
       out.retired = nullptr;
     }
-    out.consumed_pending = frame[2] == 1;
+    out.consumed_pending = frame[1] == 1;
     if (!out.consumed_pending) return Status::Ok();
     cudaIpcEventHandle_t h;
-    std::memcpy(&h, frame.data() + 3, 64);
+    std::memcpy(&h, frame.data() + 2, 64);
     if (!out.consumed || std::memcmp(&h, &out.consumed_handle, 64) != 0) {
       if (out.consumed) cudaEventDestroy(out.consumed);
       out.consumed = nullptr;
@@ -615,13 +614,14 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     return Status::Ok();
   }
 
-  // Maps the peer's buffer of `frame` (a new generation replaces the old
-  // mapping once this end's reads of it ran) and its `ready` event.
-  Status map(In& in, const std::vector<std::uint8_t>& frame, std::uint64_t generation, std::uint64_t buffer) {
+  // Maps the peer's buffer that a device frame's `tail` names (a new
+  // generation replaces the old mapping once this end's reads of it ran)
+  // and its `ready` event.
+  Status map(In& in, const std::uint8_t* tail, std::uint64_t generation, std::uint64_t buffer) {
     cudaIpcMemHandle_t mem;
     cudaIpcEventHandle_t ready;
-    std::memcpy(&mem, frame.data() + 26, 64);
-    std::memcpy(&ready, frame.data() + 90, 64);
+    std::memcpy(&mem, tail + 25, 64);
+    std::memcpy(&ready, tail + 89, 64);
     if (!in.mapped || in.generation != generation) {
       if (in.consumed_pending) IPC_CUDA("waiting for reads of a buffer", cudaEventSynchronize(in.consumed));
       in.consumed_pending = false;
