@@ -324,6 +324,33 @@ TEST_F(UnixTransport, ListenRefusesAnythingButASocket) {
   EXPECT_TRUE(std::filesystem::is_fifo(path_));
 }
 
+// The listener's lock file must be a regular file: a directory, a FIFO or
+// a link there is refused by name (nothing blocks on the FIFO), and the
+// path gets no socket.
+TEST_F(UnixTransport, ListenRefusesALockFileThatIsNotAFile) {
+  const std::string lock = path_ + ".lock";
+  for (int kind = 0; kind < 3; ++kind) {
+    SCOPED_TRACE(kind == 0 ? "a directory" : kind == 1 ? "a FIFO" : "a symbolic link");
+    std::filesystem::remove_all(lock);
+    if (kind == 0) {
+      ASSERT_TRUE(std::filesystem::create_directory(lock));
+    } else if (kind == 1) {
+      ASSERT_EQ(::mkfifo(lock.c_str(), 0600), 0);
+    } else {
+      std::filesystem::create_symlink(path_ + ".elsewhere", lock);
+    }
+    const auto t0 = Clock::now();
+    auto l = unix_listen(path_);
+    ASSERT_FALSE(l.ok());
+    EXPECT_LT(seconds_since(t0), 2.0);
+    EXPECT_EQ(l.error().code, ErrorCode::kIOError);
+    EXPECT_NE(l.error().message.find("lock file " + lock), std::string::npos) << l.error().to_string();
+    EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(path_)));
+  }
+  std::filesystem::remove_all(lock);
+  EXPECT_FALSE(std::filesystem::exists(path_ + ".elsewhere"));  // the link was not followed
+}
+
 TEST_F(UnixTransport, ListenReplacesAStaleSocketAndRemovesItsOwn) {
   leave_stale_socket(path_);
   ASSERT_TRUE(is_socket(path_));
