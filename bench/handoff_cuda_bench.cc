@@ -115,76 +115,6 @@ const char* link_name(Link l) {
 int g_peer_gpu = 0;  // the receiver's GPU of Link::kPeer
 std::string g_peer_link;  // its describe()
 
-// One session from `from` to `to` over a fresh link, the receiver on a
-// thread; the installed sequence is removed again. Returns the sender's
-// seconds (header sent to commit confirmed).
-double hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link link) {
-  std::unique_ptr<Transport> a, b;
-  std::unique_ptr<UcxListener> listener;
-  if (link == Link::kDevice) {
-    auto pair = local_device_pair();
-    if (!pair) die(pair.error().to_string());
-    a = std::move(pair->first);
-    b = std::move(pair->second);
-  } else if (link == Link::kHost) {
-    std::tie(a, b) = local_pair();
-  } else if (link == Link::kPeer) {
-    auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = g_peer_gpu});
-    if (!pair) die(pair.error().to_string());
-    a = std::move(pair->first);
-    b = std::move(pair->second);
-    g_peer_link = a->describe();
-  } else {
-    auto l = ucx_listen("127.0.0.1:0");
-    if (!l) die(l.error().to_string());
-    listener = std::move(*l);
-  }
-  const std::int64_t rows = t.payload.rows_tokens;
-  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(rows), 1), "bench");
-  if (!src) die(src.error().to_string());
-  StoreTarget target(to);
-  std::optional<Result<ReceiveReport>> received;
-  std::thread receiver([&] {
-    if (link == Link::kPeer) check_cuda(cudaSetDevice(g_peer_gpu), "cudaSetDevice");
-    if (listener) {
-      auto accepted = listener->accept(deadline_in(30));
-      if (!accepted) {
-        received.emplace(accepted.error());
-        return;
-      }
-      b = std::move(*accepted);
-    }
-    received.emplace(receive_session(*b, target, {.timeout_s = 60, .credit_bytes = std::int64_t{1} << 30,
-                                                  .max_message_bytes = std::int64_t{1} << 30}));
-    b->close();
-  });
-  if (listener) {
-    auto c = ucx_connect("127.0.0.1:" + std::to_string(listener->port()), deadline_in(30));
-    if (!c) die(c.error().to_string());
-    a = std::move(*c);
-  }
-  auto sent = send_session(*a, **src, t, {.timeout_s = 60});
-  a->close();
-  receiver.join();
-  if (!sent) die(std::string(link_name(link)) + " handoff: " + sent.error().to_string());
-  if (!*received) die(std::string(link_name(link)) + " handoff: " + received->error().to_string());
-  check(to.remove_sequence(*target.sequence()), "remove_sequence");
-  return sent->seconds;
-}
-
-// The best and median of `repeats` runs of `run` after one warm-up (pools,
-// pinned buffers).
-Handoff measure(const Timeline& t, int repeats, const std::function<double()>& run) {
-  (void)run();
-  std::vector<double> runs;
-  for (int r = 0; r < repeats; ++r) runs.push_back(run());
-  std::sort(runs.begin(), runs.end());
-  return {runs.front(), runs[runs.size() / 2], static_cast<std::int64_t>(t.messages.size())};
-}
-Handoff measure(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link link, int repeats) {
-  return measure(t, repeats, [&] { return hand_off(from, seq, to, t, link); });
-}
-
 // A source whose messages are held until the plan releases them, counted
 // from the first wait (the simulated prefill's start).
 class HeldSource : public HandoffSource {
@@ -211,33 +141,80 @@ class HeldSource : public HandoffSource {
   std::optional<Clock::time_point> t0_;
 };
 
-// One peer session held to a simulated prefill: seconds from the prefill's
-// start to the commit.
-double held_hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t) {
-  auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = g_peer_gpu});
-  if (!pair) die(pair.error().to_string());
-  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(t.payload.rows_tokens), 1),
-                                 "bench");
+// One session from `from` to `to` over a fresh link, the receiver on a
+// thread; the installed sequence is removed again. Returns the sender's
+// seconds (header sent to commit confirmed), or, `held` to a simulated
+// prefill (HeldSource), the seconds from the prefill's start to the commit.
+double hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link link, bool held = false) {
+  std::unique_ptr<Transport> a, b;
+  std::unique_ptr<UcxListener> listener;
+  if (link == Link::kDevice) {
+    auto pair = local_device_pair();
+    if (!pair) die(pair.error().to_string());
+    a = std::move(pair->first);
+    b = std::move(pair->second);
+  } else if (link == Link::kHost) {
+    std::tie(a, b) = local_pair();
+  } else if (link == Link::kPeer) {
+    auto pair = local_peer_pair({.sender_gpu = 0, .receiver_gpu = g_peer_gpu});
+    if (!pair) die(pair.error().to_string());
+    a = std::move(pair->first);
+    b = std::move(pair->second);
+    g_peer_link = a->describe();
+  } else {
+    auto l = ucx_listen("127.0.0.1:0");
+    if (!l) die(l.error().to_string());
+    listener = std::move(*l);
+  }
+  const std::int64_t rows = t.payload.rows_tokens;
+  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(rows), 1), "bench");
   if (!src) die(src.error().to_string());
-  HeldSource held(**src);
+  HeldSource held_source(**src);
+  HandoffSource& source = held ? static_cast<HandoffSource&>(held_source) : **src;
   StoreTarget target(to);
   std::optional<Result<ReceiveReport>> received;
   std::thread receiver([&] {
-    check_cuda(cudaSetDevice(g_peer_gpu), "cudaSetDevice");
-    received.emplace(receive_session(*pair->second, target, {.timeout_s = 60, .max_keep_s = 0,
-                                                              .credit_bytes = std::int64_t{1} << 30,
-                                                              .max_message_bytes = std::int64_t{1} << 30}));
-    pair->second->close();
+    if (link == Link::kPeer) check_cuda(cudaSetDevice(g_peer_gpu), "cudaSetDevice");
+    if (listener) {
+      auto accepted = listener->accept(deadline_in(30));
+      if (!accepted) {
+        received.emplace(accepted.error());
+        return;
+      }
+      b = std::move(*accepted);
+    }
+    received.emplace(receive_session(*b, target, {.timeout_s = 60, .max_keep_s = 0,
+                                                  .credit_bytes = std::int64_t{1} << 30,
+                                                  .max_message_bytes = std::int64_t{1} << 30}));
+    b->close();
   });
+  if (listener) {
+    auto c = ucx_connect("127.0.0.1:" + std::to_string(listener->port()), deadline_in(30));
+    if (!c) die(c.error().to_string());
+    a = std::move(*c);
+  }
   const auto t0 = Clock::now();
-  auto sent = send_session(*pair->first, held, t, {.timeout_s = 60});
-  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  pair->first->close();
+  auto sent = send_session(*a, source, t, {.timeout_s = 60});
+  const double wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  a->close();
   receiver.join();
-  if (!sent) die("held handoff: " + sent.error().to_string());
-  if (!*received) die("held handoff: " + received->error().to_string());
+  if (!sent) die(std::string(link_name(link)) + " handoff: " + sent.error().to_string());
+  if (!*received) die(std::string(link_name(link)) + " handoff: " + received->error().to_string());
   check(to.remove_sequence(*target.sequence()), "remove_sequence");
-  return seconds;
+  return held ? wall_s : sent->seconds;
+}
+
+// The best and median of `repeats` runs of `run` after one warm-up (pools,
+// pinned buffers).
+Handoff measure(const Timeline& t, int repeats, const std::function<double()>& run) {
+  (void)run();
+  std::vector<double> runs;
+  for (int r = 0; r < repeats; ++r) runs.push_back(run());
+  std::sort(runs.begin(), runs.end());
+  return {runs.front(), runs[runs.size() / 2], static_cast<std::int64_t>(t.messages.size())};
+}
+Handoff measure(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link link, int repeats) {
+  return measure(t, repeats, [&] { return hand_off(from, seq, to, t, link); });
 }
 
 // One session to the receiving process listening at `socket`; the
@@ -418,7 +395,7 @@ int main(int argc, char** argv) {
       ho.prefill_tokens_per_s = prefill_tps > 0 ? prefill_tps : measured_tps;
       auto plan = plan_handoff(config, n, ho);
       if (!plan) die(plan.error().to_string());
-      const Handoff h = measure(*plan, 1, [&] { return held_hand_off(**from, seq, **peer_to, *plan); });
+      const Handoff h = measure(*plan, 1, [&] { return hand_off(**from, seq, **peer_to, *plan, Link::kPeer, true); });
       const double tail = h.best_s - plan->prefill_end_s;
       std::printf("%8s %-9s held to a prefill of %.3f s: commit at %.3f s, %.2f ms past its end; %.0f%% of the "
                   "unheld %.2f ms hidden\n",
