@@ -4,8 +4,8 @@
 #
 # The pair `handoff serve --tokens N --json` + `run --handoff-to` prints the
 # same tokens, logits_sha256 and generated as one `run --tokens N --json`
-# that never moved, for both schedules; a wrong geometry is refused on both
-# sides; a receiver or a sender killed midway is reported by the other side
+# that never moved, for both schedules; a wrong geometry or score scale is
+# refused on both sides; a receiver or a sender killed midway is reported by the other side
 # in bounded time; a port where nothing listens fails fast. Ports: the
 # receiver binds port 0 and writes the port it got to a file.
 #
@@ -92,6 +92,37 @@ done
 wait "$SERVE_PID" || fail "handoff serve on unix: exited $?"
 [ "$(fields unix.out)" = "$(fields uref.json)" ] || fail "unix: summaries differ: $(fields unix.out) vs $(fields uref.json)"
 [ -e serve.sock ] && fail "serve left its socket file"
+# A receiver whose model has the session's geometry and another score scale
+# refuses it; the sender hears why. The same model with the run's scale
+# (head_dim, written out) takes it.
+sed 's/"head_dim": 16,/"head_dim": 16, "query_pre_attn_scalar": 24,/' small.json >scaled.json
+sed 's/"head_dim": 16,/"head_dim": 16, "query_pre_attn_scalar": 16,/' small.json >same.json
+for variant in "scaled.json 1" "same.json 0"; do
+  set -- $variant
+  cfg=$1 refused=$2
+  rm -f scale.sock
+  "$K" handoff serve --listen "unix:$W/scale.sock" --tokens 140 --json --timeout 20 --backend "$B" --config "$cfg" \
+    >scale.out 2>scale.err &
+  SERVE_PID=$!
+  pids+=("$SERVE_PID")
+  for _ in $(seq 100); do
+    [ -S scale.sock ] && break
+    sleep 0.1
+  done
+  if [ "$refused" = 1 ]; then
+    "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/scale.sock" >scale_send.out \
+      2>scale_send.err && fail "a session of another score scale was handed over"
+    wait "$SERVE_PID" && fail "serve --config $cfg accepted a run of another score scale"
+    grep -q "scores q . k / sqrt(16), this receiver's model q . k / sqrt(24)" scale_send.err ||
+      fail "the sender did not hear the scale mismatch: $(cat scale_send.err)"
+    grep -q "intact" scale_send.err || fail "the sender's error does not say its session is intact"
+  else
+    "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/scale.sock" >scale_send.out \
+      2>scale_send.err || fail "serve --config $cfg refused the run: $(cat scale_send.err)"
+    wait "$SERVE_PID" || fail "handoff serve --config $cfg exited $?"
+    [ "$(fields scale.out)" = "$(fields uref.json)" ] || fail "--config $cfg: summaries differ"
+  fi
+done
 "$K" handoff serve --listen "unix:$W/pf.sock" --port-file p --tokens 5 2>args.err && fail "--port-file with unix:"
 grep -q "goes with --listen HOST:PORT" args.err || fail "args: $(cat args.err)"
 

@@ -97,6 +97,8 @@ const CommandHelp kHelp[] = {
              receives one session (UCX on HOST:PORT, or a Unix socket at
              PATH), decodes it greedily to N tokens and prints the summary
              of `run`; port 0 picks a free port (--port-file F gets it);
+             with --model/--config, a session of another geometry or
+             score scale is refused;
              a session whose store would take more than M MiB (default
              65536) is refused, and one whose sender keeps the link alive
              with no rows for S seconds (default 300; 0: no limit), which
