@@ -45,6 +45,15 @@ fields() {
   grep -o '"generated":\[[^]]*\]' "$1"
 }
 
+# await TEST PATH: up to 10 s for `[ TEST PATH ]` to hold.
+await() {
+  for _ in $(seq 100); do
+    [ "$1" "$2" ] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+
 # start_serve NAME ARGS...: a receiver on a free port; sets SERVE_PID and PORT.
 start_serve() {
   local name=$1
@@ -53,12 +62,20 @@ start_serve() {
   "$K" handoff serve --listen 127.0.0.1:0 --port-file "$name.port" --backend "$B" "$@" >"$name.out" 2>"$name.err" &
   SERVE_PID=$!
   pids+=("$SERVE_PID")
-  for _ in $(seq 100); do
-    [ -s "$name.port" ] && break
-    sleep 0.1
-  done
-  [ -s "$name.port" ] || fail "$name: the receiver wrote no port"
+  await -s "$name.port" || fail "$name: the receiver wrote no port"
   PORT=$(cat "$name.port")
+}
+
+# start_unix_serve SOCK OUT ARGS...: a receiver on the Unix socket
+# $W/SOCK.sock, its output in OUT.out and OUT.err; sets SERVE_PID.
+start_unix_serve() {
+  local sock=$1 out=$2
+  shift 2
+  rm -f "$sock.sock"
+  "$K" handoff serve --listen "unix:$W/$sock.sock" --backend "$B" "$@" >"$out.out" 2>"$out.err" &
+  SERVE_PID=$!
+  pids+=("$SERVE_PID")
+  await -S "$sock.sock"
 }
 
 # The payload figure of muse-glimmer at 130815 tokens.
@@ -80,13 +97,7 @@ grep -q -- "--ack-latency-us = 1e308 is past its bound" bound.err || fail "plan 
 # The pair over a Unix socket (every build has it) equals one run; serve
 # refuses a port file with it.
 "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --tokens 140 --json >uref.json 2>uref.err || fail "reference run"
-"$K" handoff serve --listen "unix:$W/serve.sock" --tokens 140 --json --timeout 20 --backend "$B" >unix.out 2>unix.err &
-SERVE_PID=$!
-pids+=("$SERVE_PID")
-for _ in $(seq 100); do
-  [ -S serve.sock ] && break
-  sleep 0.1
-done
+start_unix_serve serve unix --tokens 140 --json --timeout 20
 "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/serve.sock" >usend.out 2>usend.err ||
   fail "run --handoff-to unix:"
 wait "$SERVE_PID" || fail "handoff serve on unix: exited $?"
@@ -100,15 +111,7 @@ sed 's/"head_dim": 16,/"head_dim": 16, "query_pre_attn_scalar": 16,/' small.json
 for variant in "scaled.json 1" "same.json 0"; do
   set -- $variant
   cfg=$1 refused=$2
-  rm -f scale.sock
-  "$K" handoff serve --listen "unix:$W/scale.sock" --tokens 140 --json --timeout 20 --backend "$B" --config "$cfg" \
-    >scale.out 2>scale.err &
-  SERVE_PID=$!
-  pids+=("$SERVE_PID")
-  for _ in $(seq 100); do
-    [ -S scale.sock ] && break
-    sleep 0.1
-  done
+  start_unix_serve scale scale --tokens 140 --json --timeout 20 --config "$cfg"
   if [ "$refused" = 1 ]; then
     "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/scale.sock" >scale_send.out \
       2>scale_send.err && fail "a session of another score scale was handed over"
