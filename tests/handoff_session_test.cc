@@ -400,6 +400,50 @@ TEST_F(Handoff, StoreToStoreIsBitExact) {
   }
 }
 
+// One link, two sessions, the second under the other schedule in larger
+// messages: both arrive whole into one store, as when an engine keeps its
+// link to a decode peer for one request after another.
+TEST_F(Handoff, TwoSessionsOverOneLinkAreBitExact) {
+  auto from = make_store(BackendKind::kCpu, config_, {.max_sequences = 2});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = prefill_in(*model_, **from, prompt_);
+  const auto want = testing::live_bytes(**from, seq);
+  auto to = make_store(BackendKind::kCpu, config_, {.max_sequences = 3, .block_rows = 16});
+  ASSERT_TRUE(to.ok());
+  KvStore& store = **to;
+  const std::vector<std::pair<Schedule, std::int64_t>> sessions = {{Schedule::kPaced, 3 * 256},
+                                                                   {Schedule::kSwaFirst, 24 * 256}};
+  auto [a, b] = local_pair();
+  std::vector<Result<ReceiveReport>> received;
+  std::vector<std::optional<SeqId>> moved;
+  std::thread receiver([&, &b = b] {
+    for (std::size_t i = 0; i < sessions.size(); ++i) {
+      StoreTarget target(store, {.expect = config_});
+      received.push_back(receive_session(*b, target, {.timeout_s = 5, .credit_bytes = 64 << 20}));
+      moved.push_back(target.sequence());
+    }
+    b->close();
+  });
+  const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+  for (const auto& [sched, message_bytes] : sessions) {
+    const Timeline t = plan(sched, message_bytes);
+    auto src = StoreSource::create(**from, seq, t, ids, "meta");
+    ASSERT_TRUE(src.ok()) << src.error().to_string();
+    auto sent = send_session(*a, **src, t, {.timeout_s = 5});
+    EXPECT_TRUE(sent.ok()) << schedule_name(sched) << ": " << sent.error().to_string();
+  }
+  a->close();
+  receiver.join();
+  ASSERT_EQ(received.size(), sessions.size());
+  for (std::size_t i = 0; i < sessions.size(); ++i) {
+    SCOPED_TRACE(schedule_name(sessions[i].first));
+    ASSERT_TRUE(received[i].ok()) << received[i].error().to_string();
+    ASSERT_TRUE(moved[i].has_value());
+    EXPECT_EQ(testing::live_bytes(store, *moved[i]), want);
+    expect_reference(decode_in(store, *moved[i], ids));
+  }
+}
+
 // Every way a session into a store fails leaves the store as it was: the
 // same sequences, the same bytes, the same free blocks.
 TEST_F(Handoff, StoreTargetFaultsLeaveTheStoreAsItWas) {
