@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -556,6 +557,25 @@ TEST(CudaHandoffIpc, TwoProcessesHandOffBitExact) {
     EXPECT_EQ(r.find("rows received are staged through pinned host memory (asked for)") != std::string::npos, staged) << r;
     EXPECT_EQ(s.find("rows sent are staged through pinned host memory (asked for)") != std::string::npos, staged) << s;
   }
+}
+
+// One link, two sessions: the second's messages are larger, so the sender's
+// buffers grow between them (new exports, the old ones freed once the
+// receiver let them go), and both sessions arrive bit-exact.
+TEST(CudaHandoffIpc, TwoSessionsOverOneLinkGrowItsBuffers) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const PeerRun p = run_peers({"--two-sessions"}, {"--two-sessions"});
+  const std::string &r = p.recv_out, &s = p.send_out;
+  EXPECT_EQ(p.sent, 0) << s;
+  ASSERT_EQ(p.received, 0) << r;
+  EXPECT_EQ(r.rfind("ok received sessions=2 ", 0), 0u) << r;
+  EXPECT_EQ(r.find("device_messages=0 "), std::string::npos) << r;
+  const std::size_t at = s.find("most_device_bytes=");
+  ASSERT_NE(at, std::string::npos) << s;
+  unsigned long long first = 0, second = 0;
+  ASSERT_EQ(std::sscanf(s.c_str() + at, "most_device_bytes=%llu,%llu", &first, &second), 2) << s;
+  EXPECT_GT(first, 0u) << s;
+  EXPECT_GT(second, first) << s;
 }
 
 // A sender whose process ends mid-session, its rows mapped by the receiver:

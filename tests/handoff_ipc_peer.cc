@@ -1,8 +1,12 @@
 // One end of a handoff between two processes over cuda_ipc_link on a Unix
 // socket (cuda_handoff_test.cc starts a pair of them):
 //
-//   kvring_handoff_ipc_peer recv SOCKET [--host-staging | --expect-loss]
-//   kvring_handoff_ipc_peer send SOCKET [--die-after N]
+//   kvring_handoff_ipc_peer recv SOCKET [--host-staging] [--expect-loss] [SESSIONS]
+//   kvring_handoff_ipc_peer send SOCKET [--die-after N] [SESSIONS]
+//
+// SESSIONS, the same at both ends: --sessions LIST, each entry a schedule
+// (p paced, s swa-first) and the rows of a message ("p3,s24"; default
+// "p3"), or --two-sessions ("p3,s24").
 //
 // Both prefill the same seeded session into a CUDA store of the current
 // GPU. The sender hands its sequence off; the receiver installs it into a
@@ -10,11 +14,15 @@
 // session it prefilled itself and decodes bit for bit as that session.
 // With --die-after N the sender's process ends at its N-th message; a
 // receiver told --expect-loss then checks that the session was refused and
-// its store left as it was.
+// its store left as it was. Sessions after the first go over the same link
+// (under "p3,s24" the second's messages are larger, so the sender's buffers
+// grow between them), and the receiver checks each.
 // Each prints one line, "ok ..." (exit 0) or "FAIL ..." (exit 1).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -33,15 +41,22 @@ int fail(const std::string& why) {
   return 1;
 }
 
-// Counts the device parts a sender sends and the device messages a
-// receiver gets; ends the process at send `die_at` (from 1).
+// Counts the device parts a sender sends (and the most device bytes of one
+// message) and the device messages a receiver gets; ends the process at
+// send `die_at` (from 1).
 class Counting : public testing::Relay {
  public:
   using Relay::Relay;
   int device_parts = 0, device_messages = 0, sends = 0, die_at = -1;
+  std::size_t most_device_bytes = 0;
   Status send_message(const std::vector<Part>& parts, Deadline d) override {
     if (++sends == die_at) std::_Exit(3);  // mid-session, with device work in flight
-    for (const Part& p : parts) device_parts += p.kind == MemoryKind::kCudaDevice;
+    std::size_t device_bytes = 0;
+    for (const Part& p : parts) {
+      device_parts += p.kind == MemoryKind::kCudaDevice;
+      if (p.kind == MemoryKind::kCudaDevice) device_bytes += p.size;
+    }
+    most_device_bytes = std::max(most_device_bytes, device_bytes);
     return inner_.send_message(parts, d);
   }
   Status recv(ReceivedMessage& out, Deadline d, std::size_t max, bool keep_device) override {
@@ -52,11 +67,28 @@ class Counting : public testing::Relay {
 };
 
 int run(int argc, char** argv) {
-  if (argc < 3) return fail("usage: kvring_handoff_ipc_peer send|recv SOCKET [--host-staging]");
+  if (argc < 3) return fail("usage: kvring_handoff_ipc_peer send|recv SOCKET [FLAG]");
   const std::string role = argv[1], path = argv[2];
-  const std::string flag = argc > 3 ? argv[3] : "";
-  const bool host_staging = flag == "--host-staging", expect_loss = flag == "--expect-loss";
-  const int die_at = flag == "--die-after" && argc > 4 ? std::atoi(argv[4]) : -1;
+  bool host_staging = false, expect_loss = false;
+  int die_at = -1;
+  // Each session's schedule and rows a message ("p3": paced, 3 rows).
+  std::vector<std::pair<Schedule, std::int64_t>> specs = {{Schedule::kPaced, 3}};
+  for (int i = 3; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--host-staging") host_staging = true;
+    else if (flag == "--expect-loss") expect_loss = true;
+    else if (flag == "--die-after" && i + 1 < argc) die_at = std::atoi(argv[++i]);
+    else if (flag == "--two-sessions") specs = {{Schedule::kPaced, 3}, {Schedule::kSwaFirst, 24}};
+    else if (flag == "--sessions" && i + 1 < argc) {
+      specs.clear();
+      for (std::string list = argv[++i]; !list.empty();) {
+        const std::size_t comma = list.find(',');
+        const std::string one = list.substr(0, comma);
+        specs.push_back({one[0] == 's' ? Schedule::kSwaFirst : Schedule::kPaced, std::atoll(one.c_str() + 1)});
+        list = comma == std::string::npos ? "" : list.substr(comma + 1);
+      }
+    } else return fail("unknown flag " + flag);
+  }
   const ModelConfig config = testing::small_config(32, 256);
   auto model = ReferenceModel::create(config, {.hidden = 32, .vocab = kVocab});
   if (!model) return fail(model.error().to_string());
@@ -66,25 +98,38 @@ int run(int argc, char** argv) {
   const SeqId seq = testing::prefill_in(**model, *store, prompt, kChunk);
   const double timeout_s = 30;
 
+  const int sessions = static_cast<int>(specs.size());
   if (role == "send") {
-    PlanOptions po;
-    po.chunk_tokens = kChunk;
-    po.message_bytes = 3 * 256;
-    auto t = plan_handoff(config, kPrompt, po);
-    if (!t) return fail(t.error().to_string());
-    auto src = StoreSource::create(*store, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "ipc");
-    if (!src) return fail(src.error().to_string());
     auto host = unix_connect(path, deadline_in(timeout_s));
     if (!host) return fail(host.error().to_string());
     auto link = cuda_ipc_link(std::move(*host), deadline_in(timeout_s));
     if (!link) return fail(link.error().to_string());
     Counting counting(**link);
     counting.die_at = die_at;
-    auto sent = send_session(counting, **src, *t, {.timeout_s = timeout_s});
+    std::int64_t messages = 0;
+    std::string most;  // each session's largest device bytes in one message
+    for (int i = 0; i < sessions; ++i) {
+      PlanOptions po;
+      po.chunk_tokens = kChunk;
+      po.schedule = specs[static_cast<std::size_t>(i)].first;
+      po.message_bytes = specs[static_cast<std::size_t>(i)].second * 256;
+      auto t = plan_handoff(config, kPrompt, po);
+      if (!t) return fail(t.error().to_string());
+      auto src =
+          StoreSource::create(*store, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "ipc");
+      if (!src) return fail(src.error().to_string());
+      counting.most_device_bytes = 0;
+      auto sent = send_session(counting, **src, *t, {.timeout_s = timeout_s});
+      if (!sent) {
+        (*link)->close();
+        return fail("session " + std::to_string(i + 1) + ": " + sent.error().to_string());
+      }
+      messages += sent->messages;
+      most += (i ? "," : "") + std::to_string(counting.most_device_bytes);
+    }
     (*link)->close();
-    if (!sent) return fail(sent.error().to_string());
-    std::printf("ok sent messages=%lld device_parts=%d link=%s\n", static_cast<long long>(sent->messages),
-                counting.device_parts, (*link)->describe().c_str());
+    std::printf("ok sent messages=%lld device_parts=%d most_device_bytes=%s link=%s\n", static_cast<long long>(messages),
+                counting.device_parts, most.c_str(), (*link)->describe().c_str());
     return 0;
   }
   if (role != "recv") return fail("unknown role " + role);
@@ -97,31 +142,43 @@ int run(int argc, char** argv) {
   Counting counting(**link);
   const auto before = testing::live_bytes(*store, seq);
   const std::int64_t free_before = store->free_blocks();
-  StoreTarget target(*store, {.expect = config});
-  auto received = receive_session(counting, target, {.timeout_s = timeout_s, .credit_bytes = 64 << 20});
-  (*link)->close();
-  if (expect_loss) {
-    if (received) return fail("a session whose sender died was committed");
-    if (target.sequence() || store->sequence_count() != 1 || store->free_blocks() != free_before ||
-        testing::live_bytes(*store, seq) != before)
-      return fail("the refused session changed the store");
-    std::printf("ok refused (%s) after %d device messages; the store is as it was\n",
-                received.error().to_string().c_str(), counting.device_messages);
-    return 0;
+  std::int64_t messages = 0;
+  std::optional<std::pair<std::vector<std::int32_t>, std::vector<float>>> reference;  // `seq`'s decode
+  for (int i = 0; i < sessions; ++i) {
+    StoreTarget target(*store, {.expect = config});
+    auto received = receive_session(counting, target, {.timeout_s = timeout_s, .credit_bytes = 64 << 20});
+    if (expect_loss) {
+      (*link)->close();
+      if (received) return fail("a session whose sender died was committed");
+      if (target.sequence() || store->sequence_count() != 1 || store->free_blocks() != free_before ||
+          testing::live_bytes(*store, seq) != before)
+        return fail("the refused session changed the store");
+      std::printf("ok refused (%s) after %d device messages; the store is as it was\n",
+                  received.error().to_string().c_str(), counting.device_messages);
+      return 0;
+    }
+    const std::string which = "session " + std::to_string(i + 1) + ": ";
+    if (!received) {
+      (*link)->close();
+      return fail(which + received.error().to_string());
+    }
+    if (!target.sequence()) return fail(which + "nothing committed");
+    const SeqId moved = *target.sequence();
+    if (target.header().metadata != "ipc") return fail(which + "metadata '" + target.header().metadata + "'");
+    // The session as prefilled here (`seq` is decoded further below).
+    if (before.empty() || testing::live_bytes(*store, moved) != before)
+      return fail(which + "the installed rows differ from the session prefilled here");
+    const std::vector<std::int32_t> head(prompt.begin(), prompt.end() - 1);
+    if (!reference) reference = testing::greedy_decode(**model, *store, seq, head, prompt.back(), kTokens);
+    const auto b = testing::greedy_decode(**model, *store, moved, head, prompt.back(), kTokens);
+    if (reference->first != b.first || reference->second.size() != b.second.size() ||
+        std::memcmp(reference->second.data(), b.second.data(), b.second.size() * 4) != 0)
+      return fail(which + "the moved session decodes differently");
+    messages += received->messages;
   }
-  if (!received) return fail(received.error().to_string());
-  if (!target.sequence()) return fail("nothing committed");
-  const SeqId moved = *target.sequence();
-  if (target.header().metadata != "ipc") return fail("metadata '" + target.header().metadata + "'");
-  const auto want = testing::live_bytes(*store, seq), got = testing::live_bytes(*store, moved);
-  if (want.empty() || got != want) return fail("the installed rows differ from the session prefilled here");
-  const std::vector<std::int32_t> head(prompt.begin(), prompt.end() - 1);
-  const auto a = testing::greedy_decode(**model, *store, seq, head, prompt.back(), kTokens);
-  const auto b = testing::greedy_decode(**model, *store, moved, head, prompt.back(), kTokens);
-  if (a.first != b.first || std::memcmp(a.second.data(), b.second.data(), a.second.size() * 4) != 0)
-    return fail("the moved session decodes differently");
-  std::printf("ok received messages=%lld device_messages=%d link=%s\n", static_cast<long long>(received->messages),
-              counting.device_messages, (*link)->describe().c_str());
+  (*link)->close();
+  std::printf("ok received sessions=%d messages=%lld device_messages=%d link=%s\n", sessions,
+              static_cast<long long>(messages), counting.device_messages, (*link)->describe().c_str());
   return 0;
 }
 
