@@ -1,7 +1,7 @@
 // The library's own API and config parser given what an engine could pass
 // by mistake: deeply nested config.json values, a window past any context,
 // layers that do not exist, ring states whose end overflows, misaligned host
-// views, outputs that overlap, and a context below a full plane's minimum.
+// views, views past any address space, outputs that overlap, and a context below a full plane's minimum.
 // Each is a clear error or a right answer, never undefined behaviour.
 #include <gtest/gtest.h>
 
@@ -117,6 +117,30 @@ TEST(ApiHostile, MisalignedF32ViewsAreRefusedOnTheCpu) {
   const Status attended = s.attend_decode(0, {&query, 1}, host_view(buf.data(), 1, qd), host_view(odd_out, 1, qd));
   ASSERT_FALSE(attended.ok());
   EXPECT_NE(attended.error().message.find("not aligned"), std::string::npos) << attended.error().to_string();
+}
+
+// A view whose rows would span more memory than any machine maps is refused
+// before a row is read (its stride passes the overflow check), and the
+// store is unchanged.
+TEST(ApiHostile, ViewsPastAnyAddressSpaceAreRefused) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(made.ok());
+  KvStore& s = **made;
+  const SeqId seq = *s.add_sequence();
+  const std::int64_t kv = cfg.kv_dim();
+  std::vector<float> buf(static_cast<std::size_t>(4 * kv), 0.5f);
+  const SeqSpan span{seq, 0, 4};
+  for (const std::int64_t stride : {std::numeric_limits<std::int64_t>::max() / 32, std::int64_t{1} << 43}) {
+    SCOPED_TRACE(stride);
+    const ConstView wild{buf.data(), MemorySpace::kHost, DType::kF32, 4, kv, stride};
+    const Status st = s.store(0, {&span, 1}, wild, host_view(buf.data(), 4, kv));
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument);
+    EXPECT_NE(st.error().message.find("more than any memory holds"), std::string::npos) << st.error().to_string();
+    EXPECT_EQ(s.ring(seq, 0)->len(), 0);
+  }
+  ASSERT_TRUE(s.store(0, {&span, 1}, host_view(buf.data(), 4, kv), host_view(buf.data(), 4, kv)).ok());
 }
 
 // 16-bit views are read byte-wise on the CPU: at an odd address they give

@@ -708,6 +708,8 @@ KvStore::PlaneRef KvStore::plane_ref(std::int32_t slot, std::int64_t layer) cons
 
 namespace {
 
+constexpr std::int64_t kMostViewElements = std::int64_t{1} << 44;
+
 Status check_shape(const char* what, const void* data, std::int64_t rows, std::int64_t cols,
                    std::int64_t stride, std::int64_t want_rows, std::int64_t want_cols) {
   if (rows != want_rows || cols != want_cols)
@@ -720,6 +722,12 @@ Status check_shape(const char* what, const void* data, std::int64_t rows, std::i
   if (rows > 0 && stride > (std::numeric_limits<std::int64_t>::max() / 8) / rows)
     return invalid_argument(std::string(what) + ": row stride " + std::to_string(stride) +
                             " is too large");
+  // A view no address space holds (2^44 elements are 64 TiB of f32, past
+  // what a 48-bit user space maps beside anything else) is a caller's
+  // mistake, refused before a row is touched.
+  if (rows > 0 && (rows - 1) * stride + cols > kMostViewElements)
+    return invalid_argument(std::string(what) + ": " + std::to_string(rows) + " rows of stride " +
+                            std::to_string(stride) + " span more than 2^44 elements, more than any memory holds");
   if (rows > 0 && data == nullptr) return invalid_argument(std::string(what) + " is null");
   return Status::Ok();
 }
