@@ -55,7 +55,8 @@ const char* dtype_name(DType dtype);
 std::int64_t dtype_bytes(DType dtype);
 
 // A matrix [rows, cols] of `dtype` in caller memory; row r starts
-// r * row_stride elements after `data` (row_stride >= cols). The store
+// r * row_stride elements after `data` (row_stride >= cols; a view spans
+// at most 2^44 elements, (rows - 1) * row_stride + cols). The store
 // reads or writes it in place: no copy is made of an engine's tensor.
 // `data` is aligned to its elements; the CPU backend also takes 16-bit
 // (f16, bf16) views and row buffers at any address, since it reads them
