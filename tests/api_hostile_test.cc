@@ -25,18 +25,18 @@ namespace {
 
 using testing::small_config;
 
-// A CPU store of small_config(32, 256, 4) holding one new sequence (no
-// store where it could not be made).
-struct OneSequence {
-  ModelConfig cfg = small_config(32, 256, 4);
-  std::unique_ptr<KvStore> store;
-  SeqId seq{};
-  OneSequence() {
+// A CPU store of small_config(32, 256, 4) holding one new sequence.
+class ApiHostileStore : public ::testing::Test {
+ protected:
+  void SetUp() override {
     auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
-    if (!made.ok()) return;
+    ASSERT_TRUE(made.ok()) << made.error().to_string();
     store = std::move(*made);
     seq = *store->add_sequence();
   }
+  const ModelConfig cfg = small_config(32, 256, 4);
+  std::unique_ptr<KvStore> store;
+  SeqId seq{};
 };
 
 std::string nested(std::int64_t depth) {
@@ -108,12 +108,8 @@ TEST(ApiHostile, RingStatesWhoseEndOverflowsAreRefused) {
 
 // The CPU backend reads f32 views as floats: data that is not aligned to
 // its elements is refused, as on CUDA.
-TEST(ApiHostile, MisalignedF32ViewsAreRefusedOnTheCpu) {
-  const OneSequence one;
-  ASSERT_TRUE(one.store);
-  const ModelConfig& cfg = one.cfg;
-  KvStore& s = *one.store;
-  const SeqId seq = one.seq;
+TEST_F(ApiHostileStore, MisalignedF32ViewsAreRefusedOnTheCpu) {
+  KvStore& s = *store;
   const std::int64_t kv = cfg.kv_dim(), qd = cfg.n_heads * cfg.head_dim;
   std::vector<float> buf(static_cast<std::size_t>(4 * qd + 8), 0.25f);
   auto* odd = reinterpret_cast<float*>(reinterpret_cast<char*>(buf.data()) + 2);
@@ -137,12 +133,8 @@ TEST(ApiHostile, MisalignedF32ViewsAreRefusedOnTheCpu) {
 // A view whose rows would span more memory than any machine maps is refused
 // before a row is read (its stride passes the overflow check), and the
 // store is unchanged.
-TEST(ApiHostile, ViewsPastAnyAddressSpaceAreRefused) {
-  const OneSequence one;
-  ASSERT_TRUE(one.store);
-  const ModelConfig& cfg = one.cfg;
-  KvStore& s = *one.store;
-  const SeqId seq = one.seq;
+TEST_F(ApiHostileStore, ViewsPastAnyAddressSpaceAreRefused) {
+  KvStore& s = *store;
   const std::int64_t kv = cfg.kv_dim();
   std::vector<float> buf(static_cast<std::size_t>(4 * kv), 0.5f);
   const SeqSpan span{seq, 0, 4};
@@ -196,12 +188,8 @@ TEST(ApiHostile, SixteenBitViewsAtOddAddressesReadAsAligned) {
 
 // Row buffers at an odd address get the bytes aligned ones get, from
 // read_rows and from read_plane, of a sliding and of a full layer.
-TEST(ApiHostile, RowBuffersAtOddAddressesReadAsAligned) {
-  const OneSequence one;
-  ASSERT_TRUE(one.store);
-  const ModelConfig& cfg = one.cfg;
-  KvStore& s = *one.store;
-  const SeqId seq = one.seq;
+TEST_F(ApiHostileStore, RowBuffersAtOddAddressesReadAsAligned) {
+  KvStore& s = *store;
   const std::int64_t kv = cfg.kv_dim(), rows = 40;
   const auto x = testing::random_floats(static_cast<std::size_t>(cfg.n_layers * rows * kv), 5);
   for (std::int64_t p = 0; p < rows; ++p) {
@@ -229,12 +217,8 @@ TEST(ApiHostile, RowBuffersAtOddAddressesReadAsAligned) {
 }
 
 // Both outputs of a read would overwrite each other.
-TEST(ApiHostile, ReadsRefuseOverlappingOutputs) {
-  const OneSequence one;
-  ASSERT_TRUE(one.store);
-  const ModelConfig& cfg = one.cfg;
-  KvStore& s = *one.store;
-  const SeqId seq = one.seq;
+TEST_F(ApiHostileStore, ReadsRefuseOverlappingOutputs) {
+  KvStore& s = *store;
   const std::int64_t kv = cfg.kv_dim();
   const auto x = testing::random_floats(static_cast<std::size_t>(cfg.n_layers * 2 * kv), 3);
   const SeqSpan span{seq, 0, 2};
