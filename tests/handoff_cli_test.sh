@@ -5,7 +5,7 @@
 # The pair `handoff serve --tokens N --json` + `run --handoff-to` prints the
 # same tokens, logits_sha256 and generated as one `run --tokens N --json`
 # that never moved, for both schedules; a wrong geometry or score scale is
-# refused on both sides; a receiver or a sender killed midway is reported by the other side
+# refused on both sides; --port-file writes only a regular file; a receiver or a sender killed midway is reported by the other side
 # in bounded time; a port where nothing listens fails fast. Ports: the
 # receiver binds port 0 and writes the port it got to a file.
 #
@@ -133,6 +133,22 @@ if [ "$UCX" = 0 ]; then
   echo "cli_handoff: this build has no UCX transport; serve and --handoff-to over UCX skipped"
   exit 77
 fi
+
+# --port-file writes a regular file or nothing: a FIFO, a directory or a
+# link there is refused, and a link planted at a temporary's name is never
+# followed.
+mkfifo pf.fifo
+mkdir -p pf.dir
+echo keep >pf.victim
+ln -s "$W/pf.victim" pf.link
+ln -s "$W/pf.victim" pf.tmp
+for f in pf.fifo pf.dir pf.link; do
+  "$K" handoff serve --listen 127.0.0.1:0 --port-file "$f" --tokens 40 --timeout 1 2>pf.err && fail "--port-file $f"
+  grep -q "not a regular file" pf.err || fail "--port-file $f: $(cat pf.err)"
+done
+"$K" handoff serve --listen 127.0.0.1:0 --port-file pf --tokens 40 --timeout 1 2>pf.err  # nobody connects
+[ -f pf ] && [ ! -L pf ] && grep -qE '^[0-9]+$' pf || fail "--port-file pf: $(cat pf 2>&1)"
+[ "$(cat pf.victim)" = keep ] || fail "a link at the port file's temporary name was followed"
 
 # The pair equals one run, for both schedules and two chunkings.
 for variant in "paced 7" "swa-first 512" "paced 1"; do

@@ -6,8 +6,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -19,6 +17,7 @@
 #include "kvring/backend.h"
 #include "kvring/footprint.h"
 #include "kvring/handoff.h"
+#include "pack/file_io.h"
 #include "run_pack.h"
 #include "run_report.h"
 
@@ -311,27 +310,16 @@ int cmd_serve(const std::vector<std::string>& argv) {
     where = handoff::parse_host_port(listen)->first + ":" + std::to_string(ucx_listener->port());
   }
   if (a->has("port-file")) {
-    // Written whole, then renamed: a reader never sees half a number. A
+    // Written whole under a fresh temporary name, then renamed over a
+    // regular file or nothing (never a device, a FIFO or a directory, and
+    // never through a link): a reader never sees half a number, and a
     // failure leaves no temporary behind.
-    const std::string path = a->str("port-file"), tmp = path + ".tmp";
-    std::error_code ec;
-    {
-      errno = 0;
-      std::ofstream f(tmp);
-      f << ucx_listener->port() << "\n";
-      f.close();
-      if (!f) {
-        const std::string why = errno != 0 ? std::strerror(errno) : "the write failed";
-        std::filesystem::remove(tmp, ec);
-        return fail("cannot write --port-file " + path + " (through " + tmp + "): " + why);
-      }
-    }
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) {
-      const std::string why = ec.message();
-      std::filesystem::remove(tmp, ec);
-      return fail("cannot write --port-file " + path + ": " + why);
-    }
+    const std::string path = a->str("port-file"), text = std::to_string(ucx_listener->port()) + "\n";
+    auto f = pack_internal::AtomicFile::create(path, {});
+    Status st = f.ok() ? (*f)->write_at(0, {reinterpret_cast<const std::uint8_t*>(text.data()), text.size()})
+                       : f.error();
+    if (st.ok()) st = (*f)->commit(false);
+    if (!st.ok()) return fail("cannot write --port-file " + path + ": " + st.error().message);
   }
   if (!a->flag("json")) std::fprintf(stderr, "kvring handoff serve: listening on %s\n", where.c_str());
   auto link = unix_listener ? unix_listener->accept(handoff::deadline_in(timeout_s))
