@@ -104,20 +104,23 @@ wait "$SERVE_PID" || fail "handoff serve on unix: exited $?"
 [ "$(fields unix.out)" = "$(fields uref.json)" ] || fail "unix: summaries differ: $(fields unix.out) vs $(fields uref.json)"
 [ -e serve.sock ] && fail "serve left its socket file"
 # A receiver whose model has the session's geometry and another score scale
-# refuses it; the sender hears why. The same model with the run's scale
-# (head_dim, written out) takes it.
+# refuses it, naming both scales; one of another geometry (whose default
+# scale differs too) names the geometry; the sender hears why and keeps its
+# session. The same model with the run's scale (head_dim, written out)
+# takes it.
 sed 's/"head_dim": 16,/"head_dim": 16, "query_pre_attn_scalar": 24,/' small.json >scaled.json
 sed 's/"head_dim": 16,/"head_dim": 16, "query_pre_attn_scalar": 16,/' small.json >same.json
-for variant in "scaled.json 1" "same.json 0"; do
+sed 's/"head_dim": 16,/"head_dim": 32,/' small.json >hd32.json
+for variant in "scaled.json scores_q_._k_/_sqrt(16),_this_receiver's_model_q_._k_/_sqrt(24)" \
+  "hd32.json differs_from_this_store" "same.json -"; do
   set -- $variant
-  cfg=$1 refused=$2
+  cfg=$1 says=${2//_/ }
   start_unix_serve scale scale --tokens 140 --json --timeout 20 --config "$cfg"
-  if [ "$refused" = 1 ]; then
+  if [ "$says" != - ]; then
     "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/scale.sock" >scale_send.out \
-      2>scale_send.err && fail "a session of another score scale was handed over"
-    wait "$SERVE_PID" && fail "serve --config $cfg accepted a run of another score scale"
-    grep -q "scores q . k / sqrt(16), this receiver's model q . k / sqrt(24)" scale_send.err ||
-      fail "the sender did not hear the scale mismatch: $(cat scale_send.err)"
+      2>scale_send.err && fail "serve --config $cfg took the session"
+    wait "$SERVE_PID" && fail "serve --config $cfg decoded the session"
+    grep -qF "$says" scale_send.err || fail "--config $cfg: the sender did not hear '$says': $(cat scale_send.err)"
     grep -q "intact" scale_send.err || fail "the sender's error does not say its session is intact"
   else
     "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/scale.sock" >scale_send.out \

@@ -210,23 +210,24 @@ Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens) 
 // sender hears why before a row moves, and passes the rest through.
 class ServeTarget final : public handoff::HandoffTarget {
  public:
-  // `expect_scale`: the score scale of serve's --model/--config, if given.
-  ServeTarget(handoff::DetachedCacheTarget& inner, std::int64_t tokens, std::optional<double> expect_scale)
-      : inner_(inner), tokens_(tokens), expect_scale_(expect_scale) {}
+  // `expect`: serve's --model/--config, if given.
+  ServeTarget(handoff::DetachedCacheTarget& inner, std::int64_t tokens, std::optional<ModelConfig> expect)
+      : inner_(inner), tokens_(tokens), expect_(std::move(expect)) {}
   Status begin(const Snapshot& header) override {
     auto served = check_served(header, tokens_);
     if (!served) return served.error();
     // The cache attends with the run's score scale, which the geometry in
     // the header does not carry; the usual scale is named as head_dim (the
-    // same bits). A receiver told its model refuses a run of another scale:
-    // its geometry matches, its scores would not.
+    // same bits). A receiver told its model refuses a run of another scale
+    // whose geometry matches (another geometry is refused as such below).
     Snapshot scaled = header;
     const double run_scale = served->record.query_pre_attn_scalar;
     scaled.config.query_pre_attn_scalar = run_scale > 0 ? run_scale : static_cast<double>(header.config.head_dim);
-    if (expect_scale_ && *expect_scale_ != scaled.config.query_pre_attn_scalar) {
+    if (expect_ && expect_->fingerprint() == header.config.fingerprint() &&
+        expect_->score_scale_dim() != scaled.config.query_pre_attn_scalar) {
       char why[160];
       std::snprintf(why, sizeof why, "the handed-off run scores q . k / sqrt(%.17g), this receiver's model q . k / sqrt(%.17g)",
-                    scaled.config.query_pre_attn_scalar, *expect_scale_);
+                    scaled.config.query_pre_attn_scalar, expect_->score_scale_dim());
       return invalid_argument(why);
     }
     KVRING_RETURN_IF_ERROR(inner_.begin(scaled));
@@ -250,7 +251,7 @@ class ServeTarget final : public handoff::HandoffTarget {
  private:
   handoff::DetachedCacheTarget& inner_;
   std::int64_t tokens_;
-  std::optional<double> expect_scale_;
+  std::optional<ModelConfig> expect_;
   std::optional<ServedSession> served_;
 };
 
@@ -326,8 +327,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
                             : ucx_listener->accept(handoff::deadline_in(timeout_s));
   if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);
-  ServeTarget serve_target(target, *tokens,
-                           to.expect ? std::optional<double>(to.expect->score_scale_dim()) : std::nullopt);
+  ServeTarget serve_target(target, *tokens, to.expect);
   ro.timeout_s = timeout_s;
   ro.credit_bytes = *credits * kMiB;
   const auto t0 = Clock::now();
