@@ -142,3 +142,14 @@ endif()
 expect(0 "removed 1 temporary file" store gc dir:chunks --min-age 0)
 expect(0 "ok: thin.kvpack" pack verify thin.kvpack --store dir:chunks)
 expect(2 "--min-age = -1 is outside" store gc dir:chunks --min-age -1)
+# A store's name is printed escaped, as paths are: a terminal control byte
+# in it shows as \x1b.
+string(ASCII 27 esc)
+foreach(cmd "run;${small};--save;e.kvpack;--store;dir:s${esc}x" "pack;verify;e.kvpack;--store;dir:s${esc}x"
+            "store;gc;dir:s${esc}x")
+  expect(0 "dir:s.x1bx" ${cmd})
+  string(FIND "${last_out}${last_err}" "${esc}" raw)
+  if(NOT raw EQUAL -1)
+    message(FATAL_ERROR "kvring ${cmd} printed a raw escape byte:\n${last_out}${last_err}")
+  endif()
+endforeach()

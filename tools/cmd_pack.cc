@@ -113,7 +113,7 @@ int verify(const std::string& path, const std::string& store_spec) {
   // The store is named only when the chunks came from it: a self-contained
   // pack's chunks are its own, whatever --store says.
   std::string where;
-  if (r->thin) where = " in " + store->spec();
+  if (r->thin) where = " in " + printable(store->spec());
   else if (!store_spec.empty())
     where = " in the pack itself (self-contained: --store was not read)";
   std::printf("ok: %s: manifest digest and %lld chunks (%s B) verified%s\n", printable(path).c_str(),

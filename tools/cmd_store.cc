@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "args.h"
+#include "core/text.h"
 #include "commands.h"
 #include "kvring/chunk_store.h"
 
@@ -48,7 +49,7 @@ int gc(const std::vector<std::string>& argv) {
   if (!report) return fail(report.error());
   std::printf("%s: removed %lld temporary file%s of dead writers; kept %lld (held by a writer or newer than "
               "%lld s); %lld quarantined director%s\n",
-              spec.c_str(), static_cast<long long>(report->removed), report->removed == 1 ? "" : "s",
+              printable(spec).c_str(), static_cast<long long>(report->removed), report->removed == 1 ? "" : "s",
               static_cast<long long>(report->kept), static_cast<long long>(*age),
               static_cast<long long>(report->quarantined), report->quarantined == 1 ? "y" : "ies");
   return kExitOk;

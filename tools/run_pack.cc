@@ -276,7 +276,7 @@ Result<std::string> save_sequence(const KvStore& kv, SeqId seq, const std::vecto
   auto m = read_manifest(**src);
   if (!m) return m.error();
   std::string line = printable(path) + ": " + format_bytes((*src)->size()) + ", " + std::to_string(m->chunks.size()) + " chunks";
-  if (*store) line += " (" + format_bytes(m->payload_bytes) + ") in " + (*store)->spec();
+  if (*store) line += " (" + format_bytes(m->payload_bytes) + ") in " + printable((*store)->spec());
   return line;
 }
 
