@@ -51,9 +51,14 @@ void expect_config_error(const std::string& json, const std::string& part) {
 }
 
 // An error names a nested value by its kind and size: printing it whole
-// recursed once per level and overflowed the stack.
+// recursed once per level. Nesting past a config's bound is refused before
+// the text is parsed (a parse takes tens of bytes for each nested byte).
 TEST(ApiHostile, DeeplyNestedConfigValuesAreNamedNotPrinted) {
-  const std::string deep = nested(100000);
+  expect_config_error("{\"num_hidden_layers\":" + nested(100000) + "}",
+                      "arrays and objects nested 100001 deep; a config nests at most 32");
+  expect_config_error("{\"a\":\"" + std::string(100, '[') + "\",\"num_hidden_layers\":" + nested(32) + "}",
+                      "nested 33 deep");
+  const std::string deep = nested(30);
   expect_config_error("{\"num_hidden_layers\":" + deep + "}", "must be an integer, got an array of 1 elements");
   expect_config_error(
       "{\"num_hidden_layers\":2,\"num_attention_heads\":2,\"head_dim\":8,\"max_position_embeddings\":64,"

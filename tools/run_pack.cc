@@ -104,26 +104,6 @@ std::string field_before(const std::string& text, std::size_t at) {
   return field;
 }
 
-// The deepest nesting of arrays and objects in `text`, outside strings.
-int json_depth(const std::string& text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
-
 }  // namespace
 
 Result<RunRecord> decode_run_record(const std::string& metadata, const std::string& pack) {

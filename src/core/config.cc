@@ -231,7 +231,16 @@ Status check_attention_features(const json& j, std::int64_t head_dim) {
 
 }  // namespace
 
+// The deepest nesting a config.json may have (a model's configs nest a
+// handful of levels: text_config, rope_scaling and their lists).
+constexpr int kMaxConfigDepth = 32;
+
 Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
+  // Bounded before it is parsed: a parse of deeply nested text takes tens of
+  // bytes of memory for each of its bytes. A config.json nests a few levels.
+  if (const int depth = json_depth(json_text); depth > kMaxConfigDepth)
+    return config_error("arrays and objects nested " + std::to_string(depth) + " deep; a config nests at most " +
+                        std::to_string(kMaxConfigDepth));
   json root;
   try {
     root = json::parse(json_text.begin(), json_text.end());

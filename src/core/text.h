@@ -57,4 +57,26 @@ inline std::string printable(std::string_view s, bool escape_backslash = true) {
   return out;
 }
 
+// The deepest nesting of arrays and objects in JSON `text`, outside
+// strings: checked before a parse, which takes tens of bytes of memory for
+// each byte of deeply nested text.
+inline int json_depth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > deepest) deepest = depth;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 }  // namespace kvring
