@@ -124,6 +124,20 @@ if(EXISTS ${WORK}/x.kvpack)
   message(FATAL_ERROR "a refused save left x.kvpack")
 endif()
 
+# A pack name longer than its directory takes is refused before the session
+# runs, also where only a later sequence's indexed name is too long, and
+# nothing is left behind.
+string(REPEAT "b" 246 long_name)
+file(GLOB before_long ${WORK}/*)
+expect(2 "its name is [0-9]+ bytes, more than the [0-9]+ its directory takes" run ${small} --save ${long_name}.kvpack
+       --sequences 11)
+string(REPEAT "c" 256 too_long)
+expect(2 "its name is [0-9]+ bytes, more than" run ${small} --save ${too_long}.kvpack)
+file(GLOB after_long ${WORK}/*)
+if(NOT before_long STREQUAL after_long)
+  message(FATAL_ERROR "a refused save left files: ${after_long}")
+endif()
+
 # --- store gc ----------------------------------------------------------------------
 # Temporaries as writers name them (.tmp-<chunk name>-<pid>-<counter>-<clock>);
 # a user's file that only starts like one is not the store's.

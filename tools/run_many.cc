@@ -8,6 +8,8 @@
 // runs as one batched forward pass. A sequence's bits do not depend on the
 // batch, so each sequence's summary equals that of a solo `kvring run` with
 // its own seed, prompt and token count.
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -198,7 +200,14 @@ int run_many(const RunOptions& o, BackendKind backend) {
                      m.last_logits, attention};
     record.query_pre_attn_scalar = config.query_pre_attn_scalar;
     auto line = save_sequence(kv, m.seq, m.tokens, record, indexed_path(o.save, i), o.store);
-    if (!line) return fail(line.error());
+    if (!line) {
+      // The command fails whole: the packs it saved before this one go too
+      // (a thin pack's chunks stay in the store, named by their content).
+      for (std::int64_t j = 0; j < i; ++j) ::unlink(indexed_path(o.save, j).c_str());
+      const std::string removed =
+          i == 0 ? "" : "; the " + std::to_string(i) + " pack" + (i == 1 ? "" : "s") + " saved before it were removed";
+      return fail(line.error().to_string() + removed);
+    }
     saved.push_back(*line);
   }
 

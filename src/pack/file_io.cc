@@ -109,6 +109,16 @@ Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
   if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
     return invalid_argument("refusing to write " + path + ": it is " + file_internal::file_type_name(st.st_mode) +
                             ", not a regular file");
+  // A name its directory cannot hold fails here, not at the rename after a
+  // whole file was written under the (shorter) temporary name.
+  const auto slash = path.find_last_of('/');
+  const std::size_t name_bytes = slash == std::string::npos ? path.size() : path.size() - slash - 1;
+  errno = 0;
+  const long name_max = ::pathconf(parent_dir(path).c_str(), _PC_NAME_MAX);
+  const std::size_t most = name_max > 0 ? static_cast<std::size_t>(name_max) : 255;
+  if (name_bytes > most)
+    return invalid_argument("refusing to write " + path + ": its name is " + std::to_string(name_bytes) +
+                            " bytes, more than the " + std::to_string(most) + " its directory takes");
   const std::string temp = temp_name_for(path);
   KVRING_RETURN_IF_ERROR(inject(io, IoStep::kOpen, temp));
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
