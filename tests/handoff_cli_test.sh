@@ -93,6 +93,15 @@ grep -q -- "--rate = 1e300 is past its bound" bound.err || fail "plan --rate bou
 grep -q -- "--ack-latency-us = 1e308 is past its bound" bound.err || fail "plan ack bound: $(cat bound.err)"
 "$K" handoff plan --model muse-glimmer --tokens 1000 --rate 1e-9 --prefill-tps 0.01 --message 1 >slow.txt 2>bound.err ||
   fail "a slow plan: $(cat bound.err)"
+# Rates so small that the handoff would outlast any deadline are refused
+# before anything runs, by plan and by a sender.
+for opt in "--rate 1e-300" "--prefill-tps 1e-300"; do
+  "$K" handoff plan --model muse-glimmer --tokens 1000 $opt 2>bound.err && fail "plan $opt"
+  grep -q "past the 1e+12 s a plan may take" bound.err || fail "plan $opt: $(cat bound.err)"
+done
+"$K" run "${common[@]}" --prompt-tokens 20 --handoff-to "unix:$W/none.sock" --handoff-rate 1e-300 2>bound.err &&
+  fail "run --handoff-rate 1e-300"
+grep -q "past the 1e+12 s a plan may take" bound.err || fail "run --handoff-rate 1e-300: $(cat bound.err)"
 
 # The pair over a Unix socket (every build has it) equals one run; serve
 # refuses a port file with it.

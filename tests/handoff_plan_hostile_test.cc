@@ -32,6 +32,15 @@ TEST(HandoffPlanHostile, NonFiniteTimesAreRefused) {
   PlanOptions slow_prefill;
   slow_prefill.prefill_tokens_per_s = 1e-310;
   EXPECT_FALSE(plan_handoff(c, 200, slow_prefill).ok());
+  // Finite times past the bound a plan may take: refused, naming it.
+  for (double rate : {1e-300, 1e-9}) {
+    PlanOptions o;
+    o.rate_bytes_per_s = rate;
+    auto t = plan_handoff(c, 200, o);
+    ASSERT_FALSE(t.ok()) << rate;
+    EXPECT_EQ(t.error().code, ErrorCode::kInvalidArgument);
+    EXPECT_NE(t.error().message.find("past the 1e+12 s a plan may take"), std::string::npos) << t.error().message;
+  }
 }
 
 // Slow rates, slow prefills and long answer times put a plan's times far

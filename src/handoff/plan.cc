@@ -2,6 +2,7 @@
 // the prompt length and the options).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <deque>
 #include <limits>
 #include <map>
@@ -14,6 +15,11 @@ namespace {
 // Messages one plan may hold (muse-glimmer's whole context in messages of
 // one row is 1.8M).
 constexpr std::int64_t kMaxPlannedMessages = std::int64_t{1} << 22;
+// The longest a planned handoff may take, prefill included: some 30,000
+// years, far past any real plan (slow ones are still made). Rates that take
+// longer are a mistake, and a sender paced by them would wait on its own
+// token bucket past any deadline.
+constexpr double kMaxPlanSeconds = 1e12;
 }  // namespace
 
 const char* schedule_name(Schedule schedule) {
@@ -176,6 +182,12 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
   if (!std::isfinite(t.done_s))
     return invalid_argument("the rates give a schedule whose times overflow (prefill ends at " +
                             std::to_string(t.prefill_end_s) + " s); use larger rates");
+  if (t.done_s > kMaxPlanSeconds) {
+    char why[200];
+    std::snprintf(why, sizeof why, "the rates give a handoff that ends %.3g s after prefill starts, past the %.0e s "
+                  "a plan may take; use larger rates", t.done_s, kMaxPlanSeconds);
+    return invalid_argument(why);
+  }
   KVRING_RETURN_IF_ERROR(check_timeline(t, options.ack_latency_s));
   return t;
 }
