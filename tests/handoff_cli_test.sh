@@ -102,6 +102,9 @@ done
 "$K" run "${common[@]}" --prompt-tokens 20 --handoff-to "unix:$W/none.sock" --handoff-rate 1e-300 2>bound.err &&
   fail "run --handoff-rate 1e-300"
 grep -q "past the 1e+12 s a plan may take" bound.err || fail "run --handoff-rate 1e-300: $(cat bound.err)"
+# A prompt past the context is named as such (a sender takes no --tokens).
+"$K" run "${common[@]}" --prompt-tokens 2000 --handoff-to "unix:$W/none.sock" 2>bound.err && fail "a prompt past the context"
+grep -q -- "--prompt-tokens = 2000 exceeds the cache context 1024" bound.err || fail "long prompt: $(cat bound.err)"
 
 # The pair over a Unix socket (every build has it) equals one run; serve
 # refuses a port file with it.

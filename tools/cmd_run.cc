@@ -174,6 +174,10 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (context > config->max_context)
     return fail("--context = " + std::to_string(context) + " exceeds the model's maximum " +
                 std::to_string(config->max_context));
+  // Under --handoff-to the prompt alone sizes the session (no --tokens).
+  if (o.tokens > context && !o.handoff_to.empty())
+    return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
+                std::to_string(context) + " of model '" + printable(config->name) + "'");
   if (o.tokens > context)
     return fail("--tokens = " + std::to_string(o.tokens) + (o.tokens_given ? "" : " (the default)") +
                 " exceeds the cache context " + std::to_string(context) + " of model '" +
