@@ -109,7 +109,42 @@ expect(1 "chunks are bad" pack verify a.kvpack)
 expect(0 "saved" run ${small} --save thin.kvpack --store dir:chunks)
 if(REDIS)
   expect(2 "redis://127.0.0.1:1: cannot connect" pack verify thin.kvpack --store redis://127.0.0.1:1)
-else()
+  # A server that answers every chunk with an error checked nothing: exit 2,
+  # and no chunk is called bad (where python3 is there to play the server).
+  find_program(PYTHON3 python3)
+endif()
+if(REDIS AND PYTHON3)
+  file(WRITE ${WORK}/fake_redis.py [=[
+import socket, sys, threading
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(4)
+s.settimeout(30)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(s.getsockname()[1]))
+import os
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+def serve(c):
+    while True:
+        d = c.recv(65536)
+        if not d:
+            return
+        up = d.upper()
+        c.sendall(b"+PONG\r\n" if b"PING" in up else b"+OK\r\n" if b"HELLO" in up or b"AUTH" in up else b"-ERR nope\r\n")
+try:
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+except OSError:
+    pass
+]=])
+  execute_process(COMMAND sh -c "\"$1\" fake_redis.py port & p=$!; for i in $(seq 100); do [ -s port ] && break; sleep 0.1; done; \"$0\" pack verify thin.kvpack --store redis://127.0.0.1:$(cat port)?timeout_ms=2000; rc=$?; kill $p; exit $rc" ${KVRING} ${PYTHON3}
+                  WORKING_DIRECTORY ${WORK} TIMEOUT 60 RESULT_VARIABLE got OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT got STREQUAL "2" OR NOT err MATCHES "could not be checked" OR err MATCHES "are bad")
+    message(FATAL_ERROR "pack verify against a failing store: exit '${got}', expected 2 and no bad chunks:\n${out}${err}")
+  endif()
+endif()
+if(NOT REDIS)
   expect(2 "this build has no Redis store" pack verify thin.kvpack --store redis://127.0.0.1:1)
 endif()
 expect(2 "is a thin pack" pack verify thin.kvpack)

@@ -106,9 +106,12 @@ int verify(const std::string& path, const std::string& store_spec) {
   }
   if (r->bad_chunks > 0) {
     fail(r->first_error.error());
-    std::fprintf(stderr, "kvring: %s: %lld of %lld chunks are bad\n", printable(path).c_str(),
-                 static_cast<long long>(r->bad_chunks), static_cast<long long>(r->chunks));
-    return verdict(r->first_error.error());
+    // A store that failed or stalled checked nothing: no chunk is called bad.
+    const int rc = verdict(r->first_error.error());
+    std::fprintf(stderr, "kvring: %s: %lld of %lld chunks %s\n", printable(path).c_str(),
+                 static_cast<long long>(r->bad_chunks), static_cast<long long>(r->chunks),
+                 rc == kExitVerifyFailed ? "are bad" : "could not be checked");
+    return rc;
   }
   // The store is named only when the chunks came from it: a self-contained
   // pack's chunks are its own, whatever --store says.
