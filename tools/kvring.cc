@@ -88,7 +88,8 @@ const CommandHelp kHelp[] = {
              the payload of an N-token prompt by layer class and the send
              schedule relative to prefill, with the bytes in flight over time;
              --context sizes the session's store (default: the model's),
-             --ack-latency-us the receiver's answer time (default 50)
+             --ack-latency-us the receiver's answer time (default 50);
+             rates whose plan would take past 1e12 s are refused
 )"},
     {"handoff serve", R"(  handoff serve --listen HOST:PORT|unix:PATH --tokens N
              [--model NAME | --config FILE] [--backend cpu|cuda|auto]
