@@ -306,6 +306,7 @@ TEST_F(UnixTransport, PathsAreChecked) {
 }
 
 TEST_F(UnixTransport, ListenRefusesAnythingButASocket) {
+  std::filesystem::remove(path_ + ".lock");
   { std::ofstream(path_) << "keep me"; }
   auto l = unix_listen(path_);
   ASSERT_FALSE(l.ok());
@@ -314,6 +315,8 @@ TEST_F(UnixTransport, ListenRefusesAnythingButASocket) {
   std::string content;
   std::getline(std::ifstream(path_), content);
   EXPECT_EQ(content, "keep me");
+  // Refused before a lock file is made for a path that is not a socket.
+  EXPECT_FALSE(std::filesystem::exists(path_ + ".lock"));
   std::filesystem::remove(path_);
   ASSERT_TRUE(std::filesystem::create_directory(path_));
   EXPECT_FALSE(unix_listen(path_).ok());

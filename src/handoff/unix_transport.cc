@@ -192,7 +192,12 @@ class Listener : public UnixListener {
     // while the lock is free is what a listener that died left: replaced.
     // The lock file is never removed (removing it would let two listeners
     // lock two files of one name). Anything but a socket at the path is
-    // someone's data: refused, untouched.
+    // someone's data: refused, untouched (before a lock file is made for
+    // it, and again under the lock).
+    struct stat seen{};
+    if (::lstat(path_.c_str(), &seen) == 0 && !S_ISSOCK(seen.st_mode))
+      return io_error("cannot listen on unix " + path_ + ": it exists and is not a socket (" + kind_of(seen.st_mode) +
+                      "); left as it is");
     const std::string lock_path = path_ + ".lock";
     lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
     struct stat st{};
