@@ -237,7 +237,7 @@ constexpr int kMaxConfigDepth = 32;
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
   // Bounded before it is parsed: a parse of deeply nested text takes tens of
-  // bytes of memory for each of its bytes. A config.json nests a few levels.
+  // bytes of memory for each of its bytes.
   if (const int depth = json_depth(json_text); depth > kMaxConfigDepth)
     return config_error("arrays and objects nested " + std::to_string(depth) + " deep; a config nests at most " +
                         std::to_string(kMaxConfigDepth));

@@ -113,7 +113,6 @@ Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
   // whole file was written under the (shorter) temporary name.
   const auto slash = path.find_last_of('/');
   const std::size_t name_bytes = slash == std::string::npos ? path.size() : path.size() - slash - 1;
-  errno = 0;
   const long name_max = ::pathconf(parent_dir(path).c_str(), _PC_NAME_MAX);
   const std::size_t most = name_max > 0 ? static_cast<std::size_t>(name_max) : 255;
   if (name_bytes > most)
