@@ -141,6 +141,14 @@ class HeldSource : public HandoffSource {
   std::optional<Clock::time_point> t0_;
 };
 
+// The sender's side of one session of `seq` (token ids do not matter here).
+std::unique_ptr<StoreSource> bench_source(KvStore& from, SeqId seq, const Timeline& t) {
+  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(t.payload.rows_tokens), 1),
+                                 "bench");
+  if (!src) die(src.error().to_string());
+  return std::move(*src);
+}
+
 // One session from `from` to `to` over a fresh link, the receiver on a
 // thread; the installed sequence is removed again. Returns the sender's
 // seconds (header sent to commit confirmed), or, `held` to a simulated
@@ -166,11 +174,9 @@ double hand_off(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link l
     if (!l) die(l.error().to_string());
     listener = std::move(*l);
   }
-  const std::int64_t rows = t.payload.rows_tokens;
-  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(rows), 1), "bench");
-  if (!src) die(src.error().to_string());
-  HeldSource held_source(**src);
-  HandoffSource& source = held ? static_cast<HandoffSource&>(held_source) : **src;
+  auto src = bench_source(from, seq, t);
+  HeldSource held_source(*src);
+  HandoffSource& source = held ? static_cast<HandoffSource&>(held_source) : *src;
   StoreTarget target(to);
   std::optional<Result<ReceiveReport>> received;
   std::thread receiver([&] {
@@ -221,15 +227,13 @@ Handoff measure(KvStore& from, SeqId seq, KvStore& to, const Timeline& t, Link l
 // sender's seconds.
 std::string g_ipc_link;  // its describe()
 double ipc_hand_off(KvStore& from, SeqId seq, const Timeline& t, const std::string& socket) {
-  auto src = StoreSource::create(from, seq, t, std::vector<std::int32_t>(static_cast<std::size_t>(t.payload.rows_tokens), 1),
-                                 "bench");
-  if (!src) die(src.error().to_string());
+  auto src = bench_source(from, seq, t);
   auto host = unix_connect(socket, deadline_in(30));
   if (!host) die(host.error().to_string());
   auto link = cuda_ipc_link(std::move(*host), deadline_in(30));
   if (!link) die(link.error().to_string());
   g_ipc_link = (*link)->describe();
-  auto sent = send_session(**link, **src, t, {.timeout_s = 60});
+  auto sent = send_session(**link, *src, t, {.timeout_s = 60});
   (*link)->close();
   if (!sent) die("ipc handoff: " + sent.error().to_string());
   return sent->seconds;

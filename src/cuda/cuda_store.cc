@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/view_rows.h"
+#include "device_scope.h"
 #include "kernels.h"
 #include "launch_policy.h"
 
@@ -39,35 +40,9 @@ Error cuda_error(const std::string& what, cudaError_t e) {
     }                                                                   \
   } while (0)
 
-// Makes the store's device current for the scope of a call and gives the
-// thread's own back at its end, so an engine that drives stores on several
-// GPUs from one thread keeps its current device. Every method that calls
-// CUDA opens one first.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cudaError_t e = cudaGetDevice(&previous_);
-    if (e == cudaSuccess && previous_ != device) {
-      e = cudaSetDevice(device);
-      switched_ = e == cudaSuccess;
-    }
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      status_ = cuda_error("making the store's device current", e);
-    }
-  }
-  ~DeviceScope() {
-    if (switched_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-  const Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  bool switched_ = false;
-  Status status_;
-};
+// Every method that calls CUDA opens a DeviceScope on the store's device
+// first (device_scope.h).
+using cuda::DeviceScope;
 
 // Host staging moves through pieces of this size (snapshot copies).
 constexpr std::size_t kStageBytes = std::size_t{8} << 20;
@@ -437,7 +412,7 @@ struct CudaStore::Impl {
     const bool device_rows = space == MemorySpace::kDevice;
     const cudaStream_t s = device_rows ? pick(stream) : this->stream;
     const DeviceScope scope(device);
-    KVRING_RETURN_IF_ERROR(scope.status());
+    KVRING_CUDA_CHECK("making the store's device current", scope.error());
     KVRING_RETURN_IF_ERROR(enter(s));
     const std::size_t row_bytes = static_cast<std::size_t>(shape.kv_dim) * 2;
     const std::int64_t rows = span_rows(spans);
@@ -532,7 +507,7 @@ Status CudaStore::release_scratch() {
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   if (im.scratch == nullptr) return Status::Ok();
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   if (Impl::capturing(im.stream) || (im.chained && Impl::capturing(im.last)))
     return invalid_argument("release_scratch: the store's stream is being captured into a graph; "
                             "call it outside the capture");
@@ -693,7 +668,7 @@ Result<std::unique_ptr<KvStore>> make_cuda_store(const ModelConfig& config, Stor
 
 Status CudaStore::synchronize(cudaStream_t stream) const {
   const DeviceScope scope(impl_->device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(impl_->pick(stream)));
   return Status::Ok();
 }
@@ -708,7 +683,7 @@ Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
   if (addr % static_cast<std::uintptr_t>(dtype_bytes(dtype)) != 0)
     return invalid_argument(name + " is not aligned to its " + dtype_name(dtype) + " elements");
   const DeviceScope scope(impl_->device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, data) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -745,7 +720,7 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const bool host = k.space == MemorySpace::kHost || v.space == MemorySpace::kHost;
   auto dk = im.stage(k, im.stage_k, s);
@@ -896,7 +871,7 @@ Status CudaStore::attend(const AttendBatch& b) {
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(b.stream);
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const bool host_out = out.space == MemorySpace::kHost;
   bool host = host_out || q.space == MemorySpace::kHost;
@@ -1316,7 +1291,7 @@ Status CudaStore::read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.stream;
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
@@ -1334,7 +1309,7 @@ Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
@@ -1351,7 +1326,7 @@ Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t lay
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
@@ -1367,7 +1342,7 @@ Status CudaStore::copy_block(std::int32_t from, std::int32_t to, cudaStream_t st
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.block_elems) * 2;
   for (auto* pool : {im.pool_k, im.pool_v})
@@ -1385,7 +1360,7 @@ Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStrea
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
   const DeviceScope scope(im.device);
-  KVRING_RETURN_IF_ERROR(scope.status());
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   // Every entry of every change goes up in one copy and lands in the
   // mirror with one launch: a batched operation changes many tables.

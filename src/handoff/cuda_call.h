@@ -36,4 +36,15 @@ inline Status current_gpu_is(int gpu, const std::string& who) {
   return Status::Ok();
 }
 
+// Records `consumed` on `last`, the stream a receiver read a lent buffer
+// on, so that the buffer's next writer waits for those reads on the device;
+// where it cannot be recorded there, the reads are waited for here. Whether
+// `consumed` was recorded.
+inline bool record_after_reads(cudaEvent_t consumed, cudaStream_t last) {
+  if (cudaEventRecord(consumed, last) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  if (cudaStreamSynchronize(last) != cudaSuccess) (void)cudaGetLastError();
+  return false;
+}
+
 }  // namespace kvring::handoff::device

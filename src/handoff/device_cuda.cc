@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "cuda/device_scope.h"
 #include "cuda/digest.h"
 #include "cuda_call.h"
 #include "device.h"
@@ -294,29 +295,6 @@ class CudaTargetSlots : public TargetSlots {
   SlotStream sync_;
 };
 
-// Makes `device` the thread's current GPU for a scope, then restores the
-// one it had.
-class OnDevice {
- public:
-  explicit OnDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      previous_ = -1;
-    }
-    if (previous_ != device) status_ = cudaSetDevice(device);
-  }
-  ~OnDevice() {
-    if (previous_ >= 0 && status_ == cudaSuccess && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
-  }
-  OnDevice(const OnDevice&) = delete;
-  OnDevice& operator=(const OnDevice&) = delete;
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
-
 // The receiver's GPU buffers of a peer link. A buffer is busy from copy()
 // until the bytes it backs are dropped; `consumed` (on the receiver's GPU)
 // is then recorded after the receiver's reads, and the next copy into the
@@ -335,7 +313,7 @@ class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<P
       }
       if (slot.consumed) cudaEventDestroy(slot.consumed);
       if (slot.p) {
-        OnDevice on(recv_);
+        const cuda::DeviceScope on(recv_);
         cudaFree(slot.p);
       }
     }
@@ -343,12 +321,12 @@ class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<P
   Status init() {
     for (Slot& slot : slots_) {
       {
-        OnDevice on(send_);
-        HANDOFF_CUDA("selecting the sender's GPU", on.status());
+        const cuda::DeviceScope on(send_);
+        HANDOFF_CUDA("selecting the sender's GPU", on.error());
         HANDOFF_CUDA("cudaEventCreate", cudaEventCreateWithFlags(&slot.ready, cudaEventDisableTiming));
       }
-      OnDevice on(recv_);
-      HANDOFF_CUDA("selecting the receiver's GPU", on.status());
+      const cuda::DeviceScope on(recv_);
+      HANDOFF_CUDA("selecting the receiver's GPU", on.error());
       HANDOFF_CUDA("cudaEventCreate", cudaEventCreateWithFlags(&slot.consumed, cudaEventDisableTiming));
     }
     return Status::Ok();
@@ -437,8 +415,8 @@ class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<P
     if (slot.bytes < total) {
       if (slot.consumed_pending) HANDOFF_CUDA("waiting for the receiver's reads", cudaEventSynchronize(slot.consumed));
       slot.consumed_pending = false;
-      OnDevice on(recv_);
-      HANDOFF_CUDA("selecting the receiver's GPU", on.status());
+      const cuda::DeviceScope on(recv_);
+      HANDOFF_CUDA("selecting the receiver's GPU", on.error());
       if (slot.p) HANDOFF_CUDA("cudaFree of a peer buffer", cudaFree(slot.p));
       slot.p = nullptr;
       slot.bytes = 0;
@@ -465,17 +443,8 @@ class PeerSlots final : public PeerCopier, public std::enable_shared_from_this<P
   // receiver read none there, the copy itself is waited for.
   void release(std::size_t which, std::optional<cudaStream_t> last) {
     Slot& slot = slots_[which];
-    slot.consumed_pending = false;
-    if (last) {
-      if (cudaEventRecord(slot.consumed, *last) == cudaSuccess) {
-        slot.consumed_pending = true;
-      } else {
-        (void)cudaGetLastError();
-        cudaStreamSynchronize(*last);
-      }
-    } else if (cudaEventSynchronize(slot.ready) != cudaSuccess) {
-      (void)cudaGetLastError();
-    }
+    slot.consumed_pending = last && record_after_reads(slot.consumed, *last);
+    if (!last && cudaEventSynchronize(slot.ready) != cudaSuccess) (void)cudaGetLastError();
     {
       std::lock_guard lock(mu_);
       slot.busy = false;
@@ -516,8 +485,8 @@ Result<PeerPlan> plan_peer(int sender_gpu, int receiver_gpu, bool host_staging) 
   HANDOFF_CUDA("cudaDeviceCanAccessPeer", cudaDeviceCanAccessPeer(&back, sender_gpu, receiver_gpu));
   if (!there || !back) return PeerPlan{false, pair + staged + " (the pair has no peer access)"};
   for (auto [on_gpu, peer] : {std::pair{receiver_gpu, sender_gpu}, std::pair{sender_gpu, receiver_gpu}}) {
-    OnDevice on(on_gpu);
-    HANDOFF_CUDA("selecting GPU " + std::to_string(on_gpu), on.status());
+    const cuda::DeviceScope on(on_gpu);
+    HANDOFF_CUDA("selecting GPU " + std::to_string(on_gpu), on.error());
     const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
     if (e == cudaErrorPeerAccessAlreadyEnabled) {
       (void)cudaGetLastError();

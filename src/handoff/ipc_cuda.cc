@@ -388,16 +388,8 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     std::lock_guard lock(mu_);
     In& in = in_[slot];
     in.held = false;
-    bool has_event = false;
-    if (last) {
-      if (cudaEventRecord(in.consumed, *last) == cudaSuccess) {
-        has_event = true;
-        in.consumed_pending = true;
-      } else {
-        (void)cudaGetLastError();
-        cudaStreamSynchronize(*last);
-      }
-    }
+    const bool has_event = last && device::record_after_reads(in.consumed, *last);
+    if (has_event) in.consumed_pending = true;
     std::vector<std::uint8_t> frame{static_cast<std::uint8_t>(slot), static_cast<std::uint8_t>(has_event)};
     cudaIpcEventHandle_t h{};
     if (has_event) h = in.consumed_handle;

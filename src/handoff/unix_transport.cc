@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/file_read.h"
 #include "kvring/handoff.h"
 
 namespace kvring::handoff {
@@ -43,14 +44,6 @@ sockaddr_un make_addr(const std::string& path) {
   a.sun_family = AF_UNIX;
   std::memcpy(a.sun_path, path.data(), path.size());  // check_path: it fits with its NUL
   return a;
-}
-
-const char* kind_of(mode_t mode) {
-  if (S_ISREG(mode)) return "a regular file";
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISLNK(mode)) return "a symbolic link";
-  return "a device or other special file";
 }
 
 // Polls `fd` for `events` until it is ready (true; an error or hang-up
@@ -194,13 +187,14 @@ class Listener : public UnixListener {
     // lock two files of one name). Anything but a socket at the path is
     // someone's data: refused, untouched (before a lock file is made for
     // it, and again under the lock).
-    struct stat seen{};
-    if (::lstat(path_.c_str(), &seen) == 0 && !S_ISSOCK(seen.st_mode))
-      return io_error("cannot listen on unix " + path_ + ": it exists and is not a socket (" + kind_of(seen.st_mode) +
-                      "); left as it is");
+    const auto not_a_socket = [&](mode_t mode) {
+      return io_error("cannot listen on unix " + path_ + ": it exists and is not a socket (" +
+                      file_internal::file_type_name(mode) + "); left as it is");
+    };
+    struct stat st{};
+    if (::lstat(path_.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) return not_a_socket(st.st_mode);
     const std::string lock_path = path_ + ".lock";
     lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
-    struct stat st{};
     if (lock_fd_ < 0 || ::fstat(lock_fd_, &st) != 0 || !S_ISREG(st.st_mode))
       return io_error("cannot listen on unix " + path_ + ": its lock file " + lock_path + ": " +
                       (lock_fd_ < 0 ? errno_text() : std::string("not a regular file")));
@@ -208,9 +202,7 @@ class Listener : public UnixListener {
       return io_error("cannot listen on unix " + path_ + ": " +
                       (errno == EWOULDBLOCK ? std::string("another listener is there") : errno_text()));
     if (::lstat(path_.c_str(), &st) == 0) {
-      if (!S_ISSOCK(st.st_mode))
-        return io_error("cannot listen on unix " + path_ + ": it exists and is not a socket (" + kind_of(st.st_mode) +
-                        "); left as it is");
+      if (!S_ISSOCK(st.st_mode)) return not_a_socket(st.st_mode);
       if (::unlink(path_.c_str()) != 0 && errno != ENOENT)
         return io_error("cannot listen on unix " + path_ + ": removing the old socket: " + errno_text());
     } else if (errno != ENOENT) {
