@@ -74,16 +74,17 @@ struct CombineJob {
   float* out;
 };
 
-// Rows the next pass reads, prefetched one per row of this pass so that
-// they arrive while this pass computes: row j of a pass prefetches rows[j]
-// while j < n.
-// The far stream (the AVX-512 path; none where far is null): a second
-// prefetch, into L2, kFarRows rows ahead in the order a split reads its
-// rows (its K rows, then its V rows), twice the near prefetch's distance,
-// so that a row read from memory is requested that much earlier. The
-// scores' row j takes K row j + kFarRows while that is in the pass, then
-// far[j + kFarRows - n] while that index is below far_n (the split's first
-// V rows); an accumulate's row j takes far[j] while j < far_n.
+// Rows the next pass reads, prefetched while this pass computes: row j of
+// a pass prefetches rows[j] while j < n (the AVX-512 scores spread all of
+// rows and far over their groups instead; scores_avx512).
+// The far stream (none where far is null): a second prefetch, into L2,
+// kFarRows rows ahead in the order a split reads its rows (its K rows,
+// then its V rows), twice the near prefetch's distance, so that a row read
+// from memory is requested that much earlier. A row-by-row scores pass's
+// row j takes K row j + kFarRows while that is in the pass, then
+// far[j + kFarRows - n] while that index is below far_n (the split's V
+// rows, of which it reaches the first kFarRows); an accumulate's row j
+// takes far[j] while j < far_n.
 struct Ahead {
   const std::uint16_t* const* rows = nullptr;
   std::int64_t n = 0;
@@ -594,12 +595,33 @@ KVRING_AVX512 void score_row_avx512(const float* q, std::int64_t G, std::int64_t
   });
 }
 
-// R rows at a time for 8 heads: each row's arithmetic is dots8_avx512's;
-// each query load serves the R rows.
+// One row's 8 head sums from their accumulators a[0..7], in the order of
+// hsum8x8(fold16(a[0]), ..., fold16(a[7])): lane u + lane u + 8, then
+// pairs, then pairs of pairs, then the two halves. Whole-register shuffles
+// reduce two accumulators (then four, then eight) per add, where fold16 and
+// hadd reduce one or two.
+KVRING_AVX512 inline __m256 hsum16x8(const __m512* a) {
+  __m512 y[4];  // y[i]: a[2i]'s folded lanes, then a[2i + 1]'s
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  const __m512 p0 = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512 p1 = _mm512_add_ps(_mm512_shuffle_ps(y[2], y[3], 0x88), _mm512_shuffle_ps(y[2], y[3], 0xDD));
+  // 128-bit lane 0: heads 0, 2, 4, 6's first halves; lane 1 their second
+  // halves; lanes 2 and 3 the same for heads 1, 3, 5, 7.
+  const __m512 h = _mm512_add_ps(_mm512_shuffle_ps(p0, p1, 0x88), _mm512_shuffle_ps(p0, p1, 0xDD));
+  const __m512 sums = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xB1));
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+}
+
+// R rows at a time for 8 heads, row r at kp[r] scored into s[r]: each
+// row's arithmetic is dots8_avx512's; each query load serves the R rows.
 template <int R>
 KVRING_AVX512 inline void dots8xR_avx512(const float* q, std::int64_t hd,
-                                         const std::uint16_t* const* kp, float scale, float* s,
-                                         std::int64_t s_stride) {
+                                         const std::uint16_t* const* kp, float scale,
+                                         float* const* s) {
   __m512 a[R][8];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -621,29 +643,60 @@ KVRING_AVX512 inline void dots8xR_avx512(const float* q, std::int64_t hd,
   }
   const __m256 sc = _mm256_set1_ps(scale);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    _mm256_storeu_ps(s + r * s_stride,
-                     _mm256_mul_ps(hsum8x8(fold16(a[r][0]), fold16(a[r][1]), fold16(a[r][2]),
-                                           fold16(a[r][3]), fold16(a[r][4]), fold16(a[r][5]),
-                                           fold16(a[r][6]), fold16(a[r][7])),
-                                   sc));
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(s[r], _mm256_mul_ps(hsum16x8(a[r]), sc));
 }
 
+// Streams of rows the AVX-512 scores read at once (scores_avx512).
+constexpr std::int64_t kStreams = 3;
+
+// The entries of list[0, n) that group g of a pass of `groups` groups
+// prefetches: g, g + groups, g + 2 groups (those below kStreams * groups),
+// and on the last group every entry past them. The list is spread evenly
+// over the pass, in kStreams streams.
+
+template <int kLocality>
+[[gnu::always_inline]] inline void prefetch_spread(const std::uint16_t* const* list, std::int64_t n,
+                                                   std::int64_t g, std::int64_t groups,
+                                                   std::int64_t hd) {
+  for (std::int64_t i = g; i < n && i < kStreams * groups; i += groups) prefetch_row<kLocality>(list[i], hd);
+  if (g == groups - 1)
+    for (std::int64_t i = kStreams * groups; i < n; ++i) prefetch_row<kLocality>(list[i], hd);
+}
+
+// Scores three rows at a time, one from each third of the pass (rows g,
+// g + n/3, g + 2n/3 for group g), so that a core reads three streams of K
+// at once: one stream at a time leaves the memory idle between a core's
+// demands, which a stream from each third keeps busy (docs/PERFORMANCE.md,
+// "Three streams of K"). Each group also takes its share of the rows the
+// next pass reads (every one of ahead.rows and ahead.far, spread over the
+// groups in the same three streams): V arrives while the scores compute.
+// A row's scores do not depend on the rows beside it, so the grouping
+// changes no bit.
 KVRING_AVX512 void scores_avx512(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
                                  float scale, const std::uint16_t* const* kp, std::int64_t n,
                                  float* sc, Ahead ahead) {
   std::int64_t j = 0;
-  if (G % 8 == 0) {
-    constexpr int R = 3;
-    for (; j + R <= n; j += R) {
-      for (int r = 0; r < R; ++r) {
-        if (j + kPrefetchRows + r < n) prefetch_row(kp[j + kPrefetchRows + r], hd);
-        prefetch_ahead(ahead, j + r, hd);
-        prefetch_far_scores(ahead, kp, n, j + r, hd);
+  const std::int64_t groups = n / kStreams;
+  if (G % 8 == 0 && groups > 0) {
+    for (std::int64_t g = 0; g < groups; ++g) {
+      const std::uint16_t* rows[kStreams];
+      float* out[kStreams];
+      for (std::int64_t r = 0; r < kStreams; ++r) {
+        const std::int64_t i = r * groups + g;
+        rows[r] = kp[i];
+        out[r] = sc + i * Gp;
+        if (g + kPrefetchRows < groups) prefetch_row(kp[i + kPrefetchRows], hd);
       }
-      for (std::int64_t t = 0; t < G; t += 8)
-        dots8xR_avx512<R>(q + t * hd, hd, kp + j, scale, sc + j * Gp + t, Gp);
+      prefetch_spread<3>(ahead.rows, ahead.n, g, groups, hd);
+      prefetch_spread<3>(ahead.far, ahead.far_n, g, groups, hd);
+      for (std::int64_t t = 0; t < G; t += 8) {
+        float* head_out[kStreams];
+        for (std::int64_t r = 0; r < kStreams; ++r) head_out[r] = out[r] + t;
+        dots8xR_avx512<kStreams>(q + t * hd, hd, rows, scale, head_out);
+      }
     }
+    j = kStreams * groups;
+    ahead = {};
   }
   for (; j < n; ++j) {
     if (j + kPrefetchRows < n) prefetch_row(kp[j + kPrefetchRows], hd);
@@ -708,7 +761,7 @@ const Kernels& kernels_for(AttentionIsa isa, std::int64_t hd) {
 void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
                float scale, std::int64_t n, const std::uint16_t* const* kp,
                const std::uint16_t* const* vp, float* m, float* l, float* o, float* sc) {
-  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kNearRows), vp, std::min(n, kFarRows)});
+  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kNearRows), vp, n});
   K.weights(sc, n, Gp, m, l);
   std::fill(o, o + G * hd, 0.0f);
   for (std::int64_t j0 = 0; j0 < n; j0 += kTileRows) {
