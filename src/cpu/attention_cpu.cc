@@ -6,6 +6,7 @@
 #include <cmath>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -74,17 +75,11 @@ struct CombineJob {
   float* out;
 };
 
-// Rows the next pass reads, prefetched while this pass computes: row j of
-// a pass prefetches rows[j] while j < n (the AVX-512 scores spread all of
-// rows and far over their groups instead; scores_avx512).
-// The far stream (none where far is null): a second prefetch, into L2,
-// kFarRows rows ahead in the order a split reads its rows (its K rows,
-// then its V rows), twice the near prefetch's distance, so that a row read
-// from memory is requested that much earlier. A row-by-row scores pass's
-// row j takes K row j + kFarRows while that is in the pass, then
-// far[j + kFarRows - n] while that index is below far_n (the split's V
-// rows, of which it reaches the first kFarRows); an accumulate's row j
-// takes far[j] while j < far_n.
+// Rows the next pass reads, prefetched while this pass computes. A scores
+// pass takes every one of rows[0, n) and far[0, far_n), spread over its
+// groups (scores_in_streams). An accumulate's row j takes rows[j] into L1
+// while j < n and far[j] into L2 while j < far_n: the next rows a tile
+// reads, and the far stream kFarRows rows ahead of its own.
 struct Ahead {
   const std::uint16_t* const* rows = nullptr;
   std::int64_t n = 0;
@@ -102,17 +97,6 @@ template <int kLocality = 3>
 [[gnu::always_inline]] inline void prefetch_row(const std::uint16_t* p, std::int64_t hd) {
   for (std::int64_t b = 0; b < hd * 2; b += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, kLocality);
-}
-
-// The far stream of a scores pass of n rows (kp its K rows) at row j.
-[[gnu::always_inline]] inline void prefetch_far_scores(const Ahead& a, const std::uint16_t* const* kp, std::int64_t n,
-                                std::int64_t j, std::int64_t hd) {
-  if (a.far == nullptr) return;
-  const std::int64_t f = j + kFarRows;
-  if (f < n)
-    prefetch_row<2>(kp[f], hd);
-  else if (f - n < a.far_n)
-    prefetch_row<2>(a.far[f - n], hd);
 }
 
 [[gnu::always_inline]] inline void prefetch_ahead(const Ahead& a, std::int64_t j, std::int64_t hd) {
@@ -163,16 +147,50 @@ void score_row_scalar(const float* q, std::int64_t G, std::int64_t hd, float sca
   for (std::int64_t t = G; t < round_up(G, 8); ++t) s[t] = 0.0f;
 }
 
-// Rows ahead of the one being scored that the scores prefetch.
+// Rows ahead of the one being scored, in its stream, that the scores
+// prefetch.
 constexpr std::int64_t kPrefetchRows = 16;
 
-// Scores of rows [0, n) into sc ([n][Gp]) by a per-row function.
+// Streams of K rows a scores pass reads at once.
+constexpr std::int64_t kStreams = 3;
+
+// A scores pass in stream order: of its groups = n / kStreams groups,
+// group g takes rows g, g + groups and g + 2 groups, one from each third
+// of the pass, and the pass's last n % kStreams rows come after the groups.
+// One stream at a time leaves a core's memory idle between its demands;
+// three keep more lines in flight (docs/PERFORMANCE.md, "Three streams of
+// K"). A row's scores never depend on the rows scored beside it.
+//
+// Group g's prefetches: each stream's row kPrefetchRows ahead, and its
+// share of the rows the next pass reads (entries g, g + groups, g + 2
+// groups of ahead.rows and ahead.far, and on the last group every entry
+// past those), so that they arrive during this pass.
+[[gnu::always_inline]] inline void prefetch_group(const std::uint16_t* const* kp, std::int64_t hd,
+                                                  const Ahead& ahead, std::int64_t g, std::int64_t groups) {
+  for (std::int64_t r = 0; r < kStreams; ++r)
+    if (g + kPrefetchRows < groups) prefetch_row(kp[r * groups + g + kPrefetchRows], hd);
+  for (const auto& [list, count] : {std::pair{ahead.rows, ahead.n}, std::pair{ahead.far, ahead.far_n}}) {
+    for (std::int64_t i = g; i < count && i < kStreams * groups; i += groups) prefetch_row(list[i], hd);
+    if (g == groups - 1)
+      for (std::int64_t i = kStreams * groups; i < count; ++i) prefetch_row(list[i], hd);
+  }
+}
+
+// Scores of rows [0, n) into sc ([n][Gp]) by a per-row function, in stream
+// order.
 template <void (*Row)(const float*, std::int64_t, std::int64_t, float, const std::uint16_t*, float*)>
 void scores_by_row(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd, float scale,
                    const std::uint16_t* const* kp, std::int64_t n, float* sc, Ahead ahead) {
-  for (std::int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetchRows < n) prefetch_row(kp[j + kPrefetchRows], hd);
-    prefetch_ahead(ahead, j, hd);
+  const std::int64_t groups = n / kStreams;
+  for (std::int64_t g = 0; g < groups; ++g) {
+    prefetch_group(kp, hd, ahead, g, groups);
+    for (std::int64_t r = 0; r < kStreams; ++r) {
+      const std::int64_t i = r * groups + g;
+      Row(q, G, hd, scale, kp[i], sc + i * Gp);
+    }
+  }
+  for (std::int64_t j = kStreams * groups; j < n; ++j) {
+    if (groups == 0) prefetch_ahead(ahead, j, hd);
     Row(q, G, hd, scale, kp[j], sc + j * Gp);
   }
 }
@@ -646,64 +664,28 @@ KVRING_AVX512 inline void dots8xR_avx512(const float* q, std::int64_t hd,
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(s[r], _mm256_mul_ps(hsum16x8(a[r]), sc));
 }
 
-// Streams of rows the AVX-512 scores read at once (scores_avx512).
-constexpr std::int64_t kStreams = 3;
-
-// The entries of list[0, n) that group g of a pass of `groups` groups
-// prefetches: g, g + groups, g + 2 groups (those below kStreams * groups),
-// and on the last group every entry past them. The list is spread evenly
-// over the pass, in kStreams streams.
-
-template <int kLocality>
-[[gnu::always_inline]] inline void prefetch_spread(const std::uint16_t* const* list, std::int64_t n,
-                                                   std::int64_t g, std::int64_t groups,
-                                                   std::int64_t hd) {
-  for (std::int64_t i = g; i < n && i < kStreams * groups; i += groups) prefetch_row<kLocality>(list[i], hd);
-  if (g == groups - 1)
-    for (std::int64_t i = kStreams * groups; i < n; ++i) prefetch_row<kLocality>(list[i], hd);
-}
-
-// Scores three rows at a time, one from each third of the pass (rows g,
-// g + n/3, g + 2n/3 for group g), so that a core reads three streams of K
-// at once: one stream at a time leaves the memory idle between a core's
-// demands, which a stream from each third keeps busy (docs/PERFORMANCE.md,
-// "Three streams of K"). Each group also takes its share of the rows the
-// next pass reads (every one of ahead.rows and ahead.far, spread over the
-// groups in the same three streams): V arrives while the scores compute.
-// A row's scores do not depend on the rows beside it, so the grouping
-// changes no bit.
+// Three rows at a time in stream order (prefetch_group) where the heads
+// come in blocks of 8, each query load serving the three rows; else row by
+// row in the same order.
 KVRING_AVX512 void scores_avx512(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
                                  float scale, const std::uint16_t* const* kp, std::int64_t n,
                                  float* sc, Ahead ahead) {
-  std::int64_t j = 0;
   const std::int64_t groups = n / kStreams;
-  if (G % 8 == 0 && groups > 0) {
-    for (std::int64_t g = 0; g < groups; ++g) {
-      const std::uint16_t* rows[kStreams];
+  if (G % 8 != 0 || groups == 0) {
+    scores_by_row<score_row_avx512>(q, G, Gp, hd, scale, kp, n, sc, ahead);
+    return;
+  }
+  for (std::int64_t g = 0; g < groups; ++g) {
+    prefetch_group(kp, hd, ahead, g, groups);
+    const std::uint16_t* k[kStreams];
+    for (std::int64_t r = 0; r < kStreams; ++r) k[r] = kp[r * groups + g];
+    for (std::int64_t t = 0; t < G; t += 8) {
       float* out[kStreams];
-      for (std::int64_t r = 0; r < kStreams; ++r) {
-        const std::int64_t i = r * groups + g;
-        rows[r] = kp[i];
-        out[r] = sc + i * Gp;
-        if (g + kPrefetchRows < groups) prefetch_row(kp[i + kPrefetchRows], hd);
-      }
-      prefetch_spread<3>(ahead.rows, ahead.n, g, groups, hd);
-      prefetch_spread<3>(ahead.far, ahead.far_n, g, groups, hd);
-      for (std::int64_t t = 0; t < G; t += 8) {
-        float* head_out[kStreams];
-        for (std::int64_t r = 0; r < kStreams; ++r) head_out[r] = out[r] + t;
-        dots8xR_avx512<kStreams>(q + t * hd, hd, rows, scale, head_out);
-      }
+      for (std::int64_t r = 0; r < kStreams; ++r) out[r] = sc + (r * groups + g) * Gp + t;
+      dots8xR_avx512<kStreams>(q + t * hd, hd, k, scale, out);
     }
-    j = kStreams * groups;
-    ahead = {};
   }
-  for (; j < n; ++j) {
-    if (j + kPrefetchRows < n) prefetch_row(kp[j + kPrefetchRows], hd);
-    prefetch_ahead(ahead, j, hd);
-    prefetch_far_scores(ahead, kp, n, j, hd);
-    score_row_avx512(q, G, hd, scale, kp[j], sc + j * Gp);
-  }
+  for (std::int64_t j = kStreams * groups; j < n; ++j) score_row_avx512(q, G, hd, scale, kp[j], sc + j * Gp);
 }
 
 KVRING_AVX512 void accumulate_avx512(const std::uint16_t* const* vp, std::int64_t n,
@@ -761,7 +743,7 @@ const Kernels& kernels_for(AttentionIsa isa, std::int64_t hd) {
 void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
                float scale, std::int64_t n, const std::uint16_t* const* kp,
                const std::uint16_t* const* vp, float* m, float* l, float* o, float* sc) {
-  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, std::min(n, kNearRows), vp, n});
+  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, n});
   K.weights(sc, n, Gp, m, l);
   std::fill(o, o + G * hd, 0.0f);
   for (std::int64_t j0 = 0; j0 < n; j0 += kTileRows) {
