@@ -272,8 +272,9 @@ constexpr Kernels kScalarKernels{scores_by_row<score_row_scalar>, weights_scalar
 // Lane u of a head's dot product sums dimensions u, u + W, ... by FMA (W =
 // 8 or 16 lanes); the lanes add in a fixed tree. Each output element
 // accumulates its rows in logical order by FMA. exp is one polynomial
-// (Cephes' expf, within 2 ulp), the same for every lane. Weights and the
-// combine are the AVX2 code on both paths.
+// (Cephes' expf, within 2 ulp), the same for every lane. The combine and
+// the f16 numeric's weights are the AVX2 code on both paths; the AVX-512
+// weights are its arithmetic on two rows to a register (weights_avx512).
 
 #if KVRING_ATTEND_X86
 
@@ -697,11 +698,63 @@ KVRING_AVX512 void accumulate_avx512(const std::uint16_t* const* vp, std::int64_
   });
 }
 
+// exp8's arithmetic on 16 lanes: the same operations, lane for lane.
+KVRING_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// weights_avx2's result for 8 head lanes (Gp == 8), two rows to a
+// register: the maximum is the same whatever the order; the weights are
+// exp8's, lane for lane; the sum adds row j's weight, then row j + 1's.
+KVRING_AVX512 void weights_avx512(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+  if (Gp != 8) {
+    weights_avx2(sc, n, Gp, m, l);
+    return;
+  }
+  const std::int64_t pairs = n / 2;
+  __m512 mx2 = _mm512_set1_ps(-INFINITY);
+  for (std::int64_t j = 0; j < pairs; ++j) mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sc + 16 * j));
+  __m256 mx = _mm256_max_ps(_mm512_castps512_ps256(mx2),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mx2), 1)));
+  if (n % 2 != 0) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + 16 * pairs));
+  const __m512 mx16 = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(mx)));
+  __m256 sum = _mm256_setzero_ps();
+  for (std::int64_t j = 0; j < pairs; ++j) {
+    const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + 16 * j), mx16));
+    _mm512_storeu_ps(sc + 16 * j, w);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(w));
+    sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+  }
+  if (n % 2 != 0) {
+    const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + 16 * pairs), mx));
+    _mm256_storeu_ps(sc + 16 * pairs, w);
+    sum = _mm256_add_ps(sum, w);
+  }
+  _mm256_storeu_ps(m, mx);
+  _mm256_storeu_ps(l, sum);
+}
+
 #pragma GCC diagnostic pop
 
 constexpr Kernels kAvx2Kernels{scores_by_row<score_row_avx2>, weights_avx2, weights_f16_avx2, accumulate_avx2,
                                combine_avx2};
-constexpr Kernels kAvx512Kernels{scores_avx512, weights_avx2, weights_f16_avx2, accumulate_avx512, combine_avx2};
+constexpr Kernels kAvx512Kernels{scores_avx512, weights_avx512, weights_f16_avx2, accumulate_avx512, combine_avx2};
 
 bool cpu_has(AttentionIsa isa) {
   if (isa == AttentionIsa::kScalar) return true;
