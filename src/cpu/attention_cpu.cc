@@ -77,7 +77,7 @@ struct CombineJob {
 
 // Rows the next pass reads, prefetched while this pass computes. A scores
 // pass takes every one of rows[0, n) and far[0, far_n), spread over its
-// groups (scores_in_streams). An accumulate's row j takes rows[j] into L1
+// groups (prefetch_group). An accumulate's row j takes rows[j] into L1
 // while j < n and far[j] into L2 while j < far_n: the next rows a tile
 // reads, and the far stream kFarRows rows ahead of its own.
 struct Ahead {
