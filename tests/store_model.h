@@ -1580,8 +1580,8 @@ class Harness {
       const auto skip = static_cast<std::size_t>((p.ring.len() - rows) * kv());
       std::vector<std::uint16_t> k(p.k.size() - skip + 1), v(k.size());
       if (!x.read_rows(other_seq_, l, n - rows, rows, k.data(), v.data()).ok() ||
-          std::memcmp(k.data(), p.k.data() + skip, (p.k.size() - skip) * 2) != 0 ||
-          std::memcmp(v.data(), p.v.data() + skip, (p.v.size() - skip) * 2) != 0)
+          !std::equal(p.k.begin() + static_cast<std::ptrdiff_t>(skip), p.k.end(), k.begin()) ||
+          !std::equal(p.v.begin() + static_cast<std::ptrdiff_t>(skip), p.v.end(), v.begin()))
         return fail(where + "layer " + std::to_string(l) + " holds other rows than the snapshot's last");
     }
     return true;
