@@ -292,19 +292,26 @@ KVRING_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// exp8's and exp16's constants: one set, so the two widths give a lane the
+// same bits.
+struct ExpConstants {
+  static constexpr float kClamp = 88.3762626647949f, kLog2e = 1.44269504088896341f;
+  static constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  // The polynomial's coefficients, highest degree first.
+  static constexpr float kPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                    4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
+
 KVRING_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  using C = ExpConstants;
+  x = _mm256_min_ps(x, _mm256_set1_ps(C::kClamp));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-C::kClamp));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(C::kLog2e), _mm256_set1_ps(0.5f));
   fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(C::kLn2Hi), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(C::kLn2Lo), x);
+  __m256 y = _mm256_set1_ps(C::kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(C::kPoly[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
   y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
   // 2^fx; fx = -127 (x at the lower clamp) gives 0.
@@ -700,18 +707,15 @@ KVRING_AVX512 void accumulate_avx512(const std::uint16_t* const* vp, std::int64_
 
 // exp8's arithmetic on 16 lanes: the same operations, lane for lane.
 KVRING_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  using C = ExpConstants;
+  x = _mm512_min_ps(x, _mm512_set1_ps(C::kClamp));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-C::kClamp));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(C::kLog2e), _mm512_set1_ps(0.5f));
   fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(C::kLn2Hi), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(C::kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(C::kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(C::kPoly[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
   y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(
