@@ -41,6 +41,7 @@
 #include <optional>
 #include <random>
 
+#include "cuda/allocation.h"
 #include "cuda_call.h"
 #include "device.h"
 #include "kvring/handoff.h"
@@ -113,29 +114,13 @@ Result<Gpu> current_gpu() {
   return g;
 }
 
-// The bytes from `p` to the end of the allocation that holds it, from the
-// driver (cuMemGetAddressRange): a mapping is never read past what it
-// holds, whatever a frame claims.
+// The bytes from `p` to the end of the allocation that holds it
+// (cuda::allocation_bytes): a mapping is never read past what it holds,
+// whatever a frame claims.
 Result<std::uint64_t> allocation_bytes(const void* p) {
-  using GetRange = int (*)(unsigned long long*, std::size_t*, unsigned long long);
-  static const GetRange get_range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      fn = nullptr;
-    }
-    return reinterpret_cast<GetRange>(fn);
-  }();
-  if (!get_range) return make_error(ErrorCode::kCuda, "cuda ipc link: the driver has no cuMemGetAddressRange");
-  unsigned long long base = 0;
-  std::size_t bytes = 0;
-  const auto at = static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p));
-  if (get_range(&base, &bytes, at) != 0 || at < base || at - base > bytes)
-    return make_error(ErrorCode::kCuda, "cuda ipc link: the mapped buffer's size is unknown");
-  return static_cast<std::uint64_t>(bytes - (at - base));
+  const auto bytes = cuda::allocation_bytes(p);
+  if (!bytes) return make_error(ErrorCode::kCuda, "cuda ipc link: the mapped buffer's size is unknown");
+  return *bytes;
 }
 
 class IpcLink;
