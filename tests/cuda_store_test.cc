@@ -5,6 +5,8 @@
 // refusals that leave the store as it was.
 #include <gtest/gtest.h>
 
+#include <cuda.h>
+
 #include <cstring>
 
 #include "cuda/testing.h"
@@ -508,8 +510,9 @@ TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
   check(s->prefill(full_layer, std::span(&span, 1), testing::device_in(k.get(), n, kv), testing::device_in(k.get(), n, kv),
                    testing::device_in(q.get(), n, width), MutView{out.get(), MemorySpace::kHost, DType::kF32, n, width, width}),
         "device out as host");
-  // More query rows than the launches index (2^31 - 1): refused before any
-  // row is read (the views claim rows that their buffers do not hold).
+  // 2^31 query rows, more than the launches index, in views that claim rows
+  // their buffers do not hold: refused before any row is read, as views
+  // past their allocations (ViewsPastTheirAllocationsAreRefused).
   {
     const std::int64_t huge = std::int64_t{1} << 31;
     const std::int64_t sliding_layer = 0;
@@ -518,7 +521,8 @@ TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
     const Status st = s->prefill(sliding_layer, std::span(&hspan, 1), testing::device_in(k.get(), huge, kv),
                                  testing::device_in(k.get(), huge, kv), testing::device_in(q.get(), huge, width),
                                  device_view(out.get(), huge, width));
-    EXPECT_EQ(st.error().code, ErrorCode::kUnsupported) << st.to_string();
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.to_string().find("allocation"), std::string::npos) << st.to_string();
     check(st, "2^31 query rows");
   }
   // A position that does not follow.
@@ -532,6 +536,206 @@ TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
                             testing::device_in(kb.get(), big * c.n_layers, kv)),
         "pool exhausted");
   ASSERT_TRUE(s->synchronize().ok());
+}
+
+// A driver function, through the runtime's entry point (the tests link no
+// driver library).
+template <class Fn>
+Fn driver_fn(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  EXPECT_EQ(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found), cudaSuccess) << name;
+  EXPECT_EQ(found, cudaDriverEntryPointSuccess) << name;
+  return reinterpret_cast<Fn>(fn);
+}
+
+// Two physical allocations mapped back to back into a reserved virtual
+// range of three (as a growing caching allocator maps its segments): the
+// driver reports each alone, yet a view may run across the seam; the third
+// stays unmapped, so nothing the driver knows follows the second.
+class BackToBack {
+ public:
+  BackToBack() = default;
+  // Reserves and maps; a failure is the test's (ASSERT).
+  void map_both() {
+    auto granularity = driver_fn<CUresult (*)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags)>(
+        "cuMemGetAllocationGranularity");
+    auto create = driver_fn<CUresult (*)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                                         unsigned long long)>("cuMemCreate");
+    auto reserve = driver_fn<CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long)>(
+        "cuMemAddressReserve");
+    auto map = driver_fn<CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long)>(
+        "cuMemMap");
+    auto access = driver_fn<CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t)>("cuMemSetAccess");
+    unmap_ = driver_fn<CUresult (*)(CUdeviceptr, size_t)>("cuMemUnmap");
+    release_ = driver_fn<CUresult (*)(CUmemGenericAllocationHandle)>("cuMemRelease");
+    free_ = driver_fn<CUresult (*)(CUdeviceptr, size_t)>("cuMemAddressFree");
+    ASSERT_TRUE(granularity && create && reserve && map && access && unmap_ && release_ && free_);
+    int device = 0;
+    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+    ASSERT_EQ(cudaFree(nullptr), cudaSuccess);  // the primary context, current
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    ASSERT_EQ(granularity(&piece_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), CUDA_SUCCESS);
+    ASSERT_EQ(reserve(&base_, 3 * piece_, 0, 0, 0), CUDA_SUCCESS);
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_EQ(create(&handle_[i], piece_, &prop, 0), CUDA_SUCCESS);
+      ASSERT_EQ(map(base_ + i * piece_, piece_, 0, handle_[i], 0), CUDA_SUCCESS);
+      mapped_[i] = true;
+    }
+    CUmemAccessDesc desc{};
+    desc.location = prop.location;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    ASSERT_EQ(access(base_, 2 * piece_, &desc, 1), CUDA_SUCCESS);
+  }
+  ~BackToBack() {
+    for (int i = 0; i < 2; ++i) {
+      if (mapped_[i]) (void)unmap_(base_ + i * piece_, piece_);
+      if (handle_[i] != 0) (void)release_(handle_[i]);
+    }
+    if (base_ != 0) (void)free_(base_, 3 * piece_);
+  }
+  BackToBack(const BackToBack&) = delete;
+  BackToBack& operator=(const BackToBack&) = delete;
+  char* seam() const { return reinterpret_cast<char*>(static_cast<std::uintptr_t>(base_ + piece_)); }
+  // The first byte past the second allocation.
+  char* end() const { return reinterpret_cast<char*>(static_cast<std::uintptr_t>(base_ + 2 * piece_)); }
+
+ private:
+  size_t piece_ = 0;
+  CUdeviceptr base_ = 0;
+  CUmemGenericAllocationHandle handle_[2] = {0, 0};
+  bool mapped_[2] = {false, false};
+  CUresult (*unmap_)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*release_)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*free_)(CUdeviceptr, size_t) = nullptr;
+};
+
+// A device view that runs past the memory that holds it is refused before
+// anything is read or written (a kernel past it would fault, and the GPU's
+// context would be lost), and leaves the store as it was; views that fill
+// their allocations exactly, or run across two allocations mapped back to
+// back, are taken. The refusals end a few bytes past the mapped range (its
+// size is the driver's granularity, so nothing rounds it up).
+TEST(CudaStore, ViewsPastTheirAllocationsAreRefused) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = config();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  auto s = testing::new_store(BackendKind::kCuda, c, options());
+  ASSERT_TRUE(s);
+  auto a = *s->add_sequence();
+  const auto in = testing::seq_inputs(c, 40, 61);
+  testing::Outputs o;
+  testing::run_plan(*s, {a}, {in}, {{false, {{0, 40}}}}, o);
+  const auto before = seq_image(*s, a);
+  const std::int64_t n = 8;
+  const std::int64_t full_layer = 1;
+  ASSERT_EQ(c.kind(full_layer), LayerKind::kFullNope);
+  BackToBack b2b;
+  b2b.map_both();
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::vector<float> fill = random_floats(static_cast<std::size_t>(1024 * width), 6);
+  ASSERT_EQ(cudaMemcpy(b2b.end() - fill.size() * sizeof(float), fill.data(), fill.size() * sizeof(float),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  for (char* at : {b2b.seam() - fill.size() * sizeof(float), b2b.seam()})
+    ASSERT_EQ(cudaMemcpy(at, fill.data(), fill.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  // `bytes` before the end, plus `over` past it.
+  auto floats_at_end = [&](std::int64_t floats, std::int64_t over) {
+    return reinterpret_cast<float*>(b2b.end() - (floats - over) * static_cast<std::int64_t>(sizeof(float)));
+  };
+  auto refused = [&](const Status& st, const char* what) {
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << what << ": " << st.to_string();
+    EXPECT_NE(st.to_string().find("allocation"), std::string::npos) << what << ": " << st.to_string();
+    EXPECT_TRUE(seq_image(*s, a) == before) << what;
+  };
+  DeviceArray<float> k(random_floats(static_cast<std::size_t>(n * kv), 3)),
+      v(random_floats(static_cast<std::size_t>(n * kv), 4)), q(random_floats(static_cast<std::size_t>(n * width), 5)),
+      out(static_cast<std::size_t>(n * width));
+  const SeqSpan span{a, 40, n};
+  refused(s->store(full_layer, std::span(&span, 1), testing::device_in(floats_at_end(n * kv, 1), n, kv),
+                   testing::device_in(v.get(), n, kv)),
+          "k one float past");
+  refused(s->store(full_layer, std::span(&span, 1), testing::device_in(k.get(), n, kv),
+                   testing::device_in(floats_at_end(n * kv, 1), n, kv)),
+          "v one float past");
+  // The last row's end bounds the view, not n row strides: a view whose
+  // stride runs past the end but whose last row ends there is taken below.
+  const std::int64_t strided = (n - 1) * (width + 4) + width;
+  refused(s->prefill(full_layer, std::span(&span, 1), testing::device_in(k.get(), n, kv), testing::device_in(v.get(), n, kv),
+                     testing::device_in(q.get(), n, width),
+                     MutView{floats_at_end(strided, 4), MemorySpace::kDevice, DType::kF32, n, width, width + 4}),
+          "out of a wider stride, 4 floats past");
+  const SeqQuery last{a, 39};
+  refused(s->attend_decode(full_layer, {&last, 1}, testing::device_in(floats_at_end(width, 4), 1, width),
+                           device_view(out.get(), 1, width)),
+          "q 4 floats past");
+  refused(s->attend_decode(full_layer, {&last, 1}, testing::device_in(q.get(), 1, width),
+                           device_view(floats_at_end(width, 4), 1, width)),
+          "out 4 floats past");
+  // Row buffers: 40 live rows, the last one's final value past the end.
+  auto* rk = reinterpret_cast<std::uint16_t*>(b2b.end()) - 40 * kv + 1;
+  DeviceArray<std::uint16_t> rv(static_cast<std::size_t>(40 * kv));
+  refused(s->read_rows(a, full_layer, 0, 40, rk, rv.get(), MemorySpace::kDevice), "read_rows, one value past");
+  RingState whole = before.rings[static_cast<std::size_t>(full_layer)];
+  ASSERT_EQ(whole.len(), 40);
+  auto d = *s->add_detached_sequence();
+  const RingState d_ring = *s->ring(d, full_layer);
+  const std::int64_t d_blocks = *s->blocks_held(d), free_blocks = s->free_blocks();
+  const Status ist = s->install(d, full_layer, whole, rk, rv.get(), MemorySpace::kDevice);
+  EXPECT_EQ(ist.error().code, ErrorCode::kInvalidArgument) << ist.to_string();
+  EXPECT_NE(ist.to_string().find("allocation"), std::string::npos) << ist.to_string();
+  EXPECT_TRUE(*s->ring(d, full_layer) == d_ring);
+  EXPECT_EQ(*s->blocks_held(d), d_blocks);
+  EXPECT_EQ(s->free_blocks(), free_blocks);
+  ASSERT_TRUE(s->synchronize().ok());
+
+  // Views that end exactly at the end are taken: k and v (rows 40 to 47),
+  // then a strided out whose last row ends there (rows 48 to 55).
+  ASSERT_TRUE(s->store(full_layer, std::span(&span, 1), testing::device_in(floats_at_end(n * kv, 0), n, kv),
+                       testing::device_in(floats_at_end(n * kv, 0), n, kv))
+                  .ok());
+  const SeqSpan next{a, 48, n};
+  ASSERT_TRUE(s->prefill(full_layer, std::span(&next, 1), testing::device_in(k.get(), n, kv),
+                         testing::device_in(v.get(), n, kv), testing::device_in(q.get(), n, width),
+                         MutView{floats_at_end(strided, 0), MemorySpace::kDevice, DType::kF32, n, width, width + 4})
+                  .ok());
+  ASSERT_TRUE(s->synchronize().ok());
+  const std::int64_t live = 56;
+  std::vector<std::uint16_t> hk(static_cast<std::size_t>(live * kv)), hv(hk.size());
+  ASSERT_TRUE(s->read_rows(a, full_layer, 0, live, hk.data(), hv.data()).ok());
+  for (std::int64_t i = 0; i < n * kv; ++i) {
+    const std::uint16_t want = f32_to_f16(fill[fill.size() - static_cast<std::size_t>(n * kv - i)]);
+    ASSERT_EQ(hk[static_cast<std::size_t>(40 * kv + i)], want) << "k value " << i;
+    ASSERT_EQ(hv[static_cast<std::size_t>(40 * kv + i)], want) << "v value " << i;
+  }
+  auto* fk = reinterpret_cast<std::uint16_t*>(b2b.end()) - live * kv;
+  DeviceArray<std::uint16_t> fv(static_cast<std::size_t>(live * kv));
+  ASSERT_TRUE(s->read_rows(a, full_layer, 0, live, fk, fv.get(), MemorySpace::kDevice).ok());
+  ASSERT_TRUE(s->synchronize().ok());
+  std::vector<std::uint16_t> back(hk.size());
+  ASSERT_EQ(cudaMemcpy(back.data(), fk, back.size() * sizeof(std::uint16_t), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(back, hk);
+  EXPECT_EQ(fv.download(), hv);
+
+  // Rows across the seam between the two allocations are taken, and read
+  // the values on both sides.
+  const std::int64_t take = 400;
+  const float* src = reinterpret_cast<const float*>(b2b.seam()) - (take / 2) * kv;
+  auto b = *s->add_sequence();
+  const SeqSpan across{b, 0, take};
+  ASSERT_TRUE(s->store(full_layer, std::span(&across, 1), testing::device_in(src, take, kv),
+                       testing::device_in(src, take, kv))
+                  .ok());
+  ASSERT_TRUE(s->synchronize().ok());
+  std::vector<float> want(static_cast<std::size_t>(take * kv));
+  ASSERT_EQ(cudaMemcpy(want.data(), src, want.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  std::vector<std::uint16_t> gk(want.size()), gv(want.size());
+  ASSERT_TRUE(s->read_rows(b, full_layer, 0, take, gk.data(), gv.data()).ok());
+  for (std::size_t i = 0; i < want.size(); ++i) ASSERT_EQ(gk[i], f32_to_f16(want[i])) << "element " << i;
+  EXPECT_EQ(gk, gv);
 }
 
 }  // namespace

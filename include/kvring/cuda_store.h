@@ -82,8 +82,8 @@ class CudaStore final : public KvStore {
   Status release_scratch();
 
  protected:
-  Status check_view(const char* what, MemorySpace space, DType dtype,
-                    const void* data) const override;
+  Status check_view(const char* what, MemorySpace space, DType dtype, const void* data,
+                    std::uint64_t bytes) const override;
   Status check_attention(const ConstView& q, const MutView& out) const override;
   Status write_rows(std::span<const TableChange> changes, std::span<const RowWrite> writes,
                     const ConstView& k, const ConstView& v, cudaStream_t stream) override;

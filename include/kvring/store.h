@@ -60,7 +60,10 @@ std::int64_t dtype_bytes(DType dtype);
 // reads or writes it in place: no copy is made of an engine's tensor.
 // `data` is aligned to its elements; the CPU backend also takes 16-bit
 // (f16, bf16) views and row buffers at any address, since it reads them
-// byte-wise.
+// byte-wise. A device view must end inside the device memory that holds
+// it: the CUDA backend refuses one that runs past the allocations the
+// driver reports (docs/CUDA.md, "Views"). Host memory carries no extent
+// to check, so a host view longer than its memory is the caller's fault.
 struct ConstView {
   const void* data = nullptr;
   MemorySpace space = MemorySpace::kHost;
@@ -406,9 +409,11 @@ class KvStore {
     std::int64_t count;
   };
 
-  // Checks a view's memory space, dtype and alignment for this backend.
-  virtual Status check_view(const char* what, MemorySpace space, DType dtype,
-                            const void* data) const = 0;
+  // Checks a view's memory space, dtype and alignment for this backend,
+  // and, where the backend can tell, that the `bytes` from `data` on (the
+  // view's extent: its last row's end) lie in the memory that holds it.
+  virtual Status check_view(const char* what, MemorySpace space, DType dtype, const void* data,
+                            std::uint64_t bytes) const = 0;
   // Checks what this backend's attention needs of the call's queries and
   // outputs beyond check_view (row strides, counts, the geometry), before
   // a call plans or changes anything.
@@ -508,8 +513,10 @@ class KvStore {
   // and after install_rows wrote live rows [first, first + count).
   void mark_installed(std::int32_t slot, std::int64_t layer, bool rows_written);
   void mark_written(std::int32_t slot, std::int64_t layer, std::int64_t first, std::int64_t count);
-  Status check_rows_memory(MemorySpace space, const std::uint16_t* k,
-                           const std::uint16_t* v) const;
+  // Row buffers of `rows` packed f16 rows of kv_dim each (a count not yet
+  // checked against the rings).
+  Status check_rows_memory(MemorySpace space, const std::uint16_t* k, const std::uint16_t* v,
+                           std::int64_t rows) const;
   // Rows [first, first + count) are live in ring `r` of the sequence.
   Status check_live(SeqId seq, std::int64_t layer, const RingState& r, std::int64_t first,
                     std::int64_t count) const;

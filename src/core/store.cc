@@ -732,6 +732,21 @@ Status check_shape(const char* what, const void* data, std::int64_t rows, std::i
   return Status::Ok();
 }
 
+// A view's extent in bytes, from its first element to its last row's end
+// (check_shape bounds it first: under 2^44 elements).
+std::uint64_t view_bytes(DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t stride) {
+  if (rows <= 0) return 0;
+  return static_cast<std::uint64_t>((rows - 1) * stride + cols) * static_cast<std::uint64_t>(dtype_bytes(dtype));
+}
+
+// The bytes of `rows` packed f16 rows of `kv_dim`; a count no memory holds
+// saturates, and is refused as such where the backend checks extents.
+std::uint64_t rows_bytes(std::int64_t rows, std::int64_t kv_dim) {
+  if (rows <= 0) return 0;
+  if (rows > kMostViewElements / kv_dim) return std::numeric_limits<std::uint64_t>::max();
+  return static_cast<std::uint64_t>(rows * kv_dim) * sizeof(std::uint16_t);
+}
+
 // A view's space and dtype are values of their enums: the row readers
 // handle those and nothing else.
 Status check_kinds(const char* what, MemorySpace space, DType dtype) {
@@ -839,7 +854,7 @@ Status KvStore::check_rows_view(const char* what, const ConstView& v, std::int64
                                 std::int64_t cols) const {
   KVRING_RETURN_IF_ERROR(check_shape(what, v.data, v.rows, v.cols, v.row_stride, rows, cols));
   KVRING_RETURN_IF_ERROR(check_kinds(what, v.space, v.dtype));
-  return check_view(what, v.space, v.dtype, v.data);
+  return check_view(what, v.space, v.dtype, v.data, view_bytes(v.dtype, v.rows, v.cols, v.row_stride));
 }
 
 Status KvStore::check_out_view(const char* what, const MutView& v, std::int64_t rows,
@@ -849,7 +864,7 @@ Status KvStore::check_out_view(const char* what, const MutView& v, std::int64_t 
   if (v.dtype != DType::kF32)
     return invalid_argument(std::string(what) + " is " + dtype_name(v.dtype) +
                             "; attention writes f32");
-  return check_view(what, v.space, v.dtype, v.data);
+  return check_view(what, v.space, v.dtype, v.data, view_bytes(v.dtype, v.rows, v.cols, v.row_stride));
 }
 
 Status KvStore::check_attention(const ConstView&, const MutView&) const { return Status::Ok(); }
@@ -1181,11 +1196,12 @@ Status KvStore::attend_and_store(const AttendBatch& batch, std::span<const RowWr
 // ---- Rows of one sequence ------------------------------------------------------------
 
 Status KvStore::check_rows_memory(MemorySpace space, const std::uint16_t* k,
-                                  const std::uint16_t* v) const {
+                                  const std::uint16_t* v, std::int64_t rows) const {
   if (k == nullptr || v == nullptr) return invalid_argument("rows: null buffer");
   KVRING_RETURN_IF_ERROR(check_kinds("rows", space, DType::kF16));
-  KVRING_RETURN_IF_ERROR(check_view("k", space, DType::kF16, k));
-  return check_view("v", space, DType::kF16, v);
+  const auto bytes = rows_bytes(rows, config_.kv_dim());
+  KVRING_RETURN_IF_ERROR(check_view("k", space, DType::kF16, k, bytes));
+  return check_view("v", space, DType::kF16, v, bytes);
 }
 
 Status KvStore::check_live(SeqId seq, std::int64_t layer, const RingState& r, std::int64_t first,
@@ -1208,7 +1224,7 @@ Status KvStore::read_rows(SeqId seq, std::int64_t layer, std::int64_t first, std
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   if (count == 0) return Status::Ok();
-  KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
+  KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v, count));
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
   KVRING_RETURN_IF_ERROR(check_apart("read_rows", k, v, count * config_.kv_dim()));
@@ -1220,7 +1236,7 @@ Status KvStore::read_plane(SeqId seq, std::int64_t layer, std::uint16_t* k,
   auto slot = slot_of(seq);
   if (!slot) return slot.error();
   KVRING_RETURN_IF_ERROR(check_layer(layer));
-  KVRING_RETURN_IF_ERROR(check_rows_memory(MemorySpace::kHost, k, v));
+  KVRING_RETURN_IF_ERROR(check_rows_memory(MemorySpace::kHost, k, v, capacity(layer)));
   KVRING_RETURN_IF_ERROR(check_apart("read_plane", k, v, capacity(layer) * config_.kv_dim()));
   if (full_index(layer) < 0) return read_ring(*slot, layer, k, v);
   const std::int64_t kv_dim = config_.kv_dim();
@@ -1345,7 +1361,7 @@ Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
   KVRING_RETURN_IF_ERROR(
       check_install_ring(layer, state, capacity(layer), full_index(layer) < 0, position_limit(layer),
                          options_.slack));
-  if (state.len() > 0) KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
+  if (state.len() > 0) KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v, state.len()));
   Txn txn;
   if (Status st = plan_plane(txn, *slot, layer, state); !st.ok()) {
     rollback(txn);
@@ -1401,7 +1417,7 @@ Status KvStore::install_rows(SeqId seq, std::int64_t layer, std::int64_t first,
                             " is live; rows are written into a detached sequence only");
   KVRING_RETURN_IF_ERROR(check_layer(layer));
   if (count == 0) return Status::Ok();
-  KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v));
+  KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v, count));
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
   KVRING_RETURN_IF_ERROR(copy_in(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream));

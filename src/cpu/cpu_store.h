@@ -46,8 +46,9 @@ class CpuStore : public KvStore {
   Status synchronize(cudaStream_t) const override { return Status::Ok(); }
 
  protected:
-  Status check_view(const char* what, MemorySpace space, DType dtype,
-                    const void* data) const override {
+  // Host memory carries no extent to check `bytes` against.
+  Status check_view(const char* what, MemorySpace space, DType dtype, const void* data,
+                    std::uint64_t) const override {
     if (space != MemorySpace::kHost)
       return make_error(ErrorCode::kUnsupported,
                         std::string(what) + " is device memory; the CPU backend reads host memory");

@@ -10,10 +10,12 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "allocation.h"
 #include "core/view_rows.h"
 #include "device_scope.h"
 #include "kernels.h"
@@ -676,7 +678,7 @@ Status CudaStore::synchronize(cudaStream_t stream) const {
 // ---- Views ---------------------------------------------------------------------
 
 Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
-                             const void* data) const {
+                             const void* data, std::uint64_t bytes) const {
   if (data == nullptr) return Status::Ok();
   const std::string name(what);
   const auto addr = reinterpret_cast<std::uintptr_t>(data);
@@ -708,6 +710,17 @@ Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
   if (a.type == cudaMemoryTypeDevice && a.device != impl_->device)
     return invalid_argument(name + " lives on GPU " + std::to_string(a.device) +
                             "; the store is on GPU " + std::to_string(impl_->device));
+  // A kernel that ran past the memory would fault and leave the GPU's
+  // context unusable: a view longer than the allocations that hold it is
+  // refused here (cuda::mapped_bytes). Where the driver cannot say, it is
+  // not.
+  if (bytes > 0) {
+    const std::optional<std::uint64_t> held = cuda::mapped_bytes(data, bytes);
+    if (held && *held < bytes)
+      return invalid_argument(name + " in device memory spans " + std::to_string(bytes) +
+                              " bytes from its address; the allocation that holds it ends " +
+                              std::to_string(*held) + " bytes from there");
+  }
   return Status::Ok();
 }
 
