@@ -524,6 +524,14 @@ TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
     EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << st.to_string();
     EXPECT_NE(st.to_string().find("allocation"), std::string::npos) << st.to_string();
     check(st, "2^31 query rows");
+    // In host views, which carry no extent to check, the launches' limit
+    // refuses them, before a row is read.
+    std::vector<float> hq(static_cast<std::size_t>(n * width)), hout(hq.size());
+    const Status hst = s->prefill(sliding_layer, std::span(&hspan, 1), testing::host_in(hostk.data(), huge, kv),
+                                  testing::host_in(hostk.data(), huge, kv), testing::host_in(hq.data(), huge, width),
+                                  host_view(hout.data(), huge, width));
+    EXPECT_EQ(hst.error().code, ErrorCode::kUnsupported) << hst.to_string();
+    check(hst, "2^31 query rows in host views");
   }
   // A position that does not follow.
   const SeqSpan gap{a, 41, n};
@@ -642,6 +650,9 @@ TEST(CudaStore, ViewsPastTheirAllocationsAreRefused) {
             cudaSuccess);
   for (char* at : {b2b.seam() - fill.size() * sizeof(float), b2b.seam()})
     ASSERT_EQ(cudaMemcpy(at, fill.data(), fill.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  // The copies land before the store's streams, which do not wait for the
+  // legacy stream, read them.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   // `bytes` before the end, plus `over` past it.
   auto floats_at_end = [&](std::int64_t floats, std::int64_t over) {
     return reinterpret_cast<float*>(b2b.end() - (floats - over) * static_cast<std::int64_t>(sizeof(float)));

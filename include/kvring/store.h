@@ -60,10 +60,11 @@ std::int64_t dtype_bytes(DType dtype);
 // reads or writes it in place: no copy is made of an engine's tensor.
 // `data` is aligned to its elements; the CPU backend also takes 16-bit
 // (f16, bf16) views and row buffers at any address, since it reads them
-// byte-wise. A device view must end inside the device memory that holds
-// it: the CUDA backend refuses one that runs past the allocations the
-// driver reports (docs/CUDA.md, "Views"). Host memory carries no extent
-// to check, so a host view longer than its memory is the caller's fault.
+// byte-wise. A device view must end inside device memory: the CUDA
+// backend refuses one that runs past the allocations the driver reports
+// (docs/CUDA.md, "Views"), so a kernel never faults on it; one that runs
+// into a neighbouring allocation is the caller's to avoid, as is a host
+// view longer than its memory (host memory carries no extent to check).
 struct ConstView {
   const void* data = nullptr;
   MemorySpace space = MemorySpace::kHost;

@@ -10,50 +10,78 @@
 
 namespace kvring::cuda {
 
-// The bytes from `p` to the end of the device allocation that holds it
-// (cuMemGetAddressRange, reached through the runtime's driver entry point,
-// so nothing links the driver library); nullopt where the driver cannot
-// say: no such entry point, or no allocation it knows holds `p`. The
-// calling thread's current device must be the allocation's.
-inline std::optional<std::uint64_t> allocation_bytes(const void* p) {
-  using GetRange = int (*)(unsigned long long*, std::size_t*, unsigned long long);
-  static const GetRange get_range = [] {
-    void* fn = nullptr;
+namespace detail {
+
+// cuMemGetAddressRange (the 64-bit form), reached through the runtime's
+// driver entry point so that nothing links the driver library; null where
+// the driver has none.
+using GetRange = int (*)(unsigned long long* base, std::size_t* bytes, unsigned long long p);
+inline GetRange get_range() {
+  static const GetRange fn = [] {
+    void* f = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &found) !=
             cudaSuccess ||
         found != cudaDriverEntryPointSuccess) {
       (void)cudaGetLastError();
-      fn = nullptr;
+      f = nullptr;
     }
-    return reinterpret_cast<GetRange>(fn);
+    return reinterpret_cast<GetRange>(f);
   }();
-  if (get_range == nullptr) return std::nullopt;
+  return fn;
+}
+
+// The driver's answer for `at`: 0 and the bytes from `at` to the end of
+// the allocation that holds it, or the driver's error
+// (CUDA_ERROR_NOT_FOUND, 500: no allocation of the current context holds
+// it).
+inline int range_from(std::uintptr_t at, std::uint64_t& bytes) {
   unsigned long long base = 0;
-  std::size_t bytes = 0;
-  const auto at = static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p));
-  if (get_range(&base, &bytes, at) != 0 || at < base || at - base > bytes) return std::nullopt;
-  return static_cast<std::uint64_t>(bytes - (at - base));
+  std::size_t size = 0;
+  const int e = get_range()(&base, &size, static_cast<unsigned long long>(at));
+  if (e != 0) return e;
+  if (at < base || at - base >= size) return -1;
+  bytes = static_cast<std::uint64_t>(size - (at - base));
+  return 0;
+}
+
+constexpr int kNotFound = 500;
+
+}  // namespace detail
+
+// The bytes from `p` to the end of the device allocation that holds it;
+// nullopt where the driver cannot say: no such entry point, or no
+// allocation it knows holds `p`. The calling thread's current device must
+// be the allocation's.
+inline std::optional<std::uint64_t> allocation_bytes(const void* p) {
+  std::uint64_t bytes = 0;
+  if (detail::get_range() == nullptr || detail::range_from(reinterpret_cast<std::uintptr_t>(p), bytes) != 0)
+    return std::nullopt;
+  return bytes;
 }
 
 // The bytes from `p` on, up to `want`, that device allocations mapped back
-// to back hold: a view may run from one allocation into the next that
-// starts where it ends (a virtual range over several physical ones, as a
-// growing caching allocator maps them; the driver reports each one alone).
-// Fewer than `want` where a byte before it lies in no allocation; nullopt
-// where the driver cannot say for `p`, or the view crosses more than
-// kMostRanges of them.
+// to back hold. A view may run from one allocation into the next that
+// starts where it ends: the physical pieces of one virtual range (as a
+// growing caching allocator maps them; the driver reports each alone), or
+// two allocations that happen to lie side by side, which a kernel may
+// equally read without a fault. Fewer than `want` where a byte before it
+// lies in no allocation of the current context; nullopt where the driver
+// cannot say (for `p` itself, on any error but "not found", or past
+// kMostRanges ranges).
 inline std::optional<std::uint64_t> mapped_bytes(const void* p, std::uint64_t want) {
   constexpr int kMostRanges = 4096;
   const std::optional<std::uint64_t> first = allocation_bytes(p);
   if (!first) return std::nullopt;
   std::uint64_t have = *first;
   const auto at = reinterpret_cast<std::uintptr_t>(p);
-  for (int i = 0; have < want; ++i) {
-    if (i == kMostRanges || have > UINTPTR_MAX - at) return std::nullopt;
-    const std::optional<std::uint64_t> next = allocation_bytes(reinterpret_cast<const void*>(at + have));
-    if (!next || *next == 0) break;
-    have += *next;
+  for (int ranges = 1; have < want; ++ranges) {
+    if (ranges == kMostRanges || have > UINTPTR_MAX - at) return std::nullopt;
+    std::uint64_t next = 0;
+    const int e = detail::range_from(at + have, next);
+    if (e == detail::kNotFound) break;
+    if (e != 0) return std::nullopt;
+    have += next;
   }
   return have;
 }

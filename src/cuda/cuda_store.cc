@@ -713,8 +713,8 @@ Status CudaStore::check_view(const char* what, MemorySpace space, DType dtype,
   // A kernel that ran past the memory would fault and leave the GPU's
   // context unusable: a view longer than the allocations that hold it is
   // refused here (cuda::mapped_bytes). Where the driver cannot say, it is
-  // not.
-  if (bytes > 0) {
+  // not; nor is managed memory, whose ranges the driver does not report.
+  if (bytes > 0 && a.type == cudaMemoryTypeDevice) {
     const std::optional<std::uint64_t> held = cuda::mapped_bytes(data, bytes);
     if (held && *held < bytes)
       return invalid_argument(name + " in device memory spans " + std::to_string(bytes) +
