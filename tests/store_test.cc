@@ -845,6 +845,95 @@ class FailingStore : public CpuStore {
   }
 };
 
+// The CPU backend, recording the extent each view check is given (the
+// bytes from a view's first element to its last row's end), and refusing
+// any view longer than `limit` as a backend that knows its memory would.
+class ExtentStore : public CpuStore {
+ public:
+  using CpuStore::CpuStore;
+  std::map<std::string, std::uint64_t> seen;
+  std::uint64_t limit = std::numeric_limits<std::uint64_t>::max();
+
+ protected:
+  Status check_view(const char* what, MemorySpace space, DType dtype, const void* data,
+                    std::uint64_t bytes) const override {
+    const_cast<ExtentStore*>(this)->seen[what] = bytes;
+    if (bytes > limit) return invalid_argument(std::string(what) + " runs past its memory (test)");
+    return CpuStore::check_view(what, space, dtype, data, bytes);
+  }
+};
+
+// Every call that takes caller memory hands the backend each view's extent
+// before it changes anything: strided and 16-bit views, row buffers, and a
+// count no memory holds (saturated, not wrapped). A backend that refuses
+// there leaves the store as it was.
+TEST(Store, EveryViewsExtentReachesTheBackendsCheck) {
+  const ModelConfig c = small_config();
+  const StoreOptions o = *resolve_store_options(c, {.max_sequences = 3, .slack = 4, .block_rows = 16});
+  ExtentStore s(c, o);
+  ASSERT_TRUE(s.allocate().ok());
+  const SeqId a = *s.add_sequence();
+  Outputs out;
+  run_batch(s, {{1, SeqSpan{a, 0, 20}}}, out);
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, full = 3;
+  ASSERT_EQ(c.kind(full), LayerKind::kFullNope);
+  const std::int64_t n = 5, stride = kv + 3;
+  std::vector<float> k(static_cast<std::size_t>(n * stride)), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
+    v[i] = 0.5f - 0.125f * static_cast<float>(i % 7);
+  }
+  std::vector<std::uint16_t> k16(static_cast<std::size_t>(n * kv), 0x3c00);
+  const ConstView ks{k.data(), MemorySpace::kHost, DType::kF32, n, kv, stride};
+  const ConstView vs{k16.data(), MemorySpace::kHost, DType::kBF16, n, kv, kv};
+  const SeqSpan span{a, 20, n};
+  ASSERT_TRUE(s.store(full, std::span(&span, 1), ks, vs).ok());
+  EXPECT_EQ(s.seen["k"], static_cast<std::uint64_t>(((n - 1) * stride + kv) * 4));
+  EXPECT_EQ(s.seen["v"], static_cast<std::uint64_t>(n * kv * 2));
+
+  std::vector<float> q(static_cast<std::size_t>(n * 3 * width)), o1(q.size());
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = 0.01f * static_cast<float>(i % 17);
+  const SeqQuery last{a, 24};
+  ASSERT_TRUE(s.attend_decode(full, {&last, 1}, ConstView{q.data(), MemorySpace::kHost, DType::kF32, 1, width, 2 * width},
+                              MutView{o1.data(), MemorySpace::kHost, DType::kF32, 1, width, 3 * width})
+                  .ok());
+  EXPECT_EQ(s.seen["q"], static_cast<std::uint64_t>(width * 4));
+  EXPECT_EQ(s.seen["out"], static_cast<std::uint64_t>(width * 4));
+
+  std::vector<std::uint16_t> rk(static_cast<std::size_t>(25 * kv)), rv(rk.size());
+  ASSERT_TRUE(s.read_rows(a, full, 0, 25, rk.data(), rv.data()).ok());
+  EXPECT_EQ(s.seen["k"], static_cast<std::uint64_t>(25 * kv * 2));
+  EXPECT_EQ(s.seen["v"], static_cast<std::uint64_t>(25 * kv * 2));
+  // A count no memory holds is refused, its extent saturated on the way.
+  EXPECT_FALSE(s.read_rows(a, full, 0, std::numeric_limits<std::int64_t>::max() / 2, rk.data(), rv.data()).ok());
+  EXPECT_EQ(s.seen["k"], std::numeric_limits<std::uint64_t>::max());
+
+  const RingState ring = *s.ring(a, full);
+  const SeqId d = *s.add_detached_sequence();
+  ASSERT_TRUE(s.install(d, full, ring, rk.data(), rv.data()).ok());
+  EXPECT_EQ(s.seen["k"], static_cast<std::uint64_t>(ring.len() * kv * 2));
+  ASSERT_TRUE(s.install_rows(d, full, 3, 7, rk.data(), rv.data()).ok());
+  EXPECT_EQ(s.seen["v"], static_cast<std::uint64_t>(7 * kv * 2));
+
+  // A backend that refuses a view past its memory: every call fails at
+  // the check and nothing changes.
+  const auto before = live_bytes(s, a);
+  const std::int64_t free_before = s.free_blocks();
+  s.limit = static_cast<std::uint64_t>(kv * 4);
+  const SeqSpan more{a, 25, n};
+  EXPECT_EQ(s.store(full, std::span(&more, 1), ks, ks).error().code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s.prefill(full, std::span(&more, 1), ks, ks, host_view(q.data(), n, width),
+                      host_view(o1.data(), n, width))
+                .error()
+                .code,
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s.read_rows(a, full, 0, 25, rk.data(), rv.data()).error().code, ErrorCode::kInvalidArgument);
+  s.limit = std::numeric_limits<std::uint64_t>::max();
+  EXPECT_EQ(live_bytes(s, a), before);
+  EXPECT_EQ(s.free_blocks(), free_before);
+  EXPECT_EQ(s.ring(a, full)->next_position(), 25);
+}
+
 TEST(Store, ASequenceWhoseDeviceTablesCannotBeRestoredIsRefusedUntilReset) {
   const ModelConfig c = small_config();
   const StoreOptions o = *resolve_store_options(c, {.max_sequences = 3, .slack = 4, .block_rows = 16});
