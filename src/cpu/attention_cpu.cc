@@ -6,7 +6,6 @@
 #include <cmath>
 #include <memory>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -76,27 +75,17 @@ struct CombineJob {
 };
 
 // Rows the next pass reads, prefetched while this pass computes. A scores
-// pass takes every one of rows[0, n) and far[0, far_n), spread over its
-// groups (prefetch_group). An accumulate's row j takes rows[j] into L1
-// while j < n and far[j] into L2 while j < far_n: the next rows a tile
-// reads, and the far stream kFarRows rows ahead of its own.
+// pass takes every one of rows[0, n), spread over its groups
+// (prefetch_group); an accumulate's row j takes rows[j] while j < n: the
+// next rows a tile reads.
 struct Ahead {
   const std::uint16_t* const* rows = nullptr;
   std::int64_t n = 0;
-  const std::uint16_t* const* far = nullptr;
-  std::int64_t far_n = 0;
 };
 
-// Rows between a split's row being read and the row its far stream
-// prefetches.
-constexpr std::int64_t kFarRows = 32;
-
-// A row's 64-byte lines into every cache level (kLocality 3) or into L2
-// and beyond (2).
-template <int kLocality = 3>
+// A row's 64-byte lines into every cache level.
 [[gnu::always_inline]] inline void prefetch_row(const std::uint16_t* p, std::int64_t hd) {
-  for (std::int64_t b = 0; b < hd * 2; b += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, kLocality);
+  for (std::int64_t b = 0; b < hd * 2; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
 }
 
 [[gnu::always_inline]] inline void prefetch_ahead(const Ahead& a, std::int64_t j, std::int64_t hd) {
@@ -163,17 +152,15 @@ constexpr std::int64_t kStreams = 3;
 //
 // Group g's prefetches: each stream's row kPrefetchRows ahead, and its
 // share of the rows the next pass reads (entries g, g + groups, g + 2
-// groups of ahead.rows and ahead.far, and on the last group every entry
-// past those), so that they arrive during this pass.
+// groups of ahead.rows, and on the last group every entry past those), so
+// that they arrive during this pass.
 [[gnu::always_inline]] inline void prefetch_group(const std::uint16_t* const* kp, std::int64_t hd,
                                                   const Ahead& ahead, std::int64_t g, std::int64_t groups) {
   for (std::int64_t r = 0; r < kStreams; ++r)
     if (g + kPrefetchRows < groups) prefetch_row(kp[r * groups + g + kPrefetchRows], hd);
-  for (const auto& [list, count] : {std::pair{ahead.rows, ahead.n}, std::pair{ahead.far, ahead.far_n}}) {
-    for (std::int64_t i = g; i < count && i < kStreams * groups; i += groups) prefetch_row(list[i], hd);
-    if (g == groups - 1)
-      for (std::int64_t i = kStreams * groups; i < count; ++i) prefetch_row(list[i], hd);
-  }
+  for (std::int64_t i = g; i < ahead.n && i < kStreams * groups; i += groups) prefetch_row(ahead.rows[i], hd);
+  if (g == groups - 1)
+    for (std::int64_t i = kStreams * groups; i < ahead.n; ++i) prefetch_row(ahead.rows[i], hd);
 }
 
 // Scores of rows [0, n) into sc ([n][Gp]) by a per-row function, in stream
@@ -548,7 +535,6 @@ KVRING_AVX512 inline void accumulate8_avx512(const std::uint16_t* const* vp, std
     for (int b = 0; b < 8; ++b) x[c][b] = _mm512_loadu_ps(o + b * hd + 16 * c);
   for (std::int64_t j = 0; j < n; ++j) {
     prefetch_ahead(ahead, j, hd);
-    if (j < ahead.far_n) prefetch_row<2>(ahead.far[j], hd);
     __m512 v[C];
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) v[c] = load_f16x16(vp[j] + d + 16 * c);
@@ -573,12 +559,11 @@ KVRING_AVX512 inline void accumulate_avx512_block(const std::uint16_t* const* vp
   if constexpr (NB == 8) {
     // 48 dimensions at a time (then 32): each weight's broadcast feeds
     // three (two) FMAs; 24 accumulators stay in registers. The first block
-    // prefetches the next tile and the far stream.
+    // prefetches the next rows.
     for (; d + 48 <= hd; d += 48, ahead = {}) accumulate8_avx512<3>(vp, n, w, Gp, hd, o, d, ahead);
     for (; d + 32 <= hd; d += 32, ahead = {}) accumulate8_avx512<2>(vp, n, w, Gp, hd, o, d, ahead);
   }
   for (std::int64_t j = 0; j < ahead.n; ++j) prefetch_row(ahead.rows[j], hd);
-  for (std::int64_t j = 0; j < ahead.far_n; ++j) prefetch_row<2>(ahead.far[j], hd);
   for (; d < hd; d += 16) {
     __m512 acc[NB];
     for (int b = 0; b < NB; ++b) acc[b] = _mm512_loadu_ps(o + b * hd + d);
@@ -805,9 +790,9 @@ void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp
   std::fill(o, o + G * hd, 0.0f);
   for (std::int64_t j0 = 0; j0 < n; j0 += kTileRows) {
     const std::int64_t rows = std::min(kTileRows, n - j0);
-    const Ahead next{vp + j0 + kNearRows, std::max<std::int64_t>(0, std::min(rows, n - j0 - kNearRows)),
-                     vp + j0 + kFarRows,
-                     std::max<std::int64_t>(0, std::min(rows, n - j0 - kFarRows))};
+    // The scores pass brought every V row of the split into the caches;
+    // the tile's rows ahead come into L1.
+    const Ahead next{vp + j0 + kNearRows, std::max<std::int64_t>(0, std::min(rows, n - j0 - kNearRows))};
     K.accumulate(vp + j0, rows, sc + j0 * Gp, G, Gp, hd, o, next);
   }
 }
