@@ -9,6 +9,7 @@
 
 #include <cstring>
 
+#include "cuda/allocation.h"
 #include "cuda/testing.h"
 #include "cuda_test_util.h"
 #include "kvring/backend.h"
@@ -546,15 +547,13 @@ TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
   ASSERT_TRUE(s->synchronize().ok());
 }
 
-// A driver function, through the runtime's entry point (the tests link no
-// driver library).
+// A driver function (the tests link no driver library); a test fails where
+// the driver has none.
 template <class Fn>
 Fn driver_fn(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  EXPECT_EQ(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found), cudaSuccess) << name;
-  EXPECT_EQ(found, cudaDriverEntryPointSuccess) << name;
-  return reinterpret_cast<Fn>(fn);
+  const Fn fn = cuda::driver_function<Fn>(name);
+  EXPECT_NE(fn, nullptr) << name;
+  return fn;
 }
 
 // Two physical allocations mapped back to back into a reserved virtual

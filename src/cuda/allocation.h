@@ -10,24 +10,27 @@
 
 namespace kvring::cuda {
 
+// A driver function by name, in CUDA 12.0's form, through the runtime's
+// driver entry point, so that nothing links the driver library; null where
+// the driver has none.
+template <class Fn>
+Fn driver_function(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    f = nullptr;
+  }
+  return reinterpret_cast<Fn>(f);
+}
+
 namespace detail {
 
-// cuMemGetAddressRange (the 64-bit form), reached through the runtime's
-// driver entry point so that nothing links the driver library; null where
-// the driver has none.
+// cuMemGetAddressRange (the 64-bit form); null where the driver has none.
 using GetRange = int (*)(unsigned long long* base, std::size_t* bytes, unsigned long long p);
 inline GetRange get_range() {
-  static const GetRange fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<GetRange>(f);
-  }();
+  static const GetRange fn = driver_function<GetRange>("cuMemGetAddressRange");
   return fn;
 }
 
