@@ -286,6 +286,41 @@ TEST(Attention, ScalarPathKeepsTheBitsAndAgrees) {
   }
 }
 
+// A split's rows in tiles whose maxima lie far apart, and rows whose
+// scores are all -inf (a K element past f16's range, stored as inf, times a
+// negative query element), on every attention path: the -inf rows, a whole
+// split of them included, take no weight, and the rest match float64.
+TEST(Attention, TilesFarApartAndMinusInfinityScoresMatchFloat64) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 16, 2, 128, 600, 32768);
+  const std::int64_t n = 20000, p = n - 1, hd = c.head_dim;
+  ASSERT_EQ(cpu::attend_split_rows(n), 512);
+  Data d(c, n, 77);
+  for (std::int64_t j = 0; j < n; ++j)
+    for (std::int64_t e = 0; e < d.kv_dim; ++e) {
+      float& k = d.k[static_cast<std::size_t>(j * d.kv_dim + e)];
+      if (j % 700 < 90) k *= 12.0f;  // larger scores every 700 rows
+      // Split [1024, 1536) whole and 40 rows elsewhere: score -inf.
+      if (e % hd == 0 && ((j >= 1000 && j < 1600) || (j >= 7003 && j < 7043))) k = 1e6f;
+    }
+  for (std::int64_t h = 0; h < c.n_heads; ++h) {
+    float& q0 = d.q[static_cast<std::size_t>(p * d.q_dim + h * hd)];
+    q0 = -0.25f - std::fabs(q0);
+  }
+  const std::vector<double> want = reference(c, c.kind(1), d, p);
+  const cpu::AttentionIsa saved = cpu::attention_isa();
+  for (const auto isa : {cpu::AttentionIsa::kScalar, cpu::AttentionIsa::kAvx2, cpu::AttentionIsa::kAvx512}) {
+    if (!cpu::set_attention_isa(isa)) continue;
+    SCOPED_TRACE("attention path " + std::to_string(static_cast<int>(isa)));
+    auto cache = make_cpu_cache(c);
+    ASSERT_TRUE(cache.ok());
+    ASSERT_TRUE((*cache)->store_batch(1, 0, n, d.krow(0), d.vrow(0)).ok());
+    std::vector<float> out(static_cast<std::size_t>(d.q_dim), NAN);
+    ASSERT_TRUE((*cache)->attend_decode(1, p, d.qrow(p), out.data()).ok());
+    EXPECT_LT(rel_error(out.data(), want), 1e-5);
+  }
+  cpu::set_attention_isa(saved);
+}
+
 TEST(Attention, BadRequestsAreRefusedWithoutChange) {
   const ModelConfig c = make_hybrid_config("t", 2, 2, 4, 2, 16, 32, 64);
   Data d(c, 100, 3);

@@ -92,15 +92,25 @@ struct Ahead {
   if (j < a.n) prefetch_row(a.rows[j], hd);
 }
 
-// The arithmetic of one path. A split runs: scores of every row (s[t] =
-// scale * q_t . k for the G heads, lanes [G, Gp) set to 0), then weights
-// (per head lane: m = the maximum, each score replaced by exp(s - m), l =
-// their sum in row order), then accumulate over tiles of rows (o[t][d] +=
-// w[j][t] * v_j[d], rows in order); the last split to finish combines.
+// The arithmetic of one path. A split of the f32 numeric runs: scores of
+// every row (s[t] = scale * q_t . k for the G heads, lanes [G, Gp) set to
+// 0) and each tile's weights (for_each_tile; per head lane: the tile's
+// maximum m_i, each score replaced by exp(s - m_i), l_i their sum in row
+// order), then the split's m = max m_i, each tile's factor f_i =
+// exp(m_i - m), l = the sum of l_i f_i in tile order, and accumulate over
+// the tiles (o[t][d] += (w[j][t] f_i[t]) * v_j[d], rows in order); the
+// last split to finish combines.
 struct Kernels {
   void (*scores)(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd, float scale,
                  const std::uint16_t* const* kp, std::int64_t n, float* sc, Ahead ahead);
-  void (*weights)(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l);
+  // scores, then each tile's weights: tm[i * Gp + t] = m_i, tl[...] = l_i.
+  void (*scores_weights)(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd, float scale,
+                         const std::uint16_t* const* kp, std::int64_t n, float* sc, float* tm, float* tl,
+                         Ahead ahead);
+  // The split's m and l from its tiles' (tm replaced by the factors f_i).
+  void (*tile_factors)(float* tm, const float* tl, std::int64_t tiles, std::int64_t Gp, float* m, float* l);
+  // w[j][t] *= f[t] for n rows: a tile's weights times its factors.
+  void (*scale_weights)(float* w, std::int64_t n, std::int64_t Gp, const float* f);
   // The f16 numeric's step over one tile of n rows (docs/DESIGN.md,
   // "Attention numerics"), per head lane t of Gp: m the running maximum of
   // the scores, mc = m c[t], l the weights' sum; alpha[t] the factor that
@@ -182,19 +192,77 @@ void scores_by_row(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t
   }
 }
 
-void weights_scalar(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+// Rows of a split whose weights share one reference, each scored in its
+// own stream (kWeightTileRows of one stream, or the pass's last
+// n % kStreams rows): the scores pass finishes a tile's scores together,
+// and computes its weights while they are in L1.
+constexpr std::int64_t kWeightTileRows = 64;
+
+// The tiles of a split of n rows in logical order: each stream's rows in
+// runs of kWeightTileRows, then the last n % kStreams rows.
+template <class F>
+void for_each_tile(std::int64_t n, F&& f) {
+  const std::int64_t groups = n / kStreams;
+  for (std::int64_t r = 0; groups > 0 && r < kStreams; ++r)
+    for (std::int64_t t0 = r * groups; t0 < (r + 1) * groups; t0 += kWeightTileRows)
+      f(t0, std::min(kWeightTileRows, (r + 1) * groups - t0));
+  if (kStreams * groups < n) f(kStreams * groups, n - kStreams * groups);
+}
+
+std::int64_t tile_count(std::int64_t n) {
+  const std::int64_t groups = n / kStreams;
+  return kStreams * ((groups + kWeightTileRows - 1) / kWeightTileRows) + (kStreams * groups < n ? 1 : 0);
+}
+
+// A scores pass, then each tile's weights (for_each_tile's order) by
+// Weights: per tile and head lane, tm the tile's maximum and tl its
+// weights' sum.
+template <void (*Scores)(const float*, std::int64_t, std::int64_t, std::int64_t, float,
+                         const std::uint16_t* const*, std::int64_t, float*, Ahead),
+          void (*Weights)(float*, std::int64_t, std::int64_t, float*, float*)>
+void scores_then_weights(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd, float scale,
+                         const std::uint16_t* const* kp, std::int64_t n, float* sc, float* tm, float* tl,
+                         Ahead ahead) {
+  Scores(q, G, Gp, hd, scale, kp, n, sc, ahead);
+  std::int64_t i = 0;
+  for_each_tile(n, [&](std::int64_t t0, std::int64_t rows) {
+    Weights(sc + t0 * Gp, rows, Gp, tm + i * Gp, tl + i * Gp);
+    ++i;
+  });
+}
+
+// Per lane t of Gp: m[t] the maximum of x[i][t] over n entries, each
+// entry replaced by exp(x - m) (exp(x) where m is -inf, so that entries of
+// -inf take 0, not exp(nan)), and l[t] the sum of the new entries, each
+// times c[i][t] where c is given, in entry order.
+void exp_against_max_scalar(float* x, const float* c, std::int64_t n, std::int64_t Gp, float* m, float* l) {
   for (std::int64_t t = 0; t < Gp; ++t) {
     float mx = -INFINITY;
-    for (std::int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j * Gp + t]);
+    for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i * Gp + t]);
+    const float shift = mx == -INFINITY ? 0.0f : mx;
     float sum = 0.0f;
-    for (std::int64_t j = 0; j < n; ++j) {
-      const float w = std::exp(sc[j * Gp + t] - mx);
-      sc[j * Gp + t] = w;
-      sum += w;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float e = std::exp(x[i * Gp + t] - shift);
+      x[i * Gp + t] = e;
+      sum += c != nullptr ? c[i * Gp + t] * e : e;
     }
     m[t] = mx;
     l[t] = sum;
   }
+}
+
+void weights_scalar(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+  exp_against_max_scalar(sc, nullptr, n, Gp, m, l);
+}
+
+void tile_factors_scalar(float* tm, const float* tl, std::int64_t tiles, std::int64_t Gp, float* m,
+                         float* l) {
+  exp_against_max_scalar(tm, tl, tiles, Gp, m, l);
+}
+
+void scale_weights_scalar(float* w, std::int64_t n, std::int64_t Gp, const float* f) {
+  for (std::int64_t j = 0; j < n; ++j)
+    for (std::int64_t t = 0; t < Gp; ++t) w[j * Gp + t] *= f[t];
 }
 
 void weights_f16_scalar(float* sc, std::int64_t n, std::int64_t Gp, const float* c, float* m,
@@ -252,7 +320,9 @@ void combine_scalar(const CombineJob& C) {
   }
 }
 
-constexpr Kernels kScalarKernels{scores_by_row<score_row_scalar>, weights_scalar, weights_f16_scalar,
+constexpr Kernels kScalarKernels{scores_by_row<score_row_scalar>,
+                                 scores_then_weights<scores_by_row<score_row_scalar>, weights_scalar>,
+                                 tile_factors_scalar, scale_weights_scalar, weights_f16_scalar,
                                  accumulate_scalar, combine_scalar};
 
 // ---- The vector paths: AVX2 (with FMA and F16C) and AVX-512 ----------------
@@ -386,18 +456,45 @@ KVRING_AVX2 void score_row_avx2(const float* q, std::int64_t G, std::int64_t hd,
   });
 }
 
-KVRING_AVX2 void weights_avx2(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+// A maximum as the reference its weights subtract: 0 where it is -inf
+// (every score -inf), whose weights are then exp(-inf) = 0, not exp(nan).
+KVRING_AVX2 inline __m256 finite_shift(__m256 mx) {
+  return _mm256_blendv_ps(mx, _mm256_setzero_ps(), _mm256_cmp_ps(mx, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+}
+
+// exp_against_max_scalar's steps for 8 lanes at once, with exp8 for exp
+// and an FMA for each entry times c.
+KVRING_AVX2 void exp_against_max_avx2(float* x, const float* c, std::int64_t n, std::int64_t Gp, float* m,
+                                      float* l) {
   for (std::int64_t t = 0; t < Gp; t += 8) {
     __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (std::int64_t j = 0; j < n; ++j) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + j * Gp + t));
+    for (std::int64_t i = 0; i < n; ++i) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + i * Gp + t));
+    const __m256 shift = finite_shift(mx);
     __m256 sum = _mm256_setzero_ps();
-    for (std::int64_t j = 0; j < n; ++j) {
-      const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j * Gp + t), mx));
-      _mm256_storeu_ps(sc + j * Gp + t, w);
-      sum = _mm256_add_ps(sum, w);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i * Gp + t), shift));
+      _mm256_storeu_ps(x + i * Gp + t, e);
+      sum = c != nullptr ? _mm256_fmadd_ps(_mm256_loadu_ps(c + i * Gp + t), e, sum) : _mm256_add_ps(sum, e);
     }
     _mm256_storeu_ps(m + t, mx);
     _mm256_storeu_ps(l + t, sum);
+  }
+}
+
+KVRING_AVX2 void weights_avx2(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+  exp_against_max_avx2(sc, nullptr, n, Gp, m, l);
+}
+
+KVRING_AVX2 void tile_factors_avx2(float* tm, const float* tl, std::int64_t tiles, std::int64_t Gp, float* m,
+                                   float* l) {
+  exp_against_max_avx2(tm, tl, tiles, Gp, m, l);
+}
+
+KVRING_AVX2 void scale_weights_avx2(float* w, std::int64_t n, std::int64_t Gp, const float* f) {
+  for (std::int64_t t = 0; t < Gp; t += 8) {
+    const __m256 ft = _mm256_loadu_ps(f + t);
+    for (std::int64_t j = 0; j < n; ++j)
+      _mm256_storeu_ps(w + j * Gp + t, _mm256_mul_ps(_mm256_loadu_ps(w + j * Gp + t), ft));
   }
 }
 
@@ -657,6 +754,21 @@ KVRING_AVX512 inline void dots8xR_avx512(const float* q, std::int64_t hd,
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(s[r], _mm256_mul_ps(hsum16x8(a[r]), sc));
 }
 
+// Group g of a scores pass (rows g, g + groups, g + 2 groups), 8 heads at
+// a time.
+KVRING_AVX512 inline void scores_group_avx512(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
+                                              float scale, const std::uint16_t* const* kp, float* sc,
+                                              const Ahead& ahead, std::int64_t g, std::int64_t groups) {
+  prefetch_group(kp, hd, ahead, g, groups);
+  const std::uint16_t* k[kStreams];
+  for (std::int64_t r = 0; r < kStreams; ++r) k[r] = kp[r * groups + g];
+  for (std::int64_t t = 0; t < G; t += 8) {
+    float* out[kStreams];
+    for (std::int64_t r = 0; r < kStreams; ++r) out[r] = sc + (r * groups + g) * Gp + t;
+    dots8xR_avx512<kStreams>(q + t * hd, hd, k, scale, out);
+  }
+}
+
 // Three rows at a time in stream order (prefetch_group) where the heads
 // come in blocks of 8, each query load serving the three rows; else row by
 // row in the same order.
@@ -668,16 +780,7 @@ KVRING_AVX512 void scores_avx512(const float* q, std::int64_t G, std::int64_t Gp
     scores_by_row<score_row_avx512>(q, G, Gp, hd, scale, kp, n, sc, ahead);
     return;
   }
-  for (std::int64_t g = 0; g < groups; ++g) {
-    prefetch_group(kp, hd, ahead, g, groups);
-    const std::uint16_t* k[kStreams];
-    for (std::int64_t r = 0; r < kStreams; ++r) k[r] = kp[r * groups + g];
-    for (std::int64_t t = 0; t < G; t += 8) {
-      float* out[kStreams];
-      for (std::int64_t r = 0; r < kStreams; ++r) out[r] = sc + (r * groups + g) * Gp + t;
-      dots8xR_avx512<kStreams>(q + t * hd, hd, k, scale, out);
-    }
-  }
+  for (std::int64_t g = 0; g < groups; ++g) scores_group_avx512(q, G, Gp, hd, scale, kp, sc, ahead, g, groups);
   for (std::int64_t j = kStreams * groups; j < n; ++j) score_row_avx512(q, G, hd, scale, kp[j], sc + j * Gp);
 }
 
@@ -708,42 +811,138 @@ KVRING_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-// weights_avx2's result for 8 head lanes (Gp == 8), two rows to a
-// register: the maximum is the same whatever the order; the weights are
-// exp8's, lane for lane; the sum adds row j's weight, then row j + 1's.
-KVRING_AVX512 void weights_avx512(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
-  if (Gp != 8) {
-    weights_avx2(sc, n, Gp, m, l);
-    return;
-  }
+// weights_avx512's steps on 8 head lanes (Gp == 8), two rows to a
+// register: the maximum of n rows at sc; the weights of row pairs [p0, p1)
+// added to sum (row 2p's, then row 2p + 1's); the odd last row's.
+KVRING_AVX512 inline __m256 tile_max_avx512(const float* sc, std::int64_t n) {
   const std::int64_t pairs = n / 2;
   __m512 mx2 = _mm512_set1_ps(-INFINITY);
   for (std::int64_t j = 0; j < pairs; ++j) mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sc + 16 * j));
   __m256 mx = _mm256_max_ps(_mm512_castps512_ps256(mx2),
                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mx2), 1)));
   if (n % 2 != 0) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + 16 * pairs));
-  const __m512 mx16 = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(mx)));
-  __m256 sum = _mm256_setzero_ps();
-  for (std::int64_t j = 0; j < pairs; ++j) {
-    const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + 16 * j), mx16));
+  return mx;
+}
+
+KVRING_AVX512 inline __m512 twice(__m256 a) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(a)));
+}
+
+KVRING_AVX512 inline __m256 weight_pairs_avx512(float* sc, std::int64_t p0, std::int64_t p1, __m512 shift2,
+                                                __m256 sum) {
+  for (std::int64_t j = p0; j < p1; ++j) {
+    const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + 16 * j), shift2));
     _mm512_storeu_ps(sc + 16 * j, w);
     sum = _mm256_add_ps(sum, _mm512_castps512_ps256(w));
     sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
   }
-  if (n % 2 != 0) {
-    const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + 16 * pairs), mx));
-    _mm256_storeu_ps(sc + 16 * pairs, w);
-    sum = _mm256_add_ps(sum, w);
+  return sum;
+}
+
+KVRING_AVX512 inline __m256 weight_last_avx512(float* sc, std::int64_t n, __m256 shift, __m256 sum) {
+  if (n % 2 == 0) return sum;
+  const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + 8 * (n - 1)), shift));
+  _mm256_storeu_ps(sc + 8 * (n - 1), w);
+  return _mm256_add_ps(sum, w);
+}
+
+// weights_avx2's result for 8 head lanes (Gp == 8): the maximum is the
+// same whatever the order; the weights are exp8's, lane for lane; the sum
+// adds row j's weight, then row j + 1's.
+KVRING_AVX512 void weights_avx512(float* sc, std::int64_t n, std::int64_t Gp, float* m, float* l) {
+  if (Gp != 8) {
+    weights_avx2(sc, n, Gp, m, l);
+    return;
   }
+  const __m256 mx = tile_max_avx512(sc, n);
+  const __m256 shift = finite_shift(mx);
+  __m256 sum = weight_pairs_avx512(sc, 0, n / 2, twice(shift), _mm256_setzero_ps());
+  sum = weight_last_avx512(sc, n, shift, sum);
   _mm256_storeu_ps(m, mx);
   _mm256_storeu_ps(l, sum);
 }
 
+// w[j][t] *= f[t] for n rows of Gp lanes (the same products on every path).
+KVRING_AVX512 void scale_weights_avx512(float* w, std::int64_t n, std::int64_t Gp, const float* f) {
+  if (Gp != 8) {
+    scale_weights_avx2(w, n, Gp, f);
+    return;
+  }
+  const __m256 f8 = _mm256_loadu_ps(f);
+  const __m512 f16 = twice(f8);
+  std::int64_t j = 0;
+  for (; j + 2 <= n; j += 2) _mm512_storeu_ps(w + 8 * j, _mm512_mul_ps(_mm512_loadu_ps(w + 8 * j), f16));
+  if (j < n) _mm256_storeu_ps(w + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(w + 8 * j), f8));
+}
+
+// scores_avx512, then weights_avx512 on each tile, as scores_then_weights.
+// Where the rows go three at a time for 8 heads, the weights of a run of
+// groups' three tiles are computed during the next run's groups, two row
+// pairs a group, so that the exponentials overlap the pass's reads; the
+// last run's follow the pass.
+KVRING_AVX512 void scores_weights_avx512(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
+                                         float scale, const std::uint16_t* const* kp, std::int64_t n,
+                                         float* sc, float* tm, float* tl, Ahead ahead) {
+  const std::int64_t groups = n / kStreams;
+  if (G != 8 || groups == 0) {
+    scores_then_weights<scores_avx512, weights_avx512>(q, G, Gp, hd, scale, kp, n, sc, tm, tl, ahead);
+    return;
+  }
+  const std::int64_t per_stream = (groups + kWeightTileRows - 1) / kWeightTileRows;
+  // The pending run's tiles: rows at w[r], their maxima, shifts and sums;
+  // pairs each; (r, p) the next pair; i0 the first tile's index.
+  float* w[kStreams] = {};
+  __m256 mx[kStreams], shift[kStreams], sum[kStreams];
+  std::int64_t rows = 0, pairs = 0, r = kStreams, p = 0, i0 = 0;
+  auto step = [&]() KVRING_AVX512 {
+    sum[r] = weight_pairs_avx512(w[r], p, p + 1, twice(shift[r]), sum[r]);
+    if (++p == pairs) ++r, p = 0;
+  };
+  auto finish = [&]() KVRING_AVX512 {
+    if (rows == 0) return;
+    while (r < kStreams && pairs > 0) step();
+    for (std::int64_t u = 0; u < kStreams; ++u) {
+      const std::int64_t i = u * per_stream + i0;
+      _mm256_storeu_ps(tm + i * Gp, mx[u]);
+      _mm256_storeu_ps(tl + i * Gp, weight_last_avx512(w[u], rows, shift[u], sum[u]));
+    }
+  };
+  for (std::int64_t g0 = 0; g0 < groups; g0 += kWeightTileRows) {
+    const std::int64_t g1 = std::min(groups, g0 + kWeightTileRows);
+    for (std::int64_t g = g0; g < g1; ++g) {
+      scores_group_avx512(q, G, Gp, hd, scale, kp, sc, ahead, g, groups);
+      if (r < kStreams) step();
+      if (r < kStreams) step();
+    }
+    finish();
+    rows = g1 - g0;
+    pairs = rows / 2;
+    r = pairs > 0 ? 0 : kStreams;
+    p = 0;
+    i0 = g0 / kWeightTileRows;
+    for (std::int64_t u = 0; u < kStreams; ++u) {
+      w[u] = sc + (u * groups + g0) * Gp;
+      mx[u] = tile_max_avx512(w[u], rows);
+      shift[u] = finite_shift(mx[u]);
+      sum[u] = _mm256_setzero_ps();
+    }
+  }
+  finish();
+  const std::int64_t j0 = kStreams * groups;
+  if (j0 == n) return;
+  for (std::int64_t j = j0; j < n; ++j) score_row_avx512(q, G, hd, scale, kp[j], sc + j * Gp);
+  const std::int64_t i = kStreams * per_stream;
+  weights_avx512(sc + j0 * Gp, n - j0, Gp, tm + i * Gp, tl + i * Gp);
+}
+
 #pragma GCC diagnostic pop
 
-constexpr Kernels kAvx2Kernels{scores_by_row<score_row_avx2>, weights_avx2, weights_f16_avx2, accumulate_avx2,
+constexpr Kernels kAvx2Kernels{scores_by_row<score_row_avx2>,
+                               scores_then_weights<scores_by_row<score_row_avx2>, weights_avx2>,
+                               tile_factors_avx2, scale_weights_avx2, weights_f16_avx2, accumulate_avx2,
                                combine_avx2};
-constexpr Kernels kAvx512Kernels{scores_avx512, weights_avx512, weights_f16_avx2, accumulate_avx512, combine_avx2};
+constexpr Kernels kAvx512Kernels{scores_avx512, scores_weights_avx512, tile_factors_avx2, scale_weights_avx512,
+                                 weights_f16_avx2, accumulate_avx512, combine_avx2};
 
 bool cpu_has(AttentionIsa isa) {
   if (isa == AttentionIsa::kScalar) return true;
@@ -785,16 +984,23 @@ const Kernels& kernels_for(AttentionIsa isa, std::int64_t hd) {
 void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp, std::int64_t hd,
                float scale, std::int64_t n, const std::uint16_t* const* kp,
                const std::uint16_t* const* vp, float* m, float* l, float* o, float* sc) {
-  K.scores(q, G, Gp, hd, scale, kp, n, sc, Ahead{vp, n});
-  K.weights(sc, n, Gp, m, l);
+  float* const tm = sc + n * Gp;
+  const std::int64_t tiles = tile_count(n);
+  K.scores_weights(q, G, Gp, hd, scale, kp, n, sc, tm, tm + tiles * Gp, Ahead{vp, n});
+  K.tile_factors(tm, tm + tiles * Gp, tiles, Gp, m, l);
   std::fill(o, o + G * hd, 0.0f);
-  for (std::int64_t j0 = 0; j0 < n; j0 += kTileRows) {
-    const std::int64_t rows = std::min(kTileRows, n - j0);
-    // The scores pass brought every V row of the split into the caches;
-    // the tile's rows ahead come into L1.
-    const Ahead next{vp + j0 + kNearRows, std::max<std::int64_t>(0, std::min(rows, n - j0 - kNearRows))};
-    K.accumulate(vp + j0, rows, sc + j0 * Gp, G, Gp, hd, o, next);
-  }
+  const float* f = tm;
+  for_each_tile(n, [&](std::int64_t t0, std::int64_t tile_rows) {
+    K.scale_weights(sc + t0 * Gp, tile_rows, Gp, f);
+    f += Gp;
+    for (std::int64_t j0 = t0; j0 < t0 + tile_rows; j0 += kTileRows) {
+      const std::int64_t rows = std::min(kTileRows, t0 + tile_rows - j0);
+      // The scores pass brought every V row of the split into the caches;
+      // the tile's rows ahead come into L1.
+      const Ahead next{vp + j0 + kNearRows, std::max<std::int64_t>(0, std::min(rows, n - j0 - kNearRows))};
+      K.accumulate(vp + j0, rows, sc + j0 * Gp, G, Gp, hd, o, next);
+    }
+  });
 }
 
 // Pointers to the f16 rows of KV head g at logical positions [a, b): rows
@@ -903,7 +1109,7 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
       thread_local std::vector<float> scratch;
       kp.resize(static_cast<std::size_t>(n));
       vp.resize(static_cast<std::size_t>(n));
-      scratch.resize(static_cast<std::size_t>(n * Gp));
+      scratch.resize(static_cast<std::size_t>((n + 2 * tile_count(n)) * Gp));
       gather_rows(plane, ring, chunk_start, chunk_k, chunk_v, g, a, a + n, kp.data(), vp.data());
 
       float* mine = part + task * stride;
