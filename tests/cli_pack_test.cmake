@@ -135,6 +135,12 @@ expect_match("${out}" "manifest digest at byte" "verify bad header")
 kvring(out 2 pack inspect header.kvpack)
 expect_match("${out}" "the preamble or manifest is damaged" "inspect bad header")
 
+# A damaged version byte is damage (exit 1), not a newer format (exit 2).
+file(COPY_FILE ${WORK}/a.kvpack ${WORK}/version.kvpack)
+flip_byte(${WORK}/version.kvpack 9)
+kvring(out 1 pack verify version.kvpack)
+expect_match("${out}" "at byte 8, flags 0x0000 at byte 10: damaged" "verify damaged version")
+
 execute_process(COMMAND truncate -s 1000 ${WORK}/header.kvpack)
 kvring(out 1 pack verify header.kvpack)
 expect_match("${out}" "truncated" "verify truncated")

@@ -144,12 +144,10 @@ TEST_F(PackFaults, EveryFlippedHeaderByteIsDetected) {
     bad[static_cast<std::size_t>(at)] ^= static_cast<char>(1 + rng() % 255);
     auto r = read_pack(*source(bad));
     ASSERT_FALSE(r.ok()) << "flipped byte " << at << " was accepted";
-    // The version and flags are checked before the digest: a reader must not
-    // guess at a format it does not know.
-    const bool preamble_field = at >= 8 && at < 12;
-    if (!preamble_field) {
-      ASSERT_EQ(r.error().code, ErrorCode::kCorruption) << r.error().to_string();
-    }
+    // The version and flags are checked before the digest, and a value this
+    // build does not know is damage only where the bytes match the digest
+    // as this version's: a flip of one byte always does.
+    ASSERT_EQ(r.error().code, ErrorCode::kCorruption) << r.error().to_string();
     if (at >= 16 && at < payload()) {
       ASSERT_NE(r.error().message.find("manifest"), std::string::npos) << r.error().to_string();
     }
@@ -201,6 +199,38 @@ TEST_F(PackFaults, NewerVersionAndUnknownFlags) {
   coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(flags.data() + 10), 0x0204);
   testing::reseal(&flags);
   expect_rejected(flags, ErrorCode::kUnsupported, "flags at byte 10: 0x0204 has bits");
+  std::string both = newer;
+  coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(both.data() + 10), 0x0205);
+  testing::reseal(&both);
+  expect_rejected(both, ErrorCode::kUnsupported, "pack version 2 is newer");
+}
+
+// A version or flags this build does not know, on a pack whose bytes match
+// their digest as a version-1 pack's: the field is damaged, and the pack is
+// refused as damaged (verify exits 1), not as a newer format.
+TEST_F(PackFaults, DamagedVersionAndFlagsAreDamageNotANewerFormat) {
+  std::string version = pack_;
+  coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(version.data() + 8), 0x0301);
+  expect_rejected(version, ErrorCode::kCorruption,
+                  "preamble: version 769 at byte 8, flags 0x0000 at byte 10: damaged: the preamble and manifest "
+                  "match their digest as version 1 with flags 0x0000");
+  std::string flags = pack_;
+  coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(flags.data() + 10), 0x8001);
+  expect_rejected(flags, ErrorCode::kCorruption, "flags 0x8001 at byte 10: damaged");
+  std::string both = pack_;
+  coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(both.data() + 8), 7);
+  coding::encode_fixed16(reinterpret_cast<std::uint8_t*>(both.data() + 10), 0x0040);
+  expect_rejected(both, ErrorCode::kCorruption, "version 7 at byte 8, flags 0x0040 at byte 10: damaged");
+  // And damage elsewhere as well: nothing matches, so the field is taken as
+  // written (a newer format).
+  std::string more = version;
+  more[static_cast<std::size_t>(payload() - 40)] ^= 0x01;
+  expect_rejected(more, ErrorCode::kUnsupported, "pack version 769 is newer than this build reads (1)");
+  for (const std::string& bad : {version, flags, both}) {
+    auto v = verify_pack(*source(bad));
+    ASSERT_FALSE(v.ok());
+    EXPECT_EQ(v.error().code, ErrorCode::kCorruption);
+  }
 }
 
 TEST_F(PackFaults, TrailingBytes) {

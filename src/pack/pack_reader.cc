@@ -1,5 +1,7 @@
 // The kvpack reader. Order of checks: preamble (magic, version, flags,
-// manifest_len against the limit and the file size), the manifest digest,
+// manifest_len against the limit and the file size; a version or flags this
+// build does not know are damage where the bytes match their digest as
+// this version's), the manifest digest,
 // then every manifest field against the geometry and the bytes that remain,
 // the file size against the chunk table, and each chunk's hash as it is
 // read. No allocation is sized by a field before that field is checked, and
@@ -14,6 +16,7 @@
 #include <array>
 #include <cstring>
 #include <new>
+#include <optional>
 
 #include "coding.h"
 #include "core/file_read.h"
@@ -538,6 +541,30 @@ std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t si
   return std::make_unique<MemorySource>(data, size, std::move(name));
 }
 
+// For a preamble whose version or flags this build does not know: the
+// flags under which it is a pack of this version with those fields damaged,
+// if any. That is, the preamble and manifest hash to their recorded digest
+// once the version reads kPackVersion and the flags one of the values this
+// version defines. A pack of a newer version (or with a new flag) records
+// the digest of its own bytes, which these edited bytes cannot match, so no
+// unknown format is ever read as this one.
+std::optional<std::uint16_t> damaged_known_preamble(const PackSource& src, const std::uint8_t* pre) {
+  if (!kCheckDigests) return std::nullopt;
+  const std::uint32_t manifest_len = coding::decode_fixed32(pre + 12);
+  if (manifest_len > kMaxManifestBytes) return std::nullopt;
+  const std::int64_t digest_at = kPreambleBytes + std::int64_t{manifest_len};
+  if (src.size() < digest_at + kDigestBytes) return std::nullopt;
+  std::vector<std::uint8_t> head(static_cast<std::size_t>(digest_at + kDigestBytes));
+  if (!src.read_at(0, static_cast<std::int64_t>(head.size()), head.data()).ok()) return std::nullopt;
+  coding::encode_fixed16(head.data() + 8, kPackVersion);
+  for (const std::uint16_t flags : {std::uint16_t{0}, kFlagThin}) {
+    coding::encode_fixed16(head.data() + 10, flags);
+    const Digest d = sha256(head.data(), static_cast<std::size_t>(digest_at));
+    if (std::memcmp(d.data(), head.data() + digest_at, kDigestBytes) == 0) return flags;
+  }
+  return std::nullopt;
+}
+
 Result<Manifest> read_manifest(const PackSource& src) {
   const std::string& name = src.name();
   const std::int64_t size = src.size();
@@ -552,11 +579,17 @@ Result<Manifest> read_manifest(const PackSource& src) {
   Manifest m;
   m.version = coding::decode_fixed16(pre + 8);
   if (m.version == 0) return corruption(name + ": preamble: version at byte 8: 0 is not a kvpack version");
+  const std::uint16_t flags = coding::decode_fixed16(pre + 10);
+  if (m.version > kPackVersion || (flags & ~kFlagThin) != 0)
+    if (const auto known = damaged_known_preamble(src, pre))
+      return corruption(name + ": preamble: version " + num(std::uint64_t{m.version}) + " at byte 8, flags 0x" +
+                        to_hex(be16(flags).data(), 2) + " at byte 10: damaged: the preamble and manifest match " +
+                        "their digest as version " + num(std::uint64_t{kPackVersion}) + " with flags 0x" +
+                        to_hex(be16(*known).data(), 2));
   if (m.version > kPackVersion)
     return make_error(ErrorCode::kUnsupported,
                       name + ": preamble: version at byte 8: pack version " + num(std::uint64_t{m.version}) +
                           " is newer than this build reads (" + num(std::uint64_t{kPackVersion}) + ")");
-  const std::uint16_t flags = coding::decode_fixed16(pre + 10);
   if ((flags & ~kFlagThin) != 0)
     return make_error(ErrorCode::kUnsupported, name + ": preamble: flags at byte 10: 0x" + to_hex(be16(flags).data(), 2) +
                                                    " has bits this build does not know");
