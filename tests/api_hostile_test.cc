@@ -1,7 +1,8 @@
 // The library's own API and config parser given what an engine could pass
 // by mistake: deeply nested config.json values, a window past any context,
 // layers that do not exist, ring states whose end overflows, misaligned host
-// views, views past any address space, outputs that overlap, and a context below a full plane's minimum.
+// views, views past any address space, outputs that overlap, decodes at
+// negative positions, and a context below a full plane's minimum.
 // Each is a clear error or a right answer, never undefined behaviour.
 #include <gtest/gtest.h>
 
@@ -133,6 +134,30 @@ TEST_F(ApiHostileStore, MisalignedF32ViewsAreRefusedOnTheCpu) {
   const Status attended = s.attend_decode(0, {&query, 1}, host_view(buf.data(), 1, qd), host_view(odd_out, 1, qd));
   ASSERT_FALSE(attended.ok());
   EXPECT_NE(attended.error().message.find("not aligned"), std::string::npos) << attended.error().to_string();
+}
+
+// A decode at a negative position is refused as one, on every layer kind,
+// and the output is left as it was.
+TEST_F(ApiHostileStore, DecodesAtNegativePositionsAreRefusedAsSuch) {
+  KvStore& s = *store;
+  const std::int64_t kv = cfg.kv_dim(), qd = cfg.n_heads * cfg.head_dim;
+  const auto x = testing::random_floats(static_cast<std::size_t>(cfg.n_layers * 2 * kv), 5);
+  const SeqSpan span{seq, 0, 2};
+  ASSERT_TRUE(s.store_all_layers({&span, 1}, host_view(x.data(), 2 * cfg.n_layers, kv),
+                                 host_view(x.data(), 2 * cfg.n_layers, kv)).ok());
+  const auto q = testing::random_floats(static_cast<std::size_t>(qd), 6);
+  std::vector<float> out(static_cast<std::size_t>(qd), 7.0f);
+  for (std::int64_t layer = 0; layer < cfg.n_layers; ++layer)
+    for (const std::int64_t p : {std::int64_t{-1}, std::int64_t{-2049}, std::numeric_limits<std::int64_t>::min()}) {
+      const SeqQuery query{seq, p};
+      const Status r = s.attend_decode(layer, {&query, 1}, host_view(q.data(), 1, qd), host_view(out.data(), 1, qd));
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.error().code, ErrorCode::kInvalidArgument);
+      EXPECT_NE(r.error().message.find("decode at position " + std::to_string(p) + ": positions start at 0"),
+                std::string::npos)
+          << r.error().to_string();
+    }
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));
 }
 
 // A view whose rows would span more memory than any machine maps is refused

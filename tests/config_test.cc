@@ -139,6 +139,14 @@ TEST(HfConfig, QueryPreAttnScalarSetsTheScoreScale) {
   ModelConfig c = *plain;
   c.query_pre_attn_scalar = -1;
   EXPECT_FALSE(c.validate().ok());
+  // The refused value as it is, not rounded to six decimals.
+  for (const auto& [v, text] : {std::pair{5e-324, "= 5e-324 outside"}, std::pair{1e300, "= 1e+300 outside"},
+                                std::pair{0.5, "= 0.5 outside"}}) {
+    c.query_pre_attn_scalar = v;
+    const Status s = c.validate();
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.error().message.find(text), std::string::npos) << s.error().to_string();
+  }
 }
 
 // Which layers a window covers, as Hugging Face's configs say it: not at all

@@ -1,6 +1,7 @@
 #include "kvring/config.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -52,6 +53,13 @@ Status check_range(const char* field, std::int64_t value, std::int64_t lo,
   return Status::Ok();
 }
 
+// The shortest decimal that reads back as v (5e-324, 1e+300, 168).
+std::string shortest(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
 }  // namespace
 
 Status ModelConfig::validate() const {
@@ -78,7 +86,7 @@ Status ModelConfig::validate() const {
     KVRING_RETURN_IF_ERROR(check_range("sliding_window", sliding_window, 0, kMaxContext));
   if (!(query_pre_attn_scalar == 0 ||
         (query_pre_attn_scalar >= kMinScoreScaleDim && query_pre_attn_scalar <= kMaxScoreScaleDim)))
-    return config_error("query_pre_attn_scalar = " + std::to_string(query_pre_attn_scalar) + " outside [1, 2^30]");
+    return config_error("query_pre_attn_scalar = " + shortest(query_pre_attn_scalar) + " outside [1, 2^30]");
   return Status::Ok();
 }
 

@@ -1111,8 +1111,11 @@ Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> quer
     const RingState& r =
         slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
     const std::int64_t p = query.position;
+    if (p < 0)
+      return invalid_argument(seq_name(query.seq) + ", layer " + std::to_string(layer) + ": decode at position " +
+                              std::to_string(p) + ": positions start at 0");
     const std::int64_t lo = visible_begin(config_, config_.kind(layer), p);
-    if (p < 0 || !r.holds(p) || lo < r.origin_logical())
+    if (!r.holds(p) || lo < r.origin_logical())
       return invalid_argument(seq_name(query.seq) + ", layer " + std::to_string(layer) +
                               ": decode at position " + std::to_string(p) + " needs rows " +
                               std::to_string(lo) + " to " + std::to_string(p) +
