@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <memory>
 #include <span>
 #include <string>
 #include <thread>
@@ -411,6 +412,13 @@ int run(const std::vector<std::string>& argv) {
   const std::string only = args->str("only");
   if (!only.empty() && only != "decode" && only != "batch" && only != "store")
     die("--only must be decode, batch or store");
+  // The JSON file is opened before anything is measured: a path that cannot
+  // be written fails at once rather than after the runs.
+  std::unique_ptr<FILE, int (*)(FILE*)> json_file(nullptr, &std::fclose);
+  if (args->has("json")) {
+    json_file.reset(std::fopen(args->str("json").c_str(), "w"));
+    if (json_file == nullptr) die("cannot write " + args->str("json"));
+  }
   auto config = preset_config("muse-glimmer");
   check(config.status(), "preset_config");
 
@@ -469,12 +477,9 @@ int run(const std::vector<std::string>& argv) {
   if (peer.is_object()) out["peer"] = peer;
   const std::string line = out.dump();
   std::printf("%s\n", line.c_str());
-  if (args->has("json")) {
-    FILE* f = std::fopen(args->str("json").c_str(), "w");
-    if (f == nullptr) die("cannot write " + args->str("json"));
-    std::fprintf(f, "%s\n", line.c_str());
-    std::fclose(f);
-  }
+  if (json_file != nullptr &&
+      (std::fprintf(json_file.get(), "%s\n", line.c_str()) < 0 || std::fclose(json_file.release()) != 0))
+    die("cannot write " + args->str("json"));
   return 0;
 }
 

@@ -309,6 +309,13 @@ int main(int argc, char** argv) {
   }
   if (tokens.empty()) tokens = {32768, 131072};
   if (repeats < 1 || message_mib < 1 || pinned_message_mib < 1) die("--repeats and message sizes are at least 1");
+  // Opened before anything is measured: a path that cannot be written fails
+  // at once rather than after the runs.
+  std::ofstream json_file;
+  if (!json_path.empty()) {
+    json_file.open(json_path);
+    if (!json_file) die("cannot write " + json_path);
+  }
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "kvring-handoff-cuda-bench: no GPU is visible; nothing measured\n");
     return 1;
@@ -494,9 +501,9 @@ int main(int argc, char** argv) {
               "one copy of it; the pinned path's ceiling is the slower of its two copies, which the staging\n"
               "overlaps)\n");
   if (!json_path.empty()) {
-    std::ofstream f(json_path);
-    f << nlohmann::json{{"device", prop.name}, {"runs", out}}.dump(2) << "\n";
-    if (!f) die("cannot write " + json_path);
+    json_file << nlohmann::json{{"device", prop.name}, {"runs", out}}.dump(2) << "\n";
+    json_file.close();
+    if (!json_file) die("cannot write " + json_path);
   }
   return 0;
 }

@@ -337,12 +337,18 @@ void judge(bool met) {
   std::fflush(stdout);
 }
 
-void write_json(const std::string& path, const std::string& device, int sms) {
+// The results file, opened before anything is measured so that a path that
+// cannot be written fails at once rather than after the runs.
+FILE* open_json(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) {
     std::fprintf(stderr, "kvring-bench: cannot write %s\n", path.c_str());
     std::exit(1);
   }
+  return f;
+}
+
+void write_json(FILE* f, const std::string& device, int sms) {
   char date[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
@@ -511,6 +517,7 @@ int main(int argc, char** argv) {
     g_policy.hd128_cluster = g_policy.general_cluster = 1;
     if (combine == "last-arrival") g_policy.hd128_resident = 0;
   }
+  FILE* const json_file = json.empty() ? nullptr : open_json(json);
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB; kvring-bench%s\n\n", prop.name, prop.multiProcessorCount,
@@ -1367,6 +1374,6 @@ int main(int argc, char** argv) {
   for (const Row& r : rows)
     std::printf("%-46s %10.2f %12.1f %7.1f%%  %s%s\n", r.name.c_str(), r.us, r.gbs(), 100 * r.ratio(),
                 r.target.c_str(), r.met < 0 ? "" : (r.met ? " (met)" : " (MISSED)"));
-  if (!json.empty()) write_json(json, prop.name, prop.multiProcessorCount);
+  if (json_file != nullptr) write_json(json_file, prop.name, prop.multiProcessorCount);
   return 0;
 }
