@@ -195,8 +195,9 @@ void scores_by_row(const float* q, std::int64_t G, std::int64_t Gp, std::int64_t
 // Rows of a split whose weights share one reference, each scored in its
 // own stream (kWeightTileRows of one stream, or the pass's last
 // n % kStreams rows): the scores pass finishes a tile's scores together,
-// and computes its weights while they are in L1.
-constexpr std::int64_t kWeightTileRows = 64;
+// and computes its weights while they are in L1. Each is also one tile of
+// the accumulate, so none exceeds kTileRows.
+constexpr std::int64_t kWeightTileRows = kTileRows;
 
 // The tiles of a split of n rows in logical order: each stream's rows in
 // runs of kWeightTileRows, then the last n % kStreams rows.
@@ -993,13 +994,10 @@ void run_split(const Kernels& K, const float* q, std::int64_t G, std::int64_t Gp
   for_each_tile(n, [&](std::int64_t t0, std::int64_t tile_rows) {
     K.scale_weights(sc + t0 * Gp, tile_rows, Gp, f);
     f += Gp;
-    for (std::int64_t j0 = t0; j0 < t0 + tile_rows; j0 += kTileRows) {
-      const std::int64_t rows = std::min(kTileRows, t0 + tile_rows - j0);
-      // The scores pass brought every V row of the split into the caches;
-      // the tile's rows ahead come into L1.
-      const Ahead next{vp + j0 + kNearRows, std::max<std::int64_t>(0, std::min(rows, n - j0 - kNearRows))};
-      K.accumulate(vp + j0, rows, sc + j0 * Gp, G, Gp, hd, o, next);
-    }
+    // The scores pass brought every V row of the split into the caches; the
+    // tile's rows ahead come into L1.
+    const Ahead next{vp + t0 + kNearRows, std::max<std::int64_t>(0, std::min(tile_rows, n - t0 - kNearRows))};
+    K.accumulate(vp + t0, tile_rows, sc + t0 * Gp, G, Gp, hd, o, next);
   });
 }
 
