@@ -1,6 +1,7 @@
 // The read side on the CPU backend: decode and chunked prefill against a
 // float64 reference, and bitwise independence of rotation, chunking, blocks,
-// split boundaries and thread count, on the vector and the scalar path.
+// split boundaries and thread count, on the vector and the scalar path;
+// attention sinks against the reference with them, and refused when bad.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -32,15 +33,18 @@ struct Data {
   const float* qrow(std::int64_t p) const { return q.data() + p * q_dim; }
 };
 
-// float64 attention over the f16-rounded rows, for query position p.
-std::vector<double> reference(const ModelConfig& c, LayerKind kind, const Data& d, std::int64_t p) {
+// float64 attention over the f16-rounded rows, for query position p, with
+// e^sinks[h] in head h's denominator where sinks are given.
+std::vector<double> reference(const ModelConfig& c, LayerKind kind, const Data& d, std::int64_t p,
+                              const std::vector<float>& sinks = {}) {
   const std::int64_t hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
   const std::int64_t lo = visible_begin(c, kind, p);
   std::vector<double> out(static_cast<std::size_t>(c.n_heads * hd), 0.0);
   for (std::int64_t h = 0; h < c.n_heads; ++h) {
     const std::int64_t g = h / group;
+    const double sink = sinks.empty() ? -INFINITY : sinks[static_cast<std::size_t>(h)];
     std::vector<double> s;
-    double m = -INFINITY;
+    double m = sink;
     for (std::int64_t j = lo; j <= p; ++j) {
       double dot = 0;
       for (std::int64_t e = 0; e < hd; ++e)
@@ -49,7 +53,7 @@ std::vector<double> reference(const ModelConfig& c, LayerKind kind, const Data& 
       s.push_back(dot / std::sqrt(c.score_scale_dim()));
       m = std::max(m, s.back());
     }
-    double sum = 0;
+    double sum = std::exp(sink - m);
     for (double& x : s) sum += (x = std::exp(x - m));
     for (std::int64_t j = lo; j <= p; ++j)
       for (std::int64_t e = 0; e < hd; ++e)
@@ -98,11 +102,17 @@ TEST(Attention, DecodeMatchesFloat64AtAwkwardSizes) {
 }
 
 // Runs a whole stream through one layer kind with prefill chunks of `chunk`
-// (1: store_token + attend_decode) and returns every output.
+// (1: store_token + attend_decode) and returns every output; `sinks`, where
+// given, are set on every layer first.
 std::vector<float> run_stream(const ModelConfig& c, std::int64_t layer, const Data& d,
-                              std::int64_t n, std::int64_t chunk, CacheOptions options = {}) {
+                              std::int64_t n, std::int64_t chunk, CacheOptions options = {},
+                              const std::vector<float>& sinks = {}) {
   auto cache = make_cpu_cache(c, options);
   EXPECT_TRUE(cache.ok());
+  if (!sinks.empty()) {
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      EXPECT_TRUE((*cache)->store().set_attention_sinks(l, sinks).ok());
+  }
   std::vector<float> out(static_cast<std::size_t>(n * d.q_dim), NAN);
   for (std::int64_t p = 0; p < n;) {
     const std::int64_t m = std::min(chunk, n - p);
@@ -342,6 +352,135 @@ TEST(Attention, BadRequestsAreRefusedWithoutChange) {
   EXPECT_EQ(full.error().code, ErrorCode::kCapacityExceeded);
   EXPECT_EQ(k.ring(0).next_position(), 40);
   EXPECT_EQ(k.ring(1).next_position(), 40);
+}
+
+// ---- Attention sinks (KvStore::set_attention_sinks) ----
+
+// The worst over the heads of one head's relative error against float64.
+double worst_head_error(const ModelConfig& c, LayerKind kind, const Data& d, std::int64_t p,
+                        const float* got, const std::vector<float>& sinks) {
+  const std::vector<double> want = reference(c, kind, d, p, sinks);
+  double worst = 0;
+  for (std::int64_t h = 0; h < c.n_heads; ++h) {
+    double num = 0, den = 0;
+    for (std::int64_t e = h * c.head_dim; e < (h + 1) * c.head_dim; ++e) {
+      const double x = got[e], y = want[static_cast<std::size_t>(e)];
+      if (std::isnan(x)) return INFINITY;
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    worst = std::max(worst, std::sqrt(num / den));
+  }
+  return worst;
+}
+
+// Sinks spread over every regime: far above the scores (the sink takes
+// nearly all the weight), near them, far below (no effect) and exactly 0.
+std::vector<float> spread_sinks(std::int64_t n_heads) {
+  const float pattern[] = {16.0f, 1.5f, -0.75f, 0.0f, -40.0f, 3.0f, 0.25f, -3.5f};
+  std::vector<float> s(static_cast<std::size_t>(n_heads));
+  for (std::int64_t h = 0; h < n_heads; ++h)
+    s[static_cast<std::size_t>(h)] = pattern[h % 8] + 0.125f * static_cast<float>(h / 8);
+  return s;
+}
+
+// Decode through several splits (a full layer past 512 rows) and a sliding
+// window, on every path and under both numerics: the sinks' outputs match
+// float64 head by head, prefill gives decode's bits, and they are not the
+// outputs without sinks.
+TEST(AttentionSinks, DecodeAndPrefillMatchFloat64OnEveryPath) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 16, 2, 128, 40, 4096);
+  const std::int64_t n = 1300;
+  ASSERT_GT(n, cpu::attend_split_rows(n));
+  const Data d(c, n, 91);
+  const std::vector<float> sinks = spread_sinks(c.n_heads);
+  const std::int64_t probes[] = {0, 1, 39, 40, 511, 512, 1299};
+  const cpu::AttentionIsa saved = cpu::attention_isa();
+  for (const auto isa : {cpu::AttentionIsa::kScalar, cpu::AttentionIsa::kAvx2, cpu::AttentionIsa::kAvx512}) {
+    if (!cpu::set_attention_isa(isa)) continue;
+    for (const AttentionNumeric numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
+      for (std::int64_t layer : {0, 1}) {
+        SCOPED_TRACE("path " + std::to_string(static_cast<int>(isa)) +
+                     (numeric == AttentionNumeric::kF32 ? " f32" : " f16") + " layer " +
+                     std::to_string(layer));
+        const auto decoded = run_stream(c, layer, d, n, 1, {.attention = numeric}, sinks);
+        EXPECT_TRUE(same_bits(run_stream(c, layer, d, n, 97, {.attention = numeric}, sinks), decoded));
+        const auto plain = run_stream(c, layer, d, n, 97, {.attention = numeric});
+        const double tolerance = numeric == AttentionNumeric::kF32 ? 1e-5 : 2e-3;
+        for (const std::int64_t p : probes) {
+          const float* got = decoded.data() + p * d.q_dim;
+          EXPECT_LT(worst_head_error(c, c.kind(layer), d, p, got, sinks), tolerance) << "position " << p;
+          EXPECT_LT(worst_head_error(c, c.kind(layer), d, p, plain.data() + p * d.q_dim, {}), tolerance)
+              << "position " << p;
+          // Head 0's sink (16) takes nearly all the weight: its outputs shrink.
+          double with = 0, without = 0;
+          for (std::int64_t e = 0; e < c.head_dim; ++e) {
+            with += std::fabs(got[e]);
+            without += std::fabs(plain[static_cast<std::size_t>(p * d.q_dim + e)]);
+          }
+          EXPECT_LT(with, 0.05 * without) << "position " << p;
+        }
+      }
+    }
+  }
+  cpu::set_attention_isa(saved);
+}
+
+// Sinks set and then removed, or set on another layer only, leave a layer's
+// bits those of a store that never had any.
+TEST(AttentionSinks, RemovedOrElsewhereTheyChangeNoBits) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 8, 2, 64, 24, 1024);
+  const std::int64_t n = 90;
+  const Data d(c, n, 5);
+  const std::vector<float> sinks = spread_sinks(c.n_heads);
+  for (std::int64_t layer : {0, 1}) {
+    const auto plain = run_stream(c, layer, d, n, 1);
+    auto cache = make_cpu_cache(c);
+    ASSERT_TRUE(cache.ok());
+    KvStore& store = (*cache)->store();
+    ASSERT_TRUE(store.set_attention_sinks(layer, sinks).ok());
+    ASSERT_TRUE(store.set_attention_sinks(1 - layer, sinks).ok());
+    EXPECT_EQ(store.attention_sinks(layer).size(), sinks.size());
+    ASSERT_TRUE(store.set_attention_sinks(layer, {}).ok());
+    EXPECT_TRUE(store.attention_sinks(layer).empty());
+    EXPECT_EQ(store.attention_sinks(1 - layer).size(), sinks.size());
+    std::vector<float> out(plain.size(), NAN);
+    for (std::int64_t p = 0; p < n; ++p) {
+      ASSERT_TRUE((*cache)->store_token(layer, p, d.krow(p), d.vrow(p)).ok());
+      ASSERT_TRUE((*cache)->attend_decode(layer, p, d.qrow(p), out.data() + p * d.q_dim).ok());
+    }
+    EXPECT_TRUE(same_bits(out, plain)) << "layer " << layer;
+  }
+}
+
+TEST(AttentionSinks, BadSinksAreRefusedWithoutChange) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 8, 2, 64, 24, 1024);
+  auto cache = make_cpu_cache(c);
+  ASSERT_TRUE(cache.ok());
+  KvStore& store = (*cache)->store();
+  const std::vector<float> good = spread_sinks(c.n_heads);
+  ASSERT_TRUE(store.set_attention_sinks(1, good).ok());
+  std::vector<float> nan_one = good, inf_one = good, minus_inf_one = good;
+  nan_one[3] = NAN;
+  inf_one[7] = INFINITY;
+  minus_inf_one[0] = -INFINITY;
+  const std::vector<float> short_one(good.begin(), good.end() - 1);
+  const std::vector<float> long_one(good.size() + 1, 0.5f);
+  for (const std::vector<float>* bad :
+       std::initializer_list<const std::vector<float>*>{&nan_one, &inf_one, &minus_inf_one, &short_one, &long_one}) {
+    const Status s = store.set_attention_sinks(1, *bad);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kInvalidArgument) << s.to_string();
+    ASSERT_EQ(store.attention_sinks(1).size(), good.size());
+    EXPECT_TRUE(std::equal(good.begin(), good.end(), store.attention_sinks(1).begin()));
+  }
+  const Status nan_message = store.set_attention_sinks(1, nan_one);
+  EXPECT_NE(nan_message.to_string().find("head 3"), std::string::npos) << nan_message.to_string();
+  for (const std::int64_t layer : {std::int64_t{-1}, std::int64_t{2}, std::int64_t{1} << 40}) {
+    EXPECT_EQ(store.set_attention_sinks(layer, good).error().code, ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(store.attention_sinks(layer).empty());
+  }
+  EXPECT_TRUE(store.attention_sinks(0).empty());
 }
 
 }  // namespace

@@ -468,6 +468,21 @@ TEST(CudaStore, ScratchStaysUntilReleased) {
 }
 
 // Refused calls change nothing.
+// The CUDA kernels compute no attention sinks: setting them is refused, so
+// no attention runs without sinks a caller asked for; removing is a no-op.
+TEST(CudaStore, AttentionSinksAreRefused) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = config();
+  auto s = testing::new_store(BackendKind::kCuda, c, {.max_sequences = 1, .context = 64});
+  ASSERT_TRUE(s);
+  const std::vector<float> sinks(static_cast<std::size_t>(c.n_heads), 0.5f);
+  const Status st = s->set_attention_sinks(1, sinks);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, ErrorCode::kUnsupported) << st.to_string();
+  EXPECT_TRUE(s->attention_sinks(1).empty());
+  EXPECT_TRUE(s->set_attention_sinks(1, {}).ok());
+}
+
 TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = config();

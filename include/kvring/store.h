@@ -305,6 +305,21 @@ class KvStore {
   // Waits for the work this store enqueued on `stream` (null: its own).
   virtual Status synchronize(cudaStream_t stream = nullptr) const = 0;
 
+  // Attention sinks (gpt-oss): one learned logit per query head of a
+  // layer, in the units of the scaled scores q . k / sqrt(s), that joins
+  // each softmax's denominator and weighs no row: out = sum_j e^(s_j) v_j /
+  // (e^sink + sum_j e^(s_j)). They are model weights, not cache: set once
+  // per layer after loading (not while a call of this store runs), they
+  // apply to every later attend_decode and prefill of that layer, under
+  // both numerics, and are no part of snapshots, packs or handoffs.
+  // `sinks` holds n_heads finite values, or is empty to remove the
+  // layer's. Errors: kInvalidArgument (layer, count, a value that is not
+  // finite), kUnsupported on a backend that computes no sinks (the CUDA
+  // backend); the layer's sinks are then unchanged.
+  Status set_attention_sinks(std::int64_t layer, std::span<const float> sinks);
+  // The layer's sinks (empty: none, or a layer outside the model).
+  std::span<const float> attention_sinks(std::int64_t layer) const;
+
   // ---- Detached sequences ---------------------------------------------------
   // A sequence being installed from elsewhere (a handoff's receiving side):
   // it holds a slot and the blocks its planes take, but it is not live.
@@ -450,6 +465,9 @@ class KvStore {
                            cudaStream_t stream) = 0;
   virtual Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) = 0;
   virtual Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream);
+  // Whether attend() applies attention_sinks(layer) (set_attention_sinks
+  // refuses them otherwise).
+  virtual bool computes_sinks() const { return false; }
 
   std::int64_t full_index(std::int64_t layer) const {
     return full_index_[static_cast<std::size_t>(layer)];
@@ -579,6 +597,7 @@ class KvStore {
   RingState fresh_ring(std::int64_t layer) const;
 
   std::vector<std::int64_t> full_index_;
+  std::vector<std::vector<float>> sinks_;  // per layer: n_heads logits, or none
   std::int64_t n_full_ = 0;
   std::int64_t ring_rows_ = 0;
   std::int64_t max_blocks_ = 0;

@@ -3,6 +3,7 @@
 #include "kvring/cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -271,6 +272,32 @@ KvStore::KvStore(ModelConfig config, StoreOptions o)
   max_blocks_ = ceil_div(config_.plane_capacity(LayerKind::kFullNope, o.context), o.block_rows);
   slots_.resize(static_cast<std::size_t>(o.max_sequences));
   ref_pages_.resize(static_cast<std::size_t>(ceil_div(o.pool_blocks, kRefPage)));
+  sinks_.resize(static_cast<std::size_t>(config_.n_layers));
+}
+
+Status KvStore::set_attention_sinks(std::int64_t layer, std::span<const float> sinks) {
+  KVRING_RETURN_IF_ERROR(check_layer(layer));
+  if (!sinks.empty()) {
+    if (static_cast<std::int64_t>(sinks.size()) != config_.n_heads)
+      return invalid_argument("layer " + std::to_string(layer) + ": " + std::to_string(sinks.size()) +
+                              " attention sinks for " + std::to_string(config_.n_heads) +
+                              " query heads");
+    for (std::size_t h = 0; h < sinks.size(); ++h)
+      if (!std::isfinite(sinks[h]))
+        return invalid_argument("layer " + std::to_string(layer) + ": the attention sink of head " +
+                                std::to_string(h) + " is not finite");
+    if (!computes_sinks())
+      return make_error(ErrorCode::kUnsupported,
+                        std::string(backend() == BackendKind::kCuda ? "the CUDA backend" : "this backend") +
+                            " computes no attention sinks (the CPU backend does)");
+  }
+  sinks_[static_cast<std::size_t>(layer)].assign(sinks.begin(), sinks.end());
+  return Status::Ok();
+}
+
+std::span<const float> KvStore::attention_sinks(std::int64_t layer) const {
+  if (!check_layer(layer).ok()) return {};
+  return sinks_[static_cast<std::size_t>(layer)];
 }
 
 KvStore::~KvStore() = default;

@@ -67,11 +67,14 @@ float f16_query_scale(float amax, float& down) {
 float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }
 
 // Combines n split partials (stride floats apart, each m[Gp], l[Gp],
-// o[G * hd]) in split order into out ([G * hd], normalized).
+// o[G * hd]) in split order into out ([G * hd], normalized). With sinks
+// (G logits), head t's maximum also takes sinks[t], and its sum starts at
+// exp(sinks[t] - maximum) before the splits' terms.
 struct CombineJob {
   const float* partials;
   std::int64_t n, stride, G, Gp, hd;
   float* out;
+  const float* sinks = nullptr;
 };
 
 // Rows the next pass reads, prefetched while this pass computes. A scores
@@ -307,6 +310,10 @@ void combine_scalar(const CombineJob& C) {
     float mx = -INFINITY;
     for (std::int64_t s = 0; s < C.n; ++s) mx = std::max(mx, C.partials[s * C.stride + t]);
     float l = 0.0f;
+    if (C.sinks != nullptr) {
+      mx = std::max(mx, C.sinks[t]);
+      l = std::exp(C.sinks[t] - mx);
+    }
     float* out = C.out + t * hd;
     std::fill(out, out + hd, 0.0f);
     for (std::int64_t s = 0; s < C.n; ++s) {
@@ -565,6 +572,13 @@ KVRING_AVX2 void combine_avx2(const CombineJob& C) {
       mx = _mm256_max_ps(mx, _mm256_loadu_ps(C.partials + s * C.stride + t0));
     __m256 l = _mm256_setzero_ps();
     const std::int64_t heads = std::min<std::int64_t>(8, C.G - t0);
+    if (C.sinks != nullptr) {
+      // Lanes past the group's heads take -inf: no maximum, no output.
+      alignas(32) float sk[8];
+      for (std::int64_t b = 0; b < 8; ++b) sk[b] = b < heads ? C.sinks[t0 + b] : -INFINITY;
+      mx = _mm256_max_ps(mx, _mm256_load_ps(sk));
+      l = exp8(_mm256_sub_ps(_mm256_load_ps(sk), mx));
+    }
     std::fill(C.out + t0 * hd, C.out + (t0 + heads) * hd, 0.0f);
     for (std::int64_t s = 0; s < C.n; ++s) {
       const float* p = C.partials + s * C.stride;
@@ -1121,7 +1135,8 @@ void attend(const PlaneView& plane, const RingState& ring, const AttentionShape&
         if (count.fetch_add(1, std::memory_order_acq_rel) != splits - 1) return;
       }
       K.combine({part + (base[static_cast<std::size_t>(qi)] + g * splits) * stride, splits, stride,
-                 G, Gp, hd, out + i * out_stride + g * G * hd});
+                 G, Gp, hd, out + i * out_stride + g * G * hd,
+                 shape.sinks != nullptr ? shape.sinks + g * G : nullptr});
     });
     i0 = i1;
   }
@@ -1211,6 +1226,12 @@ void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionSh
       for (std::int64_t s = 0; s < n_splits; ++s)
         M = std::fmax(M, part[static_cast<std::size_t>((s * G + t) * (hd + 2))]);
       float L = 0.0f;
+      if (shape.sinks != nullptr) {
+        // The sink in the partials' units: log2 of the scaled scores.
+        const float sink = shape.sinks[g * G + t] * static_cast<float>(1.4426950408889634);
+        M = std::fmax(M, sink);
+        L = std::exp2(sink - M);
+      }
       float* acc = o.data();
       std::fill(acc, acc + hd, 0.0f);
       for (std::int64_t s = 0; s < n_splits; ++s) {

@@ -38,6 +38,9 @@ struct AttentionShape {
   std::int64_t head_dim;
   std::int64_t window;  // 0: full attention
   double scale_dim;     // scores are q . k / sqrt(scale_dim) (ModelConfig::score_scale_dim)
+  // Attention sinks: one finite logit per query head, in the units of the
+  // scaled scores, added to each softmax's denominator only (null: none).
+  const float* sinks = nullptr;
 };
 
 // Rows of one split of a query's visible range of `rows` rows: a function

@@ -46,6 +46,7 @@ class CpuStore : public KvStore {
   Status synchronize(cudaStream_t) const override { return Status::Ok(); }
 
  protected:
+  bool computes_sinks() const override { return true; }
   // Host memory carries no extent to check `bytes` against.
   Status check_view(const char* what, MemorySpace space, DType dtype, const void* data,
                     std::uint64_t) const override {
@@ -102,8 +103,10 @@ class CpuStore : public KvStore {
     const std::int64_t kv_dim = config_.kv_dim();
     const std::int64_t width = config_.n_heads * config_.head_dim;
     const bool sliding = full_index(b.layer) < 0;
+    const std::span<const float> sinks = attention_sinks(b.layer);
     const cpu::AttentionShape shape{config_.n_heads, config_.n_kv_heads, config_.head_dim,
-                                    sliding ? config_.sliding_window : 0, config_.score_scale_dim()};
+                                    sliding ? config_.sliding_window : 0, config_.score_scale_dim(),
+                                    sinks.empty() ? nullptr : sinks.data()};
     std::vector<std::uint16_t> ck, cv;
     std::vector<float> q;
     for (const AttendItem& it : b.items) {
