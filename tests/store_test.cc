@@ -21,6 +21,14 @@
 #include "test_util.h"
 
 namespace kvring {
+
+// Moves a free slot's generation, as 2^32 sequences through it would.
+struct KvStoreTestAccess {
+  static void set_generation(KvStore& s, std::size_t slot, std::uint32_t generation) {
+    s.slots_[slot].generation = generation;
+  }
+};
+
 namespace {
 
 using testing::small_config;
@@ -575,6 +583,47 @@ TEST(Store, FreeSlotsCountWhatAddSequenceCanTake) {
   EXPECT_EQ(s->add_sequence().error().code, ErrorCode::kResourceExhausted);
   ASSERT_TRUE(s->remove_sequence(d).ok());
   EXPECT_EQ(s->free_slots(), 1);
+}
+
+// A slot whose generation would wrap is retired: the handle of its last
+// sequence never names a later one, add, fork and free_slots pass it over,
+// and once every slot is retired or taken the refusal says so.
+TEST(Store, ASlotIsRetiredBeforeItsGenerationWraps) {
+  auto s = cpu_store(small_config(), {.max_sequences = 2});
+  const std::uint32_t last = std::numeric_limits<std::uint32_t>::max() - 1;
+  KvStoreTestAccess::set_generation(*s, 0, last - 1);
+  const SeqId a = *s->add_sequence();  // slot 0, generation last - 1
+  ASSERT_TRUE(s->remove_sequence(a).ok());
+  const SeqId b = *s->add_detached_sequence();  // slot 0 again, generation last
+  EXPECT_NE(b, a);
+  EXPECT_EQ(s->free_slots(), 1);
+  ASSERT_TRUE(s->remove_sequence(b).ok());
+  // Slot 0 is retired: one slot left, and the next sequence takes slot 1.
+  EXPECT_EQ(s->free_slots(), 1);
+  const SeqId c = *s->add_sequence();
+  EXPECT_NE(c, a);
+  EXPECT_NE(c, b);
+  EXPECT_EQ(s->free_slots(), 0);
+  for (const SeqId gone : {a, b}) {
+    EXPECT_FALSE(s->contains(gone));
+    EXPECT_EQ(s->remove_sequence(gone).error().code, ErrorCode::kNotFound);
+    EXPECT_EQ(s->next_position(gone).error().code, ErrorCode::kNotFound);
+  }
+  const auto more = s->add_sequence();
+  ASSERT_FALSE(more.ok());
+  EXPECT_EQ(more.error().code, ErrorCode::kResourceExhausted);
+  EXPECT_NE(more.error().message.find("1 retired"), std::string::npos) << more.error().message;
+  const auto fork = s->fork_sequence(c);
+  ASSERT_FALSE(fork.ok());
+  EXPECT_EQ(fork.error().code, ErrorCode::kResourceExhausted);
+  EXPECT_EQ(s->add_detached_sequence().error().code, ErrorCode::kResourceExhausted);
+  // Slot 1 still turns over.
+  ASSERT_TRUE(s->remove_sequence(c).ok());
+  EXPECT_EQ(s->free_slots(), 1);
+  const SeqId d = *s->add_sequence();
+  EXPECT_NE(d, c);
+  EXPECT_TRUE(s->contains(d));
+  EXPECT_EQ(s->sequences(), std::vector<SeqId>{d});
 }
 
 // blocks_to_store refuses what store refuses in any layer, not only the

@@ -596,6 +596,12 @@ class KvStore {
   void release_tables(Sequence& s);
   RingState fresh_ring(std::int64_t layer) const;
 
+  // Reaches the slots' generations, which only 2^32 sequences through one
+  // slot could otherwise move; defined by the tests alone.
+  friend struct KvStoreTestAccess;
+  // kResourceExhausted's message when no slot is free, naming the retired.
+  std::string slots_taken() const;
+
   std::vector<std::int64_t> full_index_;
   std::vector<std::vector<float>> sinks_;  // per layer: n_heads logits, or none
   std::int64_t n_full_ = 0;

@@ -451,12 +451,18 @@ std::size_t KvStore::free_slot() {
   return free_from_;
 }
 
+std::string KvStore::slots_taken() const {
+  const auto retired = std::count_if(slots_.begin(), slots_.end(),
+                                     [](const Sequence& s) { return !s.live && s.generation == kRetired; });
+  std::string m = "every one of the store's " + std::to_string(slots_.size()) + " sequence slots is taken";
+  if (retired > 0)
+    m += " (" + std::to_string(retired) + " retired: a slot is not used again after 2^32 - 1 sequences)";
+  return m;
+}
+
 Result<SeqId> KvStore::add_slot(bool detached) {
   const std::size_t i = free_slot();
-  if (i == slots_.size())
-    return make_error(ErrorCode::kResourceExhausted,
-                      "every one of the store's " + std::to_string(slots_.size()) +
-                          " sequence slots is taken");
+  if (i == slots_.size()) return make_error(ErrorCode::kResourceExhausted, slots_taken());
   const auto slot = static_cast<std::int32_t>(i);
   // A slot's rings are zero from creation until a sequence first uses it.
   if (options_.zero_fill && slots_[i].used)
@@ -526,9 +532,7 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   if (!from) return from.error();
   const std::size_t i = free_slot();
   if (i == slots_.size())
-    return make_error(ErrorCode::kResourceExhausted,
-                      "cannot fork " + seq_name(source) + ": every one of the store's " +
-                          std::to_string(slots_.size()) + " sequence slots is taken");
+    return make_error(ErrorCode::kResourceExhausted, "cannot fork " + seq_name(source) + ": " + slots_taken());
   const auto to = static_cast<std::int32_t>(i);
   // The slot holds the source's rows from the first copy on: a copy that
   // fails part-way leaves it for the next add to zero (zero_fill), as any
