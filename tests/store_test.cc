@@ -27,6 +27,10 @@ struct KvStoreTestAccess {
   static void set_generation(KvStore& s, std::size_t slot, std::uint32_t generation) {
     s.slots_[slot].generation = generation;
   }
+  // The pool's free list in order and its first never-taken block.
+  static std::pair<std::vector<std::int32_t>, std::int64_t> pool(const KvStore& s) {
+    return {s.free_, s.fresh_};
+  }
 };
 
 namespace {
@@ -624,6 +628,38 @@ TEST(Store, ASlotIsRetiredBeforeItsGenerationWraps) {
   EXPECT_NE(d, c);
   EXPECT_TRUE(s->contains(d));
   EXPECT_EQ(s->sequences(), std::vector<SeqId>{d});
+}
+
+// A call refused for want of blocks after taking some (free ones and fresh
+// ones) gives them back as they were: the free list in its order and the
+// fresh blocks untaken, so the next call places its rows as it would have.
+TEST(Store, ARefusedCallLeavesThePoolInItsOrder) {
+  const ModelConfig c = small_config();
+  const std::int64_t kv = c.kv_dim();
+  auto s = cpu_store(c, {.max_sequences = 3, .block_rows = 16, .pool_blocks = 8});
+  const std::vector<float> rows(static_cast<std::size_t>(4 * 128 * kv), 0.25f);
+  auto put = [&](std::span<const SeqSpan> spans) {
+    std::int64_t n = 0;
+    for (const SeqSpan& sp : spans) n += sp.count;
+    return s->store_all_layers(spans, host_view(rows.data(), 4 * n, kv), host_view(rows.data(), 4 * n, kv));
+  };
+  const SeqId a = *s->add_sequence(), b = *s->add_sequence(), c2 = *s->add_sequence();
+  const SeqSpan first[] = {{a, 0, 48}, {b, 0, 32}};
+  ASSERT_TRUE(put(first).ok());  // blocks 0-2 to a, 3-4 to b
+  ASSERT_TRUE(s->remove_sequence(a).ok());
+  const auto before = KvStoreTestAccess::pool(*s);
+  ASSERT_EQ(before.first.size(), 3u);
+  ASSERT_EQ(before.second, 5);
+  // 7 blocks wanted of the 6 free, in either order of the sequences.
+  const SeqSpan b_first[] = {{b, 32, 32}, {c2, 0, 80}};
+  const SeqSpan c_first[] = {{c2, 0, 64}, {b, 32, 48}};
+  for (const auto& spans : {std::span<const SeqSpan>(b_first), std::span<const SeqSpan>(c_first)}) {
+    const Status st = put(spans);
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.error().code, ErrorCode::kResourceExhausted) << st.to_string();
+    EXPECT_EQ(KvStoreTestAccess::pool(*s), before);
+    EXPECT_EQ(s->free_blocks(), 6);
+  }
 }
 
 // blocks_to_store refuses what store refuses in any layer, not only the

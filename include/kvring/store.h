@@ -617,7 +617,8 @@ class KvStore {
   // The pool's bookkeeping grows with the blocks taken, not with the pool:
   // blocks [fresh_, pool_blocks) were never taken, and free_ holds the
   // blocks given back, taken from the back before a fresh one (so the pool
-  // hands out block 0 first, then the most recently freed). The sequences
+  // hands out block 0 first, then the most recently freed); a rolled-back
+  // call puts its blocks back as they were (rollback). The sequences
   // holding block b are refs(b), in pages of kRefPage counters made as
   // fresh blocks reach them; a page never moves once made.
   static constexpr int kRefPageBits = 12;

@@ -136,7 +136,9 @@ struct KvStore::Txn {
   std::vector<std::tuple<std::int32_t, std::int64_t, RingState>> rings;  // (slot, layer, state)
   // Tables as they were before this operation changed them.
   std::vector<std::tuple<std::int32_t, std::int64_t, std::vector<std::int32_t>>> saved;
-  std::vector<std::int32_t> taken;                        // blocks taken from the pool
+  // Blocks taken from the pool, in order, each with whether it was fresh
+  // (never taken before) rather than from the free list.
+  std::vector<std::pair<std::int32_t, bool>> taken;
   std::vector<std::int32_t> dropped;                      // references released at commit
   std::vector<std::pair<std::int32_t, std::int32_t>> copies;  // shared block -> its copy
   std::vector<TableChange> changes;
@@ -145,7 +147,8 @@ struct KvStore::Txn {
   Result<std::int32_t> take(KvStore& s) {
     std::lock_guard<std::mutex> lock(s.pool_mutex_);
     std::int32_t b;
-    if (!s.free_.empty()) {
+    const bool fresh = s.free_.empty();
+    if (!fresh) {
       b = s.free_.back();
       s.free_.pop_back();
     } else if (s.fresh_ < s.pool_blocks()) {
@@ -160,7 +163,7 @@ struct KvStore::Txn {
                             " rows are in use");
     }
     s.refs(b) = 1;
-    taken.push_back(b);
+    taken.emplace_back(b, fresh);
     return b;
   }
   // Empties the transaction, keeping its vectors' storage.
@@ -212,10 +215,17 @@ void KvStore::rollback(Txn& txn, bool restore_mirror) {
   for (auto& [slot, fi, table] : txn.saved)
     slots_[static_cast<std::size_t>(slot)].tables[static_cast<std::size_t>(fi)] = std::move(table);
   {
+    // In reverse, so that the pool is as it was: the free list in its order
+    // and the fresh blocks untaken again (a concurrent install may have
+    // taken fresh blocks since; this one's then join the free list).
     std::lock_guard<std::mutex> lock(pool_mutex_);
-    for (const std::int32_t b : txn.taken) {
+    for (auto it = txn.taken.rbegin(); it != txn.taken.rend(); ++it) {
+      const auto [b, fresh] = *it;
       refs(b) = 0;
-      free_.push_back(b);
+      if (fresh && b == fresh_ - 1)
+        --fresh_;
+      else
+        free_.push_back(b);
     }
   }
   if (txn.mirrored && restore_mirror) {
