@@ -351,6 +351,35 @@ TEST_F(HostileFiles, ThinPackOverSmallPlantedChunksFailsSmall) {
   EXPECT_EQ(r.out, "");
 }
 
+// Files of the claimed size with no data (holes) under the chunk names:
+// each is hashed in pieces and refused before rows or a chunk buffer are
+// sized by the claim.
+TEST_F(HostileFiles, ThinPackOverSparsePlantedChunksFailsSmall) {
+  std::int64_t payload = 0;
+  write_file(dir_ + "/thin.kvpack",
+             hostile_pack_head(with_record(gigabyte_chunks_pack(2, /*thin=*/true)), &payload));
+  ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
+  for (std::uint32_t n : {0u, 1u}) {
+    const std::string path = dir_ + "/store/" + to_hex(sha256(&n, sizeof n));
+    write_file(path, "");
+    ASSERT_EQ(::truncate(path.c_str(), std::int64_t{1} << 30), 0);
+  }
+  const std::string holes = " is a file with holes whose bytes hash to ";
+
+  const Ran v = run_tool({"pack", "verify", "thin.kvpack", "--store", "dir:store"}, dir_, kToolAddressSpace);
+  EXPECT_EQ(v.rc, 1) << describe(v);
+  EXPECT_NE(v.err.find("thin.kvpack: chunk 0 (layer 0, positions [0, 16384)"), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find(holes), std::string::npos) << describe(v);
+  EXPECT_NE(v.err.find("2 of 2 chunks are bad"), std::string::npos) << describe(v);
+
+  const Ran r = run_tool({"run", "--resume", "thin.kvpack", "--store", "dir:store", "--no-progress"}, dir_,
+                         kToolAddressSpace);
+  EXPECT_EQ(r.rc, 2) << describe(r);
+  EXPECT_NE(r.err.find("Corruption: thin.kvpack: chunk 0"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find(holes), std::string::npos) << describe(r);
+  EXPECT_EQ(r.out, "");
+}
+
 // What stands under a thin pack's chunk names in a directory store and is
 // not a chunk file is named for what it is, not called missing, and the
 // tool reads nothing through it.

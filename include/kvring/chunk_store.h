@@ -87,7 +87,9 @@ class ChunkStore {
   // `name` is absent; kCorruption when what stands under it is not a chunk
   // or holds other than `bytes` bytes. A reader asks this before it sizes
   // any buffer by a pack's claim, so a planted small chunk under a name
-  // that claims 1 GiB costs nothing. The bytes are checked only by get().
+  // that claims 1 GiB costs nothing. The bytes are checked by get(), and
+  // here where a store's size costs nothing to claim (the directory store
+  // hashes a file with holes, in bounded pieces).
   virtual Status check_stored(const Digest& name, std::int64_t bytes) const = 0;
   // Removes a chunk (absent: nothing to do). Packs that name it stop reading.
   virtual Status erase(const Digest& name) = 0;
