@@ -179,6 +179,29 @@ TEST_F(PackFaults, FlippedPayloadBytesNameTheirChunk) {
   }
 }
 
+// A snapshot read into again is no valid snapshot after a failed read,
+// whatever it held: a damaged chunk (read into the rows before its hash
+// was checked) and a damaged manifest alike. Its buffers stay for reuse.
+TEST_F(PackFaults, AFailedReadLeavesNoValidSnapshot) {
+  std::string damaged_chunk = pack_;
+  damaged_chunk.back() ^= 1;
+  std::string damaged_manifest = pack_;
+  damaged_manifest[static_cast<std::size_t>(geometry()) + 1] ^= 1;
+  for (const std::string* bad : {&damaged_chunk, &damaged_manifest}) {
+    Snapshot out;
+    ASSERT_TRUE(read_pack(*source(pack_), {}, out).ok());
+    ASSERT_TRUE(validate_snapshot(out).ok());
+    const Status r = read_pack(*source(*bad), {}, out);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().code, ErrorCode::kCorruption) << r.to_string();
+    EXPECT_FALSE(validate_snapshot(out).ok());
+    EXPECT_FALSE(restore(out, *target_).ok());
+    EXPECT_TRUE(image(*target_) == before_);
+    ASSERT_TRUE(read_pack(*source(pack_), {}, out).ok());
+    EXPECT_TRUE(testing::same_rows(out, snap_));
+  }
+}
+
 TEST_F(PackFaults, WrongMagic) {
   std::string bad = pack_;
   bad[1] = 'X';

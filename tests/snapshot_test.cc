@@ -313,7 +313,8 @@ TEST_F(RestoreRefusal, SlidingRingLacksRows) {
   // A store whose rings are shorter than the window stops at its context,
   // so only an edited snapshot holds such rings past it: the 64-row rings
   // of an all-sliding store at position 90, cut to the 40-row rings of a
-  // store of context 40.
+  // store of context 40. No cache could hold it: it is invalid, and a
+  // restore refuses it as such rather than for the rows it lacks.
   ModelConfig cfg = small_config(64, 256, 4);
   cfg.layer_kinds.assign(4, LayerKind::kSlidingRope);
   auto live = filled_cache(cfg, 256, 90, 3);  // rings of 64 rows, wrapped
@@ -331,9 +332,19 @@ TEST_F(RestoreRefusal, SlidingRingLacksRows) {
     p.k.erase(p.k.begin(), p.k.begin() + cut);
     p.v.erase(p.v.begin(), p.v.begin() + cut);
   }
-  ASSERT_TRUE(validate_snapshot(s, false).ok());
+  const std::string words = "layer 0: a ring of 40 rows, shorter than the window of 64, stops at the context, 40; "
+                            "the snapshot is at 90";
+  const Status invalid = validate_snapshot(s, false);
+  ASSERT_FALSE(invalid.ok());
+  EXPECT_NE(invalid.error().message.find(words), std::string::npos) << invalid.to_string();
   auto wide = filled_cache(cfg, 256, 5, 4);  // rings of 64 rows
-  expect_refused(s, *wide, ErrorCode::kMismatch, "layer 0: the target ring of capacity 64");
+  expect_refused(s, *wide, ErrorCode::kInvalidArgument, words);
+  // The same rings at the context are whole: valid, and restored.
+  auto at_context = filled_cache(cfg, 40, 40, 5);
+  auto short_snap = take_snapshot(*at_context);
+  ASSERT_TRUE(short_snap.ok());
+  EXPECT_TRUE(validate_snapshot(*short_snap, false).ok());
+  EXPECT_TRUE(restore(*short_snap, *wide).ok());
 }
 
 TEST_F(RestoreRefusal, InconsistentSnapshot) {

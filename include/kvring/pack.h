@@ -124,7 +124,8 @@ Result<Manifest> read_manifest(const PackSource& source);
 // The whole snapshot, every chunk verified.
 Result<Snapshot> read_pack(const PackSource& source, const ReadOptions& options = {});
 // The same into `out`, reusing its row buffers (see take_snapshot). On an
-// error `out` holds no valid snapshot.
+// error `out` holds no valid snapshot (invalidate_snapshot), whatever it
+// held before.
 Status read_pack(const PackSource& source, const ReadOptions& options, Snapshot& out);
 Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& options = {});
 // Reads a pack into `target`: the manifest is checked against the target

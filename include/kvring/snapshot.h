@@ -74,11 +74,15 @@ struct Snapshot {
 // rollback slack, whatever forks and rollbacks the sequence went through.
 Result<Snapshot> take_snapshot(const KvStore& store, SeqId seq);
 Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& out);
+// Leaves `s` no valid snapshot (validate_snapshot and restore refuse it:
+// token_count -1), its row buffers kept for reuse. What the calls that
+// fill a caller's snapshot do on an error.
+void invalidate_snapshot(Snapshot& s);
 // The same for a one-sequence cache.
 Result<Snapshot> take_snapshot(const KvCache& cache);
 // The same into `out`, reusing its row buffers: a caller that snapshots
 // again and again keeps its memory warm instead of faulting in fresh pages.
-// On an error `out` holds no valid snapshot.
+// On an error `out` holds no valid snapshot (invalidate_snapshot).
 Status take_snapshot(const KvCache& cache, Snapshot& out);
 
 // Checks that a snapshot is self-consistent: geometry, one plane per layer of

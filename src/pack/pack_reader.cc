@@ -631,8 +631,9 @@ Result<Snapshot> read_pack(const PackSource& source, const ReadOptions& options)
 
 Status read_pack(const PackSource& source, const ReadOptions& options, Snapshot& out) {
   auto m = read_manifest(source);
-  if (!m) return m.error();
-  return read_rows(source, *m, options, out);
+  Status s = m ? read_rows(source, *m, options, out) : Status(m.error());
+  if (!s.ok()) invalidate_snapshot(out);
+  return s;
 }
 
 Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& options) {

@@ -170,6 +170,12 @@ Status validate_snapshot(const Snapshot& s, bool header_only) {
       return invalid_argument(where + "ring capacity " + std::to_string(p.ring.capacity()) +
                               ", a plane at context " + std::to_string(s.context) + " has " +
                               std::to_string(capacity));
+    // A ring shorter than the window stops at the context (a store refuses
+    // positions past it: KvStore::position_limit), so no cache holds more.
+    if (p.kind == LayerKind::kSlidingRope && capacity < c.sliding_window && s.token_count > s.context)
+      return invalid_argument(where + "a ring of " + std::to_string(capacity) + " rows, shorter than the window of " +
+                              std::to_string(c.sliding_window) + ", stops at the context, " +
+                              std::to_string(s.context) + "; the snapshot is at " + std::to_string(s.token_count));
     if (p.ring.next_position() != s.token_count)
       return invalid_argument(where + "ring ends at position " +
                               std::to_string(p.ring.next_position()) + ", the snapshot at " +
@@ -197,7 +203,9 @@ Result<Snapshot> take_snapshot(const KvStore& store, SeqId seq) {
   return s;
 }
 
-Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& s) {
+namespace {
+
+Status take_into(const KvStore& store, SeqId seq, Snapshot& s) {
   s.token_ids.clear();
   s.metadata.clear();
   s.config = store.config();
@@ -241,6 +249,20 @@ Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& s) {
     PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
     return store.read_rows(seq, l, p.ring.origin_logical(), p.ring.len(), p.k.data(), p.v.data());
   });
+}
+
+}  // namespace
+
+Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& s) {
+  Status st = take_into(store, seq, s);
+  if (!st.ok()) invalidate_snapshot(s);
+  return st;
+}
+
+void invalidate_snapshot(Snapshot& s) {
+  s.token_count = -1;
+  s.token_ids.clear();
+  s.metadata.clear();
 }
 
 Result<Snapshot> take_snapshot(const KvCache& cache) {
