@@ -376,6 +376,27 @@ TEST_F(Hostile, AbortMessages) {
   EXPECT_REFUSED(into_store(s), "aborted: bye");
 }
 
+// A peer's abort text reaches the caller's message cut and escaped: no
+// byte of it acts on a terminal, and a megabyte of it is not kept nor sent
+// back whole in the receiver's ERROR.
+TEST_F(Hostile, AbortTextIsCutAndEscaped) {
+  Msg abort{7, 5, 0, 0, 0};
+  const std::string hostile = "\x1b[2J\x1b]0;owned\x07\nFAKE: commit ok\r";
+  abort.insert(abort.end(), hostile.begin(), hostile.end());
+  abort.resize(abort.size() + (1 << 20), 'z');
+  auto s = stream_;
+  s.insert(s.begin() + 3, abort);
+  const Replay r = into_store(s);
+  ASSERT_FALSE(r.received.ok());
+  const std::string& m = r.received.error().message;
+  EXPECT_NE(m.find("aborted: \\x1b[2J\\x1b]0;owned\\x07\\x0aFAKE: commit ok\\x0dzzz"), std::string::npos) << m;
+  EXPECT_NE(m.find("... (" + std::to_string(hostile.size() + (1 << 20)) + " bytes)"), std::string::npos)
+      << m.substr(0, 300);
+  EXPECT_LT(m.size(), std::size_t{4096});
+  for (const char c : m) EXPECT_FALSE(static_cast<unsigned char>(c) < 0x20 || c == 0x7f) << static_cast<int>(c);
+  for (const Msg& reply : r.replies) EXPECT_LT(reply.size(), std::size_t{4096}) << "reply type " << int(reply[0]);
+}
+
 TEST_F(Hostile, TruncatedHeaderAtEveryLengthResealed) {
   const Msg& h = stream_[0];
   for (std::size_t n = 0; n + 32 < h.size(); ++n) {

@@ -184,6 +184,30 @@ TEST_F(UnixTransport, HostileSizeIsRefusedBeforeAllocating) {
   ::close(raw);
 }
 
+// A claim within the limit that the peer does not send costs about what it
+// sent: the buffer grows with the bytes that arrive.
+TEST_F(UnixTransport, AnUnsentClaimCostsWhatArrived) {
+  auto listener = unix_listen(path_);
+  ASSERT_TRUE(listener.ok()) << listener.error().to_string();
+  const int raw = raw_connect(path_);
+  ASSERT_GE(raw, 0) << std::strerror(errno);
+  auto server = (*listener)->accept(deadline_in(5));
+  ASSERT_TRUE(server.ok()) << server.error().to_string();
+  const std::size_t claim = std::size_t{256} << 20;
+  const Bytes h = header_of(claim), body = seeded_bytes(3 << 20, 9);
+  write_all(raw, h.data(), h.size());
+  std::thread sender([&] {
+    write_all(raw, body.data(), body.size());
+    ::close(raw);
+  });
+  Bytes out;
+  const Status s = (*server)->recv_message(out, deadline_in(5), claim);
+  sender.join();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("closed by the peer"), std::string::npos) << s.to_string();
+  EXPECT_LE(out.capacity(), std::size_t{8} << 20);
+}
+
 TEST_F(UnixTransport, PeerClosingMidMessageOrBetweenIsAnError) {
   auto listener = unix_listen(path_);
   ASSERT_TRUE(listener.ok());

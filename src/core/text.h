@@ -57,6 +57,15 @@ inline std::string printable(std::string_view s, bool escape_backslash = true) {
   return out;
 }
 
+// Text a peer chose (a server's error reply, a handoff peer's error), as a
+// message may show it: printable() of at most `max_bytes` of it, and the
+// length of what was cut.
+inline std::string shown(std::string_view text, std::size_t max_bytes, bool escape_backslash = true) {
+  if (text.size() <= max_bytes) return printable(text, escape_backslash);
+  return printable(text.substr(0, max_bytes), escape_backslash) + "... (" + std::to_string(text.size()) +
+         " bytes)";
+}
+
 // The deepest nesting of arrays and objects in JSON `text`, outside
 // strings: checked before a parse, which takes tens of bytes of memory for
 // each byte of deeply nested text.

@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "core/digest64.h"
+#include "core/text.h"
 #include "device.h"
 #include "kvring/handoff.h"
 #include "kvring/sha256.h"
@@ -63,6 +64,8 @@ constexpr std::size_t kRowsHead = 1 + 8 + 4 + 8 + 8;  // type, seq, layer, first
 constexpr std::size_t kRowsFixed = kRowsHead + 32;     // + digest
 constexpr std::int64_t kMaxIds = std::int64_t{1} << 26;
 constexpr std::int64_t kMaxMetadata = std::int64_t{64} << 20;
+// The text an ERROR or ABORT carries, and a peer's that is shown.
+constexpr std::size_t kStatusTextBytes = 2048;
 
 using coding::put_bytes;
 using coding::put_fixed16;
@@ -208,21 +211,25 @@ Result<DecodedHeader> decode_header(const std::vector<std::uint8_t>& m) {
   return d;
 }
 
+// An ERROR or ABORT: its code and at most kStatusTextBytes of its message.
 std::string encode_status(std::uint8_t type, const Error& e) {
   std::string s;
   put_fixed8(&s, type);
   put_fixed32(&s, static_cast<std::uint32_t>(e.code));
-  put_bytes(&s, e.message.data(), e.message.size());
+  put_bytes(&s, e.message.data(), std::min(e.message.size(), kStatusTextBytes));
   return s;
 }
 
+// The peer's text is shown cut to kStatusTextBytes, every byte that could
+// act on a terminal escaped (backslashes kept: a kvring peer's message may
+// already quote escaped text).
 Error decode_status(const std::vector<std::uint8_t>& m, const std::string& who) {
   Reader r{m.data(), m.data() + m.size()};
   r.u(1);
   const auto code = r.u(4);
   if (!r.ok || code > static_cast<std::uint64_t>(ErrorCode::kResourceExhausted)) return wire_error(who + " sent a malformed error");
-  return make_error(static_cast<ErrorCode>(code),
-                    who + ": " + std::string(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p)));
+  const std::string_view text(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
+  return make_error(static_cast<ErrorCode>(code), who + ": " + shown(text, kStatusTextBytes, /*escape_backslash=*/false));
 }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }

@@ -112,12 +112,21 @@ class UnixTransport : public Transport {
     KVRING_RETURN_IF_ERROR(read_exact(head, sizeof head, deadline));
     std::uint64_t size = 0;
     for (int i = 0; i < 8; ++i) size |= std::uint64_t{head[i]} << (8 * i);
-    // Checked before anything is allocated: the peer's claim alone costs nothing.
+    // Checked before anything is allocated, and the buffer then grows with
+    // the bytes that arrive (to twice what came, from 1 MiB on), so that a
+    // claim the peer does not send costs it, not this end.
     if (size > max_size)
       return fail("a message of " + std::to_string(size) + " B from " + name_ + " exceeds " +
                   std::to_string(max_size) + " B");
-    out.resize(static_cast<std::size_t>(size));
-    return read_exact(out.data(), out.size(), deadline);
+    constexpr std::uint64_t kFirstStep = std::uint64_t{1} << 20;
+    out.clear();
+    for (std::uint64_t have = 0; have < size;) {
+      const std::uint64_t next = std::min(size, std::max(kFirstStep, 2 * have));
+      out.resize(static_cast<std::size_t>(next));
+      KVRING_RETURN_IF_ERROR(read_exact(out.data() + have, static_cast<std::size_t>(next - have), deadline));
+      have = next;
+    }
+    return Status::Ok();
   }
 
   std::string describe() const override { return name_; }

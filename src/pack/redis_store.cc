@@ -74,10 +74,7 @@ std::string_view as_text(std::span<const std::uint8_t> s) {
 
 // Text the server chose, as a message may show it: at most kMaxShownBytes of
 // it, with every byte that could act on a terminal escaped.
-std::string shown(std::string_view text) {
-  if (text.size() <= kMaxShownBytes) return printable(text);
-  return printable(text.substr(0, kMaxShownBytes)) + "... (" + std::to_string(text.size()) + " bytes)";
-}
+std::string shown(std::string_view text) { return kvring::shown(text, kMaxShownBytes); }
 
 struct ReplyDeleter {
   void operator()(redisReply* r) const { freeReplyObject(r); }
