@@ -107,6 +107,23 @@ class UnixTransport : public ::testing::Test {
     return l;
   }
 
+  // A listener at path_, a raw socket connected to it, and the accepted end.
+  struct RawPeer {
+    std::unique_ptr<UnixListener> listener;
+    int raw = -1;
+    std::unique_ptr<Transport> server;
+  };
+  void raw_peer(RawPeer& p) {
+    auto listener = unix_listen(path_);
+    ASSERT_TRUE(listener.ok()) << listener.error().to_string();
+    p.listener = std::move(*listener);
+    p.raw = raw_connect(path_);
+    ASSERT_GE(p.raw, 0) << std::strerror(errno);
+    auto server = p.listener->accept(deadline_in(5));
+    ASSERT_TRUE(server.ok()) << server.error().to_string();
+    p.server = std::move(*server);
+  }
+
   std::string dir_, path_;
 };
 
@@ -160,39 +177,35 @@ TEST_F(UnixTransport, MessagesRoundTripBothWays) {
 // A peer that claims 2^62 bytes is refused by the claim alone: nothing of
 // that size is allocated, and the link stays broken.
 TEST_F(UnixTransport, HostileSizeIsRefusedBeforeAllocating) {
-  auto listener = unix_listen(path_);
-  ASSERT_TRUE(listener.ok()) << listener.error().to_string();
-  const int raw = raw_connect(path_);
-  ASSERT_GE(raw, 0) << std::strerror(errno);
-  auto server = (*listener)->accept(deadline_in(5));
-  ASSERT_TRUE(server.ok()) << server.error().to_string();
+  RawPeer p;
+  ASSERT_NO_FATAL_FAILURE(raw_peer(p));
+  const int raw = p.raw;
+  Transport* server = p.server.get();
   const Bytes h = header_of(std::uint64_t{1} << 62);
   write_all(raw, h.data(), h.size());
   write_all(raw, "abcd", 4);
   Bytes out;
-  const Status s = (*server)->recv_message(out, deadline_in(5), 1 << 20);
+  const Status s = server->recv_message(out, deadline_in(5), 1 << 20);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.error().code, ErrorCode::kIOError);
   EXPECT_NE(s.error().message.find("a message of 4611686018427387904 B from unix " + path_), std::string::npos)
       << s.to_string();
   EXPECT_NE(s.error().message.find("exceeds 1048576 B"), std::string::npos) << s.to_string();
   EXPECT_EQ(out.capacity(), 0u);
-  const Status again = (*server)->recv_message(out, deadline_in(1), 1 << 20);
+  const Status again = server->recv_message(out, deadline_in(1), 1 << 20);
   ASSERT_FALSE(again.ok());
   EXPECT_EQ(again.error().message, s.error().message);
-  EXPECT_FALSE((*server)->send_message("x", 1, deadline_in(1)).ok());
+  EXPECT_FALSE(server->send_message("x", 1, deadline_in(1)).ok());
   ::close(raw);
 }
 
 // A claim within the limit that the peer does not send costs about what it
 // sent: the buffer grows with the bytes that arrive.
 TEST_F(UnixTransport, AnUnsentClaimCostsWhatArrived) {
-  auto listener = unix_listen(path_);
-  ASSERT_TRUE(listener.ok()) << listener.error().to_string();
-  const int raw = raw_connect(path_);
-  ASSERT_GE(raw, 0) << std::strerror(errno);
-  auto server = (*listener)->accept(deadline_in(5));
-  ASSERT_TRUE(server.ok()) << server.error().to_string();
+  RawPeer p;
+  ASSERT_NO_FATAL_FAILURE(raw_peer(p));
+  const int raw = p.raw;
+  Transport* server = p.server.get();
   const std::size_t claim = std::size_t{256} << 20;
   const Bytes h = header_of(claim), body = seeded_bytes(3 << 20, 9);
   write_all(raw, h.data(), h.size());
@@ -201,7 +214,7 @@ TEST_F(UnixTransport, AnUnsentClaimCostsWhatArrived) {
     ::close(raw);
   });
   Bytes out;
-  const Status s = (*server)->recv_message(out, deadline_in(5), claim);
+  const Status s = server->recv_message(out, deadline_in(5), claim);
   sender.join();
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.error().message.find("closed by the peer"), std::string::npos) << s.to_string();
