@@ -3,10 +3,12 @@
 #include "kvring/store.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <random>
@@ -1204,6 +1206,73 @@ TEST(Store, AFailedForkLeavesNoRowsToTheNextSequence) {
   ASSERT_TRUE(s.read_plane(b, 0, k.data(), v.data()).ok());
   EXPECT_EQ(std::count(k.begin(), k.end(), 0), static_cast<std::ptrdiff_t>(n));
   EXPECT_EQ(std::count(v.begin(), v.end(), 0), static_cast<std::ptrdiff_t>(n));
+}
+
+// The resident pages of this process.
+std::int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// An install of a partial sliding ring leaves the rows it does not write
+// zero: a ring some sequence wrote into is cleared first (zero_fill off,
+// so nothing else cleared it), and a ring that holds only zeros is left
+// untouched, so a fresh store's pages stay unmapped (a handoff's fresh
+// store receiving a header that claims large rings, and few rows).
+TEST(Store, PartialInstallsClearOnlyWrittenRings) {
+  const ModelConfig c = small_config(65536, 65536, 2, 8, 8, 64);  // layer 0: a 65536-row ring
+  ASSERT_EQ(c.kind(0), LayerKind::kSlidingRope);
+  auto s = cpu_store(c, {.max_sequences = 1, .zero_fill = false});
+  const std::int64_t kv = c.kv_dim(), cap = s->capacity(0);
+  const std::int64_t ring_bytes = cap * kv * 2 * 2;  // K and V of one layer
+  ASSERT_GE(ring_bytes, std::int64_t{128} << 20);
+  const std::vector<std::uint16_t> rows(static_cast<std::size_t>(5 * kv), 0x3c00);  // 1.0
+  const RingState five = *RingState::sequential(cap, true, 5);
+  // Both layers (sliding) take the five rows, so that the sequence attaches.
+  ASSERT_EQ(c.kind(1), LayerKind::kSlidingRope);
+  auto install_whole = [&](SeqId seq) {
+    for (std::int64_t l : {0, 1}) ASSERT_TRUE(s->install(seq, l, five, rows.data(), rows.data()).ok());
+    ASSERT_TRUE(s->attach_sequence(seq).ok());
+  };
+
+  const std::int64_t before = resident_bytes();
+  const SeqId fresh = *s->add_detached_sequence();
+  install_whole(fresh);
+  // Five rows' pages (huge pages, where the kernel grants them) of K and V.
+  EXPECT_LT(resident_bytes() - before, ring_bytes / 8) << "the fresh rings were written over";
+  std::vector<std::uint16_t> k(static_cast<std::size_t>(cap * kv), 7), v(k.size(), 7);
+  ASSERT_TRUE(s->read_plane(fresh, 0, k.data(), v.data()).ok());
+  EXPECT_EQ(std::count(k.begin(), k.end(), 0x3c00), 5 * kv);
+  EXPECT_EQ(std::count(k.begin(), k.end(), 0), static_cast<std::ptrdiff_t>(k.size()) - 5 * kv);
+  ASSERT_TRUE(s->remove_sequence(fresh).ok());
+
+  // In a fresh store, a sequence writes 40 rows into the slot's ring (a
+  // store, or a prefill); the next sequence's partial install must not
+  // show them.
+  for (const bool prefill : {false, true}) {
+    SCOPED_TRACE(prefill ? "prefill" : "store");
+    s = cpu_store(c, {.max_sequences = 1, .zero_fill = false});
+    const SeqId a = *s->add_sequence();
+    const std::int64_t width = c.n_heads * c.head_dim;
+    const std::vector<float> forty(static_cast<std::size_t>(40 * kv), 0.5f),
+        q(static_cast<std::size_t>(40 * width), 0.25f);
+    std::vector<float> out(q.size());
+    const SeqSpan span{a, 0, 40};
+    const ConstView kv40 = host_view(forty.data(), 40, kv);
+    ASSERT_TRUE((prefill ? s->prefill(0, {&span, 1}, kv40, kv40, host_view(q.data(), 40, width),
+                                      host_view(out.data(), 40, width))
+                         : s->store(0, {&span, 1}, kv40, kv40))
+                    .ok());
+    ASSERT_TRUE(s->remove_sequence(a).ok());
+    const SeqId b = *s->add_detached_sequence();
+    install_whole(b);
+    ASSERT_TRUE(s->read_plane(b, 0, k.data(), v.data()).ok());
+    EXPECT_EQ(std::count(k.begin(), k.end(), 0x3c00), 5 * kv);
+    EXPECT_EQ(std::count(k.begin(), k.end(), 0), static_cast<std::ptrdiff_t>(k.size()) - 5 * kv);
+    EXPECT_EQ(std::count(v.begin(), v.end(), 0), static_cast<std::ptrdiff_t>(v.size()) - 5 * kv);
+  }
 }
 
 TEST(Store, ViewsAreCheckedAndReadInPlace) {

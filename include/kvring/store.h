@@ -468,6 +468,9 @@ class KvStore {
   // Whether attend() applies attention_sinks(layer) (set_attention_sinks
   // refuses them otherwise).
   virtual bool computes_sinks() const { return false; }
+  // For a backend whose storage is zero when made whatever zero_fill says
+  // (fresh anonymous mappings): every ring is known zero.
+  void rings_made_zero();
 
   std::int64_t full_index(std::int64_t layer) const {
     return full_index_[static_cast<std::size_t>(layer)];
@@ -506,7 +509,17 @@ class KvStore {
       std::int64_t rows = 0;
     };
     std::vector<Written> written;
+    // [n_layers]: the slot's sliding ring of the layer holds only zeros (as
+    // created or cleared, not written since), so an install need not clear
+    // it. A char each: installs of different layers set theirs at once.
+    std::vector<char> ring_zero;
   };
+  // Every write into slot `slot`'s sliding rings of `layer` (all layers
+  // when -1) goes through these: before a write, after a clear or a copy.
+  void ring_written(std::int32_t slot, std::int64_t layer);
+  void ring_cleared(std::int32_t slot, std::int64_t layer) {
+    slots_[static_cast<std::size_t>(slot)].ring_zero[static_cast<std::size_t>(layer)] = 1;
+  }
   struct Txn;
   // Working vectors of the batched calls, kept between calls so that a
   // step allocates (and first-touches) nothing.

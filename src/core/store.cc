@@ -283,6 +283,20 @@ KvStore::KvStore(ModelConfig config, StoreOptions o)
   slots_.resize(static_cast<std::size_t>(o.max_sequences));
   ref_pages_.resize(static_cast<std::size_t>(ceil_div(o.pool_blocks, kRefPage)));
   sinks_.resize(static_cast<std::size_t>(config_.n_layers));
+  // zero_fill zeroes every ring at creation (the backends' allocate).
+  for (Sequence& s : slots_) s.ring_zero.assign(static_cast<std::size_t>(config_.n_layers), o.zero_fill ? 1 : 0);
+}
+
+void KvStore::rings_made_zero() {
+  for (Sequence& s : slots_) std::fill(s.ring_zero.begin(), s.ring_zero.end(), 1);
+}
+
+void KvStore::ring_written(std::int32_t slot, std::int64_t layer) {
+  std::vector<char>& z = slots_[static_cast<std::size_t>(slot)].ring_zero;
+  if (layer < 0)
+    std::fill(z.begin(), z.end(), 0);
+  else
+    z[static_cast<std::size_t>(layer)] = 0;
 }
 
 Status KvStore::set_attention_sinks(std::int64_t layer, std::span<const float> sinks) {
@@ -477,7 +491,10 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   // A slot's rings are zero from creation until a sequence first uses it.
   if (options_.zero_fill && slots_[i].used)
     for (std::int64_t l = 0; l < n_layers(); ++l)
-      if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(clear_ring(slot, l, nullptr));
+      if (full_index(l) < 0) {
+        KVRING_RETURN_IF_ERROR(clear_ring(slot, l, nullptr));
+        ring_cleared(slot, l);
+      }
   Sequence& s = slots_[i];
   s.live = true;
   s.detached = detached;
@@ -532,6 +549,7 @@ Status KvStore::reset_sequence(SeqId seq) {
     for (std::int64_t l = 0; l < n_layers(); ++l)
       if (full_index(l) < 0) {
         Status z = clear_ring(*slot, l, nullptr);
+        if (z.ok()) ring_cleared(*slot, l);
         if (st.ok() && !z.ok()) st = std::move(z);
       }
   return st;
@@ -548,6 +566,7 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   // fails part-way leaves it for the next add to zero (zero_fill), as any
   // slot that held a sequence.
   slots_[i].used = true;
+  ring_written(to, -1);
   for (std::int64_t l = 0; l < n_layers(); ++l)
     if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(copy_ring(*from, to, l, nullptr));
   const Sequence& src = slots_[static_cast<std::size_t>(*from)];
@@ -1065,6 +1084,7 @@ Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const Cons
   Status st = copy_blocks(txn, stream);
   if (st.ok()) {
     txn.mirrored = !txn.changes.empty();
+    for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer);
     st = write_rows(txn.changes, writes, k, v, stream);
   }
   if (!st.ok()) {
@@ -1222,6 +1242,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
     row += c.count;
   }
   Status st = apply_blocks(txn, stream);
+  for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer);
   if (st.ok()) st = attend_and_store(AttendBatch{layer, items, &q, &out, &k, &v, stream}, writes);
   if (!st.ok()) {
     rollback(txn);
@@ -1374,9 +1395,14 @@ Status KvStore::plan_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
 Status KvStore::ready_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
                             const RingState& state, cudaStream_t stream) {
   KVRING_RETURN_IF_ERROR(apply_blocks(txn, stream));
-  // Rows the install does not overwrite read as in a fresh ring.
-  if (full_index(layer) < 0 && state.len() < state.capacity())
-    return clear_ring(slot, layer, stream);
+  // Rows the install does not overwrite read as in a fresh ring: a ring
+  // that holds only zeros already is left untouched (a fresh store's pages
+  // stay unmapped until rows land).
+  if (full_index(layer) < 0 && state.len() < state.capacity() &&
+      !slots_[static_cast<std::size_t>(slot)].ring_zero[static_cast<std::size_t>(layer)]) {
+    KVRING_RETURN_IF_ERROR(clear_ring(slot, layer, stream));
+    ring_cleared(slot, layer);
+  }
   return Status::Ok();
 }
 
@@ -1412,7 +1438,10 @@ Status KvStore::install(SeqId seq, std::int64_t layer, const RingState& state,
     return st;
   }
   Status st = ready_plane(txn, *slot, layer, state, stream);
-  if (st.ok()) st = copy_in(plane_ref(*slot, layer), state.live_spans(), k, v, space, stream);
+  if (st.ok()) {
+    ring_written(*slot, layer);
+    st = copy_in(plane_ref(*slot, layer), state.live_spans(), k, v, space, stream);
+  }
   if (!st.ok()) {
     empty_plane(txn, *slot, layer);
     mark_installed(*slot, layer, false);
@@ -1464,6 +1493,7 @@ Status KvStore::install_rows(SeqId seq, std::int64_t layer, std::int64_t first,
   KVRING_RETURN_IF_ERROR(check_rows_memory(space, k, v, count));
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
+  ring_written(*slot, layer);
   KVRING_RETURN_IF_ERROR(copy_in(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream));
   mark_written(*slot, layer, first, count);
   return Status::Ok();

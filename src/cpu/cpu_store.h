@@ -39,6 +39,7 @@ class CpuStore : public KvStore {
     const auto pool_elems = static_cast<std::size_t>(pool_blocks() * block_elems());
     pool_ = Plane{alloc(pool_elems), alloc(pool_elems)};
     if (!pool_.k || !pool_.v) return out_of_memory();
+    rings_made_zero();
     return Status::Ok();
   }
 
