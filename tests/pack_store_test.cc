@@ -10,6 +10,10 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <chrono>
+#include <thread>
+#include <mutex>
+#include <map>
 
 #include "cpu/parallel.h"
 #include "kvring/chunk_store.h"
@@ -353,6 +357,87 @@ class DirStoreFaults : public ::testing::Test {
 // _exit in the fault hook, so no destructor cleans up) leaves only a
 // temporary file: no chunk under the name, no pack; a later write succeeds.
 // A store opened only to be read is not made where it is absent.
+// A chunk store in memory that counts the bytes its reads hold at once,
+// each read taking a while so that reads of different threads overlap.
+class SlowMemoryStore final : public ChunkStore {
+ public:
+  std::string spec() const override { return "memory"; }
+  Status put(std::span<const ChunkData> chunks) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const ChunkData& c : chunks) {
+      std::vector<std::uint8_t>& b = chunks_[to_hex(c.name)];
+      b.assign(c.part1.begin(), c.part1.end());
+      b.insert(b.end(), c.part2.begin(), c.part2.end());
+    }
+    return Status::Ok();
+  }
+  Result<bool> contains(const Digest& name) const override { return find(name) != nullptr; }
+  Status check_stored(const Digest& name, std::int64_t bytes) const override {
+    const auto* b = find(name);
+    if (b == nullptr) return make_error(ErrorCode::kNotFound, "missing");
+    if (static_cast<std::int64_t>(b->size()) != bytes) return make_error(ErrorCode::kCorruption, "size");
+    return Status::Ok();
+  }
+  Status erase(const Digest&) override { return Status::Ok(); }
+  Result<StoreStats> stats() const override { return StoreStats{}; }
+  std::int64_t most_held() const { return most_held_; }
+
+ protected:
+  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
+    const auto* b = find(name);
+    if (b == nullptr || b->size() != dst.size()) return make_error(ErrorCode::kNotFound, "missing");
+    const auto n = static_cast<std::int64_t>(dst.size());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      most_held_ = std::max(most_held_, held_ += n);
+    }
+    if (n > (std::int64_t{1} << 20)) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::copy(b->begin(), b->end(), dst.begin());
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_ -= n;
+    return Status::Ok();
+  }
+
+ private:
+  const std::vector<std::uint8_t>* find(const Digest& name) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = chunks_.find(to_hex(name));
+    return it == chunks_.end() ? nullptr : &it->second;
+  }
+  mutable std::mutex mutex_;
+  std::map<std::string, std::vector<std::uint8_t>> chunks_;
+  mutable std::int64_t held_ = 0, most_held_ = 0;
+};
+
+// A thin pack's chunks are read whole, but the chunk buffers a read or a
+// verify holds at once across its threads stay within 256 MiB: its two
+// chunks of 144 and 137 MiB (a full plane of 18000 tokens at 4096 values a
+// row, in chunks of 9216 tokens) are never held together, however many
+// threads read.
+TEST(ThinPackReads, ChunkBuffersStayWithinTheirBudget) {
+  const ModelConfig cfg = small_config(32, 18000, 4, 32, 32, 128);
+  ASSERT_EQ(cfg.kind(3), LayerKind::kFullNope);
+  const std::int64_t tokens = 18000, chunk_tokens = 9216;
+  auto live = filled_cache(cfg, tokens, tokens, 5);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  SlowMemoryStore store;
+  auto bytes = encode_pack(*snap, {.chunk_tokens = chunk_tokens, .store = &store});
+  ASSERT_TRUE(bytes.ok()) << bytes.error().to_string();
+  const std::int64_t big = chunk_tokens * cfg.kv_dim() * 4, other = (tokens - chunk_tokens) * cfg.kv_dim() * 4;
+  ASSERT_GT(big + other, std::int64_t{256} << 20);
+  auto src = memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size()), "big.kvpack");
+  auto v = verify_pack(*src, &store);
+  ASSERT_TRUE(v.ok()) << v.error().to_string();
+  EXPECT_EQ(v->bad_chunks, 0);
+  EXPECT_GE(store.most_held(), big);
+  EXPECT_LT(store.most_held(), big + other);
+  auto back = read_pack(*src, {.store = &store});
+  ASSERT_TRUE(back.ok()) << back.error().to_string();
+  EXPECT_TRUE(testing::same_rows(*back, *snap));
+  EXPECT_LT(store.most_held(), big + other);
+}
+
 TEST_F(DirStoreFaults, AStoreOpenedToReadIsNotMade) {
   auto absent = open_dir_store(root_, {.create = false});
   ASSERT_FALSE(absent.ok());

@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <array>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <optional>
 
@@ -382,10 +384,40 @@ Status check_name(const PackSource& src, const Manifest& m, std::int64_t i, cons
                     "..., not to its name " + to_hex(ch.name));
 }
 
+// Bytes of whole-chunk buffers that one read or verify holds at once
+// across its threads; a chunk larger than this is read alone.
+constexpr std::int64_t kChunkBufferBudget = std::int64_t{256} << 20;
+
+// A count of bytes held by threads at once, at most `limit` unless one
+// holder alone exceeds it.
+class ByteBudget {
+ public:
+  explicit ByteBudget(std::int64_t limit) : limit_(limit) {}
+  void take(std::int64_t n) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    freed_.wait(lock, [&] { return held_ == 0 || held_ + n <= limit_; });
+    held_ += n;
+  }
+  void give(std::int64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_ -= n;
+    }
+    freed_.notify_all();
+  }
+
+ private:
+  const std::int64_t limit_;
+  std::int64_t held_ = 0;
+  std::mutex mutex_;
+  std::condition_variable freed_;
+};
+
 // Reads and verifies chunk i. With `out`, decodes it into the snapshot's
-// rows (F16Le from a file on a little-endian host straight into place).
+// rows (F16Le from a file on a little-endian host straight into place);
+// other chunks go through a buffer of their size, held within `budget`.
 Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* store,
-                  std::int64_t i, Snapshot* out) {
+                  std::int64_t i, Snapshot* out, ByteBudget& budget) {
   const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
   const Encoding enc = m.planes[static_cast<std::size_t>(ch.layer)].encoding;
   const std::int64_t half = ch.byte_length / 2;
@@ -411,6 +443,12 @@ Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* st
     h.update(v, static_cast<std::size_t>(half));
     return check_name(src, m, i, h.finish());
   }
+  budget.take(ch.byte_length);
+  struct Give {
+    ByteBudget& b;
+    std::int64_t n;
+    ~Give() { b.give(n); }
+  } give{budget, ch.byte_length};
   std::vector<std::uint8_t> bytes;
   try {
     bytes.resize(static_cast<std::size_t>(ch.byte_length));
@@ -523,8 +561,9 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
     return make_error(ErrorCode::kIOError, src.name() + ": out of memory for " + num(need) + " bytes of rows");
   }
   std::vector<Status> status(m.chunks.size());
+  ByteBudget budget(kChunkBufferBudget);
   cpu::parallel_for(static_cast<std::int64_t>(m.chunks.size()), m.payload_bytes, [&](std::int64_t i) {
-    status[static_cast<std::size_t>(i)] = read_chunk(src, m, options.store, i, &s);
+    status[static_cast<std::size_t>(i)] = read_chunk(src, m, options.store, i, &s, budget);
   });
   return first_error(status);
 }
@@ -663,6 +702,7 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
   // A chunk is read whole only from a store that holds it; a pack's own
   // chunks are hashed in bounded pieces.
   std::vector<Status> status(m->chunks.size());
+  ByteBudget budget(kChunkBufferBudget);
   cpu::parallel_for(static_cast<std::int64_t>(m->chunks.size()), m->payload_bytes, [&](std::int64_t i) {
     Status& s = status[static_cast<std::size_t>(i)];
     if (!m->thin) {
@@ -670,7 +710,7 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
       return;
     }
     s = check_present(source, *m, *store, i);
-    if (s.ok()) s = read_chunk(source, *m, store, i, nullptr);
+    if (s.ok()) s = read_chunk(source, *m, store, i, nullptr, budget);
   });
   VerifyReport r;
   r.thin = m->thin;
