@@ -397,6 +397,20 @@ TEST_F(Hostile, AbortTextIsCutAndEscaped) {
   for (const Msg& reply : r.replies) EXPECT_LT(reply.size(), std::size_t{4096}) << "reply type " << int(reply[0]);
 }
 
+// A rows message larger than the credits the receiver handed out is
+// refused by its size, before its bytes are taken; one that fits them is
+// not.
+TEST_F(Hostile, RowsPastTheCreditsAreRefused) {
+  const std::int64_t payload = static_cast<std::int64_t>(stream_[1].size() - kRowsFixed);
+  const Replay over = into_store(stream_, {.timeout_s = 1, .credit_bytes = payload - 1});
+  EXPECT_REFUSED(over, "exceeds " + std::to_string(payload - 1 + static_cast<std::int64_t>(kRowsFixed)) + " B");
+  std::int64_t largest = 0;
+  for (std::size_t i = 1; i + 1 < stream_.size(); ++i)
+    largest = std::max(largest, static_cast<std::int64_t>(stream_[i].size() - kRowsFixed));
+  const Replay fits = into_store(stream_, {.timeout_s = 1, .credit_bytes = largest});
+  EXPECT_TRUE(fits.received.ok()) << fits.received.error().to_string();
+}
+
 TEST_F(Hostile, TruncatedHeaderAtEveryLengthResealed) {
   const Msg& h = stream_[0];
   for (std::size_t n = 0; n + 32 < h.size(); ++n) {

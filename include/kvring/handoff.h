@@ -590,7 +590,10 @@ struct ReceiveOptions {
   // Under swa-first every message waits for the end of prefill, so this
   // must outlast the sender's whole prefill.
   double max_keep_s = 300;
+  // Row bytes the sender may send unacknowledged; no message after the
+  // header may carry more rows than this.
   std::int64_t credit_bytes = std::int64_t{64} << 20;
+  // The largest message taken (the header's token ids and metadata).
   std::int64_t max_message_bytes = std::int64_t{256} << 20;
 };
 

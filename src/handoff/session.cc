@@ -560,8 +560,11 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       linger(transport, std::min(kLingerS, options.timeout_s), static_cast<std::size_t>(options.max_message_bytes));
     return e;
   };
+  // The header may take max_message_bytes; once credits are handed out, no
+  // message may carry more rows than they allow.
+  std::int64_t limit = options.max_message_bytes;
   auto recv = [&](Deadline d) -> Status {
-    if (Status s = transport.recv(msg, d, static_cast<std::size_t>(options.max_message_bytes), keep_device); !s.ok())
+    if (Status s = transport.recv(msg, d, static_cast<std::size_t>(limit), keep_device); !s.ok())
       return peer_lost(s, who);
     if (in.empty()) return wire_error(who + " sent an empty message");
     return Status::Ok();
@@ -585,6 +588,8 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     put_fixed64(&accept, options.credit_bytes);
     if (Status s = transport.send_message(accept.data(), accept.size(), deadline_in(options.timeout_s)); !s.ok())
       return fail(peer_lost(s, who));
+    const auto fixed = static_cast<std::int64_t>(kRowsFixed);
+    if (options.credit_bytes < options.max_message_bytes - fixed) limit = options.credit_bytes + fixed;
   }
   const std::int64_t kv = h.config.kv_dim();
   std::vector<std::int64_t> next_row;
