@@ -398,12 +398,19 @@ TEST_F(Hostile, AbortTextIsCutAndEscaped) {
 }
 
 // A rows message larger than the credits the receiver handed out is
-// refused by its size, before its bytes are taken; one that fits them is
-// not.
+// refused (by its size alone, before its bytes are taken, once it is past
+// 4 KiB); one that fits them is not.
 TEST_F(Hostile, RowsPastTheCreditsAreRefused) {
   const std::int64_t payload = static_cast<std::int64_t>(stream_[1].size() - kRowsFixed);
   const Replay over = into_store(stream_, {.timeout_s = 1, .credit_bytes = payload - 1});
-  EXPECT_REFUSED(over, "exceeds " + std::to_string(payload - 1 + static_cast<std::int64_t>(kRowsFixed)) + " B");
+  EXPECT_REFUSED(over, std::to_string(payload) + " B of rows, past the credits of " + std::to_string(payload - 1));
+  // A message claimed past the credits and 4 KiB: refused by its size.
+  Msg big = stream_[1];
+  big.resize(big.size() + (std::size_t{1} << 20));
+  auto s = stream_;
+  s[1] = big;
+  EXPECT_REFUSED(into_store(s, {.timeout_s = 1, .credit_bytes = payload}),
+                 "exceeds " + std::to_string(std::max<std::int64_t>(payload + kRowsFixed, 4096)) + " B");
   std::int64_t largest = 0;
   for (std::size_t i = 1; i + 1 < stream_.size(); ++i)
     largest = std::max(largest, static_cast<std::int64_t>(stream_[i].size() - kRowsFixed));

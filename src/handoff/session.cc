@@ -588,8 +588,11 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     put_fixed64(&accept, options.credit_bytes);
     if (Status s = transport.send_message(accept.data(), accept.size(), deadline_in(options.timeout_s)); !s.ok())
       return fail(peer_lost(s, who));
+    // (At least what an ABORT or an END takes, whatever the credits.)
     const auto fixed = static_cast<std::int64_t>(kRowsFixed);
-    if (options.credit_bytes < options.max_message_bytes - fixed) limit = options.credit_bytes + fixed;
+    if (options.credit_bytes < options.max_message_bytes - fixed)
+      limit = std::max<std::int64_t>(options.credit_bytes + fixed, 2 * kStatusTextBytes);
+    limit = std::min(limit, options.max_message_bytes);
   }
   const std::int64_t kv = h.config.kv_dim();
   std::vector<std::int64_t> next_row;
@@ -631,6 +634,9 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       if (rows < 1 || rows > options.max_message_bytes / (kv * 4) ||
           size != kRowsFixed + static_cast<std::size_t>(rows * kv * 4))
         return fail(wire_error(at + std::to_string(size) + " B for " + std::to_string(rows) + " rows"));
+      if (rows * kv * 4 > options.credit_bytes)
+        return fail(wire_error(at + std::to_string(rows * kv * 4) + " B of rows, past the credits of " +
+                               std::to_string(options.credit_bytes) + " B"));
       const PlaneSnapshot& p = h.planes[static_cast<std::size_t>(layer)];
       std::int64_t& next = next_row[static_cast<std::size_t>(layer)];
       if (first != next || first + rows > p.ring.next_position())
