@@ -426,6 +426,31 @@ TEST(AttentionSinks, DecodeAndPrefillMatchFloat64OnEveryPath) {
   cpu::set_attention_isa(saved);
 }
 
+// Query heads per KV head that do not fill a vector (3, 6, 12) and head
+// dims off the vector width, on every path: the sinks still match float64.
+TEST(AttentionSinks, AwkwardGroupsMatchFloat64) {
+  struct Shape { std::int64_t heads, kv_heads, head_dim; };
+  const cpu::AttentionIsa saved = cpu::attention_isa();
+  for (const Shape sh : {Shape{3, 1, 16}, Shape{12, 1, 32}, Shape{6, 2, 17}, Shape{24, 2, 64}}) {
+    const ModelConfig c = make_hybrid_config("t", 2, 2, sh.heads, sh.kv_heads, sh.head_dim, 33, 1024);
+    const std::int64_t n = 700;
+    const Data d(c, n, 13 + static_cast<std::uint64_t>(sh.heads));
+    const std::vector<float> sinks = spread_sinks(c.n_heads);
+    for (const auto isa : {cpu::AttentionIsa::kScalar, cpu::AttentionIsa::kAvx2, cpu::AttentionIsa::kAvx512}) {
+      if (!cpu::set_attention_isa(isa)) continue;
+      for (std::int64_t layer : {0, 1}) {
+        SCOPED_TRACE("heads " + std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " head_dim " +
+                     std::to_string(sh.head_dim) + " path " + std::to_string(static_cast<int>(isa)) + " layer " +
+                     std::to_string(layer));
+        const auto out = run_stream(c, layer, d, n, 64, {}, sinks);
+        for (const std::int64_t p : {0, 32, 33, 255, 256, 699})
+          EXPECT_LT(worst_head_error(c, c.kind(layer), d, p, out.data() + p * d.q_dim, sinks), 1e-5) << "position " << p;
+      }
+    }
+  }
+  cpu::set_attention_isa(saved);
+}
+
 // Sinks set and then removed, or set on another layer only, leave a layer's
 // bits those of a store that never had any.
 TEST(AttentionSinks, RemovedOrElsewhereTheyChangeNoBits) {
