@@ -451,6 +451,30 @@ TEST(AttentionSinks, AwkwardGroupsMatchFloat64) {
   cpu::set_attention_isa(saved);
 }
 
+// A sink near the largest finite float takes all the weight under both
+// numerics: every output of its head is 0, none NaN (the f16 numeric's
+// log2 units would overflow it to inf unclamped).
+TEST(AttentionSinks, HugeFiniteSinksTakeAllTheWeight) {
+  const ModelConfig c = make_hybrid_config("t", 2, 2, 6, 2, 32, 33, 1024);
+  const std::int64_t n = 40;
+  const Data d(c, n, 3);
+  std::vector<float> sinks = spread_sinks(c.n_heads);
+  sinks[0] = 3e38f;
+  sinks[1] = -3e38f;
+  for (const AttentionNumeric numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
+    SCOPED_TRACE(numeric == AttentionNumeric::kF32 ? "f32" : "f16");
+    const auto out = run_stream(c, 1, d, n, 1, {.attention = numeric}, sinks);
+    const auto plain = run_stream(c, 1, d, n, 1, {.attention = numeric});
+    for (std::int64_t p = 0; p < n; ++p)
+      for (std::int64_t e = 0; e < c.head_dim; ++e) {
+        EXPECT_EQ(out[static_cast<std::size_t>(p * d.q_dim + e)], 0.0f) << "position " << p;
+        // A sink far below the scores changes nothing.
+        EXPECT_EQ(out[static_cast<std::size_t>(p * d.q_dim + c.head_dim + e)],
+                  plain[static_cast<std::size_t>(p * d.q_dim + c.head_dim + e)]);
+      }
+  }
+}
+
 // Sinks set and then removed, or set on another layer only, leave a layer's
 // bits those of a store that never had any.
 TEST(AttentionSinks, RemovedOrElsewhereTheyChangeNoBits) {

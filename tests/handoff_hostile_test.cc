@@ -395,6 +395,13 @@ TEST_F(Hostile, AbortTextIsCutAndEscaped) {
   EXPECT_LT(m.size(), std::size_t{4096});
   for (const char c : m) EXPECT_FALSE(static_cast<unsigned char>(c) < 0x20 || c == 0x7f) << static_cast<int>(c);
   for (const Msg& reply : r.replies) EXPECT_LT(reply.size(), std::size_t{4096}) << "reply type " << int(reply[0]);
+  // The receiver's ERROR repeats the cut text and says how long it was.
+  ASSERT_FALSE(r.replies.empty());
+  const Msg& error = r.replies.back();
+  ASSERT_EQ(error[0], 3);
+  const std::string text(error.begin() + 5, error.end());
+  EXPECT_EQ(text.size(), 2048u);
+  EXPECT_NE(text.find(" bytes)"), std::string::npos) << text.substr(text.size() - 40);
 }
 
 // A rows message larger than the credits the receiver handed out is

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -1228,7 +1229,9 @@ void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionSh
       float L = 0.0f;
       if (shape.sinks != nullptr) {
         // The sink in the partials' units: log2 of the scaled scores.
-        const float sink = shape.sinks[g * G + t] * static_cast<float>(1.4426950408889634);
+        // (Clamped: a finite sink past FLT_MAX / log2(e) would become inf.)
+        const float sink =
+            std::fmin(shape.sinks[g * G + t] * static_cast<float>(1.4426950408889634), FLT_MAX);
         M = std::fmax(M, sink);
         L = std::exp2(sink - M);
       }

@@ -211,12 +211,21 @@ Result<DecodedHeader> decode_header(const std::vector<std::uint8_t>& m) {
   return d;
 }
 
-// An ERROR or ABORT: its code and at most kStatusTextBytes of its message.
+// An ERROR or ABORT: its code and at most kStatusTextBytes of its message;
+// a longer one is cut at a character's start and says its length.
 std::string encode_status(std::uint8_t type, const Error& e) {
   std::string s;
   put_fixed8(&s, type);
   put_fixed32(&s, static_cast<std::uint32_t>(e.code));
-  put_bytes(&s, e.message.data(), std::min(e.message.size(), kStatusTextBytes));
+  if (e.message.size() <= kStatusTextBytes) {
+    put_bytes(&s, e.message.data(), e.message.size());
+    return s;
+  }
+  const std::string more = "... (" + std::to_string(e.message.size()) + " bytes)";
+  std::size_t keep = kStatusTextBytes - more.size();
+  while (keep > 0 && (static_cast<unsigned char>(e.message[keep]) & 0xc0) == 0x80) --keep;
+  put_bytes(&s, e.message.data(), keep);
+  put_bytes(&s, more.data(), more.size());
   return s;
 }
 

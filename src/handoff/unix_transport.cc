@@ -118,6 +118,10 @@ class UnixTransport : public Transport {
     if (size > max_size)
       return fail("a message of " + std::to_string(size) + " B from " + name_ + " exceeds " +
                   std::to_string(max_size) + " B");
+    if (size <= out.capacity()) {  // memory this end holds already
+      out.resize(static_cast<std::size_t>(size));
+      return read_exact(out.data(), out.size(), deadline);
+    }
     constexpr std::uint64_t kFirstStep = std::uint64_t{1} << 20;
     out.clear();
     for (std::uint64_t have = 0; have < size;) {
