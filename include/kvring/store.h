@@ -486,7 +486,6 @@ class KvStore {
   struct Sequence {
     bool live = false;
     bool detached = false;  // taken by add_detached_sequence, not yet attached
-    bool used = false;  // held a sequence since the store was created
     // Why the sequence's rows can no longer be trusted after a failed call:
     // the device's copy of its block tables may differ from `tables` (the
     // undo could not be mirrored), or a backend failed part-way through a

@@ -488,17 +488,17 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   const std::size_t i = free_slot();
   if (i == slots_.size()) return make_error(ErrorCode::kResourceExhausted, slots_taken());
   const auto slot = static_cast<std::int32_t>(i);
-  // A slot's rings are zero from creation until a sequence first uses it.
-  if (options_.zero_fill && slots_[i].used)
+  // Under zero_fill a new sequence's rings are zero: those some write
+  // reached since they were made or cleared are cleared.
+  if (options_.zero_fill)
     for (std::int64_t l = 0; l < n_layers(); ++l)
-      if (full_index(l) < 0) {
+      if (full_index(l) < 0 && !slots_[i].ring_zero[static_cast<std::size_t>(l)]) {
         KVRING_RETURN_IF_ERROR(clear_ring(slot, l, nullptr));
         ring_cleared(slot, l);
       }
   Sequence& s = slots_[i];
   s.live = true;
   s.detached = detached;
-  s.used = true;
   s.rings.clear();
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings.push_back(fresh_ring(l));
   s.tables.assign(static_cast<std::size_t>(n_full_), {});
@@ -563,9 +563,8 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
     return make_error(ErrorCode::kResourceExhausted, "cannot fork " + seq_name(source) + ": " + slots_taken());
   const auto to = static_cast<std::int32_t>(i);
   // The slot holds the source's rows from the first copy on: a copy that
-  // fails part-way leaves it for the next add to zero (zero_fill), as any
-  // slot that held a sequence.
-  slots_[i].used = true;
+  // fails part-way leaves its rings written, for the next add to zero
+  // (zero_fill).
   ring_written(to, -1);
   for (std::int64_t l = 0; l < n_layers(); ++l)
     if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(copy_ring(*from, to, l, nullptr));

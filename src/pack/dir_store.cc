@@ -15,13 +15,11 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <vector>
 
 #include "core/file_read.h"
 #include "cpu/parallel.h"
 #include "file_io.h"
 #include "kvring/chunk_store.h"
-#include "kvring/sha256.h"
 #include "pack_common.h"
 
 namespace kvring {
@@ -220,31 +218,26 @@ class DirStore final : public ChunkStore {
  private:
   std::string path_of(const Digest& name) const { return root_ + "/" + to_hex(name); }
 
-  // The file under `name` (`bytes` long) hashes to `name`, read 1 MiB at a
-  // time.
+  // The file under `name` (`bytes` long) hashes to `name`, read in bounded
+  // pieces.
   Status hash_in_pieces(const Digest& name, std::int64_t bytes) const {
-    constexpr std::int64_t kPiece = std::int64_t{1} << 20;
     const std::string path = path_of(name);
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) return io_error(spec() + ": opening chunk " + to_hex(name) + ": " + errno_text(errno));
     struct stat st {};
     Status s = ::fstat(fd, &st) != 0 ? io_error(spec() + ": chunk " + to_hex(name) + ": " + errno_text(errno))
                                      : check_file(name, st, bytes);
-    std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min(bytes, kPiece)));
-    Sha256 h;
-    for (std::int64_t done = 0; s.ok() && done < bytes;) {
-      const std::int64_t n = std::min(bytes - done, kPiece);
-      s = pread_all(fd, buf.data(), n, done, path);
-      h.update(buf.data(), static_cast<std::size_t>(n));
-      done += n;
-    }
+    Result<Digest> got = s.ok() ? sha256_in_pieces(bytes,
+                                                   [&](std::int64_t at, std::int64_t n, std::uint8_t* dst) {
+                                                     return pread_all(fd, dst, n, at, path);
+                                                   })
+                                : Result<Digest>(s);
     ::close(fd);
-    KVRING_RETURN_IF_ERROR(s);
-    const Digest got = h.finish();
+    if (!got) return got.error();
 #if !defined(FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION)
-    if (got != name)
+    if (*got != name)
       return corruption(spec() + ": chunk " + to_hex(name) + " is a file with holes whose bytes hash to " +
-                        to_hex(got) + " (damaged or planted)");
+                        to_hex(*got) + " (damaged or planted)");
 #endif
     return Status::Ok();
   }

@@ -4,6 +4,7 @@
 
 #include "coding.h"
 #include "kvring/f16.h"
+#include "kvring/sha256.h"
 
 namespace kvring {
 
@@ -73,6 +74,20 @@ std::string short_name(const Digest& name) { return to_hex(name.data(), 8); }
 Status first_error(const std::vector<Status>& statuses) {
   for (const Status& s : statuses) KVRING_RETURN_IF_ERROR(s);
   return Status::Ok();
+}
+
+Result<Digest> sha256_in_pieces(std::int64_t bytes,
+                                const std::function<Status(std::int64_t, std::int64_t, std::uint8_t*)>& read) {
+  constexpr std::int64_t kPiece = std::int64_t{1} << 20;
+  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min(bytes, kPiece)));
+  Sha256 h;
+  for (std::int64_t done = 0; done < bytes;) {
+    const std::int64_t n = std::min(bytes - done, kPiece);
+    KVRING_RETURN_IF_ERROR(read(done, n, buf.data()));
+    h.update(buf.data(), static_cast<std::size_t>(n));
+    done += n;
+  }
+  return h.finish();
 }
 
 }  // namespace pack_internal

@@ -5,6 +5,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,5 +45,10 @@ std::string short_name(const Digest& name);
 // Statuses of independent tasks; the first failure in task order is the one
 // reported, whichever thread finished first.
 Status first_error(const std::vector<Status>& statuses);
+
+// SHA-256 of `bytes` bytes that `read(offset, n, dst)` delivers, through a
+// buffer of at most 1 MiB whatever `bytes` claims; read's first error.
+Result<Digest> sha256_in_pieces(std::int64_t bytes,
+                                const std::function<Status(std::int64_t, std::int64_t, std::uint8_t*)>& read);
 
 }  // namespace kvring::pack_internal

@@ -46,8 +46,6 @@ constexpr bool kCheckDigests = false;
 constexpr bool kCheckDigests = true;
 #endif
 
-// Hashing a chunk without holding it whole reads it in pieces of this size.
-constexpr std::int64_t kStreamBytes = std::int64_t{1} << 20;
 
 class FileSource final : public PackSource {
  public:
@@ -477,19 +475,15 @@ Status with_chunk(const PackSource& src, const Manifest& m, std::int64_t i, cons
   return e;
 }
 
-// Verifies chunk i of a self-contained pack through a buffer of at most
-// kStreamBytes, whatever its byte_length claims.
+// Verifies chunk i of a self-contained pack in bounded pieces, whatever
+// its byte_length claims.
 Status verify_streamed(const PackSource& src, const Manifest& m, std::int64_t i) {
   const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
-  std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min(ch.byte_length, kStreamBytes)));
-  Sha256 h;
-  for (std::int64_t done = 0; done < ch.byte_length;) {
-    const std::int64_t n = std::min(ch.byte_length - done, kStreamBytes);
-    KVRING_RETURN_IF_ERROR(with_chunk(src, m, i, src.read_at(ch.offset + done, n, buf.data())));
-    h.update(buf.data(), static_cast<std::size_t>(n));
-    done += n;
-  }
-  return check_name(src, m, i, h.finish());
+  auto got = sha256_in_pieces(ch.byte_length, [&](std::int64_t at, std::int64_t n, std::uint8_t* dst) {
+    return with_chunk(src, m, i, src.read_at(ch.offset + at, n, dst));
+  });
+  if (!got) return got.error();
+  return check_name(src, m, i, *got);
 }
 
 // Chunk i of a thin pack is in the store with the size the pack gives it
