@@ -571,9 +571,11 @@ class KvStore {
                           std::int64_t fi, std::vector<char>& copies) const;
   // Plans the writes of `spans` into `layer` in `txn`: ring placements,
   // new blocks, copies of shared blocks. Leaves the store unchanged. The
-  // caller has passed every layer's spans through check_placements first.
+  // caller has passed every layer's spans through check_placements first;
+  // `placements` are its answers for this layer, span by span.
   Status plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
-                    std::span<const std::int32_t> slots, std::vector<RowWrite>& writes);
+                    std::span<const std::int32_t> slots, std::span<const BatchPlacement> placements,
+                    std::vector<RowWrite>& writes);
   // Points the planned table changes at the tables (planning may have
   // moved a table's storage after a change named it).
   void seal(Txn& txn);
@@ -597,13 +599,16 @@ class KvStore {
   Result<std::vector<std::int32_t>> slots_of_spans(std::span<const SeqSpan> spans,
                                                    bool unique) const;
   // Where span `sp` of sequence `seq` lands in `layer`'s plane `r`, or
-  // store's refusal (discontinuity, capacity, position_limit).
-  Result<BatchPlacement> place_span(std::int64_t layer, const RingState& r, const SeqSpan& sp) const;
+  // store's refusal (discontinuity, capacity, `limit`: position_limit).
+  Result<BatchPlacement> place_span(std::int64_t layer, const RingState& r, const SeqSpan& sp,
+                                    std::int64_t limit) const;
   // place_span's refusal of any span in `layer`, before any block is taken:
   // a batch that could never be stored is refused as such, not for want of
-  // blocks (kResourceExhausted) that an earlier span took.
+  // blocks (kResourceExhausted) that an earlier span took. Appends each
+  // span's placement to `placements` where given.
   Status check_placements(std::int64_t layer, std::span<const SeqSpan> spans,
-                          std::span<const std::int32_t> slots) const;
+                          std::span<const std::int32_t> slots,
+                          std::vector<BatchPlacement>* placements = nullptr) const;
   void release_table(std::vector<std::int32_t>& table);
   void release_tables(Sequence& s);
   RingState fresh_ring(std::int64_t layer) const;

@@ -16,6 +16,13 @@ Error capacity_exceeded(std::int64_t layer, std::int64_t capacity, std::int64_t 
 
 // Cuts `rows` consecutive rows starting at physical slot `phys` (source row
 // `source`) where they cross the end of the ring: at most two spans.
+// x % capacity for x >= 0, without a division where x < 2 capacity (a
+// decode step's every placement).
+std::int64_t wrap_row(std::int64_t x, std::int64_t capacity) {
+  if (x < capacity) return x;
+  return x - capacity < capacity ? x - capacity : x % capacity;
+}
+
 int split_at_wrap(std::int64_t phys, std::int64_t source, std::int64_t rows,
                   std::int64_t capacity, std::array<PhysicalSpan, 2>& spans) {
   int n = 0;
@@ -113,7 +120,7 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
   // State after the batch.
   const std::int64_t overflow = total > capacity_ ? total - capacity_ : 0;
   const std::int64_t new_origin_logical = origin_logical_ + overflow;
-  const std::int64_t new_origin_physical = (origin_physical_ + overflow) % capacity_;
+  const std::int64_t new_origin_physical = wrap_row(origin_physical_ + overflow, capacity_);
 
   BatchPlacement p;
   p.first_live = count > capacity_ ? count - capacity_ : 0;
@@ -121,8 +128,7 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
   // The first live source row's logical position, and its physical slot by
   // the explicit-origin translation against the post-batch origins.
   const std::int64_t first_logical = start + p.first_live;
-  const std::int64_t phys =
-      (new_origin_physical + (first_logical - new_origin_logical)) % capacity_;
+  const std::int64_t phys = wrap_row(new_origin_physical + (first_logical - new_origin_logical), capacity_);
   p.n_spans = split_at_wrap(phys, p.first_live, p.live_rows, capacity_, p.spans);
   return p;
 }
@@ -136,7 +142,7 @@ void RingState::commit_batch(std::int64_t count) {
   }
   const std::int64_t overflow = total - capacity_;
   origin_logical_ += overflow;
-  origin_physical_ = (origin_physical_ + overflow) % capacity_;
+  origin_physical_ = wrap_row(origin_physical_ + overflow, capacity_);
   len_ = capacity_;
 }
 

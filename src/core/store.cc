@@ -200,6 +200,7 @@ struct KvStore::Scratch {
   std::vector<AttendItem> items;
   std::vector<RingState> before;
   std::vector<char> copies;  // plan_store: per span, first_block_copies
+  std::vector<BatchPlacement> placements;  // check_placements' answers, layer by layer
   // The transaction and vectors of one batched call, emptied.
   Txn& begin() {
     txn.clear();
@@ -207,6 +208,7 @@ struct KvStore::Scratch {
     items.clear();
     before.clear();
     copies.clear();
+    placements.clear();
     return txn;
   }
 };
@@ -928,14 +930,14 @@ Status KvStore::check_out_view(const char* what, const MutView& v, std::int64_t 
 
 Status KvStore::check_attention(const ConstView&, const MutView&) const { return Status::Ok(); }
 
-Result<BatchPlacement> KvStore::place_span(std::int64_t layer, const RingState& r, const SeqSpan& sp) const {
+Result<BatchPlacement> KvStore::place_span(std::int64_t layer, const RingState& r, const SeqSpan& sp,
+                                           std::int64_t limit) const {
   auto placement = r.plan_batch(layer, sp.start, sp.count);
   if (!placement) {
     Error e = placement.error();  // its fields (layer, expected, got) kept
     e.message = seq_name(sp.seq) + ": " + e.message;
     return e;
   }
-  const std::int64_t limit = position_limit(layer);
   if (sp.count > limit - sp.start)
     return make_error(ErrorCode::kCapacityExceeded,
                       seq_name(sp.seq) + ", layer " + std::to_string(layer) +
@@ -945,10 +947,14 @@ Result<BatchPlacement> KvStore::place_span(std::int64_t layer, const RingState& 
 }
 
 Status KvStore::check_placements(std::int64_t layer, std::span<const SeqSpan> spans,
-                                 std::span<const std::int32_t> slots) const {
+                                 std::span<const std::int32_t> slots,
+                                 std::vector<BatchPlacement>* placements) const {
+  const std::int64_t limit = position_limit(layer);
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const RingState& r = slots_[static_cast<std::size_t>(slots[i])].rings[static_cast<std::size_t>(layer)];
-    if (auto placed = place_span(layer, r, spans[i]); !placed) return placed.error();
+    auto placed = place_span(layer, r, spans[i], limit);
+    if (!placed) return placed.error();
+    if (placements != nullptr) placements->push_back(*placed);
   }
   return Status::Ok();
 }
@@ -1016,7 +1022,8 @@ void KvStore::first_block_copies(std::span<const SeqSpan> spans, std::span<const
 }
 
 Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan> spans,
-                           std::span<const std::int32_t> slots, std::vector<RowWrite>& writes) {
+                           std::span<const std::int32_t> slots, std::span<const BatchPlacement> placements,
+                           std::vector<RowWrite>& writes) {
   const std::int64_t fi = full_index(layer);
   const std::int64_t B = options_.block_rows;
   // Which spans copy the shared block they start in, decided on the tables
@@ -1031,8 +1038,6 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
     const std::int32_t slot = slots[i];
     Sequence& s = slots_[static_cast<std::size_t>(slot)];
     RingState r = s.rings[static_cast<std::size_t>(layer)];
-    auto placement = place_span(layer, r, spans[i]);
-    if (!placement) return placement.error();
     r.commit_batch(spans[i].count);
     txn.rings.emplace_back(slot, layer, r);
     if (fi >= 0) {
@@ -1064,7 +1069,7 @@ Status KvStore::plan_store(Txn& txn, std::int64_t layer, std::span<const SeqSpan
         txn.changes.push_back(TableChange{slot, fi, nullptr, change_from, end_block - change_from});
       }
     }
-    writes.push_back(RowWrite{plane_ref(slot, layer), row, *placement});
+    writes.push_back(RowWrite{plane_ref(slot, layer), row, placements[i]});
     row += spans[i].count;
   }
   return Status::Ok();
@@ -1117,10 +1122,11 @@ Status KvStore::store(std::int64_t layer, std::span<const SeqSpan> spans, const 
   KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows, config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows, config_.kv_dim()));
   if (spans.empty()) return Status::Ok();
-  KVRING_RETURN_IF_ERROR(check_placements(layer, spans, *slots));
   Txn& txn = scratch_->begin();
+  std::vector<BatchPlacement>& placements = scratch_->placements;
+  KVRING_RETURN_IF_ERROR(check_placements(layer, spans, *slots, &placements));
   std::vector<RowWrite>& writes = scratch_->writes;
-  if (Status st = plan_store(txn, layer, spans, *slots, writes); !st.ok()) {
+  if (Status st = plan_store(txn, layer, spans, *slots, placements, writes); !st.ok()) {
     rollback(txn);
     return st;
   }
@@ -1136,14 +1142,18 @@ Status KvStore::store_all_layers(std::span<const SeqSpan> spans, const ConstView
   KVRING_RETURN_IF_ERROR(check_rows_view("k", k, rows * n_layers(), config_.kv_dim()));
   KVRING_RETURN_IF_ERROR(check_rows_view("v", v, rows * n_layers(), config_.kv_dim()));
   if (spans.empty()) return Status::Ok();
-  for (std::int64_t l = 0; l < n_layers(); ++l) KVRING_RETURN_IF_ERROR(check_placements(l, spans, *slots));
   Txn& txn = scratch_->begin();
+  std::vector<BatchPlacement>& placements = scratch_->placements;
+  for (std::int64_t l = 0; l < n_layers(); ++l)
+    KVRING_RETURN_IF_ERROR(check_placements(l, spans, *slots, &placements));
   std::vector<RowWrite>& writes = scratch_->writes;
   writes.reserve(spans.size() * static_cast<std::size_t>(n_layers()));
   txn.rings.reserve(writes.capacity());
   for (std::int64_t l = 0; l < n_layers(); ++l) {
     const std::size_t first = writes.size();
-    if (Status st = plan_store(txn, l, spans, *slots, writes); !st.ok()) {
+    const std::span<const BatchPlacement> layer_placements =
+        std::span<const BatchPlacement>(placements).subspan(static_cast<std::size_t>(l) * spans.size(), spans.size());
+    if (Status st = plan_store(txn, l, spans, *slots, layer_placements, writes); !st.ok()) {
       rollback(txn);
       return st;
     }
@@ -1205,17 +1215,18 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   KVRING_RETURN_IF_ERROR(check_out_apart(out, "k", k, false));
   KVRING_RETURN_IF_ERROR(check_out_apart(out, "v", v, false));
   if (chunks.empty()) return Status::Ok();
-  KVRING_RETURN_IF_ERROR(check_placements(layer, chunks, *slots));
   // The rings as before the chunks: attention reads the rows before each
   // chunk from the plane and the chunk's own rows from k and v.
   Txn& txn = scratch_->begin();
+  std::vector<BatchPlacement>& placements = scratch_->placements;
+  KVRING_RETURN_IF_ERROR(check_placements(layer, chunks, *slots, &placements));
   std::vector<RowWrite>& writes = scratch_->writes;
   std::vector<RingState>& before = scratch_->before;
   std::vector<AttendItem>& items = scratch_->items;
   for (std::size_t i = 0; i < chunks.size(); ++i)
     before.push_back(
         slots_[static_cast<std::size_t>((*slots)[i])].rings[static_cast<std::size_t>(layer)]);
-  if (Status st = plan_store(txn, layer, chunks, *slots, writes); !st.ok()) {
+  if (Status st = plan_store(txn, layer, chunks, *slots, placements, writes); !st.ok()) {
     rollback(txn);
     return st;
   }
