@@ -583,6 +583,9 @@ class KvStore {
   // whose full sliding rings a write went into are refused until reset
   // (Sequence::stale), their oldest live rows' slots written over.
   void mark_overwritten(const Status& failed, std::span<const RowWrite> writes);
+  // The end of a batched write: on `st`'s error, rollback and
+  // mark_overwritten, and `st` returned; else commit.
+  Status settle(Txn& txn, const Status& st, std::span<const RowWrite> writes);
   // Applies block copies, then the table changes and the writes in one
   // write_rows, then commits; rolls back on a backend error.
   Status finish_store(Txn& txn, std::vector<RowWrite>& writes, const ConstView& k,

@@ -1091,6 +1091,10 @@ Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const Cons
     for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer);
     st = write_rows(txn.changes, writes, k, v, stream);
   }
+  return settle(txn, st, writes);
+}
+
+Status KvStore::settle(Txn& txn, const Status& st, std::span<const RowWrite> writes) {
   if (!st.ok()) {
     rollback(txn);
     mark_overwritten(st, writes);
@@ -1254,13 +1258,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   Status st = apply_blocks(txn, stream);
   for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer);
   if (st.ok()) st = attend_and_store(AttendBatch{layer, items, &q, &out, &k, &v, stream}, writes);
-  if (!st.ok()) {
-    rollback(txn);
-    mark_overwritten(st, writes);
-    return st;
-  }
-  commit(txn);
-  return Status::Ok();
+  return settle(txn, st, writes);
 }
 
 Status KvStore::attend_and_store(const AttendBatch& batch, std::span<const RowWrite> writes) {
