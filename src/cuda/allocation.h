@@ -78,8 +78,23 @@ inline std::optional<std::uint64_t> mapped_bytes(const void* p, std::uint64_t wa
   if (!first) return std::nullopt;
   std::uint64_t have = *first;
   const auto at = reinterpret_cast<std::uintptr_t>(p);
+  int device = -1;
+  if (have < want && cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::nullopt;
+  }
   for (int ranges = 1; have < want; ++ranges) {
     if (ranges == kMostRanges || have > UINTPTR_MAX - at) return std::nullopt;
+    // Only an address that the runtime knows as this device's memory goes
+    // to the driver's range query: past the last allocation the query would
+    // fail, and fail loudly under compute-sanitizer, for a refusal that the
+    // pointer's attributes already give.
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(at + have)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    if (a.type != cudaMemoryTypeDevice || a.device != device) break;
     std::uint64_t next = 0;
     const int e = detail::range_from(at + have, next);
     if (e == detail::kNotFound) break;
