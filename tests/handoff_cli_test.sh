@@ -143,6 +143,10 @@ for variant in "scaled.json scores_q_._k_/_sqrt(16),_this_receiver's_model_q_._k
 done
 "$K" handoff serve --listen "unix:$W/pf.sock" --port-file p --tokens 5 2>args.err && fail "--port-file with unix:"
 grep -q "goes with --listen HOST:PORT" args.err || fail "args: $(cat args.err)"
+for rate in -1 nan 1e300; do
+  "$K" handoff serve --listen "unix:$W/mr.sock" --tokens 5 --min-rate "$rate" 2>args.err && fail "--min-rate $rate"
+  grep -q -- "--min-rate" args.err || fail "--min-rate $rate: $(cat args.err)"
+done
 
 if [ "$UCX" = 0 ]; then
   echo "cli_handoff: this build has no UCX transport; serve and --handoff-to over UCX skipped"

@@ -694,6 +694,75 @@ TEST_F(Hostile, KeepAlivesAloneEndTheSession) {
   EXPECT_EQ(target.pending_blocks(), 0);
 }
 
+// A session's messages into store_, a rows message every 0.25 s with
+// keep-alives every 0.05 s between them, until the receiver ends or `for_s`
+// passed.
+struct Trickle {
+  Result<ReceiveReport> got = io_error("not run");
+  bool ended = false;
+  double seconds = 0;
+  std::size_t sent = 0;  // stream messages sent, the header included
+};
+Trickle trickle(const std::vector<Msg>& stream, KvStore& store, const ModelConfig& config, const ReceiveOptions& ro,
+                double for_s) {
+  auto [a, b] = local_pair();
+  StoreTarget target(store, {.expect = config});
+  Trickle r;
+  std::atomic<bool> done{false};
+  std::thread t([&, bb = b.get()] {
+    r.got = receive_session(*bb, target, ro);
+    done = true;
+  });
+  const auto t0 = Clock::now();
+  (void)a->send_message(stream[0].data(), stream[0].size(), deadline_in(1));
+  r.sent = 1;
+  auto last = Clock::now();
+  while (!done && Clock::now() - t0 < duration_of(for_s)) {
+    if (r.sent + 1 < stream.size() && Clock::now() - last >= std::chrono::milliseconds(250)) {
+      (void)a->send_message(stream[r.sent].data(), stream[r.sent].size(), deadline_in(1));
+      ++r.sent;
+      last = Clock::now();
+    } else {
+      const std::uint8_t keep = 6;
+      (void)a->send_message(&keep, 1, deadline_in(1));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.ended = done;
+  a->close();
+  t.join();
+  EXPECT_EQ(target.pending_blocks(), 0);
+  return r;
+}
+
+// A sender that sends each message within the receiver's timeout, with
+// keep-alives between them, but too slowly for the session's bound
+// (ReceiveOptions::min_bytes_per_s) is refused once the session passes it,
+// before its last message; the blocks its session held go back.
+TEST_F(Hostile, ATricklingSenderIsRefusedAtTheSessionsBound) {
+  ASSERT_GE(n_rows_msgs(), 16u);
+  // The bound: 0.6 + 1 + 0.4 = 2 s; the whole stream would take 4 s and more.
+  const double payload = static_cast<double>(timeline_.payload.payload_bytes);
+  const Trickle r =
+      trickle(stream_, *store_, config_, {.timeout_s = 1, .max_keep_s = 0.6, .min_bytes_per_s = payload / 0.4}, 10);
+  EXPECT_TRUE(r.ended) << "the receiver still waited after 10 s";
+  ASSERT_FALSE(r.got.ok());
+  EXPECT_NE(r.got.error().message.find("did not end the session within"), std::string::npos) << r.got.error().to_string();
+  EXPECT_GE(r.seconds, 1.9);
+  EXPECT_LT(r.seconds, 5.0);
+  EXPECT_LT(r.sent + 1, stream_.size()) << "every rows message was sent before the refusal";
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+}
+
+// The same trickle with no bound runs past it: each message and each run
+// of keep-alives within its own limit, as the bound's test needs.
+TEST_F(Hostile, ATrickleWithinEachWaitRunsPastTheBoundWithoutIt) {
+  const Trickle r = trickle(stream_, *store_, config_, {.timeout_s = 1, .max_keep_s = 0.6, .min_bytes_per_s = 0}, 2.5);
+  EXPECT_FALSE(r.ended) << (r.got.ok() ? std::string("ended") : r.got.error().to_string());
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+}
+
 // Flips a byte in the middle of the n-th message it sends.
 class FlipOneSend : public Transport {
  public:

@@ -112,6 +112,11 @@ TEST(HandoffPlanHostile, ReceiveOptionsOfNoSizeAreRefused) {
   r = receive_session(*pair.second, target, {.timeout_s = 0.1, .credit_bytes = 0});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message.find("credit_bytes"), std::string::npos) << r.error().message;
+  for (const double rate : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    r = receive_session(*pair.second, target, {.timeout_s = 0.1, .min_bytes_per_s = rate});
+    ASSERT_FALSE(r.ok()) << rate;
+    EXPECT_NE(r.error().message.find("min_bytes_per_s"), std::string::npos) << r.error().message;
+  }
 }
 
 }  // namespace

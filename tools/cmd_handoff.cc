@@ -258,7 +258,7 @@ class ServeTarget final : public handoff::HandoffTarget {
 // The receiver: one session, decoded greedily to --tokens.
 int cmd_serve(const std::vector<std::string>& argv) {
   auto a = Args::parse(argv, {"json", "no-progress"},
-                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "max-mib", "max-keep", "port-file"});
+                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "max-mib", "max-keep", "min-rate", "port-file"});
   if (!a) return fail(a.error());
   if (!a->positional().empty()) return fail("handoff serve: unexpected argument '" + a->positional()[0] + "'");
   if (!a->has("listen"))
@@ -281,6 +281,11 @@ int cmd_serve(const std::vector<std::string>& argv) {
     auto k = parse_positive_double("max-keep", a->str("max-keep"), true);
     if (!k) return fail(k.error());
     ro.max_keep_s = *k;
+  }
+  if (a->has("min-rate")) {
+    auto r = parse_positive_double("min-rate", a->str("min-rate"), true, kMaxRateGbS);
+    if (!r) return fail(r.error());
+    ro.min_bytes_per_s = *r * 1e9;
   }
   handoff::DetachedCacheTarget::Options to;
   to.backend = *backend;

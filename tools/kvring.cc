@@ -94,7 +94,7 @@ const CommandHelp kHelp[] = {
     {"handoff serve", R"(  handoff serve --listen HOST:PORT|unix:PATH --tokens N
              [--model NAME | --config FILE] [--backend cpu|cuda|auto]
              [--timeout S] [--credits MiB] [--max-mib M] [--max-keep S]
-             [--port-file F] [--json]
+             [--min-rate GB/s] [--port-file F] [--json]
              receives one session (UCX on HOST:PORT, or a Unix socket at
              PATH), decodes it greedily to N tokens and prints the summary
              of `run`; port 0 picks a free port (--port-file F gets it);
@@ -103,7 +103,10 @@ const CommandHelp kHelp[] = {
              a session whose store would take more than M MiB (default
              65536) is refused, and one whose sender keeps the link alive
              with no rows for S seconds (default 300; 0: no limit), which
-             must outlast the sender's prefill under swa-first, is ended
+             must outlast the sender's prefill under swa-first, is ended;
+             a session not done S + the timeout + its rows at --min-rate
+             (default 0.001048576 GB/s, 1 MiB/s; 0: no bound) after its
+             header is ended
 )"},
     {"config", R"(  config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model

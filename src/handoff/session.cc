@@ -550,6 +550,9 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     return invalid_argument("receive options: credit_bytes " + std::to_string(options.credit_bytes) +
                             " and max_message_bytes " + std::to_string(options.max_message_bytes) +
                             " must be at least 1");
+  if (!(options.min_bytes_per_s >= 0) || !std::isfinite(options.min_bytes_per_s))
+    return invalid_argument("receive options: min_bytes_per_s " + std::to_string(options.min_bytes_per_s) +
+                            " must be finite and at least 0");
   const std::string who = "sender at " + transport.describe();
   // Rows may stay in device memory when both the link and the target can
   // hold them there; they are then digested and installed on `stream`
@@ -608,13 +611,32 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   for (const PlaneSnapshot& p : h.planes) next_row.push_back(p.ring.origin_logical());
   ReceiveReport report;
   std::int64_t taken = 0;
+  // The whole session's bound (ReceiveOptions::min_bytes_per_s), from the
+  // header's arrival.
+  const bool bounded = options.min_bytes_per_s > 0 && options.max_keep_s > 0;
+  const double session_s =
+      bounded ? options.max_keep_s + options.timeout_s + static_cast<double>(expected_bytes) / options.min_bytes_per_s
+              : 0;
+  const Deadline session_end = t0 + duration_of(session_s);
+  auto past_session = [&]() -> Error {
+    char limit[64];
+    std::snprintf(limit, sizeof limit, "%.3g s (max_keep_s + timeout_s + %lld B at %.3g B/s)", session_s,
+                  static_cast<long long>(expected_bytes), options.min_bytes_per_s);
+    return io_error("handoff: " + who + " did not end the session within " + limit + ": " +
+                    std::to_string(report.messages) + " of " + std::to_string(decoded->n_messages) + " messages, " +
+                    std::to_string(taken) + " of " + std::to_string(expected_bytes) + " B arrived");
+  };
   // Keep-alives say the sender's prefill still runs; they hold the target's
   // blocks, so a run of them with no rows ends at max_keep_s.
   auto last_rows = Clock::now();
   for (;;) {
-    if (Status s = recv(deadline_in(options.timeout_s)); !s.ok())
+    if (bounded && Clock::now() >= session_end) return fail(past_session());
+    const Deadline wait = bounded ? std::min(deadline_in(options.timeout_s), session_end) : deadline_in(options.timeout_s);
+    if (Status s = recv(wait); !s.ok()) {
+      if (bounded && Clock::now() >= session_end) return fail(past_session());
       return fail(make_error(s.error().code, s.error().message + " (after " + std::to_string(report.messages) + " of " +
                                                  std::to_string(decoded->n_messages) + " messages)"));
+    }
     const std::string at = "message " + std::to_string(report.messages) + ": ";
     if (in[0] == kKeep && in.size() == 1) {
       if (options.max_keep_s > 0 && seconds_since(last_rows) > options.max_keep_s) {
