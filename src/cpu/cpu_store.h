@@ -77,6 +77,7 @@ class CpuStore : public KvStore {
     std::int64_t rows = 0;
     for (const RowWrite& w : writes) rows += w.placement.live_rows;
     const std::int64_t tasks = std::clamp<std::int64_t>(rows / kRowsPerTask, 1, n);
+    const bool f32 = k.dtype == DType::kF32 && v.dtype == DType::kF32;
     cpu::parallel_for(tasks, rows * kv_dim * 8, [&](std::int64_t t) {
       thread_local std::vector<std::uint16_t> rk, rv;
       rk.resize(static_cast<std::size_t>(kv_dim));
@@ -90,6 +91,12 @@ class CpuStore : public KvStore {
           const PhysicalSpan& span = w.placement.spans[static_cast<std::size_t>(s)];
           for (std::int64_t r = 0; r < span.rows; ++r) {
             const std::int64_t src = w.source_row + span.source_first + r;
+            if (f32) {
+              // f32 rows convert straight into the plane, head by head.
+              put_row(pv, pk, pvv, span.physical_first + r, static_cast<const float*>(k.data) + src * k.row_stride,
+                      static_cast<const float*>(v.data) + src * v.row_stride);
+              continue;
+            }
             detail::row_to_f16(k, src, rk.data());
             detail::row_to_f16(v, src, rv.data());
             put_row(pv, pk, pvv, span.physical_first + r, rk.data(), rv.data());
@@ -241,6 +248,17 @@ class CpuStore : public KvStore {
       const std::int64_t dst = cpu::head_row_offset(pv, physical, h);
       std::memcpy(pk + dst, k + h * hd, static_cast<std::size_t>(hd) * 2);
       std::memcpy(pvv + dst, v + h * hd, static_cast<std::size_t>(hd) * 2);
+    }
+  }
+  // The same from f32 [kv_dim] rows, each value rounded to f16 as
+  // detail::row_to_f16 rounds it.
+  void put_row(const cpu::PlaneView& pv, std::uint16_t* pk, std::uint16_t* pvv,
+               std::int64_t physical, const float* k, const float* v) const {
+    const std::int64_t hd = config_.head_dim;
+    for (std::int64_t h = 0; h < config_.n_kv_heads; ++h) {
+      const std::int64_t dst = cpu::head_row_offset(pv, physical, h);
+      detail::f32_to_f16_row(k + h * hd, pk + dst, hd);
+      detail::f32_to_f16_row(v + h * hd, pvv + dst, hd);
     }
   }
 
