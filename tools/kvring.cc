@@ -105,8 +105,8 @@ const CommandHelp kHelp[] = {
              with no rows for S seconds (default 300; 0: no limit), which
              must outlast the sender's prefill under swa-first, is ended;
              a session not done S + the timeout + its rows at --min-rate
-             (default 0.001048576 GB/s, 1 MiB/s; 0: no bound) after its
-             header is ended
+             (default 0.000065536 GB/s, 64 KiB/s; 0, or --max-keep 0: no
+             bound) after it was accepted is ended
 )"},
     {"config", R"(  config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model

@@ -592,12 +592,13 @@ struct ReceiveOptions {
   double max_keep_s = 300;
   // The slowest a whole session may run, as a rate: a session that has not
   // ended max_keep_s + timeout_s + its header's row bytes at this rate
-  // after its header arrived is refused. Each message's own wait
-  // (timeout_s) and each run of keep-alives (max_keep_s) are bounded
-  // already; this bounds their sum, so that a sender trickling rows (or
-  // keep-alives between them) cannot hold the target's blocks for ever.
-  // 0, or max_keep_s 0: no bound.
-  double min_bytes_per_s = 1 << 20;
+  // after it was accepted is refused. Each message's own wait (timeout_s)
+  // and each run of keep-alives (max_keep_s) are bounded already; this
+  // bounds their sum, so that a sender trickling rows (or keep-alives
+  // between them) cannot hold the target's blocks for ever. The default,
+  // 64 KiB/s, stays below what a sender streaming at its prefill's pace
+  // sends (docs/DESIGN.md, "Faults"). 0, or max_keep_s 0: no bound.
+  double min_bytes_per_s = 64 << 10;
   // Row bytes the sender may send unacknowledged; no message after the
   // header may carry more rows than this.
   std::int64_t credit_bytes = std::int64_t{64} << 20;

@@ -14,8 +14,6 @@ Error capacity_exceeded(std::int64_t layer, std::int64_t capacity, std::int64_t 
                         std::to_string(last));
 }
 
-// Cuts `rows` consecutive rows starting at physical slot `phys` (source row
-// `source`) where they cross the end of the ring: at most two spans.
 // x % capacity for x >= 0, without a division where x < 2 capacity (a
 // decode step's every placement).
 std::int64_t wrap_row(std::int64_t x, std::int64_t capacity) {
@@ -23,6 +21,8 @@ std::int64_t wrap_row(std::int64_t x, std::int64_t capacity) {
   return x - capacity < capacity ? x - capacity : x % capacity;
 }
 
+// Cuts `rows` consecutive rows starting at physical slot `phys` (source row
+// `source`) where they cross the end of the ring: at most two spans.
 int split_at_wrap(std::int64_t phys, std::int64_t source, std::int64_t rows,
                   std::int64_t capacity, std::array<PhysicalSpan, 2>& spans) {
   int n = 0;

@@ -69,8 +69,10 @@ inline std::optional<std::uint64_t> allocation_bytes(const void* p) {
 // growing caching allocator maps them; the driver reports each alone), or
 // two allocations that happen to lie side by side, which a kernel may
 // equally read without a fault. Fewer than `want` where a byte before it
-// lies in no allocation of the current context; nullopt where the driver
-// cannot say (for `p` itself, on any error but "not found", or past
+// lies in no allocation of the current device (the runtime's pointer
+// attributes name another device's memory, host memory or none there);
+// nullopt where the runtime or the driver cannot say (for `p` itself, on
+// any error but "not found", a failed attribute or device query, or past
 // kMostRanges ranges).
 inline std::optional<std::uint64_t> mapped_bytes(const void* p, std::uint64_t want) {
   constexpr int kMostRanges = 4096;

@@ -611,16 +611,16 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   for (const PlaneSnapshot& p : h.planes) next_row.push_back(p.ring.origin_logical());
   ReceiveReport report;
   std::int64_t taken = 0;
-  // The whole session's bound (ReceiveOptions::min_bytes_per_s), from the
-  // header's arrival.
+  // The whole session's bound (ReceiveOptions::min_bytes_per_s), from its
+  // acceptance: the target's own begin() does not count against it.
   const bool bounded = options.min_bytes_per_s > 0 && options.max_keep_s > 0;
   const double session_s =
       bounded ? options.max_keep_s + options.timeout_s + static_cast<double>(expected_bytes) / options.min_bytes_per_s
               : 0;
-  const Deadline session_end = t0 + duration_of(session_s);
+  const Deadline session_end = Clock::now() + duration_of(session_s);
   auto past_session = [&]() -> Error {
-    char limit[64];
-    std::snprintf(limit, sizeof limit, "%.3g s (max_keep_s + timeout_s + %lld B at %.3g B/s)", session_s,
+    char limit[192];
+    std::snprintf(limit, sizeof limit, "%.1f s (max_keep_s + timeout_s + %lld B at %.0f B/s)", session_s,
                   static_cast<long long>(expected_bytes), options.min_bytes_per_s);
     return io_error("handoff: " + who + " did not end the session within " + limit + ": " +
                     std::to_string(report.messages) + " of " + std::to_string(decoded->n_messages) + " messages, " +
