@@ -617,7 +617,7 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   const double session_s =
       bounded ? options.max_keep_s + options.timeout_s + static_cast<double>(expected_bytes) / options.min_bytes_per_s
               : 0;
-  const Deadline session_end = Clock::now() + duration_of(session_s);
+  const Deadline session_end = bounded ? Clock::now() + duration_of(session_s) : Deadline::max();
   auto past_session = [&]() -> Error {
     char limit[192];
     std::snprintf(limit, sizeof limit, "%.1f s (max_keep_s + timeout_s + %lld B at %.0f B/s)", session_s,
@@ -630,10 +630,9 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   // blocks, so a run of them with no rows ends at max_keep_s.
   auto last_rows = Clock::now();
   for (;;) {
-    if (bounded && Clock::now() >= session_end) return fail(past_session());
-    const Deadline wait = bounded ? std::min(deadline_in(options.timeout_s), session_end) : deadline_in(options.timeout_s);
-    if (Status s = recv(wait); !s.ok()) {
-      if (bounded && Clock::now() >= session_end) return fail(past_session());
+    if (Clock::now() >= session_end) return fail(past_session());
+    if (Status s = recv(std::min(deadline_in(options.timeout_s), session_end)); !s.ok()) {
+      if (Clock::now() >= session_end) return fail(past_session());
       return fail(make_error(s.error().code, s.error().message + " (after " + std::to_string(report.messages) + " of " +
                                                  std::to_string(decoded->n_messages) + " messages)"));
     }

@@ -46,7 +46,6 @@ constexpr bool kCheckDigests = false;
 constexpr bool kCheckDigests = true;
 #endif
 
-
 class FileSource final : public PackSource {
  public:
   FileSource(std::string name, int fd, std::int64_t size, std::int64_t stored)
