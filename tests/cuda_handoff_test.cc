@@ -590,6 +590,46 @@ TEST(CudaHandoffIpc, ASenderThatDiesLeavesTheReceiversStoreAsItWas) {
   EXPECT_EQ(p.recv_out.find("after 0 device messages"), std::string::npos) << p.recv_out;
 }
 
+// The seconds an "ok refused (...) ... in T s" line says its session took.
+double refused_after(const std::string& out) {
+  const std::size_t at = out.rfind(" in ");
+  double took = -1;
+  if (at == std::string::npos || std::sscanf(out.c_str() + at, " in %lf s", &took) != 1) return -1;
+  return took;
+}
+
+// A peer whose GPU work before its event does not end (a stream stalled
+// for 8 s): the other end waits for that event on the host, up to its own
+// timeout (2 s), and refuses the session, rather than make its streams wait
+// on the peer's. Both ways: the sender's copy into a buffer, and the
+// receiver's reads of one (the sender reuses the buffer four messages on).
+TEST(CudaHandoffIpc, APeerWhoseWorkStallsCostsATimeout) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const std::vector<std::string> stalls = {"--expect-loss", "--timeout", "10", "--stall-at", "2", "--stall-s", "8"},
+                                  waits = {"--expect-loss", "--timeout", "2"};
+  // Whichever end waited: its exit, its output, and what it waited for.
+  const auto waited = [](int exit, const std::string& out, const char* says) {
+    EXPECT_EQ(exit, 0) << out;
+    EXPECT_EQ(out.rfind("ok refused", 0), 0u) << out;
+    EXPECT_NE(out.find(says), std::string::npos) << out;
+    const double took = refused_after(out);
+    EXPECT_GT(took, 1.5) << out;
+    EXPECT_LT(took, 6) << out;
+  };
+  {
+    SCOPED_TRACE("the sender's copy stalls");
+    const PeerRun p = run_peers(waits, stalls);
+    waited(p.received, p.recv_out, "timed out waiting for the sender's copy");
+    EXPECT_EQ(p.sent, 0) << p.send_out;
+  }
+  {
+    SCOPED_TRACE("the receiver's reads stall");
+    const PeerRun p = run_peers(stalls, waits);
+    waited(p.sent, p.send_out, "timed out waiting for the receiver's reads");
+    EXPECT_EQ(p.received, 0) << p.recv_out;
+  }
+}
+
 // One end of a cuda_ipc_link whose other end is raw frames on `raw`,
 // spoken as another process on this GPU would (another pid).
 struct RawIpcPeer {

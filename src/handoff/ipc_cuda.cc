@@ -18,8 +18,11 @@
 //   closed   'C' this end unmapped the peer's buffers and closed its events,
 //            and touches neither again
 // A sender's buffer is reused only after its release: the next copy into
-// it waits on its stream for `consumed` and for the buffer's last copy
-// (`ready`). A buffer that grows is a new allocation (a new generation),
+// it follows the receiver's reads (`consumed`) and the buffer's last copy
+// (`ready`). Neither end makes its streams wait on the other's event: each
+// waits for a peer's event on the host, up to the call's deadline
+// (wait_peer_event), so a peer whose work never ends costs a timeout, not a
+// stream that never drains. A buffer that grows is a new allocation (a new generation),
 // which the receiver maps anew, checking that the mapping holds what the
 // frame claims; the old allocation is freed at the first release of the
 // new one, by which time the receiver has unmapped it. What an end
@@ -40,6 +43,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "cuda/allocation.h"
 #include "cuda_call.h"
@@ -82,6 +86,20 @@ static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(cudaIpcEventHandle_t) =
 
 Error cuda_failed(const std::string& what, cudaError_t e) { return device::cuda_failed("cuda ipc link", what, e); }
 #define IPC_CUDA(what, expr) HANDOFF_CUDA_CALL("cuda ipc link", (what), (expr))
+
+// Waits on the host, up to `deadline`, for an event the peer records
+// (`what` names the peer's work). Once it returned, the peer's work before
+// the event's record is done, so work this end enqueues afterwards sees it
+// without a device-side wait.
+Status wait_peer_event(cudaEvent_t event, Deadline deadline, const std::string& what) {
+  for (auto pause = std::chrono::microseconds(10);; pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
+    const cudaError_t e = cudaEventQuery(event);
+    if (e == cudaSuccess) return Status::Ok();
+    if (e != cudaErrorNotReady) return cuda_failed("waiting for " + what, e);
+    if (Clock::now() >= deadline) return io_error("cuda ipc link: timed out waiting for " + what);
+    std::this_thread::sleep_for(pause);
+  }
+}
 
 void put(std::vector<std::uint8_t>& out, const void* p, std::size_t n) {
   const auto* b = static_cast<const std::uint8_t*>(p);
@@ -266,7 +284,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       auto slot = take_slot(deadline);
       if (!slot) return broken(slot.error());
       Out& out = out_[*slot];
-      if (Status st = fill(out, parts, first_device, device_bytes, s); !st.ok()) {
+      if (Status st = fill(out, parts, first_device, device_bytes, s, deadline); !st.ok()) {
         if (s && cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
         out.busy = false;
         return broken(st.error());
@@ -330,6 +348,13 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       if (in.held)
         return broken(io_error("cuda ipc link: buffer " + std::to_string(slot) + " reused before its release"));
       if (Status st = map(in, tail, generation, buffer); !st.ok()) return broken(st.error());
+    }
+    // Only this thread touches a buffer no bytes are held of.
+    if (Status st = wait_peer_event(in.ready, deadline, "the sender's copy into buffer " + std::to_string(slot));
+        !st.ok())
+      return broken(st.error());
+    {
+      std::lock_guard lock(mu_);
       in.held = true;
     }
     auto bytes = std::make_unique<IpcBytes>(shared_from_this(), slot, in.mapped, static_cast<std::size_t>(size));
@@ -354,14 +379,10 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     if (release_imports()) finish_close();
   }
 
-  // IpcBytes' side.
-  Status wait_ready(std::size_t slot, cudaStream_t stream) {
-    KVRING_RETURN_IF_ERROR(on_link_gpu());
-    IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream, in_[slot].ready, 0));
-    return Status::Ok();
-  }
-  Status copy_to_host(std::size_t slot, const void* p, std::size_t n, std::uint8_t* out) {
-    IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(stream_, in_[slot].ready, 0));
+  // IpcBytes' side. The sender's copy into the buffer was waited for when
+  // the frame was received, so any stream of the link's GPU reads it.
+  Status wait_ready(std::size_t, cudaStream_t) { return on_link_gpu(); }
+  Status copy_to_host(const void* p, std::size_t n, std::uint8_t* out) {
     IPC_CUDA("copying a device message to the host", cudaMemcpyAsync(out, p, n, cudaMemcpyDeviceToHost, stream_));
     IPC_CUDA("copying a device message to the host", cudaStreamSynchronize(stream_));
     return Status::Ok();
@@ -556,8 +577,10 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
   }
 
   // Copies the device parts into `out` on `s`, growing it first (a new
-  // generation) once the peer's reads of it ran.
-  Status fill(Out& out, const std::vector<Part>& parts, std::size_t first_device, std::size_t bytes, cudaStream_t s) {
+  // generation), once the peer's reads of it ran (waited for up to
+  // `deadline`).
+  Status fill(Out& out, const std::vector<Part>& parts, std::size_t first_device, std::size_t bytes, cudaStream_t s,
+              Deadline deadline) {
     if (!out.ready) {
       IPC_CUDA("cudaEventCreate",
                cudaEventCreateWithFlags(&out.ready, cudaEventDisableTiming | cudaEventInterprocess));
@@ -576,7 +599,8 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
       ++out.generation;
       IPC_CUDA("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&out.mem_handle, out.p));
     }
-    if (out.consumed_pending) IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(s, out.consumed, 0));
+    if (out.consumed_pending)
+      KVRING_RETURN_IF_ERROR(wait_peer_event(out.consumed, deadline, "the receiver's reads of a buffer"));
     out.consumed_pending = false;
     // After the buffer's last copy too, which may have run on another stream.
     if (out.generation > 0) IPC_CUDA("cudaStreamWaitEvent", cudaStreamWaitEvent(s, out.ready, 0));
@@ -647,7 +671,7 @@ Status IpcBytes::ready_on(cudaStream_t stream) {
   last_ = stream;
   return Status::Ok();
 }
-Status IpcBytes::to_host(std::uint8_t* out) { return link_->copy_to_host(slot_, p_, n_, out); }
+Status IpcBytes::to_host(std::uint8_t* out) { return link_->copy_to_host(p_, n_, out); }
 
 class IpcTransport : public Transport {
  public:
