@@ -211,12 +211,103 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
 }
 
 // Gemma's head_dim is never derived from hidden_size (Gemma 3 12B's would
-// come out 240, not 256).
+// come out 240, not 256): Gemma 2 and 3 take their class's default, other
+// Gemma configs must give it.
 TEST(HfConfig, GemmaHeadDimIsNeverDerived) {
-  expect_error(R"({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 3840,
+  auto c = parse_hf_config(R"({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 3840,
     "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072}})",
-               "missing field 'head_dim': a Gemma model's head_dim is not hidden_size");
+    "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072}})");
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  EXPECT_EQ(c->head_dim, 256);
+  expect_error(R"({"model_type": "gemma", "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+    "max_position_embeddings": 8192})", "missing field 'head_dim': a Gemma model's head_dim is not hidden_size");
+}
+
+// The multimodal Gemma 3 checkpoints' config.json as published (transformers
+// 4.50): text_config names a few fields and Gemma3TextConfig's defaults give
+// the rest (8 heads over 4 KV heads of 256, 131072 positions,
+// query_pre_attn_scalar 256, every 6th layer full).
+TEST(HfConfig, Gemma3MultimodalAsPublished) {
+  const std::string head = R"({"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02,
+    "mm_tokens_per_image": 256, "model_type": "gemma3", "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0", "vision_config": {"hidden_size": 1152, "image_size": 896,
+    "intermediate_size": 4304, "model_type": "siglip_vision_model", "num_attention_heads": 16,
+    "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": false}, "text_config": )";
+  auto b4 = parse_hf_config(head + R"({"hidden_size": 2560, "intermediate_size": 10240,
+    "model_type": "gemma3_text", "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024}})");
+  ASSERT_TRUE(b4.ok()) << b4.error().to_string();
+  EXPECT_EQ(b4->n_heads, 8);
+  EXPECT_EQ(b4->n_kv_heads, 4);
+  EXPECT_EQ(b4->head_dim, 256);
+  EXPECT_EQ(b4->max_context, 131072);
+  EXPECT_EQ(b4->sliding_window, 1024);
+  EXPECT_EQ(b4->score_scale_dim(), 256.0);
+  for (std::int64_t l = 0; l < 34; ++l)
+    EXPECT_EQ(b4->kind(l), l % 6 == 5 ? LayerKind::kFullNope : LayerKind::kSlidingRope) << l;
+  auto b27 = parse_hf_config(head + R"({"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+    "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024}})");
+  ASSERT_TRUE(b27.ok()) << b27.error().to_string();
+  EXPECT_EQ(b27->kv_dim(), 2048);
+  EXPECT_EQ(b27->score_scale_dim(), 168.0);
+  EXPECT_EQ(b27->count(LayerKind::kFullNope), 10);
+  // A Gemma 3 text config without query_pre_attn_scalar scales by the
+  // class's 256, not by head_dim.
+  auto plain = parse_hf_config(R"({"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 128, "max_position_embeddings": 4096, "sliding_window": 512})");
+  ASSERT_TRUE(plain.ok()) << plain.error().to_string();
+  EXPECT_EQ(plain->score_scale_dim(), 256.0);
+  EXPECT_EQ(plain->kind(5), LayerKind::kFullNope);
+}
+
+// Gemma 2: layers alternate, sliding first; soft-capping is the class's
+// default when the file leaves it out, so such a file is refused.
+TEST(HfConfig, Gemma2) {
+  const std::string base = R"({"model_type": "gemma2", "num_hidden_layers": 4, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 256, "max_position_embeddings": 8192, "sliding_window": 4096)";
+  expect_error(base + R"(, "attn_logit_softcapping": 50.0})", "attn_logit_softcapping = 50.0");
+  expect_error(base + "}", "attn_logit_softcapping");
+  auto c = parse_hf_config(base + R"(, "attn_logit_softcapping": null, "query_pre_attn_scalar": 144})");
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  EXPECT_EQ(c->kind(0), LayerKind::kSlidingRope);
+  EXPECT_EQ(c->kind(1), LayerKind::kFullNope);
+  EXPECT_EQ(c->count(LayerKind::kFullNope), 2);
+  EXPECT_EQ(c->score_scale_dim(), 144.0);
+}
+
+// Configs whose attention or layers the store does not have are refused,
+// naming the field: Gemma 4's wider full-layer heads, Gemma 3n's shared KV
+// layers, Phi-3-small's block-sparse layers, Qwen3-Next's and Jamba's
+// non-attention layers. Granite's attention_multiplier sets the scale; Gemma
+// 3n and 4 score with scale 1.
+TEST(HfConfig, AttentionOfOtherModels) {
+  const std::string base = R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 128, "max_position_embeddings": 4096, )";
+  expect_error(base + R"("global_head_dim": 512})", "global_head_dim = 512");
+  expect_error(base + R"("num_global_key_value_heads": 1})", "num_global_key_value_heads = 1");
+  expect_error(base + R"("num_kv_shared_layers": 2})", "num_kv_shared_layers = 2");
+  expect_error(base + R"("dense_attention_every_n_layers": 2})", "dense_attention_every_n_layers = 2");
+  expect_error(base + R"("full_attention_interval": 4})", "full_attention_interval = 4");
+  expect_error(base + R"("attn_layer_period": 8, "attn_layer_offset": 4})", "attn_layer_period = 8");
+  for (const char* fine : {R"("global_head_dim": 128, "num_global_key_value_heads": 2, "num_kv_shared_layers": 0})",
+                           R"("attention_multiplier": 0.0078125})"}) {
+    auto c = parse_hf_config(base + fine);
+    EXPECT_TRUE(c.ok()) << fine << ": " << c.error().to_string();
+  }
+  auto granite = parse_hf_config(base + R"("model_type": "granite", "attention_multiplier": 0.0078125})");
+  ASSERT_TRUE(granite.ok());
+  EXPECT_EQ(granite->score_scale_dim(), 16384.0);
+  expect_error(base + R"("attention_multiplier": 0})", "attention_multiplier");
+  expect_error(base + R"("attention_multiplier": 0.01, "query_pre_attn_scalar": 64})", "attention_multiplier");
+  auto unit = parse_hf_config(R"({"model_type": "gemma3n", "text_config": {"model_type": "gemma3n_text",
+    "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+    "max_position_embeddings": 32768, "sliding_window": 512, "num_kv_shared_layers": 0, "layer_types":
+    ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}})");
+  ASSERT_TRUE(unit.ok()) << unit.error().to_string();
+  EXPECT_EQ(unit->score_scale_dim(), 1.0);
 }
 
 void expect_error(const std::string& json, const std::string& names) {

@@ -219,7 +219,7 @@ bool given(const json& j, const char* field) {
 // sqrt(query_pre_attn_scalar)) over a row's visible positions, docs/DESIGN.md): a config
 // that asks for it is refused, naming the field, rather than cached and
 // attended as if it did not.
-Status check_attention_features(const json& j, std::int64_t head_dim) {
+Status check_attention_features(const json& j, std::int64_t head_dim, std::int64_t n_kv_heads) {
   if (given(j, "attn_logit_softcapping") &&
       !(j["attn_logit_softcapping"].is_number() && j["attn_logit_softcapping"].get<double>() == 0.0))
     return config_error("attn_logit_softcapping = " + describe(j["attn_logit_softcapping"]) +
@@ -234,9 +234,74 @@ Status check_attention_features(const json& j, std::int64_t head_dim) {
                                                                       static_cast<double>(head_dim)))
     return config_error("v_head_dim = " + describe(j["v_head_dim"]) + " is not head_dim = " +
                         std::to_string(head_dim) + ": the store's K and V heads are one width");
+  // Gemma 4: full layers with heads of another width and count than the
+  // sliding layers'; the store's layers share one head shape.
+  if (given(j, "global_head_dim") &&
+      !(j["global_head_dim"].is_number() && j["global_head_dim"].get<double>() == static_cast<double>(head_dim)))
+    return config_error("global_head_dim = " + describe(j["global_head_dim"]) + " is not head_dim = " +
+                        std::to_string(head_dim) + ": the store's layers share one head width");
+  if (given(j, "num_global_key_value_heads") &&
+      !(j["num_global_key_value_heads"].is_number() &&
+        j["num_global_key_value_heads"].get<double>() == static_cast<double>(n_kv_heads)))
+    return config_error("num_global_key_value_heads = " + describe(j["num_global_key_value_heads"]) +
+                        " is not num_key_value_heads = " + std::to_string(n_kv_heads) +
+                        ": the store's layers share one head count");
+  // Gemma 3n, Gemma 4: the last layers attend over an earlier layer's K and V.
+  if (given(j, "num_kv_shared_layers") &&
+      !(j["num_kv_shared_layers"].is_number() && j["num_kv_shared_layers"].get<double>() == 0.0))
+    return config_error("num_kv_shared_layers = " + describe(j["num_kv_shared_layers"]) +
+                        ": layers that attend over another layer's K and V are not the store's planes");
+  // Phi-3-small: block-sparse attention on every other layer.
+  for (const char* f : {"dense_attention_every_n_layers", "blocksparse_vert_stride", "blocksparse_num_local_blocks"})
+    if (given(j, f))
+      return config_error(std::string(f) + " = " + describe(j[f]) +
+                          ": the store has no block-sparse attention (its layers are sliding or full)");
+  // Hybrids whose other layers are linear attention or state-space mixers
+  // (Qwen3-Next, Jamba, MiniMax-01, Nemotron-H, Zamba, Kimi Linear,
+  // RecurrentGemma): their configs name them by these fields, not by
+  // layer_types, and the store would cache every layer as attention.
+  for (const char* f : {"full_attention_interval", "attn_layer_period", "attn_layer_offset", "attn_type_list",
+                        "hybrid_override_pattern", "layers_block_type", "linear_attn_config", "block_types"})
+    if (given(j, f))
+      return config_error(std::string(f) + " = " + describe(j[f]) +
+                          ": the model has layers other than attention, which the store does not cache");
   return Status::Ok();
 }
 
+// Hugging Face's class defaults for the fields a model's own config.json may
+// leave out: the multimodal Gemma 3 checkpoints (4B, 12B, 27B) name only a
+// few fields of their text_config, and Gemma3TextConfig fills the rest.
+// Only absent fields take a default; a field given as null stays null (the
+// class's None). sliding_window_pattern stands for the class's layer
+// pattern: every 6th layer full for Gemma 3, every 2nd for Gemma 2.
+const json* class_defaults(const json& root, const json& j) {
+  static const json gemma3_text = {
+      {"num_attention_heads", 8},        {"num_key_value_heads", 4},     {"head_dim", 256},
+      {"max_position_embeddings", 131072}, {"query_pre_attn_scalar", 256}, {"sliding_window", 4096},
+      {"sliding_window_pattern", 6},     {"rope_theta", 1000000.0}};
+  static const json gemma2 = {
+      {"num_attention_heads", 8},       {"num_key_value_heads", 4},     {"head_dim", 256},
+      {"max_position_embeddings", 8192}, {"query_pre_attn_scalar", 256}, {"sliding_window", 4096},
+      {"sliding_window_pattern", 2},    {"attn_logit_softcapping", 50.0}};
+  const std::string type = model_type(root, j);
+  if (type == "gemma3_text" || (type == "gemma3" && &j != &root)) return &gemma3_text;
+  if (type == "gemma2") return &gemma2;
+  return nullptr;
+}
+
+// Gemma 3n and Gemma 4 attend with a score scale of 1 (q and k are
+// RMS-normed; Hugging Face's attention takes scaling = 1.0 whatever the
+// config says): query_pre_attn_scalar 1.
+bool unit_score_scale(const json& root, const json& j) {
+  const std::string type = model_type(root, j);
+  return type.starts_with("gemma3n") || type.starts_with("gemma4");
+}
+
+}  // namespace
+
+namespace {
+// The geometry of a model's (text) config `j`, `root` the whole file.
+Result<ModelConfig> parse_text_config(const json& root, const json& j, std::string name);
 }  // namespace
 
 // The deepest nesting a config.json may have (a model's configs nest a
@@ -262,10 +327,34 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   }
   if (!root.is_object()) return config_error("config is not a JSON object");
   // Multimodal Gemma 3 configs nest the language model under text_config.
-  const json& j = (root.contains("text_config") && root["text_config"].is_object())
-                      ? root["text_config"]
-                      : root;
+  const json& text = (root.contains("text_config") && root["text_config"].is_object())
+                         ? root["text_config"]
+                         : root;
+  // The class's defaults for what the file leaves out (Gemma 2 and 3); a
+  // refusal names the fields that took one.
+  json filled;
+  std::string defaulted;
+  if (const json* d = class_defaults(root, text)) {
+    filled = text;
+    for (const auto& [key, value] : d->items())
+      if (!filled.contains(key)) {
+        filled[key] = value;
+        defaulted += (defaulted.empty() ? "" : ", ") + key;
+      }
+  }
+  auto r = parse_text_config(root, filled.is_null() ? text : filled, std::move(name));
+  if (!r && !defaulted.empty()) {
+    Error e = r.error();
+    e.message += " (fields absent from the file took Hugging Face's " + model_type(root, text) +
+                 " defaults: " + defaulted + ")";
+    return e;
+  }
+  return r;
+}
 
+namespace {
+
+Result<ModelConfig> parse_text_config(const json& root, const json& j, std::string name) {
   ModelConfig c;
   c.name = std::move(name);
   auto layers = int_field(j, "num_hidden_layers", true);
@@ -314,7 +403,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     KVRING_RETURN_IF_ERROR(check_range("vocab_size", *vocab, 1, kMaxVocabSize));
   }
 
-  KVRING_RETURN_IF_ERROR(check_attention_features(j, c.head_dim));
+  KVRING_RETURN_IF_ERROR(check_range("num_key_value_heads", c.n_kv_heads, 1, kMaxHeads));
+  KVRING_RETURN_IF_ERROR(check_attention_features(j, c.head_dim, c.n_kv_heads));
   if (given(j, "use_sliding_window") && !j["use_sliding_window"].is_boolean())
     return config_error("use_sliding_window = " + describe(j["use_sliding_window"]) + " must be true or false");
   if (given(j, "query_pre_attn_scalar")) {
@@ -324,6 +414,18 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     // Equal to head_dim: the usual scale, recorded as such.
     if (q.get<double>() != static_cast<double>(c.head_dim)) c.query_pre_attn_scalar = q.get<double>();
   }
+  // Granite: scores are q . k * attention_multiplier, i.e. / sqrt(1 / m^2).
+  if (given(j, "attention_multiplier")) {
+    const json& m = j["attention_multiplier"];
+    if (given(j, "query_pre_attn_scalar"))
+      return config_error("attention_multiplier and query_pre_attn_scalar both set the score scale");
+    const double v = m.is_number() ? m.get<double>() : 0.0;
+    const double dim = v > 0 ? 1.0 / (v * v) : 0.0;
+    if (!m.is_number() || !(v > 0) || !(dim >= kMinScoreScaleDim) || !(dim <= kMaxScoreScaleDim))
+      return config_error("attention_multiplier = " + describe(m) + " must be a number in [2^-15, 1]");
+    if (dim != static_cast<double>(c.head_dim)) c.query_pre_attn_scalar = dim;
+  }
+  if (unit_score_scale(root, j)) c.query_pre_attn_scalar = 1.0;
 
   auto max_pos = int_field(j, "max_position_embeddings", true);
   if (!max_pos) return max_pos.error();
@@ -407,6 +509,8 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   if (c.count(LayerKind::kSlidingRope) == 0) c.sliding_window = 0;
   return c;
 }
+
+}  // namespace
 
 Result<ModelConfig> load_hf_config(const std::string& path) {
   auto text = file_internal::read_small_file(path, "config file", file_internal::kMaxConfigBytes);

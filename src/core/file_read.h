@@ -11,8 +11,10 @@
 
 namespace kvring::file_internal {
 
-// A config file is small; anything larger is not one.
-inline constexpr std::int64_t kMaxConfigBytes = std::int64_t{16} << 20;
+// A config file is small (a model's config.json is a few KiB); anything
+// larger is not one. Its parse takes up to some 35 bytes of memory for each
+// byte of flat arrays, so this bounds a hostile file's parse near 150 MB.
+inline constexpr std::int64_t kMaxConfigBytes = std::int64_t{4} << 20;
 
 struct OpenedFile {
   int fd = -1;            // O_RDONLY | O_CLOEXEC, blocking; the caller closes it
