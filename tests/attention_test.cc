@@ -502,6 +502,51 @@ TEST(AttentionSinks, RemovedOrElsewhereTheyChangeNoBits) {
   }
 }
 
+// A model that has sinks (gpt-oss's config) is never attended without
+// them: decode and prefill of a layer whose sinks are not set are refused
+// (kConfig, naming the layer) and change nothing; once set, that layer
+// attends with them, and a store of the same geometry without the flag
+// attends without any.
+TEST(AttentionSinks, AModelWithSinksIsNotAttendedWithoutThem) {
+  ModelConfig c = make_hybrid_config("sinks", 2, 2, 8, 2, 64, 24, 1024);
+  c.attention_sinks = true;
+  const std::int64_t n = 40;
+  const Data d(c, n, 17);
+  const std::vector<float> sinks = spread_sinks(c.n_heads);
+  auto cache = make_cpu_cache(c);
+  ASSERT_TRUE(cache.ok());
+  KvCache& kv = **cache;
+  ASSERT_TRUE(kv.store().set_attention_sinks(0, sinks).ok());
+  std::vector<float> out(static_cast<std::size_t>(n * d.q_dim), 0.5f);
+  for (std::int64_t p = 0; p < n; ++p) {
+    ASSERT_TRUE(kv.store_token(0, p, d.krow(p), d.vrow(p)).ok());
+    ASSERT_TRUE(kv.attend_decode(0, p, d.qrow(p), out.data() + p * d.q_dim).ok());
+  }
+  // Layer 1: its rows are stored, its attention refused both ways.
+  for (std::int64_t p = 0; p < 3; ++p) ASSERT_TRUE(kv.store_token(1, p, d.krow(p), d.vrow(p)).ok());
+  const std::vector<float> kept(out.begin(), out.begin() + d.q_dim);
+  const Status decode = kv.attend_decode(1, 2, d.qrow(2), out.data());
+  ASSERT_FALSE(decode.ok());
+  EXPECT_EQ(decode.error().code, ErrorCode::kConfig) << decode.to_string();
+  EXPECT_NE(decode.error().message.find("layer 1"), std::string::npos) << decode.to_string();
+  EXPECT_NE(decode.error().message.find("set_attention_sinks"), std::string::npos) << decode.to_string();
+  EXPECT_TRUE(std::equal(kept.begin(), kept.end(), out.begin()));
+  KvStore& store = kv.store();
+  const SeqSpan chunk{kv.seq(), 3, 2};
+  const Status prefill = store.prefill(1, {&chunk, 1}, host_view(d.krow(3), 2, c.kv_dim()),
+                                       host_view(d.vrow(3), 2, c.kv_dim()), host_view(d.qrow(3), 2, d.q_dim),
+                                       host_view(out.data(), 2, d.q_dim));
+  ASSERT_FALSE(prefill.ok());
+  EXPECT_EQ(prefill.error().code, ErrorCode::kConfig) << prefill.to_string();
+  EXPECT_EQ(store.ring(kv.seq(), 1)->next_position(), 3);
+  EXPECT_TRUE(std::equal(kept.begin(), kept.end(), out.begin()));
+  // Layer 0 attended with its sinks: the bits of a store without the flag
+  // whose layer 0 has the same sinks, and not those of one without sinks.
+  const ModelConfig plain_config = make_hybrid_config("sinks", 2, 2, 8, 2, 64, 24, 1024);
+  EXPECT_TRUE(same_bits(out, run_stream(plain_config, 0, d, n, 1, {}, sinks)));
+  EXPECT_FALSE(same_bits(out, run_stream(plain_config, 0, d, n, 1)));
+}
+
 TEST(AttentionSinks, BadSinksAreRefusedWithoutChange) {
   const ModelConfig c = make_hybrid_config("t", 2, 2, 8, 2, 64, 24, 1024);
   auto cache = make_cpu_cache(c);

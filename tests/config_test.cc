@@ -99,6 +99,16 @@ TEST(HfConfig, GptOss) {
   EXPECT_EQ(c->kind(0), LayerKind::kSlidingRope);
   EXPECT_EQ(c->kind(1), LayerKind::kFullNope);
   EXPECT_EQ(c->kv_dim(), 512);
+  // Its sinks are weights; the config says the model has them, and the
+  // fingerprint does not.
+  EXPECT_TRUE(c->attention_sinks);
+  ModelConfig without = *c;
+  without.attention_sinks = false;
+  EXPECT_EQ(without.fingerprint(), c->fingerprint());
+  auto other = parse_hf_config(R"({"model_type": "mistral", "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096, "sliding_window": 512})");
+  ASSERT_TRUE(other.ok()) << other.error().to_string();
+  EXPECT_FALSE(other->attention_sinks);
 }
 
 void expect_error(const std::string& json, const std::string& names);

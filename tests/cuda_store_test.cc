@@ -467,9 +467,9 @@ TEST(CudaStore, ScratchStaysUntilReleased) {
   EXPECT_GE(st.workspace_bytes(), released + n * kv * 2 * 2) << "a refused release keeps the scratch";
 }
 
-// Refused calls change nothing.
 // The CUDA kernels compute no attention sinks: setting them is refused, so
 // no attention runs without sinks a caller asked for; removing is a no-op.
+// A model whose config has sinks is not attended at all (none can be set).
 TEST(CudaStore, AttentionSinksAreRefused) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = config();
@@ -481,6 +481,24 @@ TEST(CudaStore, AttentionSinksAreRefused) {
   EXPECT_EQ(st.error().code, ErrorCode::kUnsupported) << st.to_string();
   EXPECT_TRUE(s->attention_sinks(1).empty());
   EXPECT_TRUE(s->set_attention_sinks(1, {}).ok());
+
+  ModelConfig with = c;
+  with.attention_sinks = true;
+  auto w = testing::new_store(BackendKind::kCuda, with, {.max_sequences = 1, .context = 64});
+  ASSERT_TRUE(w);
+  const SeqId seq = *w->add_sequence();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  const std::vector<float> k = random_floats(static_cast<std::size_t>(kv), 3, 1.0f),
+                           q = random_floats(static_cast<std::size_t>(width), 4, 1.0f);
+  std::vector<float> out(static_cast<std::size_t>(width), 0.25f);
+  const SeqSpan one{seq, 0, 1};
+  ASSERT_TRUE(w->store(1, {&one, 1}, host_view(k.data(), 1, kv), host_view(k.data(), 1, kv)).ok());
+  const SeqQuery query{seq, 0};
+  const Status refused = w->attend_decode(1, {&query, 1}, host_view(q.data(), 1, width), host_view(out.data(), 1, width));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kConfig) << refused.to_string();
+  EXPECT_NE(refused.to_string().find("this backend computes none"), std::string::npos) << refused.to_string();
+  EXPECT_EQ(out, std::vector<float>(static_cast<std::size_t>(width), 0.25f));
 }
 
 TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {

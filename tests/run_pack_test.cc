@@ -67,31 +67,47 @@ TEST(RunPack, RunRecordsCarryTheAttentionNumeric) {
   EXPECT_NE(bad.error().message.find("'attention' must be a string"), std::string::npos) << bad.error().message;
 }
 
+constexpr ModelOptions kRunOptions{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 4};
+const std::vector<std::int32_t> kRunTokens = seeded_tokens(45, 50, 1);
+
+// A session of the reference model of `c` on a CPU cache, fed the first 40
+// of kRunTokens in chunks of 7.
+Session fed_session(const ModelConfig& c) {
+  auto model = ReferenceModel::create(c, kRunOptions);
+  EXPECT_TRUE(model.ok());
+  auto cache = make_cpu_cache(c);
+  EXPECT_TRUE(cache.ok());
+  Session s(*model, std::move(*cache));
+  EXPECT_TRUE(s.feed({kRunTokens.begin(), kRunTokens.begin() + 40}, 7).ok());
+  return s;
+}
+
+// `s` saved with `r` and resumed; both go on over the rest of kRunTokens to
+// the same logits. The resumed session.
+Result<ResumedRun> resumed_alike(Session& s, const RunRecord& r, const std::string& name) {
+  const std::string path = ::testing::TempDir() + "/" + name + ".kvpack";
+  EXPECT_TRUE(save_run(s, r, path, "").ok());
+  auto resumed = resume_run(path, "", BackendKind::kCpu, 0);
+  if (!resumed) return resumed.error();
+  const std::vector<std::int32_t> rest(kRunTokens.begin() + 40, kRunTokens.end());
+  EXPECT_TRUE(s.feed(rest, 7).ok());
+  EXPECT_TRUE(resumed->session.feed(rest, 7).ok());
+  EXPECT_EQ(resumed->session.last_logits(), s.last_logits());
+  return resumed;
+}
+
 // The score scale travels in the record (absent: the usual scale): a
 // resumed session of a scaled config attends as the session that never
 // stopped.
 TEST(RunPack, RunRecordsCarryTheScoreScale) {
   ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
   c.query_pre_attn_scalar = 37;
-  const ModelOptions options{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 4};
-  auto model = ReferenceModel::create(c, options);
-  ASSERT_TRUE(model.ok());
-  auto cache = make_cpu_cache(c);
-  ASSERT_TRUE(cache.ok());
-  Session s(*model, std::move(*cache));
-  const std::vector<std::int32_t> tokens = seeded_tokens(45, 50, 1);
-  ASSERT_TRUE(s.feed({tokens.begin(), tokens.begin() + 40}, 7).ok());
-  RunRecord r{c.name, c.rope_theta, options, 1, 40, 7, s.last_logits()};
+  Session s = fed_session(c);
+  RunRecord r{c.name, c.rope_theta, kRunOptions, 1, 40, 7, s.last_logits()};
   r.query_pre_attn_scalar = c.query_pre_attn_scalar;
-  const std::string path = ::testing::TempDir() + "/run_pack_scaled.kvpack";
-  ASSERT_TRUE(save_run(s, r, path, "").ok());
-  auto resumed = resume_run(path, "", BackendKind::kCpu, 0);
+  auto resumed = resumed_alike(s, r, "run_pack_scaled");
   ASSERT_TRUE(resumed.ok()) << resumed.error().to_string();
   EXPECT_EQ(resumed->session.model().config().query_pre_attn_scalar, 37.0);
-  const std::vector<std::int32_t> rest(tokens.begin() + 40, tokens.end());
-  ASSERT_TRUE(s.feed(rest, 7).ok());
-  ASSERT_TRUE(resumed->session.feed(rest, 7).ok());
-  EXPECT_EQ(resumed->session.last_logits(), s.last_logits());
 
   nlohmann::json j = nlohmann::json::parse(encode_run_record(r));
   EXPECT_EQ(j["query_pre_attn_scalar"], 37.0);
@@ -106,6 +122,34 @@ TEST(RunPack, RunRecordsCarryTheScoreScale) {
     ASSERT_FALSE(refused.ok()) << bad.dump();
     EXPECT_NE(refused.error().message.find("query_pre_attn_scalar"), std::string::npos) << refused.error().message;
   }
+}
+
+// A model with attention sinks: the reference model sets its own on the
+// store, the record says so, and a resumed session attends with them as
+// the session that never stopped (and not as the same weights without).
+TEST(RunPack, RunRecordsCarryAttentionSinks) {
+  ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
+  c.attention_sinks = true;
+  Session s = fed_session(c);
+  ModelConfig plain_config = c;
+  plain_config.attention_sinks = false;
+  EXPECT_NE(fed_session(plain_config).last_logits(), s.last_logits());
+  RunRecord r{c.name, c.rope_theta, kRunOptions, 1, 40, 7, s.last_logits()};
+  r.attention_sinks = true;
+  auto resumed = resumed_alike(s, r, "run_pack_sinks");
+  ASSERT_TRUE(resumed.ok()) << resumed.error().to_string();
+  EXPECT_TRUE(resumed->session.model().config().attention_sinks);
+
+  nlohmann::json j = nlohmann::json::parse(encode_run_record(r));
+  EXPECT_EQ(j["attention_sinks"], true);
+  j.erase("attention_sinks");
+  auto without = decode_run_record(j.dump(), "p.kvpack");
+  ASSERT_TRUE(without.ok()) << without.error().message;
+  EXPECT_FALSE(without->attention_sinks);
+  j["attention_sinks"] = 1;
+  auto refused = decode_run_record(j.dump(), "p.kvpack");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("attention_sinks"), std::string::npos) << refused.error().message;
 }
 
 // A record that could only be served wrongly (a RoPE base of 0 or less),

@@ -223,6 +223,7 @@ class ServeTarget final : public handoff::HandoffTarget {
     Snapshot scaled = header;
     const double run_scale = served->record.query_pre_attn_scalar;
     scaled.config.query_pre_attn_scalar = run_scale > 0 ? run_scale : static_cast<double>(header.config.head_dim);
+    scaled.config.attention_sinks = served->record.attention_sinks;
     if (expect_ && expect_->fingerprint() == header.config.fingerprint() &&
         expect_->score_scale_dim() != scaled.config.query_pre_attn_scalar) {
       char why[160];
@@ -230,6 +231,12 @@ class ServeTarget final : public handoff::HandoffTarget {
                     scaled.config.query_pre_attn_scalar, expect_->score_scale_dim());
       return invalid_argument(why);
     }
+    if (expect_ && expect_->fingerprint() == header.config.fingerprint() &&
+        expect_->attention_sinks != scaled.config.attention_sinks)
+      return invalid_argument(std::string("the handed-off run attends ") +
+                              (scaled.config.attention_sinks ? "with" : "without") +
+                              " attention sinks, this receiver's model " +
+                              (expect_->attention_sinks ? "with" : "without"));
     KVRING_RETURN_IF_ERROR(inner_.begin(scaled));
     served_ = std::move(*served);
     return Status::Ok();
@@ -346,6 +353,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
   config.name = record->model;
   config.rope_theta = record->rope_theta;
   config.query_pre_attn_scalar = record->query_pre_attn_scalar;
+  config.attention_sinks = record->attention_sinks;
   auto cache = target.take();
   const std::int64_t context = cache->context();
   auto model = ReferenceModel::create(config, record->options);
@@ -429,6 +437,7 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
   header.token_ids.assign(prompt.begin(), prompt.begin() + rows_tokens);
   RunRecord record{config.name, config.rope_theta, o.model, o.seed, o.prompt_tokens, o.chunk, {}};
   record.query_pre_attn_scalar = config.query_pre_attn_scalar;
+  record.attention_sinks = config.attention_sinks;
   auto meta = nlohmann::json::parse(encode_run_record(record));
   meta[kNextTokenKey] = prompt.back();
   header.metadata = meta.dump();

@@ -231,6 +231,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     RunRecord record{config->name,  config->rope_theta,     o.model,    o.seed,
                      o.prompt_tokens, o.chunk, session.last_logits(), o.attention};
     record.query_pre_attn_scalar = config->query_pre_attn_scalar;
+    record.attention_sinks = config->attention_sinks;
     auto line = save_run(session, record, o.save, o.store);
     if (!line) return fail(line.error());
     saved = *line;

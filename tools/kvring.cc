@@ -334,6 +334,7 @@ int cmd_config(const std::vector<std::string>& argv) {
               static_cast<long long>(c->n_heads), static_cast<long long>(c->n_kv_heads),
               static_cast<long long>(c->head_dim), static_cast<long long>(c->kv_dim()));
   std::printf("scores       q . k / sqrt(%g)\n", c->score_scale_dim());
+  if (c->attention_sinks) std::printf("sinks        a learned logit per head and layer (set_attention_sinks)\n");
   std::printf("window       %lld\nmax context  %lld\n", static_cast<long long>(c->sliding_window),
               static_cast<long long>(c->max_context));
   std::string kinds;

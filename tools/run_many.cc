@@ -72,6 +72,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
       } else if (r->session.model().config().fingerprint() != config.fingerprint() ||
                  r->session.model().config().rope_theta != config.rope_theta ||
                  r->session.model().config().query_pre_attn_scalar != config.query_pre_attn_scalar ||
+                 r->session.model().config().attention_sinks != config.attention_sinks ||
                  r->record.options.hidden != model_options.hidden ||
                  r->record.options.vocab != model_options.vocab ||
                  r->record.options.mlp != model_options.mlp ||
@@ -199,6 +200,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
     RunRecord record{config.name, config.rope_theta, model_options, m.seed, m.prompt_tokens, chunk,
                      m.last_logits, attention};
     record.query_pre_attn_scalar = config.query_pre_attn_scalar;
+    record.attention_sinks = config.attention_sinks;
     auto line = save_sequence(kv, m.seq, m.tokens, record, indexed_path(o.save, i), o.store);
     if (!line) {
       // The command fails whole: the packs it saved before this one go too

@@ -81,6 +81,7 @@ std::string encode_run_record(const RunRecord& r) {
   j["chunk"] = r.chunk;
   j["attention"] = attention_numeric_name(r.attention);
   if (r.query_pre_attn_scalar > 0) j["query_pre_attn_scalar"] = r.query_pre_attn_scalar;
+  if (r.attention_sinks) j["attention_sinks"] = true;
   j["last_logits_f32le"] = logits_hex(r.last_logits);
   return j.dump();
 }
@@ -186,6 +187,10 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
     if (!(r.query_pre_attn_scalar >= kMinScoreScaleDim) || !(r.query_pre_attn_scalar <= kMaxScoreScaleDim))
       return invalid_argument(where + "field 'query_pre_attn_scalar' must be a number in [1, 2^30], got " +
                               shown(j["query_pre_attn_scalar"]));
+  }
+  if (j.contains("attention_sinks")) {
+    KVRING_RETURN_IF_ERROR(need("attention_sinks", &J::is_boolean, "true or false"));
+    r.attention_sinks = j["attention_sinks"].get<bool>();
   }
   // The reference model's bounds, checked here so that nothing is built for
   // a record that cannot be served.
@@ -293,12 +298,13 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   if (!store) return store.error();
   auto snapshot = read_pack(**src, {.store = store->get()});
   if (!snapshot) return snapshot.error();
-  // The geometry comes from the pack; the name, RoPE base and score scale,
-  // which the fingerprint does not cover, from the run record.
+  // The geometry comes from the pack; the name, RoPE base, score scale and
+  // sinks, which the fingerprint does not cover, from the run record.
   ModelConfig config = m->header.config;
   config.name = record->model;
   config.rope_theta = record->rope_theta;
   config.query_pre_attn_scalar = record->query_pre_attn_scalar;
+  config.attention_sinks = record->attention_sinks;
   auto named = [&](const Error& e) -> Error {
     Error out = e;
     out.message = path + ": " + model_name + ": " + e.message;

@@ -41,6 +41,9 @@ struct RunRecord {
   // ModelConfig::query_pre_attn_scalar of the run (absent: 0, the usual
   // 1/sqrt(head_dim)); like rope_theta, no part of a pack's geometry.
   double query_pre_attn_scalar = 0;
+  // ModelConfig::attention_sinks of the run (absent: false): the reference
+  // model's seeded sinks attend with it, resumed or handed off.
+  bool attention_sinks = false;
 };
 
 std::string encode_run_record(const RunRecord& record);

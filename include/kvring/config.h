@@ -56,6 +56,12 @@ struct ModelConfig {
   double score_scale_dim() const {
     return query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim);
   }
+  // The model has learned attention sinks (gpt-oss): a store of it attends
+  // a layer only once that layer's sinks are set
+  // (KvStore::set_attention_sinks), so that a model is never attended
+  // without them. The attention's, not the cache's: no part of the
+  // fingerprint.
+  bool attention_sinks = false;
 
   std::int64_t kv_dim() const { return n_kv_heads * head_dim; }
   std::int64_t gqa_group() const { return n_heads / n_kv_heads; }

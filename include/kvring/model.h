@@ -43,6 +43,9 @@ class ReferenceModel {
   // decode step (store_token + attend_decode), n > 1 a prefill chunk
   // (prefill); the logits and stored K/V are the same bits either way.
   // A failure (a discontinuity, a bad token id) leaves the cache unchanged.
+  // Where the config has attention sinks, the model's own (seeded) sinks
+  // are set on each layer of the store that has none, before anything is
+  // stored; a backend that computes none refuses them (kUnsupported).
   Status forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens, std::int64_t n,
                  float* logits) const;
   // A chunk of `n` tokens whose activations (logits included) stay under
@@ -67,6 +70,7 @@ class ReferenceModel {
  private:
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, q_norm, k_norm, wo, mlp_norm, w1, w2;
+    std::vector<float> sinks;  // [n_heads] where the config has attention sinks
   };
   // Floats of activations (and logits) one row of a chunk needs.
   std::int64_t activation_floats_per_row() const;

@@ -315,7 +315,10 @@ class KvStore {
   // `sinks` holds n_heads finite values, or is empty to remove the
   // layer's. Errors: kInvalidArgument (layer, count, a value that is not
   // finite), kUnsupported on a backend that computes no sinks (the CUDA
-  // backend); the layer's sinks are then unchanged.
+  // backend); the layer's sinks are then unchanged. A store whose config
+  // says the model has sinks (ModelConfig::attention_sinks, gpt-oss)
+  // refuses attend_decode and prefill of a layer whose sinks are not set
+  // (kConfig), so such a model is never attended without them.
   Status set_attention_sinks(std::int64_t layer, std::span<const float> sinks);
   // The layer's sinks (empty: none, or a layer outside the model).
   std::span<const float> attention_sinks(std::int64_t layer) const;
@@ -552,6 +555,9 @@ class KvStore {
   Status check_live(SeqId seq, std::int64_t layer, const RingState& r, std::int64_t first,
                     std::int64_t count) const;
   Status check_layer(std::int64_t layer) const;
+  // A model with attention sinks (ModelConfig::attention_sinks) attends a
+  // layer only once its sinks are set (kConfig otherwise).
+  Status check_sinks(std::int64_t layer) const;
   PlaneRef plane_ref(std::int32_t slot, std::int64_t layer) const;
   Status check_rows_view(const char* what, const ConstView& v, std::int64_t rows,
                          std::int64_t cols) const;

@@ -426,6 +426,8 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
     if (dim != static_cast<double>(c.head_dim)) c.query_pre_attn_scalar = dim;
   }
   if (unit_score_scale(root, j)) c.query_pre_attn_scalar = 1.0;
+  // gpt-oss: a learned sink logit per head and layer, in the weights.
+  c.attention_sinks = model_type(root, j) == "gpt_oss";
 
   auto max_pos = int_field(j, "max_position_embeddings", true);
   if (!max_pos) return max_pos.error();

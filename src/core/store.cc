@@ -326,6 +326,14 @@ std::span<const float> KvStore::attention_sinks(std::int64_t layer) const {
   return sinks_[static_cast<std::size_t>(layer)];
 }
 
+Status KvStore::check_sinks(std::int64_t layer) const {
+  if (!config_.attention_sinks || !sinks_[static_cast<std::size_t>(layer)].empty()) return Status::Ok();
+  return make_error(ErrorCode::kConfig,
+                    "layer " + std::to_string(layer) + ": " + config_.name +
+                        " has attention sinks and none are set for this layer (set_attention_sinks" +
+                        (computes_sinks() ? "" : "; this backend computes none") + ")");
+}
+
 KvStore::~KvStore() = default;
 
 Layout KvStore::layout(std::int64_t layer) const {
@@ -1169,6 +1177,7 @@ Status KvStore::store_all_layers(std::span<const SeqSpan> spans, const ConstView
 Status KvStore::attend_decode(std::int64_t layer, std::span<const SeqQuery> queries,
                               const ConstView& q, const MutView& out, cudaStream_t stream) {
   KVRING_RETURN_IF_ERROR(check_layer(layer));
+  KVRING_RETURN_IF_ERROR(check_sinks(layer));
   const std::int64_t width = config_.n_heads * config_.head_dim;
   const auto n = static_cast<std::int64_t>(queries.size());
   KVRING_RETURN_IF_ERROR(check_rows_view("q", q, n, width));
@@ -1205,6 +1214,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
                         const ConstView& v, const ConstView& q, const MutView& out,
                         cudaStream_t stream) {
   KVRING_RETURN_IF_ERROR(check_layer(layer));
+  KVRING_RETURN_IF_ERROR(check_sinks(layer));
   auto slots = slots_of_spans(chunks, true);
   if (!slots) return slots.error();
   std::int64_t rows = 0;

@@ -161,6 +161,11 @@ Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const Model
   }
   m->final_norm_ = norm_weight(rng, hidden);
   m->unembed_ = random_matrix(rng, hidden, options.vocab, 4.0f * scale(hidden));
+  // Sink logits of their own stream, so that the other weights are those of
+  // the same geometry without sinks.
+  Rng sink_rng{options.seed ^ 0x73696e6b73ULL};
+  if (config.attention_sinks)
+    for (Layer& L : m->layers_) L.sinks = random_matrix(sink_rng, 1, config.n_heads, 2.0f);
   for (std::int64_t i = 0; i < hd / 2; ++i)
     m->rope_inv_freq_.push_back(static_cast<float>(
         std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(hd))));
@@ -242,6 +247,11 @@ Status ReferenceModel::forward(KvStore& store, std::span<const SeqSpan> spans,
     decode = decode && sp.count == 1;
   }
   KVRING_RETURN_IF_ERROR(check_chunk(n));
+  // The model's sinks go to a store that has none for a layer (weights, set
+  // before anything is stored; a backend that computes none refuses them).
+  for (std::int64_t l = 0; l < c.n_layers; ++l)
+    if (const Layer& L = layers_[static_cast<std::size_t>(l)]; !L.sinks.empty() && store.attention_sinks(l).empty())
+      KVRING_RETURN_IF_ERROR(store.set_attention_sinks(l, L.sinks));
   // Row i's logical position.
   std::vector<std::int64_t> positions;
   std::vector<SeqQuery> queries;
