@@ -288,5 +288,58 @@ TEST(ApiHostile, BlocksToStoreCountsWhatAShortContextsPlanesTake) {
   EXPECT_EQ(*n, 4);
 }
 
+// A store at the limits of slots and layers (2^20 sequences of 1024
+// sliding layers, planes mapped lazily) costs bookkeeping for the slots its
+// sequences take, not max_sequences x n_layers bytes up front (1 GiB); a
+// slot's rings are still known written, copied and cleared as before (a
+// small store, whose planes a test may touch whole).
+TEST(ApiHostile, SlotBookkeepingGrowsWithTheSequencesNotTheLimit) {
+  const float k = 0.5f, v = 0.25f, q = 1.0f;
+  {
+    const ModelConfig c = make_hybrid_config("wide", 1024, 0, 1, 1, 1, 1, 1);
+    const std::int64_t before = testing::proc_status_bytes("VmRSS");
+    auto made = make_store(BackendKind::kCpu, c, {.max_sequences = std::int64_t{1} << 20});
+    ASSERT_TRUE(made.ok()) << made.error().to_string();
+    const std::int64_t after = testing::proc_status_bytes("VmRSS");
+    if (before > 0 && after > 0) {
+      EXPECT_LT(after - before, std::int64_t{512} << 20);
+    }
+    auto a = (*made)->add_sequence();
+    ASSERT_TRUE(a.ok());
+    const SeqSpan span{*a, 0, 1};
+    ASSERT_TRUE((*made)->store(1023, {&span, 1}, host_view(&k, 1, 1), host_view(&v, 1, 1)).ok());
+    float out = 0;
+    const SeqQuery query{*a, 0};
+    ASSERT_TRUE((*made)->attend_decode(1023, {&query, 1}, host_view(&q, 1, 1), host_view(&out, 1, 1)).ok());
+    EXPECT_EQ(out, 0.25f);
+  }
+  const ModelConfig c = make_hybrid_config("narrow", 6, 0, 1, 1, 1, 1, 1);
+  auto made = make_store(BackendKind::kCpu, c, {.max_sequences = 3});
+  ASSERT_TRUE(made.ok()) << made.error().to_string();
+  KvStore& s = **made;
+  auto a = s.add_sequence();
+  ASSERT_TRUE(a.ok());
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const SeqSpan span{*a, 0, 1};
+    ASSERT_TRUE(s.store(l, {&span, 1}, host_view(&k, 1, 1), host_view(&v, 1, 1)).ok());
+  }
+  auto b = s.fork_sequence(*a);
+  ASSERT_TRUE(b.ok());
+  float out = 0;
+  const SeqQuery query{*b, 0};
+  ASSERT_TRUE(s.attend_decode(5, {&query, 1}, host_view(&q, 1, 1), host_view(&out, 1, 1)).ok());
+  EXPECT_EQ(out, 0.25f);
+  // The slot a removed sequence leaves is cleared for the next.
+  ASSERT_TRUE(s.remove_sequence(*a).ok());
+  auto d = s.add_sequence();
+  ASSERT_TRUE(d.ok());
+  std::vector<std::uint16_t> pk(static_cast<std::size_t>(s.capacity(0))), pv(pk.size());
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    ASSERT_TRUE(s.read_plane(*d, l, pk.data(), pv.data()).ok());
+    EXPECT_TRUE(std::all_of(pk.begin(), pk.end(), [](std::uint16_t x) { return x == 0; })) << "layer " << l;
+    EXPECT_TRUE(std::all_of(pv.begin(), pv.end(), [](std::uint16_t x) { return x == 0; })) << "layer " << l;
+  }
+}
+
 }  // namespace
 }  // namespace kvring

@@ -520,8 +520,18 @@ class KvStore {
   // when -1) goes through these: before a write, after a clear or a copy.
   void ring_written(std::int32_t slot, std::int64_t layer);
   void ring_cleared(std::int32_t slot, std::int64_t layer) {
+    slot_rings_known(slot);
     slots_[static_cast<std::size_t>(slot)].ring_zero[static_cast<std::size_t>(layer)] = 1;
   }
+  // A slot's ring_zero is made when a sequence first takes the slot (empty
+  // before: every ring as the store made it, zero where rings_zero_), so
+  // that the bookkeeping grows with the slots used, not with max_sequences
+  // x n_layers. Calls that may run concurrently (installs) find it made.
+  void slot_rings_known(std::int32_t slot) {
+    std::vector<char>& z = slots_[static_cast<std::size_t>(slot)].ring_zero;
+    if (z.empty()) z.assign(static_cast<std::size_t>(config_.n_layers), rings_zero_ ? 1 : 0);
+  }
+  bool rings_zero_ = false;
   struct Txn;
   // Working vectors of the batched calls, kept between calls so that a
   // step allocates (and first-touches) nothing.

@@ -285,15 +285,18 @@ KvStore::KvStore(ModelConfig config, StoreOptions o)
   slots_.resize(static_cast<std::size_t>(o.max_sequences));
   ref_pages_.resize(static_cast<std::size_t>(ceil_div(o.pool_blocks, kRefPage)));
   sinks_.resize(static_cast<std::size_t>(config_.n_layers));
-  // zero_fill zeroes every ring at creation (the backends' allocate).
-  for (Sequence& s : slots_) s.ring_zero.assign(static_cast<std::size_t>(config_.n_layers), o.zero_fill ? 1 : 0);
+  // zero_fill zeroes every ring at creation (the backends' allocate); the
+  // slots' flags are made as sequences take them (slot_rings_known).
+  rings_zero_ = o.zero_fill;
 }
 
 void KvStore::rings_made_zero() {
+  rings_zero_ = true;
   for (Sequence& s : slots_) std::fill(s.ring_zero.begin(), s.ring_zero.end(), 1);
 }
 
 void KvStore::ring_written(std::int32_t slot, std::int64_t layer) {
+  slot_rings_known(slot);
   std::vector<char>& z = slots_[static_cast<std::size_t>(slot)].ring_zero;
   if (layer < 0)
     std::fill(z.begin(), z.end(), 0);
@@ -498,6 +501,7 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   const std::size_t i = free_slot();
   if (i == slots_.size()) return make_error(ErrorCode::kResourceExhausted, slots_taken());
   const auto slot = static_cast<std::int32_t>(i);
+  slot_rings_known(slot);
   // Under zero_fill a new sequence's rings are zero: those some write
   // reached since they were made or cleared are cleared.
   if (options_.zero_fill)
