@@ -547,6 +547,38 @@ TEST(AttentionSinks, AModelWithSinksIsNotAttendedWithoutThem) {
   EXPECT_FALSE(same_bits(out, run_stream(plain_config, 0, d, n, 1)));
 }
 
+// The f16 numeric on scores far past any model's (finite f16 K and an f32
+// query): the tile step's exponent s c - m c is computed as fma(s, c, -m c)
+// with m c rounded, whose rounding (half an ulp of m c, 64 at 2^30) must
+// not make the maximum's weight overflow f16 or vanish: the output stays
+// the value of the row that takes all the weight, on every attention path.
+TEST(Attention, F16NumericHugeScoresKeepTheMaximumWeight) {
+  const cpu::AttentionIsa saved = cpu::attention_isa();
+  for (const std::int64_t hd : {std::int64_t{3}, std::int64_t{64}}) {
+    for (const auto isa : {cpu::AttentionIsa::kScalar, cpu::AttentionIsa::kAvx2, cpu::AttentionIsa::kAvx512}) {
+      if (!cpu::set_attention_isa(isa)) continue;
+      SCOPED_TRACE("head_dim " + std::to_string(hd) + ", attention path " + std::to_string(static_cast<int>(isa)));
+      const ModelConfig c = make_hybrid_config("t", 1, 1, 2, 1, hd, 0, 64);
+      auto cache = make_cpu_cache(c, {.attention = AttentionNumeric::kF16});
+      ASSERT_TRUE(cache.ok());
+      const std::int64_t n = 3;
+      std::vector<float> k(static_cast<std::size_t>(n * hd), 0.5f), v(k.size());
+      for (std::int64_t j = 0; j < n; ++j)
+        for (std::int64_t d = 0; d < hd; ++d) v[static_cast<std::size_t>(j * hd + d)] = 0.25f * static_cast<float>(j + 1);
+      k[static_cast<std::size_t>(1 * hd + 1 % hd)] = 32752.0f;  // row 1 takes all the weight
+      ASSERT_TRUE((*cache)->store_batch(0, 0, n, k.data(), v.data()).ok());
+      for (const float big : {32752.0f, 1e30f}) {
+        std::vector<float> q(static_cast<std::size_t>(2 * hd), 0.5f), out(q.size(), NAN);
+        q[static_cast<std::size_t>(1 % hd)] = big;
+        q[static_cast<std::size_t>(hd + 1 % hd)] = big;
+        ASSERT_TRUE((*cache)->attend_decode(0, n - 1, q.data(), out.data()).ok());
+        for (const float o : out) EXPECT_EQ(o, 0.5f) << "query element " << big;
+      }
+    }
+  }
+  cpu::set_attention_isa(saved);
+}
+
 TEST(AttentionSinks, BadSinksAreRefusedWithoutChange) {
   const ModelConfig c = make_hybrid_config("t", 2, 2, 8, 2, 64, 24, 1024);
   auto cache = make_cpu_cache(c);

@@ -282,7 +282,12 @@ void weights_f16_scalar(float* sc, std::int64_t n, std::int64_t Gp, const float*
     const float shift = m_new == -INFINITY ? 0.0f : -mc_new;
     float sum = 0.0f;
     for (std::int64_t j = 0; j < n; ++j) {
-      const float w = f16_round(std::exp2(std::fma(sc[j * Gp + t], c[t], shift)));
+      // s c - m c is at most 0, and 0 for the tile's maximum: the rounding
+      // of m c (up to half its ulp, past 1 once |m c| > 2^24) must not make
+      // the maximum's weight overflow f16 or vanish, nor any weight pass 1.
+      float e = std::fma(sc[j * Gp + t], c[t], shift);
+      if (e > 0.0f || (sc[j * Gp + t] == m_new && m_new != -INFINITY)) e = 0.0f;
+      const float w = f16_round(std::exp2(e));
       sc[j * Gp + t] = w;
       sum += w;
     }
@@ -542,8 +547,15 @@ KVRING_AVX2 void weights_f16_avx2(float* sc, std::int64_t n, std::int64_t Gp, co
     const __m256 empty = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
     const __m256 shift = _mm256_blendv_ps(_mm256_sub_ps(_mm256_setzero_ps(), mc_new), _mm256_setzero_ps(), empty);
     __m256 sum = _mm256_setzero_ps();
+    // As weights_f16_scalar: the exponent at most 0, and 0 at the maximum.
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 top = _mm256_andnot_ps(empty, _mm256_cmp_ps(m_new, m_new, _CMP_EQ_OQ));
     for (std::int64_t j = 0; j < n; ++j) {
-      const __m256 e = exp2_8(_mm256_fmadd_ps(_mm256_loadu_ps(sc + j * Gp + t), ct, shift));
+      const __m256 s = _mm256_loadu_ps(sc + j * Gp + t);
+      __m256 x = _mm256_fmadd_ps(s, ct, shift);
+      x = _mm256_blendv_ps(x, zero, _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
+      x = _mm256_blendv_ps(x, zero, _mm256_and_ps(top, _mm256_cmp_ps(s, m_new, _CMP_EQ_OQ)));
+      const __m256 e = exp2_8(x);
       const __m256 w = _mm256_cvtph_ps(_mm256_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       _mm256_storeu_ps(sc + j * Gp + t, w);
       sum = _mm256_add_ps(sum, w);
