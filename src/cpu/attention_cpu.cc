@@ -553,7 +553,7 @@ KVRING_AVX2 void weights_f16_avx2(float* sc, std::int64_t n, std::int64_t Gp, co
     for (std::int64_t j = 0; j < n; ++j) {
       const __m256 s = _mm256_loadu_ps(sc + j * Gp + t);
       __m256 x = _mm256_fmadd_ps(s, ct, shift);
-      x = _mm256_blendv_ps(x, zero, _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
+      x = _mm256_min_ps(zero, x);  // 0 where x > 0; x where it is NaN
       x = _mm256_blendv_ps(x, zero, _mm256_and_ps(top, _mm256_cmp_ps(s, m_new, _CMP_EQ_OQ)));
       const __m256 e = exp2_8(x);
       const __m256 w = _mm256_cvtph_ps(_mm256_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
