@@ -193,21 +193,28 @@ TEST_F(Handoff, InProcessIsBitExact) {
   }
 }
 
-// The fresh store attends with the expected model's score scale, which the
-// header (geometry only) does not carry.
-TEST_F(Handoff, TheFreshStoreTakesTheExpectedScoreScale) {
+// The fresh store attends with the expected model's score scale and sinks,
+// which the header (geometry only) does not carry: a model with sinks is
+// not attended before they are set.
+TEST_F(Handoff, TheFreshStoreTakesTheExpectedScoreScaleAndSinks) {
   Session s = prefilled();
   const Timeline t = plan(Schedule::kPaced, std::int64_t{4} << 20);
   auto src = source(s, t);
   auto [a, b] = local_pair();
   ModelConfig expect = config_;
   expect.query_pre_attn_scalar = 37;
+  expect.attention_sinks = true;
   DetachedCacheTarget target({.expect = expect});
   auto o = run(*a, *b, *src, t, target, 5, std::int64_t{4} << 20);
   ASSERT_TRUE(o.received.ok()) << o.received.error().to_string();
   auto cache = target.take();
   ASSERT_TRUE(cache != nullptr);
   EXPECT_EQ(cache->store().config().query_pre_attn_scalar, 37.0);
+  EXPECT_TRUE(cache->store().config().attention_sinks);
+  std::vector<float> q(static_cast<std::size_t>(config_.n_heads * config_.head_dim), 0.5f), out(q.size());
+  const Status refused = cache->attend_decode(0, *cache->next_position() - 1, q.data(), out.data());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kConfig) << refused.to_string();
 }
 
 // The sender streams while prefill runs on this thread, for both schedules.

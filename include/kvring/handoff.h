@@ -527,7 +527,9 @@ class DetachedCacheTarget : public HandoffTarget {
     // Set: a session of another geometry is refused (kMismatch), and a
     // fresh store attends with its query_pre_attn_scalar unless the header
     // given to begin() names one (a header off the wire carries the
-    // geometry only; neither: scores scale by 1/sqrt(head_dim)).
+    // geometry only; neither: scores scale by 1/sqrt(head_dim)), and takes
+    // its attention_sinks where it has them (the store then attends a
+    // layer only once its sinks are set).
     std::optional<ModelConfig> expect;
     // The most a session may bring: its rows, and without `store` the fresh
     // store's footprint (compute_footprint at the context), refused at

@@ -306,12 +306,13 @@ Status DetachedCacheTarget::begin(const Snapshot& header) {
   if (into == nullptr) {
     // Every row a reader can see is installed, and a ring the rows do not
     // fill is cleared: no zero-fill.
-    // A header off the wire carries the geometry, not the score scale: a
-    // caller that knows the run's sets it in the header; otherwise the
-    // receiver's model (expect) gives it.
+    // A header off the wire carries the geometry, not the score scale or
+    // the sinks: a caller that knows the run's sets them in the header;
+    // otherwise the receiver's model (expect) gives them.
     ModelConfig config = header.config;
     if (options_.expect && config.query_pre_attn_scalar == 0)
       config.query_pre_attn_scalar = options_.expect->query_pre_attn_scalar;
+    if (options_.expect && options_.expect->attention_sinks) config.attention_sinks = true;
     auto made = make_store(options_.backend, config, {.max_sequences = 1, .context = context, .zero_fill = false});
     if (!made) return made.error();
     own_ = std::move(*made);
