@@ -282,6 +282,12 @@ TEST(HfConfig, Gemma2) {
   expect_error(base + "}", "attn_logit_softcapping");
   auto c = parse_hf_config(base + R"(, "attn_logit_softcapping": null, "query_pre_attn_scalar": 144})");
   ASSERT_TRUE(c.ok()) << c.error().to_string();
+  // Another defaulted field given as null is the class's None, from which
+  // it builds no model.
+  expect_error(base + R"(, "attn_logit_softcapping": null, "num_key_value_heads": null})",
+               "field 'num_key_value_heads' is null");
+  expect_error(base + R"(, "attn_logit_softcapping": null, "query_pre_attn_scalar": null})",
+               "field 'query_pre_attn_scalar' is null");
   EXPECT_EQ(c->kind(0), LayerKind::kSlidingRope);
   EXPECT_EQ(c->kind(1), LayerKind::kFullNope);
   EXPECT_EQ(c->count(LayerKind::kFullNope), 2);
@@ -302,7 +308,9 @@ TEST(HfConfig, AttentionOfOtherModels) {
   expect_error(base + R"("dense_attention_every_n_layers": 2})", "dense_attention_every_n_layers = 2");
   expect_error(base + R"("full_attention_interval": 4})", "full_attention_interval = 4");
   expect_error(base + R"("attn_layer_period": 8, "attn_layer_offset": 4})", "attn_layer_period = 8");
-  for (const char* fine : {R"("global_head_dim": 128, "num_global_key_value_heads": 2, "num_kv_shared_layers": 0})",
+  expect_error(base + R"("use_bidirectional_attention": true})", "use_bidirectional_attention = true");
+  for (const char* fine : {R"("global_head_dim": 128, "num_global_key_value_heads": 2, "num_kv_shared_layers": 0,
+                             "use_bidirectional_attention": false})",
                            R"("attention_multiplier": 0.0078125})"}) {
     auto c = parse_hf_config(base + fine);
     EXPECT_TRUE(c.ok()) << fine << ": " << c.error().to_string();

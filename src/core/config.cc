@@ -251,6 +251,11 @@ Status check_attention_features(const json& j, std::int64_t head_dim, std::int64
       !(j["num_kv_shared_layers"].is_number() && j["num_kv_shared_layers"].get<double>() == 0.0))
     return config_error("num_kv_shared_layers = " + describe(j["num_kv_shared_layers"]) +
                         ": layers that attend over another layer's K and V are not the store's planes");
+  // EmbeddingGemma: attention over the whole sequence both ways.
+  if (given(j, "use_bidirectional_attention") &&
+      !(j["use_bidirectional_attention"].is_boolean() && !j["use_bidirectional_attention"].get<bool>()))
+    return config_error("use_bidirectional_attention = " + describe(j["use_bidirectional_attention"]) +
+                        ": the store's attention is causal");
   // Phi-3-small: block-sparse attention on every other layer.
   for (const char* f : {"dense_attention_every_n_layers", "blocksparse_vert_stride", "blocksparse_num_local_blocks"})
     if (given(j, f))
@@ -271,18 +276,21 @@ Status check_attention_features(const json& j, std::int64_t head_dim, std::int64
 // Hugging Face's class defaults for the fields a model's own config.json may
 // leave out: the multimodal Gemma 3 checkpoints (4B, 12B, 27B) name only a
 // few fields of their text_config, and Gemma3TextConfig fills the rest.
-// Only absent fields take a default; a field given as null stays null (the
-// class's None). sliding_window_pattern stands for the class's layer
-// pattern: every 6th layer full for Gemma 3, every 2nd for Gemma 2.
+// Only absent fields take a default; a field given as null is the class's
+// None, which these classes cannot build a model from (refused, by
+// parse_hf_config), but for attn_logit_softcapping (None: no capping).
+// sliding_window_pattern stands for the class's layer pattern: every 6th
+// layer full for Gemma 3, every 2nd for Gemma 2.
 const json* class_defaults(const json& root, const json& j) {
   static const json gemma3_text = {
-      {"num_attention_heads", 8},        {"num_key_value_heads", 4},     {"head_dim", 256},
-      {"max_position_embeddings", 131072}, {"query_pre_attn_scalar", 256}, {"sliding_window", 4096},
-      {"sliding_window_pattern", 6},     {"rope_theta", 1000000.0}};
+      {"num_hidden_layers", 26},         {"num_attention_heads", 8},       {"num_key_value_heads", 4},
+      {"head_dim", 256},                 {"max_position_embeddings", 131072}, {"query_pre_attn_scalar", 256},
+      {"sliding_window", 4096},          {"sliding_window_pattern", 6},    {"rope_theta", 1000000.0}};
   static const json gemma2 = {
-      {"num_attention_heads", 8},       {"num_key_value_heads", 4},     {"head_dim", 256},
-      {"max_position_embeddings", 8192}, {"query_pre_attn_scalar", 256}, {"sliding_window", 4096},
-      {"sliding_window_pattern", 2},    {"attn_logit_softcapping", 50.0}};
+      {"num_hidden_layers", 26},         {"num_attention_heads", 8},       {"num_key_value_heads", 4},
+      {"head_dim", 256},                 {"max_position_embeddings", 8192}, {"query_pre_attn_scalar", 256},
+      {"sliding_window", 4096},          {"sliding_window_pattern", 2},    {"rope_theta", 10000.0},
+      {"attn_logit_softcapping", 50.0}};
   const std::string type = model_type(root, j);
   if (type == "gemma3_text" || (type == "gemma3" && &j != &root)) return &gemma3_text;
   if (type == "gemma2") return &gemma2;
@@ -336,11 +344,16 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   std::string defaulted;
   if (const json* d = class_defaults(root, text)) {
     filled = text;
-    for (const auto& [key, value] : d->items())
+    for (const auto& [key, value] : d->items()) {
       if (!filled.contains(key)) {
         filled[key] = value;
         defaulted += (defaulted.empty() ? "" : ", ") + key;
+      } else if (filled[key].is_null() && key != "attn_logit_softcapping") {
+        return config_error("field '" + key + "' is null: a " + model_type(root, text) +
+                            " config gives it a value or leaves it out (Hugging Face's default: " + value.dump() +
+                            ")");
       }
+    }
   }
   auto r = parse_text_config(root, filled.is_null() ? text : filled, std::move(name));
   if (!r && !defaulted.empty()) {
