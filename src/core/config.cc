@@ -305,68 +305,7 @@ bool unit_score_scale(const json& root, const json& j) {
   return type.starts_with("gemma3n") || type.starts_with("gemma4");
 }
 
-}  // namespace
-
-namespace {
 // The geometry of a model's (text) config `j`, `root` the whole file.
-Result<ModelConfig> parse_text_config(const json& root, const json& j, std::string name);
-}  // namespace
-
-// The deepest nesting a config.json may have (a model's configs nest a
-// handful of levels: text_config, rope_scaling and their lists).
-constexpr int kMaxConfigDepth = 32;
-
-Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
-  // Bounded before it is parsed: a parse of deeply nested text takes tens of
-  // bytes of memory for each of its bytes.
-  if (const int depth = json_depth(json_text); depth > kMaxConfigDepth)
-    return config_error("arrays and objects nested " + std::to_string(depth) + " deep; a config nests at most " +
-                        std::to_string(kMaxConfigDepth));
-  json root;
-  try {
-    root = json::parse(json_text.begin(), json_text.end());
-  } catch (const json::parse_error& e) {
-    // The parser's message quotes the input's last bytes as they are.
-    return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + printable(e.what()));
-  } catch (const json::exception& e) {
-    // The parser throws other errors too: a number too large for a double
-    // (out_of_range 406) among them.
-    return config_error("malformed JSON: " + printable(e.what()));
-  }
-  if (!root.is_object()) return config_error("config is not a JSON object");
-  // Multimodal Gemma 3 configs nest the language model under text_config.
-  const json& text = (root.contains("text_config") && root["text_config"].is_object())
-                         ? root["text_config"]
-                         : root;
-  // The class's defaults for what the file leaves out (Gemma 2 and 3); a
-  // refusal names the fields that took one.
-  json filled;
-  std::string defaulted;
-  if (const json* d = class_defaults(root, text)) {
-    filled = text;
-    for (const auto& [key, value] : d->items()) {
-      if (!filled.contains(key)) {
-        filled[key] = value;
-        defaulted += (defaulted.empty() ? "" : ", ") + key;
-      } else if (filled[key].is_null() && key != "attn_logit_softcapping") {
-        return config_error("field '" + key + "' is null: a " + model_type(root, text) +
-                            " config gives it a value or leaves it out (Hugging Face's default: " + value.dump() +
-                            ")");
-      }
-    }
-  }
-  auto r = parse_text_config(root, filled.is_null() ? text : filled, std::move(name));
-  if (!r && !defaulted.empty()) {
-    Error e = r.error();
-    e.message += " (fields absent from the file took Hugging Face's " + model_type(root, text) +
-                 " defaults: " + defaulted + ")";
-    return e;
-  }
-  return r;
-}
-
-namespace {
-
 Result<ModelConfig> parse_text_config(const json& root, const json& j, std::string name) {
   ModelConfig c;
   c.name = std::move(name);
@@ -526,6 +465,59 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
 }
 
 }  // namespace
+
+// The deepest nesting a config.json may have (a model's configs nest a
+// handful of levels: text_config, rope_scaling and their lists).
+constexpr int kMaxConfigDepth = 32;
+
+Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
+  // Bounded before it is parsed: a parse of deeply nested text takes tens of
+  // bytes of memory for each of its bytes.
+  if (const int depth = json_depth(json_text); depth > kMaxConfigDepth)
+    return config_error("arrays and objects nested " + std::to_string(depth) + " deep; a config nests at most " +
+                        std::to_string(kMaxConfigDepth));
+  json root;
+  try {
+    root = json::parse(json_text.begin(), json_text.end());
+  } catch (const json::parse_error& e) {
+    // The parser's message quotes the input's last bytes as they are.
+    return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + printable(e.what()));
+  } catch (const json::exception& e) {
+    // The parser throws other errors too: a number too large for a double
+    // (out_of_range 406) among them.
+    return config_error("malformed JSON: " + printable(e.what()));
+  }
+  if (!root.is_object()) return config_error("config is not a JSON object");
+  // Multimodal Gemma 3 configs nest the language model under text_config.
+  const json& text = (root.contains("text_config") && root["text_config"].is_object())
+                         ? root["text_config"]
+                         : root;
+  // The class's defaults for what the file leaves out (Gemma 2 and 3); a
+  // refusal names the fields that took one.
+  json filled;
+  std::string defaulted;
+  if (const json* d = class_defaults(root, text)) {
+    filled = text;
+    for (const auto& [key, value] : d->items()) {
+      if (!filled.contains(key)) {
+        filled[key] = value;
+        defaulted += (defaulted.empty() ? "" : ", ") + key;
+      } else if (filled[key].is_null() && key != "attn_logit_softcapping") {
+        return config_error("field '" + key + "' is null: a " + model_type(root, text) +
+                            " config gives it a value or leaves it out (Hugging Face's default: " + value.dump() +
+                            ")");
+      }
+    }
+  }
+  auto r = parse_text_config(root, filled.is_null() ? text : filled, std::move(name));
+  if (!r && !defaulted.empty()) {
+    Error e = r.error();
+    e.message += " (fields absent from the file took Hugging Face's " + model_type(root, text) +
+                 " defaults: " + defaulted + ")";
+    return e;
+  }
+  return r;
+}
 
 Result<ModelConfig> load_hf_config(const std::string& path) {
   auto text = file_internal::read_small_file(path, "config file", file_internal::kMaxConfigBytes);

@@ -22,10 +22,10 @@
 // (`ready`). Neither end makes its streams wait on the other's event: each
 // waits for a peer's event on the host, up to the call's deadline
 // (wait_peer_event), so a peer whose work never ends costs a timeout, not a
-// stream that never drains. A buffer that grows is a new allocation (a new generation),
-// which the receiver maps anew, checking that the mapping holds what the
-// frame claims; the old allocation is freed at the first release of the
-// new one, by which time the receiver has unmapped it. What an end
+// stream that never drains. A buffer that grows is a new allocation (a new
+// generation), which the receiver maps anew, checking that the mapping
+// holds what the frame claims; the old allocation is freed at the first
+// release of the new one, by which time the receiver has unmapped it. What an end
 // exported (buffers, events) is freed only after the peer said 'C' or its
 // link ended (an end says 'C' once it holds nothing of the peer's: at
 // close, or when the last bytes it handed out are dropped after it); a
@@ -381,7 +381,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
 
   // IpcBytes' side. The sender's copy into the buffer was waited for when
   // the frame was received, so any stream of the link's GPU reads it.
-  Status wait_ready(std::size_t, cudaStream_t) { return on_link_gpu(); }
+  Status readable_here() const { return on_link_gpu(); }
   Status copy_to_host(const void* p, std::size_t n, std::uint8_t* out) {
     IPC_CUDA("copying a device message to the host", cudaMemcpyAsync(out, p, n, cudaMemcpyDeviceToHost, stream_));
     IPC_CUDA("copying a device message to the host", cudaStreamSynchronize(stream_));
@@ -667,7 +667,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
 
 IpcBytes::~IpcBytes() { link_->dropped(slot_, last_); }
 Status IpcBytes::ready_on(cudaStream_t stream) {
-  KVRING_RETURN_IF_ERROR(link_->wait_ready(slot_, stream));
+  KVRING_RETURN_IF_ERROR(link_->readable_here());
   last_ = stream;
   return Status::Ok();
 }
