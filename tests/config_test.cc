@@ -318,6 +318,13 @@ TEST(HfConfig, AttentionOfOtherModels) {
   auto granite = parse_hf_config(base + R"("model_type": "granite", "attention_multiplier": 0.0078125})");
   ASSERT_TRUE(granite.ok());
   EXPECT_EQ(granite->score_scale_dim(), 16384.0);
+  // Granite's classes default attention_multiplier to 1.0, not
+  // 1/sqrt(head_dim); a file that leaves it out scores with scale 1.
+  for (const char* type : {"granite", "granitemoe", "granitemoeshared"}) {
+    auto defaulted = parse_hf_config(base + R"("model_type": ")" + type + R"("})");
+    ASSERT_TRUE(defaulted.ok()) << type << ": " << defaulted.error().to_string();
+    EXPECT_EQ(defaulted->score_scale_dim(), 1.0) << type;
+  }
   expect_error(base + R"("attention_multiplier": 0})", "attention_multiplier");
   expect_error(base + R"("attention_multiplier": 0.01, "query_pre_attn_scalar": 64})", "attention_multiplier");
   auto unit = parse_hf_config(R"({"model_type": "gemma3n", "text_config": {"model_type": "gemma3n_text",
