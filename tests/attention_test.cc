@@ -552,9 +552,13 @@ TEST(AttentionSinks, AModelWithSinksIsNotAttendedWithoutThem) {
 // with m c rounded, whose rounding (half an ulp of m c, 64 at 2^30) must
 // not make the maximum's weight overflow f16 or vanish: the output stays
 // the value of the row that takes all the weight, on every attention path.
+// The large elements sit at one dimension (head_dim 3 and 64) or at half
+// of them (head_dim 128, the CUDA kernel's case in
+// CudaF16.HugeScoresKeepTheMaximumWeight).
 TEST(Attention, F16NumericHugeScoresKeepTheMaximumWeight) {
   const cpu::AttentionIsa saved = cpu::attention_isa();
-  for (const std::int64_t hd : {std::int64_t{3}, std::int64_t{64}}) {
+  for (const std::int64_t hd : {std::int64_t{3}, std::int64_t{64}, std::int64_t{128}}) {
+    const std::int64_t first = hd == 128 ? 0 : 1 % hd, last = hd == 128 ? hd / 2 : first + 1;
     for (const auto isa : {cpu::AttentionIsa::kScalar, cpu::AttentionIsa::kAvx2, cpu::AttentionIsa::kAvx512}) {
       if (!cpu::set_attention_isa(isa)) continue;
       SCOPED_TRACE("head_dim " + std::to_string(hd) + ", attention path " + std::to_string(static_cast<int>(isa)));
@@ -565,12 +569,14 @@ TEST(Attention, F16NumericHugeScoresKeepTheMaximumWeight) {
       std::vector<float> k(static_cast<std::size_t>(n * hd), 0.5f), v(k.size());
       for (std::int64_t j = 0; j < n; ++j)
         for (std::int64_t d = 0; d < hd; ++d) v[static_cast<std::size_t>(j * hd + d)] = 0.25f * static_cast<float>(j + 1);
-      k[static_cast<std::size_t>(1 * hd + 1 % hd)] = 32752.0f;  // row 1 takes all the weight
+      for (std::int64_t d = first; d < last; ++d) k[static_cast<std::size_t>(hd + d)] = 32752.0f;  // row 1 takes all the weight
       ASSERT_TRUE((*cache)->store_batch(0, 0, n, k.data(), v.data()).ok());
       for (const float big : {32752.0f, 1e30f}) {
         std::vector<float> q(static_cast<std::size_t>(2 * hd), 0.5f), out(q.size(), NAN);
-        q[static_cast<std::size_t>(1 % hd)] = big;
-        q[static_cast<std::size_t>(hd + 1 % hd)] = big;
+        for (std::int64_t d = first; d < last; ++d) {
+          q[static_cast<std::size_t>(d)] = big;
+          q[static_cast<std::size_t>(hd + d)] = big;
+        }
         ASSERT_TRUE((*cache)->attend_decode(0, n - 1, q.data(), out.data()).ok());
         for (const float o : out) EXPECT_EQ(o, 0.5f) << "query element " << big;
       }

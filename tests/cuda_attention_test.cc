@@ -1033,6 +1033,51 @@ TEST(CudaF16, RefusesHeadDimsOtherThan128) {
   EXPECT_NE(r.error().message.find("head_dim 128"), std::string::npos) << r.error().message;
 }
 
+// Scores past |m c| of about 2^24 (docs/DESIGN.md, "Attention numerics"):
+// the row whose score is the maximum keeps its whole weight, in the decode
+// and the prefill kernels alike, rather than the rounding of m c making
+// its f16 weight overflow or vanish (a NaN output).
+TEST(CudaF16, HugeScoresKeepTheMaximumWeight) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = make_hybrid_config("f16-huge", 1, 1, 8, 1, 128, 0, 64);
+  const std::int64_t hd = c.head_dim, width = c.n_heads * hd, n = 3;
+  std::vector<float> k(static_cast<std::size_t>(n * hd), 0.5f), v(k.size());
+  for (std::int64_t j = 0; j < n; ++j)
+    for (std::int64_t d = 0; d < hd; ++d) v[static_cast<std::size_t>(j * hd + d)] = 0.25f * static_cast<float>(j + 1);
+  // Row 1 takes all the weight: half its dimensions and the queries' are
+  // large (Attention.F16NumericHugeScoresKeepTheMaximumWeight's head_dim 128
+  // case, where m c is about 2^33).
+  for (std::int64_t d = 0; d < hd / 2; ++d) k[static_cast<std::size_t>(hd + d)] = 32752.0f;
+  for (const float big : {32752.0f, 1e30f}) {
+    SCOPED_TRACE("query element " + std::to_string(big));
+    std::vector<float> q(static_cast<std::size_t>(n * width), 0.5f);
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t h = 0; h < c.n_heads; ++h)
+        for (std::int64_t d = 0; d < hd / 2; ++d) q[static_cast<std::size_t>(r * width + h * hd + d)] = big;
+    for (const bool decode : {true, false}) {
+      SCOPED_TRACE(decode ? "decode" : "prefill");
+      auto store = testing::new_store(BackendKind::kCuda, c,
+                                      {.max_sequences = 1, .context = 64, .attention = AttentionNumeric::kF16});
+      ASSERT_TRUE(store);
+      const SeqId seq = *store->add_sequence();
+      std::vector<float> out(static_cast<std::size_t>(n * width), NAN);
+      const SeqSpan all{seq, 0, n};
+      if (decode) {
+        ASSERT_TRUE(store->store(0, {&all, 1}, testing::host_in(k.data(), n, hd), testing::host_in(v.data(), n, hd)).ok());
+        const SeqQuery last{seq, n - 1};
+        ASSERT_TRUE(store->attend_decode(0, {&last, 1}, testing::host_in(q.data() + (n - 1) * width, 1, width),
+                                         host_view(out.data() + (n - 1) * width, 1, width)).ok());
+      } else {
+        ASSERT_TRUE(store->prefill(0, {&all, 1}, testing::host_in(k.data(), n, hd), testing::host_in(v.data(), n, hd),
+                                   testing::host_in(q.data(), n, width), host_view(out.data(), n, width)).ok());
+        // Row 1 sees rows 0 and 1, row 1 the maximum.
+        for (std::int64_t i = width; i < 2 * width; ++i) EXPECT_EQ(out[static_cast<std::size_t>(i)], 0.5f) << i;
+      }
+      for (std::int64_t i = (n - 1) * width; i < n * width; ++i) EXPECT_EQ(out[static_cast<std::size_t>(i)], 0.5f) << i;
+    }
+  }
+}
+
 // Sequences in random batches and chunks (device views, churned slots and
 // blocks) give the bits of their solo token-by-token decodes (97-token
 // chunks under a sanitizer), across two splits and many wraps of a 300-row

@@ -144,6 +144,16 @@ __device__ __forceinline__ std::int64_t first_split_of(std::int64_t p, std::int6
   return max(std::int64_t{0}, p - reach) / kSplitRows;
 }
 
+// A weight's exponent s c - m c (shift = -m c), taken as at most 0 and as 0
+// for a score equal to the maximum m: past |m c| of about 2^24 the rounding
+// of m c would otherwise make the maximum's f16 weight overflow or vanish
+// (docs/DESIGN.md, "Attention numerics"). The CPU backend takes the same
+// step.
+__device__ __forceinline__ float weight_exponent(float s, float c, float shift, float m) {
+  const float e = fmaf(s, c, shift);
+  return e > 0.0f || (s == m && m != -INFINITY) ? 0.0f : e;
+}
+
 // An output value with -0 written as +0 (the f16 numeric's zero output).
 __device__ __forceinline__ float plus_zero(float x) { return x == 0.0f ? 0.0f : x; }
 
@@ -373,8 +383,8 @@ __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
       const float shift = m_new == -INFINITY ? 0.0f : -mc_new;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const __half2 w = __floats2half2_rn(exp2f(fmaf(sc[4 * j + 2 * rr], c_r[rr], shift)),
-                                            exp2f(fmaf(sc[4 * j + 2 * rr + 1], c_r[rr], shift)));
+        const __half2 w = __floats2half2_rn(exp2f(weight_exponent(sc[4 * j + 2 * rr], c_r[rr], shift, m_new)),
+                                            exp2f(weight_exponent(sc[4 * j + 2 * rr + 1], c_r[rr], shift, m_new)));
         pw[j][rr] = *reinterpret_cast<const std::uint32_t*>(&w);
       }
       m[rr] = m_new;
