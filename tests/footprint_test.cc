@@ -145,6 +145,20 @@ TEST(Footprint, ParsesByteCounts) {
   EXPECT_FALSE(parse_bytes("10XB").ok());
   EXPECT_FALSE(parse_bytes("-5").ok());
   EXPECT_FALSE(parse_bytes("99999999TiB").ok());
+  // A fraction, exact, the bytes rounded down.
+  EXPECT_EQ(*parse_bytes("79.5GiB"), std::int64_t{159} << 29);
+  EXPECT_EQ(*parse_bytes("79.6GiB"), (std::int64_t{796} << 30) / 10);
+  EXPECT_EQ(*parse_bytes("0.5 KiB"), 512);
+  EXPECT_EQ(*parse_bytes("1.999B"), 1);
+  EXPECT_EQ(*parse_bytes("0.000000000000000001TiB"), 0);
+  EXPECT_EQ(*parse_bytes("8388607.999999999999999999TiB"), std::numeric_limits<std::int64_t>::max());
+  EXPECT_FALSE(parse_bytes("8388608.5TiB").ok());
+  EXPECT_FALSE(parse_bytes("1.GiB").ok());
+  EXPECT_FALSE(parse_bytes(".5GiB").ok());
+  EXPECT_FALSE(parse_bytes("1.5.5GiB").ok());
+  EXPECT_FALSE(parse_bytes("1.0000000000000000001GiB").ok());
+  EXPECT_FALSE(parse_bytes("1e9").ok());
+  EXPECT_NE(parse_bytes("1.GiB").error().message.find("decimal point"), std::string::npos);
 }
 
 }  // namespace

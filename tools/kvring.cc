@@ -50,7 +50,7 @@ const CommandHelp kHelp[] = {
   footprint  [--model NAME | --config FILE] --fit MEMORY --length L
              [--block-rows B] [--slack S] [--json]
              how many sequences of L tokens fit in MEMORY (bytes, or with a
-             unit: 80GiB, 141GB): each holds its sliding rings and its full
+             unit: 80GiB, 141GB, 79.5GiB): each holds its sliding rings and its full
              rows rounded up to whole blocks
 )"},
     {"run", R"(  run        [--model NAME | --config FILE] [--tokens N] [--prompt-tokens P]

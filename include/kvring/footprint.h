@@ -53,8 +53,9 @@ Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length
                                   std::int64_t memory_bytes, std::int64_t block_rows = 0,
                                   std::int64_t slack = 0);
 
-// Bytes from "1048576", "80GiB", "141GB", "512 MiB" (B, kB/KiB, MB/MiB,
-// GB/GiB, TB/TiB).
+// Bytes from "1048576", "80GiB", "141GB", "512 MiB", "79.5GiB" (B,
+// kB/KiB, MB/MiB, GB/GiB, TB/TiB; up to 18 digits after a decimal point,
+// the bytes rounded down).
 Result<std::int64_t> parse_bytes(const std::string& text);
 
 // "1,826,619,392 B (1.70 GiB, 1.83 GB)"

@@ -72,13 +72,26 @@ Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length
 }
 
 Result<std::int64_t> parse_bytes(const std::string& text) {
+  // DIGITS[.DIGITS][ ]UNIT; a fraction is taken exactly and the bytes
+  // rounded down (a memory budget is never overstated).
+  constexpr std::size_t kMaxFractionDigits = 18;
   std::size_t i = 0;
   while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
-  if (i == 0) return invalid_argument("'" + text + "' is not a byte count (e.g. 80GiB)");
+  if (i == 0) return invalid_argument("'" + text + "' is not a byte count (e.g. 80GiB or 79.5GiB)");
   std::int64_t number = 0;
   for (std::size_t d = 0; d < i; ++d)
     if (__builtin_mul_overflow(number, 10, &number) || __builtin_add_overflow(number, text[d] - '0', &number))
       return invalid_argument("'" + text + "' exceeds 2^63 bytes");
+  std::int64_t fraction = 0, denominator = 1;
+  if (i < text.size() && text[i] == '.') {
+    const std::size_t first = ++i;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
+    if (i == first) return invalid_argument("'" + text + "': no digits after the decimal point");
+    if (i - first > kMaxFractionDigits)
+      return invalid_argument("'" + text + "': more than " + std::to_string(kMaxFractionDigits) +
+                              " digits after the decimal point");
+    for (std::size_t d = first; d < i; ++d) fraction = fraction * 10 + (text[d] - '0'), denominator *= 10;
+  }
   std::string unit = text.substr(i);
   while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
   static const std::pair<const char*, std::int64_t> kUnits[] = {
@@ -89,8 +102,12 @@ Result<std::int64_t> parse_bytes(const std::string& text) {
       {"TB", 1000000000000}, {"TiB", std::int64_t{1} << 40}};
   for (const auto& [name, scale] : kUnits)
     if (unit == name) {
+      // fraction < denominator <= 10^18 and scale <= 2^40: the product
+      // fits 128 bits.
+      const __int128 part = static_cast<__int128>(fraction) * scale / denominator;
       std::int64_t bytes = 0;
-      if (__builtin_mul_overflow(number, scale, &bytes))
+      if (__builtin_mul_overflow(number, scale, &bytes) ||
+          __builtin_add_overflow(bytes, static_cast<std::int64_t>(part), &bytes))
         return invalid_argument("'" + text + "' exceeds 2^63 bytes");
       return bytes;
     }
