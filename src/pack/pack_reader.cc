@@ -279,6 +279,14 @@ Status parse_planes(Cursor& c, Manifest* m, std::int64_t* total_chunks) {
                                                  num(want->origin_logical()) + ", origin_physical " +
                                                  num(want->origin_physical()) + ")"
                                            : ": " + want.error().message));
+    // A sliding ring shorter than the window stops at the context (a store
+    // refuses positions past it: KvStore::position_limit), so no cache
+    // holds one past it and validate_snapshot refuses it.
+    if (cfg.kind(l) == LayerKind::kSlidingRope && capacity < cfg.sliding_window && h.token_count > h.context)
+      return c.bad("ring state", "a sliding ring of " + num(std::uint64_t{capacity}) +
+                                     " rows, shorter than the window of " + num(cfg.sliding_window) +
+                                     ", stops at the context " + num(h.context) + "; token_count is " +
+                                     num(h.token_count));
     KVRING_RETURN_IF_ERROR(c.u32("n_chunks", &n_chunks));
     const std::int64_t want_chunks = count_chunks(ring->origin_logical(), ring->len(), m->chunk_tokens);
     if (n_chunks != want_chunks)
