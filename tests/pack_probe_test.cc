@@ -134,3 +134,98 @@ TEST(PackProbe, ShortSlidingRingPastTheContextIsRefusedByTheReader) {
 }  // namespace
 }  // namespace kvring
 
+namespace kvring {
+namespace {
+
+// The header of a thin pack whose every chunk record names the same chunk.
+std::string thin_head_naming(const HostilePack& spec, const Digest& name) {
+  std::int64_t payload = 0;
+  std::string head = testing::hostile_pack_head(spec, &payload);
+  // Rewrite every chunk record's name, then reseal.
+  auto m = read_manifest(*memory_pack_source(head.data(), static_cast<std::int64_t>(head.size())));
+  EXPECT_TRUE(m.ok());
+  const std::int64_t table_end = kPreambleBytes + m->manifest_bytes;
+  const std::int64_t n = static_cast<std::int64_t>(m->chunks.size());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t at = table_end - (n - i) * kChunkRecordBytes + 16;
+    std::memcpy(head.data() + at, name.data(), name.size());
+  }
+  testing::reseal(&head);
+  return head;
+}
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Counts what a reader asks a store.
+class CountingStore final : public ChunkStore {
+ public:
+  explicit CountingStore(const ChunkStore& inner) : inner_(inner) {}
+  std::string spec() const override { return inner_.spec(); }
+  Status put(std::span<const ChunkData>) override { return Status::Ok(); }
+  Result<bool> contains(const Digest& name) const override { return inner_.contains(name); }
+  Status check_stored(const Digest& name, std::int64_t bytes) const override {
+    ++checks;
+    return inner_.check_stored(name, bytes);
+  }
+  Status erase(const Digest&) override { return Status::Ok(); }
+  Result<StoreStats> stats() const override { return inner_.stats(); }
+  mutable std::atomic<int> checks{0};
+
+ protected:
+  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override { return inner_.get(name, dst); }
+
+ private:
+  const ChunkStore& inner_;
+};
+
+// Every chunk record of a thin pack names one sparse file planted in a
+// directory store, which check_stored hashes whole (in pieces) each time it
+// is asked. The reader asked once per record, all of them, though the
+// first answer already failed, and before it held the rows the manifest
+// claims against the caller's max_row_bytes: a manifest of 1024 layers of
+// 1024 records naming one sparse file of 1 GiB costs a million hashes of
+// 1 GiB before "over the limit".
+TEST(PackProbe, OneSparsePlantedChunkIsCheckedOnce) {
+  const std::string dir = testing::make_temp_dir("probe-sparse");
+  auto store = open_dir_store(dir + "/store");
+  ASSERT_TRUE(store.ok());
+  const Digest name = sha256("planted", 7);
+  const std::string path = dir + "/store/" + to_hex(name);
+  {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT, 0644);
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  // One full layer of kv_dim 8192 in F32Le, 16-token chunks: 1 MiB each.
+  HostilePack spec;
+  spec.config = make_hybrid_config("probe", 1, 1, 8, 8, 1024, 0, 16 * 64);
+  spec.context = spec.token_count = 16 * 64;
+  spec.chunk_tokens = 16;
+  spec.encoding = Encoding::kF32Le;
+  spec.thin = true;
+  ASSERT_EQ(::truncate(path.c_str(), std::int64_t{1} << 20), 0);
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  if (st.st_blocks * 512 >= st.st_size) GTEST_SKIP() << "no sparse files here";
+  const std::string head = thin_head_naming(spec, name);
+  auto src = memory_pack_source(head.data(), static_cast<std::int64_t>(head.size()), "thin");
+
+  CountingStore over_limit(**store);
+  auto r = read_pack(*src, {.store = &over_limit, .max_row_bytes = 1 << 20});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, ErrorCode::kCapacityExceeded) << r.error().to_string();
+  EXPECT_EQ(over_limit.checks.load(), 0) << "a pack its manifest puts over max_row_bytes is refused unchecked";
+
+  CountingStore counting(**store);
+  r = read_pack(*src, {.store = &counting});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("thin: chunk 0 (layer 0"), std::string::npos) << r.error().to_string();
+  EXPECT_NE(r.error().message.find("is a file with holes"), std::string::npos) << r.error().to_string();
+  EXPECT_EQ(counting.checks.load(), 1) << "64 records of one chunk";
+  testing::remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace kvring

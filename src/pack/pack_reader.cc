@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <limits>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -505,12 +507,47 @@ Status check_present(const PackSource& src, const Manifest& m, const ChunkStore&
 // pack present in its store with its size; every chunk of a self-contained pack verified
 // when the file holds fewer bytes than it claims (st_blocks below st_size).
 // Returns the first failure in table order.
+//
+// Each distinct chunk of a thin pack is asked about once (a pack may name
+// one chunk many times, and a store hashes a file with holes whole), and
+// once a chunk fails, the chunks after it in table order are not checked:
+// the error is the first in table order all the same, and a pack that
+// names one planted chunk a million times costs one check, not a million.
 Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkStore* store) {
   const bool sparse = src.stored_bytes() < src.size();
   if (!m.thin && !sparse) return Status::Ok();
-  std::vector<Status> status(m.chunks.size());
-  cpu::parallel_for(static_cast<std::int64_t>(m.chunks.size()), m.payload_bytes, [&](std::int64_t i) {
-    status[static_cast<std::size_t>(i)] = m.thin ? check_present(src, m, *store, i) : verify_streamed(src, m, i);
+  // The records to check: for a thin pack the first record of each
+  // distinct (name, length), in table order.
+  std::vector<std::int64_t> todo;
+  todo.reserve(m.chunks.size());
+  if (m.thin) {
+    std::vector<std::int64_t> order(m.chunks.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
+    const auto key = [&](std::int64_t i) {
+      const PackChunk& c = m.chunks[static_cast<std::size_t>(i)];
+      return std::pair(c.name, c.byte_length);
+    };
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
+    for (std::size_t k = 0; k < order.size(); ++k)
+      if (k == 0 || key(order[k]) != key(order[k - 1])) todo.push_back(order[k]);
+    std::sort(todo.begin(), todo.end());
+  } else {
+    for (std::size_t i = 0; i < m.chunks.size(); ++i) todo.push_back(static_cast<std::int64_t>(i));
+  }
+  std::vector<Status> status(todo.size());
+  std::atomic<std::int64_t> first_bad{std::numeric_limits<std::int64_t>::max()};
+  cpu::parallel_for(static_cast<std::int64_t>(todo.size()), m.payload_bytes, [&](std::int64_t t) {
+    // Tasks before the first failure so far still run, so the failure
+    // reported is the first in table order.
+    if (t > first_bad.load(std::memory_order_relaxed)) return;
+    const std::int64_t i = todo[static_cast<std::size_t>(t)];
+    Status s = m.thin ? check_present(src, m, *store, i) : verify_streamed(src, m, i);
+    if (!s.ok()) {
+      std::int64_t seen = first_bad.load(std::memory_order_relaxed);
+      while (t < seen && !first_bad.compare_exchange_weak(seen, t, std::memory_order_relaxed)) {
+      }
+    }
+    status[static_cast<std::size_t>(t)] = std::move(s);
   });
   return first_error(status);
 }
@@ -545,14 +582,16 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
     s.planes[l].ring = m.header.planes[l].ring;
   }
   // The rows are sized by checked fields (geometry, rings, file size for a
-  // self-contained pack), by chunks known to exist, and held against memory.
-  KVRING_RETURN_IF_ERROR(check_before_rows(src, m, options.store));
+  // self-contained pack), held against memory first (the manifest alone
+  // says what they need, so a pack over the limit costs no chunk check),
+  // then by chunks known to exist.
   const std::int64_t need = s.row_bytes();
   const std::int64_t limit = std::min(options.max_row_bytes, physical_memory_bytes());
   if (need > limit)
     return make_error(ErrorCode::kCapacityExceeded,
                       src.name() + ": the pack's rows need " + num(need) + " bytes of memory, over the limit of " +
                           num(limit));
+  KVRING_RETURN_IF_ERROR(check_before_rows(src, m, options.store));
   try {
     for (PlaneSnapshot& p : s.planes) {
       p.k.resize(static_cast<std::size_t>(p.ring.len() * s.config.kv_dim()));
