@@ -1,0 +1,173 @@
+// Seeded probe: restores into stores of other contexts, slacks, block sizes
+// and pools, into sequences that share blocks with forks, and into new
+// sequences. A restore either succeeds with the snapshot's rows, bit for
+// bit, or fails leaving every sequence of the store as it was.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvring/config.h"
+#include "kvring/snapshot.h"
+#include "kvring/store.h"
+#include "pack_test_util.h"
+
+namespace kvring {
+namespace {
+
+struct Image {
+  std::vector<SeqId> seqs;
+  std::int64_t free_blocks = 0;
+  std::vector<std::string> text;  // per sequence: rings and rows
+  bool operator==(const Image&) const = default;
+};
+
+std::string seq_image(const KvStore& s, SeqId seq) {
+  std::string out;
+  auto next = s.next_position(seq);
+  out += next ? "next " + std::to_string(*next) : "next? " + next.error().message;
+  for (std::int64_t l = 0; l < s.n_layers(); ++l) {
+    auto r = s.ring(seq, l);
+    if (!r) {
+      out += "|ring? ";
+      continue;
+    }
+    out += "|" + std::to_string(r->len()) + "," + std::to_string(r->origin_logical()) + "," +
+           std::to_string(r->origin_physical()) + ":";
+    std::vector<std::uint16_t> k(static_cast<std::size_t>(r->len() * s.config().kv_dim())), v(k.size());
+    if (r->len() > 0 && s.read_rows(seq, l, r->origin_logical(), r->len(), k.data(), v.data()).ok())
+      out.append(reinterpret_cast<const char*>(k.data()), k.size() * 2)
+          .append(reinterpret_cast<const char*>(v.data()), v.size() * 2);
+  }
+  auto held = s.blocks_held(seq);
+  out += "|held " + (held ? std::to_string(*held) : std::string("?"));
+  return out;
+}
+
+Image image(const KvStore& s) {
+  Image im;
+  im.seqs = s.sequences();
+  im.free_blocks = s.free_blocks();
+  for (SeqId q : im.seqs) im.text.push_back(seq_image(s, q));
+  return im;
+}
+
+// The largest position every layer of a store of `context` takes.
+std::int64_t limit_of(const ModelConfig& c, std::int64_t context, std::int64_t slack) {  // capped at 400
+  std::int64_t lim = 400;
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const std::int64_t cap = c.plane_capacity(l, context);
+    if (c.kind(l) == LayerKind::kFullNope) lim = std::min(lim, cap);
+    else if (cap < c.sliding_window) lim = std::min(lim, context);
+  }
+  (void)slack;
+  return lim;
+}
+
+Status fill_seq(KvStore& s, SeqId seq, std::int64_t from, std::int64_t to, std::uint64_t seed) {
+  const std::int64_t kv = s.config().kv_dim();
+  std::mt19937_64 rng(seed);
+  for (std::int64_t p = from; p < to;) {
+    const std::int64_t n = std::min<std::int64_t>(1 + static_cast<std::int64_t>(rng() % 17), to - p);
+    std::vector<float> k(static_cast<std::size_t>(n * kv * s.n_layers())), v(k.size());
+    for (std::int64_t l = 0; l < s.n_layers(); ++l)
+      testing::seeded_rows(seed, l, p, n, kv, k.data() + l * n * kv, v.data() + l * n * kv);
+    const SeqSpan span{seq, p, n};
+    KVRING_RETURN_IF_ERROR(s.store_all_layers({&span, 1}, host_view(k.data(), n * s.n_layers(), kv),
+                                              host_view(v.data(), n * s.n_layers(), kv)));
+    p += n;
+  }
+  return Status::Ok();
+}
+
+TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
+  int restored = 0, refused = 0;
+  const std::uint64_t first = std::getenv("PROBE_SEED") ? std::strtoull(std::getenv("PROBE_SEED"), nullptr, 10) : 1;
+  const std::uint64_t count = std::getenv("PROBE_COUNT") ? std::strtoull(std::getenv("PROBE_COUNT"), nullptr, 10) : 400;
+  for (std::uint64_t seed = first; seed < first + count; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    auto pick = [&](std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(rng() % (hi - lo + 1)); };
+    const std::int64_t layers = pick(1, 4);
+    ModelConfig cfg = make_hybrid_config("probe", layers, pick(1, 3), 2, pick(1, 2), pick(1, 4), pick(4, 80), 160);
+    for (auto& k : cfg.layer_kinds) if (rng() % 4 == 0) k = LayerKind::kSlidingRope;
+    if (!cfg.validate().ok()) continue;
+    const std::int64_t src_ctx = pick(1, 160), src_slack = pick(0, 8) * (rng() % 2);
+    auto src = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = src_ctx, .slack = src_slack});
+    if (!src.ok()) continue;
+    auto sseq = (*src)->add_sequence();
+    ASSERT_TRUE(sseq.ok());
+    const std::int64_t tokens = pick(0, limit_of(cfg, src_ctx, src_slack));
+    ASSERT_TRUE(fill_seq(**src, *sseq, 0, tokens, seed).ok());
+    if (src_slack > 0 && tokens > 0 && rng() % 2) (void)(*src)->truncate_sequence(*sseq, pick(1, std::min(tokens, src_slack)));
+    auto snap = take_snapshot(**src, *sseq);
+    ASSERT_TRUE(snap.ok()) << snap.error().to_string();
+
+    const std::int64_t ctx = pick(1, 160), slack = pick(0, 8) * (rng() % 2);
+    const std::int64_t block_rows = rng() % 2 ? 16 : 32;
+    const std::int64_t pool = pick(0, 3 * layers * ((160 + block_rows - 1) / block_rows));
+    auto dst = make_store(BackendKind::kCpu, cfg,
+                          {.max_sequences = 3, .context = ctx, .slack = slack, .block_rows = block_rows,
+                           .pool_blocks = pool});
+    if (!dst.ok()) continue;
+    KvStore& t = **dst;
+    std::vector<SeqId> seqs;
+    for (int i = 0, n = static_cast<int>(pick(0, 2)); i < n; ++i) {
+      auto q = t.add_sequence();
+      if (!q) break;
+      (void)fill_seq(t, *q, 0, pick(0, limit_of(cfg, ctx, slack)), seed * 31 + i);
+      seqs.push_back(*q);
+    }
+    if (!seqs.empty() && rng() % 2) {
+      auto f = t.fork_sequence(seqs[0]);
+      if (f) {
+        seqs.push_back(*f);
+        auto pos = t.next_position(*f);
+        if (pos) (void)fill_seq(t, *f, *pos, *pos + pick(0, 20), seed * 77);
+      }
+    }
+    const Image before = image(t);
+    const bool fresh = seqs.empty() || rng() % 3 == 0;
+    SeqId target{};
+    Status s;
+    if (fresh) {
+      auto r = restore_new_sequence(*snap, t);
+      s = r.status();
+      if (r) target = *r;
+    } else {
+      target = seqs[static_cast<std::size_t>(rng() % seqs.size())];
+      s = restore(*snap, t, target);
+    }
+    if (!s.ok()) {
+      ++refused;
+      EXPECT_TRUE(image(t) == before) << "a refused restore changed the store: " << s.to_string();
+      EXPECT_EQ(s.error().message.find("part-way"), std::string::npos) << s.to_string();
+      continue;
+    }
+    ++restored;
+    auto pos = t.next_position(target);
+    ASSERT_TRUE(pos.ok());
+    EXPECT_EQ(*pos, snap->token_count);
+    for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+      auto r = t.ring(target, l);
+      ASSERT_TRUE(r.ok());
+      const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
+      ASSERT_GE(r->origin_logical(), p.ring.origin_logical()) << "layer " << l;
+      const std::int64_t kv = cfg.kv_dim();
+      std::vector<std::uint16_t> k(static_cast<std::size_t>(r->len() * kv)), v(k.size());
+      if (r->len() > 0) ASSERT_TRUE(t.read_rows(target, l, r->origin_logical(), r->len(), k.data(), v.data()).ok());
+      const std::size_t off = static_cast<std::size_t>((r->origin_logical() - p.ring.origin_logical()) * kv);
+      EXPECT_TRUE(std::equal(k.begin(), k.end(), p.k.begin() + off)) << "layer " << l;
+      EXPECT_TRUE(std::equal(v.begin(), v.end(), p.v.begin() + off)) << "layer " << l;
+    }
+    // Other sequences are untouched.
+    for (std::size_t i = 0; i < before.seqs.size(); ++i)
+      if (!(before.seqs[i] == target)) EXPECT_EQ(seq_image(t, before.seqs[i]), before.text[i]) << "seq " << i;
+  }
+  std::printf("restored %d, refused %d\n", restored, refused);
+}
+
+}  // namespace
+}  // namespace kvring
