@@ -224,6 +224,16 @@ TEST(PackProbe, OneSparsePlantedChunkIsCheckedOnce) {
   EXPECT_NE(r.error().message.find("thin: chunk 0 (layer 0"), std::string::npos) << r.error().to_string();
   EXPECT_NE(r.error().message.find("is a file with holes"), std::string::npos) << r.error().to_string();
   EXPECT_EQ(counting.checks.load(), 1) << "64 records of one chunk";
+
+  // verify counts every record's verdict, and asks about the chunk once.
+  CountingStore verifying(**store);
+  auto v = verify_pack(*src, &verifying);
+  ASSERT_TRUE(v.ok()) << v.error().to_string();
+  EXPECT_EQ(v->chunks, 64);
+  EXPECT_EQ(v->bad_chunks, 64);
+  EXPECT_NE(v->first_error.error().message.find("thin: chunk 0 (layer 0"), std::string::npos)
+      << v->first_error.to_string();
+  EXPECT_EQ(verifying.checks.load(), 1);
   testing::remove_tree(dir);
 }
 

@@ -503,6 +503,24 @@ Status check_present(const PackSource& src, const Manifest& m, const ChunkStore&
   return with_chunk(src, m, i, store.check_stored(ch.name, ch.byte_length));
 }
 
+// For each chunk record, the first record in table order that names the
+// same chunk (name and length): a store is asked about each chunk once.
+std::vector<std::int64_t> first_of_each_chunk(const Manifest& m) {
+  std::vector<std::int64_t> order(m.chunks.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
+  const auto key = [&](std::int64_t i) {
+    const PackChunk& c = m.chunks[static_cast<std::size_t>(i)];
+    return std::pair(c.name, c.byte_length);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
+  std::vector<std::int64_t> first(m.chunks.size());
+  for (std::size_t k = 0; k < order.size(); ++k)
+    first[static_cast<std::size_t>(order[k])] = k > 0 && key(order[k]) == key(order[k - 1])
+                                                    ? first[static_cast<std::size_t>(order[k - 1])]
+                                                    : order[k];
+  return first;
+}
+
 // What must hold before a pack's rows are allocated: every chunk of a thin
 // pack present in its store with its size; every chunk of a self-contained pack verified
 // when the file holds fewer bytes than it claims (st_blocks below st_size).
@@ -520,20 +538,9 @@ Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkSt
   // distinct (name, length), in table order.
   std::vector<std::int64_t> todo;
   todo.reserve(m.chunks.size());
-  if (m.thin) {
-    std::vector<std::int64_t> order(m.chunks.size());
-    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
-    const auto key = [&](std::int64_t i) {
-      const PackChunk& c = m.chunks[static_cast<std::size_t>(i)];
-      return std::pair(c.name, c.byte_length);
-    };
-    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
-    for (std::size_t k = 0; k < order.size(); ++k)
-      if (k == 0 || key(order[k]) != key(order[k - 1])) todo.push_back(order[k]);
-    std::sort(todo.begin(), todo.end());
-  } else {
-    for (std::size_t i = 0; i < m.chunks.size(); ++i) todo.push_back(static_cast<std::int64_t>(i));
-  }
+  const std::vector<std::int64_t> first = m.thin ? first_of_each_chunk(m) : std::vector<std::int64_t>();
+  for (std::size_t i = 0; i < m.chunks.size(); ++i)
+    if (!m.thin || first[i] == static_cast<std::int64_t>(i)) todo.push_back(static_cast<std::int64_t>(i));
   std::vector<Status> status(todo.size());
   std::atomic<std::int64_t> first_bad{std::numeric_limits<std::int64_t>::max()};
   cpu::parallel_for(static_cast<std::int64_t>(todo.size()), m.payload_bytes, [&](std::int64_t t) {
@@ -741,7 +748,10 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
   KVRING_RETURN_IF_ERROR(need_store(source, *m, store));
   // A chunk is read whole only from a store that holds it; a pack's own
   // chunks are hashed in bounded pieces.
+  // A thin pack's chunk named by several records is checked once, at its
+  // first record, and each record counts its verdict.
   std::vector<Status> status(m->chunks.size());
+  const std::vector<std::int64_t> first = m->thin ? first_of_each_chunk(*m) : std::vector<std::int64_t>();
   ByteBudget budget(kChunkBufferBudget);
   cpu::parallel_for(static_cast<std::int64_t>(m->chunks.size()), m->payload_bytes, [&](std::int64_t i) {
     Status& s = status[static_cast<std::size_t>(i)];
@@ -749,9 +759,12 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
       s = verify_streamed(source, *m, i);
       return;
     }
+    if (first[static_cast<std::size_t>(i)] != i) return;
     s = check_present(source, *m, *store, i);
     if (s.ok()) s = read_chunk(source, *m, store, i, nullptr, budget);
   });
+  if (m->thin)
+    for (std::size_t i = 0; i < status.size(); ++i) status[i] = status[static_cast<std::size_t>(first[i])];
   VerifyReport r;
   r.thin = m->thin;
   r.chunks = static_cast<std::int64_t>(m->chunks.size());
