@@ -171,3 +171,41 @@ TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
 
 }  // namespace
 }  // namespace kvring
+
+namespace kvring {
+namespace {
+
+// A restored cache is byte-identical to the live one, plane for plane
+// (docs/kvpack-format.md, "Restoring"), also where rows are not live: an
+// occupied target's old rows and a detached install's unfilled storage.
+TEST(RestoreProbe, PlanesAreByteIdenticalToTheLiveOnes) {
+  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    auto pick = [&](std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(rng() % (hi - lo + 1)); };
+    ModelConfig cfg = make_hybrid_config("probe", pick(1, 4), pick(1, 3), 2, pick(1, 2), pick(1, 4), pick(4, 80), 160);
+    if (!cfg.validate().ok()) continue;
+    const std::int64_t ctx = pick(1, 160);
+    const std::int64_t lim = limit_of(cfg, ctx, 0);
+    const std::int64_t tokens = pick(0, lim);
+    auto live = testing::filled_cache(cfg, ctx, tokens, seed);
+    auto snap = take_snapshot(*live);
+    ASSERT_TRUE(snap.ok());
+    auto occupied = testing::filled_cache(cfg, ctx, pick(0, lim), seed + 1000);
+    ASSERT_TRUE(restore(*snap, *occupied).ok());
+    auto detached = restore_detached(*snap);
+    ASSERT_TRUE(detached.ok()) << detached.error().to_string();
+    for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
+      const auto n = static_cast<std::size_t>(live->plane_bytes(l) / 2 / 2);
+      std::vector<std::uint16_t> k0(n), v0(n), k1(n), v1(n), k2(n), v2(n);
+      ASSERT_TRUE(live->read_plane(l, k0.data(), v0.data()).ok());
+      ASSERT_TRUE(occupied->read_plane(l, k1.data(), v1.data()).ok());
+      ASSERT_TRUE((*detached)->read_plane(l, k2.data(), v2.data()).ok());
+      EXPECT_TRUE(k0 == k1 && v0 == v1) << "occupied target, layer " << l << " tokens " << tokens;
+      EXPECT_TRUE(k0 == k2 && v0 == v2) << "detached, layer " << l << " tokens " << tokens;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvring
