@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <random>
 #include <gtest/gtest.h>
 #include <string>
 #include <vector>
@@ -235,6 +236,62 @@ TEST(PackProbe, OneSparsePlantedChunkIsCheckedOnce) {
       << v->first_error.to_string();
   EXPECT_EQ(verifying.checks.load(), 1);
   testing::remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace kvring
+
+namespace kvring {
+namespace {
+
+// Structured probe: packs whose every field is individually in range and
+// whose rings are each a sequential session's (geometry, context,
+// token_count, chunk_tokens and encoding drawn at random). A pack the
+// reader takes must be a valid snapshot, re-encode, and restore into a
+// cache of its own geometry and context.
+TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
+  int taken = 0, refused = 0;
+  for (std::uint64_t seed = 1; seed <= 3000; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    auto pick = [&](std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(rng() % (hi - lo + 1)); };
+    HostilePack spec;
+    const std::int64_t max_context = pick(1, 300);
+    spec.config = make_hybrid_config("probe", pick(1, 4), pick(1, 3), 2, pick(1, 2), pick(1, 8), pick(1, 100), max_context);
+    for (auto& k : spec.config.layer_kinds) k = rng() % 2 ? LayerKind::kSlidingRope : LayerKind::kFullNope;
+    if (!spec.config.validate().ok()) continue;
+    spec.context = pick(1, max_context);
+    spec.token_count = pick(0, 400);
+    spec.chunk_tokens = pick(1, 50);
+    spec.encoding = rng() % 2 ? Encoding::kF32Le : Encoding::kF16Le;
+    bool sequential = true;
+    for (std::int64_t l = 0; l < spec.config.n_layers; ++l)
+      sequential = sequential && RingState::sequential(spec.config.plane_capacity(l, spec.context),
+                                                       spec.config.kind(l) == LayerKind::kSlidingRope,
+                                                       spec.token_count).ok();
+    if (!sequential) continue;
+    const std::string pack = crafted_pack(spec, nullptr, static_cast<std::uint8_t>(pick(0, 0x3b)));
+    auto snap = read_pack(*memory_pack_source(pack.data(), static_cast<std::int64_t>(pack.size())));
+    if (!snap.ok()) {
+      ++refused;
+      EXPECT_EQ(snap.error().code, ErrorCode::kCorruption) << snap.error().to_string();
+      continue;
+    }
+    ++taken;
+    ASSERT_TRUE(validate_snapshot(*snap).ok()) << validate_snapshot(*snap).to_string();
+    auto again = encode_pack(*snap, {.encoding = spec.encoding, .chunk_tokens = spec.chunk_tokens});
+    ASSERT_TRUE(again.ok()) << again.error().to_string();
+    // F32Le values that are no f16 narrow on reading; F16Le is bitwise.
+    if (spec.encoding == Encoding::kF16Le) EXPECT_TRUE(*again == pack) << "re-encoding a pack gives other bytes";
+    auto cache = make_cpu_cache(spec.config, {.context = spec.context});
+    ASSERT_TRUE(cache.ok()) << cache.error().to_string();
+    const Status s = restore(*snap, **cache);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    auto back = take_snapshot(**cache);
+    ASSERT_TRUE(back.ok());
+    EXPECT_TRUE(testing::same_rows(*back, *snap));
+  }
+  std::printf("taken %d, refused %d\n", taken, refused);
 }
 
 }  // namespace
