@@ -270,7 +270,7 @@ TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
                                                        spec.config.kind(l) == LayerKind::kSlidingRope,
                                                        spec.token_count).ok();
     if (!sequential) continue;
-    const std::string pack = crafted_pack(spec, nullptr, static_cast<std::uint8_t>(pick(0, 0x3b)));
+    const std::string pack = crafted_pack(spec, nullptr, static_cast<std::uint8_t>(pick(0, 255)));
     auto snap = read_pack(*memory_pack_source(pack.data(), static_cast<std::int64_t>(pack.size())));
     if (!snap.ok()) {
       ++refused;
