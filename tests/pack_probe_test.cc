@@ -4,11 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <random>
-#include <gtest/gtest.h>
 #include <string>
 #include <vector>
 
@@ -155,10 +155,6 @@ std::string thin_head_naming(const HostilePack& spec, const Digest& name) {
   return head;
 }
 
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // Counts what a reader asks a store.
 class CountingStore final : public ChunkStore {
  public:
@@ -282,7 +278,9 @@ TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
     auto again = encode_pack(*snap, {.encoding = spec.encoding, .chunk_tokens = spec.chunk_tokens});
     ASSERT_TRUE(again.ok()) << again.error().to_string();
     // F32Le values that are no f16 narrow on reading; F16Le is bitwise.
-    if (spec.encoding == Encoding::kF16Le) EXPECT_TRUE(*again == pack) << "re-encoding a pack gives other bytes";
+    if (spec.encoding == Encoding::kF16Le) {
+      EXPECT_TRUE(*again == pack) << "re-encoding a pack gives other bytes";
+    }
     auto cache = make_cpu_cache(spec.config, {.context = spec.context});
     ASSERT_TRUE(cache.ok()) << cache.error().to_string();
     const Status s = restore(*snap, **cache);

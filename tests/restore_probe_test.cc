@@ -34,8 +34,11 @@ std::string seq_image(const KvStore& s, SeqId seq) {
       out += "|ring? ";
       continue;
     }
-    out += "|" + std::to_string(r->len()) + "," + std::to_string(r->origin_logical()) + "," +
-           std::to_string(r->origin_physical()) + ":";
+    for (const std::int64_t x : {r->len(), r->origin_logical(), r->origin_physical()}) {
+      out += ',';
+      out += std::to_string(x);
+    }
+    out += ':';
     std::vector<std::uint16_t> k(static_cast<std::size_t>(r->len() * s.config().kv_dim())), v(k.size());
     if (r->len() > 0 && s.read_rows(seq, l, r->origin_logical(), r->len(), k.data(), v.data()).ok())
       out.append(reinterpret_cast<const char*>(k.data()), k.size() * 2)
@@ -157,14 +160,18 @@ TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
       ASSERT_GE(r->origin_logical(), p.ring.origin_logical()) << "layer " << l;
       const std::int64_t kv = cfg.kv_dim();
       std::vector<std::uint16_t> k(static_cast<std::size_t>(r->len() * kv)), v(k.size());
-      if (r->len() > 0) ASSERT_TRUE(t.read_rows(target, l, r->origin_logical(), r->len(), k.data(), v.data()).ok());
+      if (r->len() > 0) {
+        ASSERT_TRUE(t.read_rows(target, l, r->origin_logical(), r->len(), k.data(), v.data()).ok());
+      }
       const std::size_t off = static_cast<std::size_t>((r->origin_logical() - p.ring.origin_logical()) * kv);
       EXPECT_TRUE(std::equal(k.begin(), k.end(), p.k.begin() + off)) << "layer " << l;
       EXPECT_TRUE(std::equal(v.begin(), v.end(), p.v.begin() + off)) << "layer " << l;
     }
     // Other sequences are untouched.
     for (std::size_t i = 0; i < before.seqs.size(); ++i)
-      if (!(before.seqs[i] == target)) EXPECT_EQ(seq_image(t, before.seqs[i]), before.text[i]) << "seq " << i;
+      if (!(before.seqs[i] == target)) {
+        EXPECT_EQ(seq_image(t, before.seqs[i]), before.text[i]) << "seq " << i;
+      }
   }
   std::printf("restored %d, refused %d\n", restored, refused);
 }

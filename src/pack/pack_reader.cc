@@ -14,11 +14,11 @@
 
 #include <algorithm>
 #include <array>
-#include <charconv>
 #include <atomic>
-#include <limits>
+#include <charconv>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <optional>
