@@ -401,6 +401,24 @@ TEST_F(RedisHostile, AnUnexpectedReplyToExistsIsAnError) {
   }
 }
 
+// A key that EXISTS but whose GETRANGE answers other than a string: the
+// message says what GETRANGE answered.
+TEST_F(RedisHostile, AGetrangeThatAnswersNoStringIsNamed) {
+  for (const auto& [reply, named] : {std::pair<std::string, std::string>("$-1\r\n", "GETRANGE answered a nil"),
+                                     {":5\r\n", "GETRANGE answered the integer 5"}}) {
+    SCOPED_TRACE(reply);
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", ":1\r\n" + reply});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    std::string buf(5, '\0');
+    const Status s = (*store)->get(sha256("hello", 5), span_of(buf));
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kCorruption) << s.to_string();
+    EXPECT_NE(s.error().message.find(named), std::string::npos) << s.to_string();
+  }
+}
+
 // The server's words reach a terminal escaped and cut short.
 TEST_F(RedisHostile, ServerTextIsEscapedAndCut) {
   const std::string hostile = "-ERR \x1b]0;owned-title\x07\x1b[2K\rkvring: ok: all chunks verified\r\n";

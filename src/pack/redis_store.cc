@@ -396,7 +396,8 @@ class RedisStore final : public ChunkStore {
     if (!value) return value.error();
     if (!*present) return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
     const redisReply* v = value->get();
-    if (v->type != REDIS_REPLY_STRING) return corruption(spec() + ": key " + key + " is not a string");
+    if (v->type != REDIS_REPLY_STRING)
+      return corruption(spec() + ": key " + key + ": GETRANGE answered " + reply_kind(*v) + ", not the chunk's bytes");
     if (v->len != dst.size())
       return corruption(spec() + ": chunk " + to_hex(name) + " holds " +
                         (v->len > dst.size() ? "more than " + std::to_string(dst.size())
