@@ -66,6 +66,10 @@ constexpr std::int64_t kMaxIds = std::int64_t{1} << 26;
 constexpr std::int64_t kMaxMetadata = std::int64_t{64} << 20;
 // The text an ERROR or ABORT carries, and a peer's that is shown.
 constexpr std::size_t kStatusTextBytes = 2048;
+// The most ACKs the sender leaves unread: each is a small message, and a
+// socket's buffer holds a few hundred of them (their per-message overhead
+// counts, not their 25 bytes).
+constexpr std::int64_t kMaxUnreadAcks = 64;
 
 using coding::put_bytes;
 using coding::put_fixed16;
@@ -522,6 +526,11 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     report.max_in_flight = std::max(report.max_in_flight, sent - acked);
     report.wire_bytes += static_cast<std::int64_t>(kRowsFixed + 2 * plane_bytes);
     ++report.messages;
+    // The receiver acknowledges every message, and blocks sending an ACK
+    // once the link's reverse direction is full: unread ACKs are bounded by
+    // count as well as by credits, or many small messages under large
+    // credits would leave both ends blocked in a send until their timeouts.
+    while (report.messages - acks > kMaxUnreadAcks) KVRING_RETURN_IF_ERROR(read_reply());
   }
   std::string end;
   put_fixed8(&end, kEnd);

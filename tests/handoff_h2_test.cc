@@ -1,0 +1,61 @@
+// Probes of the handoff under unusual but legitimate or hostile conditions.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "kvring/backend.h"
+#include "kvring/handoff.h"
+#include "kvring/model.h"
+#include "handoff_test_util.h"
+#include "test_util.h"
+
+namespace kvring::handoff {
+namespace {
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Many small messages and credits for all of them: the sender reads no ACK
+// until its end, so ACKs pile up in the link's reverse direction.
+TEST(H2, ManySmallMessagesOverUnixWithLargeCredits) {
+  const ModelConfig config = testing::small_config(32, 4096);
+  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
+  ASSERT_TRUE(m.ok());
+  const auto prompt = seeded_tokens(2000, 64, 7);
+  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = testing::prefill_in(**m, **from, prompt, 128);
+  PlanOptions o;
+  o.chunk_tokens = 128;
+  o.message_bytes = config.kv_dim() * 4;  // one row a message
+  auto t = plan_handoff(config, 2000, o);
+  ASSERT_TRUE(t.ok()) << t.error().to_string();
+  std::printf("messages %zu payload %lld\n", t->messages.size(), (long long)t->payload.payload_bytes);
+  const std::string path = ::testing::TempDir() + "kvring-h2-" + std::to_string(getpid()) + ".sock";
+  auto listener = unix_listen(path);
+  ASSERT_TRUE(listener.ok());
+  auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  StoreTarget target(**to);
+  Result<ReceiveReport> received = io_error("not run");
+  std::thread receiver([&] {
+    auto link = (*listener)->accept(deadline_in(5));
+    if (!link) { received = link.error(); return; }
+    received = receive_session(**link, target, {.timeout_s = 3});
+    (*link)->close();
+  });
+  auto link = unix_connect(path, deadline_in(5));
+  ASSERT_TRUE(link.ok());
+  auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
+  ASSERT_TRUE(src.ok());
+  const auto t0 = Clock::now();
+  auto sent = send_session(**link, **src, *t, {.timeout_s = 3});
+  (*link)->close();
+  receiver.join();
+  std::printf("took %.2f s\n", since(t0));
+  EXPECT_TRUE(sent.ok()) << sent.error().to_string();
+  EXPECT_TRUE(received.ok()) << received.error().to_string();
+}
+
+}  // namespace
+}  // namespace kvring::handoff
