@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <atomic>
+#include <limits>
 #include <thread>
 
 #include "kvring/backend.h"
@@ -55,6 +57,29 @@ TEST(H2, ManySmallMessagesOverUnixWithLargeCredits) {
   std::printf("took %.2f s\n", since(t0));
   EXPECT_TRUE(sent.ok()) << sent.error().to_string();
   EXPECT_TRUE(received.ok()) << received.error().to_string();
+}
+
+
+// Receive options whose max_keep_s is not a number or negative read as
+// "no limit" and turned off the keep-alive bound and the session's bound:
+// they are refused, like send_session's options out of range.
+TEST(H2, ReceiveOptionsOutOfRangeAreRefused) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (const ReceiveOptions& bad : {ReceiveOptions{.max_keep_s = nan}, ReceiveOptions{.max_keep_s = -1},
+                                    ReceiveOptions{.timeout_s = 0}, ReceiveOptions{.timeout_s = nan},
+                                    ReceiveOptions{.timeout_s = -1}}) {
+    auto [a, b] = local_pair();
+    const std::string header = "header";  // never read: the options are refused first
+    ASSERT_TRUE(a->send_message(header.data(), header.size(), deadline_in(1)).ok());
+    auto to = make_store(BackendKind::kCpu, testing::small_config(32, 256), {.max_sequences = 1});
+    StoreTarget target(**to);
+    const auto got = receive_session(*b, target, bad);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.error().code, ErrorCode::kInvalidArgument);
+    EXPECT_NE(got.error().message.find("receive options"), std::string::npos) << got.error().message;
+    std::vector<std::uint8_t> in;
+    EXPECT_TRUE(b->recv_message(in, deadline_in(0.05), 1 << 20).ok());  // the header is still there
+  }
 }
 
 }  // namespace

@@ -559,6 +559,12 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     return invalid_argument("receive options: credit_bytes " + std::to_string(options.credit_bytes) +
                             " and max_message_bytes " + std::to_string(options.max_message_bytes) +
                             " must be at least 1");
+  // NaN or a negative max_keep_s would read as 0 ("no limit") below and turn
+  // off both the keep-alive bound and the whole session's bound.
+  if (!(options.timeout_s > 0) || !(options.max_keep_s >= 0))
+    return invalid_argument("receive options: timeout_s " + std::to_string(options.timeout_s) +
+                            " must be above 0 and max_keep_s " + std::to_string(options.max_keep_s) +
+                            " at least 0 (0: no limit)");
   if (!(options.min_bytes_per_s >= 0) || !std::isfinite(options.min_bytes_per_s))
     return invalid_argument("receive options: min_bytes_per_s " + std::to_string(options.min_bytes_per_s) +
                             " must be finite and at least 0");
