@@ -115,6 +115,23 @@ start_unix_serve serve unix --tokens 140 --json --timeout 20
 wait "$SERVE_PID" || fail "handoff serve on unix: exited $?"
 [ "$(fields unix.out)" = "$(fields uref.json)" ] || fail "unix: summaries differ: $(fields unix.out) vs $(fields uref.json)"
 [ -e serve.sock ] && fail "serve left its socket file"
+# Many small messages (3,000 of 1 KiB) under serve's default 64 MiB of credits: the
+# sender reads acknowledgements as it goes, so neither end blocks on a
+# full socket (it used to time out at both ends).
+python3 -c 'import json; print(json.dumps({"num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "head_dim": 16, "sliding_window": 32, "max_position_embeddings": 4096, "layer_types": ["full_attention"] * 8}))' >full8.json
+start_unix_serve many many --tokens 3000 --json --timeout 5
+"$K" run --config full8.json --hidden 32 --vocab 64 --seed 3 --backend "$B" --no-progress --prompt-tokens 3000 \
+  --handoff-message 1 --handoff-to "unix:$W/many.sock" >many_send.out 2>many_send.err || fail "many small messages"
+wait "$SERVE_PID" || fail "many small messages: serve exited $?"
+# The model a run names is the sender's choice: serve bounds it by --max-mib
+# at the header, before any row moves, and the sender hears why.
+start_unix_serve big big --tokens 140 --json --timeout 20 --max-mib 1
+"$K" run --config small.json --hidden 256 --vocab 1024 --seed 3 --backend "$B" --no-progress --prompt-tokens 100 \
+  --handoff-to "unix:$W/big.sock" >big_send.out 2>big_send.err && fail "serve --max-mib 1 took a 7 MB model"
+wait "$SERVE_PID" && fail "serve --max-mib 1 exited 0"
+grep -q "reference model (hidden 256, vocab 1024) takes .* (--max-mib)" big.err || fail "big model: $(cat big.err)"
+grep -q "refused the session" big_send.err || fail "big model, sender: $(cat big_send.err)"
 # A receiver whose model has the session's geometry and another score scale
 # refuses it, naming both scales; one of another geometry (whose default
 # scale differs too) names the geometry; the sender hears why and keeps its

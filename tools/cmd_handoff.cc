@@ -184,7 +184,7 @@ struct ServedSession {
   RunRecord record;
   std::int32_t next_token = 0;
 };
-Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens) {
+Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens, std::int64_t max_bytes) {
   auto record = decode_run_record(header.metadata, "the handed-off session");
   if (!record) return record.error();
   auto meta = nlohmann::json::parse(header.metadata, nullptr, false);
@@ -203,6 +203,27 @@ Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens) 
   if (tokens > header.context)
     return invalid_argument("--tokens = " + std::to_string(tokens) + " exceeds the session's context " +
                             std::to_string(header.context));
+  // The session is decoded with its token ids (Session::resume takes one a
+  // position), as a saved run is (resume_run): checked here, not after
+  // every row arrived and the sender heard DONE.
+  if (static_cast<std::int64_t>(header.token_ids.size()) != header.token_count)
+    return invalid_argument("the handed-off session holds " + std::to_string(header.token_count) + " positions and " +
+                            std::to_string(header.token_ids.size()) + " token ids");
+  for (std::size_t i = 0; i < header.token_ids.size(); ++i)
+    if (header.token_ids[i] < 0 || header.token_ids[i] >= record->options.vocab)
+      return invalid_argument("the handed-off session's token id " + std::to_string(header.token_ids[i]) +
+                              " at position " + std::to_string(i) + " is outside its vocabulary [0, " +
+                              std::to_string(record->options.vocab) + ")");
+  // The model serve builds to decode is the sender's choice (hidden, vocab,
+  // mlp): bounded by the receiver's --max-mib like the store, before any row
+  // is taken, not only by the reference model's own 16 GiB.
+  if (const double weights = ReferenceModel::weight_bytes(header.config, record->options);
+      weights > static_cast<double>(max_bytes))
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "the handed-off run's reference model (hidden " + std::to_string(record->options.hidden) +
+                          ", vocab " + std::to_string(record->options.vocab) + ") takes " +
+                          std::to_string(static_cast<std::int64_t>(weights)) + " B, above this receiver's limit of " +
+                          std::to_string(max_bytes) + " B (--max-mib)");
   return ServedSession{std::move(*record), static_cast<std::int32_t>(next)};
 }
 
@@ -211,10 +232,11 @@ Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens) 
 class ServeTarget final : public handoff::HandoffTarget {
  public:
   // `expect`: serve's --model/--config, if given.
-  ServeTarget(handoff::DetachedCacheTarget& inner, std::int64_t tokens, std::optional<ModelConfig> expect)
-      : inner_(inner), tokens_(tokens), expect_(std::move(expect)) {}
+  ServeTarget(handoff::DetachedCacheTarget& inner, std::int64_t tokens, std::optional<ModelConfig> expect,
+              std::int64_t max_bytes)
+      : inner_(inner), tokens_(tokens), expect_(std::move(expect)), max_bytes_(max_bytes) {}
   Status begin(const Snapshot& header) override {
-    auto served = check_served(header, tokens_);
+    auto served = check_served(header, tokens_, max_bytes_);
     if (!served) return served.error();
     // The cache attends with the run's score scale, which the geometry in
     // the header does not carry; the usual scale is named as head_dim (the
@@ -259,6 +281,7 @@ class ServeTarget final : public handoff::HandoffTarget {
   handoff::DetachedCacheTarget& inner_;
   std::int64_t tokens_;
   std::optional<ModelConfig> expect_;
+  std::int64_t max_bytes_;
   std::optional<ServedSession> served_;
 };
 
@@ -339,7 +362,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
                             : ucx_listener->accept(handoff::deadline_in(timeout_s));
   if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);
-  ServeTarget serve_target(target, *tokens, to.expect);
+  ServeTarget serve_target(target, *tokens, to.expect, to.max_row_bytes);
   ro.timeout_s = timeout_s;
   ro.credit_bytes = *credits * kMiB;
   const auto t0 = Clock::now();

@@ -100,8 +100,8 @@ const CommandHelp kHelp[] = {
              of `run`; port 0 picks a free port (--port-file F gets it);
              with --model/--config, a session of another geometry or
              score scale is refused;
-             a session whose store would take more than M MiB (default
-             65536) is refused, and one whose sender keeps the link alive
+             a session whose store, or the model its run names, would
+             take more than M MiB (default 65536) is refused, and one whose sender keeps the link alive
              with no rows for S seconds (default 300; 0: no limit), which
              must outlast the sender's prefill under swa-first, is ended;
              a session not done S + the timeout + its rows at --min-rate

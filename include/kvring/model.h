@@ -34,6 +34,11 @@ class ReferenceModel {
   // Errors: an invalid geometry, hidden/vocab/mlp outside sane bounds.
   static Result<std::shared_ptr<const ReferenceModel>> create(const ModelConfig& config,
                                                               const ModelOptions& options);
+  // The bytes create() allocates for the weights of `options` on `config`
+  // (an mlp of 0 counts as 2 * hidden, as create() makes it), before
+  // create() checks any bound: for a caller that bounds a model someone
+  // else chose before building it.
+  static double weight_bytes(const ModelConfig& config, const ModelOptions& options);
 
   const ModelConfig& config() const { return config_; }
   const ModelOptions& options() const { return options_; }

@@ -113,6 +113,14 @@ std::int32_t argmax(const float* logits, std::int64_t n) {
   return best;
 }
 
+double ReferenceModel::weight_bytes(const ModelConfig& config, const ModelOptions& options) {
+  const double hd = static_cast<double>(config.head_dim), hq = static_cast<double>(config.n_heads) * hd;
+  const double kv = static_cast<double>(config.n_kv_heads) * hd, hidden = static_cast<double>(options.hidden);
+  const double mlp = options.mlp == 0 ? 2 * hidden : static_cast<double>(options.mlp);
+  return 4.0 * (2.0 * static_cast<double>(options.vocab) * hidden +
+                static_cast<double>(config.n_layers) * (hidden * (2 * hq + 2 * kv + 2 * mlp) + (2 * hd + 2 * hidden)));
+}
+
 Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const ModelConfig& config,
                                                                      const ModelOptions& options) {
   KVRING_RETURN_IF_ERROR(config.validate());
@@ -132,11 +140,7 @@ Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const Model
   if (m->options_.mlp == 0) m->options_.mlp = 2 * options.hidden;
   const std::int64_t hd = config.head_dim, hq = config.n_heads * hd, kv = config.kv_dim();
   const std::int64_t hidden = options.hidden, mlp = m->options_.mlp;
-  const double weights =
-      4.0 * (2.0 * static_cast<double>(options.vocab) * static_cast<double>(hidden) +
-             static_cast<double>(config.n_layers) *
-                 (static_cast<double>(hidden) * static_cast<double>(2 * hq + 2 * kv + 2 * mlp) +
-                  static_cast<double>(2 * hd + 2 * hidden)));
+  const double weights = weight_bytes(config, options);
   if (weights > kMaxWeightBytes)
     return invalid_argument("the reference model's weights would take " +
                             format_bytes(static_cast<std::int64_t>(weights)) + " (limit " +
