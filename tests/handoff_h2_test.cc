@@ -82,5 +82,53 @@ TEST(H2, ReceiveOptionsOutOfRangeAreRefused) {
   }
 }
 
+// A source whose rows become final only after `delay_s` (a prefill still
+// running): the sender keeps the link alive meanwhile.
+class LateSource : public HandoffSource {
+ public:
+  LateSource(HandoffSource& s, double delay_s) : s_(s), ready_(deadline_in(delay_s)) {}
+  const Snapshot& header() const override { return s_.header(); }
+  Result<bool> wait_final(const PlannedMessage&, Deadline d) override {
+    std::this_thread::sleep_until(std::min(d, ready_));
+    return Clock::now() >= ready_;
+  }
+  Status rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) override {
+    return s_.rows(m, k, v);
+  }
+
+ private:
+  HandoffSource& s_;
+  Deadline ready_;
+};
+
+// The two ends' timeouts are set apart (serve's --timeout, run's
+// --handoff-timeout): a sender whose own timeout is longer than the
+// receiver's must still keep it alive through a prefill wait.
+TEST(H2, KeepAlivesOutpaceAShorterReceiverTimeout) {
+  const ModelConfig config = testing::small_config(32, 256);
+  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
+  const auto prompt = seeded_tokens(100, 64, 7);
+  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  const SeqId seq = testing::prefill_in(**m, **from, prompt, 7);
+  auto t = plan_handoff(config, 100, {});
+  ASSERT_TRUE(t.ok());
+  auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
+  ASSERT_TRUE(src.ok());
+  LateSource late(**src, 3.0);
+  auto [a, b] = local_pair();
+  auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  StoreTarget target(**to);
+  Result<ReceiveReport> got = io_error("not run");
+  std::thread rx([&, bb = b.get()] {
+    got = receive_session(*bb, target, {.timeout_s = 1.5});
+    bb->close();
+  });
+  const auto sent = send_session(*a, late, *t, {.timeout_s = 8});
+  a->close();
+  rx.join();
+  EXPECT_TRUE(got.ok()) << got.error().to_string();
+  EXPECT_TRUE(sent.ok()) << sent.error().to_string();
+}
+
 }  // namespace
 }  // namespace kvring::handoff

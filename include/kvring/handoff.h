@@ -569,7 +569,10 @@ class DetachedCacheTarget : public HandoffTarget {
 };
 
 struct SendOptions {
-  double timeout_s = 10;        // longest wait for the receiver (accept, credits, done)
+  // Longest wait for the receiver (accept, credits, done). While prefill or
+  // pacing holds a message back, a keep-alive goes every timeout_s / 4, at
+  // most 0.25 s apart (the receiver's timeout is its own setting).
+  double timeout_s = 10;
   double rate_bytes_per_s = 0;  // token bucket; 0: unpaced
 };
 

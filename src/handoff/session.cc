@@ -18,6 +18,7 @@
 // A receiver that ends (DONE or ERROR) lingers until the sender closes or
 // says BYE, briefly: closing at once could let the disconnect overtake its
 // last message.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdio>
@@ -70,6 +71,9 @@ constexpr std::size_t kStatusTextBytes = 2048;
 // socket's buffer holds a few hundred of them (their per-message overhead
 // counts, not their 25 bytes).
 constexpr std::int64_t kMaxUnreadAcks = 64;
+// The longest a sender waiting for its prefill or its pacing goes without
+// a keep-alive.
+constexpr double kMaxKeepaliveS = 0.25;
 
 using coding::put_bytes;
 using coding::put_fixed16;
@@ -461,7 +465,10 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
 
   const std::int64_t kv = source.header().config.kv_dim();
   const bool device_ok = transport.carries(MemoryKind::kCudaDevice);
-  const double keepalive_s = std::max(0.05, options.timeout_s / 4);
+  // Keep-alives go at least every kMaxKeepaliveS whatever this end's
+  // timeout: the receiver's own timeout is its setting (serve's --timeout),
+  // not this one's, and a keep-alive costs a byte.
+  const double keepalive_s = std::clamp(options.timeout_s / 4, 0.05, kMaxKeepaliveS);
   auto keep_alive = [&]() -> Status {
     const std::uint8_t keep = kKeep;
     if (Status s = transport.send_message(&keep, 1, deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
