@@ -280,5 +280,56 @@ TEST(H2, RandomResplitsAndBreakages) {
   EXPECT_EQ(wrong, 0);
 }
 
+// A receiver that takes each message and acknowledges it just within the
+// sender's timeout held the sender for as many timeouts as there are
+// messages (30 x 0.15 s against a 0.2 s timeout): the session's bound on
+// the receiver (SendOptions::min_bytes_per_s) ends it.
+TEST(H2, SlowAcksAreBoundedOverTheSession) {
+  const ModelConfig config = testing::small_config(32, 256);
+  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
+  const auto prompt = seeded_tokens(100, 64, 7);
+  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  const SeqId seq = testing::prefill_in(**m, **from, prompt, 7);
+  PlanOptions o;
+  o.chunk_tokens = 7;
+  o.message_bytes = 7 * 128;
+  o.credit_bytes = 7 * 128;
+  auto t = plan_handoff(config, 100, o);
+  ASSERT_TRUE(t.ok());
+  auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
+  auto [a, b] = local_pair();
+  std::thread rx([&, bb = b.get()] {
+    std::vector<std::uint8_t> in;
+    (void)bb->recv_message(in, deadline_in(1), 1 << 30);
+    std::vector<std::uint8_t> acc(9, 0);
+    acc[0] = 2;
+    acc[2] = 0x10;  // 4096 B of credits
+    (void)bb->send_message(acc.data(), acc.size(), deadline_in(1));
+    std::int64_t seqno = 0, taken = 0;
+    while (bb->recv_message(in, deadline_in(2), 1 << 30).ok()) {
+      if (in[0] != 4) continue;
+      taken += (static_cast<std::int64_t>(in.size()) - 61);
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));  // within the sender's 0.2 s
+      std::vector<std::uint8_t> ack(17, 0);
+      ack[0] = 5;
+      for (int i = 0; i < 8; ++i) ack[1 + i] = static_cast<std::uint8_t>(seqno >> (8 * i));
+      for (int i = 0; i < 8; ++i) ack[9 + i] = static_cast<std::uint8_t>(taken >> (8 * i));
+      ++seqno;
+      if (!bb->send_message(ack.data(), ack.size(), deadline_in(1)).ok()) break;
+    }
+  });
+  const auto t0 = Clock::now();
+  // The bound: 0.2 s + 24,960 B at 64 KiB/s, 0.58 s; the receiver would take 4.5 s.
+  auto sent = send_session(*a, **src, *t, {.timeout_s = 0.2});
+  const double s = since(t0);
+  a->close();
+  rx.join();
+  ASSERT_EQ(t->messages.size(), 30u);
+  ASSERT_FALSE(sent.ok());
+  EXPECT_NE(sent.error().message.find("did not take the session within 0.6 s"), std::string::npos)
+      << sent.error().to_string();
+  EXPECT_LT(s, 1.5);
+}
+
 }  // namespace
 }  // namespace kvring::handoff

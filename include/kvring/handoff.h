@@ -574,6 +574,15 @@ struct SendOptions {
   // most 0.25 s apart (the receiver's timeout is its own setting).
   double timeout_s = 10;
   double rate_bytes_per_s = 0;  // token bucket; 0: unpaced
+  // The slowest the receiver may take the whole session, as a rate: the
+  // time this end spends waiting on it (its sends, its replies; not the
+  // source's prefill nor the pacing), summed over the session, past
+  // timeout_s + the payload's bytes at this rate fails the session. Each
+  // wait's own bound (timeout_s) does not bound their sum: a receiver that
+  // answers each message just within it would otherwise hold the sender
+  // for as many timeouts as there are messages. The default, 64 KiB/s, is
+  // the receiver's own (ReceiveOptions::min_bytes_per_s). 0: no bound.
+  double min_bytes_per_s = 64 << 10;
 };
 
 struct SendReport {

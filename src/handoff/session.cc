@@ -406,6 +406,9 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     return invalid_argument("send options: timeout_s " + std::to_string(options.timeout_s) +
                             " must be above 0 and rate_bytes_per_s " + std::to_string(options.rate_bytes_per_s) +
                             " a finite rate of at least 0 (0: unpaced)");
+  if (!(options.min_bytes_per_s >= 0) || !std::isfinite(options.min_bytes_per_s))
+    return invalid_argument("send options: min_bytes_per_s " + std::to_string(options.min_bytes_per_s) +
+                            " must be finite and at least 0 (0: no bound)");
   const std::string who = "receiver at " + transport.describe();
   const RowDigest digest = source.digest();
   const std::string header = encode_header(source.header(), timeline, digest);
@@ -415,26 +418,53 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     return d;
   }();
   SendReport report;
-  auto fail_link = [&](const Status& s) -> Error { return peer_lost(s, who); };
-  if (Status s = transport.send_message(header.data(), header.size(), deadline_in(options.timeout_s)); !s.ok())
-    return fail_link(s);
+  std::int64_t acks = 0;
+  // The whole session's bound on the receiver (SendOptions::min_bytes_per_s):
+  // the time this end spends in calls that wait on it (sends, replies), not
+  // on its own source or pacing, summed over the session.
+  const bool bounded = options.min_bytes_per_s > 0;
+  const double bound_s =
+      bounded ? options.timeout_s + static_cast<double>(timeline.payload.payload_bytes) / options.min_bytes_per_s : 0;
+  const Clock::duration budget = duration_of(bound_s);
+  Clock::duration waited{};
+  auto past_bound = [&]() -> Error {
+    char limit[160];
+    std::snprintf(limit, sizeof limit, "%.1f s (timeout_s + %lld B at %.0f B/s)", bound_s,
+                  static_cast<long long>(timeline.payload.payload_bytes), options.min_bytes_per_s);
+    return io_error("handoff: " + who + " did not take the session within " + limit + ": " + std::to_string(acks) +
+                    " of " + std::to_string(timeline.messages.size()) + " messages acknowledged");
+  };
+  // A call that waits on the receiver, with its deadline.
+  auto on_receiver = [&](auto&& call) -> Status {
+    const auto start = Clock::now();
+    if (bounded && waited >= budget) return past_bound();
+    Deadline d = deadline_in(options.timeout_s);
+    if (bounded) d = std::min(d, start + (budget - waited));
+    Status s = call(d);
+    waited += Clock::now() - start;
+    if (s.ok()) return s;
+    if (bounded && waited >= budget) return past_bound();
+    return peer_lost(s, who);
+  };
+  KVRING_RETURN_IF_ERROR(
+      on_receiver([&](Deadline d) { return transport.send_message(header.data(), header.size(), d); }));
   report.wire_bytes += static_cast<std::int64_t>(header.size());
   std::vector<std::uint8_t> in;
-  if (Status s = transport.recv_message(in, deadline_in(options.timeout_s), 1 << 20); !s.ok()) return fail_link(s);
+  KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }));
   if (in.empty()) return wire_error(who + " sent an empty message");
   if (in[0] == kError) return decode_status(in, who + " refused the session");
   if (in[0] != kAccept || in.size() != 9) return wire_error(who + " sent message type " + std::to_string(in[0]) + " instead of accepting");
   Reader r{in.data() + 1, in.data() + in.size()};
   report.credit_bytes = static_cast<std::int64_t>(r.u(8));
 
-  std::int64_t sent = 0, acked = 0, acks = 0;
+  std::int64_t sent = 0, acked = 0;
   bool ended = false;
   // Reads one reply: an ACK advances `acked`; an ERROR ends the session.
   // The receiver acknowledges each message in order, with the bytes taken
   // so far, and says DONE only after the end, every message acknowledged:
   // a reply that breaks that order ends the session.
   auto read_reply = [&]() -> Status {
-    if (Status s = transport.recv_message(in, deadline_in(options.timeout_s), 1 << 20); !s.ok()) return fail_link(s);
+    KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }));
     if (in.empty()) return wire_error(who + " sent an empty message");
     if (in[0] == kError) return decode_status(in, who + " failed");
     if (in[0] == kAck && in.size() == 17) {
@@ -471,8 +501,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   const double keepalive_s = std::clamp(options.timeout_s / 4, 0.05, kMaxKeepaliveS);
   auto keep_alive = [&]() -> Status {
     const std::uint8_t keep = kKeep;
-    if (Status s = transport.send_message(&keep, 1, deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
-    return Status::Ok();
+    return on_receiver([&](Deadline d) { return transport.send_message(&keep, 1, d); });
   };
   auto allowed_at = Clock::now();
   for (const PlannedMessage& m : timeline.messages) {
@@ -523,12 +552,14 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
       put_digest64(head + kRowsHead, head,
                    rows.digest_words ? *rows.digest_words : host_words(rows.k, rows.v, plane_bytes), plane_bytes);
     }
-    Status s = transport.send_message({{head, kRowsFixed},
-                                       {rows.k, plane_bytes, rows.kind, rows.stream},
-                                       {rows.v, plane_bytes, rows.kind, rows.stream}},
-                                      deadline_in(options.timeout_s));
+    Status s = on_receiver([&](Deadline d) {
+      return transport.send_message({{head, kRowsFixed},
+                                     {rows.k, plane_bytes, rows.kind, rows.stream},
+                                     {rows.v, plane_bytes, rows.kind, rows.stream}},
+                                    d);
+    });
     source.release(m);
-    if (!s.ok()) return fail_link(s);
+    KVRING_RETURN_IF_ERROR(s);
     sent += m.bytes;
     report.max_in_flight = std::max(report.max_in_flight, sent - acked);
     report.wire_bytes += static_cast<std::int64_t>(kRowsFixed + 2 * plane_bytes);
@@ -544,7 +575,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   put_fixed64(&end, timeline.messages.size());
   put_fixed64(&end, sent);
   put_bytes(&end, header_digest.data(), header_digest.size());
-  if (Status s = transport.send_message(end.data(), end.size(), deadline_in(options.timeout_s)); !s.ok()) return fail_link(s);
+  KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.send_message(end.data(), end.size(), d); }));
   ended = true;
   for (;;) {
     KVRING_RETURN_IF_ERROR(read_reply());
