@@ -190,7 +190,11 @@ TEST(H2, RandomResplitsAndBreakages) {
     (void)send_session(cap, **src, *t, {.timeout_s = 1});
   }
   ASSERT_GT(header.size(), 64u);
-  auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 2, .block_rows = 16});
+  for (const StoreOptions& so : {StoreOptions{.max_sequences = 2, .block_rows = 16},
+                                  StoreOptions{.max_sequences = 2, .slack = 5, .block_rows = 16},
+                                  StoreOptions{.max_sequences = 2, .context = 128, .block_rows = 16}}) {
+  auto to = make_store(BackendKind::kCpu, config, so);
+  ASSERT_TRUE(to.ok()) << to.error().to_string();
   KvStore& store = **to;
   const SeqId other = testing::prefill_in(**model, store, seeded_tokens(100, 64, 5), 7);
   const auto other_bytes = testing::live_bytes(store, other);
@@ -276,8 +280,10 @@ TEST(H2, RandomResplitsAndBreakages) {
     EXPECT_EQ(store.free_blocks(), free0);
     EXPECT_EQ(testing::live_bytes(store, other), other_bytes);
   }
-  std::printf("accepted %d (wrong bytes %d), refused %d\n", accepted, wrong, refused);
+  std::printf("slack %lld context %lld: accepted %d (wrong bytes %d), refused %d\n", static_cast<long long>(so.slack),
+              static_cast<long long>(store.context()), accepted, wrong, refused);
   EXPECT_EQ(wrong, 0);
+  }
 }
 
 // A receiver that takes each message and acknowledges it just within the
