@@ -118,8 +118,11 @@ wait "$SERVE_PID" || fail "handoff serve on unix: exited $?"
 # Many small messages (3,000 of 1 KiB) under serve's default 64 MiB of credits: the
 # sender reads acknowledgements as it goes, so neither end blocks on a
 # full socket (it used to time out at both ends).
-python3 -c 'import json; print(json.dumps({"num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
-  "head_dim": 16, "sliding_window": 32, "max_position_embeddings": 4096, "layer_types": ["full_attention"] * 8}))' >full8.json
+f=full_attention
+cat >full8.json <<EOF
+{"num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 32,
+ "max_position_embeddings": 4096, "layer_types": ["$f", "$f", "$f", "$f", "$f", "$f", "$f", "$f"]}
+EOF
 start_unix_serve many many --tokens 3000 --json --timeout 5
 "$K" run --config full8.json --hidden 32 --vocab 64 --seed 3 --backend "$B" --no-progress --prompt-tokens 3000 \
   --handoff-message 1 --handoff-to "unix:$W/many.sock" >many_send.out 2>many_send.err || fail "many small messages"

@@ -101,9 +101,10 @@ const CommandHelp kHelp[] = {
              with --model/--config, a session of another geometry or
              score scale is refused;
              a session whose store, or the model its run names, would
-             take more than M MiB (default 65536) is refused, and one whose sender keeps the link alive
-             with no rows for S seconds (default 300; 0: no limit), which
-             must outlast the sender's prefill under swa-first, is ended;
+             take more than M MiB (default 65536) is refused, and one
+             whose sender keeps the link alive with no rows for S seconds
+             (default 300; 0: no limit), which must outlast the sender's
+             prefill under swa-first, is ended;
              a session not done S + the timeout + its rows at --min-rate
              (default 0.000065536 GB/s, 64 KiB/s; 0, or --max-keep 0: no
              bound) after it was accepted is ended

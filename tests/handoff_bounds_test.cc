@@ -23,7 +23,7 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 
 // Many small messages and credits for all of them: the sender reads no ACK
 // until its end, so ACKs pile up in the link's reverse direction.
-TEST(H2, ManySmallMessagesOverUnixWithLargeCredits) {
+TEST(HandoffBounds, ManySmallMessagesOverUnixWithLargeCredits) {
   const ModelConfig config = testing::small_config(32, 4096);
   auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
   ASSERT_TRUE(m.ok());
@@ -66,7 +66,7 @@ TEST(H2, ManySmallMessagesOverUnixWithLargeCredits) {
 // Receive options whose max_keep_s is not a number or negative read as
 // "no limit" and turned off the keep-alive bound and the session's bound:
 // they are refused, like send_session's options out of range.
-TEST(H2, ReceiveOptionsOutOfRangeAreRefused) {
+TEST(HandoffBounds, ReceiveOptionsOutOfRangeAreRefused) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (const ReceiveOptions& bad : {ReceiveOptions{.max_keep_s = nan}, ReceiveOptions{.max_keep_s = -1},
                                     ReceiveOptions{.timeout_s = 0}, ReceiveOptions{.timeout_s = nan},
@@ -107,7 +107,7 @@ class LateSource : public HandoffSource {
 // The two ends' timeouts are set apart (serve's --timeout, run's
 // --handoff-timeout): a sender whose own timeout is longer than the
 // receiver's must still keep it alive through a prefill wait.
-TEST(H2, KeepAlivesOutpaceAShorterReceiverTimeout) {
+TEST(HandoffBounds, KeepAlivesOutpaceAShorterReceiverTimeout) {
   const ModelConfig config = testing::small_config(32, 256);
   auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
   const auto prompt = seeded_tokens(100, 64, 7);
@@ -162,7 +162,7 @@ Msg rows_msg(const KvStore& store, SeqId seq, std::int64_t n, std::int64_t layer
   return m;
 }
 
-TEST(H2, RandomResplitsAndBreakages) {
+TEST(HandoffBounds, RandomResplitsAndBreakages) {
   const ModelConfig config = testing::small_config(32, 256);
   auto model = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
   const auto prompt = seeded_tokens(100, 64, 7);
@@ -290,7 +290,7 @@ TEST(H2, RandomResplitsAndBreakages) {
 // sender's timeout held the sender for as many timeouts as there are
 // messages (30 x 0.15 s against a 0.2 s timeout): the session's bound on
 // the receiver (SendOptions::min_bytes_per_s) ends it.
-TEST(H2, SlowAcksAreBoundedOverTheSession) {
+TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
   const ModelConfig config = testing::small_config(32, 256);
   auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
   const auto prompt = seeded_tokens(100, 64, 7);
