@@ -264,6 +264,35 @@ TEST_F(Handoff, OverlappedWithPrefillIsBitExact) {
   }
 }
 
+// A PrefillSource indexes its staged rows by a message's index: a message
+// that is not one of its timeline's is refused, never read out of bounds.
+TEST_F(Handoff, APrefillSourceRefusesAMessageOfAnotherTimeline) {
+  Session s = prefilled();
+  const Timeline t = plan(Schedule::kPaced, 7 * 256);
+  Snapshot header;
+  header.config = config_;
+  PrefillSource src(s.cache(), t, header);
+  src.finish(Status::Ok());
+  ASSERT_FALSE(t.messages.empty());
+  PlannedMessage past = t.messages.back(), moved = t.messages.front(), negative = t.messages.front();
+  past.index = static_cast<std::int64_t>(t.messages.size());
+  moved.first_row += 1;
+  negative.index = -1;
+  for (const PlannedMessage& m : {past, moved, negative}) {
+    SCOPED_TRACE(m.index);
+    const std::uint16_t *k = nullptr, *v = nullptr;
+    const Status read = src.rows(m, &k, &v);
+    ASSERT_FALSE(read.ok());
+    EXPECT_EQ(read.error().code, ErrorCode::kInvalidArgument) << read.to_string();
+    EXPECT_NE(read.error().message.find("not one of the source's timeline"), std::string::npos) << read.to_string();
+    EXPECT_FALSE(src.wait_final(m, deadline_in(1)).ok());
+    src.release(m);
+  }
+  // Its own messages still read.
+  const std::uint16_t *k = nullptr, *v = nullptr;
+  EXPECT_TRUE(src.rows(t.messages.front(), &k, &v).ok());
+}
+
 TEST_F(Handoff, TruncatedStreamIsRefusedAndFreed) {
   Session s = prefilled();
   const Timeline t = plan(Schedule::kPaced, 3 * 256);

@@ -426,6 +426,8 @@ class PrefillSource : public HandoffSource {
   std::int64_t staged_bytes_peak() const;
 
  private:
+  Status check_known(const PlannedMessage& m) const;
+
   const KvCache& cache_;
   const Timeline& timeline_;
   Snapshot header_;

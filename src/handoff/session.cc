@@ -354,7 +354,25 @@ void PrefillSource::finish(Status prefill_status) {
   cv_.notify_all();
 }
 
+namespace {
+Status unknown_message(const PlannedMessage& m) {
+  return invalid_argument("handoff: message " + std::to_string(m.index) + " (layer " + std::to_string(m.layer) +
+                          ", rows from " + std::to_string(m.first_row) + ") is not one of the source's timeline");
+}
+}  // namespace
+
+// A message of this source's timeline (its index, layer and rows), which
+// indexes the staged rows; any other is the caller's error.
+Status PrefillSource::check_known(const PlannedMessage& m) const {
+  const auto& ms = timeline_.messages;
+  if (m.index < 0 || m.index >= static_cast<std::int64_t>(ms.size())) return unknown_message(m);
+  const PlannedMessage& t = ms[static_cast<std::size_t>(m.index)];
+  if (t.layer != m.layer || t.first_row != m.first_row || t.rows != m.rows) return unknown_message(m);
+  return Status::Ok();
+}
+
 Result<bool> PrefillSource::wait_final(const PlannedMessage& m, Deadline deadline) {
+  KVRING_RETURN_IF_ERROR(check_known(m));
   std::unique_lock lock(mu_);
   const std::size_t i = static_cast<std::size_t>(m.index);
   cv_.wait_until(lock, deadline, [&] { return staged_[i] || finished_; });
@@ -363,6 +381,7 @@ Result<bool> PrefillSource::wait_final(const PlannedMessage& m, Deadline deadlin
 }
 
 Status PrefillSource::rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) {
+  KVRING_RETURN_IF_ERROR(check_known(m));
   const std::size_t i = static_cast<std::size_t>(m.index);
   {
     std::lock_guard lock(mu_);
@@ -384,6 +403,7 @@ Status PrefillSource::rows(const PlannedMessage& m, const std::uint16_t** k, con
 }
 
 void PrefillSource::release(const PlannedMessage& m) {
+  if (!check_known(m).ok()) return;
   std::lock_guard lock(mu_);
   const std::size_t i = static_cast<std::size_t>(m.index);
   if (!staged_[i]) return;
