@@ -3,17 +3,17 @@
 #include <unistd.h>
 
 #include <array>
-#include <cstring>
-#include <random>
 #include <atomic>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <thread>
 
+#include "handoff_test_util.h"
 #include "kvring/backend.h"
 #include "kvring/handoff.h"
 #include "kvring/model.h"
 #include "kvring/sha256.h"
-#include "handoff_test_util.h"
 #include "test_util.h"
 
 namespace kvring::handoff {
@@ -36,8 +36,7 @@ TEST(HandoffBounds, ManySmallMessagesOverUnixWithLargeCredits) {
   o.message_bytes = config.kv_dim() * 4;  // one row a message
   auto t = plan_handoff(config, 2000, o);
   ASSERT_TRUE(t.ok()) << t.error().to_string();
-  std::printf("messages %zu payload %lld\n", t->messages.size(), (long long)t->payload.payload_bytes);
-  const std::string path = ::testing::TempDir() + "kvring-h2-" + std::to_string(getpid()) + ".sock";
+  const std::string path = ::testing::TempDir() + "kvring-bounds-" + std::to_string(getpid()) + ".sock";
   auto listener = unix_listen(path);
   ASSERT_TRUE(listener.ok());
   auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
@@ -45,7 +44,10 @@ TEST(HandoffBounds, ManySmallMessagesOverUnixWithLargeCredits) {
   Result<ReceiveReport> received = io_error("not run");
   std::thread receiver([&] {
     auto link = (*listener)->accept(deadline_in(5));
-    if (!link) { received = link.error(); return; }
+    if (!link) {
+      received = link.error();
+      return;
+    }
     received = receive_session(**link, target, {.timeout_s = 3});
     (*link)->close();
   });
@@ -53,11 +55,9 @@ TEST(HandoffBounds, ManySmallMessagesOverUnixWithLargeCredits) {
   ASSERT_TRUE(link.ok());
   auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
   ASSERT_TRUE(src.ok());
-  const auto t0 = Clock::now();
   auto sent = send_session(**link, **src, *t, {.timeout_s = 3});
   (*link)->close();
   receiver.join();
-  std::printf("took %.2f s\n", since(t0));
   EXPECT_TRUE(sent.ok()) << sent.error().to_string();
   EXPECT_TRUE(received.ok()) << received.error().to_string();
 }
@@ -131,6 +131,55 @@ TEST(HandoffBounds, KeepAlivesOutpaceAShorterReceiverTimeout) {
   rx.join();
   EXPECT_TRUE(got.ok()) << got.error().to_string();
   EXPECT_TRUE(sent.ok()) << sent.error().to_string();
+}
+
+// A receiver that ends a session while the sender waits on its prefill
+// (only keep-alives for max_keep_s) says why before it closes the link; the
+// sender, which reads no reply while it waits, hears that reason when its
+// next keep-alive fails, not just that the link closed.
+TEST(HandoffBounds, ASenderWaitingOnItsPrefillHearsWhyTheReceiverEnded) {
+  const ModelConfig config = testing::small_config(32, 256);
+  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
+  ASSERT_TRUE(m.ok());
+  const auto prompt = seeded_tokens(100, 64, 7);
+  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = testing::prefill_in(**m, **from, prompt, 7);
+  auto t = plan_handoff(config, 100, {});
+  ASSERT_TRUE(t.ok());
+  auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
+  ASSERT_TRUE(src.ok());
+  LateSource late(**src, 30.0);
+  const std::string path = ::testing::TempDir() + "kvring-bounds-why-" + std::to_string(getpid()) + ".sock";
+  auto listener = unix_listen(path);
+  ASSERT_TRUE(listener.ok());
+  auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  ASSERT_TRUE(to.ok());
+  StoreTarget target(**to);
+  Result<ReceiveReport> got = io_error("not run");
+  std::thread rx([&] {
+    auto link = (*listener)->accept(deadline_in(5));
+    if (!link) {
+      got = link.error();
+      return;
+    }
+    got = receive_session(**link, target, {.timeout_s = 3, .max_keep_s = 0.5});
+    (*link)->close();
+  });
+  auto link = unix_connect(path, deadline_in(5));
+  ASSERT_TRUE(link.ok());
+  const auto t0 = Clock::now();
+  const auto sent = send_session(**link, late, *t, {.timeout_s = 3});
+  const double took = since(t0);
+  (*link)->close();
+  rx.join();
+  ASSERT_FALSE(got.ok());
+  EXPECT_NE(got.error().message.find("sent only keep-alives"), std::string::npos) << got.error().to_string();
+  ASSERT_FALSE(sent.ok());
+  EXPECT_NE(sent.error().message.find("ended the session"), std::string::npos) << sent.error().to_string();
+  EXPECT_NE(sent.error().message.find("sent only keep-alives"), std::string::npos) << sent.error().to_string();
+  EXPECT_LT(took, 10.0);
+  EXPECT_EQ((*to)->sequence_count(), 0);
 }
 
 // ---- Random re-splits of a real session, valid and broken ----

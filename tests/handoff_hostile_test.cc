@@ -38,6 +38,7 @@ class Recorder : public Transport {
     return inner_->send_message(parts, d);
   }
   Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
+    if (!inner_) return io_error("recorder: nothing to receive");
     return inner_->recv_message(out, d, max);
   }
   std::string describe() const override { return "recorder"; }

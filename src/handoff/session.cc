@@ -71,6 +71,8 @@ constexpr std::size_t kStatusTextBytes = 2048;
 // socket's buffer holds a few hundred of them (their per-message overhead
 // counts, not their 25 bytes).
 constexpr std::int64_t kMaxUnreadAcks = 64;
+// The longest a sender whose send failed waits for the receiver's reason.
+constexpr double kReasonWaitS = 0.5;
 // The longest a sender waiting for its prefill or its pacing goes without
 // a keep-alive.
 constexpr double kMaxKeepaliveS = 0.25;
@@ -454,8 +456,22 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     return io_error("handoff: " + who + " did not take the session within " + limit + ": " + std::to_string(acks) +
                     " of " + std::to_string(timeline.messages.size()) + " messages acknowledged");
   };
+  // A send that failed may have met a receiver that ended the session and
+  // said why before it closed the link: an ERROR that this end, waiting on
+  // its prefill or its pacing, had not read. Its reason is read back where
+  // it is there, past the ACKs before it; else the link's own error stands.
+  std::vector<std::uint8_t> in;
+  auto why_ended = [&](Error lost) -> Error {
+    const Deadline d = deadline_in(std::min(kReasonWaitS, options.timeout_s));
+    for (std::int64_t i = 0; i <= kMaxUnreadAcks + 1; ++i) {
+      if (!transport.recv_message(in, d, 1 << 20).ok() || in.empty()) break;
+      if (in[0] == kError) return decode_status(in, who + " ended the session");
+      if (in[0] != kAck) break;
+    }
+    return lost;
+  };
   // A call that waits on the receiver, with its deadline.
-  auto on_receiver = [&](auto&& call) -> Status {
+  auto on_receiver = [&](auto&& call, bool sends = false) -> Status {
     const auto start = Clock::now();
     if (bounded && waited >= budget) return past_bound();
     Deadline d = deadline_in(options.timeout_s);
@@ -464,12 +480,11 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     waited += Clock::now() - start;
     if (s.ok()) return s;
     if (bounded && waited >= budget) return past_bound();
-    return peer_lost(s, who);
+    return sends ? why_ended(peer_lost(s, who)) : peer_lost(s, who);
   };
   KVRING_RETURN_IF_ERROR(
-      on_receiver([&](Deadline d) { return transport.send_message(header.data(), header.size(), d); }));
+      on_receiver([&](Deadline d) { return transport.send_message(header.data(), header.size(), d); }, true));
   report.wire_bytes += static_cast<std::int64_t>(header.size());
-  std::vector<std::uint8_t> in;
   KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }));
   if (in.empty()) return wire_error(who + " sent an empty message");
   if (in[0] == kError) return decode_status(in, who + " refused the session");
@@ -521,7 +536,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   const double keepalive_s = std::clamp(options.timeout_s / 4, 0.05, kMaxKeepaliveS);
   auto keep_alive = [&]() -> Status {
     const std::uint8_t keep = kKeep;
-    return on_receiver([&](Deadline d) { return transport.send_message(&keep, 1, d); });
+    return on_receiver([&](Deadline d) { return transport.send_message(&keep, 1, d); }, true);
   };
   auto allowed_at = Clock::now();
   for (const PlannedMessage& m : timeline.messages) {
@@ -577,7 +592,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
                                      {rows.k, plane_bytes, rows.kind, rows.stream},
                                      {rows.v, plane_bytes, rows.kind, rows.stream}},
                                     d);
-    });
+    }, true);
     source.release(m);
     KVRING_RETURN_IF_ERROR(s);
     sent += m.bytes;
@@ -595,7 +610,8 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   put_fixed64(&end, timeline.messages.size());
   put_fixed64(&end, sent);
   put_bytes(&end, header_digest.data(), header_digest.size());
-  KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.send_message(end.data(), end.size(), d); }));
+  KVRING_RETURN_IF_ERROR(
+      on_receiver([&](Deadline d) { return transport.send_message(end.data(), end.size(), d); }, true));
   ended = true;
   for (;;) {
     KVRING_RETURN_IF_ERROR(read_reply());

@@ -69,7 +69,7 @@ class UnixTransport : public Transport {
   ~UnixTransport() override { close(); }
 
   Status send_message(const std::vector<Part>& parts, Deadline deadline) override {
-    KVRING_RETURN_IF_ERROR(usable());
+    KVRING_RETURN_IF_ERROR(usable(true));
     std::uint64_t total = 0;
     for (const Part& p : parts) {
       if (p.kind != MemoryKind::kHost)
@@ -90,8 +90,8 @@ class UnixTransport : public Transport {
       const ssize_t n = ::sendmsg(fd_, &m, MSG_NOSIGNAL);
       if (n < 0) {
         if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) return lost("send");
-        if (!wait_ready(fd_, POLLOUT, deadline)) return fail("timed out waiting to send to " + name_);
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return lost("send", true);
+        if (!wait_ready(fd_, POLLOUT, deadline)) return fail_send("timed out waiting to send to " + name_);
         continue;
       }
       for (auto left = static_cast<std::size_t>(n); left > 0;) {
@@ -107,7 +107,7 @@ class UnixTransport : public Transport {
   }
 
   Status recv_message(std::vector<std::uint8_t>& out, Deadline deadline, std::size_t max_size) override {
-    KVRING_RETURN_IF_ERROR(usable());
+    KVRING_RETURN_IF_ERROR(usable(false));
     std::uint8_t head[8];
     KVRING_RETURN_IF_ERROR(read_exact(head, sizeof head, deadline));
     std::uint64_t size = 0;
@@ -143,8 +143,12 @@ class UnixTransport : public Transport {
   }
 
  private:
-  Status usable() const {
+  // A failed read ends the link both ways. A failed send ends sending
+  // only (the outgoing stream may stop mid-message): what the peer sent
+  // before it went is still read, such as its reason for ending.
+  Status usable(bool sending) const {
     if (broken_) return *broken_;
+    if (sending && send_broken_) return *send_broken_;
     if (fd_ < 0) return io_error("the link to " + name_ + " is closed");
     return Status::Ok();
   }
@@ -152,9 +156,14 @@ class UnixTransport : public Transport {
     broken_ = io_error(std::move(message));
     return *broken_;
   }
-  Error lost(const char* call) {
-    return fail("the link to " + name_ + " failed (" + call + ": " + errno_text() +
-                "): the peer is gone or the link dropped");
+  Error fail_send(std::string message) {
+    send_broken_ = io_error(std::move(message));
+    return *send_broken_;
+  }
+  Error lost(const char* call, bool sending) {
+    std::string message = "the link to " + name_ + " failed (" + call + ": " + errno_text() +
+                          "): the peer is gone or the link dropped";
+    return sending ? fail_send(std::move(message)) : fail(std::move(message));
   }
 
   Status read_exact(std::uint8_t* data, std::size_t size, Deadline deadline) {
@@ -167,7 +176,7 @@ class UnixTransport : public Transport {
       } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
         if (!wait_ready(fd_, POLLIN, deadline)) return fail("timed out waiting to receive from " + name_);
       } else if (errno != EINTR) {
-        return lost("recv");
+        return lost("recv", false);
       }
     }
     return Status::Ok();
@@ -175,7 +184,7 @@ class UnixTransport : public Transport {
 
   int fd_;
   std::string name_;
-  std::optional<Error> broken_;
+  std::optional<Error> broken_, send_broken_;
 };
 
 class Listener : public UnixListener {
