@@ -104,23 +104,41 @@ class LateSource : public HandoffSource {
   Deadline ready_;
 };
 
+// A prefilled session of `tokens` tokens of a small config, its plan and a
+// source that sends it, and an empty store of the same geometry to take it.
+struct Prefilled {
+  ModelConfig config = testing::small_config(32, 256);
+  std::unique_ptr<KvStore> from, to;
+  Timeline timeline;
+  std::unique_ptr<HandoffSource> source;
+};
+Prefilled prefilled(std::int64_t tokens, const PlanOptions& plan = {}) {
+  Prefilled p;
+  auto m = ReferenceModel::create(p.config, {.hidden = 32, .vocab = 64});
+  EXPECT_TRUE(m.ok());
+  const auto prompt = seeded_tokens(tokens, 64, 7);
+  p.from = std::move(*make_store(BackendKind::kCpu, p.config, {.max_sequences = 1}));
+  p.to = std::move(*make_store(BackendKind::kCpu, p.config, {.max_sequences = 1}));
+  const SeqId seq = testing::prefill_in(**m, *p.from, prompt, 7);
+  auto t = plan_handoff(p.config, tokens, plan);
+  EXPECT_TRUE(t.ok());
+  p.timeline = std::move(*t);
+  auto src = StoreSource::create(*p.from, seq, p.timeline, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
+  EXPECT_TRUE(src.ok());
+  p.source = std::move(*src);
+  return p;
+}
+
 // The two ends' timeouts are set apart (serve's --timeout, run's
 // --handoff-timeout): a sender whose own timeout is longer than the
 // receiver's must still keep it alive through a prefill wait.
 TEST(HandoffBounds, KeepAlivesOutpaceAShorterReceiverTimeout) {
-  const ModelConfig config = testing::small_config(32, 256);
-  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
-  const auto prompt = seeded_tokens(100, 64, 7);
-  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
-  const SeqId seq = testing::prefill_in(**m, **from, prompt, 7);
-  auto t = plan_handoff(config, 100, {});
-  ASSERT_TRUE(t.ok());
-  auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
-  ASSERT_TRUE(src.ok());
-  LateSource late(**src, 3.0);
+  Prefilled p = prefilled(100);
+  ASSERT_TRUE(p.source);
+  const Timeline* t = &p.timeline;
+  LateSource late(*p.source, 3.0);
   auto [a, b] = local_pair();
-  auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
-  StoreTarget target(**to);
+  StoreTarget target(*p.to);
   Result<ReceiveReport> got = io_error("not run");
   std::thread rx([&, bb = b.get()] {
     got = receive_session(*bb, target, {.timeout_s = 1.5});
@@ -138,24 +156,14 @@ TEST(HandoffBounds, KeepAlivesOutpaceAShorterReceiverTimeout) {
 // sender, which reads no reply while it waits, hears that reason when its
 // next keep-alive fails, not just that the link closed.
 TEST(HandoffBounds, ASenderWaitingOnItsPrefillHearsWhyTheReceiverEnded) {
-  const ModelConfig config = testing::small_config(32, 256);
-  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
-  ASSERT_TRUE(m.ok());
-  const auto prompt = seeded_tokens(100, 64, 7);
-  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
-  ASSERT_TRUE(from.ok());
-  const SeqId seq = testing::prefill_in(**m, **from, prompt, 7);
-  auto t = plan_handoff(config, 100, {});
-  ASSERT_TRUE(t.ok());
-  auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
-  ASSERT_TRUE(src.ok());
-  LateSource late(**src, 30.0);
+  Prefilled p = prefilled(100);
+  ASSERT_TRUE(p.source);
+  const Timeline* t = &p.timeline;
+  LateSource late(*p.source, 30.0);
   const std::string path = ::testing::TempDir() + "kvring-bounds-why-" + std::to_string(getpid()) + ".sock";
   auto listener = unix_listen(path);
   ASSERT_TRUE(listener.ok());
-  auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
-  ASSERT_TRUE(to.ok());
-  StoreTarget target(**to);
+  StoreTarget target(*p.to);
   Result<ReceiveReport> got = io_error("not run");
   std::thread rx([&] {
     auto link = (*listener)->accept(deadline_in(5));
@@ -179,7 +187,60 @@ TEST(HandoffBounds, ASenderWaitingOnItsPrefillHearsWhyTheReceiverEnded) {
   EXPECT_NE(sent.error().message.find("ended the session"), std::string::npos) << sent.error().to_string();
   EXPECT_NE(sent.error().message.find("sent only keep-alives"), std::string::npos) << sent.error().to_string();
   EXPECT_LT(took, 10.0);
-  EXPECT_EQ((*to)->sequence_count(), 0);
+  EXPECT_EQ(p.to->sequence_count(), 0);
+}
+
+// A target whose begin() and commit() take `delay_s` each (a receiver
+// building its store, then making the sequence live).
+class SlowTarget : public HandoffTarget {
+ public:
+  SlowTarget(HandoffTarget& t, double delay_s) : t_(t), delay_(duration_of(delay_s)) {}
+  Status begin(const Snapshot& h) override {
+    std::this_thread::sleep_for(delay_);
+    return t_.begin(h);
+  }
+  Status put_rows(std::int64_t layer, std::int64_t first, std::int64_t rows, const std::uint8_t* k,
+                  const std::uint8_t* v) override {
+    return t_.put_rows(layer, first, rows, k, v);
+  }
+  Status commit() override {
+    std::this_thread::sleep_for(delay_);
+    return t_.commit();
+  }
+  void abort() override { t_.abort(); }
+
+ private:
+  HandoffTarget& t_;
+  Clock::duration delay_;
+};
+
+// An honest receiver whose begin() and commit() each take most of the
+// sender's timeout, with a payload whose bytes at min_bytes_per_s take far
+// less: the sender's bound on the receiver does not count the wait before
+// acceptance and allows the commit a timeout of its own, so the session
+// completes.
+TEST(HandoffBounds, AReceiverSlowToBeginAndCommitIsNotPastTheBound) {
+  Prefilled p = prefilled(20);
+  ASSERT_TRUE(p.source);
+  const Timeline* t = &p.timeline;
+  // The payload's bytes at 64 KiB/s take under 0.2 s: begin and commit
+  // together (1.6 s) pass one timeout_s + those bytes' time and stay within
+  // two.
+  ASSERT_LT(static_cast<double>(t->payload.payload_bytes) / (64 << 10), 0.2);
+  StoreTarget inner(*p.to);
+  SlowTarget slow(inner, 0.8);
+  auto [a, b] = local_pair();
+  Result<ReceiveReport> got = io_error("not run");
+  std::thread rx([&, bb = b.get()] {
+    got = receive_session(*bb, slow, {.timeout_s = 5});
+    bb->close();
+  });
+  const auto sent = send_session(*a, *p.source, *t, {.timeout_s = 1.0});
+  a->close();
+  rx.join();
+  EXPECT_TRUE(sent.ok()) << sent.error().to_string();
+  EXPECT_TRUE(got.ok()) << got.error().to_string();
+  EXPECT_EQ(p.to->sequence_count(), 1);
 }
 
 // ---- Random re-splits of a real session, valid and broken ----
@@ -329,9 +390,10 @@ TEST(HandoffBounds, RandomResplitsAndBreakages) {
     EXPECT_EQ(store.free_blocks(), free0);
     EXPECT_EQ(testing::live_bytes(store, other), other_bytes);
   }
-  std::printf("slack %lld context %lld: accepted %d (wrong bytes %d), refused %d\n", static_cast<long long>(so.slack),
-              static_cast<long long>(store.context()), accepted, wrong, refused);
   EXPECT_EQ(wrong, 0);
+  // Both outcomes occur (179 and 221 of the 400 seeded splits).
+  EXPECT_GT(accepted, 40);
+  EXPECT_GT(refused, 40);
   }
 }
 
@@ -374,14 +436,14 @@ TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
     }
   });
   const auto t0 = Clock::now();
-  // The bound: 0.2 s + 24,960 B at 64 KiB/s, 0.58 s; the receiver would take 4.5 s.
+  // The bound: 2 x 0.2 s + 24,960 B at 64 KiB/s, 0.78 s; the receiver would take 4.5 s.
   auto sent = send_session(*a, **src, *t, {.timeout_s = 0.2});
   const double s = since(t0);
   a->close();
   rx.join();
   ASSERT_EQ(t->messages.size(), 30u);
   ASSERT_FALSE(sent.ok());
-  EXPECT_NE(sent.error().message.find("did not take the session within 0.6 s"), std::string::npos)
+  EXPECT_NE(sent.error().message.find("did not take the session within 0.8 s"), std::string::npos)
       << sent.error().to_string();
   EXPECT_LT(s, 1.5);
 }

@@ -102,6 +102,12 @@ done
 "$K" run "${common[@]}" --prompt-tokens 20 --handoff-to "unix:$W/none.sock" --handoff-rate 1e-300 2>bound.err &&
   fail "run --handoff-rate 1e-300"
 grep -q "past the 1e+12 s a plan may take" bound.err || fail "run --handoff-rate 1e-300: $(cat bound.err)"
+# The sender's bound on the receiver: a rate of at least 0, with --handoff-to.
+"$K" run "${common[@]}" --prompt-tokens 20 --handoff-to "unix:$W/none.sock" --handoff-min-rate -1 2>bound.err &&
+  fail "run --handoff-min-rate -1"
+grep -q "handoff-min-rate" bound.err || fail "run --handoff-min-rate -1: $(cat bound.err)"
+"$K" run "${common[@]}" --prompt-tokens 20 --handoff-min-rate 0 2>bound.err && fail "--handoff-min-rate without --handoff-to"
+grep -q "needs --handoff-to" bound.err || fail "--handoff-min-rate without --handoff-to: $(cat bound.err)"
 # A prompt past the context is named as such (a sender takes no --tokens).
 "$K" run "${common[@]}" --prompt-tokens 2000 --handoff-to "unix:$W/none.sock" 2>bound.err && fail "a prompt past the context"
 grep -q -- "--prompt-tokens = 2000 exceeds the cache context 1024" bound.err || fail "long prompt: $(cat bound.err)"

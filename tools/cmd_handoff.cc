@@ -478,6 +478,7 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
   handoff::SendOptions so;
   so.timeout_s = o.timeout_s;
   so.rate_bytes_per_s = o.rate_gb_s * 1e9;
+  so.min_bytes_per_s = o.min_rate_gb_s * 1e9;
   std::optional<Result<handoff::SendReport>> sent;
   std::atomic<bool> sender_done{false};
   std::thread sender([&] {

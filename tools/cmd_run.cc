@@ -55,7 +55,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
                        {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
                         "vocab", "backend", "context", "save", "resume", "store", "handoff-to",
                         "handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message",
-                        "sequences", "attention"});
+                        "handoff-min-rate", "sequences", "attention"});
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -93,6 +93,11 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
       if (!r) return r.error();
       o.handoff_timeout_s = *r;
     }
+    if (a->has("handoff-min-rate")) {
+      auto r = parse_positive_double("handoff-min-rate", a->str("handoff-min-rate"), true, kMaxRateGbS);
+      if (!r) return r.error();
+      o.handoff_min_rate_gb_s = *r;
+    }
     auto m = a->integer("handoff-message", o.handoff_message_kib, 1, 1 << 20);
     if (!m) return m.error();
     o.handoff_message_kib = *m;
@@ -101,7 +106,8 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
     if (!p) return p.error();
     o.tokens = *p;
   } else {
-    for (const char* name : {"handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message"})
+    for (const char* name :
+         {"handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message", "handoff-min-rate"})
       if (a->has(name)) return invalid_argument(std::string("--") + name + " needs --handoff-to");
   }
   if (!o.resume.empty()) {
@@ -196,7 +202,8 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (!o.handoff_to.empty())
     return run_handoff_send(session, *config,
                             {.to = o.handoff_to, .schedule = o.handoff_schedule, .rate_gb_s = o.handoff_rate_gb_s,
-                             .timeout_s = o.handoff_timeout_s, .message_bytes = o.handoff_message_kib * 1024,
+                             .timeout_s = o.handoff_timeout_s, .min_rate_gb_s = o.handoff_min_rate_gb_s,
+                             .message_bytes = o.handoff_message_kib * 1024,
                              .prompt_tokens = o.prompt_tokens, .chunk = o.chunk,
                              .context = context, .seed = o.seed, .model = o.model, .json = o.json,
                              .progress = o.progress});

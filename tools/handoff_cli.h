@@ -16,6 +16,7 @@ struct HandoffSendOptions {
   std::string schedule = "paced";
   double rate_gb_s = 0;           // 0: unpaced
   double timeout_s = 10;
+  double min_rate_gb_s = 64.0 * 1024 / 1e9;  // SendOptions::min_bytes_per_s; 0: no bound
   std::int64_t message_bytes = std::int64_t{4} << 20;  // largest row message
   std::int64_t prompt_tokens = 0;
   std::int64_t chunk = 128;

@@ -78,8 +78,12 @@ const CommandHelp kHelp[] = {
   run        ... --handoff-to HOST:PORT|unix:PATH
              [--handoff-schedule swa-first|paced] [--handoff-rate GB/s]
              [--handoff-timeout S] [--handoff-message KiB]
+             [--handoff-min-rate GB/s]
              prefills the prompt and hands the session to `handoff serve`
-             instead of decoding it (no --tokens: the receiver decodes)
+             instead of decoding it (no --tokens: the receiver decodes);
+             a receiver whose answers, from its acceptance on, add up past
+             2 x the timeout + the payload at --handoff-min-rate (default
+             0.000065536 GB/s, 64 KiB/s; 0: no bound) fails the send
 )"},
     {"handoff plan", R"(  handoff plan (--model NAME | --config FILE) --tokens N
              [--schedule swa-first|paced] [--rate GB/s] [--chunk C]

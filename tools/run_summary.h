@@ -20,7 +20,7 @@ struct RunOptions {
   std::string model_name, config_path, backend = "auto";
   std::string save, resume, store;  // kvpack files and the chunk store
   std::string handoff_to, handoff_schedule = "paced";  // --handoff-to: send instead of decoding
-  double handoff_rate_gb_s = 0, handoff_timeout_s = 10;
+  double handoff_rate_gb_s = 0, handoff_timeout_s = 10, handoff_min_rate_gb_s = 64.0 * 1024 / 1e9;
   std::int64_t handoff_message_kib = 4096;
   bool tokens_given = false;
   std::int64_t tokens = 320, prompt_tokens = -1, chunk = 128, context = 0;

@@ -577,9 +577,10 @@ struct SendOptions {
   double timeout_s = 10;
   double rate_bytes_per_s = 0;  // token bucket; 0: unpaced
   // The slowest the receiver may take the whole session, as a rate: the
-  // time this end spends waiting on it (its sends, its replies; not the
-  // source's prefill nor the pacing), summed over the session, past
-  // timeout_s + the payload's bytes at this rate fails the session. Each
+  // time this end spends waiting on it from its acceptance on (its sends,
+  // its replies; not the source's prefill nor the pacing), summed over the
+  // session, past 2 x timeout_s (one for the receiver's commit) + the
+  // payload's bytes at this rate fails the session. Each
   // wait's own bound (timeout_s) does not bound their sum: a receiver that
   // answers each message just within it would otherwise hold the sender
   // for as many timeouts as there are messages. The default, 64 KiB/s, is

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "core/digest64.h"
@@ -442,45 +443,55 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   SendReport report;
   std::int64_t acks = 0;
   // The whole session's bound on the receiver (SendOptions::min_bytes_per_s):
-  // the time this end spends in calls that wait on it (sends, replies), not
-  // on its own source or pacing, summed over the session.
+  // the time this end spends in calls that wait on it (sends, replies) from
+  // its acceptance on, not on its own source or pacing, summed over the
+  // session. The receiver's begin() before it accepts is not counted (each
+  // wait there has its own timeout), and its commit() before DONE is
+  // allowed a second timeout_s.
   const bool bounded = options.min_bytes_per_s > 0;
+  bool counting = false;
   const double bound_s =
-      bounded ? options.timeout_s + static_cast<double>(timeline.payload.payload_bytes) / options.min_bytes_per_s : 0;
+      bounded ? 2 * options.timeout_s + static_cast<double>(timeline.payload.payload_bytes) / options.min_bytes_per_s
+              : 0;
   const Clock::duration budget = duration_of(bound_s);
   Clock::duration waited{};
   auto past_bound = [&]() -> Error {
     char limit[160];
-    std::snprintf(limit, sizeof limit, "%.1f s (timeout_s + %lld B at %.0f B/s)", bound_s,
+    std::snprintf(limit, sizeof limit, "%.1f s (2 x timeout_s + %lld B at %.0f B/s)", bound_s,
                   static_cast<long long>(timeline.payload.payload_bytes), options.min_bytes_per_s);
     return io_error("handoff: " + who + " did not take the session within " + limit + ": " + std::to_string(acks) +
-                    " of " + std::to_string(timeline.messages.size()) + " messages acknowledged");
+                    " of " + std::to_string(timeline.messages.size()) + " acknowledgements read");
   };
   // A send that failed may have met a receiver that ended the session and
   // said why before it closed the link: an ERROR that this end, waiting on
   // its prefill or its pacing, had not read. Its reason is read back where
-  // it is there, past the ACKs before it; else the link's own error stands.
+  // it is there, past the ACKs before it.
   std::vector<std::uint8_t> in;
-  auto why_ended = [&](Error lost) -> Error {
+  auto why_ended = [&]() -> std::optional<Error> {
     const Deadline d = deadline_in(std::min(kReasonWaitS, options.timeout_s));
     for (std::int64_t i = 0; i <= kMaxUnreadAcks + 1; ++i) {
       if (!transport.recv_message(in, d, 1 << 20).ok() || in.empty()) break;
       if (in[0] == kError) return decode_status(in, who + " ended the session");
       if (in[0] != kAck) break;
     }
-    return lost;
+    return std::nullopt;
   };
-  // A call that waits on the receiver, with its deadline.
+  // A call that waits on the receiver, with its deadline. A failed send
+  // reports the receiver's reason where it gave one, before this end's own
+  // bound or the link's error.
   auto on_receiver = [&](auto&& call, bool sends = false) -> Status {
     const auto start = Clock::now();
-    if (bounded && waited >= budget) return past_bound();
+    const bool bound_here = bounded && counting;
+    if (bound_here && waited >= budget) return past_bound();
     Deadline d = deadline_in(options.timeout_s);
-    if (bounded) d = std::min(d, start + (budget - waited));
+    if (bound_here) d = std::min(d, start + (budget - waited));
     Status s = call(d);
-    waited += Clock::now() - start;
+    if (counting) waited += Clock::now() - start;
     if (s.ok()) return s;
-    if (bounded && waited >= budget) return past_bound();
-    return sends ? why_ended(peer_lost(s, who)) : peer_lost(s, who);
+    if (sends)
+      if (std::optional<Error> reason = why_ended()) return *reason;
+    if (bound_here && waited >= budget) return past_bound();
+    return peer_lost(s, who);
   };
   KVRING_RETURN_IF_ERROR(
       on_receiver([&](Deadline d) { return transport.send_message(header.data(), header.size(), d); }, true));
@@ -491,6 +502,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   if (in[0] != kAccept || in.size() != 9) return wire_error(who + " sent message type " + std::to_string(in[0]) + " instead of accepting");
   Reader r{in.data() + 1, in.data() + in.size()};
   report.credit_bytes = static_cast<std::int64_t>(r.u(8));
+  counting = true;
 
   std::int64_t sent = 0, acked = 0;
   bool ended = false;
