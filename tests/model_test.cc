@@ -238,5 +238,34 @@ TEST(Session, GreedyDecodeAndResume) {
   EXPECT_FALSE(ReferenceModel::create(c, {.hidden = 8, .vocab = 1}).ok());
 }
 
+// ReferenceModel::check refuses what create() refuses, with its message,
+// and builds nothing.
+TEST(Session, ModelCheckRefusesWhatCreateRefuses) {
+  const ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
+  ModelConfig odd = testing::small_config(32, 256, 4, 4, 2, 16);
+  odd.head_dim = 15;
+  const std::vector<std::pair<ModelConfig, ModelOptions>> cases = {
+      {c, {.hidden = 32, .vocab = 50}},     {c, {.hidden = 0}},           {c, {.hidden = 16385}},
+      {c, {.hidden = 8, .vocab = 1}},       {c, {.hidden = 8, .mlp = -1}}, {odd, {.hidden = 8}},
+      {c, {.hidden = 16384, .vocab = 1 << 20}}};
+  int refused = 0;
+  for (const auto& [config, options] : cases) {
+    const Status checked = ReferenceModel::check(config, options);
+    SCOPED_TRACE(checked.to_string());
+    if (checked.ok()) {
+      EXPECT_TRUE(ReferenceModel::create(config, options).ok());
+      continue;
+    }
+    ++refused;
+    EXPECT_EQ(checked.error().code, ErrorCode::kInvalidArgument);
+    auto made = ReferenceModel::create(config, options);  // refuses before it allocates
+    ASSERT_FALSE(made.ok());
+    EXPECT_EQ(made.error().message, checked.error().message);
+  }
+  EXPECT_EQ(refused, 6);
+  EXPECT_NE(ReferenceModel::check(c, {.hidden = 16384, .vocab = 1 << 20}).error().message.find("weights would take"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvring

@@ -215,8 +215,10 @@ Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens, 
                               " at position " + std::to_string(i) + " is outside its vocabulary [0, " +
                               std::to_string(record->options.vocab) + ")");
   // The model serve builds to decode is the sender's choice (hidden, vocab,
-  // mlp): bounded by the receiver's --max-mib like the store, before any row
-  // is taken, not only by the reference model's own 16 GiB.
+  // mlp): refused at the header where it could not be built, and bounded by
+  // the receiver's --max-mib like the store, before any row is taken.
+  if (Status s = ReferenceModel::check(header.config, record->options); !s.ok())
+    return make_error(s.error().code, "the handed-off run's reference model cannot be built: " + s.error().message);
   if (const double weights = ReferenceModel::weight_bytes(header.config, record->options);
       weights > static_cast<double>(max_bytes))
     return make_error(ErrorCode::kCapacityExceeded,

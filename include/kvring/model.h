@@ -34,10 +34,11 @@ class ReferenceModel {
   // Errors: an invalid geometry, hidden/vocab/mlp outside sane bounds.
   static Result<std::shared_ptr<const ReferenceModel>> create(const ModelConfig& config,
                                                               const ModelOptions& options);
+  // What create() refuses, without building anything: for a caller that
+  // checks a model someone else chose before it builds it.
+  static Status check(const ModelConfig& config, const ModelOptions& options);
   // The bytes create() allocates for the weights of `options` on `config`
-  // (an mlp of 0 counts as 2 * hidden, as create() makes it), before
-  // create() checks any bound: for a caller that bounds a model someone
-  // else chose before building it.
+  // (an mlp of 0 counts as 2 * hidden, as create() makes it).
   static double weight_bytes(const ModelConfig& config, const ModelOptions& options);
 
   const ModelConfig& config() const { return config_; }

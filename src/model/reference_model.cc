@@ -121,8 +121,7 @@ double ReferenceModel::weight_bytes(const ModelConfig& config, const ModelOption
                 static_cast<double>(config.n_layers) * (hidden * (2 * hq + 2 * kv + 2 * mlp) + (2 * hd + 2 * hidden)));
 }
 
-Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const ModelConfig& config,
-                                                                     const ModelOptions& options) {
+Status ReferenceModel::check(const ModelConfig& config, const ModelOptions& options) {
   KVRING_RETURN_IF_ERROR(config.validate());
   if (options.hidden < 1 || options.hidden > kMaxHidden)
     return invalid_argument("hidden size " + std::to_string(options.hidden) + " outside [1, " +
@@ -135,17 +134,22 @@ Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const Model
                             std::to_string(4 * kMaxHidden) + "]");
   if (config.count(LayerKind::kSlidingRope) > 0 && config.head_dim % 2 != 0)
     return invalid_argument("RoPE needs an even head_dim, got " + std::to_string(config.head_dim));
-
-  std::shared_ptr<ReferenceModel> m(new ReferenceModel(config, options));
-  if (m->options_.mlp == 0) m->options_.mlp = 2 * options.hidden;
-  const std::int64_t hd = config.head_dim, hq = config.n_heads * hd, kv = config.kv_dim();
-  const std::int64_t hidden = options.hidden, mlp = m->options_.mlp;
   const double weights = weight_bytes(config, options);
   if (weights > kMaxWeightBytes)
     return invalid_argument("the reference model's weights would take " +
                             format_bytes(static_cast<std::int64_t>(weights)) + " (limit " +
                             format_bytes(static_cast<std::int64_t>(kMaxWeightBytes)) +
                             "): use a smaller hidden size or vocabulary");
+  return Status::Ok();
+}
+
+Result<std::shared_ptr<const ReferenceModel>> ReferenceModel::create(const ModelConfig& config,
+                                                                     const ModelOptions& options) {
+  KVRING_RETURN_IF_ERROR(check(config, options));
+  std::shared_ptr<ReferenceModel> m(new ReferenceModel(config, options));
+  if (m->options_.mlp == 0) m->options_.mlp = 2 * options.hidden;
+  const std::int64_t hd = config.head_dim, hq = config.n_heads * hd, kv = config.kv_dim();
+  const std::int64_t hidden = options.hidden, mlp = m->options_.mlp;
   Rng rng{options.seed};
   auto scale = [](std::int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); };
   m->embedding_ = random_matrix(rng, options.vocab, hidden, 1.0f);
