@@ -325,6 +325,10 @@ TEST(HfConfig, AttentionOfOtherModels) {
     ASSERT_TRUE(defaulted.ok()) << type << ": " << defaulted.error().to_string();
     EXPECT_EQ(defaulted->score_scale_dim(), 1.0) << type;
   }
+  // Given as null (the classes' None), attention scales by its default.
+  auto null_multiplier = parse_hf_config(base + R"("model_type": "granite", "attention_multiplier": null})");
+  ASSERT_TRUE(null_multiplier.ok()) << null_multiplier.error().to_string();
+  EXPECT_EQ(null_multiplier->score_scale_dim(), 128.0);
   expect_error(base + R"("attention_multiplier": 0})", "attention_multiplier");
   expect_error(base + R"("attention_multiplier": 0.01, "query_pre_attn_scalar": 64})", "attention_multiplier");
   auto unit = parse_hf_config(R"({"model_type": "gemma3n", "text_config": {"model_type": "gemma3n_text",

@@ -300,11 +300,12 @@ const json* class_defaults(const json& root, const json& j) {
 // Gemma 3n and Gemma 4 attend with a score scale of 1 (q and k are
 // RMS-normed; Hugging Face's attention takes scaling = 1.0 whatever the
 // config says); so do Granite's models whose file leaves out
-// attention_multiplier, its classes' default being 1.0:
+// attention_multiplier, its classes' default being 1.0 (one that gives it
+// as null scales as attention does by default, 1/sqrt(head_dim)):
 // query_pre_attn_scalar 1.
 bool unit_score_scale(const json& root, const json& j) {
   const std::string type = model_type(root, j);
-  if (type.starts_with("granite")) return !given(j, "attention_multiplier");
+  if (type.starts_with("granite")) return !j.contains("attention_multiplier");
   return type.starts_with("gemma3n") || type.starts_with("gemma4");
 }
 
