@@ -289,7 +289,10 @@ TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
     ASSERT_TRUE(back.ok());
     EXPECT_TRUE(testing::same_rows(*back, *snap));
   }
-  std::printf("taken %d, refused %d\n", taken, refused);
+  // Both outcomes occur (932 and 282 of the 3000 seeded packs): the probe
+  // checks packs the reader takes, and the short-ring rule is exercised.
+  EXPECT_GT(taken, 300);
+  EXPECT_GT(refused, 30);
 }
 
 }  // namespace

@@ -173,7 +173,9 @@ TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
         EXPECT_EQ(seq_image(t, before.seqs[i]), before.text[i]) << "seq " << i;
       }
   }
-  std::printf("restored %d, refused %d\n", restored, refused);
+  // Both outcomes occur (281 and 114 of the 400 seeded cases by default).
+  EXPECT_GT(static_cast<std::uint64_t>(restored), count / 10);
+  EXPECT_GT(static_cast<std::uint64_t>(refused), count / 20);
 }
 
 }  // namespace
