@@ -31,11 +31,11 @@ struct HostilePack {
 };
 
 // The preamble, manifest and manifest digest of a pack of `spec`, every ring
-// as a sequential session of token_count leaves it. Chunk j is named by the
-// SHA-256 of its index, which no chunk's bytes hash to. For a
-// self-contained pack the caller appends (or extends the file by)
-// *payload_bytes bytes.
-inline std::string hostile_pack_head(const HostilePack& spec, std::int64_t* payload_bytes) {
+// as a sequential session of token_count leaves it, chunk j of `length`
+// bytes named by name_of(j, length). For a self-contained pack the caller
+// appends (or extends the file by) *payload_bytes bytes.
+template <class NameOf>
+std::string hostile_pack_head(const HostilePack& spec, std::int64_t* payload_bytes, NameOf&& name_of) {
   using namespace coding;
   using pack_internal::chunk_byte_length;
   using pack_internal::chunk_range;
@@ -81,7 +81,7 @@ inline std::string hostile_pack_head(const HostilePack& spec, std::int64_t* payl
       put_fixed64(&table, static_cast<std::uint64_t>(range.first_position));
       put_fixed32(&table, static_cast<std::uint32_t>(range.rows));
       put_fixed32(&table, static_cast<std::uint32_t>(length));
-      const Digest name = sha256(&n, sizeof n);
+      const Digest name = name_of(n, length);
       put_bytes(&table, name.data(), name.size());
       *payload_bytes += length;
     }
@@ -97,6 +97,12 @@ inline std::string hostile_pack_head(const HostilePack& spec, std::int64_t* payl
   const Digest digest = sha256(head.data(), head.size());
   put_bytes(&head, digest.data(), digest.size());
   return head;
+}
+
+// The same, chunk j named by the SHA-256 of its index, which no chunk's
+// bytes hash to.
+inline std::string hostile_pack_head(const HostilePack& spec, std::int64_t* payload_bytes) {
+  return hostile_pack_head(spec, payload_bytes, [](std::uint32_t j, std::int64_t) { return sha256(&j, sizeof j); });
 }
 
 // One full-attention layer of 8 kv heads x 1024 (kv_dim 8192) in F32Le: a
