@@ -62,15 +62,14 @@ TEST(HandoffBounds, ManySmallMessagesOverUnixWithLargeCredits) {
   EXPECT_TRUE(received.ok()) << received.error().to_string();
 }
 
-
 // Receive options whose max_keep_s is not a number or negative read as
 // "no limit" and turned off the keep-alive bound and the session's bound:
 // they are refused, like send_session's options out of range.
 TEST(HandoffBounds, ReceiveOptionsOutOfRangeAreRefused) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  for (const ReceiveOptions& bad : {ReceiveOptions{.max_keep_s = nan}, ReceiveOptions{.max_keep_s = -1},
-                                    ReceiveOptions{.timeout_s = 0}, ReceiveOptions{.timeout_s = nan},
-                                    ReceiveOptions{.timeout_s = -1}}) {
+  for (const ReceiveOptions& bad :
+       {ReceiveOptions{.max_keep_s = nan}, ReceiveOptions{.max_keep_s = -1}, ReceiveOptions{.timeout_s = 0},
+        ReceiveOptions{.timeout_s = nan}, ReceiveOptions{.timeout_s = -1}}) {
     auto [a, b] = local_pair();
     const std::string header = "header";  // never read: the options are refused first
     ASSERT_TRUE(a->send_message(header.data(), header.size(), deadline_in(1)).ok());
@@ -123,7 +122,8 @@ Prefilled prefilled(std::int64_t tokens, const PlanOptions& plan = {}) {
   auto t = plan_handoff(p.config, tokens, plan);
   EXPECT_TRUE(t.ok());
   p.timeline = std::move(*t);
-  auto src = StoreSource::create(*p.from, seq, p.timeline, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
+  auto src =
+      StoreSource::create(*p.from, seq, p.timeline, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
   EXPECT_TRUE(src.ok());
   p.source = std::move(*src);
   return p;
@@ -250,7 +250,8 @@ void put64(Msg& m, std::size_t at, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) m[at + i] = static_cast<std::uint8_t>(v >> (8 * i));
 }
 // A SHA-256 ROWS message of `rows` rows of `layer` from `first`, read from `store`.
-Msg rows_msg(const KvStore& store, SeqId seq, std::int64_t n, std::int64_t layer, std::int64_t first, std::int64_t rows) {
+Msg rows_msg(const KvStore& store, SeqId seq, std::int64_t n, std::int64_t layer, std::int64_t first,
+             std::int64_t rows) {
   const std::size_t kv = static_cast<std::size_t>(store.config().kv_dim());
   std::vector<std::uint16_t> k(static_cast<std::size_t>(rows) * kv), v(k.size());
   EXPECT_TRUE(store.read_rows(seq, layer, first, rows, k.data(), v.data()).ok());
@@ -288,7 +289,8 @@ TEST(HandoffBounds, RandomResplitsAndBreakages) {
       Msg* out;
       Status send_message(const std::vector<Part>& parts, Deadline) override {
         for (const Part& p : parts)
-          out->insert(out->end(), static_cast<const std::uint8_t*>(p.data), static_cast<const std::uint8_t*>(p.data) + p.size);
+          out->insert(out->end(), static_cast<const std::uint8_t*>(p.data),
+                      static_cast<const std::uint8_t*>(p.data) + p.size);
         return io_error("captured");
       }
       Status recv_message(std::vector<std::uint8_t>&, Deadline, std::size_t) override { return io_error("x"); }
@@ -301,99 +303,124 @@ TEST(HandoffBounds, RandomResplitsAndBreakages) {
   }
   ASSERT_GT(header.size(), 64u);
   for (const StoreOptions& so : {StoreOptions{.max_sequences = 2, .block_rows = 16},
-                                  StoreOptions{.max_sequences = 2, .slack = 5, .block_rows = 16},
-                                  StoreOptions{.max_sequences = 2, .context = 128, .block_rows = 16}}) {
-  auto to = make_store(BackendKind::kCpu, config, so);
-  ASSERT_TRUE(to.ok()) << to.error().to_string();
-  KvStore& store = **to;
-  const SeqId other = testing::prefill_in(**model, store, seeded_tokens(100, 64, 5), 7);
-  const auto other_bytes = testing::live_bytes(store, other);
-  const auto want = testing::live_bytes(**from, seq);
-  const auto free0 = store.free_blocks();
-  std::mt19937_64 rng(12345);
-  int accepted = 0, refused = 0, wrong = 0;
-  for (int iter = 0; iter < 400; ++iter) {
-    // Per layer, the live rows cut at random sizes; layers interleaved at random.
-    std::vector<std::array<std::int64_t, 3>> pieces;  // layer, first, rows
-    std::vector<std::int64_t> at, end;
-    for (std::int64_t l = 0; l < config.n_layers; ++l) {
-      const RingState r = *(*from)->ring(seq, l);
-      at.push_back(r.origin_logical());
-      end.push_back(r.next_position());
+                                 StoreOptions{.max_sequences = 2, .slack = 5, .block_rows = 16},
+                                 StoreOptions{.max_sequences = 2, .context = 128, .block_rows = 16}}) {
+    auto to = make_store(BackendKind::kCpu, config, so);
+    ASSERT_TRUE(to.ok()) << to.error().to_string();
+    KvStore& store = **to;
+    const SeqId other = testing::prefill_in(**model, store, seeded_tokens(100, 64, 5), 7);
+    const auto other_bytes = testing::live_bytes(store, other);
+    const auto want = testing::live_bytes(**from, seq);
+    const auto free0 = store.free_blocks();
+    std::mt19937_64 rng(12345);
+    int accepted = 0, refused = 0, wrong = 0;
+    for (int iter = 0; iter < 400; ++iter) {
+      // Per layer, the live rows cut at random sizes; layers interleaved at random.
+      std::vector<std::array<std::int64_t, 3>> pieces;  // layer, first, rows
+      std::vector<std::int64_t> at, end;
+      for (std::int64_t l = 0; l < config.n_layers; ++l) {
+        const RingState r = *(*from)->ring(seq, l);
+        at.push_back(r.origin_logical());
+        end.push_back(r.next_position());
+      }
+      for (;;) {
+        std::vector<std::int64_t> open;
+        for (std::int64_t l = 0; l < config.n_layers; ++l)
+          if (at[l] < end[l]) open.push_back(l);
+        if (open.empty()) break;
+        const std::int64_t l = open[rng() % open.size()];
+        const std::int64_t n = std::min<std::int64_t>(end[l] - at[l], 1 + static_cast<std::int64_t>(rng() % 40));
+        pieces.push_back({l, at[l], n});
+        at[l] += n;
+      }
+      // A breakage, or none.
+      const int kind = static_cast<int>(rng() % 8);
+      bool valid = true;
+      const std::size_t i = rng() % pieces.size();
+      switch (kind) {
+        case 0:  // a piece twice: a layer's rows sent twice
+          pieces.insert(pieces.begin() + i, pieces[i]);
+          valid = false;
+          break;
+        case 1:  // a piece missing
+          pieces.erase(pieces.begin() + i);
+          valid = false;
+          break;
+        case 2:  // a piece one row short: a gap before the next
+          if (pieces[i][2] > 1) {
+            pieces[i][2] -= 1;
+            valid = false;
+          }
+          break;
+        case 3:  // a piece shifted back a row: it overlaps the one before
+          if (pieces[i][1] > 0) {
+            pieces[i][1] -= 1;
+            valid = false;
+          }
+          break;
+        case 4:  // two pieces of a layer swapped
+          if (i + 1 < pieces.size() && pieces[i][0] == pieces[i + 1][0]) {
+            std::swap(pieces[i], pieces[i + 1]);
+            valid = false;
+          }
+          break;
+        default:  // none: the split is valid
+          break;
+      }
+      std::vector<Msg> msgs;
+      Msg h = header;
+      put64(h, h.size() - 48, pieces.size());
+      {
+        const Digest d = sha256(h.data(), h.size() - 32);
+        std::memcpy(h.data() + h.size() - 32, d.data(), 32);
+      }
+      msgs.push_back(h);
+      std::int64_t bytes = 0;
+      for (std::size_t n = 0; n < pieces.size(); ++n) {
+        const auto [l, first, rows] = pieces[n];
+        const RingState r = *(*from)->ring(seq, l);
+        if (first < r.origin_logical() || first + rows > r.next_position()) {
+          valid = false;
+          continue;
+        }
+        msgs.push_back(rows_msg(**from, seq, static_cast<std::int64_t>(msgs.size()) - 1, l, first, rows));
+        bytes += rows * config.kv_dim() * 4;
+      }
+      Msg e(49);
+      e[0] = 8;
+      put64(e, 1, msgs.size() - 1);
+      put64(e, 9, static_cast<std::uint64_t>(bytes));
+      std::memcpy(e.data() + 17, h.data() + h.size() - 32, 32);
+      if (msgs.size() - 1 != pieces.size()) {
+        put64(msgs[0], msgs[0].size() - 48, msgs.size() - 1);
+        const Digest d = sha256(msgs[0].data(), msgs[0].size() - 32);
+        std::memcpy(msgs[0].data() + msgs[0].size() - 32, d.data(), 32);
+        std::memcpy(e.data() + 17, d.data(), 32);
+      }
+      msgs.push_back(e);
+      msgs.push_back(Msg{10});
+      auto [a, b] = local_pair();
+      for (const Msg& m : msgs) ASSERT_TRUE(a->send_message(m.data(), m.size(), deadline_in(1)).ok());
+      StoreTarget target(store, {.expect = config});
+      const auto got = receive_session(*b, target, {.timeout_s = 0.5});
+      if (got.ok()) {
+        ++accepted;
+        const SeqId s2 = *target.sequence();
+        if (testing::live_bytes(store, s2) != want) ++wrong;
+        EXPECT_TRUE(valid) << "iteration " << iter << " kind " << kind << " was taken";
+        ASSERT_TRUE(store.remove_sequence(s2).ok());
+      } else {
+        ++refused;
+        EXPECT_FALSE(valid) << "iteration " << iter << ": " << got.error().to_string();
+      }
+      EXPECT_EQ(store.sequence_count(), 1);
+      EXPECT_EQ(store.free_blocks(), free0);
+      EXPECT_EQ(testing::live_bytes(store, other), other_bytes);
     }
-    for (;;) {
-      std::vector<std::int64_t> open;
-      for (std::int64_t l = 0; l < config.n_layers; ++l)
-        if (at[l] < end[l]) open.push_back(l);
-      if (open.empty()) break;
-      const std::int64_t l = open[rng() % open.size()];
-      const std::int64_t n = std::min<std::int64_t>(end[l] - at[l], 1 + static_cast<std::int64_t>(rng() % 40));
-      pieces.push_back({l, at[l], n});
-      at[l] += n;
-    }
-    // A breakage, or none.
-    const int kind = static_cast<int>(rng() % 8);
-    bool valid = true;
-    const std::size_t i = rng() % pieces.size();
-    switch (kind) {
-      case 0: pieces.insert(pieces.begin() + i, pieces[i]); valid = false; break;  // a layer's rows twice
-      case 1: pieces.erase(pieces.begin() + i); valid = false; break;              // rows missing
-      case 2: if (pieces[i][2] > 1) { pieces[i][2] -= 1; valid = false; } break;  // a gap
-      case 3: if (pieces[i][1] > 0) { pieces[i][1] -= 1; pieces[i][2] += 0; valid = false; } break;  // overlap
-      case 4: if (i + 1 < pieces.size() && pieces[i][0] == pieces[i + 1][0]) { std::swap(pieces[i], pieces[i + 1]); valid = false; } break;
-      default: break;
-    }
-    std::vector<Msg> msgs;
-    Msg h = header;
-    put64(h, h.size() - 48, pieces.size());
-    {
-      const Digest d = sha256(h.data(), h.size() - 32);
-      std::memcpy(h.data() + h.size() - 32, d.data(), 32);
-    }
-    msgs.push_back(h);
-    std::int64_t bytes = 0;
-    for (std::size_t n = 0; n < pieces.size(); ++n) {
-      const auto [l, first, rows] = pieces[n];
-      const RingState r = *(*from)->ring(seq, l);
-      if (first < r.origin_logical() || first + rows > r.next_position()) { valid = false; continue; }
-      msgs.push_back(rows_msg(**from, seq, static_cast<std::int64_t>(msgs.size()) - 1, l, first, rows));
-      bytes += rows * config.kv_dim() * 4;
-    }
-    Msg e(49);
-    e[0] = 8;
-    put64(e, 1, msgs.size() - 1);
-    put64(e, 9, static_cast<std::uint64_t>(bytes));
-    std::memcpy(e.data() + 17, h.data() + h.size() - 32, 32);
-    if (msgs.size() - 1 != pieces.size()) {
-      put64(msgs[0], msgs[0].size() - 48, msgs.size() - 1);
-      const Digest d = sha256(msgs[0].data(), msgs[0].size() - 32);
-      std::memcpy(msgs[0].data() + msgs[0].size() - 32, d.data(), 32);
-      std::memcpy(e.data() + 17, d.data(), 32);
-    }
-    msgs.push_back(e);
-    msgs.push_back(Msg{10});
-    auto [a, b] = local_pair();
-    for (const Msg& m : msgs) ASSERT_TRUE(a->send_message(m.data(), m.size(), deadline_in(1)).ok());
-    StoreTarget target(store, {.expect = config});
-    const auto got = receive_session(*b, target, {.timeout_s = 0.5});
-    if (got.ok()) {
-      ++accepted;
-      const SeqId s2 = *target.sequence();
-      if (testing::live_bytes(store, s2) != want) ++wrong;
-      EXPECT_TRUE(valid) << "iteration " << iter << " kind " << kind << " was taken";
-      ASSERT_TRUE(store.remove_sequence(s2).ok());
-    } else {
-      ++refused;
-      EXPECT_FALSE(valid) << "iteration " << iter << ": " << got.error().to_string();
-    }
-    EXPECT_EQ(store.sequence_count(), 1);
-    EXPECT_EQ(store.free_blocks(), free0);
-    EXPECT_EQ(testing::live_bytes(store, other), other_bytes);
-  }
-  EXPECT_EQ(wrong, 0);
-  // Both outcomes occur (179 and 221 of the 400 seeded splits).
-  EXPECT_GT(accepted, 40);
-  EXPECT_GT(refused, 40);
+    EXPECT_EQ(wrong, 0);
+    // Both outcomes occur (179 and 221 of the 400 seeded splits).
+    EXPECT_GT(accepted, 40);
+    EXPECT_GT(refused, 40);
   }
 }
 

@@ -1,10 +1,9 @@
 // Probes of the kvpack reader, the chunk stores and restore against packs
 // whose fields are each in range but jointly hostile.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstring>
@@ -203,7 +202,8 @@ TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
     auto pick = [&](std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(rng() % (hi - lo + 1)); };
     HostilePack spec;
     const std::int64_t max_context = pick(1, 300);
-    spec.config = make_hybrid_config("probe", pick(1, 4), pick(1, 3), 2, pick(1, 2), pick(1, 8), pick(1, 100), max_context);
+    spec.config =
+        make_hybrid_config("probe", pick(1, 4), pick(1, 3), 2, pick(1, 2), pick(1, 8), pick(1, 100), max_context);
     for (auto& k : spec.config.layer_kinds) k = rng() % 2 ? LayerKind::kSlidingRope : LayerKind::kFullNope;
     if (!spec.config.validate().ok()) continue;
     spec.context = pick(1, max_context);
@@ -213,8 +213,8 @@ TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
     bool sequential = true;
     for (std::int64_t l = 0; l < spec.config.n_layers; ++l)
       sequential = sequential && RingState::sequential(spec.config.plane_capacity(l, spec.context),
-                                                       spec.config.kind(l) == LayerKind::kSlidingRope,
-                                                       spec.token_count).ok();
+                                                       spec.config.kind(l) == LayerKind::kSlidingRope, spec.token_count)
+                                     .ok();
     if (!sequential) continue;
     const std::string pack = crafted_pack(spec, nullptr, static_cast<std::uint8_t>(pick(0, 255)));
     auto snap = read_pack(*memory_pack_source(pack.data(), static_cast<std::int64_t>(pack.size())));

@@ -62,8 +62,10 @@ std::int64_t limit_of(const ModelConfig& c, std::int64_t context, std::int64_t s
   std::int64_t lim = 400;
   for (std::int64_t l = 0; l < c.n_layers; ++l) {
     const std::int64_t cap = c.plane_capacity(l, context);
-    if (c.kind(l) == LayerKind::kFullNope) lim = std::min(lim, cap);
-    else if (cap < c.sliding_window) lim = std::min(lim, context);
+    if (c.kind(l) == LayerKind::kFullNope)
+      lim = std::min(lim, cap);
+    else if (cap < c.sliding_window)
+      lim = std::min(lim, context);
   }
   (void)slack;
   return lim;
@@ -95,7 +97,8 @@ TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
     auto pick = [&](std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(rng() % (hi - lo + 1)); };
     const std::int64_t layers = pick(1, 4);
     ModelConfig cfg = make_hybrid_config("probe", layers, pick(1, 3), 2, pick(1, 2), pick(1, 4), pick(4, 80), 160);
-    for (auto& k : cfg.layer_kinds) if (rng() % 4 == 0) k = LayerKind::kSlidingRope;
+    for (auto& k : cfg.layer_kinds)
+      if (rng() % 4 == 0) k = LayerKind::kSlidingRope;
     if (!cfg.validate().ok()) continue;
     const std::int64_t src_ctx = pick(1, 160), src_slack = pick(0, 8) * (rng() % 2);
     auto src = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = src_ctx, .slack = src_slack});
@@ -104,16 +107,17 @@ TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
     ASSERT_TRUE(sseq.ok());
     const std::int64_t tokens = pick(0, limit_of(cfg, src_ctx, src_slack));
     ASSERT_TRUE(fill_seq(**src, *sseq, 0, tokens, seed).ok());
-    if (src_slack > 0 && tokens > 0 && rng() % 2) (void)(*src)->truncate_sequence(*sseq, pick(1, std::min(tokens, src_slack)));
+    if (src_slack > 0 && tokens > 0 && rng() % 2)
+      (void)(*src)->truncate_sequence(*sseq, pick(1, std::min(tokens, src_slack)));
     auto snap = take_snapshot(**src, *sseq);
     ASSERT_TRUE(snap.ok()) << snap.error().to_string();
 
     const std::int64_t ctx = pick(1, 160), slack = pick(0, 8) * (rng() % 2);
     const std::int64_t block_rows = rng() % 2 ? 16 : 32;
     const std::int64_t pool = pick(0, 3 * layers * ((160 + block_rows - 1) / block_rows));
-    auto dst = make_store(BackendKind::kCpu, cfg,
-                          {.max_sequences = 3, .context = ctx, .slack = slack, .block_rows = block_rows,
-                           .pool_blocks = pool});
+    auto dst =
+        make_store(BackendKind::kCpu, cfg,
+                   {.max_sequences = 3, .context = ctx, .slack = slack, .block_rows = block_rows, .pool_blocks = pool});
     if (!dst.ok()) continue;
     KvStore& t = **dst;
     std::vector<SeqId> seqs;
