@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <thread>
@@ -21,6 +22,34 @@ namespace {
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// One session over a Unix socket at a fresh path named by `name`: the
+// receiver into `target` on a thread, `send` on this one with the
+// sender's end of the link. Returns what the receiver reported.
+Result<ReceiveReport> over_unix(const std::string& name, HandoffTarget& target, const ReceiveOptions& options,
+                                const std::function<void(Transport&)>& send) {
+  const std::string path = ::testing::TempDir() + "kvring-" + name + "-" + std::to_string(getpid()) + ".sock";
+  auto listener = unix_listen(path);
+  if (!listener) return listener.error();
+  Result<ReceiveReport> received = io_error("not run");
+  std::thread receiver([&] {
+    auto link = (*listener)->accept(deadline_in(5));
+    if (!link) {
+      received = link.error();
+      return;
+    }
+    received = receive_session(**link, target, options);
+    (*link)->close();
+  });
+  auto link = unix_connect(path, deadline_in(5));
+  EXPECT_TRUE(link.ok());
+  if (link) {
+    send(**link);
+    (*link)->close();
+  }
+  receiver.join();
+  return received;
+}
+
 // Many small messages and credits for all of them: the sender reads no ACK
 // until its end, so ACKs pile up in the link's reverse direction.
 TEST(HandoffBounds, ManySmallMessagesOverUnixWithLargeCredits) {
@@ -36,28 +65,13 @@ TEST(HandoffBounds, ManySmallMessagesOverUnixWithLargeCredits) {
   o.message_bytes = config.kv_dim() * 4;  // one row a message
   auto t = plan_handoff(config, 2000, o);
   ASSERT_TRUE(t.ok()) << t.error().to_string();
-  const std::string path = ::testing::TempDir() + "kvring-bounds-" + std::to_string(getpid()) + ".sock";
-  auto listener = unix_listen(path);
-  ASSERT_TRUE(listener.ok());
   auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
   StoreTarget target(**to);
-  Result<ReceiveReport> received = io_error("not run");
-  std::thread receiver([&] {
-    auto link = (*listener)->accept(deadline_in(5));
-    if (!link) {
-      received = link.error();
-      return;
-    }
-    received = receive_session(**link, target, {.timeout_s = 3});
-    (*link)->close();
-  });
-  auto link = unix_connect(path, deadline_in(5));
-  ASSERT_TRUE(link.ok());
   auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
   ASSERT_TRUE(src.ok());
-  auto sent = send_session(**link, **src, *t, {.timeout_s = 3});
-  (*link)->close();
-  receiver.join();
+  Result<SendReport> sent = io_error("not run");
+  const auto received = over_unix("bounds", target, {.timeout_s = 3},
+                                  [&](Transport& link) { sent = send_session(link, **src, *t, {.timeout_s = 3}); });
   EXPECT_TRUE(sent.ok()) << sent.error().to_string();
   EXPECT_TRUE(received.ok()) << received.error().to_string();
 }
@@ -160,27 +174,14 @@ TEST(HandoffBounds, ASenderWaitingOnItsPrefillHearsWhyTheReceiverEnded) {
   ASSERT_TRUE(p.source);
   const Timeline* t = &p.timeline;
   LateSource late(*p.source, 30.0);
-  const std::string path = ::testing::TempDir() + "kvring-bounds-why-" + std::to_string(getpid()) + ".sock";
-  auto listener = unix_listen(path);
-  ASSERT_TRUE(listener.ok());
   StoreTarget target(*p.to);
-  Result<ReceiveReport> got = io_error("not run");
-  std::thread rx([&] {
-    auto link = (*listener)->accept(deadline_in(5));
-    if (!link) {
-      got = link.error();
-      return;
-    }
-    got = receive_session(**link, target, {.timeout_s = 3, .max_keep_s = 0.5});
-    (*link)->close();
+  Result<SendReport> sent = io_error("not run");
+  double took = 0;
+  const auto got = over_unix("bounds-why", target, {.timeout_s = 3, .max_keep_s = 0.5}, [&](Transport& link) {
+    const auto t0 = Clock::now();
+    sent = send_session(link, late, *t, {.timeout_s = 3});
+    took = since(t0);
   });
-  auto link = unix_connect(path, deadline_in(5));
-  ASSERT_TRUE(link.ok());
-  const auto t0 = Clock::now();
-  const auto sent = send_session(**link, late, *t, {.timeout_s = 3});
-  const double took = since(t0);
-  (*link)->close();
-  rx.join();
   ASSERT_FALSE(got.ok());
   EXPECT_NE(got.error().message.find("sent only keep-alives"), std::string::npos) << got.error().to_string();
   ASSERT_FALSE(sent.ok());
