@@ -73,6 +73,11 @@ struct ModelConfig {
   // max(32, context).
   std::int64_t plane_capacity(std::int64_t layer, std::int64_t context) const;
   std::int64_t plane_capacity(LayerKind kind, std::int64_t context) const;
+  // Whether `layer` is sliding and its plane at `context` is shorter than
+  // the window: its ring then stops at the context (a longer session would
+  // evict rows a later query still sees), so no cache of that context holds
+  // a position past it.
+  bool ring_stops_at_context(std::int64_t layer, std::int64_t context) const;
 
   // Checks every field; the error names the field.
   Status validate() const;

@@ -37,6 +37,10 @@ std::int64_t ModelConfig::plane_capacity(std::int64_t layer, std::int64_t contex
   return plane_capacity(kind(layer), context);
 }
 
+bool ModelConfig::ring_stops_at_context(std::int64_t layer, std::int64_t context) const {
+  return kind(layer) == LayerKind::kSlidingRope && plane_capacity(layer, context) < sliding_window;
+}
+
 std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position) {
   if (kind == LayerKind::kFullNope || position < config.sliding_window) return 0;
   return position - config.sliding_window + 1;

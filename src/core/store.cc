@@ -362,8 +362,7 @@ std::int64_t KvStore::allocated_bytes() const {
 std::int64_t KvStore::position_limit(std::int64_t layer) const {
   if (!check_layer(layer).ok()) return 0;
   // A full plane's own capacity bounds it (RingState::plan_batch).
-  if (full_index(layer) < 0 && ring_rows_ - options_.slack < config_.sliding_window) return options_.context;
-  return kNoPositionLimit;
+  return config_.ring_stops_at_context(layer, options_.context) ? options_.context : kNoPositionLimit;
 }
 
 RingState KvStore::fresh_ring(std::int64_t layer) const {

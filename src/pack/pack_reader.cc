@@ -282,10 +282,9 @@ Status parse_planes(Cursor& c, Manifest* m, std::int64_t* total_chunks) {
                                                  num(want->origin_logical()) + ", origin_physical " +
                                                  num(want->origin_physical()) + ")"
                                            : ": " + want.error().message));
-    // A sliding ring shorter than the window stops at the context (a store
-    // refuses positions past it: KvStore::position_limit), so no cache
-    // holds one past it and validate_snapshot refuses it.
-    if (cfg.kind(l) == LayerKind::kSlidingRope && capacity < cfg.sliding_window && h.token_count > h.context)
+    // No cache of this context holds more (KvStore::position_limit), and
+    // validate_snapshot refuses it.
+    if (cfg.ring_stops_at_context(l, h.context) && h.token_count > h.context)
       return c.bad("ring state", "a sliding ring of " + num(std::uint64_t{capacity}) +
                                      " rows, shorter than the window of " + num(cfg.sliding_window) +
                                      ", stops at the context " + num(h.context) + "; token_count is " +

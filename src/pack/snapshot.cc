@@ -170,9 +170,8 @@ Status validate_snapshot(const Snapshot& s, bool header_only) {
       return invalid_argument(where + "ring capacity " + std::to_string(p.ring.capacity()) +
                               ", a plane at context " + std::to_string(s.context) + " has " +
                               std::to_string(capacity));
-    // A ring shorter than the window stops at the context (a store refuses
-    // positions past it: KvStore::position_limit), so no cache holds more.
-    if (p.kind == LayerKind::kSlidingRope && capacity < c.sliding_window && s.token_count > s.context)
+    // No cache of this context holds more (KvStore::position_limit).
+    if (c.ring_stops_at_context(l, s.context) && s.token_count > s.context)
       return invalid_argument(where + "a ring of " + std::to_string(capacity) + " rows, shorter than the window of " +
                               std::to_string(c.sliding_window) + ", stops at the context, " +
                               std::to_string(s.context) + "; the snapshot is at " + std::to_string(s.token_count));
