@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # An engine's build against kvring (tests/consumer): MODE "installed" installs
-# BUILD into a prefix and uses find_package(kvring); "subdirectory" adds the
-# source tree with add_subdirectory (CPU backend only, to keep it short).
+# BUILD into a prefix and uses find_package(kvring), then builds the same
+# programs with the compiler alone through the prefix's kvring.pc
+# (pkg-config); "subdirectory" adds the source tree with add_subdirectory
+# (CPU backend only, to keep it short).
 # usage: consumer_test.sh MODE SOURCE BUILD WORK README_EXAMPLE GENERATOR
 set -euo pipefail
 mode=$1 src=$2 build=$3 work=$4 example=$5 generator=$6
@@ -26,3 +28,16 @@ grep -q "a at 6, draft at 4" "$work/readme.out"
 "$work/build/pack_round_trip" | tee "$work/pack.out"
 grep -q "pack of [0-9]* bytes restored: 3 layers equal" "$work/pack.out"
 test -f "$work/build/libengine_module.so"
+
+[ "$mode" = installed ] || exit 0
+# An engine built without CMake: the compiler and pkg-config alone.
+pc=$(find "$work/prefix" -name kvring.pc -path "*/pkgconfig/*")
+test -n "$pc"
+export PKG_CONFIG_PATH="$(dirname "$pc")"
+pkg_cxx() { quiet "${CXX:-c++}" -std=c++20 "$@" $(pkg-config --cflags --libs kvring); }
+pkg_cxx "$example" -o "$work/readme_pc"
+pkg_cxx "$src/tests/consumer/pack_round_trip.cc" -o "$work/pack_pc"
+pkg_cxx -shared -fPIC "$src/tests/consumer/engine_module.cc" -o "$work/libengine_module_pc.so"
+"$work/readme_pc" | grep "a at 6, draft at 4"
+"$work/pack_pc" | grep "pack of [0-9]* bytes restored: 3 layers equal"
+test -f "$work/libengine_module_pc.so"
