@@ -61,9 +61,11 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvringConfig.cmake
 # anywhere gives a file that points into that prefix.
 set(kvring_pc_dir ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 if(IS_ABSOLUTE "${kvring_pc_dir}")
-  set(kvring_pc_up "")
+  # An absolute libdir is installed where it says, whatever the prefix.
+  set(kvring_pc_prefix "${CMAKE_INSTALL_PREFIX}")
 else()
   string(REGEX REPLACE "[^/]+" ".." kvring_pc_up "${kvring_pc_dir}")
+  set(kvring_pc_prefix "\${pcfiledir}/${kvring_pc_up}")
 endif()
 foreach(kind INCLUDEDIR LIBDIR)
   string(TOLOWER ${kind} name)
