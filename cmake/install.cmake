@@ -57,8 +57,8 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvringConfig.cmake
 
 # pkg-config (cmake/kvring.pc.in): the same libraries for an engine built
 # without CMake, in link order, with the dependencies as this build found
-# them. The prefix is the file's own place, so `cmake --install --prefix`
-# anywhere gives a file that points into that prefix.
+# them. Under a relative libdir the prefix is the file's own place, so
+# `cmake --install --prefix` anywhere gives a file that points into it.
 set(kvring_pc_dir ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 if(IS_ABSOLUTE "${kvring_pc_dir}")
   # An absolute libdir is installed where it says, whatever the prefix.
