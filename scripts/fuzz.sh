@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Fuzzes the kvpack reader and the config parser with libFuzzer for a bounded
-# time each.
+# Fuzzes the kvpack reader, the config parser and the handoff receiver with
+# libFuzzer for a bounded time each.
 #
-#   bash scripts/fuzz.sh [seconds] [pack|config|all]   (default 120 s, all)
+#   bash scripts/fuzz.sh [seconds] [pack|config|handoff|all]   (default 120 s, all)
 #
-# Builds fuzz/pack_reader_fuzz.cc and fuzz/config_fuzz.cc and every library
-# they use with clang -fsanitize=fuzzer,address,undefined into build-fuzz/
-# (Debian's clang and libclang-rt-14-dev, which scripts/setup.sh installs).
+# Builds fuzz/pack_reader_fuzz.cc, fuzz/config_fuzz.cc and
+# fuzz/handoff_receiver_fuzz.cc and every library they use with clang
+# -fsanitize=fuzzer,address,undefined into build-fuzz/ (Debian's clang and
+# libclang-rt-14-dev, which scripts/setup.sh installs).
 # The pack reader starts from a seed corpus of valid and hostile packs
-# (fuzz/make_seed_corpus.cc), the config parser from fuzz/config_seeds/;
+# (fuzz/make_seed_corpus.cc), the config parser from fuzz/config_seeds/,
+# the handoff receiver from a recorded session that its inputs edit;
 # fuzz/regressions/ and fuzz/config_regressions/ hold inputs that once
 # failed, which run first, every time.
 # Each target runs on all cores for the given time. Exits non-zero on a
@@ -19,11 +21,11 @@ cd "$(dirname "$0")/.."
 seconds="${1:-120}"
 which="${2:-all}"
 case "$seconds" in
-  ''|*[!0-9]*) echo "usage: scripts/fuzz.sh [seconds] [pack|config|all]" >&2; exit 2 ;;
+  ''|*[!0-9]*) echo "usage: scripts/fuzz.sh [seconds] [pack|config|handoff|all]" >&2; exit 2 ;;
 esac
 case "$which" in
-  pack|config|all) ;;
-  *) echo "usage: scripts/fuzz.sh [seconds] [pack|config|all]" >&2; exit 2 ;;
+  pack|config|handoff|all) ;;
+  *) echo "usage: scripts/fuzz.sh [seconds] [pack|config|handoff|all]" >&2; exit 2 ;;
 esac
 if ! command -v clang++ >/dev/null 2>&1; then
   echo "fuzz: clang++ not found; run scripts/setup.sh first" >&2
@@ -32,7 +34,7 @@ fi
 out=build-fuzz
 CXX=clang++ cmake -S . -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVRING_FUZZ=ON \
   -DKVRING_TESTS=OFF -DKVRING_CUDA=OFF >/dev/null
-cmake --build "$out" -j"$(nproc)" --target kvring-pack-fuzz kvring-pack-seeds kvring-config-fuzz
+cmake --build "$out" -j"$(nproc)" --target kvring-pack-fuzz kvring-pack-seeds kvring-config-fuzz kvring-handoff-fuzz
 jobs="$(nproc)"
 root="$(pwd)"
 
@@ -68,4 +70,8 @@ if [ "$which" = pack ] || [ "$which" = all ]; then
 fi
 if [ "$which" = config ] || [ "$which" = all ]; then
   run_target config kvring-config-fuzz 16384 "$root/fuzz/config_seeds" "$root/fuzz/config_regressions"
+fi
+if [ "$which" = handoff ] || [ "$which" = all ]; then
+  # Inputs are edits to a recorded session (fuzz/handoff_receiver_fuzz.cc).
+  run_target handoff kvring-handoff-fuzz 4096
 fi

@@ -14,6 +14,7 @@
 #include "kvring/model.h"
 #include "kvring/sha256.h"
 #include "kvring/snapshot.h"
+#include "handoff_recorder.h"
 #include "handoff_test_util.h"
 #include "test_util.h"
 
@@ -24,31 +25,7 @@ using Msg = std::vector<std::uint8_t>;
 constexpr std::int64_t kPrompt = 100, kChunk = 7;
 constexpr std::size_t kRowsHead = 29, kRowsFixed = 61;
 
-// Records every message a sender sends (flattened to host bytes).
-class Recorder : public Transport {
- public:
-  explicit Recorder(Transport* inner) : inner_(inner) {}
-  std::vector<Msg> sent;
-  Status send_message(const std::vector<Part>& parts, Deadline d) override {
-    Msg m;
-    for (const Part& p : parts)
-      m.insert(m.end(), static_cast<const std::uint8_t*>(p.data), static_cast<const std::uint8_t*>(p.data) + p.size);
-    sent.push_back(m);
-    if (!inner_) return io_error("recorder: header captured");
-    return inner_->send_message(parts, d);
-  }
-  Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
-    if (!inner_) return io_error("recorder: nothing to receive");
-    return inner_->recv_message(out, d, max);
-  }
-  std::string describe() const override { return "recorder"; }
-  void close() override {
-    if (inner_) inner_->close();
-  }
-
- private:
-  Transport* inner_;
-};
+using testing::Recorder;
 
 void put64(Msg& m, std::size_t at, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) m[at + i] = static_cast<std::uint8_t>(v >> (8 * i));
