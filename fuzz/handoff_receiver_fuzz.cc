@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "handoff_recorder.h"
+#include "handoff_wire.h"
 #include "kvring/config.h"
 #include "kvring/handoff.h"
 #include "kvring/model.h"
@@ -32,11 +32,9 @@ using namespace kvring;
 using namespace kvring::handoff;
 using Msg = std::vector<std::uint8_t>;
 
-// The wire format's offsets (docs/DESIGN.md, "Handoff"): a ROWS message's
-// fixed head, its SHA-256 at [29, 61); END's header digest at [17, 49); the
-// header's own SHA-256 in its last 32 bytes.
+// Message types (docs/DESIGN.md, "Handoff"); the digests' offsets are in
+// handoff_wire.h.
 constexpr std::uint8_t kRows = 4, kEnd = 8, kBye = 10;
-constexpr std::size_t kRowsHead = 29, kRowsFixed = 61, kEndDigest = 17;
 
 [[noreturn]] void broken(const char* what) {
   std::fprintf(stderr, "handoff receiver invariant broke: %s\n", what);
@@ -122,22 +120,17 @@ World make_world() {
   return w;
 }
 
+// The header's digest, then every SHA-256 ROWS message's, computed again,
+// and END pointed at the header.
 void reseal(std::vector<Msg>& s) {
   if (s.empty() || s[0].size() < 32) return;
-  Msg& h = s[0];
-  const Digest hd = sha256(h.data(), h.size() - 32);
-  std::memcpy(h.data() + h.size() - 32, hd.data(), 32);
+  testing::reseal_header(s[0]);
   for (std::size_t i = 1; i < s.size(); ++i) {
     Msg& m = s[i];
-    if (m.size() >= kRowsFixed && m[0] == kRows) {
-      Sha256 d;
-      d.update(m.data(), kRowsHead);
-      d.update(m.data() + kRowsFixed, m.size() - kRowsFixed);
-      const Digest rd = d.finish();
-      std::memcpy(m.data() + kRowsHead, rd.data(), 32);
-    } else if (m.size() >= kEndDigest + 32 && m[0] == kEnd) {
-      std::memcpy(m.data() + kEndDigest, hd.data(), 32);
-    }
+    if (m.size() >= testing::kRowsFixed && m[0] == kRows)
+      testing::reseal_rows(m);
+    else if (m.size() >= testing::kEndDigest + 32 && m[0] == kEnd)
+      testing::restamp_end(m, s[0]);
   }
 }
 

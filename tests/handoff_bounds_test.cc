@@ -11,10 +11,10 @@
 #include <thread>
 
 #include "handoff_test_util.h"
+#include "handoff_wire.h"
 #include "kvring/backend.h"
 #include "kvring/handoff.h"
 #include "kvring/model.h"
-#include "kvring/sha256.h"
 #include "test_util.h"
 
 namespace kvring::handoff {
@@ -256,7 +256,7 @@ Msg rows_msg(const KvStore& store, SeqId seq, std::int64_t n, std::int64_t layer
   const std::size_t kv = static_cast<std::size_t>(store.config().kv_dim());
   std::vector<std::uint16_t> k(static_cast<std::size_t>(rows) * kv), v(k.size());
   EXPECT_TRUE(store.read_rows(seq, layer, first, rows, k.data(), v.data()).ok());
-  Msg m(61);
+  Msg m(testing::kRowsFixed);
   m[0] = 4;
   put64(m, 1, static_cast<std::uint64_t>(n));
   for (int i = 0; i < 4; ++i) m[9 + i] = static_cast<std::uint8_t>(layer >> (8 * i));
@@ -266,11 +266,7 @@ Msg rows_msg(const KvStore& store, SeqId seq, std::int64_t n, std::int64_t layer
   const auto* vb = reinterpret_cast<const std::uint8_t*>(v.data());
   m.insert(m.end(), kb, kb + k.size() * 2);
   m.insert(m.end(), vb, vb + v.size() * 2);
-  Sha256 h;
-  h.update(m.data(), 29);
-  h.update(m.data() + 61, m.size() - 61);
-  const Digest d = h.finish();
-  std::memcpy(m.data() + 29, d.data(), 32);
+  testing::reseal_rows(m);
   return m;
 }
 
@@ -285,22 +281,11 @@ TEST(HandoffBounds, RandomResplitsAndBreakages) {
   // The header, captured from a real send.
   Msg header;
   {
-    class Cap : public Transport {
-     public:
-      Msg* out;
-      Status send_message(const std::vector<Part>& parts, Deadline) override {
-        for (const Part& p : parts)
-          out->insert(out->end(), static_cast<const std::uint8_t*>(p.data),
-                      static_cast<const std::uint8_t*>(p.data) + p.size);
-        return io_error("captured");
-      }
-      Status recv_message(std::vector<std::uint8_t>&, Deadline, std::size_t) override { return io_error("x"); }
-      std::string describe() const override { return "cap"; }
-      void close() override {}
-    } cap;
-    cap.out = &header;
+    testing::Recorder cap(nullptr);
     auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
     (void)send_session(cap, **src, *t, {.timeout_s = 1});
+    ASSERT_FALSE(cap.sent.empty());
+    header = cap.sent[0];
   }
   ASSERT_GT(header.size(), 64u);
   for (const StoreOptions& so : {StoreOptions{.max_sequences = 2, .block_rows = 16},
@@ -371,10 +356,7 @@ TEST(HandoffBounds, RandomResplitsAndBreakages) {
       std::vector<Msg> msgs;
       Msg h = header;
       put64(h, h.size() - 48, pieces.size());
-      {
-        const Digest d = sha256(h.data(), h.size() - 32);
-        std::memcpy(h.data() + h.size() - 32, d.data(), 32);
-      }
+      testing::reseal_header(h);
       msgs.push_back(h);
       std::int64_t bytes = 0;
       for (std::size_t n = 0; n < pieces.size(); ++n) {
@@ -391,13 +373,11 @@ TEST(HandoffBounds, RandomResplitsAndBreakages) {
       e[0] = 8;
       put64(e, 1, msgs.size() - 1);
       put64(e, 9, static_cast<std::uint64_t>(bytes));
-      std::memcpy(e.data() + 17, h.data() + h.size() - 32, 32);
       if (msgs.size() - 1 != pieces.size()) {
         put64(msgs[0], msgs[0].size() - 48, msgs.size() - 1);
-        const Digest d = sha256(msgs[0].data(), msgs[0].size() - 32);
-        std::memcpy(msgs[0].data() + msgs[0].size() - 32, d.data(), 32);
-        std::memcpy(e.data() + 17, d.data(), 32);
+        testing::reseal_header(msgs[0]);
       }
+      testing::restamp_end(e, msgs[0]);
       msgs.push_back(e);
       msgs.push_back(Msg{10});
       auto [a, b] = local_pair();
@@ -430,18 +410,11 @@ TEST(HandoffBounds, RandomResplitsAndBreakages) {
 // messages (30 x 0.15 s against a 0.2 s timeout): the session's bound on
 // the receiver (SendOptions::min_bytes_per_s) ends it.
 TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
-  const ModelConfig config = testing::small_config(32, 256);
-  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
-  const auto prompt = seeded_tokens(100, 64, 7);
-  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
-  const SeqId seq = testing::prefill_in(**m, **from, prompt, 7);
   PlanOptions o;
   o.chunk_tokens = 7;
   o.message_bytes = 7 * 128;
   o.credit_bytes = 7 * 128;
-  auto t = plan_handoff(config, 100, o);
-  ASSERT_TRUE(t.ok());
-  auto src = StoreSource::create(**from, seq, *t, std::vector<std::int32_t>(prompt.begin(), prompt.end() - 1), "");
+  Prefilled p = prefilled(100, o);
   auto [a, b] = local_pair();
   std::thread rx([&, bb = b.get()] {
     std::vector<std::uint8_t> in;
@@ -453,7 +426,7 @@ TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
     std::int64_t seqno = 0, taken = 0;
     while (bb->recv_message(in, deadline_in(2), 1 << 30).ok()) {
       if (in[0] != 4) continue;
-      taken += (static_cast<std::int64_t>(in.size()) - 61);
+      taken += (static_cast<std::int64_t>(in.size()) - static_cast<std::int64_t>(testing::kRowsFixed));
       std::this_thread::sleep_for(std::chrono::milliseconds(150));  // within the sender's 0.2 s
       std::vector<std::uint8_t> ack(17, 0);
       ack[0] = 5;
@@ -465,11 +438,11 @@ TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
   });
   const auto t0 = Clock::now();
   // The bound: 2 x 0.2 s + 24,960 B at 64 KiB/s, 0.78 s; the receiver would take 4.5 s.
-  auto sent = send_session(*a, **src, *t, {.timeout_s = 0.2});
+  auto sent = send_session(*a, *p.source, p.timeline, {.timeout_s = 0.2});
   const double s = since(t0);
   a->close();
   rx.join();
-  ASSERT_EQ(t->messages.size(), 30u);
+  ASSERT_EQ(p.timeline.messages.size(), 30u);
   ASSERT_FALSE(sent.ok());
   EXPECT_NE(sent.error().message.find("did not take the session within 0.8 s"), std::string::npos)
       << sent.error().to_string();

@@ -14,7 +14,7 @@
 #include "kvring/model.h"
 #include "kvring/sha256.h"
 #include "kvring/snapshot.h"
-#include "handoff_recorder.h"
+#include "handoff_wire.h"
 #include "handoff_test_util.h"
 #include "test_util.h"
 
@@ -23,9 +23,12 @@ namespace {
 
 using Msg = std::vector<std::uint8_t>;
 constexpr std::int64_t kPrompt = 100, kChunk = 7;
-constexpr std::size_t kRowsHead = 29, kRowsFixed = 61;
-
+using testing::kRowsFixed;
+using testing::kRowsHead;
 using testing::Recorder;
+using testing::reseal_header;
+using testing::reseal_rows;
+using testing::restamp_end;
 
 void put64(Msg& m, std::size_t at, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) m[at + i] = static_cast<std::uint8_t>(v >> (8 * i));
@@ -37,23 +40,6 @@ std::uint64_t get64(const Msg& m, std::size_t at) {
   std::uint64_t v = 0;
   for (int i = 7; i >= 0; --i) v = (v << 8) | m[at + i];
   return v;
-}
-// Re-signs a header (its trailing SHA-256).
-void reseal_header(Msg& m) {
-  const Digest d = sha256(m.data(), m.size() - 32);
-  std::memcpy(m.data() + m.size() - 32, d.data(), 32);
-}
-// Re-signs a SHA-256 ROWS message.
-void reseal_rows(Msg& m) {
-  Sha256 h;
-  h.update(m.data(), kRowsHead);
-  h.update(m.data() + kRowsFixed, m.size() - kRowsFixed);
-  const Digest d = h.finish();
-  std::memcpy(m.data() + kRowsHead, d.data(), 32);
-}
-// END names the header's digest: point it at `header`.
-void restamp_end(Msg& end, const Msg& header) {
-  std::memcpy(end.data() + 17, header.data() + header.size() - 32, 32);
 }
 
 SeqId prefill_in(const ReferenceModel& model, KvStore& store, const std::vector<std::int32_t>& prompt) {
