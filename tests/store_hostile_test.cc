@@ -5,18 +5,26 @@
 // under chunk names and temporary files of killed writers.
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include "kvring/chunk_store.h"
@@ -597,6 +605,99 @@ TEST_F(RedisHostile, IPv6Loopback) {
   const std::vector<ChunkData> chunks = {chunk_of(bytes)};
   ASSERT_TRUE((*store)->put(chunks).ok());
   EXPECT_TRUE(*(*store)->contains(chunks[0].name));
+}
+
+// Runs `probe` in a child of its own mount and network namespaces whose
+// resolver (files, then DNS at 127.0.0.1:53) holds no name but localhost and
+// whose name server takes queries and never answers. The child's exit
+// code: 0 passed, 1 failed (its message on `out`), 77 no such namespace
+// could be made here (no privilege, or a read-only /etc).
+int in_a_silent_resolver(const std::function<std::string()>& probe, std::string* out) {
+  int fds[2];
+  if (::pipe(fds) != 0) return 77;
+  const std::string dir = testing::make_temp_dir("resolver");
+  const pid_t pid = ::fork();
+  if (pid < 0) return 77;
+  if (pid == 0) {
+    ::close(fds[0]);
+    auto finish = [&](int code, const std::string& message) {
+      (void)!::write(fds[1], message.data(), message.size());
+      ::_exit(code);
+    };
+    if (::unshare(CLONE_NEWNS | CLONE_NEWNET) != 0) finish(77, "unshare: " + std::string(std::strerror(errno)));
+    // Nothing mounted here reaches the rest of the machine.
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) finish(77, "private mounts");
+    const int s = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    ifreq ifr{};
+    std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+    if (s < 0 || ::ioctl(s, SIOCGIFFLAGS, &ifr) != 0) finish(77, "loopback flags");
+    ifr.ifr_flags = static_cast<short>(ifr.ifr_flags | IFF_UP);
+    if (::ioctl(s, SIOCSIFFLAGS, &ifr) != 0) finish(77, "loopback up");
+    // The name server: a socket that takes every query and answers none.
+    sockaddr_in ns{};
+    ns.sin_family = AF_INET;
+    ns.sin_port = htons(53);
+    ns.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(s, reinterpret_cast<sockaddr*>(&ns), sizeof ns) != 0) finish(77, "bind 53");
+    const std::pair<const char*, const char*> files[] = {
+        {"/etc/resolv.conf", "nameserver 127.0.0.1\noptions timeout:5 attempts:2\n"},
+        {"/etc/hosts", "127.0.0.1 localhost\n"},
+        {"/etc/nsswitch.conf", "hosts: files dns\n"}};
+    for (const auto& [target, text] : files) {
+      const std::string mine = dir + "/" + std::strrchr(target, '/');
+      std::ofstream(mine) << text;
+      if (::mount(mine.c_str(), target, nullptr, MS_BIND, nullptr) != 0)
+        finish(77, std::string("bind ") + target + ": " + std::strerror(errno));
+    }
+    const std::string failure = probe();
+    finish(failure.empty() ? 0 : 1, failure);
+  }
+  ::close(fds[1]);
+  // The child is ended if it outlives its bound; the pipe closes with it.
+  int status = 0;
+  const auto t0 = Clock::now();
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (seconds_since(t0) > 30) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      *out = "the probe ran past 30 s";
+      ::close(fds[0]);
+      testing::remove_tree(dir);
+      return 1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  testing::remove_tree(dir);
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out->append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
+TEST_F(RedisHostile, AHostNameIsResolvedWithinTheTimeout) {
+  // The resolver would wait 2 x 5 s for its name server; the store gives
+  // up at timeout_ms, naming the wait.
+  std::string message;
+  const int rc = in_a_silent_resolver(
+      [] {
+        const auto t0 = Clock::now();
+        auto store = open_chunk_store("redis://kvring-cache.example:6379?timeout_ms=300");
+        const double took = seconds_since(t0);
+        if (store.ok()) return std::string("a store opened with no server");
+        const std::string m = store.error().to_string();
+        if (m.find("timed out resolving kvring-cache.example:6379") == std::string::npos)
+          return "not a timeout naming the host: " + m;
+        if (took < 0.25 || took > 2.0) return "took " + std::to_string(took) + " s: " + m;
+        // The name in the hosts file still connects (nothing listens on
+        // this port, so the connection is refused, at once).
+        auto local = open_chunk_store("redis://localhost:1?timeout_ms=300");
+        if (local.ok() || local.error().message.find("cannot connect") == std::string::npos)
+          return "localhost:1: " + (local.ok() ? std::string("opened") : local.error().to_string());
+        return std::string();
+      },
+      &message);
+  if (rc == 77) GTEST_SKIP() << "no private mount and network namespace here (" << message << ")";
+  EXPECT_EQ(rc, 0) << message;
 }
 
 // --- Directory stores ---------------------------------------------------

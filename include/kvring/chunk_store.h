@@ -129,10 +129,12 @@ struct RedisOptions {
   // AUTH after connecting when password is set (with user: Redis 6 ACLs).
   // Neither appears in any message; spec() shows the user only.
   std::string user, password;
-  // The longest any one wait may take: connecting, sending while the server
-  // reads nothing, waiting while it sends nothing. A server that times out
-  // fails every later call of the same operation at once, so a stalled
-  // server costs one timeout per operation, not one per chunk.
+  // The longest any one wait may take: resolving the host and connecting
+  // (one wait; getaddrinfo runs on a thread of its own, left to finish
+  // alone past it), sending while the server reads nothing, waiting while
+  // it sends nothing. A server that times out fails every later call of
+  // the same operation at once, so a stalled server costs one timeout per
+  // operation, not one per chunk.
   std::chrono::milliseconds timeout{5000};
   // The longest one operation (everything from open_redis_store or
   // begin_operation on) may take, however the server paces its replies.

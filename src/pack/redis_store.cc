@@ -13,7 +13,10 @@
 #if KVRING_HAVE_HIREDIS
 #include <hiredis/hiredis.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -21,9 +24,13 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "core/text.h"
@@ -222,6 +229,68 @@ class ReplyGuard {
   std::vector<std::int64_t> pending_;
   std::int64_t reply_bytes_ = 0;
 };
+
+// What resolving a host name gave: its numeric addresses in the resolver's
+// order, or why there are none.
+struct Resolved {
+  std::vector<std::string> addrs;
+  std::string error;       // set when the resolver answered with none
+  bool timed_out = false;  // no answer before the wait's end
+};
+
+// A lookup on a thread of its own: getaddrinfo takes no timeout (the
+// resolver's own, from resolv.conf, can run to tens of seconds), so the
+// caller waits for it only until its wait ends. A lookup still running then
+// finishes on its thread, which holds the only other reference to this.
+struct Lookup {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Resolved result;
+};
+
+void run_lookup(const std::shared_ptr<Lookup>& lookup, const std::string& host) {
+  Resolved r;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* list = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &list);
+  if (rc != 0) {
+    r.error = rc == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(rc);
+  } else {
+    for (const addrinfo* a = list; a != nullptr; a = a->ai_next) {
+      char text[INET6_ADDRSTRLEN] = {};
+      const void* bytes = nullptr;
+      if (a->ai_family == AF_INET) bytes = &reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr;
+      if (a->ai_family == AF_INET6) bytes = &reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr;
+      if (bytes == nullptr || ::inet_ntop(a->ai_family, bytes, text, sizeof text) == nullptr) continue;
+      if (std::find(r.addrs.begin(), r.addrs.end(), text) == r.addrs.end()) r.addrs.emplace_back(text);
+    }
+    ::freeaddrinfo(list);
+    if (r.addrs.empty()) r.error = "no IPv4 or IPv6 address";
+  }
+  std::lock_guard<std::mutex> lock(lookup->mu);
+  lookup->result = std::move(r);
+  lookup->done = true;
+  lookup->cv.notify_all();
+}
+
+// The addresses of `host` by `end`. A numeric address is its own answer.
+Resolved resolve_host(const std::string& host, Clock::time_point end) {
+  in6_addr numeric;
+  if (::inet_pton(AF_INET, host.c_str(), &numeric) == 1 || ::inet_pton(AF_INET6, host.c_str(), &numeric) == 1)
+    return Resolved{{host}, {}, false};
+  auto lookup = std::make_shared<Lookup>();
+  try {
+    std::thread(run_lookup, lookup, host).detach();
+  } catch (const std::system_error& e) {
+    return Resolved{{}, std::string("cannot start a lookup: ") + e.what(), false};
+  }
+  std::unique_lock<std::mutex> lock(lookup->mu);
+  if (!lookup->cv.wait_until(lock, end, [&] { return lookup->done; })) return Resolved{{}, {}, true};
+  return std::move(lookup->result);
+}
 
 // A connection: a hiredis context that connected and parses replies, its
 // socket non-blocking and driven by poll() so that every wait has a bound,
@@ -535,13 +604,23 @@ class RedisStore final : public ChunkStore {
     }
     Clock::time_point deadline;
     const auto end = wait_end(&deadline);
-    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(end - Clock::now());
-    if (left.count() <= 0) return timed_out("connecting to", deadline);
-    const timeval tv{static_cast<time_t>(left.count() / 1000000),
-                     static_cast<suseconds_t>(left.count() % 1000000)};
+    // The name is resolved within the same wait as the connection, and
+    // each address it gives is tried in turn, hiredis only connecting to a
+    // numeric one.
+    const Resolved resolved = resolve_host(o_.host, end);
+    if (resolved.timed_out) return timed_out("resolving", deadline);
+    if (resolved.addrs.empty()) return io_error(spec() + ": cannot resolve " + shown(o_.host) + ": " + resolved.error);
     auto c = std::make_unique<Conn>();
-    c->ctx = redisConnectWithTimeout(o_.host.c_str(), o_.port, tv);
-    if (c->ctx == nullptr) return io_error(spec() + ": cannot allocate a connection");
+    for (const std::string& addr : resolved.addrs) {
+      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(end - Clock::now());
+      if (left.count() <= 0) return timed_out("connecting to", deadline);
+      const timeval tv{static_cast<time_t>(left.count() / 1000000),
+                       static_cast<suseconds_t>(left.count() % 1000000)};
+      if (c->ctx != nullptr) redisFree(c->ctx);
+      c->ctx = redisConnectWithTimeout(addr.c_str(), o_.port, tv);
+      if (c->ctx == nullptr) return io_error(spec() + ": cannot allocate a connection");
+      if (c->ctx->err == 0) break;
+    }
     if (c->ctx->err != 0) {
       if (c->ctx->err == REDIS_ERR_IO && (errno == ETIMEDOUT || std::strstr(c->ctx->errstr, "timed out")))
         return timed_out("connecting to", deadline);
