@@ -256,6 +256,29 @@ TEST_F(PackFaults, DamagedVersionAndFlagsAreDamageNotANewerFormat) {
   }
 }
 
+// A memory view the caller described wrongly is refused as its error.
+TEST_F(PackFaults, AMemoryViewAtANullPointerIsRefused) {
+  const auto null_view = memory_pack_source(nullptr, static_cast<std::int64_t>(pack_.size()));
+  const auto negative = memory_pack_source(pack_.data(), -5);
+  for (const PackSource* src : {null_view.get(), negative.get()}) {
+    const std::string what = src == null_view.get() ? " bytes at a null pointer" : "a source of -5 bytes";
+    auto m = read_manifest(*src);
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.error().message.find(what), std::string::npos) << m.error().to_string();
+    Snapshot out;
+    const Status r = read_pack(*src, {}, out);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.error().message.find(what), std::string::npos) << r.error().to_string();
+    EXPECT_FALSE(verify_pack(*src).ok());
+  }
+  auto m = read_manifest(*null_view);
+  EXPECT_EQ(m.error().code, ErrorCode::kInvalidArgument);
+  std::uint8_t byte = 0;
+  EXPECT_EQ(source(pack_)->read_at(0, 1, nullptr).error().code, ErrorCode::kInvalidArgument);
+  EXPECT_TRUE(source(pack_)->read_at(0, 1, &byte).ok());
+  EXPECT_EQ(byte, static_cast<std::uint8_t>(pack_[0]));
+}
+
 TEST_F(PackFaults, TrailingBytes) {
   expect_rejected(pack_ + "x", ErrorCode::kCorruption, "1 trailing bytes after the last chunk");
 }

@@ -74,6 +74,13 @@ class MemorySource final : public PackSource {
   const std::string& name() const override { return name_; }
   std::int64_t size() const override { return size_; }
   Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const override {
+    // A view the caller described wrongly is its error, not the pack's.
+    if (size_ < 0)
+      return make_error(ErrorCode::kInvalidArgument, name_ + ": a source of " + std::to_string(size_) + " bytes");
+    if (data_ == nullptr && size_ > 0)
+      return make_error(ErrorCode::kInvalidArgument,
+                        name_ + ": a memory view of " + std::to_string(size_) + " bytes at a null pointer");
+    if (dst == nullptr && n > 0) return make_error(ErrorCode::kInvalidArgument, name_ + ": read into a null buffer");
     if (offset < 0 || n < 0 || offset > size_ || n > size_ - offset)
       return corruption(name_ + ": ends at byte " + std::to_string(size_) + ", needed bytes [" +
                         std::to_string(offset) + ", " + std::to_string(offset + n) + ")");
@@ -711,6 +718,8 @@ std::optional<std::uint16_t> damaged_known_preamble(const PackSource& src, const
 Result<Manifest> read_manifest(const PackSource& src) {
   const std::string& name = src.name();
   const std::int64_t size = src.size();
+  if (size < 0)
+    return make_error(ErrorCode::kInvalidArgument, name + ": a source of " + num(size) + " bytes");
   if (size < kPreambleBytes)
     return corruption(name + ": preamble: truncated: the file has " + num(size) +
                       " bytes, a pack starts with a " + num(kPreambleBytes) + "-byte preamble");
