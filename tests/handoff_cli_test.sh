@@ -93,6 +93,11 @@ grep -q -- "--rate = 1e300 is past its bound" bound.err || fail "plan --rate bou
 grep -q -- "--ack-latency-us = 1e308 is past its bound" bound.err || fail "plan ack bound: $(cat bound.err)"
 "$K" handoff plan --model muse-glimmer --tokens 1000 --rate 1e-9 --prefill-tps 0.01 --message 1 >slow.txt 2>bound.err ||
   fail "a slow plan: $(cat bound.err)"
+# Numbers are decimal, as the integer options: no hexadecimal, no blanks.
+for v in 0x10 " 5" "5 " inf; do
+  "$K" handoff plan --model muse-glimmer --tokens 1000 --rate "$v" 2>bound.err && fail "plan --rate '$v'"
+  grep -q -- "--rate must be a positive number, got '$v'" bound.err || fail "plan --rate '$v': $(cat bound.err)"
+done
 # Rates so small that the handoff would outlast any deadline are refused
 # before anything runs, by plan and by a sender.
 for opt in "--rate 1e-300" "--prefill-tps 1e-300"; do

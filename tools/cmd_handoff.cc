@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -426,9 +427,12 @@ int cmd_serve(const std::vector<std::string>& argv) {
 
 Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero,
                                      double most) {
-  char* end = nullptr;
-  const double v = std::strtod(value.c_str(), &end);
-  if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(v) || v < 0 || (!allow_zero && v == 0))
+  // Decimal only, as the integer options: no hexadecimal, no leading
+  // blanks, the same in every locale.
+  double v = 0;
+  const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v, std::chars_format::general);
+  if (value.empty() || ec != std::errc() || end != value.data() + value.size() || !std::isfinite(v) || v < 0 ||
+      (!allow_zero && v == 0))
     return invalid_argument("--" + option + " must be a " + (allow_zero ? "non-negative" : "positive") +
                             " number, got '" + value + "'");
   if (v > most) {

@@ -60,7 +60,8 @@ const CommandHelp kHelp[] = {
              a session of the reference model: prefill P seeded prompt tokens
              in chunks of C, then decode greedily to N tokens; prints speed,
              cache use, ring states and the SHA-256 of the last logits;
-             --attention picks the store's attention numeric (default f32;
+             --context sizes the store (default, or 0: the model's
+             maximum context); --attention picks the store's attention numeric (default f32;
              f16: f16-rounded queries and weights on tensor cores, recorded
              in --save's pack); --save writes the session as a kvpack (thin
              over --store; a store that cannot be written is refused before
