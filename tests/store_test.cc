@@ -207,6 +207,24 @@ TEST(Store, OptionsAreChecked) {
   EXPECT_EQ(*parse_attention_numeric("f32"), AttentionNumeric::kF32);
   EXPECT_FALSE(parse_attention_numeric("fp8").ok());
   EXPECT_STREQ(attention_numeric_name(AttentionNumeric::kF16), "f16");
+  // Options each within its own bound whose storage is past 2^62 bytes (or
+  // past 64 bits) are refused before anything is sized by them: 2^30
+  // blocks of 65536 rows of 256 KiB, and 2^20 sequences' rings of 2^25
+  // rows of 256 KiB in 1023 layers.
+  const ModelConfig wide = make_hybrid_config("wide", 1024, 1024, 512, 512, 128, 1 << 24, 1 << 24);
+  ASSERT_TRUE(wide.validate().ok());
+  for (const StoreOptions& o : {StoreOptions{.max_sequences = 1, .context = 1 << 16, .block_rows = 65536,
+                                             .pool_blocks = std::int64_t{1} << 30},
+                                StoreOptions{.max_sequences = 1 << 20, .slack = 1 << 24, .pool_blocks = 1}}) {
+    const auto big = resolve_store_options(wide, o);
+    ASSERT_FALSE(big.ok());
+    EXPECT_NE(big.error().message.find("is past 4611686018427387904 bytes"), std::string::npos)
+        << big.error().message;
+  }
+  // Just under the bound it resolves (nothing is allocated by resolving).
+  EXPECT_TRUE(resolve_store_options(wide, {.max_sequences = 1, .context = 1 << 16, .block_rows = 65536,
+                                           .pool_blocks = (std::int64_t{1} << 26) - 1})
+                  .ok());
   auto s = make_store(BackendKind::kCpu, c, {.max_sequences = 3, .block_rows = 16});
   ASSERT_TRUE(s.ok());
   // One full layer of 256 positions: 16 blocks a sequence.

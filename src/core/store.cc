@@ -70,6 +70,9 @@ SeqId make_seq(std::uint32_t slot, std::uint32_t generation) {
 // index arithmetic or an allocation size.
 constexpr std::int64_t kMaxSequences = 1 << 20;
 constexpr std::int64_t kMaxPoolBlocks = std::int64_t{1} << 30;
+// The most plane storage one store may have: 2^62 bytes, so that any sum
+// of its parts, and any offset into them, fits a signed 64-bit integer.
+constexpr std::int64_t kMaxStoreBytes = std::int64_t{1} << 62;
 constexpr std::int64_t kMaxBatchRows = std::int64_t{1} << 32;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -126,6 +129,19 @@ Result<StoreOptions> resolve_store_options(const ModelConfig& config, StoreOptio
   if (o.pool_blocks < 0 || o.pool_blocks > kMaxPoolBlocks)
     return invalid_argument("pool_blocks " + std::to_string(o.pool_blocks) + " outside [0, " +
                             std::to_string(kMaxPoolBlocks) + "]");
+  // Every slot's rings and the whole pool, in bytes (allocated_bytes()):
+  // each limit above holds alone, their product may not fit 64 bits, and a
+  // backend sizes its allocations by it.
+  const std::int64_t row_bytes = config.kv_dim() * 4;
+  const std::int64_t ring_rows = config.plane_capacity(LayerKind::kSlidingRope, o.context) + o.slack;
+  std::int64_t rings = 0, pool = 0, total = 0;
+  if (__builtin_mul_overflow(o.max_sequences * (config.n_layers - n_full), ring_rows * row_bytes, &rings) ||
+      __builtin_mul_overflow(o.pool_blocks, o.block_rows * row_bytes, &pool) ||
+      __builtin_add_overflow(rings, pool, &total) || total > kMaxStoreBytes)
+    return invalid_argument("a store of " + std::to_string(o.max_sequences) + " sequences' rings and " +
+                            std::to_string(o.pool_blocks) + " blocks of " + std::to_string(o.block_rows) +
+                            " rows (" + std::to_string(row_bytes) + " B a row) is past " +
+                            std::to_string(kMaxStoreBytes) + " bytes");
   return o;
 }
 
