@@ -1151,7 +1151,8 @@ TEST(Store, ASequenceWhoseDeviceTablesCannotBeRestoredIsRefusedUntilReset) {
 // A device that fails after its rows landed in a full sliding ring: the new
 // rows took the slots of the oldest live ones, so the ring state that goes
 // back would name rows that are gone. Those sequences are refused until
-// reset; a sequence whose rings had room, in the same failed batch, is not.
+// reset; a sequence whose rings had room, in the same failed batch, is not,
+// nor is any sequence after a failure before the rows were written.
 TEST(Store, ASequenceThatLostRowsToAFailedWriteIsRefusedUntilReset) {
   const ModelConfig c = small_config();  // window 32, slack 4: sliding rings of 36
   const StoreOptions o = *resolve_store_options(c, {.max_sequences = 2, .slack = 4, .block_rows = 16});
@@ -1170,7 +1171,19 @@ TEST(Store, ASequenceThatLostRowsToAFailedWriteIsRefusedUntilReset) {
       all.v.insert(all.v.end(), rl.v.begin(), rl.v.end());
     }
   const SeqSpan next[] = {{a, 40, 1}, {b, 20, 1}};
+  // A device error before any row was written (an allocation, an upload)
+  // takes no row: the call fails and both sequences go on as they were.
+  const auto ia = live_bytes(s, a);
   s.fail_writes = true;
+  const Status early = s.store_all_layers(next, host_view(all.k.data(), 2 * c.n_layers, kv),
+                                          host_view(all.v.data(), 2 * c.n_layers, kv));
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.error().code, ErrorCode::kCuda);
+  EXPECT_EQ(live_bytes(s, a), ia);
+  EXPECT_EQ(live_bytes(s, b), ib);
+  EXPECT_EQ(s.free_blocks(), free_before);
+  EXPECT_EQ(*s.next_position(a), 40);
+  // Now the device fails after the rows landed.
   s.fail_after_writing = true;
   const Status failed = s.store_all_layers(next, host_view(all.k.data(), 2 * c.n_layers, kv),
                                            host_view(all.v.data(), 2 * c.n_layers, kv));

@@ -18,8 +18,9 @@
 // error), the rows it had written are not reachable: ring states, block
 // tables and the pool are restored to what they were. Two cases cannot be
 // restored so: the device's copy of a block table failing to go back too,
-// and a write into a full sliding ring, whose new rows take the slots of
-// its oldest live ones. The sequences concerned are refused (kCuda) by
+// and a write into a full sliding ring that failed once its rows began to
+// land (they take the slots of its oldest live ones; an error before that,
+// such as an allocation, changes no ring). The sequences concerned are refused (kCuda) by
 // every call on them but reset_sequence, remove_sequence, contains,
 // is_detached, next_position, ring and blocks_held, until they are reset
 // or removed; the store's other sequences are not affected. (A failed
@@ -443,6 +444,8 @@ class KvStore {
   // contract: they have landed for any work enqueued after the call); the
   // writes name their blocks through their PlaneRef, so a backend may
   // mirror the changes in the same step as the rows.
+  // A backend sets rows_written_ as it begins the work that writes the
+  // rows (before a launch that may write any of them), not before.
   virtual Status write_rows(std::span<const TableChange> changes,
                             std::span<const RowWrite> writes, const ConstView& k,
                             const ConstView& v, cudaStream_t stream) = 0;
@@ -484,6 +487,10 @@ class KvStore {
 
   ModelConfig config_;
   StoreOptions options_;
+  // Set by a backend once a batched write's rows may have begun to land
+  // (write_rows, or an attend_and_store that stores as it attends); the
+  // base clears it before each batched write (mark_overwritten).
+  bool rows_written_ = false;
 
  private:
   struct Sequence {
@@ -595,9 +602,12 @@ class KvStore {
   // Points the planned table changes at the tables (planning may have
   // moved a table's storage after a change named it).
   void seal(Txn& txn);
-  // After a device error (kCuda) in `writes`, rolled back: the sequences
-  // whose full sliding rings a write went into are refused until reset
-  // (Sequence::stale), their oldest live rows' slots written over.
+  // After a device error (kCuda) in `writes`, rolled back, once the
+  // backend began writing rows (rows_written_): the sequences whose full
+  // sliding rings a write went into are refused until reset
+  // (Sequence::stale), their oldest live rows' slots written over. An
+  // error before that (an allocation, an upload, the attention of a
+  // prefill) leaves every ring as it was.
   void mark_overwritten(const Status& failed, std::span<const RowWrite> writes);
   // The end of a batched write: on `st`'s error, rollback and
   // mark_overwritten, and `st` returned; else commit.

@@ -1112,6 +1112,7 @@ Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const Cons
                              const ConstView& v, cudaStream_t stream) {
   seal(txn);
   for (auto& w : writes) w.plane = plane_ref(w.plane.slot, w.plane.layer);
+  rows_written_ = false;
   Status st = copy_blocks(txn, stream);
   if (st.ok()) {
     txn.mirrored = !txn.changes.empty();
@@ -1132,7 +1133,7 @@ Status KvStore::settle(Txn& txn, const Status& st, std::span<const RowWrite> wri
 }
 
 void KvStore::mark_overwritten(const Status& failed, std::span<const RowWrite> writes) {
-  if (failed.ok() || failed.error().code != ErrorCode::kCuda) return;
+  if (failed.ok() || failed.error().code != ErrorCode::kCuda || !rows_written_) return;
   for (const RowWrite& w : writes) {
     Sequence& s = slots_[static_cast<std::size_t>(w.plane.slot)];
     const RingState& r = s.rings[static_cast<std::size_t>(w.plane.layer)];
@@ -1284,6 +1285,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
     items.push_back(AttendItem{writes[i].plane, before[i], c.start, c.count, c.start, row, row});
     row += c.count;
   }
+  rows_written_ = false;
   Status st = apply_blocks(txn, stream);
   for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer);
   if (st.ok()) st = attend_and_store(AttendBatch{layer, items, &q, &out, &k, &v, stream}, writes);

@@ -72,6 +72,7 @@ class CpuStore : public KvStore {
     // step's thousands of one-row writes are then tens of tasks, not
     // thousands).
     constexpr std::int64_t kRowsPerTask = 64;
+    rows_written_ = true;
     const std::int64_t kv_dim = config_.kv_dim();
     const auto n = static_cast<std::int64_t>(writes.size());
     std::int64_t rows = 0;

@@ -816,6 +816,7 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
   cudaError_t e = cudaSuccess;
   if (spans.size() == 1 && n_table_writes == 0) {
     L.single = spans[0];
+    rows_written_ = true;
     e = cuda::launch_store_spans(L, im.policy.programmatic, s);
   } else if (bytes <= cuda::kStoreInlineBytes) {
     if (!im.inline_store) im.inline_store = std::make_unique<cuda::StoreInline>();
@@ -824,6 +825,7 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
     p.writes_at = static_cast<std::int64_t>(span_bytes);
     p.ids_at = static_cast<std::int64_t>(span_bytes + write_bytes);
     pack(reinterpret_cast<char*>(p.bytes));
+    rows_written_ = true;
     e = cuda::launch_store_inline(p, im.policy.programmatic, s);
   } else {
     auto c = im.take_chunk(bytes, s);
@@ -834,7 +836,10 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
     L.spans = reinterpret_cast<const cuda::StoreSpan*>(chunk->dev);
     L.table_writes = reinterpret_cast<const cuda::TableWrite*>(chunk->dev + span_bytes);
     L.block_ids = reinterpret_cast<const std::int32_t*>(chunk->dev + span_bytes + write_bytes);
-    if (st.ok()) e = cuda::launch_store_spans(L, im.policy.programmatic, s);
+    if (st.ok()) {
+      rows_written_ = true;
+      e = cuda::launch_store_spans(L, im.policy.programmatic, s);
+    }
   }
   if (st.ok() && e != cudaSuccess) st = cuda_error("store kernel launch", e);
   if (st.ok() && chunk != nullptr) st = im.release_chunk(chunk, s);
@@ -989,6 +994,7 @@ Status CudaStore::attend_and_store(const AttendBatch& b, std::span<const RowWrit
   if (!one_launch) return KvStore::attend_and_store(b, writes);
   AttendBatch own = b;
   own.store_chunk = true;
+  rows_written_ = true;  // the launch stores as it attends
   return attend(own);
 }
 
