@@ -78,7 +78,7 @@ class CudaStore final : public KvStore {
   // Hands the attention scratch the store keeps between calls back to the
   // device, once the work enqueued on the store so far is done (waits for
   // it); the next call that needs scratch maps it again. Refused while the
-  // store's last stream is being captured into a graph.
+  // store's own stream (stream()) is being captured into a graph.
   Status release_scratch();
 
  protected:

@@ -90,7 +90,7 @@ class DeviceBuffer {
   }
   Status reserve(std::size_t bytes, const char* what) {
     if (bytes <= bytes_) return Status::Ok();
-    if (p_) cudaFree(p_);
+    if (p_) KVRING_CUDA_CHECK("cudaFree of staging", cudaFree(p_));
     p_ = nullptr;
     bytes_ = 0;
     KVRING_CUDA_CHECK("cudaMalloc of " + std::to_string(bytes) + " bytes for " + what,
@@ -119,7 +119,7 @@ class PinnedBuffer {
   }
   Status reserve(std::size_t bytes) {
     if (bytes <= bytes_) return Status::Ok();
-    if (p_) cudaFreeHost(p_);
+    if (p_) KVRING_CUDA_CHECK("cudaFreeHost of staging", cudaFreeHost(p_));
     p_ = nullptr;
     bytes_ = 0;
     KVRING_CUDA_CHECK("cudaHostAlloc of " + std::to_string(bytes) + " bytes of staging",
@@ -227,9 +227,11 @@ struct CudaStore::Impl {
   };
   std::vector<Chunk> chunks;
 
-  // The order of the store's work across streams: `last` is the stream of
-  // the previous hook, `chain` an event recorded after its work.
-  cudaStream_t last = nullptr;
+  // The order of the store's work across streams: `last_id` is the
+  // previous hook's stream, by the runtime's stream id (unique for the
+  // process's life, where a destroyed stream's handle may name a new one),
+  // and `chain` an event recorded after its work.
+  unsigned long long last_id = 0;
   bool chained = false;
   cudaEvent_t chain = nullptr;
 
@@ -301,15 +303,17 @@ struct CudaStore::Impl {
   // Before enqueuing on `s`: work of the previous hook on another stream
   // comes first (a device-side wait).
   Status enter(cudaStream_t s) {
-    if (chained && last != s && !capturing(s))
-      KVRING_CUDA_CHECK("cudaStreamWaitEvent", cudaStreamWaitEvent(s, chain, 0));
+    if (!chained || capturing(s)) return Status::Ok();
+    unsigned long long id = 0;
+    KVRING_CUDA_CHECK("cudaStreamGetId", cudaStreamGetId(s, &id));
+    if (id != last_id) KVRING_CUDA_CHECK("cudaStreamWaitEvent", cudaStreamWaitEvent(s, chain, 0));
     return Status::Ok();
   }
   // After enqueuing on `s`.
   Status leave(cudaStream_t s) {
     if (capturing(s)) return Status::Ok();
+    KVRING_CUDA_CHECK("cudaStreamGetId", cudaStreamGetId(s, &last_id));
     KVRING_CUDA_CHECK("cudaEventRecord", cudaEventRecord(chain, s));
-    last = s;
     chained = true;
     return Status::Ok();
   }
@@ -510,7 +514,11 @@ Status CudaStore::release_scratch() {
   if (im.scratch == nullptr) return Status::Ok();
   const DeviceScope scope(im.device);
   KVRING_CUDA_CHECK("making the store's device current", scope.error());
-  if (Impl::capturing(im.stream) || (im.chained && Impl::capturing(im.last)))
+  // It synchronizes the store's own stream. The caller's streams are not
+  // touched (the last may since have been destroyed): `chain` was recorded
+  // outside any capture, and waiting for it is allowed during a capture in
+  // relaxed mode, the mode the store's captures take.
+  if (Impl::capturing(im.stream))
     return invalid_argument("release_scratch: the store's stream is being captured into a graph; "
                             "call it outside the capture");
   // Scratch freed on a stream returns to the pool when that stream reaches
@@ -785,6 +793,11 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
     }
   }
   if (spans.empty() && n_table_writes == 0) return Status::Ok();
+  // The kernel finds a row's span by a 32-bit search.
+  if (spans.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+    return im.fail(make_error(ErrorCode::kUnsupported, "a store of " + std::to_string(spans.size()) +
+                                                           " spans in one call; the CUDA store takes at most 2^31 - 1"),
+                   s);
   cuda::StoreLaunch L;
   L.n_spans = static_cast<std::int32_t>(spans.size());
   L.total_rows = rows;
