@@ -20,11 +20,12 @@
 // restored so: the device's copy of a block table failing to go back too,
 // and a write into a full sliding ring that failed once its rows began to
 // land (they take the slots of its oldest live ones; an error before that,
-// such as an allocation, changes no ring). The sequences concerned are refused (kCuda) by
-// every call on them but reset_sequence, remove_sequence, contains,
-// is_detached, next_position, ring and blocks_held, until they are reset
-// or removed; the store's other sequences are not affected. (A failed
-// install leaves its plane empty instead, which needs no mirror.)
+// such as an allocation, changes no ring). The sequences concerned are
+// refused (kCuda) by every call on them but reset_sequence,
+// remove_sequence, contains, is_detached, next_position, ring and
+// blocks_held, until they are reset or removed; the store's other
+// sequences are not affected. (A failed install leaves its plane empty
+// instead, which needs no mirror.)
 #pragma once
 
 #include <cstdint>
