@@ -931,6 +931,7 @@ class FailingStore : public CpuStore {
   bool fail_after_writing = false;
   bool fail_mirror = false;
   std::int64_t fail_copy_at_layer = -1;  // copy_ring of this layer fails
+  bool fail_copy_in = false;             // row copies write their K rows, then fail
 
  protected:
   Status write_rows(std::span<const TableChange> changes, std::span<const RowWrite> writes,
@@ -948,7 +949,56 @@ class FailingStore : public CpuStore {
     if (layer == fail_copy_at_layer) return make_error(ErrorCode::kCuda, "the ring copy failed (injected)");
     return CpuStore::copy_ring(from, to, layer, stream);
   }
+  Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k, const std::uint16_t* v,
+                 MemorySpace space, cudaStream_t stream) override {
+    if (!fail_copy_in) return CpuStore::copy_in(plane, spans, k, v, space, stream);
+    std::int64_t rows = 0;
+    for (int i = 0; i < spans.n_spans; ++i) rows += spans.spans[static_cast<std::size_t>(i)].rows;
+    std::vector<std::uint16_t> old_k(static_cast<std::size_t>(rows * config_.kv_dim())), old_v(old_k.size());
+    KVRING_RETURN_IF_ERROR(copy_out(plane, spans, old_k.data(), old_v.data(), space, stream));
+    KVRING_RETURN_IF_ERROR(CpuStore::copy_in(plane, spans, k, old_v.data(), space, stream));
+    return make_error(ErrorCode::kCuda, "the row copy failed after its K rows (injected)");
+  }
 };
+
+// An install_rows that fails part-way may have replaced some rows of an
+// earlier install (here K, not V): those rows count as unwritten, so the
+// sequence cannot be attached with them, until they are written again.
+TEST(Store, InstallRowsThatFailPartWayCountAsUnwritten) {
+  const ModelConfig c = small_config();
+  const StoreOptions o = *resolve_store_options(c, {.max_sequences = 2, .block_rows = 16});
+  FailingStore s(c, o);
+  ASSERT_TRUE(s.allocate().ok());
+  const SeqId a = *s.add_sequence();
+  Outputs out;
+  run_batch(s, {{1, SeqSpan{a, 0, 20}}}, out);
+  auto snap = take_snapshot(s, a);
+  ASSERT_TRUE(snap.ok());
+  const SeqId d = *s.add_detached_sequence();
+  const std::int64_t kv = c.kv_dim();
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    auto ring = restore_ring(*snap, l, s);
+    ASSERT_TRUE(ring.ok());
+    ASSERT_TRUE(s.install_plane(d, l, *ring).ok());
+    const PlaneSnapshot& p = snap->planes[static_cast<std::size_t>(l)];
+    ASSERT_TRUE(s.install_rows(d, l, ring->origin_logical(), ring->len(), p.k.data(), p.v.data()).ok());
+  }
+  // Layer 0's rows 4..7 again, from other bytes, failing half-way.
+  const PlaneSnapshot& p0 = snap->planes[0];
+  std::vector<std::uint16_t> other(static_cast<std::size_t>(4 * kv), 0x3c00);
+  const auto at = static_cast<std::size_t>((4 - p0.ring.origin_logical()) * kv);
+  s.fail_copy_in = true;
+  EXPECT_EQ(s.install_rows(d, 0, 4, 4, other.data(), other.data()).error().code, ErrorCode::kCuda);
+  s.fail_copy_in = false;
+  const Status early = s.attach_sequence(d);
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_TRUE(s.is_detached(d));
+  // Written again, the rows are whole and the sequence attaches as a copy.
+  ASSERT_TRUE(s.install_rows(d, 0, 4, 4, p0.k.data() + at, p0.v.data() + at).ok());
+  ASSERT_TRUE(s.attach_sequence(d).ok());
+  EXPECT_EQ(live_bytes(s, d), live_bytes(s, a));
+}
 
 // The CPU backend, recording the extent each view check is given (the
 // bytes from a view's first element to its last row's end), and refusing

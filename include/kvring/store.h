@@ -372,7 +372,9 @@ class KvStore {
   // taken, a ring that is not full cleared) with its live rows not yet
   // written, and install_rows writes live rows [first, first + count) of it
   // (k, v [count, kv_dim], logical order). A live sequence is refused: its
-  // rows would be readable before they were written.
+  // rows would be readable before they were written. Should the backend
+  // fail while copying, rows [first, first + count) count as not written
+  // (attach_sequence refuses the sequence until they are written again).
   Status install_plane(SeqId seq, std::int64_t layer, const RingState& ring,
                        cudaStream_t stream = nullptr);
   Status install_rows(SeqId seq, std::int64_t layer, std::int64_t first, std::int64_t count,
@@ -562,9 +564,11 @@ class KvStore {
   void empty_plane(Txn& txn, std::int32_t slot, std::int64_t layer);
   // A detached sequence's record of written rows (Sequence::written) after
   // an install of the layer's plane (all its live rows written, or none),
-  // and after install_rows wrote live rows [first, first + count).
+  // and after install_rows wrote live rows [first, first + count)
+  // (`written`), or failed while writing them (not `written`).
   void mark_installed(std::int32_t slot, std::int64_t layer, bool rows_written);
-  void mark_written(std::int32_t slot, std::int64_t layer, std::int64_t first, std::int64_t count);
+  void mark_written(std::int32_t slot, std::int64_t layer, std::int64_t first, std::int64_t count,
+                    bool written);
   // Row buffers of `rows` packed f16 rows of kv_dim each (a count not yet
   // checked against the rings).
   Status check_rows_memory(MemorySpace space, const std::uint16_t* k, const std::uint16_t* v,

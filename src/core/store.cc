@@ -485,15 +485,18 @@ void KvStore::mark_installed(std::int32_t slot, std::int64_t layer, bool rows_wr
   w.rows = rows_written ? len : 0;
 }
 
-void KvStore::mark_written(std::int32_t slot, std::int64_t layer, std::int64_t first, std::int64_t count) {
+void KvStore::mark_written(std::int32_t slot, std::int64_t layer, std::int64_t first, std::int64_t count,
+                           bool written) {
   Sequence& s = slots_[static_cast<std::size_t>(slot)];
   const std::int64_t from = first - s.rings[static_cast<std::size_t>(layer)].origin_logical();
   Sequence::Written& w = s.written[static_cast<std::size_t>(layer)];
   for (std::int64_t i = from; i < from + count; ++i) {
     std::uint64_t& word = w.bits[static_cast<std::size_t>(i >> 6)];
     const std::uint64_t bit = std::uint64_t{1} << (i & 63);
-    if ((word & bit) == 0) ++w.rows;
-    word |= bit;
+    if (((word & bit) != 0) != written) {
+      w.rows += written ? 1 : -1;
+      word ^= bit;
+    }
   }
 }
 
@@ -1533,9 +1536,12 @@ Status KvStore::install_rows(SeqId seq, std::int64_t layer, std::int64_t first,
   const RingState& r = slots_[static_cast<std::size_t>(*slot)].rings[static_cast<std::size_t>(layer)];
   KVRING_RETURN_IF_ERROR(check_live(seq, layer, r, first, count));
   ring_written(*slot, layer);
-  KVRING_RETURN_IF_ERROR(copy_in(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream));
-  mark_written(*slot, layer, first, count);
-  return Status::Ok();
+  // A copy that fails part-way may have replaced some of the rows (K or V)
+  // of an earlier install: they count as not written, so attach_sequence
+  // refuses the sequence until they are written again.
+  const Status st = copy_in(plane_ref(*slot, layer), r.spans(first, count), k, v, space, stream);
+  mark_written(*slot, layer, first, count, st.ok());
+  return st;
 }
 
 }  // namespace kvring
