@@ -16,10 +16,14 @@ steps=${2:-"tests bench handoff sdpa cli memcheck initcheck ncu racecheck"}
 # SAN_FILTER (a --gtest_filter=...) overrides the sanitizers' test filter,
 # SAN_LIMIT their time limit in seconds.
 # Logs go to a scratch folder, packed into $OUT/logs.tgz after every step
-# (few files come back from a device call, and a step may be cut short).
+# (few files come back from a device call, and a step may be cut short);
+# a later run of this script in the same call packs into logs-2.tgz, and
+# so on, never over an earlier run's logs.
 dest=${OUT:-/tmp/out}
 out=$(mktemp -d)
 mkdir -p "$dest"
+archive=$dest/logs.tgz
+for n in $(seq 2 99); do [ -e "$archive" ] || break; archive=$dest/logs-$n.tgz; done
 here=$(cd "$(dirname "$0")" && pwd)
 lib=${LIB_DIR:-$bin/../lib}
 [ -d "$lib" ] && export LD_LIBRARY_PATH="$(cd "$lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -89,5 +93,5 @@ for step in $steps; do
         "$bin/kvring_cuda_tests" "$filter" > "$out/$step.log" 2>&1
       echo "exit $?"; grep -E "ERROR SUMMARY|^\[  (FAILED|PASSED) " "$out/$step.log" | tail -4 ;;
   esac
-  tar czf "$dest/logs.tgz" -C "$out" .
+  tar czf "$archive" -C "$out" .
 done
