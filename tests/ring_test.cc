@@ -183,6 +183,34 @@ TEST(Ring, ABatchPastTheLastPositionSaysSo) {
       << past.error().message;
 }
 
+// commit_batch applies only counts a plan accepts: one past position 2^62
+// or past a full plane's capacity leaves the state as it was, so no state
+// reaches a negative origin or a full plane whose origin moved.
+TEST(Ring, CommitsNoPlanAcceptsChangeNothing) {
+  const std::int64_t end = std::int64_t{1} << 62;
+  RingState r = RingState::sliding(32);
+  for (const std::int64_t count : {std::numeric_limits<std::int64_t>::max(), end + 1, std::int64_t{0}, std::int64_t{-3}})
+    r.commit_batch(count);
+  EXPECT_EQ(r.next_position(), 0);
+  r.commit_batch(end);  // exactly to 2^62: accepted
+  EXPECT_EQ(r.next_position(), end);
+  EXPECT_EQ(r.len(), 32);
+  const RingState at_end = r;
+  r.commit_batch(1);
+  EXPECT_EQ(r.next_position(), end);
+  EXPECT_EQ(r.origin_physical(), at_end.origin_physical());
+  EXPECT_TRUE(RingState::from_parts(r.capacity(), r.wraps(), r.len(), r.origin_logical(), r.origin_physical()).ok());
+  RingState full = RingState::full(32);
+  full.commit_batch(40);
+  EXPECT_EQ(full.len(), 0);
+  EXPECT_EQ(full.origin_logical(), 0);
+  full.commit_batch(32);
+  EXPECT_EQ(full.len(), 32);
+  full.commit_batch(1);
+  EXPECT_EQ(full.len(), 32);
+  EXPECT_EQ(full.origin_logical(), 0);
+}
+
 TEST(Ring, SequentialMatchesAppends) {
   for (std::int64_t cap : {1, 7, 32, 33}) {
     RingState r = RingState::sliding(cap);

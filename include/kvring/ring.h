@@ -86,6 +86,8 @@ class RingState {
   // rows (capacity < 1: a default state) refuses every append.
   Result<BatchPlacement> plan_batch(std::int64_t layer, std::int64_t start,
                                     std::int64_t count) const;
+  // Applies `count` rows; a count no plan_batch accepts (below 1, past a
+  // full plane's capacity or past position 2^62) changes nothing.
   void commit_batch(std::int64_t count);
   // plan_batch then commit_batch.
   Result<BatchPlacement> append_batch(std::int64_t layer, std::int64_t start,

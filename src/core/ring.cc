@@ -134,7 +134,11 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
 }
 
 void RingState::commit_batch(std::int64_t count) {
-  if (capacity_ < 1 || count < 1) return;  // no plan_batch accepts these
+  // No plan_batch accepts these: no rows, a full plane past its capacity,
+  // or an end past 2^62.
+  if (capacity_ < 1 || count < 1 || count > (std::int64_t{1} << 62) - next_position() ||
+      (!wraps_ && count > capacity_ - len_))
+    return;
   const std::int64_t total = len_ + count;
   if (total <= capacity_) {
     len_ = total;

@@ -1376,6 +1376,14 @@ namespace {
 // A ring state install() accepts for a plane of `capacity` (sliding or full).
 Status check_install_ring(std::int64_t layer, const RingState& state, std::int64_t capacity,
                           bool sliding, std::int64_t limit, std::int64_t slack) {
+  // Positions within [0, 2^62] and a length within the capacity first, so
+  // that nothing below is computed past 64 bits (a rolled-back ring may
+  // have moved its origin without being full).
+  if (state.len() < 0 || state.len() > state.capacity() || state.origin_logical() < 0 ||
+      state.origin_logical() > (std::int64_t{1} << 62) - state.len())
+    return invalid_argument("layer " + std::to_string(layer) + ": ring state of " + std::to_string(state.len()) +
+                            " rows from position " + std::to_string(state.origin_logical()) +
+                            " lies outside positions [0, 2^62]");
   if (state.capacity() != capacity || state.wraps() != sliding)
     return make_error(ErrorCode::kMismatch,
                       "layer " + std::to_string(layer) + ": plane of capacity " +
