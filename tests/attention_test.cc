@@ -549,7 +549,7 @@ TEST(AttentionSinks, AModelWithSinksIsNotAttendedWithoutThem) {
 
 // The f16 numeric on scores far past any model's (finite f16 K and an f32
 // query): the tile step's exponent s c - m c is computed as fma(s, c, -m c)
-// with m c rounded, whose rounding (half an ulp of m c, 64 at 2^30) must
+// with m c rounded, whose rounding (up to an ulp of m c, 128 at 2^30) must
 // not make the maximum's weight overflow f16 or vanish: the output stays
 // the value of the row that takes all the weight, on every attention path.
 // The large elements sit at one dimension (head_dim 3 and 64) or at half

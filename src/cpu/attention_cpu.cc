@@ -270,23 +270,34 @@ void scale_weights_scalar(float* w, std::int64_t n, std::int64_t Gp, const float
     for (std::int64_t t = 0; t < Gp; ++t) w[j * Gp + t] *= f[t];
 }
 
+// The f16 numeric's m c: the product rounded toward -inf (the GPU
+// kernel's __fmul_rd), so that fma(m, c, -m c) >= 0 and the maximum's
+// exponent is exactly 0 once taken as at most 0. Exact wherever |m c| is
+// past about 2^-100; below, the residual underflows, and every exponent
+// there is within 2^-100 of 0, its weight the f16 1 either way.
+float max_product(float m, float c) {
+  const float p = m * c;
+  return std::fma(m, c, -p) < 0.0f ? std::nextafter(p, -INFINITY) : p;
+}
+
 void weights_f16_scalar(float* sc, std::int64_t n, std::int64_t Gp, const float* c, float* m,
                         float* mc, float* l, float* alpha) {
   for (std::int64_t t = 0; t < Gp; ++t) {
     float mx = -INFINITY;
     for (std::int64_t j = 0; j < n; ++j) mx = std::fmax(mx, sc[j * Gp + t]);
     const float m_new = std::fmax(m[t], mx);
-    const float mc_new = m_new * c[t];
+    const float mc_new = max_product(m_new, c[t]);
     alpha[t] = m_new == m[t] ? 1.0f : std::exp2(mc[t] - mc_new);
     // With nothing seen yet (m_new = -inf) every weight is exp2(-inf) = 0.
     const float shift = m_new == -INFINITY ? 0.0f : -mc_new;
     float sum = 0.0f;
     for (std::int64_t j = 0; j < n; ++j) {
-      // s c - m c is at most 0, and 0 for the tile's maximum: the rounding
-      // of m c (up to half its ulp, past 1 once |m c| > 2^24) must not make
-      // the maximum's weight overflow f16 or vanish, nor any weight pass 1.
+      // s c - m c is at most 0 (NaN kept), and 0 for the tile's maximum
+      // (max_product): the rounding of m c (up to an ulp, past 1 once
+      // |m c| > 2^24) must not make the maximum's weight overflow f16 or
+      // vanish, nor any weight pass 1.
       float e = std::fma(sc[j * Gp + t], c[t], shift);
-      if (e > 0.0f || (sc[j * Gp + t] == m_new && m_new != -INFINITY)) e = 0.0f;
+      if (e > 0.0f) e = 0.0f;
       const float w = f16_round(std::exp2(e));
       sc[j * Gp + t] = w;
       sum += w;
@@ -531,6 +542,21 @@ KVRING_AVX2 inline __m256 exp2_8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// max_product for 8 lanes: where m c rounded to nearest lies above the
+// product, the float one step toward -inf (bits - 1 above 0, + 1 below,
+// the smallest negative subnormal at 0).
+KVRING_AVX2 inline __m256 max_product8(__m256 m, __m256 c) {
+  const __m256 p = _mm256_mul_ps(m, c);
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 above = _mm256_cmp_ps(_mm256_fmsub_ps(m, c, p), zero, _CMP_LT_OQ);
+  const __m256i bits = _mm256_castps_si256(p), one = _mm256_set1_epi32(1);
+  __m256i down = _mm256_blendv_epi8(_mm256_add_epi32(bits, one), _mm256_sub_epi32(bits, one),
+                                    _mm256_castps_si256(_mm256_cmp_ps(p, zero, _CMP_GT_OQ)));
+  down = _mm256_blendv_epi8(down, _mm256_set1_epi32(static_cast<int>(0x80000001u)),
+                            _mm256_castps_si256(_mm256_cmp_ps(p, zero, _CMP_EQ_OQ)));
+  return _mm256_blendv_ps(p, _mm256_castsi256_ps(down), above);
+}
+
 // weights_f16_scalar's step for 8 head lanes at once, with exp2_8 for exp2.
 KVRING_AVX2 void weights_f16_avx2(float* sc, std::int64_t n, std::int64_t Gp, const float* c, float* m,
                                   float* mc, float* l, float* alpha) {
@@ -540,21 +566,19 @@ KVRING_AVX2 void weights_f16_avx2(float* sc, std::int64_t n, std::int64_t Gp, co
     for (std::int64_t j = 0; j < n; ++j) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + j * Gp + t));
     const __m256 ct = _mm256_loadu_ps(c + t), m_old = _mm256_loadu_ps(m + t);
     const __m256 m_new = _mm256_max_ps(m_old, mx);
-    const __m256 mc_new = _mm256_mul_ps(m_new, ct);
+    const __m256 mc_new = max_product8(m_new, ct);
     const __m256 kept = _mm256_cmp_ps(m_new, m_old, _CMP_EQ_OQ);
     const __m256 a = _mm256_blendv_ps(exp2_8(_mm256_sub_ps(_mm256_loadu_ps(mc + t), mc_new)),
                                       _mm256_set1_ps(1.0f), kept);
     const __m256 empty = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
     const __m256 shift = _mm256_blendv_ps(_mm256_sub_ps(_mm256_setzero_ps(), mc_new), _mm256_setzero_ps(), empty);
     __m256 sum = _mm256_setzero_ps();
-    // As weights_f16_scalar: the exponent at most 0, and 0 at the maximum.
+    // As weights_f16_scalar: the exponent at most 0 (0 at the maximum).
     const __m256 zero = _mm256_setzero_ps();
-    const __m256 top = _mm256_andnot_ps(empty, _mm256_cmp_ps(m_new, m_new, _CMP_EQ_OQ));
     for (std::int64_t j = 0; j < n; ++j) {
       const __m256 s = _mm256_loadu_ps(sc + j * Gp + t);
       __m256 x = _mm256_fmadd_ps(s, ct, shift);
       x = _mm256_min_ps(zero, x);  // 0 where x > 0; x where it is NaN
-      x = _mm256_blendv_ps(x, zero, _mm256_and_ps(top, _mm256_cmp_ps(s, m_new, _CMP_EQ_OQ)));
       const __m256 e = exp2_8(x);
       const __m256 w = _mm256_cvtph_ps(_mm256_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       _mm256_storeu_ps(sc + j * Gp + t, w);

@@ -144,15 +144,19 @@ __device__ __forceinline__ std::int64_t first_split_of(std::int64_t p, std::int6
   return max(std::int64_t{0}, p - reach) / kSplitRows;
 }
 
-// A weight's exponent s c - m c (shift = -m c), taken as at most 0 and as 0
-// for a score equal to the maximum m: past |m c| of about 2^24 the rounding
-// of m c would otherwise make the maximum's f16 weight overflow or vanish
-// (docs/DESIGN.md, "Attention numerics"). The CPU backend takes the same
-// step.
-__device__ __forceinline__ float weight_exponent(float s, float c, float shift, float m) {
+// A weight's exponent s c - m c (shift = -m c), taken as at most 0, NaN
+// kept. m c is the maximum's product rounded toward -inf (max_product), so
+// the maximum's exponent is at least 0 before the min and exactly 0 after
+// it: rounded to nearest, past |m c| of about 2^24, its rounding would
+// make the maximum's f16 weight overflow or vanish (docs/DESIGN.md,
+// "Attention numerics"). The CPU backend takes the same steps.
+__device__ __forceinline__ float weight_exponent(float s, float c, float shift) {
   const float e = fmaf(s, c, shift);
-  return e > 0.0f || (s == m && m != -INFINITY) ? 0.0f : e;
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(e), "f"(0.0f));
+  return r;
 }
+__device__ __forceinline__ float max_product(float m, float c) { return __fmul_rd(m, c); }
 
 // An output value with -0 written as +0 (the f16 numeric's zero output).
 __device__ __forceinline__ float plus_zero(float x) { return x == 0.0f ? 0.0f : x; }
@@ -377,14 +381,14 @@ __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
       mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 1));
       mt = fmaxf(mt, __shfl_xor_sync(kFullMask, mt, 2));
       const float m_new = fmaxf(m[rr], mt);
-      const float mc_new = m_new * c_r[rr];
+      const float mc_new = max_product(m_new, c_r[rr]);
       alpha[rr] = m_new == m[rr] ? 1.0f : exp2f(mc[rr] - mc_new);
       // With nothing seen yet (m_new = -inf) every weight is exp2(-inf) = 0.
       const float shift = m_new == -INFINITY ? 0.0f : -mc_new;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const __half2 w = __floats2half2_rn(exp2f(weight_exponent(sc[4 * j + 2 * rr], c_r[rr], shift, m_new)),
-                                            exp2f(weight_exponent(sc[4 * j + 2 * rr + 1], c_r[rr], shift, m_new)));
+        const __half2 w = __floats2half2_rn(exp2f(weight_exponent(sc[4 * j + 2 * rr], c_r[rr], shift)),
+                                            exp2f(weight_exponent(sc[4 * j + 2 * rr + 1], c_r[rr], shift)));
         pw[j][rr] = *reinterpret_cast<const std::uint32_t*>(&w);
       }
       m[rr] = m_new;
