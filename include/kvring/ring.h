@@ -51,10 +51,13 @@ class RingState {
   // capacity >= 1. A sliding ring wraps; a full plane does not.
   static RingState sliding(std::int64_t capacity) { return RingState(capacity, true); }
   static RingState full(std::int64_t capacity) { return RingState(capacity, false); }
-  // A state as recorded elsewhere (a snapshot); checks that a sequentially
-  // built ring can hold it (not a rolled-back one: a moved origin needs a
-  // full ring), and that its end (origin_logical + len) stays within 2^62
-  // positions.
+  // A state as recorded elsewhere (a snapshot); checks its parts: len in
+  // [0, capacity], origin_physical in [0, capacity), an origin moved only
+  // on a full sliding ring (not a rolled-back one) and physical 0 where it
+  // has not moved, and an end (origin_logical + len) within 2^62
+  // positions. The rotation of a moved origin is not checked: a restore
+  // or an install places the rows at the rotation it needs and checks
+  // that itself.
   static Result<RingState> from_parts(std::int64_t capacity, bool wraps, std::int64_t len,
                                       std::int64_t origin_logical,
                                       std::int64_t origin_physical);
