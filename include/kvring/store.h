@@ -149,7 +149,9 @@ struct StoreOptions {
   // (0: 256, or the smallest power of two from 16 that holds a full plane
   // when that is less).
   std::int64_t block_rows = 0;
-  // Blocks in the shared pool (0: enough for every slot at full context).
+  // Blocks in the shared pool (0: enough for every slot at full context),
+  // at most 2^30. Options whose storage (every slot's rings and the whole
+  // pool, allocated_bytes()) would pass 2^62 bytes are refused.
   std::int64_t pool_blocks = 0;
   // Zero-fill storage at creation and a slot's rings when a sequence is
   // added. Only a detached install, which overwrites every row a reader can
