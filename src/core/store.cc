@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -77,6 +78,24 @@ constexpr std::int64_t kMaxBatchRows = std::int64_t{1} << 32;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// Rows of each sliding ring of a store with these options.
+std::int64_t ring_rows_of(const ModelConfig& config, const StoreOptions& o) {
+  return config.plane_capacity(LayerKind::kSlidingRope, o.context) + o.slack;
+}
+
+// Bytes of every slot's rings and the whole pool (allocated_bytes()), or
+// none past 64 bits. Each factor is within its own bound (resolve_store_options).
+std::optional<std::int64_t> storage_bytes(const ModelConfig& config, const StoreOptions& o) {
+  const std::int64_t row_bytes = config.kv_dim() * 4;
+  std::int64_t rings = 0, pool = 0, total = 0;
+  if (__builtin_mul_overflow(o.max_sequences * config.count(LayerKind::kSlidingRope),
+                             ring_rows_of(config, o) * row_bytes, &rings) ||
+      __builtin_mul_overflow(o.pool_blocks, o.block_rows * row_bytes, &pool) ||
+      __builtin_add_overflow(rings, pool, &total))
+    return std::nullopt;
+  return total;
+}
+
 // The oldest position a sliding ring of `capacity` rows (`slack` of them
 // the store's slack) must still hold when it ends at `next`: the oldest a
 // ring without slack holds there, at least the W rows before `next` and
@@ -129,18 +148,12 @@ Result<StoreOptions> resolve_store_options(const ModelConfig& config, StoreOptio
   if (o.pool_blocks < 0 || o.pool_blocks > kMaxPoolBlocks)
     return invalid_argument("pool_blocks " + std::to_string(o.pool_blocks) + " outside [0, " +
                             std::to_string(kMaxPoolBlocks) + "]");
-  // Every slot's rings and the whole pool, in bytes (allocated_bytes()):
-  // each limit above holds alone, their product may not fit 64 bits, and a
-  // backend sizes its allocations by it.
-  const std::int64_t row_bytes = config.kv_dim() * 4;
-  const std::int64_t ring_rows = config.plane_capacity(LayerKind::kSlidingRope, o.context) + o.slack;
-  std::int64_t rings = 0, pool = 0, total = 0;
-  if (__builtin_mul_overflow(o.max_sequences * (config.n_layers - n_full), ring_rows * row_bytes, &rings) ||
-      __builtin_mul_overflow(o.pool_blocks, o.block_rows * row_bytes, &pool) ||
-      __builtin_add_overflow(rings, pool, &total) || total > kMaxStoreBytes)
+  // Each limit above holds alone, but their product may not fit 64 bits,
+  // and a backend sizes its allocations by it.
+  if (const auto bytes = storage_bytes(config, o); !bytes || *bytes > kMaxStoreBytes)
     return invalid_argument("a store of " + std::to_string(o.max_sequences) + " sequences' rings and " +
                             std::to_string(o.pool_blocks) + " blocks of " + std::to_string(o.block_rows) +
-                            " rows (" + std::to_string(row_bytes) + " B a row) is past " +
+                            " rows (" + std::to_string(config.kv_dim() * 4) + " B a row) is past " +
                             std::to_string(kMaxStoreBytes) + " bytes");
   return o;
 }
@@ -296,7 +309,7 @@ KvStore::KvStore(ModelConfig config, StoreOptions o)
     : config_(std::move(config)), options_(o), scratch_(std::make_unique<Scratch>()) {
   for (std::int64_t l = 0; l < config_.n_layers; ++l)
     full_index_.push_back(config_.kind(l) == LayerKind::kFullNope ? n_full_++ : -1);
-  ring_rows_ = config_.plane_capacity(LayerKind::kSlidingRope, o.context) + o.slack;
+  ring_rows_ = ring_rows_of(config_, o);
   max_blocks_ = ceil_div(config_.plane_capacity(LayerKind::kFullNope, o.context), o.block_rows);
   slots_.resize(static_cast<std::size_t>(o.max_sequences));
   ref_pages_.resize(static_cast<std::size_t>(ceil_div(o.pool_blocks, kRefPage)));
@@ -370,10 +383,7 @@ std::int64_t KvStore::capacity(std::int64_t layer) const {
 std::int64_t KvStore::ring_bytes() const { return ring_rows_ * config_.kv_dim() * 4; }
 std::int64_t KvStore::block_bytes() const { return options_.block_rows * config_.kv_dim() * 4; }
 
-std::int64_t KvStore::allocated_bytes() const {
-  const std::int64_t n_sliding = config_.n_layers - n_full_;
-  return options_.max_sequences * n_sliding * ring_bytes() + pool_blocks() * block_bytes();
-}
+std::int64_t KvStore::allocated_bytes() const { return *storage_bytes(config_, options_); }
 
 std::int64_t KvStore::position_limit(std::int64_t layer) const {
   if (!check_layer(layer).ok()) return 0;
