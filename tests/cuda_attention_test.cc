@@ -50,6 +50,18 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
+// One sink a query head over every regime: far above the scores (it takes
+// nearly all the weight), near them, far below (its head's bits are those
+// without sinks), exactly 0, and one near the largest float (its head's
+// outputs are all 0).
+std::vector<float> sinks_of(const ModelConfig& c) {
+  const float pattern[] = {16.0f, 1.5f, -0.75f, 0.0f, -80.0f, 3.0f, 0.25f, -3.5f};
+  std::vector<float> s(static_cast<std::size_t>(c.n_heads));
+  for (std::size_t h = 0; h < s.size(); ++h) s[h] = pattern[h % 8] + 0.125f * static_cast<float>(h / 8);
+  s.back() = 3e38f;
+  return s;
+}
+
 // Each sequence alone in a one-sequence store, with its own random chunking.
 Outputs solo_outputs(BackendKind kind, const Case& cs, const std::vector<SeqInputs>& seqs,
                      std::vector<testing::SeqImage>* images, std::uint64_t seed) {
@@ -127,7 +139,8 @@ cuda::LaunchPolicy last_arrival_only() {
 // One long sequence decoded with many splits: resident grids (with the
 // epoch count wrapping too), clusters and the global workspace, in either
 // grid order, with a CTA a split or runs of splits a CTA, or a warp a
-// split, give the same bits, and so does a batch around it. Each store
+// split, give the same bits, and so does a batch around it, on a layer
+// with attention sinks and one without. Each store
 // runs under a policy that forces its path, and its launches are counted
 // by the path they took. KVRING_COMBINE_PATH=N runs path N alone (0-8), so
 // a sanitizer can take the paths in parallel processes; the bits are
@@ -175,6 +188,8 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
     policy.stats = &stats[path];
     auto store = testing::new_cuda_store(cs.config, {.max_sequences = 2, .context = 8192, .block_rows = cs.block_rows}, policy);
     ASSERT_TRUE(store);
+    // Layer 1 with sinks, layer 0 without: both ends of every path.
+    ASSERT_TRUE(store->set_attention_sinks(1, sinks_of(cs.config)).ok());
     std::vector<SeqId> ids = {*store->add_sequence(), *store->add_sequence()};
     // A prefill of most of both, then decodes of both together and of
     // each alone (the short one's two splits fit any resident grid or
@@ -1164,6 +1179,91 @@ TEST(CudaF16, BitsNeverDependOnTheBatchAndAgreeWithTheCpu) {
   EXPECT_EQ(compared, c_short.size() + 8 * static_cast<std::size_t>(c.n_layers));
   EXPECT_LE(worst, kF16Tolerance);
   std::printf("  f16 numeric: CUDA vs CPU worst %.2e over %zu outputs\n", worst, compared);
+}
+
+// ---- Attention sinks (KvStore::set_attention_sinks) ----
+
+// Sinks on the GPU, for each geometry of both kernels and under both
+// numerics (the f16 one at head_dim 128): a batch with sinks on every layer
+// gives each sequence's solo bits and agrees with the CPU backend with the
+// same sinks; a head whose sink lies far below its scores keeps the bits
+// of a run without sinks, one near the largest float writes 0, and the
+// other heads' outputs move.
+TEST(CudaSinks, EveryKernelAgreesWithTheCpuBackend) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const int n_seqs = 3;
+  for (const Case& cs : cases()) {
+    const ModelConfig& c = cs.config;
+    for (const AttentionNumeric numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
+      if (numeric == AttentionNumeric::kF16 && c.head_dim != 128) continue;
+      const bool f16 = numeric == AttentionNumeric::kF16;
+      SCOPED_TRACE(c.name + (f16 ? " f16" : " f32"));
+      // Past several splits of a full layer under either numeric.
+      const std::int64_t longest = f16 ? kF16AttendSplitRows + (testing::quick() ? 70 : 300)
+                                       : (testing::quick() ? 300 : 700);
+      const auto seqs = inputs(c, 41, n_seqs, longest);
+      const auto plan = testing::random_plan(seqs, 43, 80);
+      const std::vector<float> sinks = sinks_of(c);
+      const StoreOptions o{.max_sequences = n_seqs + 3, .context = 4096, .block_rows = cs.block_rows,
+                           .attention = numeric};
+      auto run = [&](BackendKind kind, bool with_sinks, int only) {
+        StoreOptions so = o;
+        if (only >= 0) so.max_sequences = 1;
+        auto store = testing::new_store(kind, c, so);
+        Outputs out;
+        EXPECT_TRUE(store);
+        if (!store) return out;
+        for (std::int64_t l = 0; with_sinks && l < c.n_layers; ++l) {
+          EXPECT_TRUE(store->set_attention_sinks(l, sinks).ok());
+        }
+        if (only >= 0) {
+          const std::vector<SeqInputs> one = {seqs[static_cast<std::size_t>(only)]};
+          testing::run_plan(*store, {*store->add_sequence()}, one, testing::random_plan(one, 47, 64), out);
+          Outputs keyed;
+          for (auto& [key, val] : out) keyed[{only, std::get<1>(key), std::get<2>(key)}] = val;
+          return keyed;
+        }
+        const auto ids = testing::add_with_churn(*store, n_seqs, 45);
+        testing::run_plan(*store, ids, seqs, plan, out, kind == BackendKind::kCuda);
+        return out;
+      };
+      const Outputs gpu = run(BackendKind::kCuda, true, -1);
+      const Outputs cpu = run(BackendKind::kCpu, true, -1);
+      const Outputs plain = run(BackendKind::kCuda, false, -1);
+      ASSERT_EQ(gpu.size(), cpu.size());
+      ASSERT_EQ(gpu.size(), plain.size());
+      for (int i = 0; i < n_seqs; ++i) {
+        const Outputs solo = run(BackendKind::kCuda, true, i);
+        ASSERT_FALSE(solo.empty());
+        for (const auto& [key, val] : solo)
+          ASSERT_TRUE(same_bits(val, gpu.at(key))) << "sequence " << i << " layer " << std::get<1>(key)
+                                                   << " position " << std::get<2>(key) << " differs from its solo run";
+      }
+      const double worst = testing::worst_difference(gpu, cpu);
+      EXPECT_LE(worst, f16 ? kF16Tolerance : kTolerance);
+      const std::int64_t hd = c.head_dim;
+      std::size_t moved = 0, heads = 0;
+      for (const auto& [key, val] : gpu) {
+        const std::vector<float>& without = plain.at(key);
+        for (std::int64_t h = 0; h < c.n_heads; ++h) {
+          const float sink = sinks[static_cast<std::size_t>(h)];
+          const float* got = val.data() + h * hd;
+          const float* ref = without.data() + h * hd;
+          if (sink == 3e38f) {
+            for (std::int64_t e = 0; e < hd; ++e) ASSERT_EQ(got[e], 0.0f) << "head " << h;
+          } else if (sink < -70.0f) {
+            ASSERT_EQ(std::memcmp(got, ref, static_cast<std::size_t>(hd) * 4), 0) << "head " << h;
+          } else {
+            ++heads;
+            if (std::memcmp(got, ref, static_cast<std::size_t>(hd) * 4) != 0) ++moved;
+          }
+        }
+      }
+      EXPECT_EQ(moved, heads) << "every head with a sink near or above its scores moves";
+      std::printf("  %s %s: sinks, CUDA vs CPU worst %.2e over %zu outputs\n", c.name.c_str(), f16 ? "f16" : "f32",
+                  worst, gpu.size());
+    }
+  }
 }
 
 }  // namespace

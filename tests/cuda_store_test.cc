@@ -467,38 +467,84 @@ TEST(CudaStore, ScratchStaysUntilReleased) {
   EXPECT_GE(st.workspace_bytes(), released + n * kv * 2 * 2) << "a refused release keeps the scratch";
 }
 
-// The CUDA kernels compute no attention sinks: setting them is refused, so
-// no attention runs without sinks a caller asked for; removing is a no-op.
-// A model whose config has sinks is not attended at all (none can be set).
-TEST(CudaStore, AttentionSinksAreRefused) {
+// Attention sinks on the CUDA store: a model whose config has them is
+// refused attention until its layer's sinks are set, then attends as the
+// CPU store with the same sinks; set on the device in order after the
+// store's earlier work, they count in workspace_bytes; removed, the layer
+// gives the bits of a store that never had them. While the store's stream
+// is being captured, setting them is refused and leaves them unchanged.
+TEST(CudaStore, AttentionSinksApplyAndAreRemoved) {
   KVRING_SKIP_WITHOUT_GPU();
-  const ModelConfig c = config();
-  auto s = testing::new_store(BackendKind::kCuda, c, {.max_sequences = 1, .context = 64});
-  ASSERT_TRUE(s);
-  const std::vector<float> sinks(static_cast<std::size_t>(c.n_heads), 0.5f);
-  const Status st = s->set_attention_sinks(1, sinks);
-  ASSERT_FALSE(st.ok());
-  EXPECT_EQ(st.error().code, ErrorCode::kUnsupported) << st.to_string();
-  EXPECT_TRUE(s->attention_sinks(1).empty());
-  EXPECT_TRUE(s->set_attention_sinks(1, {}).ok());
-
-  ModelConfig with = c;
-  with.attention_sinks = true;
-  auto w = testing::new_store(BackendKind::kCuda, with, {.max_sequences = 1, .context = 64});
-  ASSERT_TRUE(w);
-  const SeqId seq = *w->add_sequence();
-  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
-  const std::vector<float> k = random_floats(static_cast<std::size_t>(kv), 3, 1.0f),
-                           q = random_floats(static_cast<std::size_t>(width), 4, 1.0f);
-  std::vector<float> out(static_cast<std::size_t>(width), 0.25f);
-  const SeqSpan one{seq, 0, 1};
-  ASSERT_TRUE(w->store(1, {&one, 1}, host_view(k.data(), 1, kv), host_view(k.data(), 1, kv)).ok());
-  const SeqQuery query{seq, 0};
-  const Status refused = w->attend_decode(1, {&query, 1}, host_view(q.data(), 1, width), host_view(out.data(), 1, width));
+  ModelConfig c = config();
+  c.attention_sinks = true;
+  const std::int64_t n = 40, kv = c.kv_dim(), width = c.n_heads * c.head_dim, layer = 1;
+  const std::vector<float> k = random_floats(static_cast<std::size_t>(n * kv), 3, 1.0f),
+                           v = random_floats(static_cast<std::size_t>(n * kv), 4, 1.0f),
+                           q = random_floats(static_cast<std::size_t>(n * width), 5, 1.0f);
+  std::vector<float> sinks(static_cast<std::size_t>(c.n_heads));
+  for (std::size_t h = 0; h < sinks.size(); ++h) sinks[h] = 0.75f * static_cast<float>(h) - 1.0f;
+  auto made = CudaStore::create(c, options(1));
+  ASSERT_TRUE(made.ok()) << made.error().to_string();
+  CudaStore& g = **made;
+  auto cpu = testing::new_store(BackendKind::kCpu, c, options(1));
+  ASSERT_TRUE(cpu);
+  // A prefill of the n rows into a fresh sequence; its outputs.
+  auto prefill = [&](KvStore& s, std::vector<float>& out) -> Status {
+    out.assign(static_cast<std::size_t>(n * width), 0.25f);
+    auto id = s.add_sequence();
+    if (!id.ok()) return id.status();
+    const SeqSpan span{*id, 0, n};
+    Status st = s.prefill(layer, std::span(&span, 1), host_view(k.data(), n, kv), host_view(v.data(), n, kv),
+                          host_view(q.data(), n, width), host_view(out.data(), n, width));
+    if (Status r = s.remove_sequence(*id); st.ok()) st = r;
+    return st;
+  };
+  std::vector<float> got, want, plain;
+  const Status refused = prefill(g, got);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.error().code, ErrorCode::kConfig) << refused.to_string();
-  EXPECT_NE(refused.to_string().find("this backend computes none"), std::string::npos) << refused.to_string();
-  EXPECT_EQ(out, std::vector<float>(static_cast<std::size_t>(width), 0.25f));
+  EXPECT_NE(refused.to_string().find("set_attention_sinks"), std::string::npos) << refused.to_string();
+  EXPECT_EQ(got, std::vector<float>(got.size(), 0.25f));
+
+  const std::int64_t before = g.workspace_bytes();
+  ASSERT_TRUE(g.set_attention_sinks(layer, sinks).ok());
+  EXPECT_EQ(g.workspace_bytes(), before + c.n_layers * c.n_heads * 4);
+  ASSERT_TRUE(cpu->set_attention_sinks(layer, sinks).ok());
+  ASSERT_TRUE(prefill(g, got).ok());
+  ASSERT_TRUE(prefill(*cpu, want).ok());
+  double worst = 0;
+  for (std::size_t e = 0; e < want.size(); ++e)
+    worst = std::max(worst, std::abs(double(got[e]) - want[e]) / std::max(1.0, std::abs(double(want[e]))));
+  EXPECT_LE(worst, 1e-5);
+
+  // Refused during a capture of the store's stream; the sinks stay.
+  ASSERT_EQ(cudaStreamBeginCapture(g.stream(), cudaStreamCaptureModeRelaxed), cudaSuccess);
+  const Status capturing = g.set_attention_sinks(layer, {});
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(g.stream(), &graph), cudaSuccess);
+  cudaGraphDestroy(graph);
+  ASSERT_FALSE(capturing.ok());
+  EXPECT_EQ(capturing.error().code, ErrorCode::kInvalidArgument) << capturing.to_string();
+  EXPECT_EQ(g.attention_sinks(layer).size(), sinks.size());
+  std::vector<float> again;
+  ASSERT_TRUE(prefill(g, again).ok());
+  EXPECT_EQ(std::memcmp(again.data(), got.data(), got.size() * 4), 0);
+
+  // Removed: the bits of a store without sinks (a config without them).
+  ModelConfig without = c;
+  without.attention_sinks = false;
+  auto other = testing::new_store(BackendKind::kCuda, without, options(1));
+  ASSERT_TRUE(other);
+  ASSERT_TRUE(prefill(*other, plain).ok());
+  EXPECT_NE(std::memcmp(plain.data(), got.data(), got.size() * 4), 0) << "the sinks moved the outputs";
+  ModelConfig removable = without;
+  auto r = CudaStore::create(removable, options(1));
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE((*r)->set_attention_sinks(layer, sinks).ok());
+  ASSERT_TRUE((*r)->set_attention_sinks(layer, {}).ok());
+  EXPECT_TRUE((*r)->attention_sinks(layer).empty());
+  ASSERT_TRUE(prefill(**r, again).ok());
+  EXPECT_EQ(std::memcmp(again.data(), plain.data(), plain.size() * 4), 0);
 }
 
 TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {

@@ -104,6 +104,7 @@ class CudaStore final : public KvStore {
                    cudaStream_t stream) override;
   Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) override;
   Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream) override;
+  Status sinks_changed(std::int64_t layer, std::span<const float> sinks) override;
 
  private:
   // attend's launches under each numeric, on stream s, after the queries,

@@ -317,9 +317,14 @@ class KvStore {
   // apply to every later attend_decode and prefill of that layer, under
   // both numerics, and are no part of snapshots, packs or handoffs.
   // `sinks` holds n_heads finite values, or is empty to remove the
-  // layer's. Errors: kInvalidArgument (layer, count, a value that is not
-  // finite), kUnsupported on a backend that computes no sinks (the CUDA
-  // backend); the layer's sinks are then unchanged. A store whose config
+  // layer's. On the CUDA backend the values go to device memory in order
+  // after the work the store enqueued before (a launch reads them when it
+  // runs; a CUDA graph captured earlier keeps whether the layer had sinks
+  // then, and reads the values current at each replay). Errors:
+  // kInvalidArgument (layer, count, a value that is not finite; on the
+  // CUDA backend, while the store's own stream is being captured), kCuda
+  // (the device refused the copy); the layer's sinks are then unchanged.
+  // A store whose config
   // says the model has sinks (ModelConfig::attention_sinks, gpt-oss)
   // refuses attend_decode and prefill of a layer whose sinks are not set
   // (kConfig), so such a model is never attended without them.
@@ -476,9 +481,10 @@ class KvStore {
                            cudaStream_t stream) = 0;
   virtual Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) = 0;
   virtual Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream);
-  // Whether attend() applies attention_sinks(layer) (set_attention_sinks
-  // refuses them otherwise).
-  virtual bool computes_sinks() const { return false; }
+  // A layer's sinks are about to become `sinks` (checked; empty: none):
+  // a backend that attends from its own copy of them takes it here. An
+  // error leaves the layer's sinks as they were.
+  virtual Status sinks_changed(std::int64_t layer, std::span<const float> sinks);
   // For a backend whose storage is zero when made whatever zero_fill says
   // (fresh anonymous mappings): every ring is known zero.
   void rings_made_zero();

@@ -344,14 +344,13 @@ Status KvStore::set_attention_sinks(std::int64_t layer, std::span<const float> s
       if (!std::isfinite(sinks[h]))
         return invalid_argument("layer " + std::to_string(layer) + ": the attention sink of head " +
                                 std::to_string(h) + " is not finite");
-    if (!computes_sinks())
-      return make_error(ErrorCode::kUnsupported,
-                        std::string(backend() == BackendKind::kCuda ? "the CUDA backend" : "this backend") +
-                            " computes no attention sinks (the CPU backend does)");
   }
+  KVRING_RETURN_IF_ERROR(sinks_changed(layer, sinks));
   sinks_[static_cast<std::size_t>(layer)].assign(sinks.begin(), sinks.end());
   return Status::Ok();
 }
+
+Status KvStore::sinks_changed(std::int64_t, std::span<const float>) { return Status::Ok(); }
 
 std::span<const float> KvStore::attention_sinks(std::int64_t layer) const {
   if (!check_layer(layer).ok()) return {};
@@ -362,8 +361,7 @@ Status KvStore::check_sinks(std::int64_t layer) const {
   if (!config_.attention_sinks || !sinks_[static_cast<std::size_t>(layer)].empty()) return Status::Ok();
   return make_error(ErrorCode::kConfig,
                     "layer " + std::to_string(layer) + ": " + config_.name +
-                        " has attention sinks and none are set for this layer (set_attention_sinks" +
-                        (computes_sinks() ? "" : "; this backend computes none") + ")");
+                        " has attention sinks and none are set for this layer (set_attention_sinks)");
 }
 
 KvStore::~KvStore() = default;

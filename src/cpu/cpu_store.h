@@ -47,7 +47,6 @@ class CpuStore : public KvStore {
   Status synchronize(cudaStream_t) const override { return Status::Ok(); }
 
  protected:
-  bool computes_sinks() const override { return true; }
   // Host memory carries no extent to check `bytes` against.
   Status check_view(const char* what, MemorySpace space, DType dtype, const void* data,
                     std::uint64_t) const override {

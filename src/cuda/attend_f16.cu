@@ -199,7 +199,8 @@ __device__ __forceinline__ void combine(const F16Params& A, int qi, std::int64_t
     O.z += x.z * w;
     O.w += x.w * w;
   }
-  float4 r = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+  const float d = sink_divisor(L, M, P.sinks, h);
+  float4 r = make_float4(O.x / d, O.y / d, O.z / d, O.w / d);
   r = make_float4(plus_zero(r.x), plus_zero(r.y), plus_zero(r.z), plus_zero(r.w));
   *reinterpret_cast<float4*>(P.out + static_cast<std::int64_t>(qi) * P.out_stride +
                              static_cast<std::int64_t>(h) * HD + 4 * lane) = r;
@@ -440,10 +441,11 @@ __device__ __forceinline__ void attend_f16_body(const F16Params& A) {
     if (p_r[rr] / kSplitRows == lo_r[rr] / kSplitRows) {
       float* dst = P.out + static_cast<std::int64_t>(qrow[rr]) * P.out_stride +
                    static_cast<std::int64_t>(head[rr]) * HD + 2 * t;
+      const float d = sink_divisor(l[rr], mc[rr], P.sinks, head[rr]);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         *reinterpret_cast<float2*>(dst + 8 * j) =
-            make_float2(plus_zero(o[4 * j + 2 * rr] / l[rr]), plus_zero(o[4 * j + 2 * rr + 1] / l[rr]));
+            make_float2(plus_zero(o[4 * j + 2 * rr] / d), plus_zero(o[4 * j + 2 * rr + 1] / d));
       }
       continue;
     }

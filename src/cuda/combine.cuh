@@ -187,7 +187,9 @@ struct InboxShare {
 // weight sum and the weighted sum of partials, each in split order: the
 // same arithmetic for every element of a head, wherever the partials lie.
 // With `out_ml`, the result is itself a partial: unnormalised sums to
-// `out`, each head's maximum and weight sum to out_ml.
+// `out`, each head's maximum and weight sum to out_ml; without, the
+// output, divided by sink_divisor (`sinks` from the launch's first head on,
+// or null).
 template <int kChunk, class Partials>
 __device__ __forceinline__ void combine_element(const Partials& src, int n, int heads, int h,
                                                 int u, float4& acc, float& max, float& sum) {
@@ -252,7 +254,7 @@ static_assert(kAttendGroup <= kAttendSingleLevel &&
               (kAttendMaxSplits + kAttendGroup - 1) / kAttendGroup <= kAttendSingleLevel);
 template <bool kVec, class Partials>
 __device__ void combine_splits(const Partials& src, float* out, int n, int heads, int hd,
-                               int begin, int end, float* out_ml = nullptr) {
+                               int begin, int end, const float* sinks, float* out_ml = nullptr) {
   const int tid = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
   const bool vec = kVec || (hd & 3) == 0;
@@ -264,12 +266,11 @@ __device__ void combine_splits(const Partials& src, float* out, int n, int heads
     if (vec) {
       combine_element<kVec ? kAttendSingleLevel : 4>(src, n, heads, h, e / 4, acc, max, sum);
       reinterpret_cast<float4*>(out)[e / 4] =
-          out_ml != nullptr ? acc
-                            : make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+          out_ml != nullptr ? acc : divided(acc, sink_divisor(sum, max, sinks, h));
     } else if constexpr (!kVec) {
       const ScalarView<Partials> view{src};
       combine_element<4>(view, n, heads, h, e, acc, max, sum);
-      out[e] = out_ml != nullptr ? acc.x : acc.x / sum;
+      out[e] = out_ml != nullptr ? acc.x : acc.x / sink_divisor(sum, max, sinks, h);
     }
     if (out_ml != nullptr && e % hd == 0) {
       out_ml[2 * h] = max;
@@ -469,7 +470,7 @@ __device__ __forceinline__ void gather_unit(const std::uint64_t* src, int total,
 // so every wait ends.
 static __device__ void finish_resident(const AttendParams& P, const Shared& sh, const HeadWeights& hw, float4 v,
                                 ResidentStage& stage, const QueryRange& r, int heads,
-                                int heads_valid, float* out) {
+                                int heads_valid, float* out, const float* sinks) {
   const int tid = static_cast<int>(threadIdx.x);
   const int hd = P.head_dim;
   const int n = r.n_splits;
@@ -508,7 +509,8 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
     }
     __syncthreads();
     for (int j = tid; j < count; j += blockDim.x) {
-      out4[u0 + j] = combine_staged(st_o + j, count, st_ml + 2 * j, 2 * count, n).out;
+      const Staged c = combine_staged(st_o + j, count, st_ml + 2 * j, 2 * count, n);
+      out4[u0 + j] = sinks == nullptr ? c.out : divided(c.acc, sink_divisor(c.sum, c.max, sinks, (u0 + j) * 4 / hd));
     }
     if (tid < 32) clock_advance_if_last(P, clock, arrived);
     return;
@@ -537,7 +539,8 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
   }
   __syncthreads();
   for (int j = tid; j < count; j += blockDim.x) {
-    out4[u0 + j] = combine_staged(g_o + j * groups, 1, g_ml + 2 * j * groups, 2, groups).out;
+    const Staged c = combine_staged(g_o + j * groups, 1, g_ml + 2 * j * groups, 2, groups);
+    out4[u0 + j] = sinks == nullptr ? c.out : divided(c.acc, sink_divisor(c.sum, c.max, sinks, (u0 + j) * 4 / hd));
   }
   if (tid < 32) clock_advance_if_last(P, clock, arrived);
 }
@@ -653,7 +656,7 @@ __device__ __forceinline__ void publish_split(const Shared& sh, WarpOutputs wo, 
 // groups into the output.
 template <bool kVec>
 __device__ __forceinline__ void group_done(Shared& sh, const Workspace& ws, int n, int item_splits, int group,
-                                           int heads, int hd, int heads_valid, float* out) {
+                                           int heads, int hd, int heads_valid, float* out, const float* sinks) {
   const int total = heads * hd;
   const int first = group * kAttendGroup;
   const int members = min(kAttendGroup, n - first);
@@ -661,11 +664,11 @@ __device__ __forceinline__ void group_done(Shared& sh, const Workspace& ws, int 
   combine_splits<kVec>(GlobalPartials{ws.o + static_cast<std::int64_t>(first) * total,
                                       ws.ml + first * heads * 2, total},
                        ws.o + static_cast<std::int64_t>(slot) * total, members, heads, hd, 0, total,
-                       ws.ml + slot * heads * 2);
+                       nullptr, ws.ml + slot * heads * 2);
   if (!arrive_last(ws.counters[0], attend_groups(n), sh)) return;
   combine_splits<kVec>(GlobalPartials{ws.o + static_cast<std::int64_t>(item_splits) * total,
                                       ws.ml + item_splits * heads * 2, total},
-                       out, attend_groups(n), heads, hd, 0, heads_valid * hd);
+                       out, attend_groups(n), heads, hd, 0, heads_valid * hd, sinks);
 }
 
 // After arrive_run: the combines the CTA's arrival completed (`done`). With
@@ -675,15 +678,16 @@ __device__ __forceinline__ void group_done(Shared& sh, const Workspace& ws, int 
 template <bool kVec>
 __device__ __forceinline__ void combine_arrived(Shared& sh, const Workspace& ws, const QueryRange& r,
                                                 unsigned done, int heads, int hd, int heads_valid,
-                                                float* out) {
+                                                float* out, const float* sinks) {
   const int n = r.n_splits;
   if (attend_groups(n) == 0) {
     if (done != 0)
-      combine_splits<kVec>(GlobalPartials{ws.o, ws.ml, heads * hd}, out, n, heads, hd, 0, heads_valid * hd);
+      combine_splits<kVec>(GlobalPartials{ws.o, ws.ml, heads * hd}, out, n, heads, hd, 0, heads_valid * hd, sinks);
     return;
   }
   for (int group = 0; group < attend_groups(n); ++group)
-    if ((done >> group) & 1u) group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out);
+    if ((done >> group) & 1u)
+      group_done<kVec>(sh, ws, n, r.item_splits, group, heads, hd, heads_valid, out, sinks);
 }
 
 // Warp h's share of the split's partial in the workspace (head h's
@@ -728,19 +732,21 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
   const HeadWeights hw = head_weights(sh, h, lane);
   const float4 v = head_value4(wo, hw, h, lane);
   float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride + static_cast<std::int64_t>(head0) * hd;
+  const float* sinks = P.sinks != nullptr ? P.sinks + head0 : nullptr;
   if (r.n_splits == 1 && !P.cluster) {
     if (h < heads_valid) {
       float* o = out + 4 * tid;
-      o[0] = v.x / hw.sum;
-      o[1] = v.y / hw.sum;
-      o[2] = v.z / hw.sum;
-      o[3] = v.w / hw.sum;
+      const float d = sink_divisor(hw.sum, hw.max, sinks, h);
+      o[0] = v.x / d;
+      o[1] = v.y / d;
+      o[2] = v.z / d;
+      o[3] = v.w / d;
     }
     if (P.resident && tid < 32) clock_advance_if_last(P, sh.clock, tid == 0 ? clock_arrive(P) : 0);
     return;
   }
   if (P.resident) {
-    finish_resident(P, sh, hw, v, *stage, r, heads, heads_valid, out);
+    finish_resident(P, sh, hw, v, *stage, r, heads, heads_valid, out, sinks);
     return;
   }
   if (P.cluster) {
@@ -770,16 +776,17 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
     mbarrier_wait_first_phase(full);
     // combine_splits' arithmetic on the inbox, in combine_staged's loops.
     float4* out4 = reinterpret_cast<float4*>(out);
-    for (int u = share.begin / 4 + tid; 4 * u < share.end; u += static_cast<int>(blockDim.x))
-      out4[u] = combine_staged(reinterpret_cast<const float4*>(inbox->o + 4 * u - share.begin), stride / 4,
-                               &inbox->ml[0][4 * u / hd][0], 2 * heads, n)
-                    .out;
+    for (int u = share.begin / 4 + tid; 4 * u < share.end; u += static_cast<int>(blockDim.x)) {
+      const Staged c = combine_staged(reinterpret_cast<const float4*>(inbox->o + 4 * u - share.begin), stride / 4,
+                                      &inbox->ml[0][4 * u / hd][0], 2 * heads, n);
+      out4[u] = sinks == nullptr ? c.out : divided(c.acc, sink_divisor(c.sum, c.max, sinks, 4 * u / hd));
+    }
     return;
   }
   const Workspace ws = workspace_of(P, r, heads);
   publish_head(ws, r, v, hw, h, lane);
   combine_arrived<true>(sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, r.split, sh), heads, hd,
-                        heads_valid, out);
+                        heads_valid, out, sinks);
 }
 
 // The general kernel's finish: combines the CTA's warp partials (in sh,
@@ -799,10 +806,11 @@ static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* i
   combine_warps(sh, heads);
   float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
                static_cast<std::int64_t>(head0) * hd;
+  const float* sinks = P.sinks != nullptr ? P.sinks + head0 : nullptr;
   if (r.n_splits == 1 && !P.cluster) {
     for (int i = tid; i < heads_valid * hd; i += blockDim.x) {
       const int h = i / hd;
-      out[i] = cta_value(sh, wo, i, h) / sh.head_l[h];
+      out[i] = cta_value(sh, wo, i, h) / sink_divisor(sh.head_l[h], sh.head_m[h], sinks, h);
     }
     return;
   }
@@ -837,7 +845,8 @@ static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* i
       }
     }
     cluster_sync();  // this CTA's stores released to their ranks, the others' acquired
-    combine_splits<false>(InboxPartials{inbox, stride, share.begin}, out, n, heads, hd, share.begin, share.end);
+    combine_splits<false>(InboxPartials{inbox, stride, share.begin}, out, n, heads, hd, share.begin, share.end,
+                          sinks);
     return;
   }
 
@@ -845,7 +854,7 @@ static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* i
   const Workspace ws = workspace_of(P, r, heads);
   publish_split(sh, wo, r, ws, heads, hd);
   combine_arrived<false>(sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, r.split, sh), heads,
-                        hd, heads_valid, out);
+                        hd, heads_valid, out, sinks);
 }
 
 }  // namespace kvring::cuda

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -252,6 +253,10 @@ struct CudaStore::Impl {
   std::vector<cuda::AttendQueryItem> item_scratch;
   std::vector<cuda::F16Tile> f16_tiles;
 
+  // The layers' attention sinks in log2 units, [n_layers][n_heads] (made
+  // at the first set_attention_sinks; -inf where a layer has none).
+  float* sinks = nullptr;
+
   // Host-view staging (those calls wait before returning).
   PinnedBuffer pin;
   DeviceBuffer stage_k, stage_v, stage_q, stage_out, stage_rows;
@@ -269,6 +274,7 @@ struct CudaStore::Impl {
     cudaFree(ws);
     cudaFree(counters);
     cudaFree(tagged);
+    cudaFree(sinks);
     for (Chunk& c : chunks) {
       cudaFreeHost(c.host);
       cudaFree(c.dev);
@@ -496,6 +502,7 @@ std::int64_t CudaStore::workspace_bytes() const {
                                        static_cast<int>(config_.head_dim)).items;
   n += im.ws_slots * items * 4;
   for (const auto& c : im.chunks) n += static_cast<std::int64_t>(c.bytes);
+  if (im.sinks != nullptr) n += config_.n_layers * config_.n_heads * 4;
   for (const DeviceBuffer* b : {&im.stage_k, &im.stage_v, &im.stage_q, &im.stage_out, &im.stage_rows})
     n += static_cast<std::int64_t>(b->bytes());
   std::uint64_t kept = 0;
@@ -527,6 +534,45 @@ Status CudaStore::release_scratch() {
   KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(im.stream));
   KVRING_CUDA_CHECK("cudaMemPoolTrimTo", cudaMemPoolTrimTo(im.scratch, 0));
   return Status::Ok();
+}
+
+// The device's copy of a layer's sinks, in the kernels' log2 units as the
+// CPU backend's f16 combine takes them (sink x log2(e) rounded to f32,
+// capped at FLT_MAX); a layer without sinks holds -inf, which adds nothing
+// to a divisor (a graph captured while it had sinks still reads them).
+Status CudaStore::sinks_changed(std::int64_t layer, std::span<const float> sinks) {
+  Impl& im = *impl_;
+  const std::lock_guard<std::recursive_mutex> lock(im.mu);
+  if (sinks.empty() && im.sinks == nullptr) return Status::Ok();
+  const DeviceScope scope(im.device);
+  KVRING_CUDA_CHECK("making the store's device current", scope.error());
+  if (Impl::capturing(im.stream))
+    return invalid_argument("set_attention_sinks: the store's stream is being captured into a graph; "
+                            "call it outside the capture");
+  const std::int64_t heads = config_.n_heads;
+  // Pageable sources: each copy returns once its bytes are staged, so the
+  // vectors may go when it returns.
+  if (im.sinks == nullptr) {
+    const std::size_t all = static_cast<std::size_t>(config_.n_layers * heads);
+    if (const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&im.sinks), all * 4); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      im.sinks = nullptr;
+      return cuda_error("cudaMalloc of the attention sinks", e);
+    }
+    const std::vector<float> none(all, -INFINITY);
+    KVRING_RETURN_IF_ERROR(im.enter(im.stream));
+    KVRING_CUDA_CHECK("cudaMemcpyAsync of the attention sinks",
+                      cudaMemcpyAsync(im.sinks, none.data(), all * 4, cudaMemcpyHostToDevice, im.stream));
+    KVRING_RETURN_IF_ERROR(im.leave(im.stream));
+  }
+  std::vector<float> row(static_cast<std::size_t>(heads), -INFINITY);
+  for (std::size_t h = 0; h < sinks.size(); ++h)
+    row[h] = std::fmin(sinks[h] * static_cast<float>(1.4426950408889634), FLT_MAX);
+  KVRING_RETURN_IF_ERROR(im.enter(im.stream));
+  KVRING_CUDA_CHECK("cudaMemcpyAsync of the attention sinks",
+                    cudaMemcpyAsync(im.sinks + layer * heads, row.data(), row.size() * 4, cudaMemcpyHostToDevice,
+                                    im.stream));
+  return im.leave(im.stream);
 }
 
 Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
@@ -1060,6 +1106,7 @@ void CudaStore::launch_params(const AttendBatch& b, const float* dq, std::int64_
   P.kv_dim = static_cast<std::int32_t>(kv_dim);
   P.window = full ? 0 : config_.sliding_window;
   P.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(config_.score_scale_dim()));
+  if (!attention_sinks(b.layer).empty()) P.sinks = impl_->sinks + b.layer * config_.n_heads;
 }
 
 // The f32 numeric's launches (kernels.h, "Attention").

@@ -333,6 +333,11 @@ struct AttendParams {
   std::int32_t kv_dim = 0;
   std::int64_t window = 0;  // 0: full attention
   float scale_log2 = 0;     // log2(e) / sqrt(ModelConfig::score_scale_dim())
+  // The layer's attention sinks in log2 units (each sink times log2(e),
+  // rounded to f32), one per query head (device memory), or null: a query
+  // head's outputs are then divided by its weight sum plus 2^(sink - max),
+  // at the one step that writes them (sink_divisor, attend_rows.cuh).
+  const float* sinks = nullptr;
   // Split and group partials and arrival counters (AttendQueryItem's
   // ws_slot, ws_counter). Counters are zero between launches: the last CTA
   // to arrive at one resets it.
