@@ -887,7 +887,8 @@ TEST_F(HostileReceiver, BadAcceptsAndErrors) {
 }
 
 // A receiver that says DONE before the end, or after it with messages
-// unacknowledged, has not taken the session: the sender fails.
+// unacknowledged, or acknowledges a message with bytes past its end, has
+// not taken the session: the sender fails.
 TEST_F(HostileReceiver, DoneBeforeEveryAcknowledgementFails) {
   auto early = send_against([](Transport& t) {
     Msg in;
@@ -922,6 +923,21 @@ TEST_F(HostileReceiver, DoneBeforeEveryAcknowledgementFails) {
   ASSERT_FALSE(unacked.sent.ok());
   EXPECT_NE(unacked.sent.error().message.find("said done with 0 of"), std::string::npos)
       << unacked.sent.error().to_string();
+  // One ACK for the whole session after END (message 0 with every byte),
+  // then DONE: an ACK carries the bytes up to its own message's end.
+  auto lump = send_against([](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, accept(1 << 20));
+    while (t.recv_message(in, deadline_in(1), 1 << 30).ok())
+      if (in.size() >= 17 && in[0] == 8) {  // END: messages, then bytes
+        send(t, ack(0, static_cast<std::int64_t>(get64(in, 9))));
+        send(t, Msg{9});
+      }
+  });
+  ASSERT_FALSE(lump.sent.ok());
+  EXPECT_NE(lump.sent.error().message.find("acknowledged message 0 with"), std::string::npos)
+      << lump.sent.error().to_string();
 }
 
 // Acknowledgements must advance in order: a repeated one ends the session

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <thread>
 
@@ -506,10 +507,13 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
 
   std::int64_t sent = 0, acked = 0;
   bool ended = false;
+  // The bytes sent up to the end of each message not yet acknowledged, in
+  // order (at most kMaxUnreadAcks + 1 of them, below).
+  std::deque<std::int64_t> unacked;
   // Reads one reply: an ACK advances `acked`; an ERROR ends the session.
   // The receiver acknowledges each message in order, with the bytes taken
-  // so far, and says DONE only after the end, every message acknowledged:
-  // a reply that breaks that order ends the session.
+  // up to its end, and says DONE only after the end, every message
+  // acknowledged: a reply that breaks that order ends the session.
   auto read_reply = [&]() -> Status {
     KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }));
     if (in.empty()) return wire_error(who + " sent an empty message");
@@ -518,18 +522,22 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
       Reader a{in.data() + 1, in.data() + in.size()};
       const auto seq = a.u(8);
       const auto bytes = static_cast<std::int64_t>(a.u(8));
-      if (seq != static_cast<std::uint64_t>(acks) || acks >= report.messages)
+      if (seq != static_cast<std::uint64_t>(acks) || unacked.empty())
         return wire_error(who + " acknowledged message " + std::to_string(seq) + " where " + std::to_string(acks) +
                           " of " + std::to_string(report.messages) + " sent was next");
-      if (bytes <= acked || bytes > sent) return wire_error(who + " acknowledged " + std::to_string(bytes) + " B of " + std::to_string(sent));
+      if (bytes != unacked.front())
+        return wire_error(who + " acknowledged message " + std::to_string(seq) + " with " + std::to_string(bytes) +
+                          " B where it ends at " + std::to_string(unacked.front()) + " B of " + std::to_string(sent));
+      unacked.pop_front();
       acked = bytes;
       ++acks;
       return Status::Ok();
     }
     if (in[0] == kDone) {
-      if (!ended || acked != sent)
+      if (!ended || !unacked.empty())
         return wire_error(who + " said done " + (ended ? "" : "before the end, ") + "with " + std::to_string(acked) +
-                          " of " + std::to_string(sent) + " B acknowledged");
+                          " of " + std::to_string(sent) + " B acknowledged (" + std::to_string(acks) + " of " +
+                          std::to_string(report.messages) + " messages)");
       return Status::Ok();
     }
     return wire_error(who + " sent message type " + std::to_string(in[0]));
@@ -608,6 +616,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     source.release(m);
     KVRING_RETURN_IF_ERROR(s);
     sent += m.bytes;
+    unacked.push_back(sent);
     report.max_in_flight = std::max(report.max_in_flight, sent - acked);
     report.wire_bytes += static_cast<std::int64_t>(kRowsFixed + 2 * plane_bytes);
     ++report.messages;
