@@ -264,6 +264,36 @@ TEST_P(ThinPackTest, PlantedChunkIsNamed) {
   expect_restore_fails(ErrorCode::kCorruption, "s.kvpack: chunk 9 (layer ");
 }
 
+// A write the destination refuses (a directory, a missing directory) or
+// whose manifest would be too large puts no chunk in the store, as
+// encode_pack refuses the same snapshot.
+TEST_P(ThinPackTest, ARefusedWritePutsNoChunk) {
+  auto other = filled_cache(cfg_, 256, 120, 57);  // rows the store holds none of
+  auto snap = testing::snapshot_with_extras(*other, 1);
+  auto before = store_->stats();
+  ASSERT_TRUE(before.ok());
+  const WriteOptions o{.chunk_tokens = 16, .store = store_.get()};
+  for (const std::string& dest : {pack_dir_, pack_dir_ + "/no-such-dir/p.kvpack"}) {
+    SCOPED_TRACE(dest);
+    EXPECT_FALSE(write_pack(snap, dest, o).ok());
+    auto after = store_->stats();
+    ASSERT_TRUE(after.ok());
+    EXPECT_EQ(after->chunks, before->chunks);
+    EXPECT_EQ(after->bytes, before->bytes);
+  }
+  snap.metadata.assign(static_cast<std::size_t>(kMaxManifestBytes), 'm');
+  const Status big = write_pack(snap, pack_dir_ + "/big.kvpack", o);
+  ASSERT_FALSE(big.ok());
+  EXPECT_NE(big.to_string().find("manifest"), std::string::npos) << big.to_string();
+  auto after = store_->stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->chunks, before->chunks);
+  // The same snapshot written where it may be puts its chunks there.
+  snap.metadata.clear();
+  ASSERT_TRUE(write_pack(snap, pack_dir_ + "/ok.kvpack", o).ok());
+  EXPECT_GT(store_->stats()->chunks, before->chunks);
+}
+
 // Two sessions share their first 150 tokens. The full planes' chunks that lie
 // inside the prefix are identical and stored once; nothing else is shared
 // (the sliding rings have moved past the prefix).

@@ -110,7 +110,8 @@ std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t si
 Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& options = {});
 // The pack as a file, written atomically (temporary file, fsync, rename,
 // fsync of the directory). A thin pack's chunks are durable in the store
-// before its manifest file appears.
+// before its manifest file appears; a write refused for its input (the
+// manifest's size, the destination) puts none there.
 Status write_pack(const Snapshot& snapshot, const std::string& path,
                   const WriteOptions& options = {});
 // What write_pack would refuse about `path` itself, found before a session

@@ -226,13 +226,20 @@ Status write_pack(const Snapshot& snapshot, const std::string& path, const Write
   if (!plan) return plan.error();
   if (thin) {
     // A thin pack's manifest must never name a chunk the store lacks: the
-    // chunks are durable before the manifest file exists.
+    // chunks are durable before the manifest file exists (the commit's
+    // rename). Whatever refuses the input (the manifest's size, the
+    // destination) refuses it first, so a refused write puts nothing in
+    // the store.
+    auto sized = build_head(snapshot, options, *plan, thin);
+    if (!sized) return sized.error();
+    auto file = pack_internal::AtomicFile::create(path, options.io);
+    if (!file) return file.error();
     prepare_all(*plan, snapshot, options);
     KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan)));
     auto head = build_head(snapshot, options, *plan, thin);
     if (!head) return head.error();
-    auto file = pack_internal::AtomicFile::create(path, options.io);
-    if (!file) return file.error();
+    if (head->size() != sized->size())
+      return make_error(ErrorCode::kInternal, "pack head changed size while naming its chunks");
     KVRING_RETURN_IF_ERROR((*file)->write_at(0, bytes_of(*head)));
     return (*file)->commit();
   }
