@@ -244,10 +244,21 @@ TEST(Session, ModelCheckRefusesWhatCreateRefuses) {
   const ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
   ModelConfig odd = testing::small_config(32, 256, 4, 4, 2, 16);
   odd.head_dim = 15;
+  // RoPE frequencies theta^(-2i / 16) must be finite floats: theta^(-7/8)
+  // passes FLT_MAX below about 1.5e-44.
+  auto theta = [&](double t) {
+    ModelConfig x = c;
+    x.rope_theta = t;
+    return x;
+  };
   const std::vector<std::pair<ModelConfig, ModelOptions>> cases = {
       {c, {.hidden = 32, .vocab = 50}},     {c, {.hidden = 0}},           {c, {.hidden = 16385}},
       {c, {.hidden = 8, .vocab = 1}},       {c, {.hidden = 8, .mlp = -1}}, {odd, {.hidden = 8}},
-      {c, {.hidden = 16384, .vocab = 1 << 20}}};
+      {c, {.hidden = 16384, .vocab = 1 << 20}},
+      {theta(1e-40), {.hidden = 8}},        {theta(1e300), {.hidden = 8}},
+      {theta(1e-46), {.hidden = 8}},        {theta(1e-300), {.hidden = 8}}, {theta(0), {.hidden = 8}},
+      {theta(-1), {.hidden = 8}},           {theta(std::nan("")), {.hidden = 8}},
+      {theta(INFINITY), {.hidden = 8}}};
   int refused = 0;
   for (const auto& [config, options] : cases) {
     const Status checked = ReferenceModel::check(config, options);
@@ -262,9 +273,10 @@ TEST(Session, ModelCheckRefusesWhatCreateRefuses) {
     ASSERT_FALSE(made.ok());
     EXPECT_EQ(made.error().message, checked.error().message);
   }
-  EXPECT_EQ(refused, 6);
+  EXPECT_EQ(refused, 12);
   EXPECT_NE(ReferenceModel::check(c, {.hidden = 16384, .vocab = 1 << 20}).error().message.find("weights would take"),
             std::string::npos);
+  EXPECT_NE(ReferenceModel::check(theta(1e-300), {.hidden = 8}).error().message.find("rope_theta"), std::string::npos);
 }
 
 }  // namespace

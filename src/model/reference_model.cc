@@ -1,6 +1,8 @@
 #include "kvring/model.h"
 
+#include <cfloat>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <random>
 
@@ -134,6 +136,18 @@ Status ReferenceModel::check(const ModelConfig& config, const ModelOptions& opti
                             std::to_string(4 * kMaxHidden) + "]");
   if (config.count(LayerKind::kSlidingRope) > 0 && config.head_dim % 2 != 0)
     return invalid_argument("RoPE needs an even head_dim, got " + std::to_string(config.head_dim));
+  // Every RoPE frequency theta^(-2i / head_dim) must be a finite float:
+  // the largest (theta < 1) at i = head_dim / 2 - 1.
+  const double top = std::pow(config.rope_theta, -static_cast<double>(config.head_dim - 2) /
+                                                      static_cast<double>(config.head_dim));
+  if (!(config.rope_theta > 0.0) || !std::isfinite(config.rope_theta) || !(top <= FLT_MAX)) {
+    char theta[32];
+    std::snprintf(theta, sizeof theta, "%.17g", config.rope_theta);
+    return invalid_argument(std::string("rope_theta ") + theta +
+                            " gives RoPE frequencies that are not finite floats at head_dim " +
+                            std::to_string(config.head_dim) + " (it must be positive and finite, and " +
+                            "theta^(-(head_dim - 2) / head_dim) at most the largest float)");
+  }
   const double weights = weight_bytes(config, options);
   if (weights > kMaxWeightBytes)
     return invalid_argument("the reference model's weights would take " +
