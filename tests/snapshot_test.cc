@@ -309,6 +309,40 @@ TEST_F(RestoreRefusal, ShortRingsPastTheTargetContext) {
   EXPECT_TRUE(restore(*snap, *wide).ok());
 }
 
+// A session that ends within a target's rollback slack of the 2^62
+// position bound: the target's ring would have to have been built past the
+// bound, so it refuses, saying so; a store without slack takes it.
+TEST(Snapshot, PositionsNearTheBoundNeedATargetWithoutSlack) {
+  const ModelConfig c = make_hybrid_config("edge", 2, 0, 2, 1, 4, 40, 64);  // sliding layers only
+  Snapshot s;
+  s.config = c;
+  s.context = 64;
+  s.token_count = (std::int64_t{1} << 62) - 1;
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    PlaneSnapshot p;
+    p.kind = LayerKind::kSlidingRope;
+    p.layout = layout_for(p.kind);
+    p.ring = *RingState::sequential(c.plane_capacity(l, 64), true, s.token_count);
+    p.k.assign(static_cast<std::size_t>(p.ring.len() * c.kv_dim()), 0x3c00);
+    p.v = p.k;
+    s.planes.push_back(p);
+  }
+  ASSERT_TRUE(validate_snapshot(s).ok());
+  auto slack = make_store(BackendKind::kCpu, c, {.max_sequences = 2, .context = 64, .slack = 8});
+  ASSERT_TRUE(slack.ok());
+  auto refused = restore_new_sequence(s, **slack);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kCapacityExceeded) << refused.error().to_string();
+  EXPECT_NE(refused.error().message.find("rollback slack of 8 rows of the 2^62 position bound"), std::string::npos)
+      << refused.error().to_string();
+  EXPECT_EQ((*slack)->free_slots(), 2);
+  auto plain = make_store(BackendKind::kCpu, c, {.max_sequences = 2, .context = 64});
+  ASSERT_TRUE(plain.ok());
+  auto taken = restore_new_sequence(s, **plain);
+  ASSERT_TRUE(taken.ok()) << taken.error().to_string();
+  EXPECT_EQ(*(*plain)->next_position(*taken), s.token_count);
+}
+
 TEST_F(RestoreRefusal, SlidingRingLacksRows) {
   // A store whose rings are shorter than the window stops at its context,
   // so only an edited snapshot holds such rings past it: the 64-row rings

@@ -130,7 +130,13 @@ Result<Placement> place(const Snapshot& s, std::int64_t layer, const KvStore& ta
     // rollback slack): the state of a sequentially built ring rolled back
     // to token_count, which is what a live ring holds there.
     auto built = RingState::sequential(capacity, wraps, origin + capacity);
-    if (!built) return built.error();
+    if (!built)
+      return make_error(ErrorCode::kCapacityExceeded,
+                        layer_str(layer) + ": the snapshot's " + std::to_string(s.token_count) +
+                            " positions lie within the target's rollback slack of " +
+                            std::to_string(target.options().slack) +
+                            " rows of the 2^62 position bound (" + built.error().message +
+                            "); a store without slack takes it");
     auto back = built->rolled_back(capacity - rows);
     if (!back) return back.error();
     return Placement{*back, p.ring.len() - rows};
