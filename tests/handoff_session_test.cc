@@ -480,6 +480,52 @@ TEST_F(Handoff, TwoSessionsOverOneLinkAreBitExact) {
   }
 }
 
+// A session the receiver refuses leaves the link for the next one: the
+// sender says BYE on the receiver's ERROR, which ends the receiver's
+// linger, so a second session sent at once on the same link (the receiver
+// having made room) arrives whole, without waiting out the linger.
+TEST_F(Handoff, ARefusedSessionLeavesTheLinkToTheNext) {
+  auto from = make_store(BackendKind::kCpu, config_, {.max_sequences = 1});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = prefill_in(*model_, **from, prompt_);
+  const auto want = testing::live_bytes(**from, seq);
+  auto to = make_store(BackendKind::kCpu, config_, {.max_sequences = 1, .block_rows = 16});
+  ASSERT_TRUE(to.ok());
+  KvStore& store = **to;
+  const SeqId busy = *store.add_sequence();  // the receiver's only slot is taken
+  auto [a, b] = local_pair();
+  Result<ReceiveReport> first = io_error("not run"), second = io_error("not run");
+  std::optional<SeqId> moved;
+  std::thread receiver([&, &b = b] {
+    {
+      StoreTarget target(store, {.expect = config_});
+      first = receive_session(*b, target, {.timeout_s = 5});
+    }
+    EXPECT_TRUE(store.remove_sequence(busy).ok());
+    StoreTarget target(store, {.expect = config_});
+    second = receive_session(*b, target, {.timeout_s = 5});
+    moved = target.sequence();
+  });
+  const Timeline t = plan(Schedule::kPaced, 3 * 256);
+  const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+  auto src = StoreSource::create(**from, seq, t, ids, "");
+  ASSERT_TRUE(src.ok()) << src.error().to_string();
+  const auto t0 = Clock::now();
+  auto refused = send_session(*a, **src, t, {.timeout_s = 5});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::kResourceExhausted) << refused.error().to_string();
+  auto sent = send_session(*a, **src, t, {.timeout_s = 5});
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  a->close();
+  receiver.join();
+  ASSERT_TRUE(sent.ok()) << sent.error().to_string();
+  ASSERT_FALSE(first.ok());
+  ASSERT_TRUE(second.ok()) << second.error().to_string();
+  ASSERT_TRUE(moved.has_value());
+  EXPECT_EQ(testing::live_bytes(store, *moved), want);
+  EXPECT_LT(seconds, 1.5) << "the receiver's 2 s linger after its ERROR ended at the sender's BYE";
+}
+
 // Every way a session into a store fails leaves the store as it was: the
 // same sequences, the same bytes, the same free blocks.
 TEST_F(Handoff, StoreTargetFaultsLeaveTheStoreAsItWas) {

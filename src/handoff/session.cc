@@ -468,11 +468,21 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   // its prefill or its pacing, had not read. Its reason is read back where
   // it is there, past the ACKs before it.
   std::vector<std::uint8_t> in;
+  // A receiver that ended with an ERROR lingers until BYE (or the link's
+  // close), dropping what arrives: BYE ends its linger, so the link's next
+  // session is not dropped with it.
+  auto bye = [&]() {
+    const std::uint8_t b = kBye;
+    (void)transport.send_message(&b, 1, deadline_in(1.0));
+  };
   auto why_ended = [&]() -> std::optional<Error> {
     const Deadline d = deadline_in(std::min(kReasonWaitS, options.timeout_s));
     for (std::int64_t i = 0; i <= kMaxUnreadAcks + 1; ++i) {
       if (!transport.recv_message(in, d, 1 << 20).ok() || in.empty()) break;
-      if (in[0] == kError) return decode_status(in, who + " ended the session");
+      if (in[0] == kError) {
+        bye();
+        return decode_status(in, who + " ended the session");
+      }
       if (in[0] != kAck) break;
     }
     return std::nullopt;
@@ -499,7 +509,10 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   report.wire_bytes += static_cast<std::int64_t>(header.size());
   KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }));
   if (in.empty()) return wire_error(who + " sent an empty message");
-  if (in[0] == kError) return decode_status(in, who + " refused the session");
+  if (in[0] == kError) {
+    bye();
+    return decode_status(in, who + " refused the session");
+  }
   if (in[0] != kAccept || in.size() != 9) return wire_error(who + " sent message type " + std::to_string(in[0]) + " instead of accepting");
   Reader r{in.data() + 1, in.data() + in.size()};
   report.credit_bytes = static_cast<std::int64_t>(r.u(8));
@@ -517,7 +530,10 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   auto read_reply = [&]() -> Status {
     KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }));
     if (in.empty()) return wire_error(who + " sent an empty message");
-    if (in[0] == kError) return decode_status(in, who + " failed");
+    if (in[0] == kError) {
+      bye();
+      return decode_status(in, who + " failed");
+    }
     if (in[0] == kAck && in.size() == 17) {
       Reader a{in.data() + 1, in.data() + in.size()};
       const auto seq = a.u(8);
@@ -542,9 +558,11 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     }
     return wire_error(who + " sent message type " + std::to_string(in[0]));
   };
+  // ABORT, then the receiver's ERROR (past its ACKs) and BYE, so that the
+  // receiver's linger ends before the link's next session.
   auto abort_with = [&](const Error& e) -> Error {
     const std::string s = encode_status(kAbort, e);
-    (void)transport.send_message(s.data(), s.size(), deadline_in(1.0));
+    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) (void)why_ended();
     return e;
   };
 
@@ -638,8 +656,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     KVRING_RETURN_IF_ERROR(read_reply());
     if (in[0] == kDone) break;
   }
-  const std::uint8_t bye = kBye;
-  (void)transport.send_message(&bye, 1, deadline_in(1.0));  // the session is live either way
+  bye();  // the session is live either way
   report.payload_bytes = sent;
   report.seconds = seconds_since(t0);
   return report;
