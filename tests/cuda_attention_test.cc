@@ -214,6 +214,13 @@ TEST(CudaBatch, EveryCombinePathGivesTheSameBits) {
     for (int i = 0; i < 2; ++i) plan.push_back({true, {{1, 1}}});
     Outputs o;
     testing::run_plan(*store, ids, seqs, plan, o, true, nullptr, &at);
+    // Layer 1's last head has a sink near the largest float: the path
+    // divided by it (one or two levels), its outputs are 0.
+    for (const auto& [key, val] : o) {
+      if (std::get<1>(key) != 1) continue;
+      for (std::int64_t e = (cs.config.n_heads - 1) * cs.config.head_dim; e < cs.config.n_heads * cs.config.head_dim; ++e)
+        ASSERT_EQ(val[static_cast<std::size_t>(e)], 0.0f) << "position " << std::get<2>(key);
+    }
     runs.push_back(std::move(o));
     const cuda::AttendStats& n = stats[path];
     std::printf("  %s: launches by path: resident %ld, cluster %ld, last arrival %ld (query-major %ld, "
@@ -1182,6 +1189,67 @@ TEST(CudaF16, BitsNeverDependOnTheBatchAndAgreeWithTheCpu) {
 }
 
 // ---- Attention sinks (KvStore::set_attention_sinks) ----
+
+// A decode captured into a CUDA graph while its layer has sinks reads the
+// device's sinks when it runs: replayed after new sinks are set, it gives
+// the bits of a decode with them; after they are removed, the bits of a
+// decode without sinks.
+TEST(CudaSinks, ACapturedDecodeReadsTheSinksWhenItRuns) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = cases().front().config;
+  const std::int64_t layer = 1, len = 600, kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  const SeqInputs in = testing::seq_inputs(c, len, 61);
+  auto store = testing::new_store(BackendKind::kCuda, c, {.max_sequences = 1, .context = 1024, .block_rows = 16});
+  ASSERT_TRUE(store);
+  auto* cuda_store = dynamic_cast<CudaStore*>(store.get());
+  ASSERT_NE(cuda_store, nullptr);
+  const SeqId id = *store->add_sequence();
+  const SeqSpan span{id, 0, len};
+  ASSERT_TRUE(store->store(layer, std::span(&span, 1), testing::host_in(in.k.data() + layer * len * kv, len, kv),
+                           testing::host_in(in.v.data() + layer * len * kv, len, kv)).ok());
+  const float* last = in.q.data() + (layer * len + len - 1) * width;
+  testing::DeviceArray<float> q(std::vector<float>(last, last + width)), out(static_cast<std::size_t>(width));
+  auto decode = [&]() {
+    const SeqQuery query{id, len - 1};
+    const Status st = store->attend_decode(layer, std::span(&query, 1), testing::device_in(q.get(), 1, width),
+                                           device_view(out.get(), 1, width));
+    ASSERT_TRUE(st.ok()) << st.to_string();
+  };
+  auto decoded = [&]() {
+    out.poison();
+    decode();
+    EXPECT_TRUE(store->synchronize().ok());
+    return out.download();
+  };
+  std::vector<float> first = sinks_of(c), second = first;
+  for (float& x : second) x = x < 1e30f ? x + 0.5f : x;
+  ASSERT_TRUE(store->set_attention_sinks(layer, first).ok());
+  const std::vector<float> with_first = decoded();
+  const cudaStream_t stream = cuda_store->stream();
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  decode();
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  cudaGraphDestroy(graph);
+  auto replayed = [&]() {
+    out.poison();
+    EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return out.download();
+  };
+  EXPECT_TRUE(same_bits(replayed(), with_first));
+  ASSERT_TRUE(store->set_attention_sinks(layer, second).ok());
+  const std::vector<float> with_second = decoded();
+  EXPECT_FALSE(same_bits(with_second, with_first));
+  EXPECT_TRUE(same_bits(replayed(), with_second));
+  ASSERT_TRUE(store->set_attention_sinks(layer, {}).ok());
+  const std::vector<float> without = decoded();
+  EXPECT_FALSE(same_bits(without, with_second));
+  EXPECT_TRUE(same_bits(replayed(), without));
+  cudaGraphExecDestroy(exec);
+}
 
 // Sinks on the GPU, for each geometry of both kernels and under both
 // numerics (the f16 one at head_dim 128): a batch with sinks on every layer

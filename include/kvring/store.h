@@ -317,10 +317,12 @@ class KvStore {
   // apply to every later attend_decode and prefill of that layer, under
   // both numerics, and are no part of snapshots, packs or handoffs.
   // `sinks` holds n_heads finite values, or is empty to remove the
-  // layer's. On the CUDA backend the values go to device memory in order
-  // after the work the store enqueued before (a launch reads them when it
-  // runs; a CUDA graph captured earlier keeps whether the layer had sinks
-  // then, and reads the values current at each replay). Errors:
+  // layer's. On the CUDA backend the values go to device memory on the
+  // store's stream (CudaStore::stream()), after the work the store
+  // enqueued before, and the call waits for them; a launch reads them when
+  // it runs. A CUDA graph captured earlier keeps whether the layer had
+  // sinks then, and reads the values current when it runs (replayed in
+  // order with the store's other work, as cuda_store.h asks). Errors:
   // kInvalidArgument (layer, count, a value that is not finite; on the
   // CUDA backend, while the store's own stream is being captured), kCuda
   // (the device refused the copy); the layer's sinks are then unchanged.

@@ -643,7 +643,6 @@ __device__ __forceinline__ void attend_hd128_warps(const Args& A) {
   const Workspace ws = workspace_of(P, r, kTensorHeads);
   float* const out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
                      static_cast<std::int64_t>(hs.head0) * HD;
-  const float* const sinks = P.sinks != nullptr ? P.sinks + hs.head0 : nullptr;
   int q = 0, stage = 0;
   // Waits for tile q, after refilling the stage the tile before it was
   // read from (every lane's reads of it done) with tile q + stages - 1;
@@ -737,7 +736,7 @@ __device__ __forceinline__ void attend_hd128_warps(const Args& A) {
     // split, else the split's partial in its workspace slot.
     if (r.n_splits == 1) {
       if (g < hs.heads_valid) {
-        const float d = sink_divisor(L, M, sinks, g);
+        const float d = sink_divisor(L, M, sinks_from(P, hs.head0), g);
 #pragma unroll
         for (int j = 0; j < 16; ++j)
           *reinterpret_cast<float2*>(out + g * HD + 8 * j + 2 * t) = make_float2(o[j][0] / d, o[j][1] / d);
@@ -754,7 +753,7 @@ __device__ __forceinline__ void attend_hd128_warps(const Args& A) {
   }
   if (r.n_splits == 1) return;
   combine_arrived<true>(S.sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, run_end - 1, S.sh),
-                        kTensorHeads, HD, hs.heads_valid, out, sinks);
+                        kTensorHeads, HD, hs.heads_valid, out, sinks_from(P, hs.head0));
 }
 __global__ void __launch_bounds__(kWarpSplitThreads, 2) attend_hd128_warp_kernel(const KernelArgs A) {
   attend_hd128_warps(A);

@@ -280,11 +280,16 @@ __device__ __forceinline__ float weight_of(float m, float max) {
 // The divisor of query head h's outputs: its weight sum `sum` at the
 // maximum `max` (log2 units), plus its attention sink's weight
 // 2^(sinks[h] - max) where the layer has sinks (AttendParams::sinks, log2
-// units; null: none, and the divisor is `sum` itself). A sink far above
-// the scores makes the divisor inf and the outputs 0; a sink of -inf adds
-// exactly 0.
+// units; null: none, and the divisor is `sum` itself). A sink more than
+// 128 log2 units above the maximum makes the divisor inf and the outputs
+// 0; a sink of -inf adds exactly 0.
 __device__ __forceinline__ float sink_divisor(float sum, float max, const float* sinks, int h) {
   return sinks == nullptr ? sum : sum + exp2f(sinks[h] - max);
+}
+// The launch's sinks from query head head0 on (null: none). Taken where
+// an output is written, not held through a kernel's row loop.
+__device__ __forceinline__ const float* sinks_from(const AttendParams& P, int head0) {
+  return P.sinks != nullptr ? P.sinks + head0 : nullptr;
 }
 __device__ __forceinline__ float4 divided(float4 a, float d) {
   return make_float4(a.x / d, a.y / d, a.z / d, a.w / d);

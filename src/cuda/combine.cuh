@@ -732,11 +732,10 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
   const HeadWeights hw = head_weights(sh, h, lane);
   const float4 v = head_value4(wo, hw, h, lane);
   float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride + static_cast<std::int64_t>(head0) * hd;
-  const float* sinks = P.sinks != nullptr ? P.sinks + head0 : nullptr;
   if (r.n_splits == 1 && !P.cluster) {
     if (h < heads_valid) {
       float* o = out + 4 * tid;
-      const float d = sink_divisor(hw.sum, hw.max, sinks, h);
+      const float d = sink_divisor(hw.sum, hw.max, sinks_from(P, head0), h);
       o[0] = v.x / d;
       o[1] = v.y / d;
       o[2] = v.z / d;
@@ -746,7 +745,7 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
     return;
   }
   if (P.resident) {
-    finish_resident(P, sh, hw, v, *stage, r, heads, heads_valid, out, sinks);
+    finish_resident(P, sh, hw, v, *stage, r, heads, heads_valid, out, sinks_from(P, head0));
     return;
   }
   if (P.cluster) {
@@ -776,6 +775,7 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
     mbarrier_wait_first_phase(full);
     // combine_splits' arithmetic on the inbox, in combine_staged's loops.
     float4* out4 = reinterpret_cast<float4*>(out);
+    const float* sinks = sinks_from(P, head0);
     for (int u = share.begin / 4 + tid; 4 * u < share.end; u += static_cast<int>(blockDim.x)) {
       const Staged c = combine_staged(reinterpret_cast<const float4*>(inbox->o + 4 * u - share.begin), stride / 4,
                                       &inbox->ml[0][4 * u / hd][0], 2 * heads, n);
@@ -786,7 +786,7 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
   const Workspace ws = workspace_of(P, r, heads);
   publish_head(ws, r, v, hw, h, lane);
   combine_arrived<true>(sh, ws, r, arrive_run(ws.counters, r.n_splits, run_first, r.split, sh), heads, hd,
-                        heads_valid, out, sinks);
+                        heads_valid, out, sinks_from(P, head0));
 }
 
 // The general kernel's finish: combines the CTA's warp partials (in sh,
@@ -806,7 +806,7 @@ static __device__ void finish(const AttendParams& P, Shared& sh, ClusterInbox* i
   combine_warps(sh, heads);
   float* out = P.out + static_cast<std::int64_t>(r.qi) * P.out_stride +
                static_cast<std::int64_t>(head0) * hd;
-  const float* sinks = P.sinks != nullptr ? P.sinks + head0 : nullptr;
+  const float* sinks = sinks_from(P, head0);
   if (r.n_splits == 1 && !P.cluster) {
     for (int i = tid; i < heads_valid * hd; i += blockDim.x) {
       const int h = i / hd;

@@ -540,6 +540,10 @@ Status CudaStore::release_scratch() {
 // CPU backend's f16 combine takes them (sink x log2(e) rounded to f32,
 // capped at FLT_MAX); a layer without sinks holds -inf, which adds nothing
 // to a divisor (a graph captured while it had sinks still reads them).
+// The copy goes on the store's stream after its earlier work and is waited
+// for, so on an error the device holds what the host does: the array is
+// made and filled whole or not kept, and a row whose copy failed part-way
+// is put back.
 Status CudaStore::sinks_changed(std::int64_t layer, std::span<const float> sinks) {
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
@@ -550,29 +554,39 @@ Status CudaStore::sinks_changed(std::int64_t layer, std::span<const float> sinks
     return invalid_argument("set_attention_sinks: the store's stream is being captured into a graph; "
                             "call it outside the capture");
   const std::int64_t heads = config_.n_heads;
-  // Pageable sources: each copy returns once its bytes are staged, so the
-  // vectors may go when it returns.
+  auto row_of = [&](std::span<const float> values) {
+    std::vector<float> row(static_cast<std::size_t>(heads), -INFINITY);
+    for (std::size_t h = 0; h < values.size(); ++h)
+      row[h] = std::fmin(values[h] * static_cast<float>(1.4426950408889634), FLT_MAX);
+    return row;
+  };
+  // Pageable sources: each copy is waited for before its vector goes.
+  auto copy = [&](float* dst, const std::vector<float>& src) -> Status {
+    cudaError_t e = cudaMemcpyAsync(dst, src.data(), src.size() * 4, cudaMemcpyHostToDevice, im.stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(im.stream);
+    if (e == cudaSuccess) return Status::Ok();
+    (void)cudaGetLastError();
+    return cuda_error("copying the attention sinks to the device", e);
+  };
+  KVRING_RETURN_IF_ERROR(im.enter(im.stream));
   if (im.sinks == nullptr) {
     const std::size_t all = static_cast<std::size_t>(config_.n_layers * heads);
-    if (const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&im.sinks), all * 4); e != cudaSuccess) {
+    float* made = nullptr;
+    if (const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&made), all * 4); e != cudaSuccess) {
       (void)cudaGetLastError();
-      im.sinks = nullptr;
       return cuda_error("cudaMalloc of the attention sinks", e);
     }
-    const std::vector<float> none(all, -INFINITY);
-    KVRING_RETURN_IF_ERROR(im.enter(im.stream));
-    KVRING_CUDA_CHECK("cudaMemcpyAsync of the attention sinks",
-                      cudaMemcpyAsync(im.sinks, none.data(), all * 4, cudaMemcpyHostToDevice, im.stream));
-    KVRING_RETURN_IF_ERROR(im.leave(im.stream));
+    if (Status st = copy(made, std::vector<float>(all, -INFINITY)); !st.ok()) {
+      cudaFree(made);
+      return st;
+    }
+    im.sinks = made;
   }
-  std::vector<float> row(static_cast<std::size_t>(heads), -INFINITY);
-  for (std::size_t h = 0; h < sinks.size(); ++h)
-    row[h] = std::fmin(sinks[h] * static_cast<float>(1.4426950408889634), FLT_MAX);
-  KVRING_RETURN_IF_ERROR(im.enter(im.stream));
-  KVRING_CUDA_CHECK("cudaMemcpyAsync of the attention sinks",
-                    cudaMemcpyAsync(im.sinks + layer * heads, row.data(), row.size() * 4, cudaMemcpyHostToDevice,
-                                    im.stream));
-  return im.leave(im.stream);
+  float* const dst = im.sinks + layer * heads;
+  Status st = copy(dst, row_of(sinks));
+  if (st.ok()) st = im.leave(im.stream);
+  if (!st.ok()) (void)copy(dst, row_of(attention_sinks(layer)));  // the layer's sinks stay as they were
+  return st;
 }
 
 Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
