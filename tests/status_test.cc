@@ -30,6 +30,18 @@ TEST(Status, PropagatesTheFirstError) {
   EXPECT_EQ(s.to_string(), "InvalidArgument: odd 3");
 }
 
+// A Result takes a failed Status's error; an ok Status, which holds no
+// value, makes a kInternal error that says so rather than one without words.
+TEST(Status, AResultFromAStatusIsAlwaysAnErrorWithWords) {
+  const Result<int> failed = Status(invalid_argument("bad"));
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.error().message, "bad");
+  const Result<int> from_ok = Status::Ok();
+  ASSERT_FALSE(from_ok.ok());
+  EXPECT_EQ(from_ok.error().code, ErrorCode::kInternal);
+  EXPECT_NE(from_ok.error().message.find("ok Status"), std::string::npos);
+}
+
 TEST(Status, DiscontinuityCarriesItsFields) {
   Error e = cache_discontinuity(5, 10, 12);
   EXPECT_EQ(e.code, ErrorCode::kCacheDiscontinuity);

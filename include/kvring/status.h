@@ -79,7 +79,11 @@ class [[nodiscard]] Result {
  public:
   Result(T value) : v_(std::move(value)) {}      // NOLINT
   Result(Error error) : v_(std::move(error)) {}  // NOLINT
-  Result(Status status) : v_(status.error()) {}  // NOLINT: only from a failed Status
+  // From a failed Status, its error. An ok Status holds no T: the Result
+  // is then a kInternal error that says so, never an error without words.
+  Result(Status status)  // NOLINT
+      : v_(status.ok() ? Error{ErrorCode::kInternal, "a Result was made from an ok Status, which holds no value"}
+                       : status.error()) {}
 
   bool ok() const { return v_.index() == 0; }
   explicit operator bool() const { return ok(); }

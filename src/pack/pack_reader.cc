@@ -569,8 +569,8 @@ Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkSt
 Status need_store(const PackSource& src, const Manifest& m, const ChunkStore* store) {
   if (m.thin && store == nullptr)
     return invalid_argument(src.name() + " is a thin pack: its " + num(static_cast<std::int64_t>(m.chunks.size())) +
-                            " chunks live in a chunk store; name the store (--store dir:PATH or "
-                            "--store redis://HOST:PORT)");
+                            " chunks live in a chunk store; name the store (ReadOptions::store; on the "
+                            "command line --store dir:PATH or --store redis://HOST:PORT)");
   return Status::Ok();
 }
 
