@@ -348,7 +348,12 @@ class HandoffSource {
 
 // The header of a session whose payload one sequence of a store holds
 // (every planned row, up to its next position): the geometry, context,
-// token ids, metadata and ring states a source sends.
+// token ids, metadata and ring states a source sends. The sequence's next
+// position is the payload's rows_tokens (N - 1 for an N-token prompt: a
+// prefill node prefills the first N - 1 tokens, or truncates its N-th,
+// since a sliding ring past the window no longer holds the row that the
+// payload's first N - 1 need), and `token_ids` holds exactly those
+// rows_tokens ids; kInvalidArgument otherwise.
 Result<Snapshot> session_header(const KvStore& store, SeqId seq, const Payload& payload,
                                 std::vector<std::int32_t> token_ids, std::string metadata);
 

@@ -278,6 +278,14 @@ class KvStore {
   // Stores K/V rows of several sequences into one layer. Span i's rows are
   // the next `count` rows of k and v ([sum of counts, kv_dim]), in span
   // order. A sequence appears at most once.
+  //
+  // A step stored layer by layer (store, prefill) that the pool cannot
+  // hold is refused at the first full layer short of blocks, after the
+  // layers before it took theirs: the sequence's layers then stand at
+  // different positions until the step is finished or rolled back
+  // (truncate_sequence_to, within the rollback slack). An engine prices a
+  // step for every layer before it starts: blocks_to_store against
+  // free_blocks, or store_all_layers, which all layers accept or none.
   Status store(std::int64_t layer, std::span<const SeqSpan> spans, const ConstView& k,
                const ConstView& v, cudaStream_t stream = nullptr);
   // The same for every layer at once: k, v [n_layers * rows, kv_dim], layer
