@@ -526,6 +526,35 @@ TEST_F(Handoff, ARefusedSessionLeavesTheLinkToTheNext) {
   EXPECT_LT(seconds, 1.5) << "the receiver's 2 s linger after its ERROR ended at the sender's BYE";
 }
 
+// A BYE or KEEP ahead of a HEADER (an earlier session's end, heard after
+// the receiver's linger) is skipped: the session after it arrives whole.
+TEST_F(Handoff, AStaleByeOrKeepBeforeTheHeaderIsSkipped) {
+  auto from = make_store(BackendKind::kCpu, config_, {.max_sequences = 1});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = prefill_in(*model_, **from, prompt_);
+  auto to = make_store(BackendKind::kCpu, config_, {.max_sequences = 1, .block_rows = 16});
+  ASSERT_TRUE(to.ok());
+  auto [a, b] = local_pair();
+  for (const std::uint8_t stale : {std::uint8_t{10}, std::uint8_t{6}, std::uint8_t{10}})  // BYE, KEEP, BYE
+    ASSERT_TRUE(a->send_message(&stale, 1, deadline_in(1)).ok());
+  Result<ReceiveReport> got = io_error("not run");
+  std::optional<SeqId> moved;
+  std::thread receiver([&, &b = b] {
+    StoreTarget target(**to, {.expect = config_});
+    got = receive_session(*b, target, {.timeout_s = 5});
+    moved = target.sequence();
+  });
+  const Timeline t = plan(Schedule::kPaced, 3 * 256);
+  auto src = StoreSource::create(**from, seq, t, std::vector<std::int32_t>(prompt_.begin(), prompt_.end() - 1), "");
+  ASSERT_TRUE(src.ok()) << src.error().to_string();
+  auto sent = send_session(*a, **src, t, {.timeout_s = 5});
+  receiver.join();
+  ASSERT_TRUE(sent.ok()) << sent.error().to_string();
+  ASSERT_TRUE(got.ok()) << got.error().to_string();
+  ASSERT_TRUE(moved.has_value());
+  EXPECT_EQ(testing::live_bytes(**to, *moved), testing::live_bytes(**from, seq));
+}
+
 // Every way a session into a store fails leaves the store as it was: the
 // same sequences, the same bytes, the same free blocks.
 TEST_F(Handoff, StoreTargetFaultsLeaveTheStoreAsItWas) {

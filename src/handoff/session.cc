@@ -475,9 +475,13 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     const std::uint8_t b = kBye;
     (void)transport.send_message(&b, 1, deadline_in(1.0));
   };
-  auto why_ended = [&]() -> std::optional<Error> {
-    const Deadline d = deadline_in(std::min(kReasonWaitS, options.timeout_s));
+  // `per_reply`: each reply's wait (a receiver answering an ABORT may
+  // first take the rows already sent, acknowledging each); else the whole
+  // read's, kReasonWaitS.
+  auto why_ended = [&](bool per_reply = false) -> std::optional<Error> {
+    Deadline d = deadline_in(std::min(kReasonWaitS, options.timeout_s));
     for (std::int64_t i = 0; i <= kMaxUnreadAcks + 1; ++i) {
+      if (per_reply) d = deadline_in(options.timeout_s);
       if (!transport.recv_message(in, d, 1 << 20).ok() || in.empty()) break;
       if (in[0] == kError) {
         bye();
@@ -558,11 +562,12 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     }
     return wire_error(who + " sent message type " + std::to_string(in[0]));
   };
-  // ABORT, then the receiver's ERROR (past its ACKs) and BYE, so that the
-  // receiver's linger ends before the link's next session.
+  // ABORT, then the receiver's ERROR (past the ACKs of the rows it takes
+  // first, each within timeout_s) and BYE, so that the receiver's linger
+  // ends before the link's next session.
   auto abort_with = [&](const Error& e) -> Error {
     const std::string s = encode_status(kAbort, e);
-    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) (void)why_ended();
+    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) (void)why_ended(true);
     return e;
   };
 
@@ -708,7 +713,13 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
     if (in.empty()) return wire_error(who + " sent an empty message");
     return Status::Ok();
   };
-  if (Status s = recv(deadline_in(options.timeout_s)); !s.ok()) return fail(s.error());
+  // A BYE or KEEP before the header is the end of an earlier session on
+  // the link (a sender that heard this end's ERROR after its linger), not
+  // this one's start.
+  const Deadline first_by = deadline_in(options.timeout_s);
+  do {
+    if (Status s = recv(first_by); !s.ok()) return fail(s.error());
+  } while (in.size() == 1 && (in[0] == kBye || in[0] == kKeep));
   const auto t0 = Clock::now();
   if (in[0] != kHeader) return fail(wire_error(who + " did not start with a header (type " + std::to_string(in[0]) + ")"));
   auto decoded = decode_header(in);
