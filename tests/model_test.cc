@@ -277,6 +277,13 @@ TEST(Session, ModelCheckRefusesWhatCreateRefuses) {
   EXPECT_NE(ReferenceModel::check(c, {.hidden = 16384, .vocab = 1 << 20}).error().message.find("weights would take"),
             std::string::npos);
   EXPECT_NE(ReferenceModel::check(theta(1e-300), {.hidden = 8}).error().message.find("rope_theta"), std::string::npos);
+  // Without RoPE layers no frequency is used: any positive finite theta.
+  ModelConfig nope = make_hybrid_config("nope", 2, 1, 4, 2, 16, 8, 256);
+  ASSERT_EQ(nope.count(LayerKind::kSlidingRope), 0);
+  nope.rope_theta = 1e-300;
+  EXPECT_TRUE(ReferenceModel::check(nope, {.hidden = 8}).ok());
+  nope.rope_theta = 0;
+  EXPECT_FALSE(ReferenceModel::check(nope, {.hidden = 8}).ok());
 }
 
 }  // namespace

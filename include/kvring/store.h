@@ -330,7 +330,10 @@ class KvStore {
   // enqueued before, and the call waits for them; a launch reads them when
   // it runs. A CUDA graph captured earlier keeps whether the layer had
   // sinks then, and reads the values current when it runs (replayed in
-  // order with the store's other work, as cuda_store.h asks). Errors:
+  // order with the store's other work, as cuda_store.h asks). The call
+  // allocates (the first time) and waits on the store's stream: not while
+  // a capture in global or thread-local mode runs on the store's GPU
+  // (cuda_store.h). Errors:
   // kInvalidArgument (layer, count, a value that is not finite; on the
   // CUDA backend, while the store's own stream is being captured), kCuda
   // (the device refused the copy); the layer's sinks are then unchanged.

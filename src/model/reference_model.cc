@@ -137,9 +137,12 @@ Status ReferenceModel::check(const ModelConfig& config, const ModelOptions& opti
   if (config.count(LayerKind::kSlidingRope) > 0 && config.head_dim % 2 != 0)
     return invalid_argument("RoPE needs an even head_dim, got " + std::to_string(config.head_dim));
   // Every RoPE frequency theta^(-2i / head_dim) must be a finite float:
-  // the largest (theta < 1) at i = head_dim / 2 - 1.
-  const double top = std::pow(config.rope_theta, -static_cast<double>(config.head_dim - 2) /
-                                                      static_cast<double>(config.head_dim));
+  // the largest (theta < 1) at i = head_dim / 2 - 1. A model without RoPE
+  // layers uses none, but theta must still be positive and finite.
+  const bool rope = config.count(LayerKind::kSlidingRope) > 0;
+  const double top = rope ? std::pow(config.rope_theta, -static_cast<double>(config.head_dim - 2) /
+                                                            static_cast<double>(config.head_dim))
+                          : 1.0;
   if (!(config.rope_theta > 0.0) || !std::isfinite(config.rope_theta) || !(top <= FLT_MAX)) {
     char theta[32];
     std::snprintf(theta, sizeof theta, "%.17g", config.rope_theta);
