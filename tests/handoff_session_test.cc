@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <functional>
 #include <thread>
 
@@ -553,6 +555,112 @@ TEST_F(Handoff, AStaleByeOrKeepBeforeTheHeaderIsSkipped) {
   ASSERT_TRUE(got.ok()) << got.error().to_string();
   ASSERT_TRUE(moved.has_value());
   EXPECT_EQ(testing::live_bytes(**to, *moved), testing::live_bytes(**from, seq));
+}
+
+// A target that takes the engine's store lock for each of its calls.
+class LockedTarget : public HandoffTarget {
+ public:
+  LockedTarget(HandoffTarget& inner, std::mutex& mu) : inner_(inner), mu_(mu) {}
+  Status begin(const Snapshot& header) override {
+    const std::lock_guard<std::mutex> l(mu_);
+    return inner_.begin(header);
+  }
+  Status put_rows(std::int64_t layer, std::int64_t first_row, std::int64_t rows, const std::uint8_t* k,
+                  const std::uint8_t* v) override {
+    const std::lock_guard<std::mutex> l(mu_);
+    return inner_.put_rows(layer, first_row, rows, k, v);
+  }
+  Status commit() override {
+    const std::lock_guard<std::mutex> l(mu_);
+    return inner_.commit();
+  }
+  void abort() override {
+    const std::lock_guard<std::mutex> l(mu_);
+    inner_.abort();
+  }
+
+ private:
+  HandoffTarget& inner_;
+  std::mutex& mu_;
+};
+
+// A decode node keeps decoding while a session arrives: the target's calls
+// and the engine's decode steps on another sequence of the same store take
+// one lock, so they come one at a time. The session arrives whole and
+// decodes as the reference; the other sequence's outputs are the bits of
+// the same steps on a store that received nothing.
+TEST_F(Handoff, DecodingGoesOnWhileASessionArrives) {
+  auto from = make_store(BackendKind::kCpu, config_, {.max_sequences = 1});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = prefill_in(*model_, **from, prompt_);
+  const StoreOptions o{.max_sequences = 2, .block_rows = 16};
+  auto to = make_store(BackendKind::kCpu, config_, o);
+  auto twin = make_store(BackendKind::kCpu, config_, o);
+  ASSERT_TRUE(to.ok() && twin.ok());
+  const std::vector<std::int32_t> other_prompt = seeded_tokens(kPrompt, 64, 5);
+  const SeqId other = prefill_in(*model_, **to, other_prompt);
+  const SeqId other_twin = prefill_in(*model_, **twin, other_prompt);
+  const std::int64_t kv = config_.kv_dim(), width = config_.n_heads * config_.head_dim, L = config_.n_layers;
+  // One decode step of `s`: a token's rows into every layer, then each
+  // layer's decode; its outputs appended to `outs`.
+  auto step = [&](KvStore& store, SeqId s, std::int64_t i, std::vector<float>& outs) {
+    const auto k = testing::random_floats(static_cast<std::size_t>(L * kv), 100 + static_cast<std::uint64_t>(i));
+    const auto v = testing::random_floats(k.size(), 200 + static_cast<std::uint64_t>(i));
+    const auto q = testing::random_floats(static_cast<std::size_t>(width), 300 + static_cast<std::uint64_t>(i));
+    const std::int64_t p = *store.next_position(s);
+    const SeqSpan span{s, p, 1};
+    ASSERT_TRUE(store.store_all_layers({&span, 1}, host_view(k.data(), L, kv), host_view(v.data(), L, kv)).ok());
+    std::vector<float> out(static_cast<std::size_t>(width));
+    for (std::int64_t l = 0; l < L; ++l) {
+      const SeqQuery query{s, p};
+      ASSERT_TRUE(store.attend_decode(l, {&query, 1}, host_view(q.data(), 1, width), host_view(out.data(), 1, width)).ok());
+      outs.insert(outs.end(), out.begin(), out.end());
+    }
+  };
+  std::mutex mu;
+  std::atomic<bool> receiving{true};
+  Result<ReceiveReport> got = io_error("not run");
+  std::optional<SeqId> moved;
+  auto [a, b] = local_pair();
+  std::thread receiver([&, &b = b] {
+    StoreTarget target(**to, {.expect = config_});
+    LockedTarget locked(target, mu);
+    got = receive_session(*b, locked, {.timeout_s = 5});
+    moved = target.sequence();
+    receiving = false;
+  });
+  const Timeline t = plan(Schedule::kPaced, 3 * 256);
+  const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+  auto src = StoreSource::create(**from, seq, t, ids, "");
+  ASSERT_TRUE(src.ok()) << src.error().to_string();
+  // Paced so that the session takes about 0.3 s.
+  const double rate = static_cast<double>(t.payload.payload_bytes) / 0.3;
+  Result<SendReport> sent = io_error("not run");
+  std::thread sender([&, &a = a] { sent = send_session(*a, **src, t, {.timeout_s = 5, .rate_bytes_per_s = rate}); });
+  std::vector<float> outs;
+  std::int64_t steps = 0, during = 0;
+  while (steps < 100 && (receiving || steps < 3)) {
+    const bool was = receiving;
+    {
+      const std::lock_guard<std::mutex> l(mu);
+      step(**to, other, steps, outs);
+    }
+    if (was && receiving) ++during;
+    ++steps;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  sender.join();
+  receiver.join();
+  ASSERT_TRUE(sent.ok()) << sent.error().to_string();
+  ASSERT_TRUE(got.ok()) << got.error().to_string();
+  ASSERT_TRUE(moved.has_value());
+  EXPECT_GT(during, 2) << "decode steps ran while the session arrived";
+  EXPECT_EQ(testing::live_bytes(**to, *moved), testing::live_bytes(**from, seq));
+  std::vector<float> want;
+  for (std::int64_t i = 0; i < steps; ++i) step(**twin, other_twin, i, want);
+  ASSERT_EQ(outs.size(), want.size());
+  EXPECT_EQ(std::memcmp(outs.data(), want.data(), outs.size() * 4), 0);
+  expect_reference(decode_in(**to, *moved, ids));
 }
 
 // Every way a session into a store fails leaves the store as it was: the

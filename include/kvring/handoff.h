@@ -478,8 +478,13 @@ class HandoffTarget {
 // device and makes the sequence live; abort() removes it, leaving the store
 // as it was. On the CUDA backend, host rows go through two pinned and device
 // staging slots, so one message's copy to the GPU and its install run while
-// the next is received; device rows are installed where they lie. The
-// caller makes no other call on the store until commit or abort.
+// the next is received; device rows are installed where they lie. Other
+// calls on the store may run while a session arrives only one at a time
+// with the target's own, as every call on a store: an engine that keeps
+// decoding forwards a HandoffTarget's calls to this one under the lock its
+// other store calls take (Handoff.DecodingGoesOnWhileASessionArrives).
+// They leave the detached sequence alone; the blocks it needs were taken
+// at begin().
 class StoreTarget : public HandoffTarget {
  public:
   struct Options {
