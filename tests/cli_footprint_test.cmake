@@ -31,6 +31,9 @@ run_expect(FALSE "unknown command" frobnicate)
 # How many sequences of a length fit in a memory size.
 run_expect(TRUE "5 sequences of 131,072 tokens fit" footprint --model muse-glimmer --fit 10GiB --length 131072)
 run_expect(TRUE "\"sequences\":738" footprint --model muse-glimmer --fit 141GB --length 8192 --json)
+# The store of the fit: 5 sequences x 512 blocks x 13 full layers.
+run_expect(TRUE "max_sequences 5, pool_blocks 33,280" footprint --model muse-glimmer --fit 10GiB --length 131072)
+run_expect(TRUE "\"pool_blocks\":33280" footprint --model muse-glimmer --fit 10GiB --length 131072 --json)
 run_expect(TRUE "\"total_bytes\":7306477568" footprint --model muse-glimmer --context 131072 --slots 4 --json)
 run_expect(TRUE "\"context\":2048,.*\"context\":32768,.*\"context\":131072,"
            footprint --model muse-glimmer --json)

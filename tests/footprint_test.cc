@@ -133,6 +133,28 @@ TEST(Footprint, FitEqualsWhatTheStoreHolds) {
     EXPECT_EQ(6 * (*store)->ring_bytes(), fit->sliding_bytes);
     ASSERT_TRUE((*store)->remove_sequence(*seq).ok());
   }
+  // The store of a fit allocates what the fit says, within the memory.
+  for (const auto& [length, slack] : {std::pair<std::int64_t, std::int64_t>{100, 0}, {1000, 8}, {1, 0}}) {
+    SCOPED_TRACE(length);
+    const std::int64_t memory = 3'000'000;
+    auto fit = fit_sequences(c, length, memory, 0, slack);
+    ASSERT_TRUE(fit.ok());
+    ASSERT_GT(fit->sequences, 0);
+    auto fitted = make_store(BackendKind::kCpu, c,
+                             {.max_sequences = fit->sequences, .slack = slack, .block_rows = fit->block_rows,
+                              .pool_blocks = fit->pool_blocks});
+    ASSERT_TRUE(fitted.ok()) << fitted.error().to_string();
+    EXPECT_EQ((*fitted)->allocated_bytes(), fit->sequences * fit->sequence_bytes);
+    EXPECT_LE((*fitted)->allocated_bytes(), memory);
+    EXPECT_EQ((*fitted)->pool_blocks(), fit->pool_blocks);
+  }
+  // A pool past kMaxPoolBlocks caps the fit.
+  const ModelConfig wide = make_hybrid_config("wide", 1024, 1, 1, 1, 1, 32, 1 << 20);
+  auto capped = fit_sequences(wide, 1 << 20, std::int64_t{1} << 60, 16);
+  ASSERT_TRUE(capped.ok()) << capped.error().to_string();
+  EXPECT_TRUE(capped->capped);
+  EXPECT_LE(capped->pool_blocks, kMaxPoolBlocks);
+  EXPECT_EQ(capped->sequences, kMaxPoolBlocks / (1024 * ((1 << 20) / 16)));
 }
 
 TEST(Footprint, ParsesByteCounts) {

@@ -16,6 +16,7 @@
 #include "core/text.h"
 #include "kvring/config.h"
 #include "kvring/footprint.h"
+#include "kvring/store.h"
 
 namespace kvring::cli {
 
@@ -226,6 +227,7 @@ int footprint_fit(const ModelConfig& config, const Args& args) {
                               {"full_bytes", fit->full_bytes},
                               {"sequence_bytes", fit->sequence_bytes},
                               {"sequences", fit->sequences},
+                              {"pool_blocks", fit->pool_blocks},
                               {"capped", fit->capped}};
     std::printf("%s\n", j.dump().c_str());
     return 0;
@@ -234,12 +236,14 @@ int footprint_fit(const ModelConfig& config, const Args& args) {
               with_commas(fit->sequences).c_str(), with_commas(fit->length).c_str(),
               format_bytes(fit->memory_bytes).c_str());
   if (fit->capped)
-    std::printf("  (the memory holds more; a store holds at most %s sequences)\n",
-                with_commas(kMaxFootprintSlots).c_str());
+    std::printf("  (the memory holds more; a store holds at most %s sequences and %s pool blocks)\n",
+                with_commas(kMaxFootprintSlots).c_str(), with_commas(kMaxPoolBlocks).c_str());
   std::printf("  one sequence         %s\n", format_bytes(fit->sequence_bytes).c_str());
   std::printf("  sliding rings        %s\n", format_bytes(fit->sliding_bytes).c_str());
   std::printf("  full blocks          %s  (blocks of %lld rows)\n",
               format_bytes(fit->full_bytes).c_str(), static_cast<long long>(fit->block_rows));
+  std::printf("  the store            max_sequences %s, pool_blocks %s (StoreOptions)\n",
+              with_commas(fit->sequences).c_str(), with_commas(fit->pool_blocks).c_str());
   return 0;
 }
 

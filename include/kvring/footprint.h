@@ -36,7 +36,12 @@ Result<Footprint> compute_footprint(const ModelConfig& config, std::int64_t cont
 // How many sequences of `length` tokens a store holds in `memory_bytes`:
 // each takes its sliding rings (max(32, min(context, W)) + slack rows)
 // and, per full layer, its rows rounded up to whole blocks (block_rows 0:
-// the store's default).
+// the store's default). The store of the fit: StoreOptions{.max_sequences
+// = sequences, .slack = slack, .block_rows = block_rows, .pool_blocks =
+// pool_blocks} (context: the model's), whose allocated_bytes() are
+// sequences x sequence_bytes, at most memory_bytes; its sequences may
+// each reach the model's context while the pool holds `length` tokens of
+// each on average. sequences 0: not one fits.
 struct SequenceFit {
   std::int64_t length = 0;
   std::int64_t memory_bytes = 0;
@@ -45,8 +50,10 @@ struct SequenceFit {
   std::int64_t full_bytes = 0;      // one sequence's blocks
   std::int64_t sequence_bytes = 0;
   std::int64_t sequences = 0;
+  std::int64_t pool_blocks = 0;     // sequences x blocks of one sequence's full planes
   // The memory holds more, but a store holds at most kMaxFootprintSlots
-  // sequences: `sequences` is that bound.
+  // sequences and its pool at most kMaxPoolBlocks blocks: `sequences` is
+  // the most those bounds allow.
   bool capped = false;
 };
 Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length,

@@ -132,6 +132,9 @@ Result<AttentionNumeric> parse_attention_numeric(std::string_view name);
 inline constexpr std::int64_t kF16AttendTile = 64;
 inline constexpr std::int64_t kF16AttendSplitRows = 2048;
 
+// The most blocks a store's pool holds (StoreOptions::pool_blocks).
+inline constexpr std::int64_t kMaxPoolBlocks = std::int64_t{1} << 30;
+
 struct StoreOptions {
   // Sequences the store holds at once (slots; each holds its sliding rings).
   std::int64_t max_sequences = 1;

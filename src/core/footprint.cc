@@ -68,6 +68,12 @@ Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length
     fit.sequences = kMaxFootprintSlots;
     fit.capped = true;
   }
+  const std::int64_t sequence_blocks = config.count(LayerKind::kFullNope) * blocks;
+  if (sequence_blocks > 0 && fit.sequences > kMaxPoolBlocks / sequence_blocks) {
+    fit.sequences = kMaxPoolBlocks / sequence_blocks;
+    fit.capped = true;
+  }
+  fit.pool_blocks = fit.sequences * sequence_blocks;
   return fit;
 }
 
