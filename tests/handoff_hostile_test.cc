@@ -4,6 +4,7 @@
 // Every refusal is a clear error that leaves the target store as it was.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -884,6 +885,48 @@ TEST_F(HostileReceiver, BadAcceptsAndErrors) {
     send(t, ack(0, 1 << 30));
     (void)t.recv_message(in, deadline_in(1), 1 << 30);
   }).sent.ok());
+}
+
+// A sender that aborts (here: its first message exceeds the receiver's
+// credits) waits for the receiver's ERROR past only the ACKs it is owed:
+// a receiver that answers with ACKs, each just within the timeout, holds
+// it no longer than one of them.
+TEST_F(HostileReceiver, AnAbortWaitsOnlyForTheAcksItIsOwed) {
+  const SendRun r = send_against([](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, accept(1));
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);  // the ABORT
+    for (int i = 0; i < 6; ++i) {
+      send(t, ack(i, 0));
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    }
+  });
+  ASSERT_FALSE(r.sent.ok());
+  EXPECT_NE(r.sent.error().message.find("exceeds the receiver's credits"), std::string::npos) << r.sent.error().to_string();
+  EXPECT_LT(r.seconds, 1.5);
+}
+
+// A receiver waiting for a header skips a stale BYE or KEEP, but only
+// until its timeout: a flood of keep-alives ends there.
+TEST_F(Hostile, KeepAlivesInsteadOfAHeaderEndAtTheTimeout) {
+  auto [a, b] = local_pair();
+  std::atomic<bool> stop{false};
+  std::thread flood([&, &a = a] {
+    const std::uint8_t keep = 6;
+    for (int i = 0; i < 3'000'000 && !stop; ++i) (void)a->send_message(&keep, 1, deadline_in(1));
+  });
+  auto sink = make_store(BackendKind::kCpu, config_, {.max_sequences = 1});
+  ASSERT_TRUE(sink.ok());
+  StoreTarget target(**sink);
+  const auto t0 = Clock::now();
+  const auto got = receive_session(*b, target, {.timeout_s = 0.3});
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  stop = true;
+  flood.join();
+  ASSERT_FALSE(got.ok());
+  EXPECT_LT(seconds, 2.0);
+  EXPECT_FALSE(target.sequence().has_value());
 }
 
 // A receiver that says DONE before the end, or after it with messages

@@ -484,7 +484,8 @@ class HandoffTarget {
 // decoding forwards a HandoffTarget's calls to this one under the lock its
 // other store calls take (Handoff.DecodingGoesOnWhileASessionArrives).
 // They leave the detached sequence alone; the blocks it needs were taken
-// at begin().
+// at begin(). The target's destruction, which aborts a session not
+// committed, is one of its calls too.
 class StoreTarget : public HandoffTarget {
  public:
   struct Options {

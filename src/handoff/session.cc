@@ -475,13 +475,9 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     const std::uint8_t b = kBye;
     (void)transport.send_message(&b, 1, deadline_in(1.0));
   };
-  // `per_reply`: each reply's wait (a receiver answering an ABORT may
-  // first take the rows already sent, acknowledging each); else the whole
-  // read's, kReasonWaitS.
-  auto why_ended = [&](bool per_reply = false) -> std::optional<Error> {
-    Deadline d = deadline_in(std::min(kReasonWaitS, options.timeout_s));
+  auto why_ended = [&]() -> std::optional<Error> {
+    const Deadline d = deadline_in(std::min(kReasonWaitS, options.timeout_s));
     for (std::int64_t i = 0; i <= kMaxUnreadAcks + 1; ++i) {
-      if (per_reply) d = deadline_in(options.timeout_s);
       if (!transport.recv_message(in, d, 1 << 20).ok() || in.empty()) break;
       if (in[0] == kError) {
         bye();
@@ -562,12 +558,33 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     }
     return wire_error(who + " sent message type " + std::to_string(in[0]));
   };
-  // ABORT, then the receiver's ERROR (past the ACKs of the rows it takes
-  // first, each within timeout_s) and BYE, so that the receiver's linger
-  // ends before the link's next session.
+  // ABORT, then the receiver's ERROR and BYE, so that the receiver's
+  // linger ends before the link's next session. The ERROR comes after the
+  // ACKs of the rows the receiver takes first: at most one for each
+  // message not yet acknowledged, in order, each within timeout_s and all
+  // within the session's bound; any other reply ends the wait.
   auto abort_with = [&](const Error& e) -> Error {
     const std::string s = encode_status(kAbort, e);
-    if (transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) (void)why_ended(true);
+    if (!transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) return e;
+    std::int64_t next = acks;
+    for (std::size_t owed = unacked.size();; --owed) {
+      Deadline d = deadline_in(options.timeout_s);
+      if (bounded && counting) {
+        if (waited >= budget) break;
+        d = std::min(d, Clock::now() + (budget - waited));
+      }
+      const auto start = Clock::now();
+      const bool got = transport.recv_message(in, d, 1 << 20).ok() && !in.empty();
+      if (counting) waited += Clock::now() - start;
+      if (!got) break;
+      if (in[0] == kError) {
+        bye();
+        break;
+      }
+      if (in[0] != kAck || in.size() != 17 || owed == 0) break;
+      Reader a{in.data() + 1, in.data() + in.size()};
+      if (a.u(8) != static_cast<std::uint64_t>(next++)) break;
+    }
     return e;
   };
 
@@ -716,10 +733,16 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   // A BYE or KEEP before the header is the end of an earlier session on
   // the link (a sender that heard this end's ERROR after its linger), not
   // this one's start.
+  // A transport hands over what is already there past a deadline: the
+  // clock bounds the skipping.
   const Deadline first_by = deadline_in(options.timeout_s);
-  do {
+  for (;;) {
     if (Status s = recv(first_by); !s.ok()) return fail(s.error());
-  } while (in.size() == 1 && (in[0] == kBye || in[0] == kKeep));
+    if (in.size() != 1 || (in[0] != kBye && in[0] != kKeep)) break;
+    if (Clock::now() >= first_by)
+      return fail(io_error("handoff: " + who + " sent no header within " + std::to_string(options.timeout_s) +
+                           " s, only keep-alives or a BYE"));
+  }
   const auto t0 = Clock::now();
   if (in[0] != kHeader) return fail(wire_error(who + " did not start with a header (type " + std::to_string(in[0]) + ")"));
   auto decoded = decode_header(in);
