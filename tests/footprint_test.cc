@@ -155,6 +155,15 @@ TEST(Footprint, FitEqualsWhatTheStoreHolds) {
   EXPECT_TRUE(capped->capped);
   EXPECT_LE(capped->pool_blocks, kMaxPoolBlocks);
   EXPECT_EQ(capped->sequences, kMaxPoolBlocks / (1024 * ((1 << 20) / 16)));
+  // So does a store past kMaxStoreBytes: 2^43 bytes a sequence, 2^63 - 2^40
+  // of memory, at most 2^19 sequences.
+  const ModelConfig big = make_hybrid_config("big", 1024, 0, 64, 64, 1024, 32768, 32768);
+  auto huge = fit_sequences(big, 32768, std::numeric_limits<std::int64_t>::max() - (std::int64_t{1} << 40) + 1);
+  ASSERT_TRUE(huge.ok()) << huge.error().to_string();
+  EXPECT_EQ(huge->sequence_bytes, std::int64_t{1} << 43);
+  EXPECT_EQ(huge->sequences, std::int64_t{1} << 19);
+  EXPECT_TRUE(huge->capped);
+  EXPECT_TRUE(resolve_store_options(big, {.max_sequences = huge->sequences, .pool_blocks = huge->pool_blocks}).ok());
 }
 
 TEST(Footprint, ParsesByteCounts) {

@@ -236,14 +236,17 @@ int footprint_fit(const ModelConfig& config, const Args& args) {
               with_commas(fit->sequences).c_str(), with_commas(fit->length).c_str(),
               format_bytes(fit->memory_bytes).c_str());
   if (fit->capped)
-    std::printf("  (the memory holds more; a store holds at most %s sequences and %s pool blocks)\n",
+    std::printf("  (the memory holds more; a store holds at most %s sequences, %s pool blocks and 2^62 bytes)\n",
                 with_commas(kMaxFootprintSlots).c_str(), with_commas(kMaxPoolBlocks).c_str());
   std::printf("  one sequence         %s\n", format_bytes(fit->sequence_bytes).c_str());
   std::printf("  sliding rings        %s\n", format_bytes(fit->sliding_bytes).c_str());
   std::printf("  full blocks          %s  (blocks of %lld rows)\n",
               format_bytes(fit->full_bytes).c_str(), static_cast<long long>(fit->block_rows));
-  std::printf("  the store            max_sequences %s, pool_blocks %s (StoreOptions)\n",
-              with_commas(fit->sequences).c_str(), with_commas(fit->pool_blocks).c_str());
+  if (fit->sequences > 0)
+    std::printf("  the store            max_sequences %s, pool_blocks %s (StoreOptions)\n",
+                with_commas(fit->sequences).c_str(), with_commas(fit->pool_blocks).c_str());
+  else
+    std::printf("  no store: not one sequence fits\n");
   return 0;
 }
 

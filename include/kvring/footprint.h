@@ -52,8 +52,8 @@ struct SequenceFit {
   std::int64_t sequences = 0;
   std::int64_t pool_blocks = 0;     // sequences x blocks of one sequence's full planes
   // The memory holds more, but a store holds at most kMaxFootprintSlots
-  // sequences and its pool at most kMaxPoolBlocks blocks: `sequences` is
-  // the most those bounds allow.
+  // sequences, its pool at most kMaxPoolBlocks blocks and its storage at
+  // most kMaxStoreBytes: `sequences` is the most those bounds allow.
   bool capped = false;
 };
 Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length,

@@ -134,6 +134,9 @@ inline constexpr std::int64_t kF16AttendSplitRows = 2048;
 
 // The most blocks a store's pool holds (StoreOptions::pool_blocks).
 inline constexpr std::int64_t kMaxPoolBlocks = std::int64_t{1} << 30;
+// The most plane storage one store may have: 2^62 bytes, so that any sum
+// of its parts, and any offset into them, fits a signed 64-bit integer.
+inline constexpr std::int64_t kMaxStoreBytes = std::int64_t{1} << 62;
 
 struct StoreOptions {
   // Sequences the store holds at once (slots; each holds its sliding rings).

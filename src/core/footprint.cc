@@ -1,5 +1,6 @@
 #include "kvring/footprint.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "kvring/cache.h"
@@ -63,7 +64,9 @@ Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length
   const std::int64_t blocks = (length + o->block_rows - 1) / o->block_rows;
   fit.full_bytes = config.count(LayerKind::kFullNope) * blocks * o->block_rows * row_bytes;
   fit.sequence_bytes = fit.sliding_bytes + fit.full_bytes;
-  fit.sequences = memory_bytes / fit.sequence_bytes;
+  // A store's storage is at most kMaxStoreBytes, whatever the memory.
+  fit.sequences = std::min(memory_bytes, kMaxStoreBytes) / fit.sequence_bytes;
+  if (memory_bytes > kMaxStoreBytes && fit.sequences < memory_bytes / fit.sequence_bytes) fit.capped = true;
   if (fit.sequences > kMaxFootprintSlots) {
     fit.sequences = kMaxFootprintSlots;
     fit.capped = true;

@@ -70,9 +70,6 @@ SeqId make_seq(std::uint32_t slot, std::uint32_t generation) {
 // Store-wide bounds: far above any model, far below what overflows 64-bit
 // index arithmetic or an allocation size.
 constexpr std::int64_t kMaxSequences = 1 << 20;
-// The most plane storage one store may have: 2^62 bytes, so that any sum
-// of its parts, and any offset into them, fits a signed 64-bit integer.
-constexpr std::int64_t kMaxStoreBytes = std::int64_t{1} << 62;
 constexpr std::int64_t kMaxBatchRows = std::int64_t{1} << 32;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
