@@ -34,3 +34,36 @@ string(JSON backend GET "${c}" backend)
 if(NOT backend STREQUAL "cuda")
   message(FATAL_ERROR "--backend auto ran on '${backend}' with a GPU visible")
 endif()
+
+# A model with attention sinks (a gpt_oss config; the reference model sets
+# its sinks on the store): on the GPU, prefill chunks of 1 and 64 give the
+# same logits, and the CPU backend generates the same tokens.
+set(oss_config "${CMAKE_CURRENT_BINARY_DIR}/cli_run_cuda_gpt_oss.json")
+file(WRITE "${oss_config}" [=[{"model_type": "gpt_oss", "num_hidden_layers": 4, "num_attention_heads": 8,
+  "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 4096,
+  "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}]=])
+set(oss --config ${oss_config} --hidden 32 --vocab 64 --tokens 300 --prompt-tokens 260 --context 512 --json)
+set(oss_sha "")
+foreach(chunk 64 1)
+  execute_process(COMMAND ${KVRING} run ${oss} --backend cuda --chunk ${chunk}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "kvring run of a model with sinks on the GPU, --chunk ${chunk}: exit ${rc}: ${err}")
+  endif()
+  string(JSON sha GET "${o}" logits_sha256)
+  string(JSON gpu_generated GET "${o}" generated)
+  if(oss_sha STREQUAL "")
+    set(oss_sha "${sha}")
+  elseif(NOT sha STREQUAL oss_sha)
+    message(FATAL_ERROR "a model with sinks: chunk ${chunk} gave other logits on the GPU")
+  endif()
+endforeach()
+execute_process(COMMAND ${KVRING} run ${oss} --backend cpu --chunk 64
+                RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "kvring run of a model with sinks on the CPU: exit ${rc}: ${err}")
+endif()
+string(JSON cpu_generated GET "${o}" generated)
+if(NOT cpu_generated STREQUAL gpu_generated)
+  message(FATAL_ERROR "a model with sinks generated other tokens on the GPU:\n${gpu_generated}\n${cpu_generated}")
+endif()
