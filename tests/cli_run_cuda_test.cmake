@@ -1,6 +1,15 @@
 # `kvring run --backend cuda`: where a GPU is visible, the same summary bits
 # for prefill chunks of 1, 7 and 512 across muse-glimmer's window edge, and
 # `auto` picks CUDA; where none is, a clear refusal.
+# `kvring run ARGS...` into `out`; a failure ends the test naming `what`.
+function(run_ok out what)
+  execute_process(COMMAND ${KVRING} run ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${what}: exit ${rc}: ${err}")
+  endif()
+  set(${out} "${o}" PARENT_SCOPE)
+endfunction()
+
 set(common --model muse-glimmer --hidden 32 --vocab 64 --tokens 2100 --prompt-tokens 2050
     --context 4096 --json)
 execute_process(COMMAND ${KVRING} run ${common} --backend cuda --chunk 512
@@ -18,11 +27,7 @@ if(NOT backend STREQUAL "cuda")
 endif()
 string(JSON sha_a GET "${a}" logits_sha256)
 foreach(chunk 1 7)
-  execute_process(COMMAND ${KVRING} run ${common} --backend cuda --chunk ${chunk}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE b ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "kvring run --chunk ${chunk}: exit ${rc}: ${err}")
-  endif()
+  run_ok(b "kvring run --chunk ${chunk}" ${common} --backend cuda --chunk ${chunk})
   string(JSON sha_b GET "${b}" logits_sha256)
   if(NOT sha_a STREQUAL sha_b)
     message(FATAL_ERROR "chunk ${chunk} gave other logits:\n${a}\n${b}")
@@ -45,11 +50,7 @@ file(WRITE "${oss_config}" [=[{"model_type": "gpt_oss", "num_hidden_layers": 4, 
 set(oss --config ${oss_config} --hidden 32 --vocab 64 --tokens 300 --prompt-tokens 260 --context 512 --json)
 set(oss_sha "")
 foreach(chunk 64 1)
-  execute_process(COMMAND ${KVRING} run ${oss} --backend cuda --chunk ${chunk}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "kvring run of a model with sinks on the GPU, --chunk ${chunk}: exit ${rc}: ${err}")
-  endif()
+  run_ok(o "kvring run of a model with sinks on the GPU, --chunk ${chunk}" ${oss} --backend cuda --chunk ${chunk})
   string(JSON sha GET "${o}" logits_sha256)
   string(JSON gpu_generated GET "${o}" generated)
   if(oss_sha STREQUAL "")
@@ -58,11 +59,7 @@ foreach(chunk 64 1)
     message(FATAL_ERROR "a model with sinks: chunk ${chunk} gave other logits on the GPU")
   endif()
 endforeach()
-execute_process(COMMAND ${KVRING} run ${oss} --backend cpu --chunk 64
-                RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE err)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "kvring run of a model with sinks on the CPU: exit ${rc}: ${err}")
-endif()
+run_ok(o "kvring run of a model with sinks on the CPU" ${oss} --backend cpu --chunk 64)
 string(JSON cpu_generated GET "${o}" generated)
 if(NOT cpu_generated STREQUAL gpu_generated)
   message(FATAL_ERROR "a model with sinks generated other tokens on the GPU:\n${gpu_generated}\n${cpu_generated}")
