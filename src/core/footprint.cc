@@ -64,18 +64,14 @@ Result<SequenceFit> fit_sequences(const ModelConfig& config, std::int64_t length
   const std::int64_t blocks = (length + o->block_rows - 1) / o->block_rows;
   fit.full_bytes = config.count(LayerKind::kFullNope) * blocks * o->block_rows * row_bytes;
   fit.sequence_bytes = fit.sliding_bytes + fit.full_bytes;
-  // A store's storage is at most kMaxStoreBytes, whatever the memory.
-  fit.sequences = std::min(memory_bytes, kMaxStoreBytes) / fit.sequence_bytes;
-  if (memory_bytes > kMaxStoreBytes && fit.sequences < memory_bytes / fit.sequence_bytes) fit.capped = true;
-  if (fit.sequences > kMaxFootprintSlots) {
-    fit.sequences = kMaxFootprintSlots;
-    fit.capped = true;
-  }
+  // What the memory holds, within what one store holds: kMaxFootprintSlots
+  // sequences, kMaxPoolBlocks blocks and kMaxStoreBytes bytes.
+  const std::int64_t fits = memory_bytes / fit.sequence_bytes;
   const std::int64_t sequence_blocks = config.count(LayerKind::kFullNope) * blocks;
-  if (sequence_blocks > 0 && fit.sequences > kMaxPoolBlocks / sequence_blocks) {
-    fit.sequences = kMaxPoolBlocks / sequence_blocks;
-    fit.capped = true;
-  }
+  std::int64_t most = std::min(kMaxFootprintSlots, kMaxStoreBytes / fit.sequence_bytes);
+  if (sequence_blocks > 0) most = std::min(most, kMaxPoolBlocks / sequence_blocks);
+  fit.sequences = std::min(fits, most);
+  fit.capped = fits > most;
   fit.pool_blocks = fit.sequences * sequence_blocks;
   return fit;
 }

@@ -732,9 +732,8 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
   };
   // A BYE or KEEP before the header is the end of an earlier session on
   // the link (a sender that heard this end's ERROR after its linger), not
-  // this one's start.
-  // A transport hands over what is already there past a deadline: the
-  // clock bounds the skipping.
+  // this one's start. A transport hands over what is already there past a
+  // deadline, so the clock bounds the skipping.
   const Deadline first_by = deadline_in(options.timeout_s);
   for (;;) {
     if (Status s = recv(first_by); !s.ok()) return fail(s.error());
