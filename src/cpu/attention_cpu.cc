@@ -17,6 +17,7 @@
 #endif
 
 #include "core/f16_rows.h"
+#include "core/log2_units.h"
 #include "kvring/f16.h"
 #include "kvring/store.h"
 #include "parallel.h"
@@ -1188,7 +1189,7 @@ void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionSh
   const std::int64_t G = shape.n_heads / shape.n_kv_heads;
   const std::int64_t Gp = round_up(G, 8);
   const std::int64_t n_kv = shape.n_kv_heads;
-  const float scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(shape.scale_dim));
+  const float scale_log2 = detail::score_scale_log2(shape.scale_dim);
   const Kernels& K = kernels_for(attention_isa(), hd);
   const std::int64_t work = n_queries * shape.n_heads * hd * 2 *
                             (shape.window > 0 ? shape.window : first_position + n_queries);
@@ -1265,9 +1266,7 @@ void attend_f16(const PlaneView& plane, const RingState& ring, const AttentionSh
       float L = 0.0f;
       if (shape.sinks != nullptr) {
         // The sink in the partials' units: log2 of the scaled scores.
-        // (Clamped: a finite sink past FLT_MAX / log2(e) would become inf.)
-        const float sink =
-            std::fmin(shape.sinks[g * G + t] * static_cast<float>(1.4426950408889634), FLT_MAX);
+        const float sink = detail::sink_log2(shape.sinks[g * G + t]);
         M = std::fmax(M, sink);
         L = std::exp2(sink - M);
       }

@@ -316,6 +316,11 @@ struct Staged {
   float4 acc;
   float max, sum;
   float4 out;
+  // A last level's output for head h: `out`, or with the launch's sinks
+  // (sinks_from) the sum divided by sink_divisor.
+  __device__ __forceinline__ float4 output(const float* sinks, int h) const {
+    return sinks == nullptr ? out : divided(acc, sink_divisor(sum, max, sinks, h));
+  }
 };
 static __device__ __noinline__ Staged combine_staged(const float4* o, int o_stride, const float* ml,
                                                      int ml_stride, int n) {
@@ -510,7 +515,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
     __syncthreads();
     for (int j = tid; j < count; j += blockDim.x) {
       const Staged c = combine_staged(st_o + j, count, st_ml + 2 * j, 2 * count, n);
-      out4[u0 + j] = sinks == nullptr ? c.out : divided(c.acc, sink_divisor(c.sum, c.max, sinks, (u0 + j) * 4 / hd));
+      out4[u0 + j] = c.output(sinks, (u0 + j) * 4 / hd);
     }
     if (tid < 32) clock_advance_if_last(P, clock, arrived);
     return;
@@ -540,7 +545,7 @@ static __device__ void finish_resident(const AttendParams& P, const Shared& sh, 
   __syncthreads();
   for (int j = tid; j < count; j += blockDim.x) {
     const Staged c = combine_staged(g_o + j * groups, 1, g_ml + 2 * j * groups, 2, groups);
-    out4[u0 + j] = sinks == nullptr ? c.out : divided(c.acc, sink_divisor(c.sum, c.max, sinks, (u0 + j) * 4 / hd));
+    out4[u0 + j] = c.output(sinks, (u0 + j) * 4 / hd);
   }
   if (tid < 32) clock_advance_if_last(P, clock, arrived);
 }
@@ -779,7 +784,7 @@ __device__ __forceinline__ void finish_heads(const AttendParams& P, Shared& sh, 
     for (int u = share.begin / 4 + tid; 4 * u < share.end; u += static_cast<int>(blockDim.x)) {
       const Staged c = combine_staged(reinterpret_cast<const float4*>(inbox->o + 4 * u - share.begin), stride / 4,
                                       &inbox->ml[0][4 * u / hd][0], 2 * heads, n);
-      out4[u] = sinks == nullptr ? c.out : divided(c.acc, sink_divisor(c.sum, c.max, sinks, 4 * u / hd));
+      out4[u] = c.output(sinks, 4 * u / hd);
     }
     return;
   }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "allocation.h"
+#include "core/log2_units.h"
 #include "core/view_rows.h"
 #include "device_scope.h"
 #include "kernels.h"
@@ -557,7 +558,7 @@ Status CudaStore::sinks_changed(std::int64_t layer, std::span<const float> sinks
   auto row_of = [&](std::span<const float> values) {
     std::vector<float> row(static_cast<std::size_t>(heads), -INFINITY);
     for (std::size_t h = 0; h < values.size(); ++h)
-      row[h] = std::fmin(values[h] * static_cast<float>(1.4426950408889634), FLT_MAX);
+      row[h] = detail::sink_log2(values[h]);
     return row;
   };
   // Pageable sources: each copy is waited for before its vector goes.
@@ -1119,7 +1120,7 @@ void CudaStore::launch_params(const AttendBatch& b, const float* dq, std::int64_
   P.head_dim = static_cast<std::int32_t>(config_.head_dim);
   P.kv_dim = static_cast<std::int32_t>(kv_dim);
   P.window = full ? 0 : config_.sliding_window;
-  P.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(config_.score_scale_dim()));
+  P.scale_log2 = detail::score_scale_log2(config_.score_scale_dim());
   if (!attention_sinks(b.layer).empty()) P.sinks = impl_->sinks + b.layer * config_.n_heads;
 }
 
