@@ -668,14 +668,44 @@ struct Trickle {
   double seconds = 0;
   std::size_t sent = 0;  // stream messages sent, the header included
 };
+// Passes a receiver's messages on until `after_s` from its making; from
+// then on each send waits out its deadline and fails, as on a link to a
+// sender that reads nothing more (its socket buffer full).
+class StallSendsAfter : public Transport {
+ public:
+  StallSendsAfter(Transport& inner, double after_s) : inner_(inner), from_(deadline_in(after_s)) {}
+  Status send_message(const std::vector<Part>& parts, Deadline d) override {
+    if (Clock::now() < from_) return inner_.send_message(parts, d);
+    std::this_thread::sleep_until(d);
+    return io_error("timed out waiting to send (the link is full)");
+  }
+  Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
+    return inner_.recv_message(out, d, max);
+  }
+  std::string describe() const override { return inner_.describe(); }
+  void close() override { inner_.close(); }
+
+ private:
+  Transport& inner_;
+  Deadline from_;
+};
+
+// Sends the header, then a rows message every 250 ms with keep-alives
+// between them, for up to for_s; the receiver's sends stall from
+// stall_after_s on (negative: never).
 Trickle trickle(const std::vector<Msg>& stream, KvStore& store, const ModelConfig& config, const ReceiveOptions& ro,
-                double for_s) {
+                double for_s, double stall_after_s = -1) {
   auto [a, b] = local_pair();
   StoreTarget target(store, {.expect = config});
   Trickle r;
   std::atomic<bool> done{false};
   std::thread t([&, bb = b.get()] {
-    r.got = receive_session(*bb, target, ro);
+    if (stall_after_s < 0) {
+      r.got = receive_session(*bb, target, ro);
+    } else {
+      StallSendsAfter stalled(*bb, stall_after_s);
+      r.got = receive_session(stalled, target, ro);
+    }
     done = true;
   });
   const auto t0 = Clock::now();
@@ -717,6 +747,24 @@ TEST_F(Hostile, ATricklingSenderIsRefusedAtTheSessionsBound) {
   EXPECT_GE(r.seconds, 1.9);
   EXPECT_LT(r.seconds, 5.0);
   EXPECT_LT(r.sent + 1, stream_.size()) << "every rows message was sent before the refusal";
+  EXPECT_EQ(store_->free_blocks(), free_before_);
+}
+
+// A sender that stops reading the receiver's ACKs late in the session
+// cannot hold it past its bound: an ACK waits for the link only until the
+// bound, not for a whole timeout_s after it.
+TEST_F(Hostile, AnAckThatCannotBeSentEndsAtTheSessionsBound) {
+  ASSERT_GE(n_rows_msgs(), 16u);
+  // The bound: 0.3 + 1.5 + 0.3 = 2.1 s. The ACKs stall from 1.8 s on, so
+  // the next rows' ACK (at about 2.0 s) meets the bound first; without
+  // the bound it would wait until 3.5 s. The ERROR's send then waits 1 s.
+  const double payload = static_cast<double>(timeline_.payload.payload_bytes);
+  const Trickle r =
+      trickle(stream_, *store_, config_, {.timeout_s = 1.5, .max_keep_s = 0.3, .min_bytes_per_s = payload / 0.3}, 10, 1.8);
+  EXPECT_TRUE(r.ended) << "the receiver still waited after 10 s";
+  ASSERT_FALSE(r.got.ok());
+  EXPECT_NE(r.got.error().message.find("did not end the session within"), std::string::npos) << r.got.error().to_string();
+  EXPECT_LT(r.seconds, 4.0);
   EXPECT_EQ(store_->free_blocks(), free_before_);
 }
 

@@ -623,7 +623,9 @@ struct ReceiveOptions {
   // after it was accepted is refused. Each message's own wait (timeout_s)
   // and each run of keep-alives (max_keep_s) are bounded already; this
   // bounds their sum, so that a sender trickling rows (or keep-alives
-  // between them) cannot hold the target's blocks for ever. The default,
+  // between them) cannot hold the target's blocks for ever. The ACKs'
+  // sends end at it too; the refusal's ERROR then takes at most 1 s more,
+  // and a receiver that ends lingers as docs/DESIGN.md says. The default,
   // 64 KiB/s, stays below what a sender streaming at its prefill's pace
   // sends (docs/DESIGN.md, "Faults"). 0, or max_keep_s 0: no bound.
   double min_bytes_per_s = 64 << 10;

@@ -878,8 +878,11 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       put_fixed8(&ack, kAck);
       put_fixed64(&ack, seq);
       put_fixed64(&ack, taken);
-      if (Status s = transport.send_message(ack.data(), ack.size(), deadline_in(options.timeout_s)); !s.ok())
-        return fail(peer_lost(s, who));
+      // Within the session's bound too: a sender that reads no ACK cannot
+      // hold the target's blocks past it by filling the link.
+      if (Status s = transport.send_message(ack.data(), ack.size(), std::min(deadline_in(options.timeout_s), session_end));
+          !s.ok())
+        return fail(Clock::now() >= session_end ? past_session() : peer_lost(s, who));
       continue;
     }
     if (in[0] == kEnd) {
