@@ -668,25 +668,35 @@ struct Trickle {
   double seconds = 0;
   std::size_t sent = 0;  // stream messages sent, the header included
 };
-// Passes a receiver's messages on until `after_s` from its making; from
-// then on each send waits out its deadline and fails, as on a link to a
-// sender that reads nothing more (its socket buffer full).
-class StallSendsAfter : public Transport {
+// A transport that passes everything on to `inner`; a subclass changes
+// what it sends.
+class PassThrough : public Transport {
  public:
-  StallSendsAfter(Transport& inner, double after_s) : inner_(inner), from_(deadline_in(after_s)) {}
-  Status send_message(const std::vector<Part>& parts, Deadline d) override {
-    if (Clock::now() < from_) return inner_.send_message(parts, d);
-    std::this_thread::sleep_until(d);
-    return io_error("timed out waiting to send (the link is full)");
-  }
+  explicit PassThrough(Transport& inner) : inner_(inner) {}
+  Status send_message(const std::vector<Part>& parts, Deadline d) override { return inner_.send_message(parts, d); }
   Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
     return inner_.recv_message(out, d, max);
   }
   std::string describe() const override { return inner_.describe(); }
   void close() override { inner_.close(); }
 
- private:
+ protected:
   Transport& inner_;
+};
+
+// Passes a receiver's messages on until `after_s` from its making; from
+// then on each send waits out its deadline and fails, as on a link to a
+// sender that reads nothing more (its socket buffer full).
+class StallSendsAfter : public PassThrough {
+ public:
+  StallSendsAfter(Transport& inner, double after_s) : PassThrough(inner), from_(deadline_in(after_s)) {}
+  Status send_message(const std::vector<Part>& parts, Deadline d) override {
+    if (Clock::now() < from_) return inner_.send_message(parts, d);
+    std::this_thread::sleep_until(d);
+    return io_error("timed out waiting to send (the link is full)");
+  }
+
+ private:
   Deadline from_;
 };
 
@@ -777,9 +787,9 @@ TEST_F(Hostile, ATrickleWithinEachWaitRunsPastTheBoundWithoutIt) {
 }
 
 // Flips a byte in the middle of the n-th message it sends.
-class FlipOneSend : public Transport {
+class FlipOneSend : public PassThrough {
  public:
-  FlipOneSend(Transport& inner, int n) : inner_(inner), n_(n) {}
+  FlipOneSend(Transport& inner, int n) : PassThrough(inner), n_(n) {}
   Status send_message(const std::vector<Part>& parts, Deadline d) override {
     if (++sends_ != n_) return inner_.send_message(parts, d);
     Msg m;
@@ -788,14 +798,8 @@ class FlipOneSend : public Transport {
     m[m.size() / 2] ^= 0x10;
     return inner_.send_message(m.data(), m.size(), d);
   }
-  Status recv_message(std::vector<std::uint8_t>& out, Deadline d, std::size_t max) override {
-    return inner_.recv_message(out, d, max);
-  }
-  std::string describe() const override { return inner_.describe(); }
-  void close() override { inner_.close(); }
 
  private:
-  Transport& inner_;
   int n_, sends_ = 0;
 };
 
