@@ -3,7 +3,8 @@
 // same run (docs/PERFORMANCE.md, "CPU backend").
 //
 //   kvring-cpu-bench [--runs N] [--warmup N] [--only decode|batch|store]
-//                    [--no-peer] [--python PATH] [--peer-script PATH] [--json FILE]
+//                    [--no-peer] [--python PATH] [--peer-script PATH]
+//                    [--peer-timeout S] [--json FILE]
 //
 // muse-glimmer geometry (16 query heads, 2 KV heads, head_dim 128, 52
 // layers of which 13 full). It measures
@@ -22,8 +23,12 @@
 //     python3) can import torch (else skipped).
 // Each figure is the median of --runs timed runs after --warmup untimed
 // ones; a table goes to stdout, then one JSON line.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -37,6 +42,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../tools/args.h"
+#include "bench_io.h"
 #include "cpu/attention_cpu.h"
 #include "cpu/host_pages.h"
 #include "cpu/parallel.h"
@@ -65,7 +71,7 @@ void check(const Status& s, const char* what) {
 constexpr const char* kUsage =
     "usage: kvring-cpu-bench [--runs N] [--warmup N] [--only decode|batch|store]\n"
     "                        [--no-peer] [--python PATH] [--peer-script PATH]\n"
-    "                        [--json FILE]\n"
+    "                        [--peer-timeout S] [--json FILE]\n"
     "\n"
     "The CPU backend (muse-glimmer geometry) through the KvStore API: decode\n"
     "attention over a full layer of 2048, 32768 and 131072 rows (and 131072 under\n"
@@ -83,7 +89,9 @@ constexpr const char* kUsage =
     "                   skipped when it cannot import torch)\n"
     "  --peer-script P  the peer script (default: the source tree's\n"
     "                   bench/cpu_sdpa_peer.py)\n"
-    "  --json FILE      also write the JSON line to FILE\n";
+    "  --peer-timeout S the peer's time limit in seconds (default 1800); past\n"
+    "                   it the peer is stopped and skipped\n"
+    "  --json FILE      also write the JSON line to FILE (whole, at the end)\n";
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -344,34 +352,31 @@ std::vector<Row> bench_store(const ModelConfig& c, ReadCeiling& ceiling, int war
 }
 
 // The peer's JSON line ({"rows": {name: median seconds}, ...}), or null.
+// It runs without a shell, under a deadline (bench_io.h).
 json run_peer(const std::string& python, const std::string& script, int runs, unsigned threads,
-              const std::string& only) {
-  if (std::system(("'" + python + "' -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
-    std::fprintf(stderr, "peer: %s cannot import torch; skipped\n", python.c_str());
+              const std::string& only, double timeout_s) {
+  const bench::ChildResult torch = bench::run_child({python, "-c", "import torch"}, 120, false);
+  if (!torch.ok()) {
+    std::fprintf(stderr, "peer: %s cannot import torch (%s); skipped\n", python.c_str(), torch.describe().c_str());
     return nullptr;
   }
-  const std::string cmd = "'" + python + "' '" + script + "' --runs " + std::to_string(runs) +
-                          " --threads " + std::to_string(threads) +
-                          (only.empty() ? "" : " --only " + only);
-  std::fprintf(stderr, "peer: %s\n", cmd.c_str());
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return nullptr;
-  std::string text, last;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, p) != nullptr) text += buf;
-  const int rc = pclose(p);
-  for (std::size_t at = 0; at < text.size();) {
-    const std::size_t nl = text.find('\n', at);
-    const std::string line = text.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
-    if (!line.empty() && line[0] == '{') last = line;
-    if (nl == std::string::npos) break;
-    at = nl + 1;
-  }
-  if (rc != 0 || last.empty()) {
-    std::fprintf(stderr, "peer: %s failed (status %d); skipped\n", script.c_str(), rc);
+  std::vector<std::string> argv = {python, script, "--runs", std::to_string(runs), "--threads", std::to_string(threads)};
+  if (!only.empty()) argv.insert(argv.end(), {"--only", only});
+  std::string shown;
+  for (const std::string& a : argv) shown += (shown.empty() ? "" : " ") + a;
+  std::fprintf(stderr, "peer: %s\n", shown.c_str());
+  const bench::ChildResult r = bench::run_child(argv, timeout_s, true);
+  if (!r.ok() || r.last_json.empty()) {
+    std::fprintf(stderr, "peer: %s %s%s; skipped\n", script.c_str(), r.describe().c_str(),
+                 r.ok() ? " with no JSON line" : "");
     return nullptr;
   }
-  return json::parse(last, nullptr, false);
+  json j = json::parse(r.last_json, nullptr, false);
+  if (!j.is_object() || !j.contains("rows") || !j["rows"].is_object()) {
+    std::fprintf(stderr, "peer: %s printed no {\"rows\": {...}} object; skipped\n", script.c_str());
+    return nullptr;
+  }
+  return j;
 }
 
 const char* isa_name(cpu::AttentionIsa isa) {
@@ -399,12 +404,14 @@ std::string cpu_model() {
 }
 
 int run(const std::vector<std::string>& argv) {
-  auto args = cli::Args::parse(argv, {"help", "no-peer"}, {"runs", "warmup", "only", "python", "peer-script", "json"});
+  auto args = cli::Args::parse(argv, {"help", "no-peer"},
+                               {"runs", "warmup", "only", "python", "peer-script", "peer-timeout", "json"});
   if (!args) die(args.error().message + "\n" + kUsage);
   if (args->flag("help")) {
     std::fputs(kUsage, stdout);
     return 0;
   }
+  if (!args->positional().empty()) die("unexpected argument '" + args->positional()[0] + "'\n" + kUsage);
   auto runs = args->integer("runs", 31, 1, 100000);
   auto warmup = args->integer("warmup", 3, 0, 100000);
   if (!runs) die(runs.error().message);
@@ -412,13 +419,17 @@ int run(const std::vector<std::string>& argv) {
   const std::string only = args->str("only");
   if (!only.empty() && only != "decode" && only != "batch" && only != "store")
     die("--only must be decode, batch or store");
-  // The JSON file is opened before anything is measured: a path that cannot
-  // be written fails at once rather than after the runs.
-  std::unique_ptr<FILE, int (*)(FILE*)> json_file(nullptr, &std::fclose);
-  if (args->has("json")) {
-    json_file.reset(std::fopen(args->str("json").c_str(), "w"));
-    if (json_file == nullptr) die("cannot write " + args->str("json"));
-  }
+  auto peer_timeout = args->integer("peer-timeout", 1800, 1, 86400);
+  if (!peer_timeout) die(peer_timeout.error().message);
+  // A JSON path that cannot be written, and a peer script that is not
+  // there, fail before anything is measured; the file itself is written
+  // whole at the end, so a failed run leaves what was there.
+  if (args->has("json"))
+    if (const std::string why = bench::output_problem(args->str("json")); !why.empty()) die("--json: " + why);
+  const bool with_peer = !args->flag("no-peer") && only != "store";
+  const std::string peer_script = args->str("peer-script", KVRING_CPU_PEER_SCRIPT);
+  if (with_peer && ::access(peer_script.c_str(), R_OK) != 0)
+    die("--peer-script: cannot read " + peer_script + ": " + std::strerror(errno) + " (--no-peer skips the peer)");
   auto config = preset_config("muse-glimmer");
   check(config.status(), "preset_config");
 
@@ -437,12 +448,16 @@ int run(const std::vector<std::string>& argv) {
   if (only.empty() || only == "store") add(bench_store(*config, ceiling, w, r));
 
   json peer = nullptr;
-  if (!args->flag("no-peer") && only != "store")
-    peer = run_peer(args->str("python", "python3"), args->str("peer-script", KVRING_CPU_PEER_SCRIPT), r,
-                    threads, only);
-  for (Row& row : rows)
-    if (peer.is_object() && peer.contains("rows") && peer["rows"].contains(row.peer_name))
-      row.peer_s = peer["rows"][row.peer_name].get<double>();
+  if (with_peer)
+    peer = run_peer(args->str("python", "python3"), peer_script, r, threads, only, static_cast<double>(*peer_timeout));
+  for (Row& row : rows) {
+    if (!peer.is_object() || !peer.at("rows").contains(row.peer_name)) continue;
+    const json& v = peer.at("rows").at(row.peer_name);
+    if (v.is_number() && v.get<double>() > 0 && std::isfinite(v.get<double>()))
+      row.peer_s = v.get<double>();
+    else
+      std::fprintf(stderr, "peer: %s is %s, not a time in seconds; left out\n", row.peer_name.c_str(), v.dump().c_str());
+  }
 
   std::printf("| figure | median | GB/s | ceiling (read, same run) | ratio | peer | peer / kvring |\n");
   std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
@@ -477,9 +492,8 @@ int run(const std::vector<std::string>& argv) {
   if (peer.is_object()) out["peer"] = peer;
   const std::string line = out.dump();
   std::printf("%s\n", line.c_str());
-  if (json_file != nullptr &&
-      (std::fprintf(json_file.get(), "%s\n", line.c_str()) < 0 || std::fclose(json_file.release()) != 0))
-    die("cannot write " + args->str("json"));
+  if (args->has("json"))
+    if (const std::string why = bench::write_whole(args->str("json"), line + "\n"); !why.empty()) die(why);
   return 0;
 }
 
