@@ -21,7 +21,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -41,10 +43,38 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 double gbps(std::int64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0; }
 
+constexpr const char* kUsage =
+    "usage: kvring-pack-bench [--model NAME] [--context N] [--dir DIR] [--repeat N] [--keep]\n"
+    "\n"
+    "Saves and restores one full KV-cache slot as a kvpack on the CPU backend,\n"
+    "beside SHA-256, disk and first-touch ceilings measured in the same run.\n"
+    "\n"
+    "  --model NAME   a preset (default muse-glimmer)\n"
+    "  --context N    tokens in the slot (default: the model's max_context)\n"
+    "  --dir DIR      where the pack and the disk ceiling's file go (default .);\n"
+    "                 they are removed at the end, on an error and on SIGINT\n"
+    "  --repeat N     alternated rounds, best of N reported (default 4, 2..100)\n"
+    "  --keep         keep the pack file\n";
+
+// The bench's own files, removed on any exit but a kept pack's: fixed
+// buffers, so that the signal handler unlinks them without allocating.
+char g_pack[4096], g_plain[4096];
+void remove_files() {
+  if (g_pack[0] != 0) ::unlink(g_pack);
+  if (g_plain[0] != 0) ::unlink(g_plain);
+}
+extern "C" void on_signal(int sig) {
+  remove_files();
+  ::_exit(128 + sig);
+}
+
 [[noreturn]] void die(const std::string& what) {
   std::fprintf(stderr, "kvring-pack-bench: %s\n", what.c_str());
+  remove_files();
   std::exit(1);
 }
+// `what` and errno's reason, for a failed system call.
+[[noreturn]] void die_errno(const std::string& what) { die(what + ": " + std::strerror(errno)); }
 void check(const Status& s, const char* what) {
   if (!s.ok()) die(std::string(what) + ": " + s.to_string());
 }
@@ -115,7 +145,7 @@ double hash_seconds(const Snapshot& s, unsigned threads) {
 
 void drop_cache(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) die("open " + path);
+  if (fd < 0) die_errno("open " + path);
   ::fdatasync(fd);
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
   ::close(fd);
@@ -127,7 +157,7 @@ double cold_read_seconds(const std::string& path) {
   drop_cache(path);
   const int fd = ::open(path.c_str(), O_RDONLY);
   struct stat st {};
-  if (fd < 0 || ::fstat(fd, &st) != 0) die("open " + path);
+  if (fd < 0 || ::fstat(fd, &st) != 0) die_errno("open " + path);
   std::vector<std::uint8_t> buf(static_cast<std::size_t>(st.st_size), 1);
   const std::int64_t piece = 1 << 20;
   const std::int64_t pieces = (st.st_size + piece - 1) / piece;
@@ -136,7 +166,7 @@ double cold_read_seconds(const std::string& path) {
     const std::int64_t end = std::min<std::int64_t>(st.st_size, (i + 1) * piece);
     for (std::int64_t at = i * piece; at < end;) {
       const ssize_t r = ::pread(fd, buf.data() + at, static_cast<std::size_t>(end - at), at);
-      if (r <= 0) die("read " + path);
+      if (r <= 0) die_errno("read " + path);
       at += r;
     }
   });
@@ -152,17 +182,17 @@ std::pair<double, double> disk_seconds(const Snapshot& s, const std::string& pat
   std::vector<std::int64_t> offset(pieces.size() + 1, 0);
   for (std::size_t i = 0; i < pieces.size(); ++i) offset[i + 1] = offset[i] + static_cast<std::int64_t>(pieces[i].n);
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) die("create " + path);
+  if (fd < 0) die_errno("create " + path);
   auto t0 = Clock::now();
   cpu::parallel_for(static_cast<std::int64_t>(pieces.size()), offset.back(), [&](std::int64_t i) {
     const auto& [p, n] = pieces[static_cast<std::size_t>(i)];
     for (std::size_t done = 0; done < n;) {
       const ssize_t w = ::pwrite(fd, p + done, n - done, offset[static_cast<std::size_t>(i)] + static_cast<std::int64_t>(done));
-      if (w <= 0) die("write " + path);
+      if (w <= 0) die_errno("write " + path);
       done += static_cast<std::size_t>(w);
     }
   });
-  if (::fsync(fd) != 0) die("fsync " + path);
+  if (::fsync(fd) != 0) die_errno("fsync " + path);
   const double write_s = since(t0);
   ::close(fd);
   const double read_s = cold_read_seconds(path);
@@ -208,8 +238,13 @@ int run(const std::vector<std::string>& argv) {
   // so "fresh buffers" means fresh pages (glibc would otherwise recycle freed
   // heap memory once its dynamic mmap threshold has grown).
   ::mallopt(M_MMAP_THRESHOLD, 4 << 20);
-  auto args = cli::Args::parse(argv, {"keep"}, {"model", "context", "dir", "repeat"});
-  if (!args) die(args.error().to_string());
+  auto args = cli::Args::parse(argv, {"keep", "help"}, {"model", "context", "dir", "repeat"});
+  if (!args) die(args.error().message + "\n" + kUsage);
+  if (args->flag("help")) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (!args->positional().empty()) die("unexpected argument '" + args->positional()[0] + "'\n" + kUsage);
   auto config = preset_config(args->str("model", "muse-glimmer"));
   if (!config) die(config.error().to_string());
   auto context = args->integer("context", config->max_context, 1, config->max_context);
@@ -219,6 +254,15 @@ int run(const std::vector<std::string>& argv) {
   const std::string dir = args->str("dir", ".");
   const std::string pack = dir + "/kvring-bench.kvpack";
   const std::string plain = dir + "/kvring-bench.raw";
+  if (plain.size() >= sizeof g_plain) die("--dir is too long");
+  if (Status s = check_pack_destination(pack); !s.ok()) die("--dir: " + s.to_string());
+  std::snprintf(g_pack, sizeof g_pack, "%s", pack.c_str());
+  std::snprintf(g_plain, sizeof g_plain, "%s", plain.c_str());
+  // A file size limit fails a write (EFBIG) rather than ending the process
+  // with its files half-written; an interrupt removes them.
+  std::signal(SIGXFSZ, SIG_IGN);
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
   char date[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
@@ -303,7 +347,8 @@ int run(const std::vector<std::string>& argv) {
   identical = identical && same_planes(**live, **detached);
   struct stat st {};
   ::stat(pack.c_str(), &st);
-  if (!args->flag("keep")) ::unlink(pack.c_str());
+  if (args->flag("keep")) g_pack[0] = 0;
+  remove_files();
 
   const double save_reused_s = snapshot_reused.s + write_reused.s;
   const double restore_reused_s = read_reused.s + install_reused.s;
