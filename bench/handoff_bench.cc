@@ -26,6 +26,7 @@
 #include <string>
 #include <thread>
 
+#include "../tools/args.h"
 #include "kvring/handoff.h"
 #include "kvring/sha256.h"
 #include "kvring/store.h"
@@ -165,21 +166,24 @@ double hello(Transport& link) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::int64_t tokens = 32768;
-  Schedule schedule = Schedule::kPaced;
-  bool perftest = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--tokens" && i + 1 < argc) tokens = std::atoll(argv[++i]);
-    else if (a == "--schedule" && i + 1 < argc) {
-      auto s = parse_schedule(argv[++i]);
-      if (!s) die(s.error().to_string());
-      schedule = *s;
-    } else if (a == "--perftest") perftest = true;
-    else die("usage: kvring-handoff-bench [--tokens N] [--schedule paced|swa-first] [--perftest]");
+  constexpr const char* kUsage = "usage: kvring-handoff-bench [--tokens N] [--schedule paced|swa-first] [--perftest]\n";
+  auto args = cli::Args::parse(std::vector<std::string>(argv + 1, argv + argc), {"perftest", "help"},
+                               {"tokens", "schedule"});
+  if (!args) die(args.error().message + "\n" + kUsage);
+  if (args->flag("help")) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
-  if (!ucx_compiled()) die("this build has no UCX");
+  if (!args->positional().empty()) die("unexpected argument '" + args->positional()[0] + "'\n" + kUsage);
   const ModelConfig config = *preset_config("muse-glimmer");
+  auto tokens_arg = args->integer("tokens", 32768, 1, config.max_context);
+  if (!tokens_arg) die(tokens_arg.error().message);
+  const std::int64_t tokens = *tokens_arg;
+  auto schedule_arg = parse_schedule(args->str("schedule", "paced"));
+  if (!schedule_arg) die(schedule_arg.error().to_string());
+  const Schedule schedule = *schedule_arg;
+  const bool perftest = args->flag("perftest");
+  if (!ucx_compiled()) die("this build has no UCX");
   PlanOptions po;
   po.schedule = schedule;
   po.context = tokens;

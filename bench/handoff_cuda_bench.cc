@@ -1,7 +1,7 @@
 // The GPU's handoffs beside their copy ceilings, each measured in the same
 // run (docs/PERFORMANCE.md, "Handoff on the GPU").
 //
-//   kvring-handoff-cuda-bench [--tokens N]... [--message-mib M] [--pinned-message-mib M]
+//   kvring-handoff-cuda-bench [--tokens N[,N...]] [--message-mib M] [--pinned-message-mib M]
 //                             [--peer-gpu G] [--prefill-tps T | --no-held] [--repeats R] [--json FILE]
 //
 // For each N (default 32768 and 131072), two CUDA stores of muse-glimmer at
@@ -52,10 +52,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -63,6 +63,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../tools/args.h"
+#include "bench_io.h"
 #include "kvring/cuda_store.h"
 #include "kvring/handoff.h"
 
@@ -281,41 +283,59 @@ pid_t start_ipc_receiver(const char* self, const std::string& socket, std::int64
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::int64_t> tokens;
-  std::int64_t message_mib = 64, pinned_message_mib = 8;
-  int repeats = 3, peer_gpu = -1, sessions = 0;
-  double prefill_tps = 0;
-  bool held_runs = true;
-  std::string json_path, ipc_socket;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--tokens" && i + 1 < argc) tokens.push_back(std::atoll(argv[++i]));
-    else if (a == "--message-mib" && i + 1 < argc) message_mib = std::atoll(argv[++i]);
-    else if (a == "--pinned-message-mib" && i + 1 < argc) pinned_message_mib = std::atoll(argv[++i]);
-    else if (a == "--repeats" && i + 1 < argc) repeats = std::atoi(argv[++i]);
-    else if (a == "--peer-gpu" && i + 1 < argc) peer_gpu = std::atoi(argv[++i]);
-    else if (a == "--ipc-receiver" && i + 1 < argc) ipc_socket = argv[++i];
-    else if (a == "--sessions" && i + 1 < argc) sessions = std::atoi(argv[++i]);
-    else if (a == "--prefill-tps" && i + 1 < argc) prefill_tps = std::atof(argv[++i]);
-    else if (a == "--no-held") held_runs = false;
-    else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
-    else
-      die("usage: kvring-handoff-cuda-bench [--tokens N]... [--message-mib M] [--pinned-message-mib M] "
-          "[--peer-gpu G] [--prefill-tps T | --no-held] [--repeats R] [--json FILE]");
+  constexpr const char* kUsage =
+      "usage: kvring-handoff-cuda-bench [--tokens N[,N...]] [--message-mib M] [--pinned-message-mib M]\n"
+      "                                 [--peer-gpu G] [--prefill-tps T | --no-held] [--repeats R] [--json FILE]\n";
+  auto args = cli::Args::parse(std::vector<std::string>(argv + 1, argv + argc), {"no-held", "help"},
+                               {"tokens", "message-mib", "pinned-message-mib", "repeats", "peer-gpu", "ipc-receiver",
+                                "sessions", "prefill-tps", "json"});
+  if (!args) die(args.error().message + "\n" + kUsage);
+  if (args->flag("help")) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
+  if (!args->positional().empty()) die("unexpected argument '" + args->positional()[0] + "'\n" + kUsage);
+  const std::int64_t max_context = preset_config("muse-glimmer")->max_context;
+  auto integer = [&](const char* name, std::int64_t fallback, std::int64_t lo, std::int64_t hi) {
+    auto v = args->integer(name, fallback, lo, hi);
+    if (!v) die(v.error().message);
+    return *v;
+  };
+  // --tokens: a comma-separated list of prompt lengths.
+  std::vector<std::int64_t> tokens;
+  for (std::string rest = args->str("tokens", "32768,131072"); !rest.empty();) {
+    const std::size_t comma = rest.find(',');
+    const std::string one = rest.substr(0, comma);
+    auto v = cli::Args::parse_integer("tokens", one, 1, max_context);
+    if (!v) die(v.error().message);
+    tokens.push_back(*v);
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+    if (comma != std::string::npos && rest.empty()) die("--tokens ends with a comma");
+  }
+  const std::int64_t message_mib = integer("message-mib", 64, 1, 4096);
+  const std::int64_t pinned_message_mib = integer("pinned-message-mib", 8, 1, 4096);
+  const int repeats = static_cast<int>(integer("repeats", 3, 1, 1000));
+  int peer_gpu = static_cast<int>(integer("peer-gpu", -1, -1, 1023));
+  const int sessions = static_cast<int>(integer("sessions", 0, 0, 1000));
+  double prefill_tps = 0;
+  if (args->has("prefill-tps")) {
+    const std::string v = args->str("prefill-tps");
+    char* end = nullptr;
+    prefill_tps = std::strtod(v.c_str(), &end);
+    if (end != v.c_str() + v.size() || !std::isfinite(prefill_tps) || prefill_tps <= 0)
+      die("--prefill-tps must be a positive number of tokens a second, got '" + v + "'");
+  }
+  const bool held_runs = !args->flag("no-held");
+  if (args->has("prefill-tps") && !held_runs) die("--prefill-tps and --no-held exclude each other");
+  const std::string json_path = args->str("json"), ipc_socket = args->str("ipc-receiver");
   if (!ipc_socket.empty()) {
     if (tokens.size() != 1 || sessions < 1 || peer_gpu < 0) die("--ipc-receiver takes one --tokens, --sessions, --peer-gpu");
     return ipc_receiver(ipc_socket, tokens[0], sessions, peer_gpu);
   }
-  if (tokens.empty()) tokens = {32768, 131072};
-  if (repeats < 1 || message_mib < 1 || pinned_message_mib < 1) die("--repeats and message sizes are at least 1");
-  // Opened before anything is measured: a path that cannot be written fails
-  // at once rather than after the runs.
-  std::ofstream json_file;
-  if (!json_path.empty()) {
-    json_file.open(json_path);
-    if (!json_file) die("cannot write " + json_path);
-  }
+  // A path that cannot be written fails before anything is measured; the
+  // file is written whole at the end.
+  if (!json_path.empty())
+    if (const std::string why = bench::output_problem(json_path); !why.empty()) die("--json: " + why);
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "kvring-handoff-cuda-bench: no GPU is visible; nothing measured\n");
     return 1;
@@ -500,10 +520,9 @@ int main(int argc, char** argv) {
   std::printf("ratio: the ceiling's time over the handoff's (1.0 = the handoff moves its payload as fast as\n"
               "one copy of it; the pinned path's ceiling is the slower of its two copies, which the staging\n"
               "overlaps)\n");
-  if (!json_path.empty()) {
-    json_file << nlohmann::json{{"device", prop.name}, {"runs", out}}.dump(2) << "\n";
-    json_file.close();
-    if (!json_file) die("cannot write " + json_path);
-  }
+  if (!json_path.empty())
+    if (const std::string why = bench::write_whole(json_path, nlohmann::json{{"device", prop.name}, {"runs", out}}.dump(2) + "\n");
+        !why.empty())
+      die(why);
   return 0;
 }

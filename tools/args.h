@@ -65,7 +65,11 @@ class Args {
                                std::int64_t hi) const {
     auto it = values_.find(name);
     if (it == values_.end()) return fallback;
-    const std::string& s = it->second;
+    return parse_integer(name, it->second, lo, hi);
+  }
+  // `s` as a decimal integer in [lo, hi], or an error naming --name.
+  static Result<std::int64_t> parse_integer(const std::string& name, const std::string& s, std::int64_t lo,
+                                            std::int64_t hi) {
     std::int64_t v = 0;
     auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
     if (s.empty() || ec != std::errc() || end != s.data() + s.size())
