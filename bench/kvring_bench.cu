@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_io.h"
 #include "kvring/config.h"
 #include "cuda/launch_policy.h"
 #include "kvring/cuda_store.h"
@@ -337,18 +338,15 @@ void judge(bool met) {
   std::fflush(stdout);
 }
 
-// The results file, opened before anything is measured so that a path that
-// cannot be written fails at once rather than after the runs.
-FILE* open_json(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (!f) {
-    std::fprintf(stderr, "kvring-bench: cannot write %s\n", path.c_str());
+// The results as JSON, written whole to `path` at the end (bench_io.h).
+void write_json(const std::string& path, const std::string& device, int sms) {
+  char* text = nullptr;
+  std::size_t size = 0;
+  FILE* f = open_memstream(&text, &size);
+  if (f == nullptr) {
+    std::fprintf(stderr, "kvring-bench: out of memory for the JSON\n");
     std::exit(1);
   }
-  return f;
-}
-
-void write_json(FILE* f, const std::string& device, int sms) {
   char date[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
@@ -366,6 +364,12 @@ void write_json(FILE* f, const std::string& device, int sms) {
   }
   std::fprintf(f, "  ]\n}\n");
   std::fclose(f);
+  const std::string why = kvring::bench::write_whole(path, std::string(text, size));
+  std::free(text);
+  if (!why.empty()) {
+    std::fprintf(stderr, "kvring-bench: %s\n", why.c_str());
+    std::exit(1);
+  }
 }
 
 // The launch policy of the stores: the device's, with --f16-stages forcing
@@ -400,6 +404,19 @@ std::pair<std::unique_ptr<kvring::KvStore>, std::vector<SeqSpan>> store_with(
     spans.push_back({*id, 0, c});
   }
   return {std::move(*st), std::move(spans)};
+}
+
+// Whether `only` is a comma-separated list of known parts, none empty.
+bool known_parts(const std::string& only) {
+  static const char* const kParts[] = {"store", "decode", "ring", "prefill", "batch", "rings", "ragged", "step", "memory"};
+  std::size_t at = 0;
+  for (;;) {
+    const std::size_t comma = only.find(',', at);
+    const std::string part = only.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    if (std::find(std::begin(kParts), std::end(kParts), part) == std::end(kParts)) return false;
+    if (comma == std::string::npos) return true;
+    at = comma + 1;
+  }
 }
 
 // The help text, printed by --help (to stdout, exit 0) and after a bad
@@ -449,6 +466,11 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
+      if (!known_parts(only)) {
+        std::fprintf(stderr, "kvring-bench: --only '%s' names no part, or an unknown one\n", only.c_str());
+        print_usage(stderr);
+        return 2;
+      }
     } else if (a == "--numeric" && i + 1 < argc) {
       numeric = argv[++i];
       if (!kvring::parse_attention_numeric(numeric).ok()) {
@@ -517,7 +539,12 @@ int main(int argc, char** argv) {
     g_policy.hd128_cluster = g_policy.general_cluster = 1;
     if (combine == "last-arrival") g_policy.hd128_resident = 0;
   }
-  FILE* const json_file = json.empty() ? nullptr : open_json(json);
+  // A path that cannot be written fails before anything is measured.
+  if (!json.empty())
+    if (const std::string why = kvring::bench::output_problem(json); !why.empty()) {
+      std::fprintf(stderr, "kvring-bench: --json: %s\n", why.c_str());
+      return 2;
+    }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, %.1f GiB; kvring-bench%s\n\n", prop.name, prop.multiProcessorCount,
@@ -1374,6 +1401,6 @@ int main(int argc, char** argv) {
   for (const Row& r : rows)
     std::printf("%-46s %10.2f %12.1f %7.1f%%  %s%s\n", r.name.c_str(), r.us, r.gbs(), 100 * r.ratio(),
                 r.target.c_str(), r.met < 0 ? "" : (r.met ? " (met)" : " (MISSED)"));
-  if (json_file != nullptr) write_json(json_file, prop.name, prop.multiProcessorCount);
+  if (!json.empty()) write_json(json, prop.name, prop.multiProcessorCount);
   return 0;
 }
