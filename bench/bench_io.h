@@ -42,7 +42,7 @@ inline std::string output_problem(const std::string& path) {
 // success, else why.
 inline std::string write_whole(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);
   std::size_t done = 0;
   while (done < text.size()) {
@@ -56,8 +56,11 @@ inline std::string write_whole(const std::string& path, const std::string& text)
     }
     done += static_cast<std::size_t>(w);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = std::strerror(errno);
+  const bool synced = ::fsync(fd) == 0;
+  const int sync_errno = errno;
+  const bool closed = ::close(fd) == 0;
+  if (!synced || !closed || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(!synced ? sync_errno : errno);
     ::unlink(tmp.c_str());
     return "cannot write " + path + ": " + why;
   }
@@ -78,12 +81,27 @@ struct ChildResult {
   }
 };
 
+// The process group of the child run_child waits on (0: none). A child in
+// a group of its own hears neither the terminal's interrupt nor a group
+// signal sent to the bench, so the bench's SIGINT, SIGTERM and SIGHUP kill
+// the group first, then take their default action.
+inline volatile sig_atomic_t g_child_group = 0;
+extern "C" inline void kill_child_and_reraise(int sig) {
+  if (g_child_group != 0) ::kill(-static_cast<pid_t>(g_child_group), SIGKILL);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
 // Runs argv (looked up on PATH, no shell) in a process group of its own.
 // With `read_stdout` its stdout is read here and its stderr is the bench's;
-// without, both go to /dev/null. Past `timeout_s` the group is killed.
-// Only the last '{' line of at most kMaxLine bytes is kept, so a peer that
-// prints without end costs bounded memory.
+// without, both go to /dev/null. Past `timeout_s` the group is killed; once
+// the child has exited, what its stdout still holds is read for at most
+// 1 s (a process it left behind may keep the pipe open), then the group is
+// killed. Only the last '{' line of at most kMaxLine bytes is kept (a last
+// line without a newline counts), so a peer that prints without end costs
+// bounded memory.
 inline ChildResult run_child(const std::vector<std::string>& argv, double timeout_s, bool read_stdout) {
+  using Clock = std::chrono::steady_clock;
   constexpr std::size_t kMaxLine = std::size_t{1} << 20;
   ChildResult r;
   int fds[2] = {-1, -1};
@@ -102,6 +120,11 @@ inline ChildResult run_child(const std::vector<std::string>& argv, double timeou
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  struct sigaction on_signal{}, before[3];
+  on_signal.sa_handler = kill_child_and_reraise;
+  sigemptyset(&on_signal.sa_mask);
+  const int signals[3] = {SIGINT, SIGTERM, SIGHUP};
+  for (int i = 0; i < 3; ++i) ::sigaction(signals[i], &on_signal, &before[i]);
   pid_t pid = 0;
   const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
@@ -109,50 +132,71 @@ inline ChildResult run_child(const std::vector<std::string>& argv, double timeou
   ::close(fds[1]);
   if (rc != 0) {
     ::close(fds[0]);
+    for (int i = 0; i < 3; ++i) ::sigaction(signals[i], &before[i], nullptr);
     return r;
   }
+  g_child_group = pid;
   r.started = true;
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  const Clock::time_point end =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  auto drain_end = Clock::time_point::max();  // set once the child has exited
+  bool exited = false, eof = false, overlong = false;
   std::string line;
-  bool overlong = false;
+  auto take_line = [&] {
+    if (!overlong && !line.empty() && line[0] == '{') r.last_json = line;
+    line.clear();
+    overlong = false;
+  };
   char buf[65536];
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
+    if (!exited && ::waitpid(pid, &r.status, WNOHANG) == pid) {
+      exited = true;
+      drain_end = Clock::now() + std::chrono::seconds(1);
+    }
+    const auto now = Clock::now();
+    if (exited && (eof || now >= drain_end)) break;
+    if (!exited && now >= end) {
       r.timed_out = true;
       break;
     }
+    if (eof) {  // its stdout is closed (or never was the pipe): wait for its exit
+      ::usleep(10000);
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(std::min(end, drain_end) - now).count();
     pollfd p{fds[0], POLLIN, 0};
-    const int n = ::poll(&p, 1, static_cast<int>(std::min<long long>(left.count(), 1000)));
-    if (n < 0 && errno != EINTR) break;
+    // Short polls while it runs, so that its exit is seen soon.
+    const int n = ::poll(&p, 1, static_cast<int>(std::clamp<long long>(left, 1, 100)));
+    if (n < 0 && errno != EINTR) eof = true;
     if (n <= 0) continue;
     const ssize_t got = ::read(fds[0], buf, sizeof buf);
     if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) break;  // end of its stdout
+    if (got <= 0) {  // the end of its stdout: a last line without a newline counts
+      eof = true;
+      take_line();
+      continue;
+    }
     for (ssize_t i = 0; i < got; ++i) {
-      if (buf[i] == '\n') {
-        if (!overlong && !line.empty() && line[0] == '{') r.last_json = line;
-        line.clear();
-        overlong = false;
-      } else if (line.size() < kMaxLine) {
+      if (buf[i] == '\n')
+        take_line();
+      else if (line.size() < kMaxLine)
         line += buf[i];
-      } else {
+      else
         overlong = true;
-      }
     }
   }
   ::close(fds[0]);
-  if (r.timed_out) ::kill(-pid, SIGKILL);
-  // Its stdout is closed: wait for it to exit within what is left, then kill.
-  for (;;) {
-    const pid_t w = ::waitpid(pid, &r.status, WNOHANG);
+  // Its group goes where it may still run: past the deadline, or where a
+  // process it left holds the pipe (the group then still has a member, so
+  // its id is not reused). A child that exited with its stdout closed is
+  // reaped already, and its group id may belong to another by now.
+  if (!exited || !eof) ::kill(-pid, SIGKILL);
+  while (!exited) {
+    const pid_t w = ::waitpid(pid, &r.status, 0);
     if (w == pid || (w < 0 && errno != EINTR)) break;
-    if (std::chrono::steady_clock::now() >= end && !r.timed_out) {
-      r.timed_out = true;
-      ::kill(-pid, SIGKILL);
-    }
-    ::usleep(10000);
   }
+  g_child_group = 0;
+  for (int i = 0; i < 3; ++i) ::sigaction(signals[i], &before[i], nullptr);
   return r;
 }
 
