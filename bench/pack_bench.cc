@@ -16,11 +16,15 @@
 //     and through the detached path (a new cache without the zero-fill),
 // and prints each time with its ratio to the ceilings. Restored planes are
 // compared with the live ones, byte for byte.
+#include <dirent.h>
 #include <fcntl.h>
 #include <malloc.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -28,6 +32,7 @@
 #include <cstring>
 #include <ctime>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../tools/args.h"
@@ -56,16 +61,39 @@ constexpr const char* kUsage =
     "  --repeat N     alternated rounds, best of N reported (default 4, 2..100)\n"
     "  --keep         keep the pack file\n";
 
-// The bench's own files, removed on any exit but a kept pack's: fixed
-// buffers, so that the signal handler unlinks them without allocating.
-char g_pack[4096], g_plain[4096];
+// The bench's own files: the pack and the disk ceiling's file, each
+// removed on an error, SIGINT or SIGTERM once this run has written it (a
+// pack kept by an earlier run, or a file of the same name, is left alone
+// until then), and write_pack's temporaries of this process beside it.
+std::string g_dir, g_pack, g_plain;  // set before any thread starts
+std::atomic<bool> g_pack_ours{false}, g_plain_ours{false};
 void remove_files() {
-  if (g_pack[0] != 0) ::unlink(g_pack);
-  if (g_plain[0] != 0) ::unlink(g_plain);
+  if (g_pack_ours) ::unlink(g_pack.c_str());
+  if (g_plain_ours) ::unlink(g_plain.c_str());
+  if (g_dir.empty()) return;
+  const std::string prefix = ".tmp-kvring-bench.kvpack-" + std::to_string(::getpid()) + "-";
+  if (DIR* d = ::opendir(g_dir.c_str())) {
+    while (const dirent* e = ::readdir(d))
+      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) ::unlinkat(::dirfd(d), e->d_name, 0);
+    ::closedir(d);
+  }
 }
-extern "C" void on_signal(int sig) {
-  remove_files();
-  ::_exit(128 + sig);
+
+// SIGINT and SIGTERM are blocked in every thread (the mask is set before
+// the first starts) and taken by this one, which removes the files in
+// ordinary code and ends the process as the signal would.
+void clean_up_on_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    int sig = 0;
+    if (sigwait(&set, &sig) != 0) return;
+    remove_files();
+    std::_Exit(128 + sig);
+  }).detach();
 }
 
 [[noreturn]] void die(const std::string& what) {
@@ -181,6 +209,7 @@ std::pair<double, double> disk_seconds(const Snapshot& s, const std::string& pat
   const std::vector<Piece> pieces = pieces_of(s, 1 << 20);
   std::vector<std::int64_t> offset(pieces.size() + 1, 0);
   for (std::size_t i = 0; i < pieces.size(); ++i) offset[i + 1] = offset[i] + static_cast<std::int64_t>(pieces[i].n);
+  g_plain_ours = true;  // from here on this run's file
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) die_errno("create " + path);
   auto t0 = Clock::now();
@@ -238,6 +267,7 @@ int run(const std::vector<std::string>& argv) {
   // so "fresh buffers" means fresh pages (glibc would otherwise recycle freed
   // heap memory once its dynamic mmap threshold has grown).
   ::mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  clean_up_on_signals();
   auto args = cli::Args::parse(argv, {"keep", "help"}, {"model", "context", "dir", "repeat"});
   if (!args) die(args.error().message + "\n" + kUsage);
   if (args->flag("help")) {
@@ -254,15 +284,11 @@ int run(const std::vector<std::string>& argv) {
   const std::string dir = args->str("dir", ".");
   const std::string pack = dir + "/kvring-bench.kvpack";
   const std::string plain = dir + "/kvring-bench.raw";
-  if (plain.size() >= sizeof g_plain) die("--dir is too long");
   if (Status s = check_pack_destination(pack); !s.ok()) die("--dir: " + s.to_string());
-  std::snprintf(g_pack, sizeof g_pack, "%s", pack.c_str());
-  std::snprintf(g_plain, sizeof g_plain, "%s", plain.c_str());
+  g_dir = dir, g_pack = pack, g_plain = plain;
   // A file size limit fails a write (EFBIG) rather than ending the process
-  // with its files half-written; an interrupt removes them.
+  // with its files half-written.
   std::signal(SIGXFSZ, SIG_IGN);
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
   char date[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
@@ -285,6 +311,7 @@ int run(const std::vector<std::string>& argv) {
   const std::int64_t bytes = snap->row_bytes();
   t0 = Clock::now();
   check(write_pack(*snap, pack), "write_pack");
+  g_pack_ours = true;
   const double write_fresh_s = since(t0);
 
   // The ceilings and the reused-buffer paths, alternated, best of N each:
@@ -347,7 +374,7 @@ int run(const std::vector<std::string>& argv) {
   identical = identical && same_planes(**live, **detached);
   struct stat st {};
   ::stat(pack.c_str(), &st);
-  if (args->flag("keep")) g_pack[0] = 0;
+  if (args->flag("keep")) g_pack_ours = false;
   remove_files();
 
   const double save_reused_s = snapshot_reused.s + write_reused.s;
