@@ -314,9 +314,11 @@ int main(int argc, char** argv) {
   }
   const std::int64_t message_mib = integer("message-mib", 64, 1, 4096);
   const std::int64_t pinned_message_mib = integer("pinned-message-mib", 8, 1, 4096);
-  const int repeats = static_cast<int>(integer("repeats", 3, 1, 1000));
+  constexpr std::int64_t kMaxRepeats = 1000;
+  const int repeats = static_cast<int>(integer("repeats", 3, 1, kMaxRepeats));
   int peer_gpu = static_cast<int>(integer("peer-gpu", -1, -1, 1023));
-  const int sessions = static_cast<int>(integer("sessions", 0, 0, 1000));
+  // (The ipc receiver's: two schedules, each a warm-up and the repeats.)
+  const int sessions = static_cast<int>(integer("sessions", 0, 0, 2 * (kMaxRepeats + 1)));
   double prefill_tps = 0;
   if (args->has("prefill-tps")) {
     const std::string v = args->str("prefill-tps");

@@ -57,6 +57,11 @@ expect(2 "no help for 'frob'" help frob)
 expect(2 "usage: kvring COMMAND")
 expect(2 "unknown command 'frob'" frob)
 expect(2 "unknown option --frobs" run --frobs)
+# An option given twice with another value is refused, not the first value
+# silently replaced; the same value again is taken.
+expect(2 "--context is given twice \\('10' and '20'\\)" footprint --context 10 --context 20)
+expect(2 "--tokens is given twice" run --tokens 5 --tokens=6)
+expect(0 "context 10 tokens, 1 slot" footprint --context 10 --context=10)
 expect(2 "--slots = 0 is outside" footprint --slots 0)
 # A value left out is not taken from the next option, and is never empty.
 expect(2 "--save needs a value, got the option --json" run --save --json)

@@ -15,7 +15,9 @@ namespace kvring::cli {
 
 class Args {
  public:
-  // `flags` take no value; `options` take one, never empty. A value given
+  // `flags` take no value; `options` take one, never empty; an option
+  // given again must repeat its value (another would silently replace
+  // the first). A value given
   // as the next argument may not start with "--": that is an option, and
   // the value was left out (`--save --json`); `--name=VALUE` takes any.
   static Result<Args> parse(const std::vector<std::string>& argv, const std::set<std::string>& flags,
@@ -46,7 +48,8 @@ class Args {
           value = argv[++i];
         }
         if (value.empty()) return invalid_argument("--" + name + " needs a value, got an empty one");
-        a.values_[name] = value;
+        if (auto [it, added] = a.values_.emplace(name, value); !added && it->second != value)
+          return invalid_argument("--" + name + " is given twice ('" + it->second + "' and '" + value + "')");
       } else {
         return invalid_argument("unknown option --" + name);
       }
