@@ -765,16 +765,19 @@ TEST_F(Hostile, ATricklingSenderIsRefusedAtTheSessionsBound) {
 // bound, not for a whole timeout_s after it.
 TEST_F(Hostile, AnAckThatCannotBeSentEndsAtTheSessionsBound) {
   ASSERT_GE(n_rows_msgs(), 16u);
-  // The bound: 0.3 + 1.5 + 0.3 = 2.1 s. The ACKs stall from 1.8 s on, so
-  // the next rows' ACK (at about 2.0 s) meets the bound first; without
-  // the bound it would wait until 3.5 s. The ERROR's send then waits 1 s.
+  // The bound: 0.6 + 2 + 0.3 = 2.9 s (max_keep_s well past the 250 ms
+  // between rows, for a loaded machine). The ACKs stall from 2.6 s on, so
+  // the next rows' ACK (at about 2.75 s) meets the bound first: the
+  // receiver ends near 3.9 s, after its ERROR's send waits 1 s. Without
+  // the bound the ACK would wait until 4.75 s, and the receiver end near
+  // 5.75 s.
   const double payload = static_cast<double>(timeline_.payload.payload_bytes);
   const Trickle r =
-      trickle(stream_, *store_, config_, {.timeout_s = 1.5, .max_keep_s = 0.3, .min_bytes_per_s = payload / 0.3}, 10, 1.8);
+      trickle(stream_, *store_, config_, {.timeout_s = 2, .max_keep_s = 0.6, .min_bytes_per_s = payload / 0.3}, 10, 2.6);
   EXPECT_TRUE(r.ended) << "the receiver still waited after 10 s";
   ASSERT_FALSE(r.got.ok());
   EXPECT_NE(r.got.error().message.find("did not end the session within"), std::string::npos) << r.got.error().to_string();
-  EXPECT_LT(r.seconds, 4.0);
+  EXPECT_LT(r.seconds, 4.8);
   EXPECT_EQ(store_->free_blocks(), free_before_);
 }
 
