@@ -234,6 +234,25 @@ TEST(PackFormat, WriterRefusesBadOptions) {
   EXPECT_FALSE(enc.ok());
 }
 
+// Metadata and token ids past the manifest's limit are refused before a
+// manifest is built to be measured ("at least"); a manifest that passes
+// that bound but not the limit is refused once measured. Neither writes.
+TEST(PackFormat, AManifestPastItsLimitIsRefused) {
+  auto live = filled_cache(small_config(), 256, 10, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  snap->metadata.assign(static_cast<std::size_t>(kMaxManifestBytes) + 1, 'm');
+  auto early = encode_pack(*snap, {});
+  ASSERT_FALSE(early.ok());
+  EXPECT_NE(early.error().message.find("would take at least 268435457 bytes"), std::string::npos)
+      << early.error().message;
+  snap->metadata.resize(static_cast<std::size_t>(kMaxManifestBytes) - 4 * snap->token_ids.size());
+  auto measured = encode_pack(*snap, {});
+  ASSERT_FALSE(measured.ok());
+  EXPECT_NE(measured.error().message.find("the manifest would take "), std::string::npos) << measured.error().message;
+  EXPECT_EQ(measured.error().message.find("at least"), std::string::npos) << measured.error().message;
+}
+
 }  // namespace
 }  // namespace kvring
 

@@ -41,9 +41,14 @@ Status check_options(const Snapshot& s, const WriteOptions& o) {
     return invalid_argument("chunk_tokens " + std::to_string(o.chunk_tokens) + " outside [1, " +
                             std::to_string(max_tokens) + "] for kv_dim " +
                             std::to_string(s.config.kv_dim()));
-  if (s.metadata.size() > std::numeric_limits<std::uint32_t>::max())
-    return invalid_argument("pack metadata of " + std::to_string(s.metadata.size()) +
-                            " bytes exceeds the format's 4 GiB");
+  // The token ids and the metadata alone (4 bytes an id) bound the
+  // manifest from below: refused here, before a manifest of that size is
+  // built to be measured.
+  const std::uint64_t at_least = 4 * static_cast<std::uint64_t>(s.token_ids.size()) + s.metadata.size();
+  if (at_least > static_cast<std::uint64_t>(kMaxManifestBytes))
+    return invalid_argument("the manifest would take at least " + std::to_string(at_least) + " bytes (" +
+                            std::to_string(s.token_ids.size()) + " token ids, " + std::to_string(s.metadata.size()) +
+                            " bytes of metadata), over the format's " + std::to_string(kMaxManifestBytes));
   if (s.token_count > kMaxTokenCount)
     return invalid_argument("token_count " + std::to_string(s.token_count) + " exceeds 2^62");
   return Status::Ok();
