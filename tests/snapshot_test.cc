@@ -5,6 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
 #include "kvring/backend.h"
 
 #include "pack_test_util.h"
@@ -60,6 +64,29 @@ TEST(Snapshot, WrappedRingKeepsItsRotation) {
   ASSERT_TRUE(restore(*snap, *target).ok());
   EXPECT_EQ(target->ring(0), live->ring(0));
   EXPECT_EQ(target->ring(3), live->ring(3));
+}
+
+// A ring state whose bytes were set by hand, its length or origin near
+// INT64_MAX (no RingState constructor makes one), is refused as out of
+// range, before its end position is computed (which would overflow).
+TEST(Snapshot, RingPartsOutOfRangeAreRefusedBeforeTheirSum) {
+  static_assert(std::is_trivially_copyable_v<RingState>);
+  const ModelConfig cfg = small_config(48, 256, 4);
+  auto live = filled_cache(cfg, 256, 100, 3);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  // RingState's fields in order: capacity, len, origin_logical, ... (the
+  // assertions below catch another order).
+  for (const std::size_t field : {std::size_t{1}, std::size_t{2}}) {
+    Snapshot s = *snap;
+    RingState& r = s.planes[0].ring;
+    const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
+    std::memcpy(reinterpret_cast<char*>(&r) + field * sizeof(std::int64_t), &huge, sizeof huge);
+    ASSERT_EQ(field == 1 ? r.len() : r.origin_logical(), huge);
+    const Status st = validate_snapshot(s);
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find("out of range"), std::string::npos) << st.error().message;
+  }
 }
 
 // Restore replaces a target that holds another session, rows and zero tail.

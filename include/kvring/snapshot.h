@@ -64,7 +64,9 @@ struct Snapshot {
   std::string metadata;             // application blob, opaque to kvring
   std::vector<PlaneSnapshot> planes;    // one per layer, in layer order
 
-  // f16 bytes of K and V over all planes.
+  // f16 bytes of K and V over all planes, as the ring states say; defined
+  // for a snapshot that validate_snapshot accepts (header_only or not),
+  // whose counts cannot overflow.
   std::int64_t row_bytes() const;
 };
 

@@ -9,6 +9,7 @@
 #include "cpu/host_pages.h"
 #include "cpu/parallel.h"
 #include "kvring/backend.h"
+#include "kvring/pack.h"
 
 namespace kvring {
 
@@ -181,6 +182,13 @@ Status validate_snapshot(const Snapshot& s, bool header_only) {
       return invalid_argument(where + "a ring of " + std::to_string(capacity) + " rows, shorter than the window of " +
                               std::to_string(c.sliding_window) + ", stops at the context, " +
                               std::to_string(s.context) + "; the snapshot is at " + std::to_string(s.token_count));
+    // (Its parts in range first, so that their sum cannot overflow: a
+    // RingState's bytes may have been set by hand.)
+    if (p.ring.len() < 0 || p.ring.len() > capacity || p.ring.origin_logical() < 0 ||
+        p.ring.origin_logical() > kMaxTokenCount)
+      return invalid_argument(where + "ring of " + std::to_string(p.ring.len()) + " rows from position " +
+                              std::to_string(p.ring.origin_logical()) + " is out of range (capacity " +
+                              std::to_string(capacity) + ", positions up to 2^62)");
     if (p.ring.next_position() != s.token_count)
       return invalid_argument(where + "ring ends at position " +
                               std::to_string(p.ring.next_position()) + ", the snapshot at " +
