@@ -10,9 +10,11 @@
 #include <vector>
 
 #include "kvring/config.h"
+#include "kvring/pack.h"
 #include "kvring/snapshot.h"
 #include "kvring/store.h"
 #include "pack_test_util.h"
+#include "test_util.h"
 
 namespace kvring {
 namespace {
@@ -85,6 +87,74 @@ Status fill_seq(KvStore& s, SeqId seq, std::int64_t from, std::int64_t to, std::
     p += n;
   }
   return Status::Ok();
+}
+
+// restore_pack into a store: a new sequence holding the pack's rows, bit
+// for bit, beside a sequence already there. The refusals the header decides
+// (no free slot, too few pool blocks, another geometry) come before any
+// payload is read, a corrupted chunk is found before the store is touched,
+// and every refusal leaves the store as it was.
+TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
+  const ModelConfig cfg = testing::small_config(32, 256, 8);
+  auto src = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(src.ok());
+  auto sseq = (*src)->add_sequence();
+  ASSERT_TRUE(sseq.ok());
+  ASSERT_TRUE(fill_seq(**src, *sseq, 0, 150, 41).ok());  // rings wrapped, full planes over blocks
+  auto snap = take_snapshot(**src, *sseq);
+  ASSERT_TRUE(snap.ok());
+  auto bytes = encode_pack(*snap, {.chunk_tokens = 32});
+  ASSERT_TRUE(bytes.ok());
+  auto pack = memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size()), "p.kvpack");
+
+  auto make_target = [&](std::int64_t max_sequences, std::int64_t pool_blocks) {
+    auto t = make_store(BackendKind::kCpu, cfg,
+                        {.max_sequences = max_sequences, .context = 256, .block_rows = 16, .pool_blocks = pool_blocks});
+    EXPECT_TRUE(t.ok());
+    auto other = (*t)->add_sequence();
+    EXPECT_TRUE(other.ok());
+    EXPECT_TRUE(fill_seq(**t, *other, 0, 70, 7).ok());
+    return std::move(*t);
+  };
+  auto refused = [&](KvStore& t, const PackSource& from, ErrorCode code, const std::string& words) {
+    const Image before = image(t);
+    auto r = restore_pack(from, {}, t);
+    ASSERT_FALSE(r.ok()) << words;
+    EXPECT_EQ(r.error().code, code) << r.error().to_string();
+    EXPECT_NE(r.error().message.find(words), std::string::npos) << r.error().to_string();
+    EXPECT_TRUE(image(t) == before) << "changed by: " << r.error().to_string();
+  };
+
+  // Into a store with room: the rows of the snapshot, the neighbour as it was.
+  auto roomy = make_target(2, 0);
+  const Image neighbour = image(*roomy);
+  auto got = restore_pack(*pack, {}, *roomy);
+  ASSERT_TRUE(got.ok()) << got.error().to_string();
+  auto back = take_snapshot(*roomy, *got);
+  ASSERT_TRUE(back.ok());
+  for (std::size_t l = 0; l < snap->planes.size(); ++l) {
+    EXPECT_TRUE(back->planes[l].ring == snap->planes[l].ring) << "layer " << l;
+    EXPECT_TRUE(back->planes[l].k == snap->planes[l].k && back->planes[l].v == snap->planes[l].v) << "layer " << l;
+  }
+  EXPECT_EQ(seq_image(*roomy, neighbour.seqs[0]), neighbour.text[0]);
+
+  // No free slot; a pool short of one block.
+  refused(*make_target(1, 0), *pack, ErrorCode::kResourceExhausted, "no free sequence slot");
+  auto sized = make_target(2, 0);
+  auto need = blocks_to_restore(*snap, *sized);
+  ASSERT_TRUE(need.ok());
+  ASSERT_GT(*need, 0);
+  const std::int64_t held = *sized->blocks_held(sized->sequences()[0]);
+  refused(*make_target(2, held + *need - 1), *pack, ErrorCode::kResourceExhausted, "pool blocks");
+  // Another geometry.
+  auto wider = make_store(BackendKind::kCpu, testing::small_config(64, 256, 8), {.max_sequences = 2, .context = 256});
+  ASSERT_TRUE(wider.ok());
+  refused(**wider, *pack, ErrorCode::kMismatch, "p.kvpack: ");
+  // A byte of the last chunk flipped: found before the store is touched.
+  std::string bad = *bytes;
+  bad[bad.size() - 40] ^= 0x10;
+  auto corrupted = memory_pack_source(bad.data(), static_cast<std::int64_t>(bad.size()), "bad.kvpack");
+  refused(*make_target(2, 0), *corrupted, ErrorCode::kCorruption, "");
 }
 
 TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {

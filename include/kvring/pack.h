@@ -133,6 +133,12 @@ Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& opti
 // before any payload is read, every chunk is verified before the target is
 // touched, and on any error the target is left as it was.
 Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target);
+// Reads a pack into a new sequence of `target` (restore_new_sequence). The
+// manifest is checked before any payload is read: the geometry and rings
+// (check_restorable), a free slot, and the pool blocks the sequence takes
+// (blocks_to_restore; kResourceExhausted). Every chunk is verified before
+// the store is touched; on any error the store holds no new sequence.
+Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target);
 
 struct VerifyReport {
   bool thin = false;            // the chunks were read from the store

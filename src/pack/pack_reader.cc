@@ -808,6 +808,27 @@ Status restore_pack(const PackSource& source, const ReadOptions& options, KvCach
   return restore(snapshot, target);
 }
 
+Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target) {
+  auto m = read_manifest(source);
+  if (!m) return m.error();
+  auto named = [&](Error e) {
+    e.message = source.name() + ": " + e.message;
+    return e;
+  };
+  // Refusals that the header decides come before any payload is read.
+  auto blocks = blocks_to_restore(m->header, target);
+  if (!blocks) return named(blocks.error());
+  if (target.free_slots() == 0)
+    return named(make_error(ErrorCode::kResourceExhausted, "the store has no free sequence slot"));
+  if (*blocks > target.free_blocks())
+    return named(make_error(ErrorCode::kResourceExhausted,
+                            "the sequence takes " + std::to_string(*blocks) + " pool blocks, the store has " +
+                                std::to_string(target.free_blocks()) + " free"));
+  Snapshot snapshot;
+  KVRING_RETURN_IF_ERROR(read_rows(source, *m, options, snapshot));
+  return restore_new_sequence(snapshot, target);
+}
+
 Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* store) {
   auto m = read_manifest(source);
   if (!m) return m.error();
