@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <cfloat>
 #include <cmath>
 #include <memory>
 #include <type_traits>

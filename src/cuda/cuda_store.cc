@@ -6,7 +6,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -538,9 +537,9 @@ Status CudaStore::release_scratch() {
 }
 
 // The device's copy of a layer's sinks, in the kernels' log2 units as the
-// CPU backend's f16 combine takes them (sink x log2(e) rounded to f32,
-// capped at FLT_MAX); a layer without sinks holds -inf, which adds nothing
-// to a divisor (a graph captured while it had sinks still reads them).
+// CPU backend takes them (detail::sink_log2); a layer without sinks holds
+// -inf, which adds nothing to a divisor (a graph captured while it had
+// sinks still reads them).
 // The copy goes on the store's stream after its earlier work and is waited
 // for, so on an error the device holds what the host does: the array is
 // made and filled whole or not kept, and a row whose copy failed part-way

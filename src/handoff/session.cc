@@ -568,15 +568,8 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     if (!transport.send_message(s.data(), s.size(), deadline_in(1.0)).ok()) return e;
     std::int64_t next = acks;
     for (std::size_t owed = unacked.size();; --owed) {
-      Deadline d = deadline_in(options.timeout_s);
-      if (bounded && counting) {
-        if (waited >= budget) break;
-        d = std::min(d, Clock::now() + (budget - waited));
-      }
-      const auto start = Clock::now();
-      const bool got = transport.recv_message(in, d, 1 << 20).ok() && !in.empty();
-      if (counting) waited += Clock::now() - start;
-      if (!got) break;
+      if (!on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }).ok() || in.empty())
+        break;
       if (in[0] == kError) {
         bye();
         break;
