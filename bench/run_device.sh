@@ -6,7 +6,8 @@
 # built with -DKVRING_STATIC_DEPS=ON (and the kvring tool; the handoff pieces
 # link libucx's shared libraries unless built with -DKVRING_UCX=OFF); STEPS
 # is a subset of "tests bench batch handoff sdpa cli handoff-cli pair memcheck
-# initcheck ncu racecheck racecheck-paths" (default: all but racecheck-paths;
+# initcheck ncu racecheck racecheck-paths racecheck-sinks" (default: all but
+# racecheck-paths and racecheck-sinks;
 # "bench" runs every part of kvring-bench, "batch" only the many-sequence
 # parts). With UCX built in, LIB_DIR (default BIN_DIR/../lib) may hold
 # libucx's shared libraries for a machine that lacks them.
@@ -75,6 +76,14 @@ for step in $steps; do
         "$bin/kvring_cuda_tests" --gtest_filter=CudaBatch.BatchesEqualSoloRunsAndTheCpuBackend > "$out/race-batches.log" 2>&1 &
       wait
       grep -H -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (FAILED|PASSED) " "$out"/race-*.log ;;
+    racecheck-sinks)
+      # The sinks test's six cases in parallel processes.
+      for case in tc_gqa8_f32 tc_gqa8_f16 tc_group12_f32 tc_group12_f16 hd64_f32 hd17_f32; do
+        KVRING_TEST_QUICK=1 timeout ${SAN_LIMIT:-540} stdbuf -oL compute-sanitizer --tool racecheck --error-exitcode 9 \
+          "$bin/kvring_cuda_tests" --gtest_filter="Cases/CudaSinksEveryKernel.*/$case" > "$out/race-sinks-$case.log" 2>&1 &
+      done
+      wait
+      grep -H -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (FAILED|PASSED) " "$out"/race-sinks-*.log ;;
     ncu) timeout 120 ncu --clock-control none -k regex:attend_hd128 --launch-skip 30 --launch-count 1 \
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
            --section WarpStateStats --section LaunchStats "$bin/kvring-bench" --quick --only decode \

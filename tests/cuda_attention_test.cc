@@ -5,6 +5,7 @@
 // of the splits gives the same bits.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -1251,88 +1252,114 @@ TEST(CudaSinks, ACapturedDecodeReadsTheSinksWhenItRuns) {
   cudaGraphExecDestroy(exec);
 }
 
+// One geometry of cases() under one numeric; the f16 numeric runs at
+// head_dim 128 only. Each is a test of its own, so that a sanitizer run
+// can take one.
+struct SinksCase {
+  std::size_t geometry;
+  AttentionNumeric numeric;
+};
+std::vector<SinksCase> sinks_cases() {
+  std::vector<SinksCase> out;
+  const std::vector<Case> all = cases();
+  for (std::size_t g = 0; g < all.size(); ++g)
+    for (const AttentionNumeric numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16})
+      if (numeric == AttentionNumeric::kF32 || all[g].config.head_dim == 128) out.push_back({g, numeric});
+  return out;
+}
+std::string sinks_case_label(const SinksCase& sc) {
+  return cases()[sc.geometry].config.name + (sc.numeric == AttentionNumeric::kF16 ? "_f16" : "_f32");
+}
+void PrintTo(const SinksCase& sc, std::ostream* os) { *os << sinks_case_label(sc); }
+std::string sinks_case_name(const ::testing::TestParamInfo<SinksCase>& info) {
+  std::string name = sinks_case_label(info.param);
+  for (char& ch : name)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return name;
+}
+
+class CudaSinksEveryKernel : public ::testing::TestWithParam<SinksCase> {};
+
 // Sinks on the GPU, for each geometry of both kernels and under both
 // numerics (the f16 one at head_dim 128): a batch with sinks on every layer
 // gives each sequence's solo bits and agrees with the CPU backend with the
 // same sinks; a head whose sink lies far below its scores keeps the bits
 // of a run without sinks, one near the largest float writes 0, and the
 // other heads' outputs move.
-TEST(CudaSinks, EveryKernelAgreesWithTheCpuBackend) {
+TEST_P(CudaSinksEveryKernel, AgreesWithTheCpuBackend) {
   KVRING_SKIP_WITHOUT_GPU();
   const int n_seqs = 3;
-  for (const Case& cs : cases()) {
-    const ModelConfig& c = cs.config;
-    for (const AttentionNumeric numeric : {AttentionNumeric::kF32, AttentionNumeric::kF16}) {
-      if (numeric == AttentionNumeric::kF16 && c.head_dim != 128) continue;
-      const bool f16 = numeric == AttentionNumeric::kF16;
-      SCOPED_TRACE(c.name + (f16 ? " f16" : " f32"));
-      // Past several splits of a full layer under either numeric.
-      const std::int64_t longest = f16 ? kF16AttendSplitRows + (testing::quick() ? 70 : 300)
-                                       : (testing::quick() ? 300 : 700);
-      const auto seqs = inputs(c, 41, n_seqs, longest);
-      const auto plan = testing::random_plan(seqs, 43, 80);
-      const std::vector<float> sinks = sinks_of(c);
-      const StoreOptions o{.max_sequences = n_seqs + 3, .context = 4096, .block_rows = cs.block_rows,
-                           .attention = numeric};
-      auto run = [&](BackendKind kind, bool with_sinks, int only) {
-        StoreOptions so = o;
-        if (only >= 0) so.max_sequences = 1;
-        auto store = testing::new_store(kind, c, so);
-        Outputs out;
-        EXPECT_TRUE(store);
-        if (!store) return out;
-        for (std::int64_t l = 0; with_sinks && l < c.n_layers; ++l) {
-          EXPECT_TRUE(store->set_attention_sinks(l, sinks).ok());
-        }
-        if (only >= 0) {
-          const std::vector<SeqInputs> one = {seqs[static_cast<std::size_t>(only)]};
-          testing::run_plan(*store, {*store->add_sequence()}, one, testing::random_plan(one, 47, 64), out);
-          Outputs keyed;
-          for (auto& [key, val] : out) keyed[{only, std::get<1>(key), std::get<2>(key)}] = val;
-          return keyed;
-        }
-        const auto ids = testing::add_with_churn(*store, n_seqs, 45);
-        testing::run_plan(*store, ids, seqs, plan, out, kind == BackendKind::kCuda);
-        return out;
-      };
-      const Outputs gpu = run(BackendKind::kCuda, true, -1);
-      const Outputs cpu = run(BackendKind::kCpu, true, -1);
-      const Outputs plain = run(BackendKind::kCuda, false, -1);
-      ASSERT_EQ(gpu.size(), cpu.size());
-      ASSERT_EQ(gpu.size(), plain.size());
-      for (int i = 0; i < n_seqs; ++i) {
-        const Outputs solo = run(BackendKind::kCuda, true, i);
-        ASSERT_FALSE(solo.empty());
-        for (const auto& [key, val] : solo)
-          ASSERT_TRUE(same_bits(val, gpu.at(key))) << "sequence " << i << " layer " << std::get<1>(key)
-                                                   << " position " << std::get<2>(key) << " differs from its solo run";
+  const Case cs = cases()[GetParam().geometry];
+  const ModelConfig& c = cs.config;
+  const AttentionNumeric numeric = GetParam().numeric;
+  const bool f16 = numeric == AttentionNumeric::kF16;
+  // Past several splits of a full layer under either numeric.
+  const std::int64_t longest = f16 ? kF16AttendSplitRows + (testing::quick() ? 70 : 300)
+                                   : (testing::quick() ? 300 : 700);
+  const auto seqs = inputs(c, 41, n_seqs, longest);
+  const auto plan = testing::random_plan(seqs, 43, 80);
+  const std::vector<float> sinks = sinks_of(c);
+  const StoreOptions o{.max_sequences = n_seqs + 3, .context = 4096, .block_rows = cs.block_rows,
+                       .attention = numeric};
+  auto run = [&](BackendKind kind, bool with_sinks, int only) {
+    StoreOptions so = o;
+    if (only >= 0) so.max_sequences = 1;
+    auto store = testing::new_store(kind, c, so);
+    Outputs out;
+    EXPECT_TRUE(store);
+    if (!store) return out;
+    for (std::int64_t l = 0; with_sinks && l < c.n_layers; ++l) {
+      EXPECT_TRUE(store->set_attention_sinks(l, sinks).ok());
+    }
+    if (only >= 0) {
+      const std::vector<SeqInputs> one = {seqs[static_cast<std::size_t>(only)]};
+      testing::run_plan(*store, {*store->add_sequence()}, one, testing::random_plan(one, 47, 64), out);
+      Outputs keyed;
+      for (auto& [key, val] : out) keyed[{only, std::get<1>(key), std::get<2>(key)}] = val;
+      return keyed;
+    }
+    const auto ids = testing::add_with_churn(*store, n_seqs, 45);
+    testing::run_plan(*store, ids, seqs, plan, out, kind == BackendKind::kCuda);
+    return out;
+  };
+  const Outputs gpu = run(BackendKind::kCuda, true, -1);
+  const Outputs cpu = run(BackendKind::kCpu, true, -1);
+  const Outputs plain = run(BackendKind::kCuda, false, -1);
+  ASSERT_EQ(gpu.size(), cpu.size());
+  ASSERT_EQ(gpu.size(), plain.size());
+  for (int i = 0; i < n_seqs; ++i) {
+    const Outputs solo = run(BackendKind::kCuda, true, i);
+    ASSERT_FALSE(solo.empty());
+    for (const auto& [key, val] : solo)
+      ASSERT_TRUE(same_bits(val, gpu.at(key))) << "sequence " << i << " layer " << std::get<1>(key)
+                                               << " position " << std::get<2>(key) << " differs from its solo run";
+  }
+  const double worst = testing::worst_difference(gpu, cpu);
+  EXPECT_LE(worst, f16 ? kF16Tolerance : kTolerance);
+  const std::int64_t hd = c.head_dim;
+  std::size_t moved = 0, heads = 0;
+  for (const auto& [key, val] : gpu) {
+    const std::vector<float>& without = plain.at(key);
+    for (std::int64_t h = 0; h < c.n_heads; ++h) {
+      const float sink = sinks[static_cast<std::size_t>(h)];
+      const float* got = val.data() + h * hd;
+      const float* ref = without.data() + h * hd;
+      if (sink == 3e38f) {
+        for (std::int64_t e = 0; e < hd; ++e) ASSERT_EQ(got[e], 0.0f) << "head " << h;
+      } else if (sink < -70.0f) {
+        ASSERT_EQ(std::memcmp(got, ref, static_cast<std::size_t>(hd) * 4), 0) << "head " << h;
+      } else {
+        ++heads;
+        if (std::memcmp(got, ref, static_cast<std::size_t>(hd) * 4) != 0) ++moved;
       }
-      const double worst = testing::worst_difference(gpu, cpu);
-      EXPECT_LE(worst, f16 ? kF16Tolerance : kTolerance);
-      const std::int64_t hd = c.head_dim;
-      std::size_t moved = 0, heads = 0;
-      for (const auto& [key, val] : gpu) {
-        const std::vector<float>& without = plain.at(key);
-        for (std::int64_t h = 0; h < c.n_heads; ++h) {
-          const float sink = sinks[static_cast<std::size_t>(h)];
-          const float* got = val.data() + h * hd;
-          const float* ref = without.data() + h * hd;
-          if (sink == 3e38f) {
-            for (std::int64_t e = 0; e < hd; ++e) ASSERT_EQ(got[e], 0.0f) << "head " << h;
-          } else if (sink < -70.0f) {
-            ASSERT_EQ(std::memcmp(got, ref, static_cast<std::size_t>(hd) * 4), 0) << "head " << h;
-          } else {
-            ++heads;
-            if (std::memcmp(got, ref, static_cast<std::size_t>(hd) * 4) != 0) ++moved;
-          }
-        }
-      }
-      EXPECT_EQ(moved, heads) << "every head with a sink near or above its scores moves";
-      std::printf("  %s %s: sinks, CUDA vs CPU worst %.2e over %zu outputs\n", c.name.c_str(), f16 ? "f16" : "f32",
-                  worst, gpu.size());
     }
   }
+  EXPECT_EQ(moved, heads) << "every head with a sink near or above its scores moves";
+  std::printf("  %s %s: sinks, CUDA vs CPU worst %.2e over %zu outputs\n", c.name.c_str(), f16 ? "f16" : "f32",
+              worst, gpu.size());
 }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaSinksEveryKernel, ::testing::ValuesIn(sinks_cases()), sinks_case_name);
 
 }  // namespace
 }  // namespace kvring
