@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -23,13 +24,28 @@ extern char** environ;
 
 namespace kvring::bench {
 
+// The file a results path names: a symbolic link is followed (a chain of
+// at most 40, as the kernel follows), so that a results file reached
+// through a link is written where the link points and the link stays.
+inline std::string output_target(const std::string& path) {
+  std::filesystem::path p = path;
+  std::error_code ec;
+  for (int hops = 0; hops < 40 && std::filesystem::is_symlink(p, ec); ++hops) {
+    const std::filesystem::path to = std::filesystem::read_symlink(p, ec);
+    if (ec) break;
+    p = to.is_absolute() ? to : p.parent_path() / to;
+  }
+  return p.string();
+}
+
 // Why `path` cannot take a results file, or "" where it can: something
-// other than a regular file is there, or its directory refuses a new file
-// (tried with a temporary that is removed at once).
+// other than a regular file is there, or the directory of the file it
+// names refuses a new file (tried with a temporary that is removed at
+// once).
 inline std::string output_problem(const std::string& path) {
   struct stat st{};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return path + " exists and is not a regular file";
-  const std::string probe = path + ".tmp-probe";
+  const std::string probe = output_target(path) + ".tmp-probe";
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return "cannot create a file beside " + path + ": " + std::strerror(errno);
   ::close(fd);
@@ -37,11 +53,12 @@ inline std::string output_problem(const std::string& path) {
   return "";
 }
 
-// Writes `text` to `path` through a temporary beside it and a rename, so
-// that a failed or interrupted run leaves what was there before. "" on
-// success, else why.
+// Writes `text` to the file `path` names (output_target) through a
+// temporary beside it and a rename, so that a failed or interrupted run
+// leaves what was there before. "" on success, else why.
 inline std::string write_whole(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  const std::string target = output_target(path);
+  const std::string tmp = target + ".tmp-" + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);
   std::size_t done = 0;
@@ -59,7 +76,7 @@ inline std::string write_whole(const std::string& path, const std::string& text)
   const bool synced = ::fsync(fd) == 0;
   const int sync_errno = errno;
   const bool closed = ::close(fd) == 0;
-  if (!synced || !closed || ::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (!synced || !closed || ::rename(tmp.c_str(), target.c_str()) != 0) {
     const std::string why = std::strerror(!synced ? sync_errno : errno);
     ::unlink(tmp.c_str());
     return "cannot write " + path + ": " + why;
