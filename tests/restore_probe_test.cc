@@ -157,6 +157,71 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   refused(*make_target(2, 0), *corrupted, ErrorCode::kCorruption, "");
 }
 
+// A pack whose full planes the pool cannot hold is refused before any
+// payload is read, into a cache's sequence as into a store's: the refusal
+// is kResourceExhausted even where a chunk is damaged, and
+// check_restorable(header, store, seq) gives it from the header alone.
+TEST(RestoreProbe, APackThePoolCannotHoldIsRefusedUnread) {
+  const ModelConfig cfg = testing::small_config(32, 256, 8);
+  auto src = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(src.ok());
+  auto sseq = (*src)->add_sequence();
+  ASSERT_TRUE(sseq.ok());
+  ASSERT_TRUE(fill_seq(**src, *sseq, 0, 150, 43).ok());
+  auto snap = take_snapshot(**src, *sseq);
+  ASSERT_TRUE(snap.ok());
+  auto bytes = encode_pack(*snap, {.chunk_tokens = 32});
+  ASSERT_TRUE(bytes.ok());
+  std::string bad = *bytes;
+  bad[bad.size() - 40] ^= 0x10;
+  auto pack = memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size()), "p.kvpack");
+  auto corrupted = memory_pack_source(bad.data(), static_cast<std::int64_t>(bad.size()), "bad.kvpack");
+
+  // A cache whose pool holds one block fewer than the pack's full planes
+  // take; its sequence is empty, so it gives none back.
+  auto sized = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256, .block_rows = 16});
+  ASSERT_TRUE(sized.ok());
+  auto need = blocks_to_restore(*snap, **sized);
+  ASSERT_TRUE(need.ok());
+  ASSERT_GT(*need, 1);
+  auto make_cache = [&](std::int64_t pool_blocks) {
+    auto one = make_store(BackendKind::kCpu, cfg,
+                          {.max_sequences = 1, .context = 256, .block_rows = 16, .pool_blocks = pool_blocks});
+    EXPECT_TRUE(one.ok());
+    auto seq = (*one)->add_sequence();
+    EXPECT_TRUE(seq.ok());
+    auto cache = KvCache::adopt(std::move(*one), *seq);
+    EXPECT_TRUE(cache.ok());
+    return std::move(*cache);
+  };
+  auto short_cache = make_cache(*need - 1);
+  KvStore& store = short_cache->store();
+  const Image before = image(store);
+  const Status header_says = check_restorable(*snap, store, short_cache->seq());
+  ASSERT_FALSE(header_says.ok());
+  EXPECT_EQ(header_says.error().code, ErrorCode::kResourceExhausted) << header_says.to_string();
+  for (const PackSource* from : {pack.get(), corrupted.get()}) {
+    const Status st = restore_pack(*from, {}, *short_cache);
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.error().code, ErrorCode::kResourceExhausted) << st.to_string();
+    EXPECT_EQ(st.error().message.rfind(from->name() + ": ", 0), 0u) << st.to_string();
+    EXPECT_TRUE(image(store) == before) << "changed by: " << st.to_string();
+  }
+  // With the block it lacks, the header passes and the pack restores.
+  auto roomy = make_cache(*need);
+  EXPECT_TRUE(check_restorable(*snap, roomy->store(), roomy->seq()).ok());
+  const Status st = restore_pack(*pack, {}, *roomy);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  auto back = take_snapshot(*roomy);
+  ASSERT_TRUE(back.ok());
+  for (std::size_t l = 0; l < snap->planes.size(); ++l)
+    EXPECT_TRUE(back->planes[l].k == snap->planes[l].k && back->planes[l].v == snap->planes[l].v) << "layer " << l;
+  // A sequence the store does not hold.
+  const Status gone = check_restorable(*snap, store, SeqId{~std::uint64_t{0}});
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.error().code, ErrorCode::kNotFound);
+}
+
 TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
   int restored = 0, refused = 0;
   const std::uint64_t first = std::getenv("PROBE_SEED") ? std::strtoull(std::getenv("PROBE_SEED"), nullptr, 10) : 1;

@@ -130,7 +130,9 @@ Result<Snapshot> read_pack(const PackSource& source, const ReadOptions& options 
 Status read_pack(const PackSource& source, const ReadOptions& options, Snapshot& out);
 Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& options = {});
 // Reads a pack into `target`: the manifest is checked against the target
-// before any payload is read, every chunk is verified before the target is
+// before any payload is read (check_restorable for the cache's sequence:
+// the geometry and rings, and the pool blocks its full planes take;
+// kResourceExhausted), every chunk is verified before the target is
 // touched, and on any error the target is left as it was.
 Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target);
 // Reads a pack into a new sequence of `target` (restore_new_sequence). The

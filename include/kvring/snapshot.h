@@ -50,7 +50,8 @@ using RowBuffer = std::vector<std::uint16_t, RowAllocator<std::uint16_t>>;
 struct PlaneSnapshot {
   LayerKind kind = LayerKind::kSlidingRope;
   Layout layout = Layout::kTokenMajor;
-  RingState ring;  // as in the source cache
+  RingState ring;  // as a sequentially built plane of the source's context
+                   // holds it, without rollback slack (take_snapshot)
   // Live rows origin_logical .. origin_logical + len - 1, f16 bits
   // [ring.len(), kv_dim] each; empty in a header-only snapshot.
   RowBuffer k, v;
@@ -99,6 +100,11 @@ Status validate_snapshot(const Snapshot& snapshot, bool header_only = false);
 // the snapshot to hold every row its ring would hold.
 Status check_restorable(const Snapshot& header, const KvStore& target);
 Status check_restorable(const Snapshot& header, const KvCache& target);
+// The same for restore(header, target, seq), and that the pool can give
+// its full planes their blocks in some order of installs
+// (kResourceExhausted): every refusal restore() makes before it touches
+// the sequence, decided by the header alone.
+Status check_restorable(const Snapshot& header, const KvStore& target, SeqId seq);
 // The ring plane `layer` of `target` gets when `header` is restored into it
 // (what restore() installs: the last of the snapshot's rows the target's
 // plane holds, at a sequentially built ring's rotation), or why it cannot.

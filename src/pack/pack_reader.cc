@@ -797,8 +797,9 @@ Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& opti
 Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target) {
   auto m = read_manifest(source);
   if (!m) return m.error();
-  // Another model's pack is refused before any payload is read.
-  if (Status s = check_restorable(m->header, target); !s.ok()) {
+  // Another model's pack, or one whose full planes the pool cannot hold,
+  // is refused before any payload is read.
+  if (Status s = check_restorable(m->header, target.store(), target.seq()); !s.ok()) {
     Error e = s.error();
     e.message = source.name() + ": " + e.message;
     return e;

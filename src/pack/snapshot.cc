@@ -367,23 +367,46 @@ Result<std::vector<std::int64_t>> install_order(const KvStore& target, SeqId seq
   return order;
 }
 
+// The checks of restore(header, target, seq) that the header decides:
+// the sequence, the geometry and rings (check_restorable), and the pool
+// (install_order). Each plane's ring is computed once, for the pool check
+// and the installs.
+struct RestorePlan {
+  std::vector<Placement> placements;
+  std::vector<std::int64_t> order;  // install_order's
+};
+Result<RestorePlan> plan_restore(const Snapshot& header, const KvStore& target, SeqId seq) {
+  if (!target.contains(seq))
+    return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
+  KVRING_RETURN_IF_ERROR(check_restorable(header, target));
+  RestorePlan plan;
+  plan.placements.reserve(static_cast<std::size_t>(target.n_layers()));
+  for (std::int64_t l = 0; l < target.n_layers(); ++l) {
+    auto placement = place(header, l, target);
+    if (!placement) return placement.error();
+    plan.placements.push_back(*placement);
+  }
+  auto order = install_order(target, seq, plan.placements);
+  if (!order) return order.error();
+  plan.order = std::move(*order);
+  return plan;
+}
+
 }  // namespace
+
+Status check_restorable(const Snapshot& header, const KvStore& target, SeqId seq) {
+  auto plan = plan_restore(header, target, seq);
+  return plan ? Status::Ok() : Status(plan.error());
+}
 
 Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
   if (!target.contains(seq))
     return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
-  KVRING_RETURN_IF_ERROR(check_restorable(snapshot, target));
-  // Each plane's ring, computed once for the pool check and the installs.
-  std::vector<Placement> placements;
-  placements.reserve(static_cast<std::size_t>(target.n_layers()));
-  for (std::int64_t l = 0; l < target.n_layers(); ++l) {
-    auto placement = place(snapshot, l, target);
-    if (!placement) return placement.error();
-    placements.push_back(*placement);
-  }
-  auto order = install_order(target, seq, placements);
-  if (!order) return order.error();
+  auto plan = plan_restore(snapshot, target, seq);
+  if (!plan) return plan.error();
+  const std::vector<Placement>& placements = plan->placements;
+  const std::vector<std::int64_t>& order = plan->order;
   // Nothing below can fail for a reason in the input: install() accepts
   // exactly the rings place() computes and buffers of their size, and the
   // order gives every plane its blocks.
@@ -395,10 +418,10 @@ Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
     return target.install(seq, l, placement.ring, p.k.data() + skip, p.v.data() + skip);
   };
   Status s = Status::Ok();
-  if (order->empty()) {
+  if (order.empty()) {
     s = for_each_layer(target.backend(), target.n_layers(), snapshot.row_bytes(), install);
   } else {
-    for (const std::int64_t l : *order) {
+    for (const std::int64_t l : order) {
       s = install(l);
       if (!s.ok()) break;
     }
