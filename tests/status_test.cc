@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <type_traits>
+
 namespace kvring {
 namespace {
 
@@ -40,6 +42,18 @@ TEST(Status, AResultFromAStatusIsAlwaysAnErrorWithWords) {
   ASSERT_FALSE(from_ok.ok());
   EXPECT_EQ(from_ok.error().code, ErrorCode::kInternal);
   EXPECT_NE(from_ok.error().message.find("ok Status"), std::string::npos);
+}
+
+// A Result tests as true when it holds a value, except a Result<bool>,
+// where `if (r)` would read as the value: it says r.ok() or *r.
+TEST(Status, AResultOfBoolDoesNotTestAsItsValue) {
+  static_assert(std::is_constructible_v<bool, Result<int>>);
+  static_assert(!std::is_constructible_v<bool, Result<bool>>);
+  const Result<bool> absent = false;
+  EXPECT_TRUE(absent.ok());
+  EXPECT_FALSE(*absent);
+  const Result<bool> failed = Error{ErrorCode::kIOError, "no answer"};
+  EXPECT_FALSE(failed.ok());
 }
 
 TEST(Status, DiscontinuityCarriesItsFields) {

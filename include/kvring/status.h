@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 
@@ -86,7 +87,13 @@ class [[nodiscard]] Result {
                        : status.error()) {}
 
   bool ok() const { return v_.index() == 0; }
-  explicit operator bool() const { return ok(); }
+  // Whether a value is held. Not for a Result<bool>, where `if (r)` would
+  // read as the value: say r.ok() or *r.
+  explicit operator bool() const
+    requires(!std::is_same_v<T, bool>)
+  {
+    return ok();
+  }
   T& value() & { return std::get<0>(v_); }
   const T& value() const& { return std::get<0>(v_); }
   T&& value() && { return std::get<0>(std::move(v_)); }

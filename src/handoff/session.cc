@@ -595,7 +595,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   for (const PlannedMessage& m : timeline.messages) {
     for (;;) {
       auto ready = source.wait_final(m, deadline_in(keepalive_s));
-      if (!ready) return abort_with(make_error(ready.error().code, "the sender's session failed: " + ready.error().message));
+      if (!ready.ok()) return abort_with(make_error(ready.error().code, "the sender's session failed: " + ready.error().message));
       if (*ready) break;
       KVRING_RETURN_IF_ERROR(keep_alive());
     }

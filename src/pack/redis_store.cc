@@ -413,7 +413,7 @@ class RedisStore final : public ChunkStore {
     const Status s = send(c, kControlLimits, "STRLEN");
     Result<Reply> exists = s.ok() ? receive(c, "EXISTS") : Result<Reply>(s.error());
     Result<bool> present = exists ? exists_answer(c, **exists) : Result<bool>(exists.error());
-    Result<Reply> len = present ? receive(c, "STRLEN") : Result<Reply>(present.error());
+    Result<Reply> len = present.ok() ? receive(c, "STRLEN") : Result<Reply>(present.error());
     if (len && ((*len)->type != REDIS_REPLY_INTEGER || (*len)->integer < 0 || (*len)->integer > kMaxStrlen)) {
       c.broken = true;
       len = io_error(spec() + ": unexpected reply to STRLEN: " + reply_kind(**len));
@@ -460,7 +460,7 @@ class RedisStore final : public ChunkStore {
     const Status s = send(c, chunk_limits(dst.size()), "GETRANGE");
     Result<Reply> exists = s.ok() ? receive(c, "EXISTS") : Result<Reply>(s.error());
     Result<bool> present = exists ? exists_answer(c, **exists) : Result<bool>(exists.error());
-    Result<Reply> value = present ? receive(c, "GETRANGE") : Result<Reply>(present.error());
+    Result<Reply> value = present.ok() ? receive(c, "GETRANGE") : Result<Reply>(present.error());
     release(std::move(*conn));
     if (!value) return value.error();
     if (!*present) return make_error(ErrorCode::kNotFound, spec() + ": chunk " + to_hex(name) + " is missing");
