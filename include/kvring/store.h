@@ -147,9 +147,11 @@ struct StoreOptions {
   // window (max(32, min(context, W)) >= W) may run past it; one whose ring
   // is shorter than W stops at the context.
   std::int64_t context = 0;
-  // Extra rows of every sliding ring: a sequence can always be rolled back
-  // to any position within `slack` of the furthest it reached, and not
-  // before its last restore (truncate_sequence).
+  // Extra rows of every sliding ring, in [0, sliding_window]: a sequence
+  // can always be rolled back to any position within `slack` of the
+  // furthest it reached, and not before its last restore
+  // (truncate_sequence). An engine that drafts k tokens speculatively and
+  // may reject them all sets at least k.
   std::int64_t slack = 0;
   // Rows of one full-attention block: a power of two in [16, 65536]
   // (0: 256, or the smallest power of two from 16 that holds a full plane
