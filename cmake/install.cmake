@@ -3,7 +3,10 @@
 #   kvring::kvring   the store, the CPU backend and the CUDA backend where built
 #   kvring::pack     snapshots, packs and chunk stores (with kvring::kvring)
 #   kvring::handoff  the handoff (with kvring::pack)
-#   kvring::core     the store and the CPU backend alone
+#   kvring::core     what kvring::kvring is built on: configs, ring
+#                    arithmetic, footprints, f16, SHA-256 and the store's
+#                    shared code; it makes no store (make_store is
+#                    kvring::kvring's)
 # Static libraries of position-independent code, so an engine that is a
 # shared object (a Python extension) links them too; their private
 # dependencies (hiredis, UCX) are found again by kvringConfig.cmake, as this
@@ -28,7 +31,12 @@ endif()
 install(TARGETS ${kvring_exported} EXPORT kvringTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS kvring_tool RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(DIRECTORY include/kvring DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# cuda_store.h declares the CUDA backend, which a build without it lacks.
+if(TARGET kvring_cuda)
+  install(DIRECTORY include/kvring DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+else()
+  install(DIRECTORY include/kvring DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} PATTERN cuda_store.h EXCLUDE)
+endif()
 
 set(kvring_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvring)
 install(EXPORT kvringTargets NAMESPACE kvring:: DESTINATION ${kvring_cmake_dir})
@@ -89,12 +97,15 @@ if(KVRING_STATIC_DEPS)
 else()
   list(APPEND kvring_pc_requires libcrypto)
 endif()
-if(HIREDIS_FOUND)
-  list(APPEND kvring_pc_requires hiredis)
-endif()
-if(UCX_FOUND)
-  list(APPEND kvring_pc_requires ucx)
-endif()
+# hiredis and UCX are in no public header: their link flags only, not a
+# Requires that would hand their include folders (with headers such as
+# read.h and sds.h) to every engine's compile.
+foreach(dep HIREDIS UCX)
+  if(${dep}_FOUND)
+    list(JOIN ${dep}_LDFLAGS " " dep_flags)
+    string(APPEND kvring_pc_libs " ${dep_flags}")
+  endif()
+endforeach()
 if(TARGET kvring_cuda)
   string(APPEND kvring_pc_libs " -L${CUDAToolkit_LIBRARY_DIR} -lcudart_static -ldl -lrt")
 endif()

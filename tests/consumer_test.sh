@@ -29,11 +29,21 @@ grep -q "a at 6, draft at 4" "$work/readme.out"
 grep -q "pack of [0-9]* bytes restored: 3 layers equal" "$work/pack.out"
 test -f "$work/build/libengine_module.so"
 
-[ "$mode" = installed ] || exit 0
+if [ "$mode" = subdirectory ]; then
+  # kvring's own programs are left out of the engine's build.
+  left=$(find "$work/build/kvring" -type f -perm -u+x \( -name kvring -o -name 'kvring-*' \))
+  [ -z "$left" ] || { echo "built in the engine's build: $left" >&2; exit 1; }
+  exit 0
+fi
 # An engine built without CMake: the compiler and pkg-config alone.
 pc=$(find "$work/prefix" -name kvring.pc -path "*/pkgconfig/*")
 test -n "$pc"
 export PKG_CONFIG_PATH="$(dirname "$pc")"
+# The CUDA backend's header is installed with the backend only; the
+# dependencies' include folders stay out of an engine's compile.
+cuda_header=$(find "$work/prefix" -name cuda_store.h -path "*/kvring/*")
+if grep -q -- "-DKVRING_HAVE_CUDA=0" "$pc"; then test -z "$cuda_header"; else test -n "$cuda_header"; fi
+if pkg-config --cflags kvring | grep -q hiredis; then echo "kvring.pc hands out hiredis's include folder" >&2; exit 1; fi
 pkg_cxx() { quiet "${CXX:-c++}" -std=c++20 "$@" $(pkg-config --cflags --libs kvring); }
 pkg_cxx "$example" -o "$work/readme_pc"
 pkg_cxx "$src/tests/consumer/pack_round_trip.cc" -o "$work/pack_pc"

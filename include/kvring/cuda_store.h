@@ -26,6 +26,12 @@
 // This header needs no CUDA headers, so host-only code can include it.
 #pragma once
 
+// A build of kvring without its CUDA backend defines none of this
+// (backend.h's cuda_compiled() says which build an engine links).
+#if defined(KVRING_HAVE_CUDA) && !KVRING_HAVE_CUDA
+#error "kvring was built without its CUDA backend: include kvring/cuda_store.h only where KVRING_HAVE_CUDA is 1"
+#endif
+
 #include <cstdint>
 #include <memory>
 
