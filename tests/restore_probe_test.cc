@@ -103,6 +103,8 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   ASSERT_TRUE(fill_seq(**src, *sseq, 0, 150, 41).ok());  // rings wrapped, full planes over blocks
   auto snap = take_snapshot(**src, *sseq);
   ASSERT_TRUE(snap.ok());
+  for (std::int32_t t = 0; t < 150; ++t) snap->token_ids.push_back(t * 7 + 3);
+  snap->metadata = "the engine's own record";
   auto bytes = encode_pack(*snap, {.chunk_tokens = 32});
   ASSERT_TRUE(bytes.ok());
   auto pack = memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size()), "p.kvpack");
@@ -118,8 +120,11 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   };
   auto refused = [&](KvStore& t, const PackSource& from, ErrorCode code, const std::string& words) {
     const Image before = image(t);
-    auto r = restore_pack(from, {}, t);
+    Manifest untouched;
+    untouched.chunk_tokens = -7;
+    auto r = restore_pack(from, {}, t, &untouched);
     ASSERT_FALSE(r.ok()) << words;
+    EXPECT_EQ(untouched.chunk_tokens, -7) << "a refusal handed back a manifest";
     EXPECT_EQ(r.error().code, code) << r.error().to_string();
     EXPECT_NE(r.error().message.find(words), std::string::npos) << r.error().to_string();
     EXPECT_TRUE(image(t) == before) << "changed by: " << r.error().to_string();
@@ -128,8 +133,13 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   // Into a store with room: the rows of the snapshot, the neighbour as it was.
   auto roomy = make_target(2, 0);
   const Image neighbour = image(*roomy);
-  auto got = restore_pack(*pack, {}, *roomy);
+  Manifest manifest;
+  auto got = restore_pack(*pack, {}, *roomy, &manifest);
   ASSERT_TRUE(got.ok()) << got.error().to_string();
+  // The manifest it read, for the engine to resume from.
+  EXPECT_EQ(manifest.header.token_ids, snap->token_ids);
+  EXPECT_EQ(manifest.header.metadata, snap->metadata);
+  EXPECT_EQ(manifest.chunk_tokens, 32);
   auto back = take_snapshot(*roomy, *got);
   ASSERT_TRUE(back.ok());
   for (std::size_t l = 0; l < snap->planes.size(); ++l) {
@@ -210,8 +220,11 @@ TEST(RestoreProbe, APackThePoolCannotHoldIsRefusedUnread) {
   // With the block it lacks, the header passes and the pack restores.
   auto roomy = make_cache(*need);
   EXPECT_TRUE(check_restorable(*snap, roomy->store(), roomy->seq()).ok());
-  const Status st = restore_pack(*pack, {}, *roomy);
+  Manifest manifest;
+  const Status st = restore_pack(*pack, {}, *roomy, &manifest);
   ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(manifest.header.token_count, snap->token_count);
+  EXPECT_EQ(manifest.payload_bytes, static_cast<std::int64_t>(bytes->size()) - manifest.payload_offset);
   auto back = take_snapshot(*roomy);
   ASSERT_TRUE(back.ok());
   for (std::size_t l = 0; l < snap->planes.size(); ++l)

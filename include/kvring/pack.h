@@ -133,14 +133,19 @@ Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& opti
 // before any payload is read (check_restorable for the cache's sequence:
 // the geometry and rings, and the pool blocks its full planes take;
 // kResourceExhausted), every chunk is verified before the target is
-// touched, and on any error the target is left as it was.
-Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target);
+// touched, and on any error the target is left as it was. With `manifest`,
+// a success also hands back the pack's manifest (its header's token ids
+// and metadata, which an engine resumes from), read once.
+Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target,
+                    Manifest* manifest = nullptr);
 // Reads a pack into a new sequence of `target` (restore_new_sequence). The
 // manifest is checked before any payload is read: the geometry and rings
 // (check_restorable), a free slot, and the pool blocks the sequence takes
 // (blocks_to_restore; kResourceExhausted). Every chunk is verified before
 // the store is touched; on any error the store holds no new sequence.
-Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target);
+// `manifest` as above.
+Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target,
+                           Manifest* manifest = nullptr);
 
 struct VerifyReport {
   bool thin = false;            // the chunks were read from the store

@@ -794,7 +794,8 @@ Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& opti
   return read_pack(**src, options);
 }
 
-Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target) {
+Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target,
+                    Manifest* manifest) {
   auto m = read_manifest(source);
   if (!m) return m.error();
   // Another model's pack, or one whose full planes the pool cannot hold,
@@ -806,10 +807,13 @@ Status restore_pack(const PackSource& source, const ReadOptions& options, KvCach
   }
   Snapshot snapshot;
   KVRING_RETURN_IF_ERROR(read_rows(source, *m, options, snapshot));
-  return restore(snapshot, target);
+  KVRING_RETURN_IF_ERROR(restore(snapshot, target));
+  if (manifest) *manifest = std::move(*m);
+  return Status::Ok();
 }
 
-Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target) {
+Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target,
+                           Manifest* manifest) {
   auto m = read_manifest(source);
   if (!m) return m.error();
   auto named = [&](Error e) {
@@ -827,7 +831,9 @@ Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options,
                                 std::to_string(target.free_blocks()) + " free"));
   Snapshot snapshot;
   KVRING_RETURN_IF_ERROR(read_rows(source, *m, options, snapshot));
-  return restore_new_sequence(snapshot, target);
+  auto seq = restore_new_sequence(snapshot, target);
+  if (seq && manifest) *manifest = std::move(*m);
+  return seq;
 }
 
 Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* store) {
