@@ -1413,6 +1413,58 @@ TEST(Store, ViewsAreCheckedAndReadInPlace) {
 
 // Views whose enums hold no named value, and outputs that overlap what the
 // call reads, are refused and change nothing; out may be q itself.
+// An engine's fused projection [rows, q | k | v] is read in place through
+// column views of one row stride (host_view with a dtype and stride), and
+// an output written into a slice of a wider buffer: the stored rows and
+// the outputs are the bits of dense copies, and the columns around the
+// output slice are left alone.
+TEST(Store, AFusedProjectionIsReadThroughColumnViews) {
+  const ModelConfig c = small_config();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, rows = 37;
+  const std::int64_t fused = width + 2 * kv, out_stride = width + 5;
+  const std::vector<float> qkv = testing::random_floats(static_cast<std::size_t>(rows * fused), 71);
+  std::vector<float> q, k, v;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* row = qkv.data() + r * fused;
+    q.insert(q.end(), row, row + width);
+    k.insert(k.end(), row + width, row + width + kv);
+    v.insert(v.end(), row + width + kv, row + fused);
+  }
+  auto dense = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  auto fusedst = cpu_store(c, {.max_sequences = 1, .block_rows = 16});
+  const SeqId a = *dense->add_sequence(), b = *fusedst->add_sequence();
+  const float kPoison = -12345.0f;
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const SeqSpan da{a, 0, rows}, db{b, 0, rows};
+    std::vector<float> out(static_cast<std::size_t>(rows * width));
+    std::vector<float> wide(static_cast<std::size_t>(rows * out_stride), kPoison);
+    ASSERT_TRUE(dense->prefill(l, {&da, 1}, host_view(k.data(), rows, kv), host_view(v.data(), rows, kv),
+                               host_view(q.data(), rows, width), host_view(out.data(), rows, width)).ok());
+    const Status st = fusedst->prefill(
+        l, {&db, 1}, host_view(qkv.data() + width, DType::kF32, rows, kv, fused),
+        host_view(qkv.data() + width + kv, DType::kF32, rows, kv, fused),
+        host_view(qkv.data(), DType::kF32, rows, width, fused),
+        host_view(wide.data() + 2, DType::kF32, rows, width, out_stride));
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* got = wide.data() + r * out_stride;
+      EXPECT_EQ(got[0], kPoison);
+      EXPECT_EQ(got[1], kPoison);
+      EXPECT_EQ(std::memcmp(got + 2, out.data() + r * width, static_cast<std::size_t>(width) * 4), 0)
+          << "layer " << l << " row " << r;
+      for (std::int64_t e = 2 + width; e < out_stride; ++e) EXPECT_EQ(got[e], kPoison);
+    }
+    // The live rows: a sliding layer's ring holds the last of them.
+    const std::int64_t live = dense->ring(a, l)->len();
+    ASSERT_GT(live, 0);
+    std::vector<std::uint16_t> ka(static_cast<std::size_t>(live * kv)), va(ka.size()), kb(ka.size()), vb(ka.size());
+    ASSERT_TRUE(dense->read_rows(a, l, rows - live, live, ka.data(), va.data()).ok());
+    ASSERT_TRUE(fusedst->read_rows(b, l, rows - live, live, kb.data(), vb.data()).ok());
+    EXPECT_EQ(ka, kb);
+    EXPECT_EQ(va, vb);
+  }
+}
+
 TEST(Store, OddViewsAreRefused) {
   const ModelConfig c = small_config();
   auto s = cpu_store(c, {.max_sequences = 2, .block_rows = 16});

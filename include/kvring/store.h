@@ -90,6 +90,15 @@ ConstView host_view(const float* data, std::int64_t rows, std::int64_t cols);
 MutView host_view(float* data, std::int64_t rows, std::int64_t cols);
 ConstView device_view(const float* data, std::int64_t rows, std::int64_t cols);
 MutView device_view(float* data, std::int64_t rows, std::int64_t cols);
+// Views of any dtype and row stride: a column slice of a wider tensor (K
+// and V in an engine's fused QKV projection, say) is a view of its first
+// element with the tensor's row stride, in elements.
+ConstView host_view(const void* data, DType dtype, std::int64_t rows, std::int64_t cols,
+                    std::int64_t row_stride);
+MutView host_view(void* data, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride);
+ConstView device_view(const void* data, DType dtype, std::int64_t rows, std::int64_t cols,
+                      std::int64_t row_stride);
+MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride);
 
 // ---- Sequences ------------------------------------------------------------
 

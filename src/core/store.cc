@@ -52,6 +52,20 @@ ConstView device_view(const float* data, std::int64_t rows, std::int64_t cols) {
 MutView device_view(float* data, std::int64_t rows, std::int64_t cols) {
   return MutView{data, MemorySpace::kDevice, DType::kF32, rows, cols, cols};
 }
+ConstView host_view(const void* data, DType dtype, std::int64_t rows, std::int64_t cols,
+                    std::int64_t row_stride) {
+  return ConstView{data, MemorySpace::kHost, dtype, rows, cols, row_stride};
+}
+MutView host_view(void* data, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride) {
+  return MutView{data, MemorySpace::kHost, dtype, rows, cols, row_stride};
+}
+ConstView device_view(const void* data, DType dtype, std::int64_t rows, std::int64_t cols,
+                      std::int64_t row_stride) {
+  return ConstView{data, MemorySpace::kDevice, dtype, rows, cols, row_stride};
+}
+MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride) {
+  return MutView{data, MemorySpace::kDevice, dtype, rows, cols, row_stride};
+}
 
 namespace {
 
