@@ -27,12 +27,16 @@ namespace kvring::bench {
 // The file a results path names: a symbolic link is followed (a chain of
 // at most 40, as the kernel follows), so that a results file reached
 // through a link is written where the link points and the link stays.
-inline std::string output_target(const std::string& path) {
+// `*problem` is set where the chain is longer or a loop.
+inline std::string output_target(const std::string& path, std::string* problem) {
   std::filesystem::path p = path;
   std::error_code ec;
-  for (int hops = 0; hops < 40 && std::filesystem::is_symlink(p, ec); ++hops) {
+  for (int hops = 0; std::filesystem::is_symlink(p, ec); ++hops) {
     const std::filesystem::path to = std::filesystem::read_symlink(p, ec);
-    if (ec) break;
+    if (ec || hops == 40) {
+      *problem = path + ": too many levels of symbolic links, or one that cannot be read";
+      return "";
+    }
     p = to.is_absolute() ? to : p.parent_path() / to;
   }
   return p.string();
@@ -45,7 +49,11 @@ inline std::string output_target(const std::string& path) {
 inline std::string output_problem(const std::string& path) {
   struct stat st{};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return path + " exists and is not a regular file";
-  const std::string probe = output_target(path) + ".tmp-probe";
+  if (path.empty()) return "an empty path names no file";
+  std::string problem;
+  const std::string target = output_target(path, &problem);
+  if (!problem.empty()) return problem;
+  const std::string probe = target + ".tmp-probe";
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return "cannot create a file beside " + path + ": " + std::strerror(errno);
   ::close(fd);
@@ -57,7 +65,10 @@ inline std::string output_problem(const std::string& path) {
 // temporary beside it and a rename, so that a failed or interrupted run
 // leaves what was there before. "" on success, else why.
 inline std::string write_whole(const std::string& path, const std::string& text) {
-  const std::string target = output_target(path);
+  if (path.empty()) return "an empty path names no file";
+  std::string problem;
+  const std::string target = output_target(path, &problem);
+  if (!problem.empty()) return problem;
   const std::string tmp = target + ".tmp-" + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);

@@ -77,6 +77,41 @@ TEST_F(BenchIo, AResultsPathThatIsALinkIsWrittenThroughIt) {
   EXPECT_EQ(bench::write_whole((dir_ / "dangling.json").string(), "x"), "");
   EXPECT_TRUE(fs::is_symlink(dir_ / "dangling.json"));
   EXPECT_EQ(read(dir_ / "real" / "later.json"), "x");
+  // A relative link is read from its own folder, not the first link's.
+  fs::create_directories(dir_ / "real" / "deeper");
+  fs::create_symlink("../results.json", dir_ / "real" / "deeper" / "up.json");
+  fs::create_symlink("real/deeper/up.json", dir_ / "via.json");
+  EXPECT_EQ(bench::write_whole((dir_ / "via.json").string(), "{\"up\":1}\n"), "");
+  EXPECT_EQ(read(target), "{\"up\":1}\n");
+  EXPECT_TRUE(fs::is_symlink(dir_ / "via.json"));
+}
+
+TEST_F(BenchIo, ALinkLoopOrAChainPast40IsRefusedAndKept) {
+  fs::create_symlink("b.json", dir_ / "a.json");
+  fs::create_symlink("a.json", dir_ / "b.json");
+  for (const char* name : {"a.json", "b.json"}) {
+    const std::string path = (dir_ / name).string();
+    EXPECT_NE(bench::output_problem(path).find("too many levels"), std::string::npos);
+    EXPECT_NE(bench::write_whole(path, "x").find("too many levels"), std::string::npos);
+    EXPECT_TRUE(fs::is_symlink(path));
+  }
+  // 40 links resolve, as the kernel resolves them; 41 do not.
+  {
+    std::ofstream(dir_ / "f") << "real";
+  }
+  std::string prev = "f";
+  for (int i = 1; i <= 41; ++i) {
+    const std::string name = "l" + std::to_string(i);
+    fs::create_symlink(prev, dir_ / name);
+    prev = name;
+  }
+  EXPECT_EQ(bench::write_whole((dir_ / "l40").string(), "through 40"), "");
+  EXPECT_EQ(read(dir_ / "f"), "through 40");
+  EXPECT_NE(bench::write_whole((dir_ / "l41").string(), "x").find("too many levels"), std::string::npos);
+  EXPECT_EQ(read(dir_ / "f"), "through 40");
+  for (int i = 1; i <= 41; ++i) EXPECT_TRUE(fs::is_symlink(dir_ / ("l" + std::to_string(i))));
+  EXPECT_NE(bench::output_problem("").find("empty path"), std::string::npos);
+  EXPECT_NE(bench::write_whole("", "x").find("empty path"), std::string::npos);
 }
 
 TEST_F(BenchIo, APathThatCannotTakeAFileIsNamedAndLeftAsItWas) {
