@@ -211,8 +211,11 @@ TEST(RestoreProbe, APackThePoolCannotHoldIsRefusedUnread) {
   ASSERT_FALSE(header_says.ok());
   EXPECT_EQ(header_says.error().code, ErrorCode::kResourceExhausted) << header_says.to_string();
   for (const PackSource* from : {pack.get(), corrupted.get()}) {
-    const Status st = restore_pack(*from, {}, *short_cache);
+    Manifest untouched;
+    untouched.chunk_tokens = -7;
+    const Status st = restore_pack(*from, {}, *short_cache, &untouched);
     ASSERT_FALSE(st.ok());
+    EXPECT_EQ(untouched.chunk_tokens, -7) << "a refusal handed back a manifest";
     EXPECT_EQ(st.error().code, ErrorCode::kResourceExhausted) << st.to_string();
     EXPECT_EQ(st.error().message.rfind(from->name() + ": ", 0), 0u) << st.to_string();
     EXPECT_TRUE(image(store) == before) << "changed by: " << st.to_string();
