@@ -99,17 +99,18 @@ TEST_F(BenchIo, ALinkLoopOrAChainPast40IsRefusedAndKept) {
   {
     std::ofstream(dir_ / "f") << "real";
   }
-  std::string prev = "f";
-  for (int i = 1; i <= 41; ++i) {
-    const std::string name = "l" + std::to_string(i);
-    fs::create_symlink(prev, dir_ / name);
-    prev = name;
-  }
+  auto link = [](int i) {
+    std::string name = std::to_string(i);
+    name.insert(name.begin(), 'l');
+    return fs::path(name);
+  };
+  fs::create_symlink("f", dir_ / link(1));
+  for (int i = 2; i <= 41; ++i) fs::create_symlink(link(i - 1), dir_ / link(i));
   EXPECT_EQ(bench::write_whole((dir_ / "l40").string(), "through 40"), "");
   EXPECT_EQ(read(dir_ / "f"), "through 40");
   EXPECT_NE(bench::write_whole((dir_ / "l41").string(), "x").find("too many levels"), std::string::npos);
   EXPECT_EQ(read(dir_ / "f"), "through 40");
-  for (int i = 1; i <= 41; ++i) EXPECT_TRUE(fs::is_symlink(dir_ / ("l" + std::to_string(i))));
+  for (int i = 1; i <= 41; ++i) EXPECT_TRUE(fs::is_symlink(dir_ / link(i)));
   EXPECT_NE(bench::output_problem("").find("empty path"), std::string::npos);
   EXPECT_NE(bench::write_whole("", "x").find("empty path"), std::string::npos);
 }
