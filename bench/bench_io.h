@@ -27,8 +27,13 @@ namespace kvring::bench {
 // The file a results path names: a symbolic link is followed (a chain of
 // at most 40, as the kernel follows), so that a results file reached
 // through a link is written where the link points and the link stays.
-// `*problem` is set where the chain is longer or a loop.
+// `*problem` is set where the path is empty, or the chain is longer or a
+// loop.
 inline std::string output_target(const std::string& path, std::string* problem) {
+  if (path.empty()) {
+    *problem = "an empty path names no file";
+    return "";
+  }
   std::filesystem::path p = path;
   std::error_code ec;
   for (int hops = 0; std::filesystem::is_symlink(p, ec); ++hops) {
@@ -49,7 +54,6 @@ inline std::string output_target(const std::string& path, std::string* problem) 
 inline std::string output_problem(const std::string& path) {
   struct stat st{};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return path + " exists and is not a regular file";
-  if (path.empty()) return "an empty path names no file";
   std::string problem;
   const std::string target = output_target(path, &problem);
   if (!problem.empty()) return problem;
@@ -65,7 +69,6 @@ inline std::string output_problem(const std::string& path) {
 // temporary beside it and a rename, so that a failed or interrupted run
 // leaves what was there before. "" on success, else why.
 inline std::string write_whole(const std::string& path, const std::string& text) {
-  if (path.empty()) return "an empty path names no file";
   std::string problem;
   const std::string target = output_target(path, &problem);
   if (!problem.empty()) return problem;

@@ -367,17 +367,15 @@ Result<std::vector<std::int64_t>> install_order(const KvStore& target, SeqId seq
   return order;
 }
 
-// The checks of restore(header, target, seq) that the header decides:
-// the sequence, the geometry and rings (check_restorable), and the pool
-// (install_order). Each plane's ring is computed once, for the pool check
-// and the installs.
+// The checks of restore(header, target, seq) that the header decides
+// for a sequence the store holds: the geometry and rings
+// (check_restorable), and the pool (install_order). Each plane's ring is
+// computed once, for the pool check and the installs.
 struct RestorePlan {
   std::vector<Placement> placements;
   std::vector<std::int64_t> order;  // install_order's
 };
 Result<RestorePlan> plan_restore(const Snapshot& header, const KvStore& target, SeqId seq) {
-  if (!target.contains(seq))
-    return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
   KVRING_RETURN_IF_ERROR(check_restorable(header, target));
   RestorePlan plan;
   plan.placements.reserve(static_cast<std::size_t>(target.n_layers()));
@@ -392,16 +390,22 @@ Result<RestorePlan> plan_restore(const Snapshot& header, const KvStore& target, 
   return plan;
 }
 
+Status check_holds(const KvStore& target, SeqId seq) {
+  if (!target.contains(seq))
+    return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status check_restorable(const Snapshot& header, const KvStore& target, SeqId seq) {
+  KVRING_RETURN_IF_ERROR(check_holds(target, seq));
   auto plan = plan_restore(header, target, seq);
   return plan ? Status::Ok() : Status(plan.error());
 }
 
 Status restore(const Snapshot& snapshot, KvStore& target, SeqId seq) {
-  if (!target.contains(seq))
-    return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in the target store");
+  KVRING_RETURN_IF_ERROR(check_holds(target, seq));
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
   auto plan = plan_restore(snapshot, target, seq);
   if (!plan) return plan.error();
