@@ -77,6 +77,11 @@ struct Snapshot {
 // rollback slack, whatever forks and rollbacks the sequence went through.
 Result<Snapshot> take_snapshot(const KvStore& store, SeqId seq);
 Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& out);
+// The same without the rows (a header-only snapshot, as validate_snapshot's
+// header_only checks): the rings and sizes a snapshot or pack of the
+// sequence records (row_bytes()), its row buffers emptied, their memory
+// kept. On an error `out` holds no valid snapshot.
+Status take_snapshot_header(const KvStore& store, SeqId seq, Snapshot& out);
 // Leaves `s` no valid snapshot (validate_snapshot and restore refuse it:
 // token_count -1), its row buffers kept for reuse. What the calls that
 // fill a caller's snapshot do on an error.

@@ -218,7 +218,9 @@ Result<Snapshot> take_snapshot(const KvStore& store, SeqId seq) {
 
 namespace {
 
-Status take_into(const KvStore& store, SeqId seq, Snapshot& s) {
+// Everything but the rows; with `rows`, the row buffers sized for them
+// (else emptied, their memory kept).
+Status take_header(const KvStore& store, SeqId seq, Snapshot& s, bool rows) {
   s.token_ids.clear();
   s.metadata.clear();
   s.config = store.config();
@@ -251,13 +253,18 @@ Status take_into(const KvStore& store, SeqId seq, Snapshot& s) {
                                 " holds only [" + std::to_string(live->origin_logical()) + ", " +
                                 std::to_string(s.token_count) + ")");
       p.ring = *ring;
-      p.k.resize(static_cast<std::size_t>(p.ring.len() * kv_dim));
+      p.k.resize(rows ? static_cast<std::size_t>(p.ring.len() * kv_dim) : 0);
       p.v.resize(p.k.size());
     }
   } catch (const std::bad_alloc&) {
     return make_error(ErrorCode::kIOError, "out of host memory for a snapshot of " +
                                                std::to_string(s.token_count) + " positions");
   }
+  return Status::Ok();
+}
+
+Status take_into(const KvStore& store, SeqId seq, Snapshot& s) {
+  KVRING_RETURN_IF_ERROR(take_header(store, seq, s, /*rows=*/true));
   return for_each_layer(store.backend(), store.n_layers(), s.row_bytes(), [&](std::int64_t l) {
     PlaneSnapshot& p = s.planes[static_cast<std::size_t>(l)];
     return store.read_rows(seq, l, p.ring.origin_logical(), p.ring.len(), p.k.data(), p.v.data());
@@ -269,6 +276,12 @@ Status take_into(const KvStore& store, SeqId seq, Snapshot& s) {
 Status take_snapshot(const KvStore& store, SeqId seq, Snapshot& s) {
   Status st = take_into(store, seq, s);
   if (!st.ok()) invalidate_snapshot(s);
+  return st;
+}
+
+Status take_snapshot_header(const KvStore& store, SeqId seq, Snapshot& out) {
+  Status st = take_header(store, seq, out, /*rows=*/false);
+  if (!st.ok()) invalidate_snapshot(out);
   return st;
 }
 
