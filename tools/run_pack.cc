@@ -251,11 +251,7 @@ Result<std::string> save_sequence(const KvStore& kv, SeqId seq, const std::vecto
                                   const std::string& store_spec) {
   auto store = maybe_store(store_spec);
   if (!store) return store.error();
-  auto snapshot = take_snapshot(kv, seq);
-  if (!snapshot) return snapshot.error();
-  snapshot->token_ids = tokens;
-  snapshot->metadata = encode_run_record(record);
-  KVRING_RETURN_IF_ERROR(write_pack(*snapshot, path, {.store = store->get()}));
+  KVRING_RETURN_IF_ERROR(write_pack(kv, seq, path, tokens, encode_run_record(record), {.store = store->get()}));
   auto src = open_pack_file(path);
   if (!src) return src.error();
   auto m = read_manifest(**src);

@@ -114,6 +114,20 @@ Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& op
 // manifest's size, the destination) puts none there.
 Status write_pack(const Snapshot& snapshot, const std::string& path,
                   const WriteOptions& options = {});
+// The pack of a store's live sequence `seq`, with these token ids (empty,
+// or one a position) and metadata: the file write_pack of its snapshot
+// (take_snapshot, the same ids and metadata) writes, bit for bit, with
+// one plane's rows in host memory at a time instead of the sequence's.
+// The same refusals, before anything is written or put in a store, and
+// the store's own (the sequence unknown or detached: kNotFound). Reads
+// the sequence (read_rows), which must not change during the call.
+Status write_pack(const KvStore& store, SeqId seq, const std::string& path,
+                  const std::vector<std::int32_t>& token_ids, const std::string& metadata = {},
+                  const WriteOptions& options = {});
+// The same for a one-sequence cache.
+Status write_pack(const KvCache& cache, const std::string& path,
+                  const std::vector<std::int32_t>& token_ids, const std::string& metadata = {},
+                  const WriteOptions& options = {});
 // What write_pack would refuse about `path` itself, found before a session
 // is computed for it: anything there but a regular file, a directory that
 // is absent or not writable, a name too long for the temporary beside it.

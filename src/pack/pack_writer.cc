@@ -1,13 +1,17 @@
 // The kvpack writer: validate the snapshot, cut and hash the chunks on all
 // cores, build the manifest, then hand the bytes to a sink (a buffer, an
-// atomically written file, a chunk store plus a manifest file).
+// atomically written file, a chunk store plus a manifest file). The rows
+// come from a snapshot or, a plane at a time, from a store's sequence.
+#include <algorithm>
 #include <limits>
 #include <new>
 
 #include "coding.h"
 #include "cpu/parallel.h"
 #include "file_io.h"
+#include "kvring/cache.h"
 #include "kvring/pack.h"
+#include "kvring/store.h"
 #include "pack_common.h"
 
 namespace kvring {
@@ -19,6 +23,7 @@ using namespace pack_internal;
 struct PlannedChunk {
   std::int64_t layer = 0;
   ChunkRange range;
+  std::int64_t row = 0;  // of its first row in the plane's live rows
   std::int64_t byte_length = 0;
   std::int64_t offset = 0;  // in a self-contained pack
   ChunkData data;           // name and bytes
@@ -26,11 +31,80 @@ struct PlannedChunk {
 
 struct WritePlan {
   std::vector<PlannedChunk> chunks;
-  // Chunk bytes that are not views of the snapshot's rows (F32Le, or any
-  // encoding on a big-endian host).
+  // Layer l's chunks are chunks[first_chunk[l], first_chunk[l + 1]), its
+  // payload bytes [first_byte[l], first_byte[l + 1]).
+  std::vector<std::size_t> first_chunk;
+  std::vector<std::int64_t> first_byte;
+  // Chunk bytes that are not views of the rows (F32Le, or any encoding on
+  // a big-endian host), one group of layers at a time (RowSource).
   std::vector<std::uint8_t> encoded;
   bool views = false;
   std::int64_t payload_bytes = 0;
+};
+
+// Where a pack's rows come from: a snapshot's buffers, all resident, or a
+// store's sequence, a plane at a time into buffers reused for each.
+class RowSource {
+ public:
+  virtual ~RowSource() = default;
+  // The layers [first, group_end(first)) are readable together after one
+  // load(first); views of their rows last until the next load.
+  virtual std::int64_t group_end(std::int64_t first) const = 0;
+  virtual Status load(std::int64_t first) = 0;
+  virtual const std::uint16_t* k(std::int64_t layer) const = 0;
+  virtual const std::uint16_t* v(std::int64_t layer) const = 0;
+};
+
+class SnapshotRows final : public RowSource {
+ public:
+  explicit SnapshotRows(const Snapshot& s) : s_(s) {}
+  std::int64_t group_end(std::int64_t) const override {
+    return static_cast<std::int64_t>(s_.planes.size());
+  }
+  Status load(std::int64_t) override { return Status::Ok(); }
+  const std::uint16_t* k(std::int64_t layer) const override { return plane(layer).k.data(); }
+  const std::uint16_t* v(std::int64_t layer) const override { return plane(layer).v.data(); }
+
+ private:
+  const PlaneSnapshot& plane(std::int64_t layer) const {
+    return s_.planes[static_cast<std::size_t>(layer)];
+  }
+  const Snapshot& s_;
+};
+
+// One plane's rows in host memory at a time, however long the sequence.
+class StoreRows final : public RowSource {
+ public:
+  StoreRows(const KvStore& store, SeqId seq, const Snapshot& header)
+      : store_(store), seq_(seq), header_(header) {}
+  // Sizes the buffers for the longest plane, before anything is written.
+  Status reserve() {
+    std::int64_t most = 0;
+    for (const PlaneSnapshot& p : header_.planes) most = std::max(most, p.ring.len());
+    try {
+      k_.resize(static_cast<std::size_t>(most * header_.config.kv_dim()));
+      v_.resize(k_.size());
+    } catch (const std::bad_alloc&) {
+      return make_error(ErrorCode::kIOError, "out of host memory for a plane of " +
+                                                 std::to_string(most) + " rows");
+    }
+    return Status::Ok();
+  }
+  std::int64_t group_end(std::int64_t first) const override { return first + 1; }
+  Status load(std::int64_t layer) override {
+    const RingState& r = header_.planes[static_cast<std::size_t>(layer)].ring;
+    return store_.read_rows(seq_, layer, r.origin_logical(), r.len(), k_.data(), v_.data());
+  }
+  const std::uint16_t* k(std::int64_t) const override { return k_.data(); }
+  const std::uint16_t* v(std::int64_t) const override { return v_.data(); }
+
+ private:
+  const KvStore& store_;
+  SeqId seq_;
+  const Snapshot& header_;
+  // Plain pages: the buffers are touched once a save and reused for every
+  // plane, where huge pages cost more to fault in than they save.
+  std::vector<std::uint16_t> k_, v_;
 };
 
 Status check_options(const Snapshot& s, const WriteOptions& o) {
@@ -102,63 +176,75 @@ std::string build_manifest(const Snapshot& s, const WriteOptions& o,
   return m;
 }
 
-// Cuts the snapshot into chunks and sizes everything; the chunks' bytes and
-// names come later, from prepare_chunk, so that a file writer can hash and
-// write each chunk in one pass.
-Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o) {
-  KVRING_RETURN_IF_ERROR(validate_snapshot(s));
+// Cuts a snapshot that validate_snapshot accepts (header-only: `rows`
+// delivers the rows) into chunks and sizes everything; the chunks' bytes and names come later, from
+// prepare_chunk, so that a file writer can hash and write each chunk in
+// one pass.
+Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, const RowSource& rows) {
   KVRING_RETURN_IF_ERROR(check_options(s, o));
   const std::int64_t kv_dim = s.config.kv_dim();
+  const auto n_layers = static_cast<std::int64_t>(s.planes.size());
   WritePlan plan;
-  for (std::size_t l = 0; l < s.planes.size(); ++l) {
-    const RingState& r = s.planes[l].ring;
+  for (std::int64_t l = 0; l < n_layers; ++l) {
+    plan.first_chunk.push_back(plan.chunks.size());
+    plan.first_byte.push_back(plan.payload_bytes);
+    const RingState& r = s.planes[static_cast<std::size_t>(l)].ring;
     const std::int64_t n = count_chunks(r.origin_logical(), r.len(), o.chunk_tokens);
     for (std::int64_t j = 0; j < n; ++j) {
       PlannedChunk ch;
-      ch.layer = static_cast<std::int64_t>(l);
+      ch.layer = l;
       ch.range = chunk_range(r.origin_logical(), r.len(), o.chunk_tokens, j);
+      ch.row = ch.range.first_position - r.origin_logical();
       ch.byte_length = chunk_byte_length(ch.range.rows, kv_dim, o.encoding);
       ch.offset = plan.payload_bytes;
       plan.payload_bytes += ch.byte_length;
       plan.chunks.push_back(ch);
     }
   }
+  plan.first_chunk.push_back(plan.chunks.size());
+  plan.first_byte.push_back(plan.payload_bytes);
   if (plan.chunks.size() > std::numeric_limits<std::uint32_t>::max())
     return invalid_argument("a pack of " + std::to_string(plan.chunks.size()) +
                             " chunks exceeds the format's 2^32; raise chunk_tokens");
   // F16Le chunks on a little-endian host are views of the rows: K rows then V
-  // rows of one plane are two contiguous spans. Everything else is encoded.
+  // rows of one plane are two contiguous spans. Everything else is encoded,
+  // into a buffer of the largest group's bytes.
   plan.views = o.encoding == Encoding::kF16Le && kHostLittleEndian;
   if (!plan.views) {
+    std::int64_t most = 0;
+    for (std::int64_t first = 0, end = 0; first < n_layers; first = end) {
+      end = rows.group_end(first);
+      most = std::max(most, plan.first_byte[static_cast<std::size_t>(end)] -
+                                plan.first_byte[static_cast<std::size_t>(first)]);
+    }
     try {
-      plan.encoded.resize(static_cast<std::size_t>(plan.payload_bytes));
+      plan.encoded.resize(static_cast<std::size_t>(most));
     } catch (const std::bad_alloc&) {
-      return make_error(ErrorCode::kIOError, "out of host memory encoding " +
-                                                 std::to_string(plan.payload_bytes) +
+      return make_error(ErrorCode::kIOError, "out of host memory encoding " + std::to_string(most) +
                                                  " bytes of pack payload");
     }
   }
   return plan;
 }
 
-// Sets chunk i's bytes (views or encoded) and its name. Chunks are
-// independent: safe to run in parallel over i.
-void prepare_chunk(WritePlan& plan, const Snapshot& s, const WriteOptions& o, std::int64_t i) {
-  PlannedChunk& ch = plan.chunks[static_cast<std::size_t>(i)];
-  const std::int64_t kv_dim = s.config.kv_dim();
-  const PlaneSnapshot& p = s.planes[static_cast<std::size_t>(ch.layer)];
-  const std::int64_t first = (ch.range.first_position - p.ring.origin_logical()) * kv_dim;
+// Sets chunk i's bytes (views or encoded) and its name, its layer's rows
+// loaded and `base` the payload offset of its group's first byte. Chunks
+// are independent: safe to run in parallel over i.
+void prepare_chunk(WritePlan& plan, const RowSource& rows, std::int64_t kv_dim, Encoding encoding,
+                   std::int64_t base, std::size_t i) {
+  PlannedChunk& ch = plan.chunks[i];
+  const std::int64_t first = ch.row * kv_dim;
   const std::int64_t values = ch.range.rows * kv_dim;
   const std::int64_t half = ch.byte_length / 2;
   if (plan.views) {
-    ch.data.part1 = {reinterpret_cast<const std::uint8_t*>(p.k.data() + first),
+    ch.data.part1 = {reinterpret_cast<const std::uint8_t*>(rows.k(ch.layer) + first),
                      static_cast<std::size_t>(half)};
-    ch.data.part2 = {reinterpret_cast<const std::uint8_t*>(p.v.data() + first),
+    ch.data.part2 = {reinterpret_cast<const std::uint8_t*>(rows.v(ch.layer) + first),
                      static_cast<std::size_t>(half)};
   } else {
-    std::uint8_t* dst = plan.encoded.data() + ch.offset;
-    encode_values(o.encoding, p.k.data() + first, values, dst);
-    encode_values(o.encoding, p.v.data() + first, values, dst + half);
+    std::uint8_t* dst = plan.encoded.data() + (ch.offset - base);
+    encode_values(encoding, rows.k(ch.layer) + first, values, dst);
+    encode_values(encoding, rows.v(ch.layer) + first, values, dst + half);
     ch.data.part1 = {dst, static_cast<std::size_t>(ch.byte_length)};
   }
   Sha256 h;
@@ -167,9 +253,31 @@ void prepare_chunk(WritePlan& plan, const Snapshot& s, const WriteOptions& o, st
   ch.data.name = h.finish();
 }
 
-void prepare_all(WritePlan& plan, const Snapshot& s, const WriteOptions& o) {
-  cpu::parallel_for(static_cast<std::int64_t>(plan.chunks.size()), plan.payload_bytes,
-                    [&](std::int64_t i) { prepare_chunk(plan, s, o, i); });
+// Sets every chunk's bytes and name a group of layers at a time (all
+// cores), calling `each(i)` on chunk i as soon as it is set and
+// `group_done(from, to)` after each group, while the group's views are
+// valid. The first error in chunk order stops it.
+Status for_each_chunk(WritePlan& plan, RowSource& rows, std::int64_t kv_dim, Encoding encoding,
+                      const std::function<Status(std::size_t)>& each,
+                      const std::function<Status(std::size_t, std::size_t)>& group_done) {
+  const auto n_layers = static_cast<std::int64_t>(plan.first_chunk.size()) - 1;
+  for (std::int64_t first = 0, end = 0; first < n_layers; first = end) {
+    end = rows.group_end(first);
+    KVRING_RETURN_IF_ERROR(rows.load(first));
+    const std::size_t from = plan.first_chunk[static_cast<std::size_t>(first)];
+    const std::size_t to = plan.first_chunk[static_cast<std::size_t>(end)];
+    const std::int64_t base = plan.first_byte[static_cast<std::size_t>(first)];
+    std::vector<Status> status(to - from);
+    cpu::parallel_for(static_cast<std::int64_t>(to - from),
+                      plan.first_byte[static_cast<std::size_t>(end)] - base, [&](std::int64_t j) {
+      const std::size_t i = from + static_cast<std::size_t>(j);
+      prepare_chunk(plan, rows, kv_dim, encoding, base, i);
+      if (each) status[static_cast<std::size_t>(j)] = each(i);
+    });
+    KVRING_RETURN_IF_ERROR(first_error(status));
+    if (group_done) KVRING_RETURN_IF_ERROR(group_done(from, to));
+  }
+  return Status::Ok();
 }
 
 // Preamble, manifest and manifest digest. Its size does not depend on the
@@ -192,10 +300,10 @@ Result<std::string> build_head(const Snapshot& s, const WriteOptions& o, const W
   return head;
 }
 
-std::vector<ChunkData> chunk_data(const WritePlan& plan) {
+std::vector<ChunkData> chunk_data(const WritePlan& plan, std::size_t from, std::size_t to) {
   std::vector<ChunkData> out;
-  out.reserve(plan.chunks.size());
-  for (const PlannedChunk& ch : plan.chunks) out.push_back(ch.data);
+  out.reserve(to - from);
+  for (std::size_t i = from; i < to; ++i) out.push_back(plan.chunks[i].data);
   return out;
 }
 
@@ -203,17 +311,66 @@ std::span<const std::uint8_t> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::uint8_t*>(s.data()), s.size()};
 }
 
+// The file of a planned pack; the snapshot's rows come from `rows`.
+Status write_planned(const Snapshot& s, WritePlan& plan, RowSource& rows, const std::string& path,
+                     const WriteOptions& options) {
+  const std::int64_t kv_dim = s.config.kv_dim();
+  const bool thin = options.store != nullptr;
+  // The head's size does not depend on the chunk names: whatever refuses
+  // the input (the manifest's size, then the destination) refuses it
+  // before a chunk is hashed, written or put in a store.
+  auto sized = build_head(s, options, plan, thin);
+  if (!sized) return sized.error();
+  const auto base = static_cast<std::int64_t>(sized->size());
+  auto file = pack_internal::AtomicFile::create(path, options.io);
+  if (!file) return file.error();
+  if (thin) {
+    // A thin pack's manifest must never name a chunk the store lacks: the
+    // chunks are durable before the manifest file exists (the commit's
+    // rename).
+    KVRING_RETURN_IF_ERROR(for_each_chunk(plan, rows, kv_dim, options.encoding, nullptr,
+                                          [&](std::size_t from, std::size_t to) {
+      return options.store->put(chunk_data(plan, from, to));
+    }));
+  } else {
+    // Self-contained: each chunk is hashed and written in one pass; the
+    // head, which holds the names, is written last.
+    KVRING_RETURN_IF_ERROR(for_each_chunk(plan, rows, kv_dim, options.encoding,
+                                          [&](std::size_t i) {
+      const PlannedChunk& ch = plan.chunks[i];
+      Status st = (*file)->write_at(base + ch.offset, ch.data.part1);
+      if (st.ok() && !ch.data.part2.empty())
+        st = (*file)->write_at(base + ch.offset + static_cast<std::int64_t>(ch.data.part1.size()),
+                               ch.data.part2);
+      return st;
+    }, nullptr));
+  }
+  auto head = build_head(s, options, plan, thin);
+  if (!head) return head.error();
+  // Invariant: fixed-width records, so the names do not change the size.
+  if (static_cast<std::int64_t>(head->size()) != base)
+    return make_error(ErrorCode::kInternal, "pack head changed size while naming its chunks");
+  KVRING_RETURN_IF_ERROR((*file)->write_at(0, bytes_of(*head)));
+  return (*file)->commit();
+}
+
 }  // namespace
 
 Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& options) {
-  const bool thin = options.store != nullptr;
-  auto plan = plan_pack(snapshot, options);
+  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
+  SnapshotRows rows(snapshot);
+  auto plan = plan_pack(snapshot, options, rows);
   if (!plan) return plan.error();
-  prepare_all(*plan, snapshot, options);
+  const bool thin = options.store != nullptr;
   auto head = build_head(snapshot, options, *plan, thin);
   if (!head) return head.error();
+  // One group: every chunk's views stay valid to the end.
+  KVRING_RETURN_IF_ERROR(for_each_chunk(*plan, rows, snapshot.config.kv_dim(), options.encoding,
+                                        nullptr, nullptr));
+  head = build_head(snapshot, options, *plan, thin);
+  if (!head) return head.error();
   if (thin) {
-    KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan)));
+    KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan, 0, plan->chunks.size())));
     return std::move(*head);
   }
   std::string out = std::move(*head);
@@ -226,55 +383,36 @@ Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& op
 }
 
 Status write_pack(const Snapshot& snapshot, const std::string& path, const WriteOptions& options) {
-  const bool thin = options.store != nullptr;
-  auto plan = plan_pack(snapshot, options);
+  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
+  SnapshotRows rows(snapshot);
+  auto plan = plan_pack(snapshot, options, rows);
   if (!plan) return plan.error();
-  if (thin) {
-    // A thin pack's manifest must never name a chunk the store lacks: the
-    // chunks are durable before the manifest file exists (the commit's
-    // rename). Whatever refuses the input (the manifest's size, the
-    // destination) refuses it first, so a refused write puts nothing in
-    // the store.
-    auto sized = build_head(snapshot, options, *plan, thin);
-    if (!sized) return sized.error();
-    auto file = pack_internal::AtomicFile::create(path, options.io);
-    if (!file) return file.error();
-    prepare_all(*plan, snapshot, options);
-    KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan)));
-    auto head = build_head(snapshot, options, *plan, thin);
-    if (!head) return head.error();
-    if (head->size() != sized->size())
-      return make_error(ErrorCode::kInternal, "pack head changed size while naming its chunks");
-    KVRING_RETURN_IF_ERROR((*file)->write_at(0, bytes_of(*head)));
-    return (*file)->commit();
+  return write_planned(snapshot, *plan, rows, path, options);
+}
+
+Status write_pack(const KvStore& store, SeqId seq, const std::string& path,
+                  const std::vector<std::int32_t>& token_ids, const std::string& metadata,
+                  const WriteOptions& options) {
+  Snapshot header;
+  KVRING_RETURN_IF_ERROR(take_snapshot_header(store, seq, header));
+  try {
+    header.token_ids = token_ids;
+    header.metadata = metadata;
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, "out of host memory for the pack's token ids and metadata");
   }
-  // Self-contained: the head's size is known before the names, so each
-  // chunk is hashed and written in one pass on all cores; the head, which
-  // holds the names, is written last.
-  auto sized = build_head(snapshot, options, *plan, thin);
-  if (!sized) return sized.error();
-  const auto base = static_cast<std::int64_t>(sized->size());
-  auto file = pack_internal::AtomicFile::create(path, options.io);
-  if (!file) return file.error();
-  std::vector<Status> status(plan->chunks.size());
-  cpu::parallel_for(static_cast<std::int64_t>(plan->chunks.size()), plan->payload_bytes,
-                    [&](std::int64_t i) {
-    prepare_chunk(*plan, snapshot, options, i);
-    const PlannedChunk& ch = plan->chunks[static_cast<std::size_t>(i)];
-    Status s = (*file)->write_at(base + ch.offset, ch.data.part1);
-    if (s.ok() && !ch.data.part2.empty())
-      s = (*file)->write_at(base + ch.offset + static_cast<std::int64_t>(ch.data.part1.size()),
-                            ch.data.part2);
-    status[static_cast<std::size_t>(i)] = s;
-  });
-  KVRING_RETURN_IF_ERROR(pack_internal::first_error(status));
-  auto head = build_head(snapshot, options, *plan, thin);
-  if (!head) return head.error();
-  // Invariant: fixed-width records, so the names do not change the size.
-  if (static_cast<std::int64_t>(head->size()) != base)
-    return make_error(ErrorCode::kInternal, "pack head changed size while naming its chunks");
-  KVRING_RETURN_IF_ERROR((*file)->write_at(0, bytes_of(*head)));
-  return (*file)->commit();
+  KVRING_RETURN_IF_ERROR(validate_snapshot(header, /*header_only=*/true));
+  StoreRows rows(store, seq, header);
+  auto plan = plan_pack(header, options, rows);
+  if (!plan) return plan.error();
+  KVRING_RETURN_IF_ERROR(rows.reserve());
+  return write_planned(header, *plan, rows, path, options);
+}
+
+Status write_pack(const KvCache& cache, const std::string& path,
+                  const std::vector<std::int32_t>& token_ids, const std::string& metadata,
+                  const WriteOptions& options) {
+  return write_pack(cache.store(), cache.seq(), path, token_ids, metadata, options);
 }
 
 Status check_pack_destination(const std::string& path) {
