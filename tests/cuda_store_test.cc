@@ -7,13 +7,16 @@
 
 #include <cuda.h>
 
+#include <cstdio>
 #include <cstring>
+#include <unistd.h>
 
 #include "cuda/allocation.h"
 #include "cuda/testing.h"
 #include "cuda_test_util.h"
 #include "kvring/backend.h"
 #include "kvring/cache.h"
+#include "kvring/pack.h"
 
 namespace kvring {
 namespace {
@@ -421,6 +424,58 @@ TEST(CudaStore, SnapshotsRoundTripAfterWraps) {
     EXPECT_EQ(k, k2);
     EXPECT_EQ(v, v2);
   }
+}
+
+// A pack written from a CUDA store's sequence, a plane at a time, is the
+// file the same history gives on the CPU backend, and restores there.
+TEST(CudaStore, APackOfASequenceIsTheCpuBackendsPack) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = config();
+  char dir_template[] = "/tmp/kvring-cuda-pack-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  auto gpu = testing::new_store(BackendKind::kCuda, c, options());
+  auto cpu = testing::new_store(BackendKind::kCpu, c, options());
+  const auto ig = testing::add_with_churn(*gpu, 2, 17);
+  const auto ic = testing::add_with_churn(*cpu, 2, 18);
+  const std::vector<testing::SeqInputs> in = {testing::seq_inputs(c, 150, 43), testing::seq_inputs(c, 9, 44)};
+  const auto plan = testing::random_plan(in, 5, 40);
+  testing::Outputs og, oc;
+  testing::run_plan(*gpu, ig, in, plan, og);
+  testing::run_plan(*cpu, ic, in, plan, oc);
+  const std::vector<std::int32_t> ids(150, 7);
+  for (std::size_t i = 0; i < ig.size(); ++i) {
+    SCOPED_TRACE("sequence " + std::to_string(i));
+    const std::vector<std::int32_t> seq_ids(ids.begin(), ids.begin() + in[i].len);
+    for (const Encoding enc : {Encoding::kF16Le, Encoding::kF32Le}) {
+      const WriteOptions o{.encoding = enc, .chunk_tokens = 16};
+      const Status wg = write_pack(*gpu, ig[i], dir + "/gpu.kvpack", seq_ids, "m", o);
+      ASSERT_TRUE(wg.ok()) << wg.to_string();
+      ASSERT_TRUE(write_pack(*cpu, ic[i], dir + "/cpu.kvpack", seq_ids, "m", o).ok());
+      const auto bytes = [](const std::string& path) {
+        auto src = open_pack_file(path);
+        EXPECT_TRUE(src.ok());
+        std::vector<std::uint8_t> out(src.ok() ? static_cast<std::size_t>((*src)->size()) : 0);
+        if (src.ok()) {
+          EXPECT_TRUE((*src)->read_at(0, (*src)->size(), out.data()).ok());
+        }
+        return out;
+      };
+      const auto want = bytes(dir + "/cpu.kvpack");
+      ASSERT_FALSE(want.empty());
+      EXPECT_TRUE(bytes(dir + "/gpu.kvpack") == want);
+      // Restored on the CPU backend, the sequence writes the same pack.
+      auto src = open_pack_file(dir + "/gpu.kvpack");
+      ASSERT_TRUE(src.ok());
+      auto back = restore_pack(**src, {}, *cpu);
+      ASSERT_TRUE(back.ok()) << back.error().to_string();
+      ASSERT_TRUE(write_pack(*cpu, *back, dir + "/back.kvpack", seq_ids, "m", o).ok());
+      EXPECT_TRUE(bytes(dir + "/back.kvpack") == want);
+      ASSERT_TRUE(cpu->remove_sequence(*back).ok());
+    }
+  }
+  for (const char* name : {"/gpu.kvpack", "/cpu.kvpack", "/back.kvpack"}) std::remove((dir + name).c_str());
+  ::rmdir(dir.c_str());
 }
 
 // The scratch of a prefill call (its chunk's f16 rows) stays with the
