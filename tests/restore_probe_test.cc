@@ -124,6 +124,14 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
     untouched.chunk_tokens = -7;
     auto r = restore_pack(from, {}, t, &untouched);
     ASSERT_FALSE(r.ok()) << words;
+    // A refusal the header decides is check_restorable_as_new's, the same.
+    if (code != ErrorCode::kCorruption) {
+      auto m = read_manifest(from);
+      ASSERT_TRUE(m.ok());
+      const Status header_only = check_restorable_as_new(m->header, t);
+      ASSERT_FALSE(header_only.ok());
+      EXPECT_EQ(from.name() + ": " + header_only.error().message, r.error().message);
+    }
     EXPECT_EQ(untouched.chunk_tokens, -7) << "a refusal handed back a manifest";
     EXPECT_EQ(r.error().code, code) << r.error().to_string();
     EXPECT_NE(r.error().message.find(words), std::string::npos) << r.error().to_string();
@@ -132,6 +140,7 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
 
   // Into a store with room: the rows of the snapshot, the neighbour as it was.
   auto roomy = make_target(2, 0);
+  EXPECT_TRUE(check_restorable_as_new(*snap, *roomy).ok());
   const Image neighbour = image(*roomy);
   Manifest manifest;
   auto got = restore_pack(*pack, {}, *roomy, &manifest);
@@ -155,7 +164,10 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   ASSERT_TRUE(need.ok());
   ASSERT_GT(*need, 0);
   const std::int64_t held = *sized->blocks_held(sized->sequences()[0]);
-  refused(*make_target(2, held + *need - 1), *pack, ErrorCode::kResourceExhausted, "pool blocks");
+  refused(*make_target(2, held + *need - 1), *pack, ErrorCode::kResourceExhausted,
+          "need " + std::to_string(*need) + " new blocks of 16 rows; the target's pool has " +
+              std::to_string(*need - 1) + " free");
+  EXPECT_TRUE(check_restorable_as_new(*snap, *make_target(2, held + *need)).ok());
   // Another geometry.
   auto wider = make_store(BackendKind::kCpu, testing::small_config(64, 256, 8), {.max_sequences = 2, .context = 256});
   ASSERT_TRUE(wider.ok());

@@ -821,14 +821,7 @@ Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options,
     return e;
   };
   // Refusals that the header decides come before any payload is read.
-  auto blocks = blocks_to_restore(m->header, target);
-  if (!blocks) return named(blocks.error());
-  if (target.free_slots() == 0)
-    return named(make_error(ErrorCode::kResourceExhausted, "the store has no free sequence slot"));
-  if (*blocks > target.free_blocks())
-    return named(make_error(ErrorCode::kResourceExhausted,
-                            "the sequence takes " + std::to_string(*blocks) + " pool blocks, the store has " +
-                                std::to_string(target.free_blocks()) + " free"));
+  if (Status s = check_restorable_as_new(m->header, target); !s.ok()) return named(s.error());
   Snapshot snapshot;
   KVRING_RETURN_IF_ERROR(read_rows(source, *m, options, snapshot));
   auto seq = restore_new_sequence(snapshot, target);

@@ -470,18 +470,25 @@ Result<std::int64_t> blocks_to_restore(const Snapshot& header, const KvStore& ta
   return need;
 }
 
-Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
-  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
-  // Checked before the sequence is added, so a refusal leaves even the next
-  // handle as it was.
-  auto blocks = blocks_to_restore(snapshot, target);
+Status check_restorable_as_new(const Snapshot& header, const KvStore& target) {
+  auto blocks = blocks_to_restore(header, target);
   if (!blocks) return blocks.error();
+  if (target.free_slots() == 0)
+    return make_error(ErrorCode::kResourceExhausted, "the store has no free sequence slot");
   const std::int64_t need = *blocks, block_rows = target.options().block_rows;
   if (need > target.free_blocks())
     return make_error(ErrorCode::kResourceExhausted,
                       "the snapshot's full planes need " + std::to_string(need) + " new blocks of " +
                           std::to_string(block_rows) + " rows; the target's pool has " +
                           std::to_string(target.free_blocks()) + " free");
+  return Status::Ok();
+}
+
+Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
+  KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
+  // Checked before the sequence is added, so a refusal leaves even the next
+  // handle as it was.
+  KVRING_RETURN_IF_ERROR(check_restorable_as_new(snapshot, target));
   auto seq = target.add_sequence();
   if (!seq) return seq.error();
   if (Status s = restore(snapshot, target, *seq); !s.ok()) {
