@@ -10,8 +10,13 @@
 # Static libraries of position-independent code, so an engine that is a
 # shared object (a Python extension) links them too; their private
 # dependencies (hiredis, UCX) are found again by kvringConfig.cmake, as this
-# build found them. Installed when KVRING_INSTALL is on (the default for the
-# top-level project, not for add_subdirectory).
+# build found them. They are compiled with hidden visibility, so such a
+# shared object exports none of kvring's symbols (nor those of the
+# nlohmann-json code kvring compiles in), only the engine's own. Every
+# kvring library is STATIC whatever BUILD_SHARED_LIBS says, so a hidden
+# symbol is always resolved inside the binary that links it. Installed
+# when KVRING_INSTALL is on (the default for the top-level project, not
+# for add_subdirectory).
 include(CMakePackageConfigHelpers)
 
 set(kvring_exported kvring_core kvring kvring_pack kvring_handoff)
@@ -20,7 +25,8 @@ if(TARGET kvring_cuda)
 endif()
 foreach(target IN LISTS kvring_exported)
   string(REGEX REPLACE "^kvring_" "" name ${target})
-  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} POSITION_INDEPENDENT_CODE ON)
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} POSITION_INDEPENDENT_CODE ON
+    CXX_VISIBILITY_PRESET hidden CUDA_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
   add_library(kvring::${name} ALIAS ${target})
 endforeach()
 

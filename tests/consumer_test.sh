@@ -9,6 +9,14 @@ set -euo pipefail
 mode=$1 src=$2 build=$3 work=$4 example=$5 generator=$6
 # A step's output is shown only when it fails.
 quiet() { "$@" >"$work/step.log" 2>&1 || { cat "$work/step.log" >&2; return 1; }; }
+# A shared object that links kvring's static libraries exports its own
+# symbols only (engine_module.cc's entry point): none of kvring's, nor of the
+# nlohmann-json code kvring compiles in.
+own_exports_only() {
+  nm -DC --defined-only "$1" >"$work/exports"
+  grep -q engine_module_free_blocks "$work/exports"
+  if grep -E 'kvring|nlohmann' "$work/exports" >&2; then echo "$1 exports the lines above" >&2; return 1; fi
+}
 rm -rf "$work"
 mkdir -p "$work"
 args=(-G "$generator" -DCMAKE_BUILD_TYPE=Release -DREADME_EXAMPLE="$example")
@@ -27,7 +35,7 @@ quiet cmake --build "$work/build" -j"$(nproc)"
 grep -q "a at 6, draft at 4" "$work/readme.out"
 "$work/build/pack_round_trip" | tee "$work/pack.out"
 grep -q "pack of [0-9]* bytes restored: 3 layers equal" "$work/pack.out"
-test -f "$work/build/libengine_module.so"
+own_exports_only "$work/build/libengine_module.so"
 
 if [ "$mode" = subdirectory ]; then
   # kvring's own programs are left out of the engine's build.
@@ -47,7 +55,8 @@ if pkg-config --cflags kvring | grep -q hiredis; then echo "kvring.pc hands out 
 pkg_cxx() { quiet "${CXX:-c++}" -std=c++20 "$@" $(pkg-config --cflags --libs kvring); }
 pkg_cxx "$example" -o "$work/readme_pc"
 pkg_cxx "$src/tests/consumer/pack_round_trip.cc" -o "$work/pack_pc"
-pkg_cxx -shared -fPIC "$src/tests/consumer/engine_module.cc" -o "$work/libengine_module_pc.so"
+pkg_cxx -shared -fPIC -fvisibility=hidden -fvisibility-inlines-hidden "$src/tests/consumer/engine_module.cc" \
+  -o "$work/libengine_module_pc.so"
 "$work/readme_pc" | grep "a at 6, draft at 4"
 "$work/pack_pc" | grep "pack of [0-9]* bytes restored: 3 layers equal"
-test -f "$work/libengine_module_pc.so"
+own_exports_only "$work/libengine_module_pc.so"
