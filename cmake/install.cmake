@@ -105,16 +105,41 @@ else()
 endif()
 # hiredis and UCX are in no public header: their link flags only, not a
 # Requires that would hand their include folders (with headers such as
-# read.h and sds.h) to every engine's compile.
+# read.h and sds.h) to every engine's compile. They stay in Libs, not
+# Libs.private: the libraries are static, and `pkg-config --libs` without
+# --static leaves Libs.private out.
+set(kvring_pc_dep_flags "")
 foreach(dep HIREDIS UCX)
   if(${dep}_FOUND)
-    list(JOIN ${dep}_LDFLAGS " " dep_flags)
-    string(APPEND kvring_pc_libs " ${dep_flags}")
+    list(APPEND kvring_pc_dep_flags ${${dep}_LDFLAGS})
   endif()
 endforeach()
 if(TARGET kvring_cuda)
-  string(APPEND kvring_pc_libs " -L${CUDAToolkit_LIBRARY_DIR} -lcudart_static -ldl -lrt")
+  list(APPEND kvring_pc_dep_flags -L${CUDAToolkit_LIBRARY_DIR} -lcudart_static -ldl -lrt)
 endif()
+# A -L for a directory the linker searches by default is left out, so the
+# file names no folder of this machine where the libraries are the
+# system's: /lib and /usr/lib, with their multiarch folders, and the
+# compiler's implicit link directories. An implicit directory that came
+# from LIBRARY_PATH is this shell's, not the system's, and keeps its -L.
+set(kvring_pc_system_dirs ${CMAKE_CXX_IMPLICIT_LINK_DIRECTORIES})
+string(REPLACE ":" ";" kvring_library_path "$ENV{LIBRARY_PATH}")
+foreach(dir IN LISTS kvring_library_path)
+  string(REGEX REPLACE "(.)/+$" "\\1" dir "${dir}")
+  list(REMOVE_ITEM kvring_pc_system_dirs "${dir}")
+endforeach()
+foreach(dir /lib /usr/lib)
+  list(APPEND kvring_pc_system_dirs ${dir})
+  if(CMAKE_LIBRARY_ARCHITECTURE)
+    list(APPEND kvring_pc_system_dirs ${dir}/${CMAKE_LIBRARY_ARCHITECTURE})
+  endif()
+endforeach()
+foreach(flag IN LISTS kvring_pc_dep_flags)
+  if(flag MATCHES "^-L(.*[^/])/*$" AND CMAKE_MATCH_1 IN_LIST kvring_pc_system_dirs)
+    continue()
+  endif()
+  string(APPEND kvring_pc_libs " ${flag}")
+endforeach()
 string(APPEND kvring_pc_libs " -pthread")
 list(JOIN kvring_pc_requires ", " kvring_pc_requires)
 configure_file(cmake/kvring.pc.in ${CMAKE_CURRENT_BINARY_DIR}/kvring.pc @ONLY)

@@ -52,6 +52,12 @@ export PKG_CONFIG_PATH="$(dirname "$pc")"
 cuda_header=$(find "$work/prefix" -name cuda_store.h -path "*/kvring/*")
 if grep -q -- "-DKVRING_HAVE_CUDA=0" "$pc"; then test -z "$cuda_header"; else test -n "$cuda_header"; fi
 if pkg-config --cflags kvring | grep -q hiredis; then echo "kvring.pc hands out hiredis's include folder" >&2; exit 1; fi
+# Libs names no folder the linker searches by default.
+libs="$(grep '^Libs:' "$pc") "
+multiarch=$("${CXX:-c++}" -print-multiarch 2>/dev/null || true)
+for dir in /lib /usr/lib ${multiarch:+/lib/$multiarch /usr/lib/$multiarch}; do
+  case $libs in *" -L$dir "* | *" -L$dir/ "*) echo "kvring.pc: Libs names $dir" >&2; exit 1 ;; esac
+done
 pkg_cxx() { quiet "${CXX:-c++}" -std=c++20 "$@" $(pkg-config --cflags --libs kvring); }
 pkg_cxx "$example" -o "$work/readme_pc"
 pkg_cxx "$src/tests/consumer/pack_round_trip.cc" -o "$work/pack_pc"
