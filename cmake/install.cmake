@@ -9,14 +9,15 @@
 #                    kvring::kvring's)
 # Static libraries of position-independent code, so an engine that is a
 # shared object (a Python extension) links them too; their private
-# dependencies (hiredis, UCX) are found again by kvringConfig.cmake, as this
-# build found them. They are compiled with hidden visibility, so such a
-# shared object exports none of kvring's symbols (nor those of the
-# nlohmann-json code kvring compiles in), only the engine's own. Every
-# kvring library is STATIC whatever BUILD_SHARED_LIBS says, so a hidden
-# symbol is always resolved inside the binary that links it. Installed
-# when KVRING_INSTALL is on (the default for the top-level project, not
-# for add_subdirectory).
+# dependencies (hiredis for kvring::pack, UCX for kvring::handoff) are found
+# again by kvringConfig.cmake, as this build found them, for the components
+# an engine asks for (find_package(kvring COMPONENTS kvring) needs neither).
+# They are compiled with hidden visibility, so such a shared object exports
+# none of kvring's symbols (nor those of the nlohmann-json code kvring
+# compiles in), only the engine's own. Every kvring library is STATIC
+# whatever BUILD_SHARED_LIBS says, so a hidden symbol is always resolved
+# inside the binary that links it. Installed when KVRING_INSTALL is on (the
+# default for the top-level project, not for add_subdirectory).
 include(CMakePackageConfigHelpers)
 
 set(kvring_exported kvring_core kvring kvring_pack kvring_handoff)
@@ -34,8 +35,24 @@ if(NOT KVRING_INSTALL)
   return()
 endif()
 
-install(TARGETS ${kvring_exported} EXPORT kvringTargets
-        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+# One export set for each component of find_package(kvring): kvringTargets
+# (core, kvring and cuda, which need only OpenSSL, Threads and the CUDA
+# runtime), kvringPackTargets (pack) and kvringHandoffTargets (handoff).
+# kvringConfig.cmake loads a component's file only once that component's
+# dependencies are found, so an engine that asks for kvring::kvring alone
+# never meets the PkgConfig::HIREDIS and PkgConfig::UCX that pack and
+# handoff link. (No file is named kvringTargets-<name>.cmake: the
+# kvringTargets.cmake CMake writes loads every such file as a build
+# configuration's.)
+set(kvring_core_set ${kvring_exported})
+list(REMOVE_ITEM kvring_core_set kvring_pack kvring_handoff)
+install(TARGETS ${kvring_core_set} EXPORT kvringTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+install(TARGETS kvring_pack EXPORT kvringPackTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+install(TARGETS kvring_handoff EXPORT kvringHandoffTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+set(kvring_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvring)
+foreach(set kvringTargets kvringPackTargets kvringHandoffTargets)
+  install(EXPORT ${set} NAMESPACE kvring:: DESTINATION ${kvring_cmake_dir})
+endforeach()
 install(TARGETS kvring_tool RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 # cuda_store.h declares the CUDA backend, which a build without it lacks.
 if(TARGET kvring_cuda)
@@ -44,8 +61,6 @@ else()
   install(DIRECTORY include/kvring DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} PATTERN cuda_store.h EXCLUDE)
 endif()
 
-set(kvring_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvring)
-install(EXPORT kvringTargets NAMESPACE kvring:: DESTINATION ${kvring_cmake_dir})
 # The config file repeats this build's choices of dependencies.
 set(kvring_built_cuda FALSE)
 if(TARGET kvring_cuda)

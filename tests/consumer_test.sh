@@ -43,9 +43,32 @@ if [ "$mode" = subdirectory ]; then
   [ -z "$left" ] || { echo "built in the engine's build: $left" >&2; exit 1; }
   exit 0
 fi
-# An engine built without CMake: the compiler and pkg-config alone.
 pc=$(find "$work/prefix" -name kvring.pc -path "*/pkgconfig/*")
 test -n "$pc"
+
+# An engine that asks for kvring's components finds them where pkg-config
+# finds no module, as on a machine without hiredis's or UCX's development
+# packages: kvring alone builds and runs the README example; pack and
+# handoff, where this build linked hiredis or UCX, leave kvring not found
+# with a message naming the module.
+components() {
+  env -u PKG_CONFIG_PATH PKG_CONFIG_LIBDIR="$work/no-pc" \
+    cmake -S "$src/tests/consumer" -B "$work/components" "${args[@]}" -DKVRING_COMPONENTS="$1"
+}
+mkdir "$work/no-pc"
+quiet components kvring
+quiet cmake --build "$work/components"
+"$work/components/readme_example" | grep "a at 6, draft at 4"
+refused() {  # component module
+  if components "$1" >"$work/step.log" 2>&1; then
+    echo "kvring's component $1 found without $2" >&2; exit 1
+  fi
+  grep -q "component $1 needs .*$2" "$work/step.log" || { cat "$work/step.log" >&2; exit 1; }
+}
+if grep -q -- "-lhiredis" "$pc"; then refused pack hiredis; fi
+if grep -q -- "-lucp" "$pc"; then refused handoff ucx; fi
+
+# An engine built without CMake: the compiler and pkg-config alone.
 export PKG_CONFIG_PATH="$(dirname "$pc")"
 # The CUDA backend's header is installed with the backend only; the
 # dependencies' include folders stay out of an engine's compile.
