@@ -211,6 +211,67 @@ TEST_F(PackFromStore, RefusalsLeaveNoFileAndNoChunk) {
   EXPECT_GT((*chunks)->stats()->chunks, 0);
 }
 
+// A detached sequence, whose rows may still be arriving, has no header
+// either, and its refusal comes before the destination is opened.
+TEST_F(PackFromStore, ADetachedSequenceIsRefusedBeforeTheDestination) {
+  auto detached = store_->add_detached_sequence();
+  ASSERT_TRUE(detached.ok());
+  Snapshot header;
+  const Status h = take_snapshot_header(*store_, *detached, header);
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.error().code, ErrorCode::kNotFound) << h.to_string();
+  EXPECT_NE(h.error().message.find("detached"), std::string::npos) << h.to_string();
+  int opens = 0;
+  WriteOptions o;
+  o.io.fault = [&opens](IoStep step, const std::string&) {
+    opens += step == IoStep::kOpen;
+    return Status::Ok();
+  };
+  // A directory as destination, and ids of another length: the sequence
+  // is what is refused.
+  const Status s = write_pack(*store_, *detached, dir_, ids_for(3, 0), "", o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kNotFound) << s.to_string();
+  EXPECT_EQ(opens, 0);
+}
+
+// A header is the snapshot without its rows.
+TEST_F(PackFromStore, AHeaderIsTheSnapshotWithoutRows) {
+  for (const SeqId seq : {long_, fork_, empty_}) {
+    Snapshot header;
+    ASSERT_TRUE(take_snapshot_header(*store_, seq, header).ok());
+    auto full = take_snapshot(*store_, seq);
+    ASSERT_TRUE(full.ok());
+    EXPECT_TRUE(validate_snapshot(header, /*header_only=*/true).ok());
+    EXPECT_EQ(header.row_bytes(), full->row_bytes());
+    EXPECT_EQ(header.token_count, full->token_count);
+    ASSERT_EQ(header.planes.size(), full->planes.size());
+    for (std::size_t l = 0; l < header.planes.size(); ++l) {
+      EXPECT_TRUE(header.planes[l].ring == full->planes[l].ring) << "layer " << l;
+      EXPECT_TRUE(header.planes[l].k.empty() && header.planes[l].v.empty()) << "layer " << l;
+    }
+  }
+}
+
+// A path that names no file is refused before anything is written or put
+// in a store, as check_pack_destination says beforehand.
+TEST_F(PackFromStore, APathThatNamesNoFileIsRefusedFirst) {
+  auto chunks = open_dir_store(dir_ + "/chunks");
+  ASSERT_TRUE(chunks.ok());
+  for (const std::string& path : {std::string(), dir_ + "/none/"}) {
+    SCOPED_TRACE("'" + path + "'");
+    EXPECT_FALSE(check_pack_destination(path).ok());
+    const Status s = write_pack(*store_, long_, path, {}, "", {.chunk_tokens = 8, .store = chunks->get()});
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kInvalidArgument) << s.to_string();
+    EXPECT_EQ((*chunks)->stats()->chunks, 0);
+    auto snap = take_snapshot(*store_, long_);
+    ASSERT_TRUE(snap.ok());
+    EXPECT_FALSE(write_pack(*snap, path, {.chunk_tokens = 8, .store = chunks->get()}).ok());
+    EXPECT_EQ((*chunks)->stats()->chunks, 0);
+  }
+}
+
 // A failed step of the file's atomic write leaves no pack.
 TEST_F(PackFromStore, AFailedWriteLeavesNoPack) {
   const std::string path = dir_ + "/p.kvpack";

@@ -115,6 +115,8 @@ Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
   const std::size_t name_bytes = slash == std::string::npos ? path.size() : path.size() - slash - 1;
   const long name_max = ::pathconf(parent_dir(path).c_str(), _PC_NAME_MAX);
   const std::size_t most = name_max > 0 ? static_cast<std::size_t>(name_max) : 255;
+  if (name_bytes == 0)
+    return invalid_argument("refusing to write '" + path + "': it names no file");
   if (name_bytes > most)
     return invalid_argument("refusing to write " + path + ": its name is " + std::to_string(name_bytes) +
                             " bytes, more than the " + std::to_string(most) + " its directory takes");

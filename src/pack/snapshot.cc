@@ -225,6 +225,11 @@ Status take_header(const KvStore& store, SeqId seq, Snapshot& s, bool rows) {
   s.metadata.clear();
   s.config = store.config();
   s.context = store.context();
+  // A detached sequence's rows may not all be written yet (read_rows
+  // refuses it): neither its snapshot nor its header is taken.
+  if (store.is_detached(seq))
+    return make_error(ErrorCode::kNotFound,
+                      seq_name(seq) + " is detached (still being installed); attach it first");
   auto next = store.next_position(seq);
   if (!next) return next.error();
   s.token_count = *next;
