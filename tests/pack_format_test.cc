@@ -234,23 +234,40 @@ TEST(PackFormat, WriterRefusesBadOptions) {
   EXPECT_FALSE(enc.ok());
 }
 
-// Metadata and token ids past the manifest's limit are refused before a
-// manifest is built to be measured ("at least"); a manifest that passes
-// that bound but not the limit is refused once measured. Neither writes.
+// The manifest's size is known from the header and the chunk count before
+// any manifest is built: metadata that brings it to the limit is written,
+// one byte more is refused with the exact size, and so is a chunk size
+// whose chunk table would take it past.
 TEST(PackFormat, AManifestPastItsLimitIsRefused) {
   auto live = filled_cache(small_config(), 256, 10, 1);
-  auto snap = take_snapshot(*live);
-  ASSERT_TRUE(snap.ok());
-  snap->metadata.assign(static_cast<std::size_t>(kMaxManifestBytes) + 1, 'm');
-  auto early = encode_pack(*snap, {});
-  ASSERT_FALSE(early.ok());
-  EXPECT_NE(early.error().message.find("would take at least 268435457 bytes"), std::string::npos)
-      << early.error().message;
-  snap->metadata.resize(static_cast<std::size_t>(kMaxManifestBytes) - 4 * snap->token_ids.size());
-  auto measured = encode_pack(*snap, {});
-  ASSERT_FALSE(measured.ok());
-  EXPECT_NE(measured.error().message.find("the manifest would take "), std::string::npos) << measured.error().message;
-  EXPECT_EQ(measured.error().message.find("at least"), std::string::npos) << measured.error().message;
+  Snapshot snap = testing::snapshot_with_extras(*live, 2);
+  snap.metadata.clear();
+  auto small = encode_pack(snap, {});
+  ASSERT_TRUE(small.ok());
+  auto src = memory_pack_source(small->data(), static_cast<std::int64_t>(small->size()));
+  auto m = read_manifest(*src);
+  ASSERT_TRUE(m.ok());
+  const std::int64_t rest = m->manifest_bytes;
+  snap.metadata.assign(static_cast<std::size_t>(kMaxManifestBytes - rest), 'm');
+  auto at_limit = encode_pack(snap, {});
+  ASSERT_TRUE(at_limit.ok()) << at_limit.error().to_string();
+  auto back = memory_pack_source(at_limit->data(), static_cast<std::int64_t>(at_limit->size()));
+  EXPECT_EQ(read_manifest(*back)->manifest_bytes, kMaxManifestBytes);
+  snap.metadata.push_back('m');
+  auto over = encode_pack(snap, {});
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(over.error().message.find("the manifest would take " + std::to_string(kMaxManifestBytes + 1) +
+                                      " bytes (10 token ids, " + std::to_string(kMaxManifestBytes - rest + 1) +
+                                      " bytes of metadata, " + std::to_string(m->chunks.size()) + " chunks)"),
+            std::string::npos)
+      << over.error().message;
+  // At the limit with 256-token chunks, over it with 1-token chunks: the
+  // chunk table's 48 bytes a record count.
+  snap.metadata.resize(static_cast<std::size_t>(kMaxManifestBytes - rest));
+  auto finer = encode_pack(snap, {.chunk_tokens = 1});
+  ASSERT_FALSE(finer.ok());
+  EXPECT_NE(finer.error().message.find("raise chunk_tokens"), std::string::npos) << finer.error().message;
 }
 
 }  // namespace

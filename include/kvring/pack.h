@@ -109,9 +109,12 @@ std::unique_ptr<PackSource> memory_pack_source(const void* data, std::int64_t si
 // The pack as bytes (thin when options.store is set: the chunks go there).
 Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& options = {});
 // The pack as a file, written atomically (temporary file, fsync, rename,
-// fsync of the directory). A thin pack's chunks are durable in the store
-// before its manifest file appears; a write refused for its input (the
-// manifest's size, the destination) puts none there.
+// fsync of the directory): on an error nothing is left at `path` but what
+// was there, except where the directory's sync, the last step, fails
+// after the rename (the new pack is then whole there, its durability
+// unknown). A thin pack's chunks are durable in the store before its
+// manifest file appears; a write refused for its input (the manifest's
+// size, the destination) puts none there.
 Status write_pack(const Snapshot& snapshot, const std::string& path,
                   const WriteOptions& options = {});
 // The pack of a store's live sequence `seq`, with these token ids (empty,

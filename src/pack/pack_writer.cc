@@ -90,24 +90,49 @@ class StoreRows final : public RowSource {
     }
     return Status::Ok();
   }
+  // A group is one layer: the buffers hold the last layer loaded.
   std::int64_t group_end(std::int64_t first) const override { return first + 1; }
   Status load(std::int64_t layer) override {
+    loaded_ = -1;
     const RingState& r = header_.planes[static_cast<std::size_t>(layer)].ring;
-    return store_.read_rows(seq_, layer, r.origin_logical(), r.len(), k_.data(), v_.data());
+    KVRING_RETURN_IF_ERROR(store_.read_rows(seq_, layer, r.origin_logical(), r.len(), k_.data(), v_.data()));
+    loaded_ = layer;
+    return Status::Ok();
   }
-  const std::uint16_t* k(std::int64_t) const override { return k_.data(); }
-  const std::uint16_t* v(std::int64_t) const override { return v_.data(); }
+  const std::uint16_t* k(std::int64_t layer) const override { return rows(k_, layer); }
+  const std::uint16_t* v(std::int64_t layer) const override { return rows(v_, layer); }
 
  private:
+  // Null for any layer but the one loaded: never another plane's rows.
+  const std::uint16_t* rows(const std::vector<std::uint16_t>& buffer, std::int64_t layer) const {
+    return layer == loaded_ ? buffer.data() : nullptr;
+  }
   const KvStore& store_;
   SeqId seq_;
   const Snapshot& header_;
+  std::int64_t loaded_ = -1;
   // Plain pages: the buffers are touched once a save and reused for every
   // plane, where huge pages cost more to fault in than they save.
   std::vector<std::uint16_t> k_, v_;
 };
 
-Status check_options(const Snapshot& s, const WriteOptions& o) {
+// The manifest's bytes for this header and number of chunks, field by
+// field as build_manifest writes them (docs/kvpack-format.md).
+std::uint64_t manifest_bytes(const Snapshot& s, std::uint64_t chunks) {
+  const std::uint64_t layers = s.config.layer_kinds.size();
+  return 6 * 4 + layers + kDigestBytes +                // geometry, fingerprint
+         4 + 4 + 8 +                                    // context, chunk_tokens, token_count
+         8 + 4 * std::uint64_t{s.token_ids.size()} +    // token ids
+         4 + std::uint64_t{s.metadata.size()} +         // metadata
+         4 + s.planes.size() * kPlaneRecordBytes +      // plane table
+         4 + chunks * kChunkRecordBytes;                // chunk table
+}
+
+// The options' refusals, then the manifest's size, from the chunk count
+// alone: a manifest past the format's limit is refused before a chunk
+// table is built (which would take more memory than the manifest). The
+// limit keeps the count far below the chunk table's 2^32. The count.
+Result<std::int64_t> check_options(const Snapshot& s, const WriteOptions& o) {
   if (o.encoding != Encoding::kF16Le && o.encoding != Encoding::kF32Le)
     return invalid_argument("unknown pack encoding " + std::to_string(static_cast<int>(o.encoding)));
   const std::int64_t max_tokens = max_chunk_tokens(s.config.kv_dim());
@@ -115,17 +140,20 @@ Status check_options(const Snapshot& s, const WriteOptions& o) {
     return invalid_argument("chunk_tokens " + std::to_string(o.chunk_tokens) + " outside [1, " +
                             std::to_string(max_tokens) + "] for kv_dim " +
                             std::to_string(s.config.kv_dim()));
-  // The token ids and the metadata alone (4 bytes an id) bound the
-  // manifest from below: refused here, before a manifest of that size is
-  // built to be measured.
-  const std::uint64_t at_least = 4 * static_cast<std::uint64_t>(s.token_ids.size()) + s.metadata.size();
-  if (at_least > static_cast<std::uint64_t>(kMaxManifestBytes))
-    return invalid_argument("the manifest would take at least " + std::to_string(at_least) + " bytes (" +
-                            std::to_string(s.token_ids.size()) + " token ids, " + std::to_string(s.metadata.size()) +
-                            " bytes of metadata), over the format's " + std::to_string(kMaxManifestBytes));
   if (s.token_count > kMaxTokenCount)
     return invalid_argument("token_count " + std::to_string(s.token_count) + " exceeds 2^62");
-  return Status::Ok();
+  std::int64_t chunks = 0;
+  for (const PlaneSnapshot& p : s.planes)
+    chunks += count_chunks(p.ring.origin_logical(), p.ring.len(), o.chunk_tokens);
+  const std::uint64_t bytes = manifest_bytes(s, static_cast<std::uint64_t>(chunks));
+  if (bytes > static_cast<std::uint64_t>(kMaxManifestBytes))
+    return invalid_argument("the manifest would take " + std::to_string(bytes) + " bytes (" +
+                            std::to_string(s.token_ids.size()) + " token ids, " +
+                            std::to_string(s.metadata.size()) + " bytes of metadata, " +
+                            std::to_string(chunks) + " chunks), over the format's " +
+                            std::to_string(kMaxManifestBytes) +
+                            "; raise chunk_tokens or shrink the metadata");
+  return chunks;
 }
 
 std::string build_manifest(const Snapshot& s, const WriteOptions& o,
@@ -181,10 +209,19 @@ std::string build_manifest(const Snapshot& s, const WriteOptions& o,
 // prepare_chunk, so that a file writer can hash and write each chunk in
 // one pass.
 Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, const RowSource& rows) {
-  KVRING_RETURN_IF_ERROR(check_options(s, o));
+  auto count = check_options(s, o);
+  if (!count) return count.error();
   const std::int64_t kv_dim = s.config.kv_dim();
   const auto n_layers = static_cast<std::int64_t>(s.planes.size());
   WritePlan plan;
+  try {
+    plan.chunks.reserve(static_cast<std::size_t>(*count));
+    plan.first_chunk.reserve(static_cast<std::size_t>(n_layers + 1));
+    plan.first_byte.reserve(static_cast<std::size_t>(n_layers + 1));
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, "out of host memory for a table of " + std::to_string(*count) +
+                                               " chunks");
+  }
   for (std::int64_t l = 0; l < n_layers; ++l) {
     plan.first_chunk.push_back(plan.chunks.size());
     plan.first_byte.push_back(plan.payload_bytes);
@@ -203,9 +240,6 @@ Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, const RowS
   }
   plan.first_chunk.push_back(plan.chunks.size());
   plan.first_byte.push_back(plan.payload_bytes);
-  if (plan.chunks.size() > std::numeric_limits<std::uint32_t>::max())
-    return invalid_argument("a pack of " + std::to_string(plan.chunks.size()) +
-                            " chunks exceeds the format's 2^32; raise chunk_tokens");
   // F16Le chunks on a little-endian host are views of the rows: K rows then V
   // rows of one plane are two contiguous spans. Everything else is encoded,
   // into a buffer of the largest group's bytes.
@@ -285,10 +319,12 @@ Status for_each_chunk(WritePlan& plan, RowSource& rows, std::int64_t kv_dim, Enc
 Result<std::string> build_head(const Snapshot& s, const WriteOptions& o, const WritePlan& plan,
                                bool thin) {
   const std::string manifest = build_manifest(s, o, plan.chunks);
-  if (static_cast<std::int64_t>(manifest.size()) > kMaxManifestBytes)
-    return invalid_argument("the manifest would take " + std::to_string(manifest.size()) +
-                            " bytes, over the format's " + std::to_string(kMaxManifestBytes) +
-                            "; raise chunk_tokens or shrink the metadata");
+  // check_options refused a manifest past the limit from this size.
+  if (manifest.size() != manifest_bytes(s, plan.chunks.size()))
+    return make_error(ErrorCode::kInternal, "the manifest took " + std::to_string(manifest.size()) +
+                                                " bytes, not the " +
+                                                std::to_string(manifest_bytes(s, plan.chunks.size())) +
+                                                " its fields add up to");
   std::string head;
   coding::put_bytes(&head, kPackMagic, sizeof kPackMagic);
   coding::put_fixed16(&head, kPackVersion);
@@ -316,12 +352,11 @@ Status write_planned(const Snapshot& s, WritePlan& plan, RowSource& rows, const 
                      const WriteOptions& options) {
   const std::int64_t kv_dim = s.config.kv_dim();
   const bool thin = options.store != nullptr;
-  // The head's size does not depend on the chunk names: whatever refuses
-  // the input (the manifest's size, then the destination) refuses it
-  // before a chunk is hashed, written or put in a store.
-  auto sized = build_head(s, options, plan, thin);
-  if (!sized) return sized.error();
-  const auto base = static_cast<std::int64_t>(sized->size());
+  // The head's size does not depend on the chunk names. Whatever refuses
+  // the input (plan_pack, then the destination) refuses it before a chunk
+  // is hashed, written or put in a store.
+  const auto base = kPreambleBytes + static_cast<std::int64_t>(manifest_bytes(s, plan.chunks.size())) +
+                    kDigestBytes;
   auto file = pack_internal::AtomicFile::create(path, options.io);
   if (!file) return file.error();
   if (thin) {
@@ -362,19 +397,22 @@ Result<std::string> encode_pack(const Snapshot& snapshot, const WriteOptions& op
   auto plan = plan_pack(snapshot, options, rows);
   if (!plan) return plan.error();
   const bool thin = options.store != nullptr;
-  auto head = build_head(snapshot, options, *plan, thin);
-  if (!head) return head.error();
   // One group: every chunk's views stay valid to the end.
   KVRING_RETURN_IF_ERROR(for_each_chunk(*plan, rows, snapshot.config.kv_dim(), options.encoding,
                                         nullptr, nullptr));
-  head = build_head(snapshot, options, *plan, thin);
+  auto head = build_head(snapshot, options, *plan, thin);
   if (!head) return head.error();
   if (thin) {
     KVRING_RETURN_IF_ERROR(options.store->put(chunk_data(*plan, 0, plan->chunks.size())));
     return std::move(*head);
   }
   std::string out = std::move(*head);
-  out.reserve(out.size() + static_cast<std::size_t>(plan->payload_bytes));
+  try {
+    out.reserve(out.size() + static_cast<std::size_t>(plan->payload_bytes));
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, "out of host memory for a pack of " +
+                                               std::to_string(out.size() + plan->payload_bytes) + " bytes");
+  }
   for (const PlannedChunk& ch : plan->chunks) {
     out.append(reinterpret_cast<const char*>(ch.data.part1.data()), ch.data.part1.size());
     out.append(reinterpret_cast<const char*>(ch.data.part2.data()), ch.data.part2.size());
