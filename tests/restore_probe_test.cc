@@ -158,7 +158,8 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   EXPECT_EQ(seq_image(*roomy, neighbour.seqs[0]), neighbour.text[0]);
 
   // No free slot; a pool short of one block.
-  refused(*make_target(1, 0), *pack, ErrorCode::kResourceExhausted, "no free sequence slot");
+  refused(*make_target(1, 0), *pack, ErrorCode::kResourceExhausted,
+          "every one of the store's 1 sequence slots is taken");
   auto sized = make_target(2, 0);
   auto need = blocks_to_restore(*snap, *sized);
   ASSERT_TRUE(need.ok());

@@ -299,6 +299,37 @@ TEST_F(RestoreRefusal, NewSequenceBeyondThePoolLeavesTheNextHandle) {
   EXPECT_EQ(*(*made)->add_sequence(), *(*twin)->add_sequence());
 }
 
+// A store with no free slot refuses a new sequence with add_sequence's own
+// refusal, before the pool's blocks are asked (a pool too small as well),
+// and as check_restorable_as_new says from the header alone.
+TEST_F(RestoreRefusal, NewSequenceWithoutASlotIsAddSequencesRefusal) {
+  const ModelConfig cfg = small_config(32, 256, 4);
+  auto live = filled_cache(cfg, 256, 100, 1);
+  auto snap = take_snapshot(*live);
+  ASSERT_TRUE(snap.ok());
+  for (const std::int64_t pool : {0, 6}) {
+    SCOPED_TRACE("pool " + std::to_string(pool));
+    auto made = make_store(BackendKind::kCpu, cfg,
+                           {.max_sequences = 1, .context = 256, .block_rows = 16, .pool_blocks = pool});
+    ASSERT_TRUE(made.ok());
+    KvStore& full = **made;
+    const SeqId held = *full.add_sequence();
+    const std::int64_t free_blocks = full.free_blocks();
+    auto refused = full.add_sequence();
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(full.check_free_slot().error().message, refused.error().message);
+    auto s = restore_new_sequence(*snap, full);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kResourceExhausted);
+    EXPECT_EQ(s.error().message, refused.error().message);
+    const Status header_only = check_restorable_as_new(*snap, full);
+    ASSERT_FALSE(header_only.ok());
+    EXPECT_EQ(header_only.error().message, refused.error().message);
+    EXPECT_EQ(full.sequences(), std::vector<SeqId>{held});
+    EXPECT_EQ(full.free_blocks(), free_blocks);
+  }
+}
+
 // blocks_to_restore is what restore_new_sequence takes from the pool.
 TEST_F(RestoreRefusal, BlocksToRestoreIsWhatARestoreTakes) {
   const ModelConfig cfg = small_config(32, 256, 4);

@@ -138,10 +138,10 @@ Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target);
 // price for resuming a paused sequence.
 Result<std::int64_t> blocks_to_restore(const Snapshot& header, const KvStore& target);
 // Every refusal restore_new_sequence makes before it adds the sequence,
-// decided by the header alone: check_restorable's, then no free slot or
-// too few free pool blocks (kResourceExhausted). An engine's admission
-// check for a paused sequence; restore_pack into a store makes it before
-// reading any payload.
+// decided by the header alone, in this order: check_restorable's, then no
+// free slot (add_sequence's refusal), then too few free pool blocks (both
+// kResourceExhausted). An engine's admission check for a paused sequence;
+// restore_pack into a store makes it before reading any payload.
 Status check_restorable_as_new(const Snapshot& header, const KvStore& target);
 
 // The detached install path: a new cache on `backend` (context: the

@@ -255,6 +255,9 @@ class KvStore {
   // still take: not those of live or detached sequences, nor slots retired
   // after 2^32 generations. O(max_sequences).
   std::int64_t free_slots() const;
+  // Ok when free_slots() > 0; else add_sequence's refusal
+  // (kResourceExhausted, naming the retired slots), from the store alone.
+  Status check_free_slot() const;
   // The next position every layer of the sequence expects; when its layers
   // stand at different positions (a step refused part-way through its
   // layers), kCacheDiscontinuity naming the first layer that differs from

@@ -461,6 +461,11 @@ std::int64_t KvStore::free_slots() const {
       slots_.begin(), slots_.end(), [](const Sequence& s) { return !s.live && s.generation != kRetired; }));
 }
 
+Status KvStore::check_free_slot() const {
+  if (free_slots() > 0) return Status::Ok();
+  return make_error(ErrorCode::kResourceExhausted, slots_taken());
+}
+
 Result<SeqId> KvStore::add_sequence() { return add_slot(false); }
 Result<SeqId> KvStore::add_detached_sequence() { return add_slot(true); }
 

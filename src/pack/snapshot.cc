@@ -478,8 +478,7 @@ Result<std::int64_t> blocks_to_restore(const Snapshot& header, const KvStore& ta
 Status check_restorable_as_new(const Snapshot& header, const KvStore& target) {
   auto blocks = blocks_to_restore(header, target);
   if (!blocks) return blocks.error();
-  if (target.free_slots() == 0)
-    return make_error(ErrorCode::kResourceExhausted, "the store has no free sequence slot");
+  KVRING_RETURN_IF_ERROR(target.check_free_slot());
   const std::int64_t need = *blocks, block_rows = target.options().block_rows;
   if (need > target.free_blocks())
     return make_error(ErrorCode::kResourceExhausted,
