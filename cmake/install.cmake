@@ -132,18 +132,13 @@ endforeach()
 if(TARGET kvring_cuda)
   list(APPEND kvring_pc_dep_flags -L${CUDAToolkit_LIBRARY_DIR} -lcudart_static -ldl -lrt)
 endif()
-# A -L for a directory the linker searches by default is left out, so the
-# file names no folder of this machine where the libraries are the
-# system's: /lib and /usr/lib, with their multiarch folders, and the
-# compiler's implicit link directories. An implicit directory that came
-# from LIBRARY_PATH is this shell's, not the system's, and keeps its -L.
-set(kvring_pc_system_dirs ${CMAKE_CXX_IMPLICIT_LINK_DIRECTORIES})
-string(REPLACE ":" ";" kvring_library_path "$ENV{LIBRARY_PATH}")
-foreach(dir IN LISTS kvring_library_path)
-  string(REGEX REPLACE "(.)/+$" "\\1" dir "${dir}")
-  list(REMOVE_ITEM kvring_pc_system_dirs "${dir}")
-endforeach()
-foreach(dir /lib /usr/lib)
+# A -L for a directory every linker of the system searches is left out,
+# so the file names no folder of this machine where the libraries are the
+# system's: /lib, /usr/lib, /lib64 and /usr/lib64, with their multiarch
+# folders. Any other folder keeps its -L (the compiler's cached implicit
+# directories may hold a shell's LIBRARY_PATH).
+set(kvring_pc_system_dirs "")
+foreach(dir /lib /usr/lib /lib64 /usr/lib64)
   list(APPEND kvring_pc_system_dirs ${dir})
   if(CMAKE_LIBRARY_ARCHITECTURE)
     list(APPEND kvring_pc_system_dirs ${dir}/${CMAKE_LIBRARY_ARCHITECTURE})
