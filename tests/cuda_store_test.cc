@@ -7,9 +7,9 @@
 
 #include <cuda.h>
 
-#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <unistd.h>
+#include <filesystem>
 
 #include "cuda/allocation.h"
 #include "cuda/testing.h"
@@ -431,9 +431,17 @@ TEST(CudaStore, SnapshotsRoundTripAfterWraps) {
 TEST(CudaStore, APackOfASequenceIsTheCpuBackendsPack) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = config();
-  char dir_template[] = "/tmp/kvring-cuda-pack-XXXXXX";
-  ASSERT_NE(::mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  // Removed with everything in it however the test ends.
+  struct TempDir {
+    std::string path;
+    ~TempDir() {
+      if (!path.empty()) std::filesystem::remove_all(path);
+    }
+  } temp;
+  std::string pattern = (std::filesystem::temp_directory_path() / "kvring-cuda-pack-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+  temp.path = pattern;
+  const std::string& dir = temp.path;
   auto gpu = testing::new_store(BackendKind::kCuda, c, options());
   auto cpu = testing::new_store(BackendKind::kCpu, c, options());
   const auto ig = testing::add_with_churn(*gpu, 2, 17);
@@ -474,8 +482,6 @@ TEST(CudaStore, APackOfASequenceIsTheCpuBackendsPack) {
       ASSERT_TRUE(cpu->remove_sequence(*back).ok());
     }
   }
-  for (const char* name : {"/gpu.kvpack", "/cpu.kvpack", "/back.kvpack"}) std::remove((dir + name).c_str());
-  ::rmdir(dir.c_str());
 }
 
 // The scratch of a prefill call (its chunk's f16 rows) stays with the

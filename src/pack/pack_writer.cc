@@ -128,10 +128,11 @@ std::uint64_t manifest_bytes(const Snapshot& s, std::uint64_t chunks) {
          4 + chunks * kChunkRecordBytes;                // chunk table
 }
 
-// The options' refusals, then the manifest's size, from the chunk count
-// alone: a manifest past the format's limit is refused before a chunk
-// table is built (which would take more memory than the manifest). The
-// limit keeps the count far below the chunk table's 2^32. The count.
+// The number of chunks, after the options' refusals and the manifest's
+// size, known from that number alone: a manifest past the format's limit
+// is refused before a chunk table is built (which would take more memory
+// than the manifest). The limit keeps the count far below the chunk
+// table's 2^32.
 Result<std::int64_t> check_options(const Snapshot& s, const WriteOptions& o) {
   if (o.encoding != Encoding::kF16Le && o.encoding != Encoding::kF32Le)
     return invalid_argument("unknown pack encoding " + std::to_string(static_cast<int>(o.encoding)));
@@ -290,7 +291,8 @@ void prepare_chunk(WritePlan& plan, const RowSource& rows, std::int64_t kv_dim, 
 // Sets every chunk's bytes and name a group of layers at a time (all
 // cores), calling `each(i)` on chunk i as soon as it is set and
 // `group_done(from, to)` after each group, while the group's views are
-// valid. The first error in chunk order stops it.
+// valid. An error stops it at the end of its group; the first in chunk
+// order is returned.
 Status for_each_chunk(WritePlan& plan, RowSource& rows, std::int64_t kv_dim, Encoding encoding,
                       const std::function<Status(std::size_t)>& each,
                       const std::function<Status(std::size_t, std::size_t)>& group_done) {
