@@ -206,9 +206,9 @@ std::string build_manifest(const Snapshot& s, const WriteOptions& o,
 }
 
 // Cuts a snapshot that validate_snapshot accepts (header-only: `rows`
-// delivers the rows) into chunks and sizes everything; the chunks' bytes and names come later, from
-// prepare_chunk, so that a file writer can hash and write each chunk in
-// one pass.
+// delivers the rows) into chunks and sizes everything; the chunks' bytes
+// and names come later, from prepare_chunk, so that a file writer can hash
+// and write each chunk in one pass.
 Result<WritePlan> plan_pack(const Snapshot& s, const WriteOptions& o, const RowSource& rows) {
   auto count = check_options(s, o);
   if (!count) return count.error();
