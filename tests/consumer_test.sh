@@ -2,8 +2,9 @@
 # An engine's build against kvring (tests/consumer): MODE "installed" installs
 # BUILD into a prefix and uses find_package(kvring), then builds the same
 # programs with the compiler alone through the prefix's kvring.pc
-# (pkg-config); "subdirectory" adds the source tree with add_subdirectory
-# (CPU backend only, to keep it short).
+# (pkg-config), and the README example through kvring-store.pc;
+# "subdirectory" adds the source tree with add_subdirectory (CPU backend
+# only, to keep it short).
 # usage: consumer_test.sh MODE SOURCE BUILD WORK README_EXAMPLE GENERATOR
 set -euo pipefail
 mode=$1 src=$2 build=$3 work=$4 example=$5 generator=$6
@@ -87,5 +88,11 @@ pkg_cxx "$src/tests/consumer/pack_round_trip.cc" -o "$work/pack_pc"
 pkg_cxx -shared -fPIC -fvisibility=hidden -fvisibility-inlines-hidden "$src/tests/consumer/engine_module.cc" \
   -o "$work/libengine_module_pc.so"
 "$work/readme_pc" | grep "a at 6, draft at 4"
+# kvring-store.pc: the store alone, which links neither hiredis nor UCX.
+store_libs=$(pkg-config --libs kvring-store)
+case " $store_libs " in *kvring_pack* | *kvring_handoff* | *hiredis* | *-lucp* | *-lucs*)
+  echo "kvring-store.pc: Libs names $store_libs" >&2; exit 1 ;; esac
+quiet "${CXX:-c++}" -std=c++20 "$example" -o "$work/readme_store_pc" $(pkg-config --cflags --libs kvring-store)
+"$work/readme_store_pc" | grep "a at 6, draft at 4"
 "$work/pack_pc" | grep "pack of [0-9]* bytes restored: 3 layers equal"
 own_exports_only "$work/libengine_module_pc.so"
