@@ -11,7 +11,7 @@
 //   - the first touch of the same amount of fresh memory,
 //   - save: take_snapshot, then write_pack (hash and write in one pass,
 //     fsync, rename, fsync of the directory), with fresh and reused buffers,
-//     and write_pack of the cache itself, a plane at a time,
+//     and write_pack of the cache itself, a group of planes at a time,
 //   - restore: read_pack from the cold file (read and verify every chunk)
 //     then restore into an allocated cache, with fresh and reused buffers,
 //     and through the detached path (a new cache without the zero-fill),
@@ -335,7 +335,7 @@ int run(const std::vector<std::string>& argv) {
     t0 = Clock::now();
     check(write_pack(*snap, pack), "write_pack");
     write_reused.add(since(t0));
-    // The same file from the cache, a plane at a time; what is read back
+    // The same file from the cache, a group of planes at a time; what is read back
     // below is this one.
     t0 = Clock::now();
     check(write_pack(**live, pack, {}), "write_pack of the cache");
@@ -403,7 +403,7 @@ int run(const std::vector<std::string>& argv) {
   line("take_snapshot", snapshot_reused.s, bytes);
   line("write_pack: hash + write + fsync", write_reused.s, bytes);
   line("save", save_reused_s, bytes);
-  line("save from the cache, a plane at a time", write_streamed.s, bytes);
+  line("save from the cache, planes a group at a time", write_streamed.s, bytes);
   std::printf("restore, reused buffers, pack file cold:\n");
   line("read_pack: read + verify", read_reused.s, bytes);
   line("restore: install", install_reused.s, bytes);

@@ -426,7 +426,7 @@ TEST(CudaStore, SnapshotsRoundTripAfterWraps) {
   }
 }
 
-// A pack written from a CUDA store's sequence, a plane at a time, is the
+// A pack written from a CUDA store's sequence, planes a group at a time, is the
 // file the same history gives on the CPU backend, and restores there.
 TEST(CudaStore, APackOfASequenceIsTheCpuBackendsPack) {
   KVRING_SKIP_WITHOUT_GPU();

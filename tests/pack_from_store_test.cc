@@ -10,6 +10,7 @@
 
 #include "kvring/pack.h"
 #include "kvring/store.h"
+#include "pack/pack_common.h"
 #include "pack_test_util.h"
 #include "test_util.h"
 
@@ -139,6 +140,87 @@ TEST_F(PackFromStore, AThinPackPutsTheSameChunks) {
       ASSERT_TRUE(want.ok());
       want->token_ids = ids;
       want->metadata = "m";
+      EXPECT_TRUE(testing::same_rows(*back, *want));
+    }
+  }
+}
+
+// Puts a thin writer makes, counted, into a directory store.
+class PutCountingStore final : public ChunkStore {
+ public:
+  explicit PutCountingStore(ChunkStore& inner) : inner_(inner) {}
+  std::string spec() const override { return inner_.spec(); }
+  Status put(std::span<const ChunkData> chunks) override {
+    ++puts;
+    return inner_.put(chunks);
+  }
+  Result<bool> contains(const Digest& name) const override { return inner_.contains(name); }
+  Status check_stored(const Digest& name, std::int64_t bytes) const override {
+    return inner_.check_stored(name, bytes);
+  }
+  Status erase(const Digest& name) override { return inner_.erase(name); }
+  Result<StoreStats> stats() const override { return inner_.stats(); }
+  int puts = 0;
+
+ protected:
+  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override { return inner_.get(name, dst); }
+
+ private:
+  ChunkStore& inner_;
+};
+
+// Planes are read in groups of consecutive layers whose rows fit the
+// larger of the group's bytes and the longest plane: any grouping writes
+// the snapshot's pack, and a thin pack puts its chunks once a group.
+// long_'s planes hold 32 rows (sliding) and 100 (full).
+TEST_F(PackFromStore, GroupsOfPlanesWriteTheSamePack) {
+  const std::int64_t row_bytes = 2 * cfg_.kv_dim() * 2;
+  const auto ids = ids_for(100, 5);
+  std::vector<std::int64_t> rows;
+  for (std::int64_t l = 0; l < cfg_.n_layers; ++l)
+    rows.push_back(cfg_.kind(l) == LayerKind::kSlidingRope ? 32 : 100);
+  std::int64_t all = 0;
+  for (const std::int64_t r : rows) all += r;
+  // Consecutive planes while their rows fit, at least one a group.
+  const auto groups = [&](std::int64_t budget_rows) {
+    budget_rows = std::max<std::int64_t>(budget_rows, 100);
+    int n = 0;
+    for (std::size_t l = 0; l < rows.size(); ++n) {
+      std::int64_t held = rows[l++];
+      while (l < rows.size() && held + rows[l] <= budget_rows) held += rows[l++];
+    }
+    return n;
+  };
+  // Groups of the longest plane, of two planes' rows, and all at once.
+  ASSERT_GT(groups(1), groups(200));
+  ASSERT_GT(groups(200), 1);
+  ASSERT_EQ(groups(all), 1);
+  for (const std::int64_t budget_rows : {std::int64_t{1}, std::int64_t{200}, all}) {
+    const std::int64_t group_bytes = budget_rows * row_bytes;
+    for (const Encoding enc : {Encoding::kF16Le, Encoding::kF32Le}) {
+      SCOPED_TRACE(std::to_string(group_bytes) + " bytes a group, " + encoding_name(enc));
+      const WriteOptions o{.encoding = enc, .chunk_tokens = 16};
+      ASSERT_TRUE(snapshot_pack(long_, ids, "g", dir_ + "/snap.kvpack", o).ok());
+      const Status s = pack_internal::write_pack_in_groups(*store_, long_, dir_ + "/store.kvpack", ids, "g", o,
+                                                           group_bytes);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      EXPECT_TRUE(file_bytes(dir_ + "/store.kvpack") == file_bytes(dir_ + "/snap.kvpack"));
+      auto chunks = open_dir_store(dir_ + "/chunks-" + std::to_string(group_bytes) + encoding_name(enc));
+      ASSERT_TRUE(chunks.ok());
+      PutCountingStore counting(**chunks);
+      WriteOptions thin = o;
+      thin.store = &counting;
+      ASSERT_TRUE(pack_internal::write_pack_in_groups(*store_, long_, dir_ + "/thin.kvpack", ids, "g", thin,
+                                                      group_bytes).ok());
+      EXPECT_EQ(counting.puts, groups(budget_rows));
+      auto src = open_pack_file(dir_ + "/thin.kvpack");
+      ASSERT_TRUE(src.ok());
+      auto back = read_pack(**src, {.store = chunks->get()});
+      ASSERT_TRUE(back.ok()) << back.error().to_string();
+      auto want = take_snapshot(*store_, long_);
+      ASSERT_TRUE(want.ok());
+      want->token_ids = ids;
+      want->metadata = "g";
       EXPECT_TRUE(testing::same_rows(*back, *want));
     }
   }

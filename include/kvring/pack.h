@@ -120,8 +120,9 @@ Status write_pack(const Snapshot& snapshot, const std::string& path,
 // The pack of a store's live sequence `seq`, with these token ids (empty,
 // or one a position) and metadata: the file write_pack of its snapshot
 // (take_snapshot, the same ids and metadata) writes, bit for bit, with
-// one plane's rows in host memory at a time instead of the sequence's
-// (and, in F32Le, that plane's encoding, twice its size).
+// consecutive planes' rows in host memory a group at a time instead of
+// the sequence's: at most the larger of its longest plane and 64 MiB of
+// rows (and, in F32Le, their encoding, twice their size).
 // The same refusals, before anything is written or put in a store, and
 // the store's own (the sequence unknown or detached: kNotFound). Reads
 // the sequence (read_rows), which must not change during the call.

@@ -51,4 +51,13 @@ Status first_error(const std::vector<Status>& statuses);
 Result<Digest> sha256_in_pieces(std::int64_t bytes,
                                 const std::function<Status(std::int64_t, std::int64_t, std::uint8_t*)>& read);
 
+// write_pack of a store's sequence with consecutive planes read a group
+// at a time, as many as fit in the larger of `group_bytes` of rows and
+// the longest plane.
+// write_pack takes kStoreGroupBytes.
+inline constexpr std::int64_t kStoreGroupBytes = std::int64_t{64} << 20;
+Status write_pack_in_groups(const KvStore& store, SeqId seq, const std::string& path,
+                            const std::vector<std::int32_t>& token_ids, const std::string& metadata,
+                            const WriteOptions& options, std::int64_t group_bytes);
+
 }  // namespace kvring::pack_internal

@@ -1,7 +1,8 @@
 // The kvpack writer: validate the snapshot, cut and hash the chunks on all
 // cores, build the manifest, then hand the bytes to a sink (a buffer, an
 // atomically written file, a chunk store plus a manifest file). The rows
-// come from a snapshot or, a plane at a time, from a store's sequence.
+// come from a snapshot or, a group of planes at a time, from a store's
+// sequence.
 #include <algorithm>
 #include <limits>
 #include <new>
@@ -43,7 +44,8 @@ struct WritePlan {
 };
 
 // Where a pack's rows come from: a snapshot's buffers, all resident, or a
-// store's sequence, a plane at a time into buffers reused for each.
+// store's sequence, a group of consecutive planes at a time into buffers
+// reused for each.
 class RowSource {
  public:
   virtual ~RowSource() = default;
@@ -72,47 +74,75 @@ class SnapshotRows final : public RowSource {
   const Snapshot& s_;
 };
 
-// One plane's rows in host memory at a time, however long the sequence.
+// Consecutive planes' rows in host memory, a group at a time: as many
+// planes as fit in the larger of `group_bytes` of rows and the longest
+// plane, so a save holds that much however long the sequence, and a short
+// sequence is read, hashed and (thin) put in one group.
 class StoreRows final : public RowSource {
  public:
-  StoreRows(const KvStore& store, SeqId seq, const Snapshot& header)
-      : store_(store), seq_(seq), header_(header) {}
-  // Sizes the buffers for the longest plane, before anything is written.
+  StoreRows(const KvStore& store, SeqId seq, const Snapshot& header, std::int64_t group_bytes)
+      : store_(store), seq_(seq), header_(header) {
+    const auto n_layers = static_cast<std::int64_t>(header_.planes.size());
+    const std::int64_t row_bytes = 2 * header_.config.kv_dim() * std::int64_t{sizeof(std::uint16_t)};
+    std::int64_t budget = std::max<std::int64_t>(group_bytes, 0) / row_bytes;
+    for (const PlaneSnapshot& p : header_.planes) budget = std::max(budget, p.ring.len());
+    group_end_.resize(static_cast<std::size_t>(n_layers));
+    offset_.resize(static_cast<std::size_t>(n_layers));
+    for (std::int64_t first = 0; first < n_layers;) {
+      std::int64_t end = first, rows = 0;
+      while (end < n_layers && (end == first || rows + len(end) <= budget)) {
+        offset_[static_cast<std::size_t>(end)] = rows;
+        rows += len(end++);
+      }
+      for (std::int64_t l = first; l < end; ++l) group_end_[static_cast<std::size_t>(l)] = end;
+      most_ = std::max(most_, rows);
+      first = end;
+    }
+  }
+  // Sizes the buffers for the largest group, before anything is written.
   Status reserve() {
-    std::int64_t most = 0;
-    for (const PlaneSnapshot& p : header_.planes) most = std::max(most, p.ring.len());
     try {
-      k_.resize(static_cast<std::size_t>(most * header_.config.kv_dim()));
+      k_.resize(static_cast<std::size_t>(most_ * header_.config.kv_dim()));
       v_.resize(k_.size());
     } catch (const std::bad_alloc&) {
-      return make_error(ErrorCode::kIOError, "out of host memory for a plane of " +
-                                                 std::to_string(most) + " rows");
+      return make_error(ErrorCode::kIOError, "out of host memory for " + std::to_string(most_) +
+                                                 " rows of a sequence's planes");
     }
     return Status::Ok();
   }
-  // A group is one layer: the buffers hold the last layer loaded.
-  std::int64_t group_end(std::int64_t first) const override { return first + 1; }
-  Status load(std::int64_t layer) override {
+  std::int64_t group_end(std::int64_t first) const override {
+    return group_end_[static_cast<std::size_t>(first)];
+  }
+  // `first` starts a group; its planes lie one after another in the buffers.
+  Status load(std::int64_t first) override {
     loaded_ = -1;
-    const RingState& r = header_.planes[static_cast<std::size_t>(layer)].ring;
-    KVRING_RETURN_IF_ERROR(store_.read_rows(seq_, layer, r.origin_logical(), r.len(), k_.data(), v_.data()));
-    loaded_ = layer;
+    for (std::int64_t l = first; l < group_end(first); ++l) {
+      const RingState& r = header_.planes[static_cast<std::size_t>(l)].ring;
+      const auto at = static_cast<std::size_t>(offset_[static_cast<std::size_t>(l)] * header_.config.kv_dim());
+      KVRING_RETURN_IF_ERROR(store_.read_rows(seq_, l, r.origin_logical(), r.len(), k_.data() + at, v_.data() + at));
+    }
+    loaded_ = first;
     return Status::Ok();
   }
   const std::uint16_t* k(std::int64_t layer) const override { return rows(k_, layer); }
   const std::uint16_t* v(std::int64_t layer) const override { return rows(v_, layer); }
 
  private:
-  // Null for any layer but the one loaded: never another plane's rows.
+  std::int64_t len(std::int64_t layer) const { return header_.planes[static_cast<std::size_t>(layer)].ring.len(); }
+  // Null for any layer outside the group loaded: never another plane's rows.
   const std::uint16_t* rows(const std::vector<std::uint16_t>& buffer, std::int64_t layer) const {
-    return layer == loaded_ ? buffer.data() : nullptr;
+    if (loaded_ < 0 || layer < loaded_ || layer >= group_end(loaded_)) return nullptr;
+    return buffer.data() + offset_[static_cast<std::size_t>(layer)] * header_.config.kv_dim();
   }
   const KvStore& store_;
   SeqId seq_;
   const Snapshot& header_;
+  // Per layer: the end of its group, and its first row in the buffers.
+  std::vector<std::int64_t> group_end_, offset_;
+  std::int64_t most_ = 0;
   std::int64_t loaded_ = -1;
   // Plain pages: the buffers are touched once a save and reused for every
-  // plane, where huge pages cost more to fault in than they save.
+  // group, where huge pages cost more to fault in than they save.
   std::vector<std::uint16_t> k_, v_;
 };
 
@@ -430,9 +460,10 @@ Status write_pack(const Snapshot& snapshot, const std::string& path, const Write
   return write_planned(snapshot, *plan, rows, path, options);
 }
 
-Status write_pack(const KvStore& store, SeqId seq, const std::string& path,
-                  const std::vector<std::int32_t>& token_ids, const std::string& metadata,
-                  const WriteOptions& options) {
+Status pack_internal::write_pack_in_groups(const KvStore& store, SeqId seq, const std::string& path,
+                                           const std::vector<std::int32_t>& token_ids,
+                                           const std::string& metadata, const WriteOptions& options,
+                                           std::int64_t group_bytes) {
   Snapshot header;
   KVRING_RETURN_IF_ERROR(take_snapshot_header(store, seq, header));
   try {
@@ -442,11 +473,18 @@ Status write_pack(const KvStore& store, SeqId seq, const std::string& path,
     return make_error(ErrorCode::kIOError, "out of host memory for the pack's token ids and metadata");
   }
   KVRING_RETURN_IF_ERROR(validate_snapshot(header, /*header_only=*/true));
-  StoreRows rows(store, seq, header);
+  StoreRows rows(store, seq, header, group_bytes);
   auto plan = plan_pack(header, options, rows);
   if (!plan) return plan.error();
   KVRING_RETURN_IF_ERROR(rows.reserve());
   return write_planned(header, *plan, rows, path, options);
+}
+
+Status write_pack(const KvStore& store, SeqId seq, const std::string& path,
+                  const std::vector<std::int32_t>& token_ids, const std::string& metadata,
+                  const WriteOptions& options) {
+  return pack_internal::write_pack_in_groups(store, seq, path, token_ids, metadata, options,
+                                             pack_internal::kStoreGroupBytes);
 }
 
 Status write_pack(const KvCache& cache, const std::string& path,
