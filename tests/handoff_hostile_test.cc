@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <thread>
@@ -521,6 +522,57 @@ TEST_F(Hostile, HeaderClaimingMoreTokenIdsThanItHolds) {
   auto r = replay({m}, target);
   EXPECT_REFUSED(r, "token ids");
   EXPECT_EQ(store_->free_blocks(), free_before_);
+}
+
+// A timeline is the caller's: a message whose rows lie outside the
+// header's planes (a count that sizes no buffer, rows before or past the
+// live ones, another layer) or whose bytes are not its rows' is refused
+// before any source is asked for its rows, and the receiver is told.
+TEST_F(Hostile, ATimelineMessageOutsideThePlanesIsRefused) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+  auto cache = KvCache::create(BackendKind::kCpu, config_, {});
+  ASSERT_TRUE(cache.ok());
+  std::vector<float> logits(static_cast<std::size_t>((kPrompt - 1) * 64));
+  ASSERT_TRUE(model_->forward(**cache, 0, prompt_.data(), kPrompt - 1, logits.data()).ok());
+  const std::vector<std::function<void(PlannedMessage&)>> edits = {
+      [](PlannedMessage& m) { m.rows = -1; },
+      [](PlannedMessage& m) { m.rows = std::int64_t{1} << 40; },
+      [](PlannedMessage& m) { m.rows = kMax; },
+      [](PlannedMessage& m) { m.rows = 0; },
+      [](PlannedMessage& m) { m.first_row = -1; },
+      [](PlannedMessage& m) { m.first_row = kMax - 1; },
+      [](PlannedMessage& m) { m.layer = 99; },
+      [](PlannedMessage& m) { m.bytes = -1; },
+  };
+  for (std::size_t e = 0; e < edits.size(); ++e)
+    for (int kind = 0; kind < 2; ++kind) {
+      Timeline t = timeline_;
+      edits[e](t.messages[3]);
+      std::unique_ptr<HandoffSource> source;
+      if (kind == 0) {
+        auto s = StoreSource::create(*from_, seq_, t, ids, "m");
+        ASSERT_TRUE(s.ok());
+        source = std::move(*s);
+      } else {
+        auto s = CacheSource::create(**cache, t.payload, ids, "m");
+        ASSERT_TRUE(s.ok());
+        source = std::move(*s);
+      }
+      auto [a, b] = local_pair();
+      StoreTarget target(*store_, {.expect = config_});
+      Result<ReceiveReport> r = io_error("not run");
+      std::thread th([&] { r = receive_session(*b, target, {.timeout_s = 2}); });
+      auto s = send_session(*a, *source, t, {.timeout_s = 2});
+      th.join();
+      ASSERT_FALSE(s.ok()) << e << " " << kind;
+      EXPECT_EQ(s.error().code, ErrorCode::kInvalidArgument) << s.error().to_string();
+      EXPECT_NE(s.error().message.find("message 3"), std::string::npos) << s.error().to_string();
+      ASSERT_FALSE(r.ok());
+      EXPECT_NE(r.error().message.find("aborted"), std::string::npos) << r.error().to_string();
+      EXPECT_EQ(store_->sequence_count(), 1);
+      EXPECT_EQ(store_->free_blocks(), free_before_);
+    }
 }
 
 // A header of a big sliding-window geometry and one position: almost no

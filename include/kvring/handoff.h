@@ -608,6 +608,9 @@ struct SendReport {
 // Sends the session: the header, each planned message once final (rows with
 // their digest), then the end; returns once the receiver confirmed its
 // commit. The source is only read: on any error the session stays usable.
+// A message of the timeline that is not rows of the header's planes (a
+// layer of them, rows all live, its bytes theirs) is refused
+// (kInvalidArgument) before the source is asked for its rows.
 Result<SendReport> send_session(Transport& transport, HandoffSource& source,
                                 const Timeline& timeline, const SendOptions& options = {});
 

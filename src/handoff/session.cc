@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <optional>
 #include <thread>
 
@@ -253,6 +254,27 @@ Error decode_status(const std::vector<std::uint8_t>& m, const std::string& who) 
   return make_error(static_cast<ErrorCode>(code), who + ": " + shown(text, kStatusTextBytes, /*escape_backslash=*/false));
 }
 
+// A planned message names rows of one of the header's planes, all live
+// there, and their bytes (K and V, f16). The timeline is the caller's and a
+// source sizes its buffers by the message (rows x kv_dim), so a message
+// that is not is refused before any source is asked for its rows.
+Status check_planned(const Snapshot& h, const PlannedMessage& m) {
+  const std::int64_t kv = h.config.kv_dim();
+  bool ok = kv >= 1 && m.layer >= 0 && m.layer < static_cast<std::int64_t>(h.planes.size());
+  if (ok) {
+    const RingState& r = h.planes[static_cast<std::size_t>(m.layer)].ring;
+    // rows <= len, so rows * kv * 4 is within a plane's bytes.
+    ok = m.rows >= 1 && m.rows <= r.len() && m.first_row >= r.origin_logical() &&
+         m.first_row - r.origin_logical() <= r.len() - m.rows &&
+         m.rows <= std::numeric_limits<std::int64_t>::max() / 4 / kv && m.bytes == m.rows * kv * 4;
+  }
+  if (ok) return Status::Ok();
+  return invalid_argument("handoff: message " + std::to_string(m.index) + " of the timeline (layer " +
+                          std::to_string(m.layer) + ", " + std::to_string(m.rows) + " rows from " +
+                          std::to_string(m.first_row) + ", " + std::to_string(m.bytes) +
+                          " B) is not rows of the session's planes");
+}
+
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 Error peer_lost(const Status& s, const std::string& who) {
@@ -333,6 +355,7 @@ Status PrefillSource::stage_final(std::int64_t steps_done) {
     }
     if (i >= ms.size() || ms[i].release_step >= steps_done || ms[i].release_step == timeline_.n_steps - 1) break;
     const PlannedMessage& m = ms[i];
+    KVRING_RETURN_IF_ERROR(check_planned(header_, m));
     std::vector<std::uint16_t> k(static_cast<std::size_t>(m.rows) * kv), v(k.size());
     KVRING_RETURN_IF_ERROR(cache_.read_rows(m.layer, m.first_row, m.rows, k.data(), v.data()));
     {
@@ -593,6 +616,7 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   };
   auto allowed_at = Clock::now();
   for (const PlannedMessage& m : timeline.messages) {
+    if (Status s = check_planned(source.header(), m); !s.ok()) return abort_with(s.error());
     for (;;) {
       auto ready = source.wait_final(m, deadline_in(keepalive_s));
       if (!ready.ok()) return abort_with(make_error(ready.error().code, "the sender's session failed: " + ready.error().message));
