@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "kvring/handoff.h"
 #include "test_util.h"
@@ -41,6 +43,55 @@ TEST(HandoffPlanHostile, NonFiniteTimesAreRefused) {
     EXPECT_EQ(t.error().code, ErrorCode::kInvalidArgument);
     EXPECT_NE(t.error().message.find("past the 1e+12 s a plan may take"), std::string::npos) << t.error().message;
   }
+}
+
+// A timeline's sums are checked, not wrapped: messages whose bytes add up
+// to 2^64 plus the payload's, or whose rows run a plane's positions past
+// 2^63, do not send every payload byte exactly once.
+TEST(HandoffPlanHostile, TimelineSumsPastInt64AreRefused) {
+  constexpr std::int64_t kQuarter = std::int64_t{1} << 62, kPayload = 1000;
+  auto timeline = [](const std::vector<std::pair<RingState, std::int64_t>>& layers, std::int64_t payload) {
+    Timeline t;
+    t.options.rate_bytes_per_s = 1e18;
+    t.options.credit_bytes = std::numeric_limits<std::int64_t>::max();
+    t.payload.row_bytes = 1;
+    t.payload.payload_bytes = payload;
+    double at = 0;
+    for (const auto& [ring, rows] : layers) {
+      LayerPayload lp;
+      lp.layer = static_cast<std::int64_t>(t.payload.layers.size());
+      lp.kind = LayerKind::kFullNope;
+      lp.ring = ring;
+      lp.rows = rows;
+      lp.bytes = rows;
+      t.payload.layers.push_back(lp);
+      PlannedMessage m;  // one message a layer, one after another on the link
+      m.index = lp.layer;
+      m.layer = lp.layer;
+      m.kind = lp.kind;
+      m.first_row = ring.origin_logical();
+      m.rows = rows;
+      m.bytes = rows;
+      m.start_s = at;
+      m.end_s = m.ack_s = at + static_cast<double>(rows) / 1e18;
+      at = m.end_s;
+      t.messages.push_back(m);
+    }
+    return t;
+  };
+  // Four layers of 2^62, 2^62, 2^62 and 2^62 + 1000 rows: 2^64 + 1000 B.
+  Timeline bytes = timeline({{RingState::full(1), kQuarter}, {RingState::full(1), kQuarter},
+                             {RingState::full(1), kQuarter}, {RingState::full(1), kQuarter + kPayload}},
+                            kPayload);
+  Status s = check_timeline(bytes, 1e9);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("2^63"), std::string::npos) << s.error().message;
+  // A ring that ends at 2^62 and a message of 2^62 + 4 rows from its origin.
+  const RingState high = *RingState::from_parts(4, true, 4, kQuarter - 4, 0);
+  Timeline rows = timeline({{high, kQuarter + 4}}, kQuarter + 4);
+  s = check_timeline(rows, 1e9);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("2^63"), std::string::npos) << s.error().message;
 }
 
 // Slow rates, slow prefills and long answer times put a plan's times far

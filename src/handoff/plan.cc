@@ -215,7 +215,10 @@ Status check_timeline(Timeline& t, double max_idle_s) {
       return bad("message " + std::to_string(m.index) + " has " + std::to_string(m.rows) + " rows in " +
                  std::to_string(m.bytes) + " B");
     by_layer[m.layer].push_back(&m);
-    total += m.bytes;
+    // Each message's bytes fit 64 bits; their sum need not (a timeline is
+    // the caller's), and a wrapped sum could equal the payload's.
+    if (__builtin_add_overflow(total, m.bytes, &total))
+      return bad("the messages carry more than 2^63 B in all");
   }
   for (const LayerPayload& lp : p.layers) {
     auto& ms = by_layer[lp.layer];
@@ -225,11 +228,16 @@ Status check_timeline(Timeline& t, double max_idle_s) {
       if (m->first_row != next)
         return bad("layer " + std::to_string(lp.layer) + ": row " + std::to_string(next) + " is " +
                    (m->first_row > next ? "never sent" : "sent twice"));
-      next += m->rows;
+      // A ring ends within 2^62; rows past 2^63 would wrap.
+      if (__builtin_add_overflow(next, m->rows, &next))
+        return bad("layer " + std::to_string(lp.layer) + ": message " + std::to_string(m->index) +
+                   " runs past position 2^63");
     }
-    if (next != lp.ring.origin_logical() + lp.rows)
-      return bad("layer " + std::to_string(lp.layer) + ": rows up to " + std::to_string(next) + " sent, " +
-                 std::to_string(lp.ring.origin_logical() + lp.rows) + " live");
+    // (Counted from the origin: the payload's row count is the caller's too.)
+    if (next - lp.ring.origin_logical() != lp.rows)
+      return bad("layer " + std::to_string(lp.layer) + ": " + std::to_string(next - lp.ring.origin_logical()) +
+                 " rows from " + std::to_string(lp.ring.origin_logical()) + " sent, " + std::to_string(lp.rows) +
+                 " live");
   }
   if (total != p.payload_bytes)
     return bad(std::to_string(total) + " B sent, payload " + std::to_string(p.payload_bytes) + " B");
