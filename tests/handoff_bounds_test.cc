@@ -191,6 +191,85 @@ TEST(HandoffBounds, ASenderWaitingOnItsPrefillHearsWhyTheReceiverEnded) {
   EXPECT_EQ(p.to->sequence_count(), 0);
 }
 
+// A receiver that refuses a session of keep-alives (max_keep_s) and keeps
+// the link open for its next session: the sender, holding its next
+// message back on its prefill or on its pacing (1 B/s), reads the refusal
+// before its next keep-alive and ends at once, where it would otherwise
+// keep the link alive until the prefill or the pacing ended. In-process,
+// over a Unix socket and over UCX (whose accept completes only as the
+// sender's end makes progress, so each end is made on its own thread).
+TEST(HandoffBounds, ASenderHearsARefusalOnALinkLeftOpen) {
+  enum class Link { kInProcess, kUnix, kUcx };
+  for (const Link kind : {Link::kInProcess, Link::kUnix, Link::kUcx}) {
+    if (kind == Link::kUcx && !ucx_compiled()) continue;
+    for (const bool pacing : {false, true}) {
+      const std::string name = kind == Link::kInProcess ? "in-process" : kind == Link::kUnix ? "unix" : "ucx";
+      SCOPED_TRACE(name + (pacing ? ", pacing" : ", prefill"));
+      Prefilled p = prefilled(100);
+      ASSERT_TRUE(p.source);
+      ASSERT_GT(p.timeline.messages.size(), 1u);
+      LateSource late(*p.source, pacing ? 0.0 : 60.0);
+      std::function<Result<std::unique_ptr<Transport>>()> accept, connect;
+      std::unique_ptr<UnixListener> unix_listener;
+      std::unique_ptr<UcxListener> ucx_listener;
+      std::pair<std::unique_ptr<Transport>, std::unique_ptr<Transport>> pair;
+      const std::string path = ::testing::TempDir() + "kvring-bounds-open-" + std::to_string(getpid()) + ".sock";
+      if (kind == Link::kInProcess) {
+        pair = local_pair();
+        accept = [&]() -> Result<std::unique_ptr<Transport>> { return std::move(pair.second); };
+        connect = [&]() -> Result<std::unique_ptr<Transport>> { return std::move(pair.first); };
+      } else if (kind == Link::kUnix) {
+        auto l = unix_listen(path);
+        ASSERT_TRUE(l.ok()) << l.error().to_string();
+        unix_listener = std::move(*l);
+        accept = [&] { return unix_listener->accept(deadline_in(10)); };
+        connect = [&] { return unix_connect(path, deadline_in(10)); };
+      } else {
+        auto l = ucx_listen("127.0.0.1:0");
+        ASSERT_TRUE(l.ok()) << l.error().to_string();
+        ucx_listener = std::move(*l);
+        accept = [&] { return ucx_listener->accept(deadline_in(10)); };
+        connect = [&] { return ucx_connect("127.0.0.1:" + std::to_string(ucx_listener->port()), deadline_in(10)); };
+      }
+      StoreTarget target(*p.to);
+      std::atomic<bool> sender_done{false};
+      Result<ReceiveReport> got = io_error("not run");
+      std::thread rx([&] {
+        auto link = accept();
+        if (!link) {
+          got = link.error();
+          return;
+        }
+        got = receive_session(**link, target, {.timeout_s = 3, .max_keep_s = 0.5});
+        // The link stays open (a server between sessions), for as long as
+        // a sender that does not hear the refusal could take here.
+        const auto until = deadline_in(20);
+        while (!sender_done && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        (*link)->close();
+      });
+      auto link = connect();
+      EXPECT_TRUE(link.ok()) << link.error().to_string();
+      Result<SendReport> sent = io_error("not connected");
+      double took = 0;
+      if (link) {
+        const auto t0 = Clock::now();
+        sent = send_session(**link, late, p.timeline, {.timeout_s = 3, .rate_bytes_per_s = pacing ? 1.0 : 0.0});
+        took = since(t0);
+      }
+      sender_done = true;
+      rx.join();
+      if (link) (*link)->close();
+      ASSERT_FALSE(got.ok());
+      EXPECT_NE(got.error().message.find("sent only keep-alives"), std::string::npos) << got.error().to_string();
+      ASSERT_FALSE(sent.ok());
+      EXPECT_NE(sent.error().message.find("ended the session"), std::string::npos) << sent.error().to_string();
+      EXPECT_NE(sent.error().message.find("sent only keep-alives"), std::string::npos) << sent.error().to_string();
+      EXPECT_LT(took, 5.0);
+      EXPECT_EQ(p.to->sequence_count(), 0);
+    }
+  }
+}
+
 // A target whose begin() and commit() take `delay_s` each (a receiver
 // building its store, then making the sequence live).
 class SlowTarget : public HandoffTarget {

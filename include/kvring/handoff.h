@@ -205,6 +205,14 @@ class Transport {
   virtual Status recv_message(std::vector<std::uint8_t>& out, Deadline deadline,
                               std::size_t max_size) = 0;
   virtual std::string describe() const = 0;  // "ucx 127.0.0.1:4242", for messages
+  // Whether the next message has begun to arrive, or the link has ended,
+  // so that recv_message would not wait for the peer to send it. Takes
+  // nothing off the link. False where a transport cannot tell without
+  // waiting (the default): a sender holding messages back (prefill,
+  // pacing) then hears a receiver that ended the session only when one of
+  // its sends fails, which never happens while that receiver keeps the
+  // link open for its next session.
+  virtual bool message_waiting() { return false; }
   // Closes the link; the peer's calls then fail. Idempotent.
   virtual void close() = 0;
   // Whether send_message takes parts of `kind` (every transport takes host).

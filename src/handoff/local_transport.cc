@@ -110,6 +110,11 @@ class LocalTransport : public Transport {
 
   std::string describe() const override { return what_; }
 
+  bool message_waiting() override {
+    std::lock_guard lock(link_->mu);
+    return !link_->queue[self_].empty() || link_->closed;
+  }
+
   void close() override {
     {
       std::lock_guard lock(link_->mu);

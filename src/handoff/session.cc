@@ -550,12 +550,14 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   // The receiver acknowledges each message in order, with the bytes taken
   // up to its end, and says DONE only after the end, every message
   // acknowledged: a reply that breaks that order ends the session.
-  auto read_reply = [&]() -> Status {
+  // `unasked`: read while no reply was awaited (a receiver's ERROR then
+  // says it ended the session).
+  auto read_reply = [&](bool unasked = false) -> Status {
     KVRING_RETURN_IF_ERROR(on_receiver([&](Deadline d) { return transport.recv_message(in, d, 1 << 20); }));
     if (in.empty()) return wire_error(who + " sent an empty message");
     if (in[0] == kError) {
       bye();
-      return decode_status(in, who + " failed");
+      return decode_status(in, who + (unasked ? " ended the session" : " failed"));
     }
     if (in[0] == kAck && in.size() == 17) {
       Reader a{in.data() + 1, in.data() + in.size()};
@@ -610,7 +612,12 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   // timeout: the receiver's own timeout is its setting (serve's --timeout),
   // not this one's, and a keep-alive costs a byte.
   const double keepalive_s = std::clamp(options.timeout_s / 4, 0.05, kMaxKeepaliveS);
+  // While a message is held back (prefill, pacing), replies that arrived
+  // are read first: the ACKs of earlier messages, or a receiver's ERROR,
+  // which ends the session here even where that receiver keeps the link
+  // open (Transport::message_waiting).
   auto keep_alive = [&]() -> Status {
+    while (transport.message_waiting()) KVRING_RETURN_IF_ERROR(read_reply(/*unasked=*/true));
     const std::uint8_t keep = kKeep;
     return on_receiver([&](Deadline d) { return transport.send_message(&keep, 1, d); }, true);
   };
@@ -630,7 +637,9 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     if (options.rate_bytes_per_s > 0) {
       // The pacing wait keeps the link alive as a prefill wait does: the
       // receiver bounds a run of keep-alives by its max_keep_s, so a rate
-      // too slow for it ends there, not at the sender's last message.
+      // too slow for it ends there (its ERROR read before the next
+      // keep-alive, or that keep-alive's send failing), not at the
+      // sender's last message.
       const auto now = Clock::now();
       while (Clock::now() < allowed_at) {
         std::this_thread::sleep_until(std::min(allowed_at, Clock::now() + duration_of(keepalive_s)));

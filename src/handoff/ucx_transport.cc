@@ -222,6 +222,16 @@ class UcxTransport : public Transport {
 
   std::string describe() const override { return "ucx " + peer_; }
 
+  // A tagged message in the worker's queue (probed without removing it),
+  // or a link that failed.
+  bool message_waiting() override {
+    if (broken_ || ep_ == nullptr || failed_ != UCS_OK) return true;
+    while (ucp_worker_progress(worker_->get()) != 0) {
+    }
+    ucp_tag_recv_info_t info{};
+    return ucp_tag_probe_nb(worker_->get(), kTag, ~ucp_tag_t{0}, 0, &info) != nullptr || failed_ != UCS_OK;
+  }
+
   void close() override {
     if (!ep_) return;
     ucp_request_param_t p{};

@@ -135,6 +135,14 @@ class UnixTransport : public Transport {
 
   std::string describe() const override { return name_; }
 
+  // Readable now: bytes of a message, the peer's end of stream or an
+  // error, each of which the next recv_message reports without waiting.
+  bool message_waiting() override {
+    if (broken_ || fd_ < 0) return true;
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+
   void close() override {
     if (fd_ < 0) return;
     ::shutdown(fd_, SHUT_RDWR);  // the peer sees end of stream even if another process shares the fd
