@@ -183,6 +183,25 @@ TEST(Ring, ABatchPastTheLastPositionSaysSo) {
       << past.error().message;
 }
 
+// append holds positions below 2^62 as plan_batch does: a ring whose end
+// is 2^62 takes no further row, and stays as it was.
+TEST(Ring, AnAppendPastTheLastPositionIsRefused) {
+  const std::int64_t end = std::int64_t{1} << 62;
+  RingState r = *RingState::sequential(32, true, end - 1);
+  ASSERT_TRUE(r.append(0, end - 1).ok());
+  EXPECT_EQ(r.next_position(), end);
+  const RingState at_end = r;
+  const auto past = r.append(3, end);
+  ASSERT_FALSE(past.ok());
+  EXPECT_EQ(past.error().code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(past.error().message.find("layer 3: a batch of 1 rows from position 4611686018427387904 would pass "
+                                      "position 2^62"),
+            std::string::npos)
+      << past.error().message;
+  EXPECT_EQ(r, at_end);
+  EXPECT_FALSE(r.plan_batch(0, end, 1).ok());
+}
+
 // commit_batch applies only counts a plan accepts: one past position 2^62
 // or past a full plane's capacity leaves the state as it was, so no state
 // reaches a negative origin or a full plane whose origin moved.

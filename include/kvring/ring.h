@@ -81,7 +81,8 @@ class RingState {
 
   // Reserves the physical row for `position` and advances the origins.
   // Errors: kCacheDiscontinuity when position != next_position();
-  // kCapacityExceeded when a full plane is full.
+  // kCapacityExceeded when a full plane is full; kInvalidArgument at
+  // position 2^62 or past it (no ring's end passes 2^62).
   Result<std::int64_t> append(std::int64_t layer, std::int64_t position);
 
   // Placement of `count` >= 1 rows starting at `start`, without changing the

@@ -41,6 +41,15 @@ Error no_rows(std::int64_t layer, std::int64_t capacity) {
                           std::to_string(capacity) + " holds no rows");
 }
 
+// Positions stay below 2^62 (from_parts holds every recorded ring to an end
+// of at most 2^62), so start + count and len + count cannot overflow: a
+// batch of `count` rows from `start` that would pass it is refused.
+Error past_last_position(std::int64_t layer, std::int64_t start, std::int64_t count) {
+  return invalid_argument("layer " + std::to_string(layer) + ": a batch of " + std::to_string(count) +
+                          " rows from position " + std::to_string(start) +
+                          " would pass position 2^62, the last a ring holds");
+}
+
 }  // namespace
 
 Result<RingState> RingState::from_parts(std::int64_t capacity, bool wraps, std::int64_t len,
@@ -86,6 +95,7 @@ Result<std::int64_t> RingState::append(std::int64_t layer, std::int64_t position
   if (capacity_ < 1) return no_rows(layer, capacity_);
   const std::int64_t expected = next_position();
   if (position != expected) return cache_discontinuity(layer, expected, position);
+  if (position >= (std::int64_t{1} << 62)) return past_last_position(layer, position, 1);
   if (len_ < capacity_) {
     std::int64_t write = origin_physical_ + len_;
     if (write >= capacity_) write -= capacity_;
@@ -107,12 +117,7 @@ Result<BatchPlacement> RingState::plan_batch(std::int64_t layer, std::int64_t st
                             std::to_string(count) + " rows");
   const std::int64_t expected = next_position();
   if (start != expected) return cache_discontinuity(layer, expected, start);
-  // Positions stay far below 2^62, so start + count and len + count cannot
-  // overflow past this bound.
-  if (count > (std::int64_t{1} << 62) - start)
-    return invalid_argument("layer " + std::to_string(layer) + ": a batch of " + std::to_string(count) +
-                            " rows from position " + std::to_string(start) +
-                            " would pass position 2^62, the last a ring holds");
+  if (count > (std::int64_t{1} << 62) - start) return past_last_position(layer, start, count);
   const std::int64_t total = len_ + count;
   if (!wraps_ && total > capacity_)
     return capacity_exceeded(layer, capacity_, start + count - 1);
