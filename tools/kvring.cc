@@ -48,6 +48,8 @@ const CommandHelp kHelp[] = {
     {"footprint", R"(  footprint  [--model NAME | --config FILE] [--context N] [--slots N] [--json]
              KV-cache bytes per token, per plane class, per slot and for N
              slots; without --context, a table for 2048, 32768 and 131072
+             (those the model holds, then its maximum context where that is
+             less than 131072)
   footprint  [--model NAME | --config FILE] --fit MEMORY --length L
              [--block-rows B] [--slack S] [--json]
              how many sequences of L tokens fit in MEMORY (bytes, or with a
