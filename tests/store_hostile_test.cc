@@ -533,6 +533,13 @@ TEST_F(RedisHostile, SpecsAreParsedAndPasswordsNeverShown) {
     EXPECT_NE(r.error().message.find(why), std::string::npos) << r.error().to_string();
     EXPECT_EQ(r.error().message.find("s3cret-pw"), std::string::npos) << r.error().to_string();
   }
+  // The form a refusal quotes is the one the parser takes: a user only
+  // with a password.
+  auto user_only = parse_redis_spec("redis://user-only@h");
+  ASSERT_FALSE(user_only.ok());
+  EXPECT_NE(user_only.error().message.find("(redis://[[USER]:PASSWORD@]HOST[:PORT][?timeout_ms=N&deadline_ms=N])"),
+            std::string::npos)
+      << user_only.error().to_string();
   auto unknown = open_chunk_store("rediss://u:s3cret-pw@h");
   ASSERT_FALSE(unknown.ok());
   EXPECT_EQ(unknown.error().message.find("s3cret-pw"), std::string::npos) << unknown.error().to_string();

@@ -91,7 +91,7 @@ Result<RedisOptions> parse_redis_spec(std::string_view spec) {
   const std::string shown = redacted(spec);
   auto bad = [&](const std::string& why) {
     return invalid_argument("chunk store '" + shown + "': " + why +
-                            " (redis://[USER[:PASSWORD]@]HOST[:PORT][?timeout_ms=N&deadline_ms=N])");
+                            " (redis://[[USER]:PASSWORD@]HOST[:PORT][?timeout_ms=N&deadline_ms=N])");
   };
   std::string_view rest = spec.substr(8);
   RedisOptions o;
