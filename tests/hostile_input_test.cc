@@ -706,6 +706,7 @@ TEST_F(HostileFiles, ArgumentErrorsPrintNothingOnStdout) {
       {"run", "--resume", "a.kvpack", "--hidden", "64"},
       {"run", "--resume", "a.kvpack", "--tokens", "x"},
       {"config", "--config", "fifo"},
+      {"help", "nosuch"},
   };
   for (const auto& args : cases) {
     const Ran r = run_tool(args, dir_);

@@ -1,4 +1,5 @@
 // kvring: the command-line tool.
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -253,17 +254,16 @@ int footprint_fit(const ModelConfig& config, const Args& args) {
 }
 
 int print_help(const std::string& command) {
-  std::printf("usage: kvring %s [options]\n\n", command.c_str());
-  bool any = false;
-  for (const CommandHelp& h : kHelp) {
+  // "pack" prints "pack inspect" and "pack verify".
+  auto names = [&](const CommandHelp& h) {
     const std::string name = h.name;
-    // "pack" prints "pack inspect" and "pack verify".
-    if (name == command || name.rfind(command + " ", 0) == 0) {
-      std::fputs(h.text, stdout);
-      any = true;
-    }
-  }
-  if (!any) return fail("no help for '" + command + "'");
+    return name == command || name.rfind(command + " ", 0) == 0;
+  };
+  // An unknown command is an argument error: nothing on stdout.
+  if (std::none_of(std::begin(kHelp), std::end(kHelp), names)) return fail("no help for '" + command + "'");
+  std::printf("usage: kvring %s [options]\n\n", command.c_str());
+  for (const CommandHelp& h : kHelp)
+    if (names(h)) std::fputs(h.text, stdout);
   if (command != "config" && command != "footprint" && command != "help" && command != "pack inspect")
     std::fputs(kStores, stdout);
   std::fputs(kTail, stdout);
