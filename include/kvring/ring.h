@@ -86,8 +86,9 @@ class RingState {
   Result<std::int64_t> append(std::int64_t layer, std::int64_t position);
 
   // Placement of `count` >= 1 rows starting at `start`, without changing the
-  // state; commit_batch applies it. Same errors as append; a ring of no
-  // rows (capacity < 1: a default state) refuses every append.
+  // state; commit_batch applies it. Same errors as append, and
+  // kInvalidArgument for a count below 1; a ring of no rows (capacity < 1:
+  // a default state) refuses every append (kInvalidArgument).
   Result<BatchPlacement> plan_batch(std::int64_t layer, std::int64_t start,
                                     std::int64_t count) const;
   // Applies `count` rows; a count no plan_batch accepts (below 1, past a

@@ -148,7 +148,8 @@ inline constexpr std::int64_t kMaxPoolBlocks = std::int64_t{1} << 30;
 inline constexpr std::int64_t kMaxStoreBytes = std::int64_t{1} << 62;
 
 struct StoreOptions {
-  // Sequences the store holds at once (slots; each holds its sliding rings).
+  // Sequences the store holds at once (slots; each holds its sliding
+  // rings), in [1, 2^20].
   std::int64_t max_sequences = 1;
   // Positions one sequence may reach (0: the model's max_context), with no
   // plane shorter than kMinPlaneRows (32): a full layer holds max(32,
