@@ -86,7 +86,8 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvringConfig.cmake
 
 # pkg-config (cmake/kvring.pc.in): the same libraries for an engine built
 # without CMake, in link order, with the dependencies as this build found
-# them: kvring.pc for all of them, kvring-store.pc for kvring::kvring's. Under a relative libdir the prefix is the file's own place, so
+# them: kvring.pc for all of them, kvring-store.pc for kvring::kvring's.
+# Under a relative libdir the prefix is the file's own place, so
 # `cmake --install --prefix` anywhere gives a file that points into it.
 set(kvring_pc_dir ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 if(IS_ABSOLUTE "${kvring_pc_dir}")
