@@ -141,7 +141,7 @@ const CommandHelp kHelp[] = {
 const char* kStores = R"(
 stores (STORE):
   dir:PATH   a directory (created if absent)
-  redis://[USER:PASSWORD@]HOST[:PORT][?timeout_ms=N&deadline_ms=N]
+  redis://[[USER]:PASSWORD@]HOST[:PORT][?timeout_ms=N&deadline_ms=N]
              HOST a name, an IPv4 address or [IPv6]; PORT 6379 by default;
              timeout_ms bounds each wait for the server (default 5000),
              deadline_ms the whole command's use of it (default 600000);
