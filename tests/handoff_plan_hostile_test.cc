@@ -45,6 +45,30 @@ TEST(HandoffPlanHostile, NonFiniteTimesAreRefused) {
   }
 }
 
+// A timeline whose rate is not a positive finite number, or an idle bound
+// that is not a number of at least 0, is refused: every comparison with a
+// NaN is false, so neither would measure anything.
+TEST(HandoffPlanHostile, ATimelinesRateAndIdleBoundAreNumbers) {
+  const ModelConfig c = testing::small_config(32, 256);
+  auto t = plan_handoff(c, 200, {});
+  ASSERT_TRUE(t.ok()) << t.error().to_string();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  ASSERT_TRUE(check_timeline(*t, 1.0).ok());
+  for (const double rate : {nan, 0.0, -1.0, std::numeric_limits<double>::infinity()}) {
+    Timeline bad = *t;
+    bad.options.rate_bytes_per_s = rate;
+    const Status s = check_timeline(bad, 1.0);
+    EXPECT_FALSE(s.ok()) << rate;
+    if (!s.ok()) {
+      EXPECT_NE(s.error().message.find("rate"), std::string::npos) << s.to_string();
+    }
+  }
+  for (const double idle : {nan, -1.0}) {
+    Timeline bad = *t;
+    EXPECT_FALSE(check_timeline(bad, idle).ok()) << idle;
+  }
+}
+
 // A timeline's sums are checked, not wrapped: messages whose bytes add up
 // to 2^64 plus the payload's, or whose rows run a plane's positions past
 // 2^63, do not send every payload byte exactly once.

@@ -145,7 +145,9 @@ Result<Timeline> plan_handoff(const ModelConfig& config, std::int64_t prompt_tok
 // before it is released or final, the bytes in flight never above the
 // credits, the link never carrying two messages at once nor faster than the
 // rate, and no idle gap longer than `max_idle_s` while a released message
-// waits. Fills max_in_flight, max_idle_while_ready_s and busy_s.
+// waits. A rate (options.rate_bytes_per_s) that is not a finite number
+// above 0, or a `max_idle_s` that is not a number of at least 0, is
+// refused. Fills max_in_flight, max_idle_while_ready_s and busy_s.
 Status check_timeline(Timeline& timeline, double max_idle_s);
 
 // ---------------------------------------------------------------- transport

@@ -202,6 +202,12 @@ Status check_timeline(Timeline& t, double max_idle_s) {
   // Every byte exactly once: per layer, the messages tile the live rows.
   std::map<std::int64_t, std::vector<const PlannedMessage*>> by_layer;
   std::int64_t total = 0;
+  // The rate and the bound are compared with, and a NaN compares false:
+  // a timeline at a rate that is not a positive number, or checked
+  // against a bound that is not one at least 0, would pass unmeasured.
+  if (!(t.options.rate_bytes_per_s > 0) || !std::isfinite(t.options.rate_bytes_per_s))
+    return bad("the rate " + std::to_string(t.options.rate_bytes_per_s) + " B/s is not a finite number above 0");
+  if (!(max_idle_s >= 0)) return bad("the idle bound " + std::to_string(max_idle_s) + " s is not a number of at least 0");
   if (static_cast<std::int64_t>(t.messages.size()) > kMaxPlannedMessages)
     return bad(std::to_string(t.messages.size()) + " messages (at most " + std::to_string(kMaxPlannedMessages) + ")");
   for (const PlannedMessage& m : t.messages) {
