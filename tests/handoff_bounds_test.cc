@@ -165,6 +165,16 @@ TEST(HandoffBounds, KeepAlivesOutpaceAShorterReceiverTimeout) {
   EXPECT_TRUE(sent.ok()) << sent.error().to_string();
 }
 
+// The receiver refused a session of keep-alives (max_keep_s), and the
+// sender reports that reason as the receiver's.
+void expect_keep_alive_refusal(const Result<ReceiveReport>& got, const Result<SendReport>& sent) {
+  ASSERT_FALSE(got.ok());
+  EXPECT_NE(got.error().message.find("sent only keep-alives"), std::string::npos) << got.error().to_string();
+  ASSERT_FALSE(sent.ok());
+  EXPECT_NE(sent.error().message.find("ended the session"), std::string::npos) << sent.error().to_string();
+  EXPECT_NE(sent.error().message.find("sent only keep-alives"), std::string::npos) << sent.error().to_string();
+}
+
 // A receiver that ends a session while the sender waits on its prefill
 // (only keep-alives for max_keep_s) says why before it closes the link; the
 // sender, which reads no reply while it waits, hears that reason when its
@@ -182,11 +192,7 @@ TEST(HandoffBounds, ASenderWaitingOnItsPrefillHearsWhyTheReceiverEnded) {
     sent = send_session(link, late, *t, {.timeout_s = 3});
     took = since(t0);
   });
-  ASSERT_FALSE(got.ok());
-  EXPECT_NE(got.error().message.find("sent only keep-alives"), std::string::npos) << got.error().to_string();
-  ASSERT_FALSE(sent.ok());
-  EXPECT_NE(sent.error().message.find("ended the session"), std::string::npos) << sent.error().to_string();
-  EXPECT_NE(sent.error().message.find("sent only keep-alives"), std::string::npos) << sent.error().to_string();
+  expect_keep_alive_refusal(got, sent);
   EXPECT_LT(took, 10.0);
   EXPECT_EQ(p.to->sequence_count(), 0);
 }
@@ -259,11 +265,7 @@ TEST(HandoffBounds, ASenderHearsARefusalOnALinkLeftOpen) {
       sender_done = true;
       rx.join();
       if (link) (*link)->close();
-      ASSERT_FALSE(got.ok());
-      EXPECT_NE(got.error().message.find("sent only keep-alives"), std::string::npos) << got.error().to_string();
-      ASSERT_FALSE(sent.ok());
-      EXPECT_NE(sent.error().message.find("ended the session"), std::string::npos) << sent.error().to_string();
-      EXPECT_NE(sent.error().message.find("sent only keep-alives"), std::string::npos) << sent.error().to_string();
+      expect_keep_alive_refusal(got, sent);
       EXPECT_LT(took, 5.0);
       EXPECT_EQ(p.to->sequence_count(), 0);
     }

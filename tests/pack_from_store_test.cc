@@ -76,6 +76,19 @@ class PackFromStore : public ::testing::Test {
     return write_pack(*snap, path, o);
   }
 
+  // The pack reads back (its chunks from `chunks`) as the sequence's
+  // snapshot with these extras.
+  void expect_reads_as(const PackSource& src, const ChunkStore* chunks, SeqId seq,
+                       const std::vector<std::int32_t>& ids, const std::string& meta) {
+    auto back = read_pack(src, {.store = chunks});
+    ASSERT_TRUE(back.ok()) << back.error().to_string();
+    auto want = take_snapshot(*store_, seq);
+    ASSERT_TRUE(want.ok());
+    want->token_ids = ids;
+    want->metadata = meta;
+    EXPECT_TRUE(testing::same_rows(*back, *want));
+  }
+
   std::string dir_;
   ModelConfig cfg_;
   std::unique_ptr<KvStore> store_;
@@ -134,13 +147,7 @@ TEST_F(PackFromStore, AThinPackPutsTheSameChunks) {
       ASSERT_TRUE(v.ok());
       EXPECT_EQ(v->bad_chunks, 0);
       EXPECT_GT(v->chunks, 0);
-      auto back = read_pack(**src, {.store = from_store->get()});
-      ASSERT_TRUE(back.ok()) << back.error().to_string();
-      auto want = take_snapshot(*store_, seq);
-      ASSERT_TRUE(want.ok());
-      want->token_ids = ids;
-      want->metadata = "m";
-      EXPECT_TRUE(testing::same_rows(*back, *want));
+      expect_reads_as(**src, from_store->get(), seq, ids, "m");
     }
   }
 }
@@ -215,13 +222,7 @@ TEST_F(PackFromStore, GroupsOfPlanesWriteTheSamePack) {
       EXPECT_EQ(counting.puts, groups(budget_rows));
       auto src = open_pack_file(dir_ + "/thin.kvpack");
       ASSERT_TRUE(src.ok());
-      auto back = read_pack(**src, {.store = chunks->get()});
-      ASSERT_TRUE(back.ok()) << back.error().to_string();
-      auto want = take_snapshot(*store_, long_);
-      ASSERT_TRUE(want.ok());
-      want->token_ids = ids;
-      want->metadata = "g";
-      EXPECT_TRUE(testing::same_rows(*back, *want));
+      expect_reads_as(**src, chunks->get(), long_, ids, "g");
     }
   }
 }

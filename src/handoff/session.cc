@@ -263,7 +263,8 @@ Status check_planned(const Snapshot& h, const PlannedMessage& m) {
   bool ok = kv >= 1 && m.layer >= 0 && m.layer < static_cast<std::int64_t>(h.planes.size());
   if (ok) {
     const RingState& r = h.planes[static_cast<std::size_t>(m.layer)].ring;
-    // rows <= len, so rows * kv * 4 is within a plane's bytes.
+    // The header is the source's own: rows * kv * 4 is checked, not assumed
+    // to fit.
     ok = m.rows >= 1 && m.rows <= r.len() && m.first_row >= r.origin_logical() &&
          m.first_row - r.origin_logical() <= r.len() - m.rows &&
          m.rows <= std::numeric_limits<std::int64_t>::max() / 4 / kv && m.bytes == m.rows * kv * 4;

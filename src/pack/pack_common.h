@@ -53,8 +53,7 @@ Result<Digest> sha256_in_pieces(std::int64_t bytes,
 
 // write_pack of a store's sequence with consecutive planes read a group
 // at a time, as many as fit in the larger of `group_bytes` of rows and
-// the longest plane.
-// write_pack takes kStoreGroupBytes.
+// the longest plane; write_pack takes kStoreGroupBytes.
 inline constexpr std::int64_t kStoreGroupBytes = std::int64_t{64} << 20;
 Status write_pack_in_groups(const KvStore& store, SeqId seq, const std::string& path,
                             const std::vector<std::int32_t>& token_ids, const std::string& metadata,
