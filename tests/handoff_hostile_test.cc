@@ -178,6 +178,29 @@ class Hostile : public ::testing::Test {
     EXPECT_EQ(target.pending_blocks(), 0);
     return r;
   }
+  // A cache of the prompt's first kPrompt - 1 tokens, as from_'s sequence.
+  std::unique_ptr<KvCache> prefilled_cache() const {
+    auto cache = KvCache::create(BackendKind::kCpu, config_, {});
+    if (!cache.ok()) return nullptr;
+    std::vector<float> logits(static_cast<std::size_t>((kPrompt - 1) * 64));
+    if (!model_->forward(**cache, 0, prompt_.data(), kPrompt - 1, logits.data()).ok()) return nullptr;
+    return std::move(*cache);
+  }
+  // Edits that take a planned message outside the session's planes.
+  static std::vector<std::function<void(PlannedMessage&)>> outside_the_planes() {
+    constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+    return {
+        [](PlannedMessage& m) { m.rows = -1; },
+        [](PlannedMessage& m) { m.rows = std::int64_t{1} << 40; },
+        [](PlannedMessage& m) { m.rows = kMax; },
+        [](PlannedMessage& m) { m.rows = 0; },
+        [](PlannedMessage& m) { m.first_row = -1; },
+        [](PlannedMessage& m) { m.first_row = kMax - 1; },
+        [](PlannedMessage& m) { m.layer = -1; },
+        [](PlannedMessage& m) { m.layer = 99; },
+        [](PlannedMessage& m) { m.bytes = -1; },
+    };
+  }
   std::size_t first_rows() const { return 1; }
   std::size_t n_rows_msgs() const { return stream_.size() - 2; }
 
@@ -529,22 +552,10 @@ TEST_F(Hostile, HeaderClaimingMoreTokenIdsThanItHolds) {
 // live ones, another layer) or whose bytes are not its rows' is refused
 // before any source is asked for its rows, and the receiver is told.
 TEST_F(Hostile, ATimelineMessageOutsideThePlanesIsRefused) {
-  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
-  auto cache = KvCache::create(BackendKind::kCpu, config_, {});
-  ASSERT_TRUE(cache.ok());
-  std::vector<float> logits(static_cast<std::size_t>((kPrompt - 1) * 64));
-  ASSERT_TRUE(model_->forward(**cache, 0, prompt_.data(), kPrompt - 1, logits.data()).ok());
-  const std::vector<std::function<void(PlannedMessage&)>> edits = {
-      [](PlannedMessage& m) { m.rows = -1; },
-      [](PlannedMessage& m) { m.rows = std::int64_t{1} << 40; },
-      [](PlannedMessage& m) { m.rows = kMax; },
-      [](PlannedMessage& m) { m.rows = 0; },
-      [](PlannedMessage& m) { m.first_row = -1; },
-      [](PlannedMessage& m) { m.first_row = kMax - 1; },
-      [](PlannedMessage& m) { m.layer = 99; },
-      [](PlannedMessage& m) { m.bytes = -1; },
-  };
+  std::unique_ptr<KvCache> cache = prefilled_cache();
+  ASSERT_NE(cache, nullptr);
+  const std::vector<std::function<void(PlannedMessage&)>> edits = outside_the_planes();
   for (std::size_t e = 0; e < edits.size(); ++e)
     for (int kind = 0; kind < 2; ++kind) {
       Timeline t = timeline_;
@@ -555,7 +566,7 @@ TEST_F(Hostile, ATimelineMessageOutsideThePlanesIsRefused) {
         ASSERT_TRUE(s.ok());
         source = std::move(*s);
       } else {
-        auto s = CacheSource::create(**cache, t.payload, ids, "m");
+        auto s = CacheSource::create(*cache, t.payload, ids, "m");
         ASSERT_TRUE(s.ok());
         source = std::move(*s);
       }
@@ -573,6 +584,66 @@ TEST_F(Hostile, ATimelineMessageOutsideThePlanesIsRefused) {
       EXPECT_EQ(store_->sequence_count(), 1);
       EXPECT_EQ(store_->free_blocks(), free_before_);
     }
+}
+
+// The same messages asked of a source directly (an engine driving its own
+// send loop): each source refuses them before it sizes a buffer by them,
+// and still hands out the timeline's own message after.
+TEST_F(Hostile, ASourceAskedDirectlyForRowsOutsideItsPlanesRefuses) {
+  const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+  std::unique_ptr<KvCache> cache = prefilled_cache();
+  ASSERT_NE(cache, nullptr);
+  const std::vector<std::function<void(PlannedMessage&)>> edits = outside_the_planes();
+  const PlannedMessage good = timeline_.messages[3];
+  const std::size_t n = static_cast<std::size_t>(good.rows * config_.kv_dim());
+  auto header = session_header(cache->store(), cache->seq(), timeline_.payload, ids, "m");
+  ASSERT_TRUE(header.ok()) << header.error().to_string();
+  for (int kind = 0; kind < 3; ++kind) {
+    // The prefill source checks a message against its own timeline first,
+    // so its timeline carries the edited message.
+    std::vector<Timeline> timelines(edits.size(), timeline_);
+    std::vector<std::unique_ptr<HandoffSource>> sources;
+    for (std::size_t e = 0; e < edits.size(); ++e) {
+      if (kind == 0) {
+        auto s = StoreSource::create(*from_, seq_, timeline_, ids, "m");
+        ASSERT_TRUE(s.ok());
+        sources.push_back(std::move(*s));
+      } else if (kind == 1) {
+        auto s = CacheSource::create(*cache, timeline_.payload, ids, "m");
+        ASSERT_TRUE(s.ok());
+        sources.push_back(std::move(*s));
+      } else {
+        edits[e](timelines[e].messages[3]);
+        auto p = std::make_unique<PrefillSource>(*cache, timelines[e], *header);
+        p->finish(Status::Ok());
+        sources.push_back(std::move(p));
+      }
+    }
+    for (std::size_t e = 0; e < edits.size(); ++e) {
+      PlannedMessage m = good;
+      edits[e](m);
+      const std::uint16_t *k = nullptr, *v = nullptr;
+      Status s = sources[e]->rows(m, &k, &v);
+      ASSERT_FALSE(s.ok()) << kind << " " << e;
+      EXPECT_EQ(s.error().code, ErrorCode::kInvalidArgument) << s.error().to_string();
+      EXPECT_NE(s.error().message.find("message 3"), std::string::npos) << s.error().to_string();
+      SourceRows out;
+      s = sources[e]->message_rows(m, false, &out);
+      ASSERT_FALSE(s.ok()) << kind << " " << e;
+      EXPECT_EQ(s.error().code, ErrorCode::kInvalidArgument) << s.error().to_string();
+    }
+    // A source of the unedited timeline still hands out message 3's rows.
+    if (kind < 2) {
+      const std::uint16_t *k = nullptr, *v = nullptr;
+      ASSERT_TRUE(sources[0]->rows(good, &k, &v).ok()) << kind;
+      std::vector<std::uint16_t> ek(n), ev(n);
+      ASSERT_TRUE((kind == 0 ? from_->read_rows(seq_, good.layer, good.first_row, good.rows, ek.data(), ev.data())
+                             : cache->read_rows(good.layer, good.first_row, good.rows, ek.data(), ev.data()))
+                      .ok());
+      EXPECT_EQ(std::vector<std::uint16_t>(k, k + n), ek) << kind;
+      EXPECT_EQ(std::vector<std::uint16_t>(v, v + n), ev) << kind;
+    }
+  }
 }
 
 // A header of a big sliding-window geometry and one position: almost no

@@ -141,6 +141,23 @@ class Handoff : public ::testing::Test {
     EXPECT_TRUE(t.ok());
     return *t;
   }
+  // The header a prefill node sends before its rows exist: the payload's
+  // final ring states, from the plan.
+  Snapshot prefill_header(const Session& s, const Timeline& t) const {
+    Snapshot header;
+    header.config = config_;
+    header.context = s.cache().context();
+    header.token_count = kPrompt - 1;
+    header.token_ids.assign(prompt_.begin(), prompt_.end() - 1);
+    for (const auto& lp : t.payload.layers) {
+      PlaneSnapshot p;
+      p.kind = lp.kind;
+      p.layout = layout_for(lp.kind);
+      p.ring = lp.ring;
+      header.planes.push_back(std::move(p));
+    }
+    return header;
+  }
   std::unique_ptr<CacheSource> source(const Session& s, const Timeline& t) {
     auto src = CacheSource::create(s.cache(), t.payload, s.tokens(), "meta");
     EXPECT_TRUE(src.ok()) << src.error().to_string();
@@ -225,19 +242,7 @@ TEST_F(Handoff, OverlappedWithPrefillIsBitExact) {
     SCOPED_TRACE(schedule_name(sched));
     Session s = fresh();
     const Timeline t = plan(sched, 7 * 256);
-    Snapshot header;
-    header.config = config_;
-    header.context = s.cache().context();
-    header.token_count = kPrompt - 1;
-    header.token_ids.assign(prompt_.begin(), prompt_.end() - 1);
-    for (const auto& lp : t.payload.layers) {
-      PlaneSnapshot p;
-      p.kind = lp.kind;
-      p.layout = layout_for(lp.kind);
-      p.ring = lp.ring;
-      header.planes.push_back(std::move(p));
-    }
-    PrefillSource src(s.cache(), t, header);
+    PrefillSource src(s.cache(), t, prefill_header(s, t));
     auto [a, b] = local_pair();
     DetachedCacheTarget target({});
     std::optional<Result<ReceiveReport>> received;
@@ -271,9 +276,7 @@ TEST_F(Handoff, OverlappedWithPrefillIsBitExact) {
 TEST_F(Handoff, APrefillSourceRefusesAMessageOfAnotherTimeline) {
   Session s = prefilled();
   const Timeline t = plan(Schedule::kPaced, 7 * 256);
-  Snapshot header;
-  header.config = config_;
-  PrefillSource src(s.cache(), t, header);
+  PrefillSource src(s.cache(), t, prefill_header(s, t));
   src.finish(Status::Ok());
   ASSERT_FALSE(t.messages.empty());
   PlannedMessage past = t.messages.back(), moved = t.messages.front(), negative = t.messages.front();

@@ -346,7 +346,10 @@ class HandoffSource {
   // again); an error when the source failed (prefill stopped).
   virtual Result<bool> wait_final(const PlannedMessage& message, Deadline deadline) = 0;
   // The message's rows in logical order, f16 bits [rows, kv_dim] each. The
-  // pointers stay valid until release(message).
+  // pointers stay valid until release(message). The sources here refuse a
+  // message that is not rows of the header's planes (kInvalidArgument),
+  // and PrefillSource and the CUDA StoreSource one that is not their
+  // timeline's.
   virtual Status rows(const PlannedMessage& message, const std::uint16_t** k,
                       const std::uint16_t** v) = 0;
   // The same, in device memory where `device_ok` (the transport carries it)

@@ -30,6 +30,7 @@
 
 #include "core/digest64.h"
 #include "core/text.h"
+#include "checks.h"
 #include "device.h"
 #include "kvring/handoff.h"
 #include "kvring/sha256.h"
@@ -254,28 +255,6 @@ Error decode_status(const std::vector<std::uint8_t>& m, const std::string& who) 
   return make_error(static_cast<ErrorCode>(code), who + ": " + shown(text, kStatusTextBytes, /*escape_backslash=*/false));
 }
 
-// A planned message names rows of one of the header's planes, all live
-// there, and their bytes (K and V, f16). The timeline is the caller's and a
-// source sizes its buffers by the message (rows x kv_dim), so a message
-// that is not is refused before any source is asked for its rows.
-Status check_planned(const Snapshot& h, const PlannedMessage& m) {
-  const std::int64_t kv = h.config.kv_dim();
-  bool ok = kv >= 1 && m.layer >= 0 && m.layer < static_cast<std::int64_t>(h.planes.size());
-  if (ok) {
-    const RingState& r = h.planes[static_cast<std::size_t>(m.layer)].ring;
-    // The header is the source's own: rows * kv * 4 is checked, not assumed
-    // to fit.
-    ok = m.rows >= 1 && m.rows <= r.len() && m.first_row >= r.origin_logical() &&
-         m.first_row - r.origin_logical() <= r.len() - m.rows &&
-         m.rows <= std::numeric_limits<std::int64_t>::max() / 4 / kv && m.bytes == m.rows * kv * 4;
-  }
-  if (ok) return Status::Ok();
-  return invalid_argument("handoff: message " + std::to_string(m.index) + " of the timeline (layer " +
-                          std::to_string(m.layer) + ", " + std::to_string(m.rows) + " rows from " +
-                          std::to_string(m.first_row) + ", " + std::to_string(m.bytes) +
-                          " B) is not rows of the session's planes");
-}
-
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 Error peer_lost(const Status& s, const std::string& who) {
@@ -298,6 +277,27 @@ std::uint64_t host_words(const void* k, const void* v, std::size_t plane_bytes) 
 }
 
 }  // namespace
+
+// The timeline is the caller's and a source sizes its buffers by the
+// message (rows x kv_dim), so the sender and each source refuse a message
+// that is not rows of the header's planes before anything else.
+Status check_planned(const Snapshot& h, const PlannedMessage& m) {
+  const std::int64_t kv = h.config.kv_dim();
+  bool ok = kv >= 1 && m.layer >= 0 && m.layer < static_cast<std::int64_t>(h.planes.size());
+  if (ok) {
+    const RingState& r = h.planes[static_cast<std::size_t>(m.layer)].ring;
+    // The header is the source's own: rows * kv * 4 is checked, not assumed
+    // to fit.
+    ok = m.rows >= 1 && m.rows <= r.len() && m.first_row >= r.origin_logical() &&
+         m.first_row - r.origin_logical() <= r.len() - m.rows &&
+         m.rows <= std::numeric_limits<std::int64_t>::max() / 4 / kv && m.bytes == m.rows * kv * 4;
+  }
+  if (ok) return Status::Ok();
+  return invalid_argument("handoff: message " + std::to_string(m.index) + " of the timeline (layer " +
+                          std::to_string(m.layer) + ", " + std::to_string(m.rows) + " rows from " +
+                          std::to_string(m.first_row) + ", " + std::to_string(m.bytes) +
+                          " B) is not rows of the session's planes");
+}
 
 const char* row_digest_name(RowDigest digest) {
   return digest == RowDigest::kSha256 ? "SHA-256" : "digest64";
@@ -328,6 +328,7 @@ Result<std::unique_ptr<CacheSource>> CacheSource::create(const KvCache& cache, c
 }
 
 Status CacheSource::rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) {
+  KVRING_RETURN_IF_ERROR(check_planned(header_, m));
   const std::size_t n = static_cast<std::size_t>(m.rows * cache_.config().kv_dim());
   k_.resize(n);
   v_.resize(n);
@@ -410,6 +411,7 @@ Result<bool> PrefillSource::wait_final(const PlannedMessage& m, Deadline deadlin
 
 Status PrefillSource::rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) {
   KVRING_RETURN_IF_ERROR(check_known(m));
+  KVRING_RETURN_IF_ERROR(check_planned(header_, m));
   const std::size_t i = static_cast<std::size_t>(m.index);
   {
     std::lock_guard lock(mu_);

@@ -3,6 +3,7 @@
 // CUDA backend's staging lives in device.h.
 #include <algorithm>
 
+#include "checks.h"
 #include "device.h"
 #include "kvring/footprint.h"
 #include "kvring/handoff.h"
@@ -79,6 +80,7 @@ Result<std::unique_ptr<StoreSource>> StoreSource::create(const KvStore& store, S
 RowDigest StoreSource::digest() const { return slots_ ? RowDigest::kDigest64 : RowDigest::kSha256; }
 
 Status StoreSource::rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) {
+  KVRING_RETURN_IF_ERROR(check_planned(header_, m));
   if (slots_) {
     SourceRows r;
     KVRING_RETURN_IF_ERROR(message_rows(m, false, &r));
@@ -97,9 +99,14 @@ Status StoreSource::rows(const PlannedMessage& m, const std::uint16_t** k, const
 
 Status StoreSource::message_rows(const PlannedMessage& m, bool device_ok, SourceRows* out) {
   if (!slots_) return HandoffSource::message_rows(m, device_ok, out);
+  KVRING_RETURN_IF_ERROR(check_planned(header_, m));
+  // The staging slots follow the timeline: message i is gathered ahead as
+  // the timeline's i-th, so only that message is taken.
   const auto& ms = timeline_.messages;
   if (m.index < 0 || m.index >= static_cast<std::int64_t>(ms.size()) ||
-      ms[static_cast<std::size_t>(m.index)].first_row != m.first_row)
+      ms[static_cast<std::size_t>(m.index)].layer != m.layer ||
+      ms[static_cast<std::size_t>(m.index)].first_row != m.first_row ||
+      ms[static_cast<std::size_t>(m.index)].rows != m.rows)
     return invalid_argument("handoff: message " + std::to_string(m.index) + " is not one of the source's timeline");
   const bool to_host = !device_ok;
   auto prepare = [&](const PlannedMessage& p) {
