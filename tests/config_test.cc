@@ -178,6 +178,11 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
     "full_attention", "full_attention", "full_attention"]})");
   ASSERT_TRUE(listed.ok()) << listed.error().to_string();
   EXPECT_EQ(listed->fingerprint(), none->fingerprint());
+  // The same shapes made in code: every layer full, the window dropped.
+  const ModelConfig made = make_hybrid_config("made", 4, 1, 8, 2, 64, 512, 32768);
+  EXPECT_EQ(made.sliding_window, 0);
+  EXPECT_EQ(made.fingerprint(), none->fingerprint());
+  EXPECT_EQ(make_hybrid_config("made", 4, 2, 8, 2, 64, 512, 32768).sliding_window, 512);
 
   auto upper = parse_hf_config(base + R"("sliding_window": 512, "use_sliding_window": true,
     "max_window_layers": 2})");

@@ -124,6 +124,9 @@ ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
     c.layer_kinds.push_back(full_every > 0 && l % full_every == full_every - 1
                                 ? LayerKind::kFullNope
                                 : LayerKind::kSlidingRope);
+  // As parse_hf_config: a window no layer uses is no part of the geometry,
+  // so the same shapes give one fingerprint however they were made.
+  if (n_layers > 0 && c.count(LayerKind::kSlidingRope) == 0) c.sliding_window = 0;
   return c;
 }
 
