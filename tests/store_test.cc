@@ -191,6 +191,56 @@ TEST(Store, SequencesComeAndGoAndStaleHandlesAreRefused) {
   EXPECT_NE(seq_name(*a).find("sequence"), std::string::npos);
 }
 
+// Two stores of one geometry (a draft model's and a target's, say) hand
+// out handles of the same slot and generation; each refuses the other's,
+// on every call, and neither changes.
+TEST(Store, AHandleOfAnotherStoreIsRefused) {
+  auto a = cpu_store(small_config(), {.max_sequences = 2});
+  auto b = cpu_store(small_config(), {.max_sequences = 2});
+  auto in_a = a->add_sequence();
+  auto in_b = b->add_sequence();
+  ASSERT_TRUE(in_a.ok() && in_b.ok());
+  EXPECT_EQ(seq_name(*in_a), seq_name(*in_b));  // slot 0, generation 0 in each
+  EXPECT_NE(*in_a, *in_b);
+  const std::int64_t kv = a->config().kv_dim(), width = a->config().n_heads * a->config().head_dim;
+  std::vector<float> row(static_cast<std::size_t>(width), 0.5f), out(row.size());
+  const SeqSpan mine{*in_a, 0, 1};
+  for (std::int64_t l = 0; l < a->config().n_layers; ++l)
+    ASSERT_TRUE(a->store(l, {&mine, 1}, host_view(row.data(), 1, kv), host_view(row.data(), 1, kv)).ok());
+  const SeqSpan span{*in_b, 1, 1};
+  const SeqQuery query{*in_b, 0};
+  const Status stored = a->store(0, {&span, 1}, host_view(row.data(), 1, kv), host_view(row.data(), 1, kv));
+  ASSERT_FALSE(stored.ok());
+  EXPECT_EQ(stored.error().code, ErrorCode::kNotFound);
+  EXPECT_NE(stored.error().message.find("another store"), std::string::npos) << stored.error().to_string();
+  auto not_found = [](const Status& st) { return !st.ok() && st.error().code == ErrorCode::kNotFound; };
+  EXPECT_TRUE(not_found(
+      a->attend_decode(0, {&query, 1}, host_view(row.data(), 1, width), host_view(out.data(), 1, width))));
+  EXPECT_FALSE(a->contains(*in_b));
+  EXPECT_TRUE(not_found(a->remove_sequence(*in_b)));
+  EXPECT_TRUE(not_found(a->truncate_sequence(*in_b, 0)));
+  EXPECT_FALSE(a->fork_sequence(*in_b).ok());
+  EXPECT_FALSE(b->next_position(*in_a).ok());
+  EXPECT_FALSE(b->read_rows(*in_a, 0, 0, 1, nullptr, nullptr).ok());
+  ASSERT_TRUE(a->next_position(*in_a).ok() && b->next_position(*in_b).ok());
+  EXPECT_EQ(*a->next_position(*in_a), 1);
+  EXPECT_EQ(*b->next_position(*in_b), 0);
+  EXPECT_EQ(a->sequence_count(), 1);
+  EXPECT_EQ(b->sequence_count(), 1);
+  // Stores made in turn share no tag (up to 4095 of them): of 300, each
+  // refuses the first sequence of every other.
+  std::vector<std::unique_ptr<KvStore>> many;
+  std::vector<SeqId> firsts;
+  for (int i = 0; i < 300; ++i) {
+    many.push_back(cpu_store(small_config(), {.max_sequences = 1}));
+    auto first = many.back()->add_sequence();
+    ASSERT_TRUE(first.ok()) << i << ": " << first.error().to_string();
+    firsts.push_back(*first);
+  }
+  for (std::size_t i = 0; i < many.size(); ++i)
+    for (std::size_t j = 0; j < many.size(); ++j) ASSERT_EQ(many[i]->contains(firsts[j]), i == j) << i << " " << j;
+}
+
 TEST(Store, OptionsAreChecked) {
   const ModelConfig c = small_config();
   EXPECT_FALSE(make_store(BackendKind::kCpu, c, {.max_sequences = 0}).ok());

@@ -102,8 +102,10 @@ MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t col
 
 // ---- Sequences ------------------------------------------------------------
 
-// A sequence's handle: its slot and the slot's generation, so a handle of a
-// removed sequence is refused even after its slot is reused.
+// A sequence's handle: its slot, the slot's generation and its store's tag,
+// so a handle of a removed sequence is refused even after its slot is
+// reused, and a handle of another store (of any 4095 made in turn) is
+// refused too (kNotFound).
 enum class SeqId : std::uint64_t {};
 std::string seq_name(SeqId seq);
 
@@ -701,6 +703,9 @@ class KvStore {
   std::int64_t ring_rows_ = 0;
   std::int64_t max_blocks_ = 0;
   std::vector<Sequence> slots_;
+  // This store's part of every handle it makes (handle, find_slot).
+  std::uint32_t tag_;
+  SeqId handle(std::size_t slot, std::uint32_t generation) const;
   // Every slot below this one is live or retired (add_slot and fork look
   // from here; a removal moves it down).
   std::size_t free_from_ = 0;

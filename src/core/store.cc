@@ -69,21 +69,35 @@ MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t col
 
 namespace {
 
-constexpr std::uint64_t kSlotBits = 32;
+// A handle's bits: the slot (below 2^20, kMaxSequences), the store's tag
+// (12 bits) and the slot's generation (32 bits).
+constexpr unsigned kSlotBits = 20, kTagBits = 12, kGenerationShift = kSlotBits + kTagBits;
+constexpr std::uint32_t kTags = (1u << kTagBits) - 1;  // tags 1 .. 4095
 // A slot whose generation reaches this is never used again, so no handle of
 // a removed sequence ever names a live one.
 constexpr std::uint32_t kRetired = std::numeric_limits<std::uint32_t>::max();
-std::uint32_t slot_part(SeqId s) { return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s)); }
-std::uint32_t generation_part(SeqId s) {
-  return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s) >> kSlotBits);
+std::uint32_t slot_part(SeqId s) {
+  return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s) & ((1u << kSlotBits) - 1));
 }
-SeqId make_seq(std::uint32_t slot, std::uint32_t generation) {
-  return SeqId{(static_cast<std::uint64_t>(generation) << kSlotBits) | slot};
+std::uint32_t tag_part(SeqId s) {
+  return static_cast<std::uint32_t>((static_cast<std::uint64_t>(s) >> kSlotBits) & ((1u << kTagBits) - 1));
+}
+std::uint32_t generation_part(SeqId s) {
+  return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s) >> kGenerationShift);
+}
+
+// Each store takes the next tag in turn, so of any 4095 stores made one
+// after another no two share one, and a handle of one is refused by the
+// others.
+std::uint32_t next_store_tag() {
+  static std::atomic<std::uint32_t> count{0};
+  return count.fetch_add(1, std::memory_order_relaxed) % kTags + 1;
 }
 
 // Store-wide bounds: far above any model, far below what overflows 64-bit
 // index arithmetic or an allocation size.
 constexpr std::int64_t kMaxSequences = 1 << 20;
+static_assert(kMaxSequences <= (std::int64_t{1} << kSlotBits), "every slot fits a handle's slot bits");
 constexpr std::int64_t kMaxBatchRows = std::int64_t{1} << 32;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -316,7 +330,7 @@ Status KvStore::tables_changed(std::span<const TableChange>, cudaStream_t) {
 // ---- Construction -------------------------------------------------------------
 
 KvStore::KvStore(ModelConfig config, StoreOptions o)
-    : config_(std::move(config)), options_(o), scratch_(std::make_unique<Scratch>()) {
+    : config_(std::move(config)), options_(o), tag_(next_store_tag()), scratch_(std::make_unique<Scratch>()) {
   for (std::int64_t l = 0; l < config_.n_layers; ++l)
     full_index_.push_back(config_.kind(l) == LayerKind::kFullNope ? n_full_++ : -1);
   ring_rows_ = ring_rows_of(config_, o);
@@ -406,7 +420,13 @@ RingState KvStore::fresh_ring(std::int64_t layer) const {
 
 // ---- Sequences ---------------------------------------------------------------------
 
+SeqId KvStore::handle(std::size_t slot, std::uint32_t generation) const {
+  return SeqId{(std::uint64_t{generation} << kGenerationShift) | (std::uint64_t{tag_} << kSlotBits) | slot};
+}
+
 Result<std::int32_t> KvStore::find_slot(SeqId seq, bool detached_ok) const {
+  if (tag_part(seq) != tag_)
+    return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in this store (a handle of another store)");
   const std::uint32_t slot = slot_part(seq);
   if (slot >= slots_.size() || !slots_[slot].live ||
       slots_[slot].generation != generation_part(seq))
@@ -447,7 +467,7 @@ std::vector<SeqId> KvStore::sequences() const {
   std::vector<SeqId> out;
   for (std::size_t i = 0; i < slots_.size(); ++i)
     if (slots_[i].live && !slots_[i].detached)
-      out.push_back(make_seq(static_cast<std::uint32_t>(i), slots_[i].generation));
+      out.push_back(handle(i, slots_[i].generation));
   return out;
 }
 
@@ -559,7 +579,7 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   s.tables.assign(static_cast<std::size_t>(n_full_), {});
   s.saved_in.assign(static_cast<std::size_t>(n_full_), 0);
   s.written.assign(detached ? static_cast<std::size_t>(n_layers()) : 0, {});
-  return make_seq(static_cast<std::uint32_t>(i), s.generation);
+  return handle(i, s.generation);
 }
 
 void KvStore::release_table(std::vector<std::int32_t>& table) {
@@ -637,7 +657,7 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
     if (!t.empty())
       changes.push_back(TableChange{to, fi, t.data(), 0, static_cast<std::int64_t>(t.size())});
   }
-  const SeqId id = make_seq(static_cast<std::uint32_t>(i), dst.generation);
+  const SeqId id = handle(i, dst.generation);
   if (Status st = tables_changed(changes, nullptr); !st.ok()) {
     (void)remove_sequence(id);
     return st.error();
