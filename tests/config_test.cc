@@ -183,6 +183,15 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
   EXPECT_EQ(made.sliding_window, 0);
   EXPECT_EQ(made.fingerprint(), none->fingerprint());
   EXPECT_EQ(make_hybrid_config("made", 4, 2, 8, 2, 64, 512, 32768).sliding_window, 512);
+  // A window that is no valid field is refused in code as in a file, used
+  // by a layer or not.
+  for (const std::int64_t bad : {std::int64_t{-1}, kMaxContext + 1}) {
+    const std::string field = "\"sliding_window\": " + std::to_string(bad);
+    EXPECT_FALSE(parse_hf_config(base + field + R"(, "layer_types": ["full_attention", "full_attention",
+      "full_attention", "full_attention"]})").ok()) << bad;
+    EXPECT_FALSE(make_hybrid_config("made", 4, 1, 8, 2, 64, bad, 32768).validate().ok()) << bad;
+    EXPECT_FALSE(make_hybrid_config("made", 4, 2, 8, 2, 64, bad, 32768).validate().ok()) << bad;
+  }
 
   auto upper = parse_hf_config(base + R"("sliding_window": 512, "use_sliding_window": true,
     "max_window_layers": 2})");

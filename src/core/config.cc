@@ -125,8 +125,12 @@ ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
                                 ? LayerKind::kFullNope
                                 : LayerKind::kSlidingRope);
   // As parse_hf_config: a window no layer uses is no part of the geometry,
-  // so the same shapes give one fingerprint however they were made.
-  if (n_layers > 0 && c.count(LayerKind::kSlidingRope) == 0) c.sliding_window = 0;
+  // so the same shapes give one fingerprint however they were made. Only a
+  // window that is a valid field is dropped: one outside [0, kMaxContext]
+  // stays, so validate() refuses it as parse_hf_config refuses it in a file.
+  if (n_layers > 0 && c.count(LayerKind::kSlidingRope) == 0 && sliding_window >= 0 &&
+      sliding_window <= kMaxContext)
+    c.sliding_window = 0;
   return c;
 }
 
