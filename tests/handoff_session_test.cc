@@ -298,6 +298,35 @@ TEST_F(Handoff, APrefillSourceRefusesAMessageOfAnotherTimeline) {
   EXPECT_TRUE(src.rows(t.messages.front(), &k, &v).ok());
 }
 
+// A released message's staged rows are gone: asked for again, a
+// PrefillSource refuses while prefill runs and reads them in place after,
+// never handing out the emptied buffer; a second release does nothing.
+TEST_F(Handoff, APrefillSourceNeverHandsOutAReleasedBuffer) {
+  Session s = prefilled();
+  const Timeline t = plan(Schedule::kPaced, 7 * 256);
+  PrefillSource src(s.cache(), t, prefill_header(s, t));
+  ASSERT_TRUE(src.stage_final(t.n_steps).ok());
+  const PlannedMessage m = t.messages.front();
+  const auto n = static_cast<std::size_t>(m.rows * config_.kv_dim());
+  std::vector<std::uint16_t> ek(n), ev(n);
+  ASSERT_TRUE(s.cache().read_rows(m.layer, m.first_row, m.rows, ek.data(), ev.data()).ok());
+  const std::uint16_t *k = nullptr, *v = nullptr;
+  ASSERT_TRUE(src.rows(m, &k, &v).ok());  // staged: prefill has not finished
+  EXPECT_EQ(std::vector<std::uint16_t>(k, k + n), ek);
+  src.release(m);
+  src.release(m);
+  k = v = nullptr;
+  const Status early = src.rows(m, &k, &v);
+  EXPECT_FALSE(early.ok() && k == nullptr) << "a released message read as an empty buffer";
+  EXPECT_FALSE(early.ok());
+  src.finish(Status::Ok());
+  ASSERT_TRUE(src.rows(m, &k, &v).ok());
+  ASSERT_NE(k, nullptr);
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(std::vector<std::uint16_t>(k, k + n), ek);
+  EXPECT_EQ(std::vector<std::uint16_t>(v, v + n), ev);
+}
+
 TEST_F(Handoff, TruncatedStreamIsRefusedAndFreed) {
   Session s = prefilled();
   const Timeline t = plan(Schedule::kPaced, 3 * 256);

@@ -432,14 +432,19 @@ Status PrefillSource::rows(const PlannedMessage& m, const std::uint16_t** k, con
   return Status::Ok();
 }
 
+// A released message's staged rows are gone: it counts as not staged, so
+// rows() asked for it again reads it in place once prefill is done (and
+// before that refuses), never an emptied buffer; a second release does
+// nothing. The bytes taken off are those staging added (the timeline's).
 void PrefillSource::release(const PlannedMessage& m) {
   if (!check_known(m).ok()) return;
   std::lock_guard lock(mu_);
   const std::size_t i = static_cast<std::size_t>(m.index);
   if (!staged_[i]) return;
-  staged_bytes_ -= m.bytes;
+  staged_bytes_ -= timeline_.messages[i].bytes;
   std::vector<std::uint16_t>().swap(staged_k_[i]);
   std::vector<std::uint16_t>().swap(staged_v_[i]);
+  staged_[i] = false;
 }
 
 std::int64_t PrefillSource::staged_bytes_peak() const {
