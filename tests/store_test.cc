@@ -188,6 +188,10 @@ TEST(Store, SequencesComeAndGoAndStaleHandlesAreRefused) {
   EXPECT_FALSE(s->blocks_held(*a).ok());
   EXPECT_FALSE(s->read_rows(*a, 0, 0, 1, nullptr, nullptr).ok());
   EXPECT_FALSE(s->contains(SeqId{12345}));
+  const Status unmade = s->remove_sequence(SeqId{});
+  ASSERT_FALSE(unmade.ok());
+  EXPECT_EQ(unmade.error().code, ErrorCode::kNotFound);
+  EXPECT_NE(unmade.error().message.find("no store made this handle"), std::string::npos) << unmade.to_string();
   EXPECT_NE(seq_name(*a).find("sequence"), std::string::npos);
 }
 

@@ -426,7 +426,9 @@ SeqId KvStore::handle(std::size_t slot, std::uint32_t generation) const {
 
 Result<std::int32_t> KvStore::find_slot(SeqId seq, bool detached_ok) const {
   if (tag_part(seq) != tag_)
-    return make_error(ErrorCode::kNotFound, seq_name(seq) + " is not in this store (a handle of another store)");
+    return make_error(ErrorCode::kNotFound,
+                      seq_name(seq) + " is not in this store (" +
+                          (tag_part(seq) == 0 ? "no store made this handle" : "a handle of another store") + ")");
   const std::uint32_t slot = slot_part(seq);
   if (slot >= slots_.size() || !slots_[slot].live ||
       slots_[slot].generation != generation_part(seq))
