@@ -327,6 +327,38 @@ TEST_F(Handoff, APrefillSourceNeverHandsOutAReleasedBuffer) {
   EXPECT_EQ(std::vector<std::uint16_t>(v, v + n), ev);
 }
 
+// A prefill source's header is its caller's: one that claims a plane far
+// larger than the cache holds (with a timeline to match) is refused when
+// a message is staged or read, before any buffer is sized by it.
+TEST_F(Handoff, APrefillSourceRefusesRowsItsCacheDoesNotHold) {
+  Session s = prefilled();
+  Timeline t = plan(Schedule::kPaced, 7 * 256);
+  Snapshot header = prefill_header(s, t);
+  PlannedMessage& m = t.messages.front();
+  const std::int64_t huge = std::int64_t{1} << 40;
+  auto ring = RingState::from_parts(huge, false, huge, 0, 0);
+  ASSERT_TRUE(ring.ok()) << ring.error().to_string();
+  header.planes[static_cast<std::size_t>(m.layer)].ring = *ring;
+  m.first_row = 0;
+  m.rows = huge;
+  m.bytes = huge * config_.kv_dim() * 4;
+  for (const bool finished : {false, true}) {
+    PrefillSource src(s.cache(), t, header);
+    Status st = Status::Ok();
+    if (finished) {
+      src.finish(Status::Ok());
+      const std::uint16_t *k = nullptr, *v = nullptr;
+      st = src.rows(m, &k, &v);
+    } else {
+      st = src.stage_final(t.n_steps);
+    }
+    ASSERT_FALSE(st.ok()) << finished;
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.error().message.find("not rows the prefill source's cache holds"), std::string::npos)
+        << st.to_string();
+  }
+}
+
 TEST_F(Handoff, TruncatedStreamIsRefusedAndFreed) {
   Session s = prefilled();
   const Timeline t = plan(Schedule::kPaced, 3 * 256);

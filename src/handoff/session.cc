@@ -338,6 +338,29 @@ Status CacheSource::rows(const PlannedMessage& m, const std::uint16_t** k, const
   return Status::Ok();
 }
 
+namespace {
+
+// A prefill source's header is its caller's, not read from its cache, so
+// before a buffer is sized by a message its rows are checked live in the
+// cache itself.
+Status check_in_cache(const KvCache& cache, const PlannedMessage& m) {
+  const RingState r = cache.ring(m.layer);
+  if (m.rows >= 1 && m.rows <= r.len() && m.first_row >= r.origin_logical() &&
+      m.first_row - r.origin_logical() <= r.len() - m.rows)
+    return Status::Ok();
+  return invalid_argument("handoff: message " + std::to_string(m.index) + " (layer " + std::to_string(m.layer) + ", " +
+                          std::to_string(m.rows) + " rows from " + std::to_string(m.first_row) +
+                          ") is not rows the prefill source's cache holds (positions " +
+                          std::to_string(r.origin_logical()) + " to " + std::to_string(r.next_position()) +
+                          " of that layer)");
+}
+
+Status unknown_message(const PlannedMessage& m) {
+  return invalid_argument("handoff: message " + std::to_string(m.index) + " (layer " + std::to_string(m.layer) +
+                          ", rows from " + std::to_string(m.first_row) + ") is not one of the source's timeline");
+}
+}  // namespace
+
 PrefillSource::PrefillSource(const KvCache& cache, const Timeline& timeline, Snapshot header)
     : cache_(cache), timeline_(timeline), header_(std::move(header)) {
   const std::size_t n = timeline.messages.size();
@@ -358,6 +381,7 @@ Status PrefillSource::stage_final(std::int64_t steps_done) {
     if (i >= ms.size() || ms[i].release_step >= steps_done || ms[i].release_step == timeline_.n_steps - 1) break;
     const PlannedMessage& m = ms[i];
     KVRING_RETURN_IF_ERROR(check_planned(header_, m));
+    KVRING_RETURN_IF_ERROR(check_in_cache(cache_, m));
     std::vector<std::uint16_t> k(static_cast<std::size_t>(m.rows) * kv), v(k.size());
     KVRING_RETURN_IF_ERROR(cache_.read_rows(m.layer, m.first_row, m.rows, k.data(), v.data()));
     {
@@ -382,13 +406,6 @@ void PrefillSource::finish(Status prefill_status) {
   }
   cv_.notify_all();
 }
-
-namespace {
-Status unknown_message(const PlannedMessage& m) {
-  return invalid_argument("handoff: message " + std::to_string(m.index) + " (layer " + std::to_string(m.layer) +
-                          ", rows from " + std::to_string(m.first_row) + ") is not one of the source's timeline");
-}
-}  // namespace
 
 // A message of this source's timeline (its index, layer and rows), which
 // indexes the staged rows; any other is the caller's error.
@@ -423,6 +440,7 @@ Status PrefillSource::rows(const PlannedMessage& m, const std::uint16_t** k, con
     if (!finished_) return make_error(ErrorCode::kInternal, "handoff: rows read before they are final");
   }
   // Prefill is over: nothing writes the cache any more.
+  KVRING_RETURN_IF_ERROR(check_in_cache(cache_, m));
   const std::size_t n = static_cast<std::size_t>(m.rows * cache_.config().kv_dim());
   k_.resize(n);
   v_.resize(n);
