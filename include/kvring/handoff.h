@@ -348,8 +348,8 @@ class HandoffSource {
   // The message's rows in logical order, f16 bits [rows, kv_dim] each. The
   // pointers stay valid until release(message). The sources here refuse a
   // message that is not rows of the header's planes (kInvalidArgument),
-  // and PrefillSource and the CUDA StoreSource one that is not their
-  // timeline's.
+  // PrefillSource and the CUDA StoreSource one that is not their
+  // timeline's, and PrefillSource one whose rows its cache does not hold.
   virtual Status rows(const PlannedMessage& message, const std::uint16_t** k,
                       const std::uint16_t** v) = 0;
   // The same, in device memory where `device_ok` (the transport carries it)
