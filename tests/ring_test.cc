@@ -72,6 +72,24 @@ TEST(Ring, WalkthroughAtTheBoundary) {
   EXPECT_EQ(r.origin_physical(), 2);
 }
 
+// holds_rows: the live positions [origin, origin + len) and no others, with
+// no sum that overflows.
+TEST(Ring, HoldsRowsIsTheLiveRange) {
+  RingState r = RingState::sliding(8);
+  ASSERT_TRUE(r.append_batch(0, 0, 11).ok());  // live: [3, 11)
+  EXPECT_TRUE(r.holds_rows(3, 8));
+  EXPECT_TRUE(r.holds_rows(10, 1));
+  EXPECT_TRUE(r.holds_rows(5, 0));
+  EXPECT_FALSE(r.holds_rows(2, 1));
+  EXPECT_FALSE(r.holds_rows(4, 8));
+  EXPECT_FALSE(r.holds_rows(3, 9));
+  EXPECT_FALSE(r.holds_rows(3, -1));
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  EXPECT_FALSE(r.holds_rows(kMax, 1));
+  EXPECT_FALSE(r.holds_rows(std::numeric_limits<std::int64_t>::min(), 1));
+  EXPECT_FALSE(r.holds_rows(3, kMax));
+}
+
 TEST(Ring, SkippedAndReplayedPositionsFailClosed) {
   RingState r = RingState::sliding(32);
   for (std::int64_t p = 0; p < 40; ++p) ASSERT_TRUE(r.append(3, p).ok());

@@ -72,6 +72,11 @@ class RingState {
   bool holds(std::int64_t position) const {
     return position >= origin_logical_ && position < origin_logical_ + len_;
   }
+  // Whether the `count` positions from `first` are all live: count in
+  // [0, len()] and first .. first + count - 1 held (no sum that overflows).
+  bool holds_rows(std::int64_t first, std::int64_t count) const {
+    return count >= 0 && count <= len_ && first >= origin_logical_ && first - origin_logical_ <= len_ - count;
+  }
 
   // Physical slot of a live logical position (precondition: holds(position)).
   std::int64_t physical(std::int64_t position) const {

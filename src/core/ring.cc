@@ -165,8 +165,7 @@ Result<BatchPlacement> RingState::append_batch(std::int64_t layer, std::int64_t 
 LiveSpans RingState::spans(std::int64_t first, std::int64_t count) const {
   LiveSpans s;
   // Rows not all live (a ring of no rows has none): no spans.
-  if (count <= 0 || count > len_ || first < origin_logical_ || first > next_position() - count)
-    return s;
+  if (count <= 0 || !holds_rows(first, count)) return s;
   s.n_spans = split_at_wrap(physical(first), first - origin_logical_, count, capacity_, s.spans);
   return s;
 }

@@ -1358,8 +1358,7 @@ Status KvStore::check_rows_memory(MemorySpace space, const std::uint16_t* k,
 
 Status KvStore::check_live(SeqId seq, std::int64_t layer, const RingState& r, std::int64_t first,
                            std::int64_t count) const {
-  if (count < 0 || count > r.len() || first < r.origin_logical() ||
-      first > r.next_position() - count)
+  if (!r.holds_rows(first, count))
     return invalid_argument(seq_name(seq) + ", layer " + std::to_string(layer) + ": " +
                             std::to_string(count) + " rows from position " +
                             std::to_string(first) + " are not all live (live: [" +

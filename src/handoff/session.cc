@@ -288,8 +288,7 @@ Status check_planned(const Snapshot& h, const PlannedMessage& m) {
     const RingState& r = h.planes[static_cast<std::size_t>(m.layer)].ring;
     // The header is the source's own: rows * kv * 4 is checked, not assumed
     // to fit.
-    ok = m.rows >= 1 && m.rows <= r.len() && m.first_row >= r.origin_logical() &&
-         m.first_row - r.origin_logical() <= r.len() - m.rows &&
+    ok = m.rows >= 1 && r.holds_rows(m.first_row, m.rows) &&
          m.rows <= std::numeric_limits<std::int64_t>::max() / 4 / kv && m.bytes == m.rows * kv * 4;
   }
   if (ok) return Status::Ok();
@@ -345,9 +344,7 @@ namespace {
 // cache itself.
 Status check_in_cache(const KvCache& cache, const PlannedMessage& m) {
   const RingState r = cache.ring(m.layer);
-  if (m.rows >= 1 && m.rows <= r.len() && m.first_row >= r.origin_logical() &&
-      m.first_row - r.origin_logical() <= r.len() - m.rows)
-    return Status::Ok();
+  if (m.rows >= 1 && r.holds_rows(m.first_row, m.rows)) return Status::Ok();
   return invalid_argument("handoff: message " + std::to_string(m.index) + " (layer " + std::to_string(m.layer) + ", " +
                           std::to_string(m.rows) + " rows from " + std::to_string(m.first_row) +
                           ") is not rows the prefill source's cache holds (positions " +
