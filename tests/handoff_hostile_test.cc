@@ -186,6 +186,18 @@ class Hostile : public ::testing::Test {
     if (!model_->forward(**cache, 0, prompt_.data(), kPrompt - 1, logits.data()).ok()) return nullptr;
     return std::move(*cache);
   }
+  // A source of `t` over from_'s sequence, or over `cache` (the same
+  // prompt); null where it cannot be made.
+  std::unique_ptr<HandoffSource> store_or_cache_source(bool from_store, const KvCache& cache,
+                                                       const Timeline& t) const {
+    const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
+    if (from_store) {
+      auto s = StoreSource::create(*from_, seq_, t, ids, "m");
+      return s.ok() ? std::unique_ptr<HandoffSource>(std::move(*s)) : nullptr;
+    }
+    auto s = CacheSource::create(cache, t.payload, ids, "m");
+    return s.ok() ? std::unique_ptr<HandoffSource>(std::move(*s)) : nullptr;
+  }
   // Edits that take a planned message outside the session's planes.
   static std::vector<std::function<void(PlannedMessage&)>> outside_the_planes() {
     constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
@@ -552,7 +564,6 @@ TEST_F(Hostile, HeaderClaimingMoreTokenIdsThanItHolds) {
 // live ones, another layer) or whose bytes are not its rows' is refused
 // before any source is asked for its rows, and the receiver is told.
 TEST_F(Hostile, ATimelineMessageOutsideThePlanesIsRefused) {
-  const std::vector<std::int32_t> ids(prompt_.begin(), prompt_.end() - 1);
   std::unique_ptr<KvCache> cache = prefilled_cache();
   ASSERT_NE(cache, nullptr);
   const std::vector<std::function<void(PlannedMessage&)>> edits = outside_the_planes();
@@ -560,16 +571,8 @@ TEST_F(Hostile, ATimelineMessageOutsideThePlanesIsRefused) {
     for (int kind = 0; kind < 2; ++kind) {
       Timeline t = timeline_;
       edits[e](t.messages[3]);
-      std::unique_ptr<HandoffSource> source;
-      if (kind == 0) {
-        auto s = StoreSource::create(*from_, seq_, t, ids, "m");
-        ASSERT_TRUE(s.ok());
-        source = std::move(*s);
-      } else {
-        auto s = CacheSource::create(*cache, t.payload, ids, "m");
-        ASSERT_TRUE(s.ok());
-        source = std::move(*s);
-      }
+      std::unique_ptr<HandoffSource> source = store_or_cache_source(kind == 0, *cache, t);
+      ASSERT_NE(source, nullptr);
       auto [a, b] = local_pair();
       StoreTarget target(*store_, {.expect = config_});
       Result<ReceiveReport> r = io_error("not run");
@@ -604,14 +607,9 @@ TEST_F(Hostile, ASourceAskedDirectlyForRowsOutsideItsPlanesRefuses) {
     std::vector<Timeline> timelines(edits.size(), timeline_);
     std::vector<std::unique_ptr<HandoffSource>> sources;
     for (std::size_t e = 0; e < edits.size(); ++e) {
-      if (kind == 0) {
-        auto s = StoreSource::create(*from_, seq_, timeline_, ids, "m");
-        ASSERT_TRUE(s.ok());
-        sources.push_back(std::move(*s));
-      } else if (kind == 1) {
-        auto s = CacheSource::create(*cache, timeline_.payload, ids, "m");
-        ASSERT_TRUE(s.ok());
-        sources.push_back(std::move(*s));
+      if (kind < 2) {
+        sources.push_back(store_or_cache_source(kind == 0, *cache, timeline_));
+        ASSERT_NE(sources.back(), nullptr);
       } else {
         edits[e](timelines[e].messages[3]);
         auto p = std::make_unique<PrefillSource>(*cache, timelines[e], *header);
