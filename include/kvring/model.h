@@ -51,7 +51,8 @@ class ReferenceModel {
   // A failure (a discontinuity, a bad token id) leaves the cache unchanged.
   // Where the config has attention sinks, the model's own (seeded) sinks
   // are set on each layer of the store that has none, before anything is
-  // stored; a backend that computes none refuses them (kUnsupported).
+  // stored (both backends compute them; set_attention_sinks's error, if
+  // any, is returned).
   Status forward(KvCache& cache, std::int64_t start, const std::int32_t* tokens, std::int64_t n,
                  float* logits) const;
   // A chunk of `n` tokens whose activations (logits included) stay under
