@@ -98,7 +98,8 @@ std::vector<std::string> preset_names();
 
 // A hybrid geometry where layer l is full when l % full_every == full_every-1
 // (every layer when full_every is 1, and then the window, which no layer
-// uses, is 0, as parse_hf_config makes it).
+// uses, is 0, as parse_hf_config makes it; a window outside [0, kMaxContext]
+// is kept, so that validate() refuses it).
 ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
                                std::int64_t full_every, std::int64_t n_heads,
                                std::int64_t n_kv_heads, std::int64_t head_dim,
