@@ -758,6 +758,41 @@ TEST(Store, BlocksToStoreRefusesPastASlidingRingsLimit) {
       << refused.error().message;
 }
 
+// A call that needs more blocks than are free says how many of the blocks
+// in use it had taken itself (a call larger than the whole pool takes them
+// all), and gives them back.
+TEST(Store, APoolRefusalSaysWhatTheCallHadTaken) {
+  const ModelConfig c = make_hybrid_config("one-full", 4, 4, 8, 2, 64, 64, 4096);  // layer 3 full
+  auto s = cpu_store(c, {.max_sequences = 2, .slack = 4, .block_rows = 16, .pool_blocks = 2});
+  const std::int64_t kv = c.kv_dim();
+  auto store_full = [&](SeqId seq, std::int64_t start, std::int64_t n) {
+    Rows r = rows_for(c, static_cast<std::uint64_t>(seq), 3, start, n);
+    const SeqSpan span{seq, start, n};
+    return s->store(3, {&span, 1}, host_view(r.k.data(), n, kv), host_view(r.v.data(), n, kv));
+  };
+  const SeqId a = *s->add_sequence(), b = *s->add_sequence();
+  // 48 rows need 3 blocks of a pool of 2, empty when the call begins.
+  const Status whole = store_full(a, 0, 48);
+  ASSERT_FALSE(whole.ok());
+  EXPECT_EQ(whole.error().code, ErrorCode::kResourceExhausted);
+  EXPECT_NE(whole.error().message.find("all 2 blocks of 16 rows are in use (2 of them taken by this call"),
+            std::string::npos)
+      << whole.error().message;
+  EXPECT_EQ(s->free_blocks(), 2);
+  // b holds one; a's 32 rows take the other and are refused for a third.
+  ASSERT_TRUE(store_full(b, 0, 16).ok());
+  const Status rest = store_full(a, 0, 32);
+  ASSERT_FALSE(rest.ok());
+  EXPECT_NE(rest.error().message.find("(1 of them taken by this call"), std::string::npos) << rest.error().message;
+  EXPECT_EQ(s->free_blocks(), 1);
+  // With a's first blocks held elsewhere, the message names none of its own.
+  ASSERT_TRUE(store_full(b, 16, 16).ok());
+  const Status none = store_full(a, 0, 1);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error().message.find("taken by this call"), std::string::npos) << none.error().message;
+  EXPECT_EQ(s->free_blocks(), 0);
+}
+
 // A refusal tells an engine whether freeing helps: kResourceExhausted for a
 // pool (or slots) used up, kCapacityExceeded for a span no pool could take,
 // also when an earlier span of the batch would have used up the pool.

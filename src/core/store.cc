@@ -210,10 +210,15 @@ struct KvStore::Txn {
       if (!page) page = std::make_unique<std::int32_t[]>(static_cast<std::size_t>(kRefPage));
       ++s.fresh_;
     } else {
+      // The blocks this call took so far are in use too until its refusal
+      // gives them back: said, so that a call larger than the whole pool
+      // does not read as a pool that others hold.
       return make_error(ErrorCode::kResourceExhausted,
                         "the block pool is exhausted: all " + std::to_string(s.pool_blocks()) +
-                            " blocks of " + std::to_string(s.options_.block_rows) +
-                            " rows are in use");
+                            " blocks of " + std::to_string(s.options_.block_rows) + " rows are in use" +
+                            (taken.empty() ? std::string()
+                                           : " (" + std::to_string(taken.size()) +
+                                                 " of them taken by this call, given back as it is refused)"));
     }
     s.refs(b) = 1;
     taken.emplace_back(b, fresh);
