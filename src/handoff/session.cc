@@ -352,11 +352,17 @@ Status check_in_cache(const KvCache& cache, const PlannedMessage& m) {
                           " of that layer)");
 }
 
-Status unknown_message(const PlannedMessage& m) {
+}  // namespace
+
+Status check_in_timeline(const Timeline& timeline, const PlannedMessage& m) {
+  const auto& ms = timeline.messages;
+  if (m.index >= 0 && m.index < static_cast<std::int64_t>(ms.size())) {
+    const PlannedMessage& t = ms[static_cast<std::size_t>(m.index)];
+    if (t.layer == m.layer && t.first_row == m.first_row && t.rows == m.rows) return Status::Ok();
+  }
   return invalid_argument("handoff: message " + std::to_string(m.index) + " (layer " + std::to_string(m.layer) +
                           ", rows from " + std::to_string(m.first_row) + ") is not one of the source's timeline");
 }
-}  // namespace
 
 PrefillSource::PrefillSource(const KvCache& cache, const Timeline& timeline, Snapshot header)
     : cache_(cache), timeline_(timeline), header_(std::move(header)) {
@@ -406,13 +412,7 @@ void PrefillSource::finish(Status prefill_status) {
 
 // A message of this source's timeline (its index, layer and rows), which
 // indexes the staged rows; any other is the caller's error.
-Status PrefillSource::check_known(const PlannedMessage& m) const {
-  const auto& ms = timeline_.messages;
-  if (m.index < 0 || m.index >= static_cast<std::int64_t>(ms.size())) return unknown_message(m);
-  const PlannedMessage& t = ms[static_cast<std::size_t>(m.index)];
-  if (t.layer != m.layer || t.first_row != m.first_row || t.rows != m.rows) return unknown_message(m);
-  return Status::Ok();
-}
+Status PrefillSource::check_known(const PlannedMessage& m) const { return check_in_timeline(timeline_, m); }
 
 Result<bool> PrefillSource::wait_final(const PlannedMessage& m, Deadline deadline) {
   KVRING_RETURN_IF_ERROR(check_known(m));

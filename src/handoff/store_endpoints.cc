@@ -80,14 +80,14 @@ Result<std::unique_ptr<StoreSource>> StoreSource::create(const KvStore& store, S
 RowDigest StoreSource::digest() const { return slots_ ? RowDigest::kDigest64 : RowDigest::kSha256; }
 
 Status StoreSource::rows(const PlannedMessage& m, const std::uint16_t** k, const std::uint16_t** v) {
-  KVRING_RETURN_IF_ERROR(check_planned(header_, m));
   if (slots_) {
     SourceRows r;
-    KVRING_RETURN_IF_ERROR(message_rows(m, false, &r));
+    KVRING_RETURN_IF_ERROR(message_rows(m, false, &r));  // checks the message
     *k = static_cast<const std::uint16_t*>(r.k);
     *v = static_cast<const std::uint16_t*>(r.v);
     return Status::Ok();
   }
+  KVRING_RETURN_IF_ERROR(check_planned(header_, m));
   const std::size_t n = static_cast<std::size_t>(m.rows * store_.config().kv_dim());
   k_.resize(n);
   v_.resize(n);
@@ -102,12 +102,8 @@ Status StoreSource::message_rows(const PlannedMessage& m, bool device_ok, Source
   KVRING_RETURN_IF_ERROR(check_planned(header_, m));
   // The staging slots follow the timeline: message i is gathered ahead as
   // the timeline's i-th, so only that message is taken.
+  KVRING_RETURN_IF_ERROR(check_in_timeline(timeline_, m));
   const auto& ms = timeline_.messages;
-  if (m.index < 0 || m.index >= static_cast<std::int64_t>(ms.size()) ||
-      ms[static_cast<std::size_t>(m.index)].layer != m.layer ||
-      ms[static_cast<std::size_t>(m.index)].first_row != m.first_row ||
-      ms[static_cast<std::size_t>(m.index)].rows != m.rows)
-    return invalid_argument("handoff: message " + std::to_string(m.index) + " is not one of the source's timeline");
   const bool to_host = !device_ok;
   auto prepare = [&](const PlannedMessage& p) {
     return slots_->prepare(static_cast<int>(p.index % 2), seq_, p.layer, p.first_row, p.rows, to_host);
