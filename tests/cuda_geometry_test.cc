@@ -343,6 +343,7 @@ TEST(CudaGeometry, SixteenBitSourcesOfOddRowsStoreTheCpuBytes) {
         EXPECT_TRUE(host_rows == testing::live_rows(*cpu, cs, l)) << "layer " << l;
         const RingState r = *gpu->ring(gs, l);
         testing::DeviceArray<std::uint16_t> dr(static_cast<std::size_t>(2 * r.len() * kv + 1));
+        dr.poison();
         // The rows one element in: 2-byte aligned only.
         ASSERT_TRUE(gpu->read_rows(gs, l, r.origin_logical(), r.len(), dr.get() + 1, dr.get() + 1 + r.len() * kv,
                                    MemorySpace::kDevice)
@@ -350,6 +351,7 @@ TEST(CudaGeometry, SixteenBitSourcesOfOddRowsStoreTheCpuBytes) {
         ASSERT_TRUE(gpu->synchronize().ok());
         const auto back = dr.download();
         const auto n = static_cast<std::ptrdiff_t>(r.len() * kv);
+        EXPECT_EQ(back[0], 0xffffu) << "layer " << l << ": a write before the destination";
         EXPECT_TRUE(std::equal(back.begin() + 1, back.begin() + 1 + n, host_rows.first.begin())) << "layer " << l;
         EXPECT_TRUE(std::equal(back.begin() + 1 + n, back.end(), host_rows.second.begin())) << "layer " << l;
       }
