@@ -18,6 +18,11 @@
 //     the chunk's rows) over time;
 //   - the ceiling of each figure: every thread of kvring's pool reading a
 //     buffer of the same size, timed alternately with the figure;
+//   - decodes of 4096 and 16384 rows with their rows already in cache
+//     (each timed on its second run in a row, beside a read of its bytes
+//     timed the same way), and from their difference the time the
+//     arithmetic alone takes at 131072 rows: the 131072-row figure can
+//     reach at most its ceiling over that time;
 //   - the peer: PyTorch's CPU attention on the same shapes, through
 //     bench/cpu_sdpa_peer.py, when the interpreter (--python, default
 //     python3) can import torch (else skipped).
@@ -79,6 +84,8 @@ constexpr const char* kUsage =
     "sequences x 32768 rows in one call, a decode step's store (64 sequences x\n"
     "52 layers) and a 4096-token prefill chunk's store, each beside a streaming\n"
     "read of the same number of bytes by the same threads, timed alternately;\n"
+    "decodes of 4096 and 16384 rows already in cache, and from them the share of\n"
+    "the read ceiling the arithmetic alone allows at 131072 rows;\n"
     "and PyTorch's CPU attention on the same shapes where torch is installed.\n"
     "\n"
     "  --runs N         timed runs per figure, median reported (default 31)\n"
@@ -153,6 +160,19 @@ struct Row {
   std::string peer_name;    // its key in the peer's output
 };
 
+// A figure from its timed runs and the ceiling's, each the median.
+Row make_row(const std::string& name, std::int64_t bytes, const std::vector<double>& t,
+             const std::vector<double>& c) {
+  Row row;
+  row.name = name;
+  row.bytes = bytes;
+  row.seconds = median(t);
+  row.ceiling_s = median(c);
+  std::fprintf(stderr, "  %-44s %10.1f us  (ceiling %10.1f us)\n", name.c_str(), row.seconds * 1e6,
+               row.ceiling_s * 1e6);
+  return row;
+}
+
 // Times `op` and the ceiling alternately: warmup untimed rounds of both,
 // then runs rounds; `between` (untimed) runs after each op.
 template <class Op, class Between>
@@ -170,17 +190,33 @@ Row measure(const std::string& name, std::int64_t bytes, ReadCeiling& ceiling, i
       c.push_back(tc);
     }
   }
-  Row row;
-  row.name = name;
-  row.bytes = bytes;
-  row.seconds = median(t);
-  row.ceiling_s = median(c);
-  std::fprintf(stderr, "  %-44s %10.1f us  (ceiling %10.1f us)\n", name.c_str(), row.seconds * 1e6,
-               row.ceiling_s * 1e6);
-  return row;
+  return make_row(name, bytes, t, c);
+}
+
+// Times `op` with its bytes already in cache: each round runs the ceiling's
+// read of `bytes` twice and `op` twice, and times the second of each.
+template <class Op>
+Row measure_in_cache(const std::string& name, std::int64_t bytes, ReadCeiling& ceiling, int warmup, int runs,
+                     Op&& op) {
+  std::vector<double> t, c;
+  for (int r = 0; r < warmup + runs; ++r) {
+    ceiling.run(bytes);
+    const double tc = ceiling.run(bytes);
+    op();
+    const auto t0 = Clock::now();
+    op();
+    const double to = since(t0);
+    if (r >= warmup) {
+      t.push_back(to);
+      c.push_back(tc);
+    }
+  }
+  return make_row(name, bytes, t, c);
 }
 
 constexpr std::int64_t kChunk = 4096;
+// The two decodes timed with their rows in cache (16 MiB at most).
+constexpr std::int64_t kInCacheRows[2] = {4096, 16384};
 
 // Stores `rows` rows of random K/V into one layer of sequences `seqs`
 // (positions 0..rows-1), kChunk rows per call.
@@ -214,7 +250,7 @@ std::vector<Row> bench_decode(const ModelConfig& c, ReadCeiling& ceiling, int wa
   random_floats(q, 7);
   // Under the default numeric at each size, and under the f16 numeric at
   // the largest.
-  auto one = [&](std::int64_t n, AttentionNumeric numeric) {
+  auto one = [&](std::int64_t n, AttentionNumeric numeric, bool in_cache) {
     StoreOptions o;
     o.context = n;
     o.attention = numeric;
@@ -225,20 +261,47 @@ std::vector<Row> bench_decode(const ModelConfig& c, ReadCeiling& ceiling, int wa
     fill_layer(**store, layer, {*seq}, n, 100 + static_cast<std::uint64_t>(n));
     const SeqQuery query{*seq, n - 1};
     const bool f16 = numeric == AttentionNumeric::kF16;
-    rows.push_back(measure(
-        "decode, full layer, " + std::to_string(n) + " rows" + (f16 ? " (f16 numeric)" : ""),
-        n * c.kv_dim() * 2 * 2, ceiling, warmup, runs,
-        [&] {
-          check((*store)->attend_decode(layer, {&query, 1}, host_view(q.data(), 1, width),
-                                        host_view(out.data(), 1, width)),
-                "attend_decode");
-        },
-        [] {}));
+    const std::string name =
+        "decode, full layer, " + std::to_string(n) + " rows" + (f16 ? " (f16 numeric)" : in_cache ? ", in cache" : "");
+    auto decode = [&] {
+      check((*store)->attend_decode(layer, {&query, 1}, host_view(q.data(), 1, width),
+                                    host_view(out.data(), 1, width)),
+            "attend_decode");
+    };
+    const std::int64_t bytes = n * c.kv_dim() * 2 * 2;
+    if (in_cache) {
+      rows.push_back(measure_in_cache(name, bytes, ceiling, warmup, runs, decode));
+      return;
+    }
+    rows.push_back(measure(name, bytes, ceiling, warmup, runs, decode, [] {}));
     if (!f16) rows.back().peer_name = "decode_" + std::to_string(n);
   };
-  for (std::int64_t n : {2048, 32768, 131072}) one(n, AttentionNumeric::kF32);
-  one(131072, AttentionNumeric::kF16);
+  for (std::int64_t n : {2048, 32768, 131072}) one(n, AttentionNumeric::kF32, false);
+  one(131072, AttentionNumeric::kF16, false);
+  for (std::int64_t n : {kInCacheRows[0], kInCacheRows[1]}) one(n, AttentionNumeric::kF32, true);
   return rows;
+}
+
+// The kernels' own cost a row at 131072 rows, from the two in-cache
+// decodes: their difference over the rows between them leaves each call's
+// fixed costs out. Times 131072 rows it is what the arithmetic alone takes
+// there, and the 131072-row figure's ceiling over that time bounds its
+// ratio (docs/PERFORMANCE.md, "CPU backend"). Null where a row is missing
+// or the difference is not positive.
+json arithmetic_bound(const std::vector<Row>& rows) {
+  const Row *cold = nullptr, *small = nullptr, *large = nullptr;
+  for (const Row& r : rows) {
+    if (r.name == "decode, full layer, 131072 rows") cold = &r;
+    if (r.name == "decode, full layer, " + std::to_string(kInCacheRows[0]) + " rows, in cache") small = &r;
+    if (r.name == "decode, full layer, " + std::to_string(kInCacheRows[1]) + " rows, in cache") large = &r;
+  }
+  if (cold == nullptr || small == nullptr || large == nullptr || large->seconds <= small->seconds) return nullptr;
+  const double per_row = (large->seconds - small->seconds) / static_cast<double>(kInCacheRows[1] - kInCacheRows[0]);
+  const double at_131072 = per_row * 131072;
+  return {{"ns_per_row", per_row * 1e9},
+          {"us_at_131072", at_131072 * 1e6},
+          {"ceiling_us_at_131072", cold->ceiling_s * 1e6},
+          {"ratio_at_most", cold->ceiling_s / at_131072}};
 }
 
 std::vector<Row> bench_batch(const ModelConfig& c, ReadCeiling& ceiling, int warmup, int runs) {
@@ -479,6 +542,12 @@ int run(const std::vector<std::string>& argv) {
     if (row.peer_s > 0) j["peer_us"] = row.peer_s * 1e6;
     jrows.push_back(j);
   }
+  const json bound = arithmetic_bound(rows);
+  if (bound.is_object())
+    std::printf("decode at 131072 rows with every row in cache (%.2f ns a row, from the in-cache decodes): "
+                "%.1f us, so at most %.1f%% of its read ceiling\n",
+                bound.at("ns_per_row").get<double>(), bound.at("us_at_131072").get<double>(),
+                100.0 * bound.at("ratio_at_most").get<double>());
   char stamp[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
@@ -490,6 +559,7 @@ int run(const std::vector<std::string>& argv) {
               {"runs", r},
               {"rows", jrows}};
   if (peer.is_object()) out["peer"] = peer;
+  if (bound.is_object()) out["decode_arithmetic_bound"] = bound;
   const std::string line = out.dump();
   std::printf("%s\n", line.c_str());
   if (args->has("json"))
