@@ -247,8 +247,8 @@ std::vector<Row> bench_decode(const ModelConfig& c, ReadCeiling& ceiling, int wa
   const std::int64_t width = c.n_heads * c.head_dim;
   std::vector<float> q(static_cast<std::size_t>(width)), out(q.size());
   random_floats(q, 7);
-  // Under the default numeric at each size, and under the f16 numeric at
-  // the largest.
+  // Under the default numeric at each size, under the f16 numeric at the
+  // largest, and with the rows in cache at kInCacheRows.
   auto one = [&](std::int64_t n, AttentionNumeric numeric, bool in_cache) {
     StoreOptions o;
     o.context = n;
