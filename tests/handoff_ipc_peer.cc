@@ -20,7 +20,10 @@
 // receiver's reads of its N-th device message, wait behind a host function
 // that returns once this end's sessions ended or T seconds (default 60)
 // passed, so the peer waits for an event that comes late. --timeout S
-// (default 30) is this end's timeout. Sessions after the first go over the same link
+// (default 30) is this end's sessions' timeout; connecting and the link's
+// handshake wait up to max(S, 60) s, so that a peer slow to start (a busy
+// host, a sanitizer) does not end a test of a stalled session before its
+// session begins. Sessions after the first go over the same link
 // (under "p3,s24" the second's messages are larger, so the sender's buffers
 // grow between them), and the receiver checks each.
 // Each prints one line, "ok ..." (exit 0) or "FAIL ..." (exit 1).
@@ -125,6 +128,7 @@ int run(int argc, char** argv) {
   bool host_staging = false, expect_loss = false;
   int die_at = -1, stall_at = -1;
   double timeout_s = 30;
+  constexpr double kSetupS = 60;
   // Each session's schedule and rows a message ("p3": paced, 3 rows).
   std::vector<std::pair<Schedule, std::int64_t>> specs = {{Schedule::kPaced, 3}};
   for (int i = 3; i < argc; ++i) {
@@ -156,9 +160,10 @@ int run(int argc, char** argv) {
 
   const int sessions = static_cast<int>(specs.size());
   if (role == "send") {
-    auto host = unix_connect(path, deadline_in(timeout_s));
+    const double setup_s = std::max(timeout_s, kSetupS);
+    auto host = unix_connect(path, deadline_in(setup_s));
     if (!host) return fail(host.error().to_string());
-    auto link = cuda_ipc_link(std::move(*host), deadline_in(timeout_s));
+    auto link = cuda_ipc_link(std::move(*host), deadline_in(setup_s));
     if (!link) return fail(link.error().to_string());
     Counting counting(**link);
     counting.die_at = die_at;
@@ -201,9 +206,10 @@ int run(int argc, char** argv) {
   if (role != "recv") return fail("unknown role " + role);
   auto listener = unix_listen(path);
   if (!listener) return fail(listener.error().to_string());
-  auto host = (*listener)->accept(deadline_in(timeout_s));
+  const double setup_s = std::max(timeout_s, kSetupS);
+  auto host = (*listener)->accept(deadline_in(setup_s));
   if (!host) return fail(host.error().to_string());
-  auto link = cuda_ipc_link(std::move(*host), deadline_in(timeout_s), host_staging);
+  auto link = cuda_ipc_link(std::move(*host), deadline_in(setup_s), host_staging);
   if (!link) return fail(link.error().to_string());
   Counting counting(**link);
   counting.stall_at = stall_at;
