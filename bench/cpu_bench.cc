@@ -217,6 +217,11 @@ constexpr std::int64_t kChunk = 4096;
 // The two decodes timed with their rows in cache (16 MiB at most).
 constexpr std::int64_t kInCacheRows[2] = {4096, 16384};
 
+// The name of the decode figure of `n` rows.
+std::string decode_name(std::int64_t n, bool f16, bool in_cache) {
+  return "decode, full layer, " + std::to_string(n) + " rows" + (f16 ? " (f16 numeric)" : in_cache ? ", in cache" : "");
+}
+
 // Stores `rows` rows of random K/V into one layer of sequences `seqs`
 // (positions 0..rows-1), kChunk rows per call.
 void fill_layer(KvStore& store, std::int64_t layer, const std::vector<SeqId>& seqs, std::int64_t rows,
@@ -260,8 +265,7 @@ std::vector<Row> bench_decode(const ModelConfig& c, ReadCeiling& ceiling, int wa
     fill_layer(**store, layer, {*seq}, n, 100 + static_cast<std::uint64_t>(n));
     const SeqQuery query{*seq, n - 1};
     const bool f16 = numeric == AttentionNumeric::kF16;
-    const std::string name =
-        "decode, full layer, " + std::to_string(n) + " rows" + (f16 ? " (f16 numeric)" : in_cache ? ", in cache" : "");
+    const std::string name = decode_name(n, f16, in_cache);
     auto decode = [&] {
       check((*store)->attend_decode(layer, {&query, 1}, host_view(q.data(), 1, width),
                                     host_view(out.data(), 1, width)),
@@ -290,9 +294,9 @@ std::vector<Row> bench_decode(const ModelConfig& c, ReadCeiling& ceiling, int wa
 json in_cache_rate(const std::vector<Row>& rows) {
   const Row *cold = nullptr, *small = nullptr, *large = nullptr;
   for (const Row& r : rows) {
-    if (r.name == "decode, full layer, 131072 rows") cold = &r;
-    if (r.name == "decode, full layer, " + std::to_string(kInCacheRows[0]) + " rows, in cache") small = &r;
-    if (r.name == "decode, full layer, " + std::to_string(kInCacheRows[1]) + " rows, in cache") large = &r;
+    if (r.name == decode_name(131072, false, false)) cold = &r;
+    if (r.name == decode_name(kInCacheRows[0], false, true)) small = &r;
+    if (r.name == decode_name(kInCacheRows[1], false, true)) large = &r;
   }
   if (cold == nullptr || small == nullptr || large == nullptr || large->seconds <= small->seconds) return nullptr;
   const double per_row = (large->seconds - small->seconds) / static_cast<double>(kInCacheRows[1] - kInCacheRows[0]);
