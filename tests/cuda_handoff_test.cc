@@ -745,6 +745,58 @@ TEST(CudaHandoffIpc, HostileFramesAreRefused) {
   }
 }
 
+// message_waiting reads what the host link holds: a release is taken (its
+// buffer is free again, and nothing waits), a message is kept for the next
+// recv, and the peer's close is waiting too.
+TEST(CudaHandoffIpc, MessageWaitingReadsAheadWithoutLosingAFrame) {
+  KVRING_SKIP_WITHOUT_GPU();
+  RawIpcPeer p = raw_ipc_peer(false);
+  ASSERT_TRUE(p.link);
+  ASSERT_TRUE(p.link->carries(MemoryKind::kCudaDevice));
+  const auto waiting_within = [&](double s) {
+    for (const auto until = deadline_in(s); Clock::now() < until;) {
+      if (p.link->message_waiting()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  };
+  EXPECT_FALSE(p.link->message_waiting());
+
+  // A device message takes buffer 0; the peer's release frees it.
+  DeviceArray<std::uint8_t> bytes(std::vector<std::uint8_t>(256, 0x5a));
+  const std::vector<Part> parts = {{bytes.get(), 256, MemoryKind::kCudaDevice, nullptr}};
+  ASSERT_TRUE(p.link->send_message(parts, deadline_in(5)).ok());
+  std::vector<std::uint8_t> frame;
+  ASSERT_TRUE(p.raw->recv_message(frame, deadline_in(5), 4096).ok());
+  ASSERT_FALSE(frame.empty());
+  EXPECT_EQ(frame.back(), 'D');
+  std::vector<std::uint8_t> release(1 + 1 + 64 + 1, 0);  // buffer 0, no event
+  release.back() = 'R';
+  ASSERT_TRUE(p.raw->send_message(release.data(), release.size(), deadline_in(5)).ok());
+  EXPECT_FALSE(waiting_within(0.2)) << "a release is not a message";
+
+  // A host message is kept for recv, however often it is asked about.
+  const std::uint8_t hello[3] = {'h', 'i', 'M'};
+  ASSERT_TRUE(p.raw->send_message(hello, 3, deadline_in(5)).ok());
+  ASSERT_TRUE(waiting_within(5));
+  EXPECT_TRUE(p.link->message_waiting());
+  std::vector<std::uint8_t> got;
+  ASSERT_TRUE(p.link->recv_message(got, deadline_in(5), 1 << 20).ok());
+  EXPECT_EQ(got, (std::vector<std::uint8_t>{'h', 'i'}));
+  EXPECT_FALSE(p.link->message_waiting());
+
+  // Buffer 0 was released: four more device messages need no release.
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(p.link->send_message(parts, deadline_in(1)).ok()) << i;
+
+  // The peer's close is waiting, and recv says so.
+  const std::uint8_t closed = 'C';
+  ASSERT_TRUE(p.raw->send_message(&closed, 1, deadline_in(5)).ok());
+  ASSERT_TRUE(waiting_within(5));
+  const Status st = p.link->recv_message(got, deadline_in(5), 1 << 20);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.error().message.find("closed by the peer"), std::string::npos) << st.error().message;
+}
+
 TEST(CudaDigest64, TheGpuSumIsTheHosts) {
   KVRING_SKIP_WITHOUT_GPU();
   std::vector<std::uint8_t> host(1 << 20);

@@ -202,14 +202,20 @@ TEST(HandoffBounds, ASenderWaitingOnItsPrefillHearsWhyTheReceiverEnded) {
 // message back on its prefill or on its pacing (1 B/s), reads the refusal
 // before its next keep-alive and ends at once, where it would otherwise
 // keep the link alive until the prefill or the pacing ended. In-process,
-// over a Unix socket and over UCX (whose accept completes only as the
-// sender's end makes progress, so each end is made on its own thread).
+// over a Unix socket, over UCX (whose accept completes only as the
+// sender's end makes progress, so each end is made on its own thread) and
+// over a CUDA IPC link (both ends in this process, where a GPU is visible;
+// its handshake, too, needs both ends at once).
 TEST(HandoffBounds, ASenderHearsARefusalOnALinkLeftOpen) {
-  enum class Link { kInProcess, kUnix, kUcx };
-  for (const Link kind : {Link::kInProcess, Link::kUnix, Link::kUcx}) {
+  enum class Link { kInProcess, kUnix, kUcx, kCudaIpc };
+  for (const Link kind : {Link::kInProcess, Link::kUnix, Link::kUcx, Link::kCudaIpc}) {
     if (kind == Link::kUcx && !ucx_compiled()) continue;
+    if (kind == Link::kCudaIpc && !cuda_device_available()) continue;
     for (const bool pacing : {false, true}) {
-      const std::string name = kind == Link::kInProcess ? "in-process" : kind == Link::kUnix ? "unix" : "ucx";
+      const std::string name = kind == Link::kInProcess ? "in-process"
+                               : kind == Link::kUnix    ? "unix"
+                               : kind == Link::kUcx     ? "ucx"
+                                                        : "cuda ipc";
       SCOPED_TRACE(name + (pacing ? ", pacing" : ", prefill"));
       Prefilled p = prefilled(100);
       ASSERT_TRUE(p.source);
@@ -224,6 +230,10 @@ TEST(HandoffBounds, ASenderHearsARefusalOnALinkLeftOpen) {
         pair = local_pair();
         accept = [&]() -> Result<std::unique_ptr<Transport>> { return std::move(pair.second); };
         connect = [&]() -> Result<std::unique_ptr<Transport>> { return std::move(pair.first); };
+      } else if (kind == Link::kCudaIpc) {
+        pair = local_pair();
+        accept = [&] { return cuda_ipc_link(std::move(pair.second), deadline_in(10)); };
+        connect = [&] { return cuda_ipc_link(std::move(pair.first), deadline_in(10)); };
       } else if (kind == Link::kUnix) {
         auto l = unix_listen(path);
         ASSERT_TRUE(l.ok()) << l.error().to_string();

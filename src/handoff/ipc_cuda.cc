@@ -71,6 +71,9 @@ std::uint8_t kind_of(const std::vector<std::uint8_t>& frame) { return frame.empt
 constexpr std::size_t kMostQueued = 4096, kMostQueuedBytes = std::size_t{64} << 20;
 // How long closing waits for the peer's 'C'.
 constexpr double kCloseWaitS = 2;
+// How long message_waiting reads the rest of a frame that has begun to
+// arrive.
+constexpr double kFrameRestS = 5;
 
 // This process, as the peer tells it from another: random, so that
 // processes of separate pid namespaces never look like one.
@@ -370,6 +373,32 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
     return Status::Ok();
   }
 
+  // Whether the next recv returns without waiting for the peer: a message
+  // frame read ahead, or the link broken, closed or ended. Frames the host
+  // link already holds are read now; releases are taken, anything else is
+  // queued for recv, so nothing a recv would return is lost.
+  bool message_waiting() {
+    if (broken_ || closed_ || !inbox_.empty()) return true;
+    while (host_->message_waiting()) {
+      // The frame has begun to arrive: the rest follows without the peer's
+      // next call, so a short deadline only guards a peer that stopped
+      // mid-frame (then the link is broken, which recv reports at once).
+      std::vector<std::uint8_t> frame;
+      if (Status st = host_->recv_message(frame, deadline_in(kFrameRestS), max_frame_); !st.ok()) {
+        (void)broken(st.error());
+        return true;
+      }
+      if (kind_of(frame) == kRelease) {
+        if (!take_release(frame).ok()) return true;
+        continue;
+      }
+      inbox_bytes_ += frame.size();
+      inbox_.push_back(std::move(frame));
+      return true;
+    }
+    return false;
+  }
+
   // Refuses further calls, then finishes the close once no bytes of the
   // peer's buffers are held (here, or when the last IpcBytes goes).
   void close() {
@@ -657,7 +686,7 @@ class IpcLink : public std::enable_shared_from_this<IpcLink> {
   std::string what_;
   std::array<Out, kSlots> out_;
   std::array<In, kSlots> in_;
-  std::deque<std::vector<std::uint8_t>> inbox_;  // frames read while waiting for a release
+  std::deque<std::vector<std::uint8_t>> inbox_;  // frames read ahead: waiting for a release, or message_waiting
   std::size_t inbox_bytes_ = 0;
   std::size_t max_frame_ = std::size_t{1} << 20;  // the bound of the last recv, for frames read ahead
   std::mutex mu_;  // guards in_'s mappings and holds, and releases_ (IpcBytes may drop on another thread)
@@ -689,6 +718,7 @@ class IpcTransport : public Transport {
     return Status::Ok();
   }
   std::string describe() const override { return link_->what(); }
+  bool message_waiting() override { return link_->message_waiting(); }
   void close() override { link_->close(); }
 
  private:
