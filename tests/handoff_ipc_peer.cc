@@ -159,8 +159,8 @@ int run(int argc, char** argv) {
   const SeqId seq = testing::prefill_in(**model, *store, prompt, kChunk);
 
   const int sessions = static_cast<int>(specs.size());
+  const double setup_s = std::max(timeout_s, kSetupS);
   if (role == "send") {
-    const double setup_s = std::max(timeout_s, kSetupS);
     auto host = unix_connect(path, deadline_in(setup_s));
     if (!host) return fail(host.error().to_string());
     auto link = cuda_ipc_link(std::move(*host), deadline_in(setup_s));
@@ -206,7 +206,6 @@ int run(int argc, char** argv) {
   if (role != "recv") return fail("unknown role " + role);
   auto listener = unix_listen(path);
   if (!listener) return fail(listener.error().to_string());
-  const double setup_s = std::max(timeout_s, kSetupS);
   auto host = (*listener)->accept(deadline_in(setup_s));
   if (!host) return fail(host.error().to_string());
   auto link = cuda_ipc_link(std::move(*host), deadline_in(setup_s), host_staging);
