@@ -17,6 +17,7 @@
 #include "kvring/backend.h"
 #include "kvring/cache.h"
 #include "kvring/pack.h"
+#include "pack/pack_common.h"
 
 namespace kvring {
 namespace {
@@ -427,7 +428,9 @@ TEST(CudaStore, SnapshotsRoundTripAfterWraps) {
 }
 
 // A pack written from a CUDA store's sequence, planes a group at a time, is the
-// file the same history gives on the CPU backend, and restores there.
+// file the same history gives on the CPU backend, and restores there and
+// into a CUDA store, a group of planes at a time; a damaged one changes
+// neither.
 TEST(CudaStore, APackOfASequenceIsTheCpuBackendsPack) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = config();
@@ -455,6 +458,7 @@ TEST(CudaStore, APackOfASequenceIsTheCpuBackendsPack) {
   // add_with_churn leaves no free slot in `cpu`: restores go to a store of
   // their own.
   auto target = testing::new_store(BackendKind::kCpu, c, options());
+  auto gpu_target = testing::new_store(BackendKind::kCuda, c, options());
   for (std::size_t i = 0; i < ig.size(); ++i) {
     SCOPED_TRACE("sequence " + std::to_string(i));
     const std::vector<std::int32_t> seq_ids(ids.begin(), ids.begin() + in[i].len);
@@ -483,6 +487,22 @@ TEST(CudaStore, APackOfASequenceIsTheCpuBackendsPack) {
       ASSERT_TRUE(write_pack(*target, *back, dir + "/back.kvpack", seq_ids, "m", o).ok());
       EXPECT_TRUE(bytes(dir + "/back.kvpack") == want);
       ASSERT_TRUE(target->remove_sequence(*back).ok());
+      // Restored into a GPU store a plane at a time, the same. A chunk
+      // damaged in the last plane leaves that store as it was.
+      auto on_gpu = pack_internal::restore_pack_in_groups(**src, {}, *gpu_target, nullptr, 1);
+      ASSERT_TRUE(on_gpu.ok()) << on_gpu.error().to_string();
+      ASSERT_TRUE(write_pack(*gpu_target, *on_gpu, dir + "/back-gpu.kvpack", seq_ids, "m", o).ok());
+      EXPECT_TRUE(bytes(dir + "/back-gpu.kvpack") == want);
+      ASSERT_TRUE(gpu_target->remove_sequence(*on_gpu).ok());
+      std::vector<std::uint8_t> bad = want;
+      bad[bad.size() - 3] ^= 0x20;
+      auto damaged = memory_pack_source(bad.data(), static_cast<std::int64_t>(bad.size()), "bad.kvpack");
+      const std::int64_t free_blocks = gpu_target->free_blocks();
+      auto refused = pack_internal::restore_pack_in_groups(*damaged, {}, *gpu_target, nullptr, 1);
+      ASSERT_FALSE(refused.ok());
+      EXPECT_EQ(refused.error().code, ErrorCode::kCorruption) << refused.error().to_string();
+      EXPECT_EQ(gpu_target->free_blocks(), free_blocks);
+      EXPECT_EQ(gpu_target->sequence_count(), 0);
     }
   }
 }

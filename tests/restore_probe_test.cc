@@ -13,6 +13,7 @@
 #include "kvring/pack.h"
 #include "kvring/snapshot.h"
 #include "kvring/store.h"
+#include "pack/pack_common.h"
 #include "pack_test_util.h"
 #include "test_util.h"
 
@@ -89,11 +90,22 @@ Status fill_seq(KvStore& s, SeqId seq, std::int64_t from, std::int64_t to, std::
   return Status::Ok();
 }
 
+// The snapshot of a sequence of `positions` positions filled from `seed`
+// (rings wrapped past 32 rows, full planes over several blocks).
+Result<Snapshot> filled_snapshot(const ModelConfig& cfg, std::int64_t positions, std::uint64_t seed) {
+  auto src = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  if (!src) return src.error();
+  auto seq = (*src)->add_sequence();
+  if (!seq) return seq.error();
+  KVRING_RETURN_IF_ERROR(fill_seq(**src, *seq, 0, positions, seed));
+  return take_snapshot(**src, *seq);
+}
+
 // restore_pack into a store: a new sequence holding the pack's rows, bit
 // for bit, beside a sequence already there. The refusals the header decides
 // (no free slot, too few pool blocks, another geometry) come before any
-// payload is read, a corrupted chunk is found before the store is touched,
-// and every refusal leaves the store as it was.
+// payload is read, a corrupted chunk is refused, and every refusal leaves
+// the store as it was.
 TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   const ModelConfig cfg = testing::small_config(32, 256, 8);
   auto src = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
@@ -173,11 +185,119 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
   auto wider = make_store(BackendKind::kCpu, testing::small_config(64, 256, 8), {.max_sequences = 2, .context = 256});
   ASSERT_TRUE(wider.ok());
   refused(**wider, *pack, ErrorCode::kMismatch, "p.kvpack: ");
-  // A byte of the last chunk flipped: found before the store is touched.
+  // A byte of the last chunk flipped: refused, the store as it was.
   std::string bad = *bytes;
   bad[bad.size() - 40] ^= 0x10;
   auto corrupted = memory_pack_source(bad.data(), static_cast<std::int64_t>(bad.size()), "bad.kvpack");
   refused(*make_target(2, 0), *corrupted, ErrorCode::kCorruption, "");
+}
+
+// restore_pack into a store holds a group of planes in host memory at a
+// time, not the sequence: ReadOptions::max_row_bytes bounds the group, so a
+// pack whose rows outgrow it still restores, where read_pack is refused. A
+// chunk damaged in the last group, found after the groups before it went
+// in, leaves the store as it was: its sequences, rows, free blocks and free
+// slots, so that the same store then takes the good pack.
+TEST(RestoreProbe, APackRestoresIntoAStoreAGroupOfPlanesAtATime) {
+  const ModelConfig cfg = testing::small_config(32, 256, 8);
+  auto snap = filled_snapshot(cfg, 150, 47);
+  ASSERT_TRUE(snap.ok());
+  auto bytes = encode_pack(*snap, {.chunk_tokens = 16});
+  ASSERT_TRUE(bytes.ok());
+  auto pack = memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size()), "p.kvpack");
+  const std::int64_t row_bytes = 2 * 2 * cfg.kv_dim();
+  std::int64_t longest = 0;
+  for (const PlaneSnapshot& p : snap->planes) longest = std::max(longest, p.ring.len());
+
+  // A pool of exactly the blocks the pack and the neighbour take: a block
+  // the failed restore kept would fail the good one after it.
+  auto probe = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
+  ASSERT_TRUE(probe.ok());
+  auto need = blocks_to_restore(*snap, **probe);
+  ASSERT_TRUE(need.ok());
+  auto make_target = [&]() {
+    auto t = make_store(BackendKind::kCpu, cfg,
+                        {.max_sequences = 2, .context = 256, .block_rows = 16, .pool_blocks = 0});
+    EXPECT_TRUE(t.ok());
+    auto other = (*t)->add_sequence();
+    EXPECT_TRUE(other.ok());
+    EXPECT_TRUE(fill_seq(**t, *other, 0, 70, 9).ok());
+    const std::int64_t held = *(*t)->blocks_held(*other);
+    auto exact = make_store(BackendKind::kCpu, cfg,
+                            {.max_sequences = 2, .context = 256, .block_rows = 16, .pool_blocks = held + *need});
+    EXPECT_TRUE(exact.ok());
+    auto neighbour = (*exact)->add_sequence();
+    EXPECT_TRUE(neighbour.ok());
+    EXPECT_TRUE(fill_seq(**exact, *neighbour, 0, 70, 9).ok());
+    return std::move(*exact);
+  };
+  auto restored_rows_match = [&](const KvStore& t, SeqId seq) {
+    auto back = take_snapshot(t, seq);
+    ASSERT_TRUE(back.ok());
+    for (std::size_t l = 0; l < snap->planes.size(); ++l) {
+      EXPECT_TRUE(back->planes[l].ring == snap->planes[l].ring) << "layer " << l;
+      EXPECT_TRUE(back->planes[l].k == snap->planes[l].k && back->planes[l].v == snap->planes[l].v) << "layer " << l;
+    }
+  };
+
+  for (const std::int64_t group_bytes : {std::int64_t{1}, 3 * longest * row_bytes, pack_internal::kStoreGroupBytes}) {
+    SCOPED_TRACE("group bytes " + std::to_string(group_bytes));
+    const pack_internal::PlaneGroups groups = pack_internal::group_planes(*snap, group_bytes);
+    const std::int64_t group_need = groups.most * row_bytes;
+    auto t = make_target();
+    const Image before = image(*t);
+    // One byte under the largest group: refused before the store is touched.
+    auto r = pack_internal::restore_pack_in_groups(*pack, {.max_row_bytes = group_need - 1}, *t, nullptr, group_bytes);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().code, ErrorCode::kCapacityExceeded) << r.error().to_string();
+    EXPECT_NE(r.error().message.find("a group of planes at a time, need " + std::to_string(group_need) + " bytes"),
+              std::string::npos)
+        << r.error().to_string();
+    EXPECT_TRUE(image(*t) == before);
+    // A chunk of the last plane damaged.
+    std::string bad = *bytes;
+    bad[bad.size() - 5] ^= 0x08;
+    auto damaged = memory_pack_source(bad.data(), static_cast<std::int64_t>(bad.size()), "bad.kvpack");
+    r = pack_internal::restore_pack_in_groups(*damaged, {}, *t, nullptr, group_bytes);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().code, ErrorCode::kCorruption) << r.error().to_string();
+    EXPECT_NE(r.error().message.find("bad.kvpack: chunk "), std::string::npos) << r.error().to_string();
+    EXPECT_TRUE(image(*t) == before) << "changed by: " << r.error().to_string();
+    EXPECT_EQ(t->sequence_count(), 1);
+    // The largest group exactly: the rows restore, bit for bit, beside the
+    // neighbour as it was.
+    Manifest manifest;
+    r = pack_internal::restore_pack_in_groups(*pack, {.max_row_bytes = group_need}, *t, &manifest, group_bytes);
+    ASSERT_TRUE(r.ok()) << r.error().to_string();
+    EXPECT_EQ(manifest.header.token_count, 150);
+    restored_rows_match(*t, *r);
+    EXPECT_EQ(seq_image(*t, before.seqs[0]), before.text[0]);
+    EXPECT_EQ(t->free_blocks(), 0);
+    EXPECT_EQ(t->sequence_count(), 2);
+  }
+  // Groups smaller than the rows: read_pack of the whole snapshot is
+  // refused under the limit that restore_pack meets.
+  const std::int64_t one_group = pack_internal::group_planes(*snap, 1).most * row_bytes;
+  ASSERT_LT(one_group, snap->row_bytes());
+  auto whole = read_pack(*pack, {.max_row_bytes = one_group});
+  ASSERT_FALSE(whole.ok());
+  EXPECT_EQ(whole.error().code, ErrorCode::kCapacityExceeded);
+  auto t = make_target();
+  auto r = pack_internal::restore_pack_in_groups(*pack, {.max_row_bytes = one_group}, *t, nullptr, 1);
+  ASSERT_TRUE(r.ok()) << r.error().to_string();
+  restored_rows_match(*t, *r);
+  // An empty sequence's pack restores into an empty sequence.
+  auto esnap = filled_snapshot(cfg, 0, 1);
+  ASSERT_TRUE(esnap.ok());
+  auto ebytes = encode_pack(*esnap);
+  ASSERT_TRUE(ebytes.ok());
+  auto epack = memory_pack_source(ebytes->data(), static_cast<std::int64_t>(ebytes->size()), "e.kvpack");
+  auto et = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
+  ASSERT_TRUE(et.ok());
+  auto eback = restore_pack(*epack, {}, **et);
+  ASSERT_TRUE(eback.ok()) << eback.error().to_string();
+  EXPECT_EQ(*(*et)->next_position(*eback), 0);
+  EXPECT_EQ((*et)->sequence_count(), 1);
 }
 
 // A pack whose full planes the pool cannot hold is refused before any
@@ -186,12 +306,7 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
 // check_restorable(header, store, seq) gives it from the header alone.
 TEST(RestoreProbe, APackThePoolCannotHoldIsRefusedUnread) {
   const ModelConfig cfg = testing::small_config(32, 256, 8);
-  auto src = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 256});
-  ASSERT_TRUE(src.ok());
-  auto sseq = (*src)->add_sequence();
-  ASSERT_TRUE(sseq.ok());
-  ASSERT_TRUE(fill_seq(**src, *sseq, 0, 150, 43).ok());
-  auto snap = take_snapshot(**src, *sseq);
+  auto snap = filled_snapshot(cfg, 150, 43);
   ASSERT_TRUE(snap.ok());
   auto bytes = encode_pack(*snap, {.chunk_tokens = 32});
   ASSERT_TRUE(bytes.ok());
@@ -303,7 +418,30 @@ TEST(RestoreProbe, SucceedsBitwiseOrChangesNothing) {
     const bool fresh = seqs.empty() || rng() % 3 == 0;
     SeqId target{};
     Status s;
-    if (fresh) {
+    if (fresh && rng() % 2 == 0) {
+      // Through a pack, a group of planes at a time; a damaged payload byte
+      // must be found, whichever group it lies in.
+      auto bytes = encode_pack(*snap, {.chunk_tokens = pick(1, 48)});
+      ASSERT_TRUE(bytes.ok()) << bytes.error().to_string();
+      const std::int64_t payload = snap->row_bytes();  // F16Le: the rows' own bytes
+      const bool damaged = payload > 0 && rng() % 3 == 0;
+      if (damaged)
+        (*bytes)[bytes->size() - 1 - static_cast<std::size_t>(rng() % static_cast<std::uint64_t>(payload))] ^=
+            static_cast<char>(1 << (rng() % 8));
+      const bool header_passes = check_restorable_as_new(*snap, t).ok();
+      auto from = memory_pack_source(bytes->data(), static_cast<std::int64_t>(bytes->size()), "probe.kvpack");
+      auto r = pack_internal::restore_pack_in_groups(*from, {}, t, nullptr, pick(1, 4096));
+      s = r.status();
+      if (r) target = *r;
+      if (damaged) {
+        ASSERT_FALSE(s.ok()) << "a damaged pack restored";
+        if (header_passes) {
+          EXPECT_EQ(s.error().code, ErrorCode::kCorruption) << s.to_string();
+        }
+      } else {
+        EXPECT_EQ(s.ok(), header_passes) << s.to_string();
+      }
+    } else if (fresh) {
       auto r = restore_new_sequence(*snap, t);
       s = r.status();
       if (r) target = *r;

@@ -52,7 +52,10 @@ struct WriteOptions {
 struct ReadOptions {
   // The store of a thin pack's chunks (required for thin packs).
   const ChunkStore* store = nullptr;
-  // Refuse packs whose rows would take more memory than this.
+  // Refuse packs whose rows would take more host memory than this: all of
+  // them for read_pack and restore_pack into a cache, the largest group of
+  // planes read at once for restore_pack into a store. The memory this
+  // process may use (its cgroup's limit) bounds it too.
   std::int64_t max_row_bytes = std::numeric_limits<std::int64_t>::max();
 };
 
@@ -157,11 +160,17 @@ Result<Snapshot> read_pack_file(const std::string& path, const ReadOptions& opti
 // and metadata, which an engine resumes from), read once.
 Status restore_pack(const PackSource& source, const ReadOptions& options, KvCache& target,
                     Manifest* manifest = nullptr);
-// Reads a pack into a new sequence of `target` (restore_new_sequence). The
-// manifest is checked before any payload is read: the geometry and rings
+// Reads a pack into a new sequence of `target`, with the rows and rings
+// restore_new_sequence gives. The manifest is checked before any payload
+// is read and before the store is touched: the geometry and rings
 // (check_restorable), a free slot, and the pool blocks the sequence takes
-// (blocks_to_restore; kResourceExhausted). Every chunk is verified before
-// the store is touched; on any error the store holds no new sequence.
+// (blocks_to_restore; kResourceExhausted). The planes are then read,
+// verified and installed a group of consecutive planes at a time (as many
+// as fit in the larger of 64 MiB of rows and the longest plane), so host
+// memory holds one group, not the sequence, into a detached sequence
+// (KvStore::add_detached_sequence) that no reader sees and that becomes
+// live once every plane is in. On any error it is removed: the store's
+// sequences, their rows, its free slots and free blocks are as they were.
 // `manifest` as above.
 Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target,
                            Manifest* manifest = nullptr);

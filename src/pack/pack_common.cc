@@ -90,5 +90,27 @@ Result<Digest> sha256_in_pieces(std::int64_t bytes,
   return h.finish();
 }
 
+PlaneGroups group_planes(const Snapshot& header, std::int64_t group_bytes) {
+  const auto n_layers = static_cast<std::int64_t>(header.planes.size());
+  auto len = [&](std::int64_t l) { return header.planes[static_cast<std::size_t>(l)].ring.len(); };
+  const std::int64_t row_bytes = 2 * header.config.kv_dim() * std::int64_t{sizeof(std::uint16_t)};
+  std::int64_t budget = std::max<std::int64_t>(group_bytes, 0) / row_bytes;
+  for (std::int64_t l = 0; l < n_layers; ++l) budget = std::max(budget, len(l));
+  PlaneGroups g;
+  g.end.resize(static_cast<std::size_t>(n_layers));
+  g.offset.resize(static_cast<std::size_t>(n_layers));
+  for (std::int64_t first = 0; first < n_layers;) {
+    std::int64_t end = first, rows = 0;
+    while (end < n_layers && (end == first || rows + len(end) <= budget)) {
+      g.offset[static_cast<std::size_t>(end)] = rows;
+      rows += len(end++);
+    }
+    for (std::int64_t l = first; l < end; ++l) g.end[static_cast<std::size_t>(l)] = end;
+    g.most = std::max(g.most, rows);
+    first = end;
+  }
+  return g;
+}
+
 }  // namespace pack_internal
 }  // namespace kvring

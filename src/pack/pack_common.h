@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvring/pack.h"
+#include "kvring/snapshot.h"
 
 namespace kvring::pack_internal {
 
@@ -51,12 +52,27 @@ Status first_error(const std::vector<Status>& statuses);
 Result<Digest> sha256_in_pieces(std::int64_t bytes,
                                 const std::function<Status(std::int64_t, std::int64_t, std::uint8_t*)>& read);
 
+// Consecutive planes of `header` in groups: as many as fit in the larger
+// of `group_bytes` of rows (K and V) and the longest plane, so that a
+// group's rows fit one buffer however long the sequence. Per layer: the end
+// of its group and its first row in the group's buffer; `most` is the rows
+// of the largest group.
+struct PlaneGroups {
+  std::vector<std::int64_t> end, offset;
+  std::int64_t most = 0;
+};
+PlaneGroups group_planes(const Snapshot& header, std::int64_t group_bytes);
+
 // write_pack of a store's sequence with consecutive planes read a group
-// at a time, as many as fit in the larger of `group_bytes` of rows and
-// the longest plane; write_pack takes kStoreGroupBytes.
+// at a time (group_planes); write_pack takes kStoreGroupBytes.
 inline constexpr std::int64_t kStoreGroupBytes = std::int64_t{64} << 20;
 Status write_pack_in_groups(const KvStore& store, SeqId seq, const std::string& path,
                             const std::vector<std::int32_t>& token_ids, const std::string& metadata,
                             const WriteOptions& options, std::int64_t group_bytes);
+// restore_pack into a new sequence of a store, its planes read, verified
+// and installed a group at a time (group_planes); restore_pack takes
+// kStoreGroupBytes.
+Result<SeqId> restore_pack_in_groups(const PackSource& source, const ReadOptions& options, KvStore& target,
+                                     Manifest* manifest, std::int64_t group_bytes);
 
 }  // namespace kvring::pack_internal

@@ -427,29 +427,23 @@ class ByteBudget {
   std::condition_variable freed_;
 };
 
-// Reads and verifies chunk i. With `out`, decodes it into the snapshot's
-// rows (F16Le from a file on a little-endian host straight into place);
-// other chunks go through a buffer of their size, held within `budget`.
+// Reads and verifies chunk i. With k and v (where the chunk's first K and
+// V rows go), decodes it there (F16Le from a file on a little-endian host
+// straight into place); other chunks go through a buffer of their size,
+// held within `budget`.
 Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* store,
-                  std::int64_t i, Snapshot* out, ByteBudget& budget) {
+                  std::int64_t i, std::uint16_t* k, std::uint16_t* v, ByteBudget& budget) {
   const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
   const Encoding enc = m.planes[static_cast<std::size_t>(ch.layer)].encoding;
   const std::int64_t half = ch.byte_length / 2;
-  std::uint16_t* k = nullptr;
-  std::uint16_t* v = nullptr;
-  if (out != nullptr) {
-    PlaneSnapshot& p = out->planes[static_cast<std::size_t>(ch.layer)];
-    const std::int64_t first = (ch.first_position - p.ring.origin_logical()) * out->config.kv_dim();
-    k = p.k.data() + first;
-    v = p.v.data() + first;
-  }
+  const bool out = k != nullptr;
   auto wrap = [&](const Status& s) -> Status {
     if (s.ok()) return s;
     Error e = s.error();
     e.message = chunk_where(src, m, i) + ": " + e.message;
     return e;
   };
-  if (out != nullptr && !m.thin && enc == Encoding::kF16Le && kHostLittleEndian) {
+  if (out && !m.thin && enc == Encoding::kF16Le && kHostLittleEndian) {
     KVRING_RETURN_IF_ERROR(wrap(src.read_at(ch.offset, half, reinterpret_cast<std::uint8_t*>(k))));
     KVRING_RETURN_IF_ERROR(wrap(src.read_at(ch.offset + half, half, reinterpret_cast<std::uint8_t*>(v))));
     Sha256 h;
@@ -476,7 +470,7 @@ Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* st
     KVRING_RETURN_IF_ERROR(wrap(src.read_at(ch.offset, ch.byte_length, bytes.data())));
     KVRING_RETURN_IF_ERROR(check_name(src, m, i, sha256(bytes.data(), bytes.size())));
   }
-  if (out != nullptr) {
+  if (out) {
     const std::int64_t values = half / element_size(enc);
     decode_values(enc, bytes.data(), values, k);
     decode_values(enc, bytes.data() + half, values, v);
@@ -638,6 +632,17 @@ std::int64_t memory_limit_bytes() {
   return limit;
 }
 
+// The rows a read holds in host memory at once, against the smaller of
+// ReadOptions::max_row_bytes and the memory this process may use.
+Status check_row_memory(const PackSource& src, const ReadOptions& options, std::int64_t need,
+                        const std::string& what) {
+  const std::int64_t limit = std::min(options.max_row_bytes, memory_limit_bytes());
+  if (need > limit)
+    return make_error(ErrorCode::kCapacityExceeded,
+                      src.name() + ": " + what + num(need) + " bytes of memory, over the limit of " + num(limit));
+  return Status::Ok();
+}
+
 // Reads every chunk into `s`, whose row buffers are reused where they exist.
 Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& options, Snapshot& s) {
   KVRING_RETURN_IF_ERROR(need_store(src, m, options.store));
@@ -656,12 +661,7 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
   // self-contained pack), held against memory first (the manifest alone
   // says what they need, so a pack over the limit costs no chunk check),
   // then by chunks known to exist.
-  const std::int64_t need = s.row_bytes();
-  const std::int64_t limit = std::min(options.max_row_bytes, memory_limit_bytes());
-  if (need > limit)
-    return make_error(ErrorCode::kCapacityExceeded,
-                      src.name() + ": the pack's rows need " + num(need) + " bytes of memory, over the limit of " +
-                          num(limit));
+  KVRING_RETURN_IF_ERROR(check_row_memory(src, options, s.row_bytes(), "the pack's rows need "));
   KVRING_RETURN_IF_ERROR(check_before_rows(src, m, options.store));
   try {
     for (PlaneSnapshot& p : s.planes) {
@@ -669,14 +669,73 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
       p.v.resize(p.k.size());
     }
   } catch (const std::bad_alloc&) {
-    return make_error(ErrorCode::kIOError, src.name() + ": out of memory for " + num(need) + " bytes of rows");
+    return make_error(ErrorCode::kIOError, src.name() + ": out of memory for " + num(s.row_bytes()) + " bytes of rows");
   }
   std::vector<Status> status(m.chunks.size());
   ByteBudget budget(kChunkBufferBudget);
+  const std::int64_t kv_dim = s.config.kv_dim();
   cpu::parallel_for(static_cast<std::int64_t>(m.chunks.size()), m.payload_bytes, [&](std::int64_t i) {
-    status[static_cast<std::size_t>(i)] = read_chunk(src, m, options.store, i, &s, budget);
+    const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+    PlaneSnapshot& p = s.planes[static_cast<std::size_t>(ch.layer)];
+    const std::int64_t first = (ch.first_position - p.ring.origin_logical()) * kv_dim;
+    status[static_cast<std::size_t>(i)] =
+        read_chunk(src, m, options.store, i, p.k.data() + first, p.v.data() + first, budget);
   });
   return first_error(status);
+}
+
+// Reads the pack's planes a group at a time (group_planes) into buffers
+// reused for each group, verifies every chunk of the group, and installs
+// the group's planes into `seq`, a detached sequence of `target` that holds
+// no plane yet, each plane at the ring restore_ring gives it: the last of
+// its rows the target's plane holds. The first error stops it; the caller
+// removes the sequence.
+Status install_in_groups(const PackSource& src, const Manifest& m, const ReadOptions& options,
+                         const PlaneGroups& groups, const std::vector<RingState>& rings, KvStore& target,
+                         SeqId seq) {
+  const Snapshot& header = m.header;
+  const std::int64_t kv_dim = header.config.kv_dim();
+  std::vector<std::uint16_t> k, v;
+  try {
+    k.resize(static_cast<std::size_t>(groups.most * kv_dim));
+    v.resize(k.size());
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, src.name() + ": out of memory for " + num(groups.most) +
+                                               " rows of the pack's planes");
+  }
+  ByteBudget budget(kChunkBufferBudget);
+  const auto n_layers = static_cast<std::int64_t>(header.planes.size());
+  for (std::int64_t first = 0, end = 0; first < n_layers; first = end) {
+    end = groups.end[static_cast<std::size_t>(first)];
+    // A plane's chunks are consecutive in the table, in layer order.
+    const std::int64_t c0 = m.planes[static_cast<std::size_t>(first)].first_chunk;
+    const PackPlane& last = m.planes[static_cast<std::size_t>(end - 1)];
+    const std::int64_t c1 = last.first_chunk + last.n_chunks;
+    std::vector<Status> status(static_cast<std::size_t>(c1 - c0));
+    std::int64_t bytes = 0;
+    for (std::int64_t i = c0; i < c1; ++i) bytes += m.chunks[static_cast<std::size_t>(i)].byte_length;
+    cpu::parallel_for(c1 - c0, bytes, [&](std::int64_t j) {
+      const PackChunk& ch = m.chunks[static_cast<std::size_t>(c0 + j)];
+      const RingState& r = header.planes[static_cast<std::size_t>(ch.layer)].ring;
+      const std::int64_t at =
+          (groups.offset[static_cast<std::size_t>(ch.layer)] + ch.first_position - r.origin_logical()) * kv_dim;
+      status[static_cast<std::size_t>(j)] =
+          read_chunk(src, m, options.store, c0 + j, k.data() + at, v.data() + at, budget);
+    });
+    KVRING_RETURN_IF_ERROR(first_error(status));
+    for (std::int64_t l = first; l < end; ++l) {
+      const RingState& ring = rings[static_cast<std::size_t>(l)];
+      // The plane's first rows that the target's ring does not hold.
+      const std::int64_t skip = header.planes[static_cast<std::size_t>(l)].ring.len() - ring.len();
+      const std::int64_t at = (groups.offset[static_cast<std::size_t>(l)] + skip) * kv_dim;
+      if (Status st = target.install(seq, l, ring, k.data() + at, v.data() + at); !st.ok()) {
+        Error e = st.error();
+        e.message = src.name() + ": layer " + num(l) + ": " + e.message;
+        return e;
+      }
+    }
+  }
+  return target.attach_sequence(seq);
 }
 
 }  // namespace
@@ -814,19 +873,42 @@ Status restore_pack(const PackSource& source, const ReadOptions& options, KvCach
 
 Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target,
                            Manifest* manifest) {
+  return pack_internal::restore_pack_in_groups(source, options, target, manifest, pack_internal::kStoreGroupBytes);
+}
+
+Result<SeqId> pack_internal::restore_pack_in_groups(const PackSource& source, const ReadOptions& options,
+                                                    KvStore& target, Manifest* manifest, std::int64_t group_bytes) {
   auto m = read_manifest(source);
   if (!m) return m.error();
   auto named = [&](Error e) {
     e.message = source.name() + ": " + e.message;
     return e;
   };
-  // Refusals that the header decides come before any payload is read.
+  // Refusals that the header decides come before any payload is read, and
+  // before the store is touched.
   if (Status s = check_restorable_as_new(m->header, target); !s.ok()) return named(s.error());
-  Snapshot snapshot;
-  KVRING_RETURN_IF_ERROR(read_rows(source, *m, options, snapshot));
-  auto seq = restore_new_sequence(snapshot, target);
-  if (seq && manifest) *manifest = std::move(*m);
-  return seq;
+  std::vector<RingState> rings;
+  rings.reserve(m->header.planes.size());
+  for (std::int64_t l = 0; l < target.n_layers(); ++l) {
+    auto ring = restore_ring(m->header, l, target);
+    if (!ring) return named(ring.error());
+    rings.push_back(*ring);
+  }
+  KVRING_RETURN_IF_ERROR(need_store(source, *m, options.store));
+  const PlaneGroups groups = group_planes(m->header, group_bytes);
+  KVRING_RETURN_IF_ERROR(check_row_memory(source, options, groups.most * m->header.config.kv_dim() * 2 * 2,
+                                          "the pack's rows, a group of planes at a time, need "));
+  KVRING_RETURN_IF_ERROR(check_before_rows(source, *m, options.store));
+  // The rows go into a detached sequence, which no reader sees, and it
+  // becomes live only once every plane is in; any error removes it.
+  auto seq = target.add_detached_sequence();
+  if (!seq) return named(seq.error());
+  if (Status st = install_in_groups(source, *m, options, groups, rings, target, *seq); !st.ok()) {
+    (void)target.remove_sequence(*seq);
+    return st.error();
+  }
+  if (manifest) *manifest = std::move(*m);
+  return *seq;
 }
 
 Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* store) {
@@ -848,7 +930,7 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
     }
     if (first[static_cast<std::size_t>(i)] != i) return;
     s = check_present(source, *m, *store, i);
-    if (s.ok()) s = read_chunk(source, *m, store, i, nullptr, budget);
+    if (s.ok()) s = read_chunk(source, *m, store, i, nullptr, nullptr, budget);
   });
   if (m->thin)
     for (std::size_t i = 0; i < status.size(); ++i) status[i] = status[static_cast<std::size_t>(first[i])];

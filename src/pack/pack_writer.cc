@@ -74,51 +74,34 @@ class SnapshotRows final : public RowSource {
   const Snapshot& s_;
 };
 
-// Consecutive planes' rows in host memory, a group at a time: as many
-// planes as fit in the larger of `group_bytes` of rows and the longest
-// plane, so a save holds that much however long the sequence, and a short
-// sequence is read, hashed and (thin) put in one group.
+// Consecutive planes' rows in host memory, a group at a time
+// (pack_internal::group_planes), so a save holds that much however long the
+// sequence, and a short sequence is read, hashed and (thin) put in one
+// group.
 class StoreRows final : public RowSource {
  public:
   StoreRows(const KvStore& store, SeqId seq, const Snapshot& header, std::int64_t group_bytes)
-      : store_(store), seq_(seq), header_(header) {
-    const auto n_layers = static_cast<std::int64_t>(header_.planes.size());
-    const std::int64_t row_bytes = 2 * header_.config.kv_dim() * std::int64_t{sizeof(std::uint16_t)};
-    std::int64_t budget = std::max<std::int64_t>(group_bytes, 0) / row_bytes;
-    for (const PlaneSnapshot& p : header_.planes) budget = std::max(budget, p.ring.len());
-    group_end_.resize(static_cast<std::size_t>(n_layers));
-    offset_.resize(static_cast<std::size_t>(n_layers));
-    for (std::int64_t first = 0; first < n_layers;) {
-      std::int64_t end = first, rows = 0;
-      while (end < n_layers && (end == first || rows + len(end) <= budget)) {
-        offset_[static_cast<std::size_t>(end)] = rows;
-        rows += len(end++);
-      }
-      for (std::int64_t l = first; l < end; ++l) group_end_[static_cast<std::size_t>(l)] = end;
-      most_ = std::max(most_, rows);
-      first = end;
-    }
-  }
+      : store_(store), seq_(seq), header_(header), groups_(pack_internal::group_planes(header, group_bytes)) {}
   // Sizes the buffers for the largest group, before anything is written.
   Status reserve() {
     try {
-      k_.resize(static_cast<std::size_t>(most_ * header_.config.kv_dim()));
+      k_.resize(static_cast<std::size_t>(groups_.most * header_.config.kv_dim()));
       v_.resize(k_.size());
     } catch (const std::bad_alloc&) {
-      return make_error(ErrorCode::kIOError, "out of host memory for " + std::to_string(most_) +
+      return make_error(ErrorCode::kIOError, "out of host memory for " + std::to_string(groups_.most) +
                                                  " rows of a sequence's planes");
     }
     return Status::Ok();
   }
   std::int64_t group_end(std::int64_t first) const override {
-    return group_end_[static_cast<std::size_t>(first)];
+    return groups_.end[static_cast<std::size_t>(first)];
   }
   // `first` starts a group; its planes lie one after another in the buffers.
   Status load(std::int64_t first) override {
     loaded_ = -1;
     for (std::int64_t l = first; l < group_end(first); ++l) {
       const RingState& r = header_.planes[static_cast<std::size_t>(l)].ring;
-      const auto at = static_cast<std::size_t>(offset_[static_cast<std::size_t>(l)] * header_.config.kv_dim());
+      const auto at = static_cast<std::size_t>(groups_.offset[static_cast<std::size_t>(l)] * header_.config.kv_dim());
       KVRING_RETURN_IF_ERROR(store_.read_rows(seq_, l, r.origin_logical(), r.len(), k_.data() + at, v_.data() + at));
     }
     loaded_ = first;
@@ -128,18 +111,15 @@ class StoreRows final : public RowSource {
   const std::uint16_t* v(std::int64_t layer) const override { return rows(v_, layer); }
 
  private:
-  std::int64_t len(std::int64_t layer) const { return header_.planes[static_cast<std::size_t>(layer)].ring.len(); }
   // Null for any layer outside the group loaded: never another plane's rows.
   const std::uint16_t* rows(const std::vector<std::uint16_t>& buffer, std::int64_t layer) const {
     if (loaded_ < 0 || layer < loaded_ || layer >= group_end(loaded_)) return nullptr;
-    return buffer.data() + offset_[static_cast<std::size_t>(layer)] * header_.config.kv_dim();
+    return buffer.data() + groups_.offset[static_cast<std::size_t>(layer)] * header_.config.kv_dim();
   }
   const KvStore& store_;
   SeqId seq_;
   const Snapshot& header_;
-  // Per layer: the end of its group, and its first row in the buffers.
-  std::vector<std::int64_t> group_end_, offset_;
-  std::int64_t most_ = 0;
+  const pack_internal::PlaneGroups groups_;
   std::int64_t loaded_ = -1;
   // Plain pages: the buffers are touched once a save and reused for every
   // group, where huge pages cost more to fault in than they save.
