@@ -14,7 +14,9 @@
 //     and write_pack of the cache itself, a group of planes at a time,
 //   - restore: read_pack from the cold file (read and verify every chunk)
 //     then restore into an allocated cache, with fresh and reused buffers,
-//     and through the detached path (a new cache without the zero-fill),
+//     and through the detached path (a new cache without the zero-fill);
+//     restore_pack into a new sequence of a store, a group of planes at a
+//     time, beside read_pack into a fresh snapshot and restore_new_sequence,
 // and prints each time with its ratio to the ceilings. Restored planes are
 // compared with the live ones, byte for byte.
 #include <dirent.h>
@@ -230,18 +232,21 @@ std::pair<double, double> disk_seconds(const Snapshot& s, const std::string& pat
   return {write_s, read_s};
 }
 
-bool same_planes(const KvCache& a, const KvCache& b) {
+bool same_planes(const KvStore& a, SeqId as, const KvStore& b, SeqId bs) {
   std::vector<std::uint16_t> ak, av, bk, bv;
   for (std::int64_t l = 0; l < a.n_layers(); ++l) {
-    if (!(a.ring(l) == b.ring(l))) return false;
-    const auto n = static_cast<std::size_t>(a.ring(l).capacity() * a.config().kv_dim());
+    auto ra = a.ring(as, l);
+    auto rb = b.ring(bs, l);
+    if (!ra || !rb || !(*ra == *rb)) return false;
+    const auto n = static_cast<std::size_t>(ra->capacity() * a.config().kv_dim());
     ak.resize(n), av.resize(n), bk.resize(n), bv.resize(n);
-    check(a.read_plane(l, ak.data(), av.data()), "read_plane");
-    check(b.read_plane(l, bk.data(), bv.data()), "read_plane");
+    check(a.read_plane(as, l, ak.data(), av.data()), "read_plane");
+    check(b.read_plane(bs, l, bk.data(), bv.data()), "read_plane");
     if (ak != bk || av != bv) return false;
   }
   return true;
 }
+bool same_planes(const KvCache& a, const KvCache& b) { return same_planes(a.store(), a.seq(), b.store(), b.seq()); }
 
 // Allocating and touching `bytes` of fresh memory: what any buffer that is
 // not reused costs first (on some virtual machines, more than the copy).
@@ -318,10 +323,19 @@ int run(const std::vector<std::string>& argv) {
   // The ceilings and the reused-buffer paths, alternated, best of N each:
   // this machine's disk varies run to run.
   Best hash_all, hash_one, disk_write, disk_read, pack_read, snapshot_reused, write_reused,
-      read_reused, install_reused, touch_plain, touch_rows, write_streamed;
+      read_reused, install_reused, touch_plain, touch_rows, write_streamed, store_grouped, store_whole;
   auto target = make_cpu_cache(*config, {.context = *context});
   if (!target) die(target.error().to_string());
   check(restore(*snap, **target), "restore");  // fault in the target's pages
+  // A store for restore_pack into a new sequence, its pages faulted in by a
+  // first restore.
+  auto store_target = make_store(BackendKind::kCpu, *config, {.max_sequences = 1, .context = *context});
+  if (!store_target) die(store_target.error().to_string());
+  {
+    auto seq = restore_new_sequence(*snap, **store_target);
+    if (!seq) die(seq.error().to_string());
+    check((*store_target)->remove_sequence(*seq), "remove_sequence");
+  }
   bool identical = true;
   for (std::int64_t r = 0; r < *repeat; ++r) {
     hash_all.add(hash_seconds(*snap, 0));
@@ -354,6 +368,28 @@ int run(const std::vector<std::string>& argv) {
     check(restore(*snap, **target), "restore");
     install_reused.add(since(t0));
     identical = identical && same_planes(**live, **target);
+    // restore_pack into a new sequence of a store, a group of planes at a
+    // time, and the whole-sequence way it replaced (read_pack into a fresh
+    // snapshot, then restore_new_sequence), taking turns at going first.
+    for (int turn = 0; turn < 2; ++turn) {
+      const bool grouped = (turn + r) % 2 == 0;
+      drop_cache(pack);
+      auto from = open_pack_file(pack);
+      if (!from) die(from.error().to_string());
+      KvStore& st = **store_target;
+      t0 = Clock::now();
+      Result<SeqId> seq = SeqId{};
+      if (grouped) {
+        seq = restore_pack(**from, {}, st);
+      } else {
+        auto whole = read_pack(**from);
+        seq = whole ? restore_new_sequence(*whole, st) : Result<SeqId>(whole.error());
+      }
+      (grouped ? store_grouped : store_whole).add(since(t0));
+      check(seq.status(), grouped ? "restore_pack into a store" : "read_pack + restore_new_sequence");
+      identical = identical && same_planes((*live)->store(), (*live)->seq(), st, *seq);
+      check(st.remove_sequence(*seq), "remove_sequence");
+    }
     touch_plain.add(first_touch_seconds<std::vector<std::uint8_t>>(bytes));
     touch_rows.add(first_touch_seconds<RowBuffer>(bytes / 2));  // bytes / 2 values of 2 bytes
   }
@@ -408,6 +444,9 @@ int run(const std::vector<std::string>& argv) {
   line("read_pack: read + verify", read_reused.s, bytes);
   line("restore: install", install_reused.s, bytes);
   line("restore", restore_reused_s, bytes);
+  std::printf("restore into a new sequence of a store, pack file cold:\n");
+  line("restore_pack, planes a group at a time", store_grouped.s, bytes);
+  line("read_pack, fresh snapshot, restore_new_sequence", store_whole.s, bytes);
   std::printf("fresh buffers (a process that saves or restores once):\n");
   line("take_snapshot", snapshot_fresh_s, bytes);
   line("write_pack", write_fresh_s, bytes);
@@ -426,6 +465,8 @@ int run(const std::vector<std::string>& argv) {
   ratio("read_pack / pack read", read_reused.s / pack_read.s);
   ratio("restore / pack read", restore_reused_s / pack_read.s);
   ratio("hash share of read_pack", hash_all.s / read_reused.s);
+  ratio("restore_pack into a store / pack read", store_grouped.s / pack_read.s);
+  ratio("restore_pack into a store / whole way", store_grouped.s / store_whole.s);
   ratio("save, fresh / disk write", save_fresh_s / disk_write.s);
   ratio("restore, fresh / pack read", restore_fresh_s / pack_read.s);
   std::printf("restored planes byte-identical to the live ones: %s\n", identical ? "yes" : "NO");
