@@ -6,7 +6,8 @@
 // mutated inputs reach the field checks behind them. Every input is read as
 // a pack (self-contained, or thin over a store that serves any chunk), and a
 // pack that reads is re-encoded, read back and restored into a cache of its
-// geometry when that cache is small: the round trip must hold exactly. A
+// geometry, and into a new sequence of a store, when that cache is small:
+// the round trip must hold exactly. A
 // thin pack is also read and verified over an empty store, which aborts if
 // a chunk is read before the store was asked whether it holds it.
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include "kvring/chunk_store.h"
 #include "kvring/pack.h"
 #include "kvring/snapshot.h"
+#include "kvring/store.h"
 
 namespace {
 
@@ -119,6 +121,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     back->token_ids = snap->token_ids;
     back->metadata = snap->metadata;
     if (!same(*back, *snap)) broken("restored cache differs from its snapshot");
+    // The same pack into a new sequence of a store, a group of planes at a
+    // time: it restores as well, to the same rows.
+    auto st = make_store(BackendKind::kCpu, snap->config, {.max_sequences = 1, .context = snap->context});
+    if (!st.ok()) broken("no store for a valid geometry");
+    auto seq = restore_pack(*src, {.store = &store, .max_row_bytes = kMaxRowBytes}, **st);
+    if (!seq.ok()) broken("a pack that reads does not restore into a store");
+    auto from_store = take_snapshot(**st, *seq);
+    if (!from_store.ok()) broken("no snapshot of a sequence restored into a store");
+    from_store->token_ids = snap->token_ids;
+    from_store->metadata = snap->metadata;
+    if (!same(*from_store, *snap)) broken("a sequence restored into a store differs from its snapshot");
   }
   return 0;
 }
