@@ -40,6 +40,7 @@
 
 #include "../tools/args.h"
 #include "cpu/parallel.h"
+#include "kvring/backend.h"
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
 #include "kvring/snapshot.h"
@@ -53,6 +54,7 @@ double gbps(std::int64_t bytes, double s) { return s > 0 ? static_cast<double>(b
 
 constexpr const char* kUsage =
     "usage: kvring-pack-bench [--model NAME] [--context N] [--dir DIR] [--repeat N] [--keep]\n"
+    "                         [--store-backend cpu|cuda]\n"
     "\n"
     "Saves and restores one full KV-cache slot as a kvpack on the CPU backend,\n"
     "beside SHA-256, disk and first-touch ceilings measured in the same run.\n"
@@ -62,7 +64,10 @@ constexpr const char* kUsage =
     "  --dir DIR      where the pack and the disk ceiling's file go (default .);\n"
     "                 they are removed at the end, on an error and on SIGINT\n"
     "  --repeat N     alternated rounds, best of N reported (default 4, 2..100)\n"
-    "  --keep         keep the pack file\n";
+    "  --keep         keep the pack file\n"
+    "  --store-backend cpu|cuda\n"
+    "                 the backend of the store whose new sequence restore_pack\n"
+    "                 fills (default cpu)\n";
 
 // The bench's own files: the pack and the disk ceiling's file, each
 // removed on an error, SIGINT or SIGTERM once this run has written it (a
@@ -274,7 +279,7 @@ int run(const std::vector<std::string>& argv) {
   // heap memory once its dynamic mmap threshold has grown).
   ::mallopt(M_MMAP_THRESHOLD, 4 << 20);
   clean_up_on_signals();
-  auto args = cli::Args::parse(argv, {"keep", "help"}, {"model", "context", "dir", "repeat"});
+  auto args = cli::Args::parse(argv, {"keep", "help"}, {"model", "context", "dir", "repeat", "store-backend"});
   if (!args) die(args.error().message + "\n" + kUsage);
   if (args->flag("help")) {
     std::fputs(kUsage, stdout);
@@ -287,6 +292,8 @@ int run(const std::vector<std::string>& argv) {
   if (!context) die(context.error().to_string());
   auto repeat = args->integer("repeat", 4, 2, 100);
   if (!repeat) die(repeat.error().to_string());
+  auto store_backend = parse_backend(args->str("store-backend", "cpu"));
+  if (!store_backend) die("--store-backend: " + store_backend.error().to_string());
   const std::string dir = args->str("dir", ".");
   const std::string pack = dir + "/kvring-bench.kvpack";
   const std::string plain = dir + "/kvring-bench.raw";
@@ -329,7 +336,7 @@ int run(const std::vector<std::string>& argv) {
   check(restore(*snap, **target), "restore");  // fault in the target's pages
   // A store for restore_pack into a new sequence, its pages faulted in by a
   // first restore.
-  auto store_target = make_store(BackendKind::kCpu, *config, {.max_sequences = 1, .context = *context});
+  auto store_target = make_store(*store_backend, *config, {.max_sequences = 1, .context = *context});
   if (!store_target) die(store_target.error().to_string());
   {
     auto seq = restore_new_sequence(*snap, **store_target);
@@ -444,7 +451,8 @@ int run(const std::vector<std::string>& argv) {
   line("read_pack: read + verify", read_reused.s, bytes);
   line("restore: install", install_reused.s, bytes);
   line("restore", restore_reused_s, bytes);
-  std::printf("restore into a new sequence of a store, pack file cold:\n");
+  std::printf("restore into a new sequence of a %s store, pack file cold:\n",
+              *store_backend == BackendKind::kCuda ? "CUDA" : "CPU");
   line("restore_pack, planes a group at a time", store_grouped.s, bytes);
   line("read_pack, fresh snapshot, restore_new_sequence", store_whole.s, bytes);
   std::printf("fresh buffers (a process that saves or restores once):\n");
