@@ -117,10 +117,13 @@ class CountingStore final : public ChunkStore {
   }
   Status erase(const Digest&) override { return Status::Ok(); }
   Result<StoreStats> stats() const override { return inner_.stats(); }
-  mutable std::atomic<int> checks{0};
+  mutable std::atomic<int> checks{0}, reads{0};
 
  protected:
-  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override { return inner_.get(name, dst); }
+  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
+    ++reads;
+    return inner_.get(name, dst);
+  }
 
  private:
   const ChunkStore& inner_;
@@ -180,6 +183,63 @@ TEST(PackProbe, OneSparsePlantedChunkIsCheckedOnce) {
   EXPECT_NE(v->first_error.error().message.find("thin: chunk 0 (layer 0"), std::string::npos)
       << v->first_error.to_string();
   EXPECT_EQ(verifying.checks.load(), 1);
+  testing::remove_tree(dir);
+}
+
+// A thin pack whose 128 chunk records all name one chunk (rows that repeat
+// across positions and layers) fetches it from its store once, whether
+// read whole or restored into a store a group of planes at a time, and
+// every record's rows are that chunk's.
+TEST(PackProbe, AChunkManyRecordsNameIsFetchedOnce) {
+  const std::string dir = testing::make_temp_dir("probe-repeat");
+  auto store = open_dir_store(dir + "/store");
+  ASSERT_TRUE(store.ok());
+  HostilePack spec;
+  spec.config = make_hybrid_config("probe", 2, 1, 2, 2, 8, 0, 16 * 64);  // two full layers, kv_dim 16
+  spec.context = spec.token_count = 16 * 64;
+  spec.chunk_tokens = 16;
+  spec.thin = true;
+  const std::int64_t kv = spec.config.kv_dim();
+  // One chunk: 16 rows of K, then 16 of V, f16 bits, seeded.
+  std::vector<std::uint16_t> rows(static_cast<std::size_t>(2 * 16 * kv));
+  std::mt19937_64 rng(77);
+  for (auto& x : rows) x = static_cast<std::uint16_t>(rng() & 0x7bff);  // finite
+  std::vector<std::uint8_t> bytes(rows.size() * 2);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    bytes[2 * i] = static_cast<std::uint8_t>(rows[i]);
+    bytes[2 * i + 1] = static_cast<std::uint8_t>(rows[i] >> 8);
+  }
+  const Digest name = sha256(bytes.data(), bytes.size());
+  const ChunkData chunk{name, bytes, {}};
+  ASSERT_TRUE((*store)->put({&chunk, 1}).ok());
+  const std::string head = thin_head_naming(spec, name);
+  auto src = memory_pack_source(head.data(), static_cast<std::int64_t>(head.size()), "repeat");
+  auto m = read_manifest(*src);
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->chunks.size(), 128u);
+
+  CountingStore counting(**store);
+  auto snap = read_pack(*src, {.store = &counting});
+  ASSERT_TRUE(snap.ok()) << snap.error().to_string();
+  EXPECT_EQ(counting.reads.load(), 1) << "128 records of one chunk";
+  const std::vector<std::uint16_t> k(rows.begin(), rows.begin() + 16 * kv), v(rows.begin() + 16 * kv, rows.end());
+  for (const PlaneSnapshot& p : snap->planes)
+    for (std::int64_t r = 0; r < p.ring.len(); r += 16) {
+      EXPECT_TRUE(std::equal(k.begin(), k.end(), p.k.begin() + r * kv)) << "row " << r;
+      EXPECT_TRUE(std::equal(v.begin(), v.end(), p.v.begin() + r * kv)) << "row " << r;
+    }
+
+  // Into a store, one plane a group: once a group.
+  auto target = make_store(BackendKind::kCpu, spec.config, {.max_sequences = 1, .context = spec.context});
+  ASSERT_TRUE(target.ok());
+  CountingStore grouped(**store);
+  auto seq = pack_internal::restore_pack_in_groups(*src, {.store = &grouped}, **target, nullptr, 1);
+  ASSERT_TRUE(seq.ok()) << seq.error().to_string();
+  EXPECT_EQ(grouped.reads.load(), 2) << "two groups of one plane";
+  auto back = take_snapshot(**target, *seq);
+  ASSERT_TRUE(back.ok());
+  for (std::size_t l = 0; l < snap->planes.size(); ++l)
+    EXPECT_TRUE(back->planes[l].k == snap->planes[l].k && back->planes[l].v == snap->planes[l].v) << "layer " << l;
   testing::remove_tree(dir);
 }
 

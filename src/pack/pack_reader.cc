@@ -17,6 +17,7 @@
 #include <atomic>
 #include <charconv>
 #include <condition_variable>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -427,12 +428,32 @@ class ByteBudget {
   std::condition_variable freed_;
 };
 
+// What names a thin pack's chunk in its store: its name and its length.
+std::pair<Digest, std::int64_t> chunk_key(const Manifest& m, std::int64_t i) {
+  const PackChunk& c = m.chunks[static_cast<std::size_t>(i)];
+  return {c.name, c.byte_length};
+}
+
+// A chunk's bytes decoded as record i's rows, K then V, in its plane's
+// encoding, at k and v.
+void decode_chunk(const Manifest& m, std::int64_t i, const std::uint8_t* bytes, std::uint16_t* k,
+                  std::uint16_t* v) {
+  const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+  const Encoding enc = m.planes[static_cast<std::size_t>(ch.layer)].encoding;
+  const std::int64_t half = ch.byte_length / 2;
+  const std::int64_t values = half / element_size(enc);
+  decode_values(enc, bytes, values, k);
+  decode_values(enc, bytes + half, values, v);
+}
+
 // Reads and verifies chunk i. With k and v (where the chunk's first K and
 // V rows go), decodes it there (F16Le from a file on a little-endian host
 // straight into place); other chunks go through a buffer of their size,
-// held within `budget`.
+// held within `budget`. A thin chunk's verified bytes are handed to `also`
+// too, where given.
 Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* store,
-                  std::int64_t i, std::uint16_t* k, std::uint16_t* v, ByteBudget& budget) {
+                  std::int64_t i, std::uint16_t* k, std::uint16_t* v, ByteBudget& budget,
+                  const std::function<void(const std::uint8_t*)>& also = nullptr) {
   const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
   const Encoding enc = m.planes[static_cast<std::size_t>(ch.layer)].encoding;
   const std::int64_t half = ch.byte_length / 2;
@@ -466,16 +487,57 @@ Status read_chunk(const PackSource& src, const Manifest& m, const ChunkStore* st
   if (m.thin) {
     // The store verifies the name itself.
     KVRING_RETURN_IF_ERROR(wrap(store->get(ch.name, bytes)));
+    if (also) also(bytes.data());
   } else {
     KVRING_RETURN_IF_ERROR(wrap(src.read_at(ch.offset, ch.byte_length, bytes.data())));
     KVRING_RETURN_IF_ERROR(check_name(src, m, i, sha256(bytes.data(), bytes.size())));
   }
-  if (out) {
-    const std::int64_t values = half / element_size(enc);
-    decode_values(enc, bytes.data(), values, k);
-    decode_values(enc, bytes.data() + half, values, v);
-  }
+  if (out) decode_chunk(m, i, bytes.data(), k, v);
   return Status::Ok();
+}
+
+// Reads and verifies records [c0, c1) of the chunk table on all cores,
+// decoding record i's rows at dest(i) (a pair of K and V pointers). A thin
+// pack's chunk that several of them name (the same name and length) is
+// fetched and verified once, at the first of them, and decoded into each.
+// The first failure in table order is returned.
+template <class Dest>
+Status read_records(const PackSource& src, const Manifest& m, const ChunkStore* store, std::int64_t c0,
+                    std::int64_t c1, const Dest& dest, ByteBudget& budget) {
+  std::int64_t bytes = 0;
+  for (std::int64_t i = c0; i < c1; ++i) bytes += m.chunks[static_cast<std::size_t>(i)].byte_length;
+  // Per task, its records: one record each, or a thin chunk's records in
+  // table order; tasks in the order of their first records.
+  std::vector<std::int64_t> order(static_cast<std::size_t>(c1 - c0));
+  for (std::size_t j = 0; j < order.size(); ++j) order[j] = c0 + static_cast<std::int64_t>(j);
+  std::vector<std::int64_t> starts;
+  if (m.thin) {
+    const auto key = [&](std::int64_t i) { return chunk_key(m, i); };
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
+    for (std::size_t j = 0; j < order.size(); ++j)
+      if (j == 0 || key(order[j]) != key(order[j - 1])) starts.push_back(static_cast<std::int64_t>(j));
+    std::sort(starts.begin(), starts.end(), [&](std::int64_t a, std::int64_t b) {
+      return order[static_cast<std::size_t>(a)] < order[static_cast<std::size_t>(b)];
+    });
+  } else {
+    starts.resize(order.size());
+    for (std::size_t j = 0; j < order.size(); ++j) starts[j] = static_cast<std::int64_t>(j);
+  }
+  std::vector<Status> status(starts.size());
+  cpu::parallel_for(static_cast<std::int64_t>(starts.size()), bytes, [&](std::int64_t t) {
+    const auto at = static_cast<std::size_t>(starts[static_cast<std::size_t>(t)]);
+    const std::int64_t first = order[at];
+    const auto [k, v] = dest(first);
+    const auto decode_others = [&](const std::uint8_t* chunk) {
+      for (std::size_t j = at + 1; j < order.size() && chunk_key(m, order[j]) == chunk_key(m, first); ++j) {
+        const auto [ok, ov] = dest(order[j]);
+        decode_chunk(m, order[j], chunk, ok, ov);
+      }
+    };
+    status[static_cast<std::size_t>(t)] =
+        read_chunk(src, m, store, first, k, v, budget, decode_others);
+  });
+  return first_error(status);
 }
 
 Status with_chunk(const PackSource& src, const Manifest& m, std::int64_t i, const Status& s) {
@@ -509,10 +571,7 @@ Status check_present(const PackSource& src, const Manifest& m, const ChunkStore&
 std::vector<std::int64_t> first_of_each_chunk(const Manifest& m) {
   std::vector<std::int64_t> order(m.chunks.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
-  const auto key = [&](std::int64_t i) {
-    const PackChunk& c = m.chunks[static_cast<std::size_t>(i)];
-    return std::pair(c.name, c.byte_length);
-  };
+  const auto key = [&](std::int64_t i) { return chunk_key(m, i); };
   std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
   std::vector<std::int64_t> first(m.chunks.size());
   for (std::size_t k = 0; k < order.size(); ++k)
@@ -671,17 +730,15 @@ Status read_rows(const PackSource& src, const Manifest& m, const ReadOptions& op
   } catch (const std::bad_alloc&) {
     return make_error(ErrorCode::kIOError, src.name() + ": out of memory for " + num(s.row_bytes()) + " bytes of rows");
   }
-  std::vector<Status> status(m.chunks.size());
   ByteBudget budget(kChunkBufferBudget);
   const std::int64_t kv_dim = s.config.kv_dim();
-  cpu::parallel_for(static_cast<std::int64_t>(m.chunks.size()), m.payload_bytes, [&](std::int64_t i) {
+  const auto dest = [&](std::int64_t i) {
     const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
     PlaneSnapshot& p = s.planes[static_cast<std::size_t>(ch.layer)];
     const std::int64_t first = (ch.first_position - p.ring.origin_logical()) * kv_dim;
-    status[static_cast<std::size_t>(i)] =
-        read_chunk(src, m, options.store, i, p.k.data() + first, p.v.data() + first, budget);
-  });
-  return first_error(status);
+    return std::pair(p.k.data() + first, p.v.data() + first);
+  };
+  return read_records(src, m, options.store, 0, static_cast<std::int64_t>(m.chunks.size()), dest, budget);
 }
 
 // Reads the pack's planes a group at a time (group_planes) into buffers
@@ -711,18 +768,14 @@ Status install_in_groups(const PackSource& src, const Manifest& m, const ReadOpt
     const std::int64_t c0 = m.planes[static_cast<std::size_t>(first)].first_chunk;
     const PackPlane& last = m.planes[static_cast<std::size_t>(end - 1)];
     const std::int64_t c1 = last.first_chunk + last.n_chunks;
-    std::vector<Status> status(static_cast<std::size_t>(c1 - c0));
-    std::int64_t bytes = 0;
-    for (std::int64_t i = c0; i < c1; ++i) bytes += m.chunks[static_cast<std::size_t>(i)].byte_length;
-    cpu::parallel_for(c1 - c0, bytes, [&](std::int64_t j) {
-      const PackChunk& ch = m.chunks[static_cast<std::size_t>(c0 + j)];
+    const auto dest = [&](std::int64_t i) {
+      const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
       const RingState& r = header.planes[static_cast<std::size_t>(ch.layer)].ring;
       const std::int64_t at =
           (groups.offset[static_cast<std::size_t>(ch.layer)] + ch.first_position - r.origin_logical()) * kv_dim;
-      status[static_cast<std::size_t>(j)] =
-          read_chunk(src, m, options.store, c0 + j, k.data() + at, v.data() + at, budget);
-    });
-    KVRING_RETURN_IF_ERROR(first_error(status));
+      return std::pair(k.data() + at, v.data() + at);
+    };
+    KVRING_RETURN_IF_ERROR(read_records(src, m, options.store, c0, c1, dest, budget));
     for (std::int64_t l = first; l < end; ++l) {
       const RingState& ring = rings[static_cast<std::size_t>(l)];
       // The plane's first rows that the target's ring does not hold.
