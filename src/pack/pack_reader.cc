@@ -434,6 +434,22 @@ std::pair<Digest, std::int64_t> chunk_key(const Manifest& m, std::int64_t i) {
   return {c.name, c.byte_length};
 }
 
+// For each chunk record of [c0, c1), the first record of that range in
+// table order that names the same chunk (name and length): a store is
+// asked about each chunk once.
+std::vector<std::int64_t> first_of_each_chunk(const Manifest& m, std::int64_t c0, std::int64_t c1) {
+  std::vector<std::int64_t> order(static_cast<std::size_t>(c1 - c0));
+  for (std::size_t j = 0; j < order.size(); ++j) order[j] = c0 + static_cast<std::int64_t>(j);
+  const auto key = [&](std::int64_t i) { return chunk_key(m, i); };
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
+  std::vector<std::int64_t> first(order.size());
+  for (std::size_t k = 0; k < order.size(); ++k)
+    first[static_cast<std::size_t>(order[k] - c0)] = k > 0 && key(order[k]) == key(order[k - 1])
+                                                         ? first[static_cast<std::size_t>(order[k - 1] - c0)]
+                                                         : order[k];
+  return first;
+}
+
 // A chunk's bytes decoded as record i's rows, K then V, in its plane's
 // encoding, at k and v.
 void decode_chunk(const Manifest& m, std::int64_t i, const std::uint8_t* bytes, std::uint16_t* k,
@@ -506,36 +522,28 @@ Status read_records(const PackSource& src, const Manifest& m, const ChunkStore* 
                     std::int64_t c1, const Dest& dest, ByteBudget& budget) {
   std::int64_t bytes = 0;
   for (std::int64_t i = c0; i < c1; ++i) bytes += m.chunks[static_cast<std::size_t>(i)].byte_length;
-  // Per task, its records: one record each, or a thin chunk's records in
-  // table order; tasks in the order of their first records.
-  std::vector<std::int64_t> order(static_cast<std::size_t>(c1 - c0));
-  for (std::size_t j = 0; j < order.size(); ++j) order[j] = c0 + static_cast<std::int64_t>(j);
-  std::vector<std::int64_t> starts;
-  if (m.thin) {
-    const auto key = [&](std::int64_t i) { return chunk_key(m, i); };
-    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
-    for (std::size_t j = 0; j < order.size(); ++j)
-      if (j == 0 || key(order[j]) != key(order[j - 1])) starts.push_back(static_cast<std::int64_t>(j));
-    std::sort(starts.begin(), starts.end(), [&](std::int64_t a, std::int64_t b) {
-      return order[static_cast<std::size_t>(a)] < order[static_cast<std::size_t>(b)];
-    });
-  } else {
-    starts.resize(order.size());
-    for (std::size_t j = 0; j < order.size(); ++j) starts[j] = static_cast<std::int64_t>(j);
+  // A task a chunk, at its first record, in table order; next[i - c0] is
+  // the next record that names record i's chunk (-1: none).
+  const std::vector<std::int64_t> first = m.thin ? first_of_each_chunk(m, c0, c1) : std::vector<std::int64_t>();
+  std::vector<std::int64_t> tasks, next(static_cast<std::size_t>(c1 - c0), -1), last(next.size());
+  for (std::int64_t i = c0; i < c1; ++i) {
+    const std::int64_t f = m.thin ? first[static_cast<std::size_t>(i - c0)] : i;
+    if (f == i) tasks.push_back(i);
+    else next[static_cast<std::size_t>(last[static_cast<std::size_t>(f - c0)] - c0)] = i;
+    last[static_cast<std::size_t>(f - c0)] = i;
   }
-  std::vector<Status> status(starts.size());
-  cpu::parallel_for(static_cast<std::int64_t>(starts.size()), bytes, [&](std::int64_t t) {
-    const auto at = static_cast<std::size_t>(starts[static_cast<std::size_t>(t)]);
-    const std::int64_t first = order[at];
-    const auto [k, v] = dest(first);
+  std::vector<Status> status(tasks.size());
+  cpu::parallel_for(static_cast<std::int64_t>(tasks.size()), bytes, [&](std::int64_t t) {
+    const std::int64_t i = tasks[static_cast<std::size_t>(t)];
+    const auto [k, v] = dest(i);
     const auto decode_others = [&](const std::uint8_t* chunk) {
-      for (std::size_t j = at + 1; j < order.size() && chunk_key(m, order[j]) == chunk_key(m, first); ++j) {
-        const auto [ok, ov] = dest(order[j]);
-        decode_chunk(m, order[j], chunk, ok, ov);
+      for (std::int64_t j = next[static_cast<std::size_t>(i - c0)]; j >= 0;
+           j = next[static_cast<std::size_t>(j - c0)]) {
+        const auto [jk, jv] = dest(j);
+        decode_chunk(m, j, chunk, jk, jv);
       }
     };
-    status[static_cast<std::size_t>(t)] =
-        read_chunk(src, m, store, first, k, v, budget, decode_others);
+    status[static_cast<std::size_t>(t)] = read_chunk(src, m, store, i, k, v, budget, decode_others);
   });
   return first_error(status);
 }
@@ -566,21 +574,6 @@ Status check_present(const PackSource& src, const Manifest& m, const ChunkStore&
   return with_chunk(src, m, i, store.check_stored(ch.name, ch.byte_length));
 }
 
-// For each chunk record, the first record in table order that names the
-// same chunk (name and length): a store is asked about each chunk once.
-std::vector<std::int64_t> first_of_each_chunk(const Manifest& m) {
-  std::vector<std::int64_t> order(m.chunks.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
-  const auto key = [&](std::int64_t i) { return chunk_key(m, i); };
-  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) < key(b); });
-  std::vector<std::int64_t> first(m.chunks.size());
-  for (std::size_t k = 0; k < order.size(); ++k)
-    first[static_cast<std::size_t>(order[k])] = k > 0 && key(order[k]) == key(order[k - 1])
-                                                    ? first[static_cast<std::size_t>(order[k - 1])]
-                                                    : order[k];
-  return first;
-}
-
 // What must hold before a pack's rows are allocated: every chunk of a thin
 // pack present in its store with its size; every chunk of a self-contained pack verified
 // when the file holds fewer bytes than it claims (st_blocks below st_size).
@@ -598,7 +591,8 @@ Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkSt
   // distinct (name, length), in table order.
   std::vector<std::int64_t> todo;
   todo.reserve(m.chunks.size());
-  const std::vector<std::int64_t> first = m.thin ? first_of_each_chunk(m) : std::vector<std::int64_t>();
+  const auto n = static_cast<std::int64_t>(m.chunks.size());
+  const std::vector<std::int64_t> first = m.thin ? first_of_each_chunk(m, 0, n) : std::vector<std::int64_t>();
   for (std::size_t i = 0; i < m.chunks.size(); ++i)
     if (!m.thin || first[i] == static_cast<std::int64_t>(i)) todo.push_back(static_cast<std::int64_t>(i));
   std::vector<Status> status(todo.size());
@@ -973,7 +967,8 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
   // A thin pack's chunk named by several records is checked once, at its
   // first record, and each record counts its verdict.
   std::vector<Status> status(m->chunks.size());
-  const std::vector<std::int64_t> first = m->thin ? first_of_each_chunk(*m) : std::vector<std::int64_t>();
+  const auto n = static_cast<std::int64_t>(m->chunks.size());
+  const std::vector<std::int64_t> first = m->thin ? first_of_each_chunk(*m, 0, n) : std::vector<std::int64_t>();
   ByteBudget budget(kChunkBufferBudget);
   cpu::parallel_for(static_cast<std::int64_t>(m->chunks.size()), m->payload_bytes, [&](std::int64_t i) {
     Status& s = status[static_cast<std::size_t>(i)];
