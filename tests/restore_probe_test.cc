@@ -4,7 +4,9 @@
 // bit, or fails leaving every sequence of the store as it was.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <stdexcept>
 #include <random>
 #include <string>
 #include <vector>
@@ -193,8 +195,9 @@ TEST(RestoreProbe, APackRestoresIntoANewSequenceOrChangesNothing) {
 }
 
 // restore_pack into a store holds a group of planes in host memory at a
-// time, not the sequence: ReadOptions::max_row_bytes bounds the group, so a
-// pack whose rows outgrow it still restores, where read_pack is refused. A
+// time, not the sequence: ReadOptions::max_row_bytes bounds the group, which
+// it makes smaller down to the longest plane, so a pack whose rows outgrow
+// the limit still restores, where read_pack is refused. A
 // chunk damaged in the last group, found after the groups before it went
 // in, leaves the store as it was: its sequences, rows, free blocks and free
 // slots, so that the same store then takes the good pack.
@@ -246,11 +249,14 @@ TEST(RestoreProbe, APackRestoresIntoAStoreAGroupOfPlanesAtATime) {
     const std::int64_t group_need = groups.most * row_bytes;
     auto t = make_target();
     const Image before = image(*t);
-    // One byte under the largest group: refused before the store is touched.
-    auto r = pack_internal::restore_pack_in_groups(*pack, {.max_row_bytes = group_need - 1}, *t, nullptr, group_bytes);
+    // A limit makes the groups smaller down to one plane: one byte under
+    // the longest plane is refused before the store is touched.
+    auto r = pack_internal::restore_pack_in_groups(*pack, {.max_row_bytes = longest * row_bytes - 1}, *t, nullptr,
+                                                   group_bytes);
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.error().code, ErrorCode::kCapacityExceeded) << r.error().to_string();
-    EXPECT_NE(r.error().message.find("a group of planes at a time, need " + std::to_string(group_need) + " bytes"),
+    EXPECT_NE(r.error().message.find("a group of planes at a time, need " + std::to_string(longest * row_bytes) +
+                                     " bytes"),
               std::string::npos)
         << r.error().to_string();
     EXPECT_TRUE(image(*t) == before);
@@ -275,17 +281,20 @@ TEST(RestoreProbe, APackRestoresIntoAStoreAGroupOfPlanesAtATime) {
     EXPECT_EQ(t->free_blocks(), 0);
     EXPECT_EQ(t->sequence_count(), 2);
   }
-  // Groups smaller than the rows: read_pack of the whole snapshot is
-  // refused under the limit that restore_pack meets.
-  const std::int64_t one_group = pack_internal::group_planes(*snap, 1).most * row_bytes;
-  ASSERT_LT(one_group, snap->row_bytes());
-  auto whole = read_pack(*pack, {.max_row_bytes = one_group});
-  ASSERT_FALSE(whole.ok());
-  EXPECT_EQ(whole.error().code, ErrorCode::kCapacityExceeded);
-  auto t = make_target();
-  auto r = pack_internal::restore_pack_in_groups(*pack, {.max_row_bytes = one_group}, *t, nullptr, 1);
-  ASSERT_TRUE(r.ok()) << r.error().to_string();
-  restored_rows_match(*t, *r);
+  // A limit under the default group: restore_pack makes its groups
+  // smaller, down to the longest plane, where read_pack of the whole
+  // snapshot is refused.
+  for (const std::int64_t limit : {longest * row_bytes, 2 * longest * row_bytes + row_bytes}) {
+    SCOPED_TRACE("limit " + std::to_string(limit));
+    ASSERT_LT(limit, snap->row_bytes());
+    auto whole = read_pack(*pack, {.max_row_bytes = limit});
+    ASSERT_FALSE(whole.ok());
+    EXPECT_EQ(whole.error().code, ErrorCode::kCapacityExceeded);
+    auto t = make_target();
+    auto r = restore_pack(*pack, {.max_row_bytes = limit}, *t);
+    ASSERT_TRUE(r.ok()) << r.error().to_string();
+    restored_rows_match(*t, *r);
+  }
   // An empty sequence's pack restores into an empty sequence.
   auto esnap = filled_snapshot(cfg, 0, 1);
   ASSERT_TRUE(esnap.ok());
@@ -298,6 +307,76 @@ TEST(RestoreProbe, APackRestoresIntoAStoreAGroupOfPlanesAtATime) {
   ASSERT_TRUE(eback.ok()) << eback.error().to_string();
   EXPECT_EQ(*(*et)->next_position(*eback), 0);
   EXPECT_EQ((*et)->sequence_count(), 1);
+}
+
+// A chunk store that throws from its read_raw on the `throw_at`-th read
+// (counting from 1; 0: never), and counts the reads.
+class ThrowingStore final : public ChunkStore {
+ public:
+  ThrowingStore(const ChunkStore& inner, int throw_at) : inner_(inner), throw_at_(throw_at) {}
+  std::string spec() const override { return inner_.spec(); }
+  Status put(std::span<const ChunkData>) override { return Status::Ok(); }
+  Result<bool> contains(const Digest& name) const override { return inner_.contains(name); }
+  Status check_stored(const Digest& name, std::int64_t bytes) const override {
+    return inner_.check_stored(name, bytes);
+  }
+  Status erase(const Digest&) override { return Status::Ok(); }
+  Result<StoreStats> stats() const override { return inner_.stats(); }
+  mutable std::atomic<int> reads{0};
+
+ protected:
+  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
+    if (++reads == throw_at_) throw std::runtime_error("the chunk store broke");
+    return inner_.get(name, dst);
+  }
+
+ private:
+  const ChunkStore& inner_;
+  const int throw_at_;
+};
+
+// An exception out of a caller's chunk store, thrown while restore_pack
+// reads the last group of planes into a store, after the groups before it
+// went in, reaches the caller with the store as it was: the detached
+// sequence the rows went into is removed, its slot and blocks free again.
+TEST(RestoreProbe, AnExceptionFromTheChunkStoreLeavesTheStoreAsItWas) {
+  const ModelConfig cfg = testing::small_config(32, 256, 8);
+  auto snap = filled_snapshot(cfg, 150, 53);
+  ASSERT_TRUE(snap.ok());
+  const std::string dir = testing::make_temp_dir("restore-throw");
+  auto chunks = open_dir_store(dir + "/store");
+  ASSERT_TRUE(chunks.ok());
+  ASSERT_TRUE(write_pack(*snap, dir + "/thin.kvpack", {.chunk_tokens = 16, .store = chunks->get()}).ok());
+  auto pack = open_pack_file(dir + "/thin.kvpack");
+  ASSERT_TRUE(pack.ok());
+  // How many reads a restore of one plane a group makes.
+  int reads = 0;
+  {
+    auto t = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
+    ASSERT_TRUE(t.ok());
+    ThrowingStore counting(**chunks, 0);
+    auto r = pack_internal::restore_pack_in_groups(**pack, {.store = &counting}, **t, nullptr, 1);
+    ASSERT_TRUE(r.ok()) << r.error().to_string();
+    reads = counting.reads;
+    ASSERT_GT(reads, 1);
+  }
+  auto t = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
+  ASSERT_TRUE(t.ok());
+  auto neighbour = (*t)->add_sequence();
+  ASSERT_TRUE(neighbour.ok());
+  ASSERT_TRUE(fill_seq(**t, *neighbour, 0, 70, 9).ok());
+  const Image before = image(**t);
+  ThrowingStore throwing(**chunks, reads);
+  EXPECT_THROW((void)pack_internal::restore_pack_in_groups(**pack, {.store = &throwing}, **t, nullptr, 1),
+               std::runtime_error);
+  EXPECT_TRUE(image(**t) == before);
+  EXPECT_EQ((*t)->sequence_count(), 1);
+  // The slot is free again: the good restore takes it.
+  ThrowingStore fine(**chunks, 0);
+  auto r = pack_internal::restore_pack_in_groups(**pack, {.store = &fine}, **t, nullptr, 1);
+  ASSERT_TRUE(r.ok()) << r.error().to_string();
+  EXPECT_EQ((*t)->sequence_count(), 2);
+  EXPECT_EQ(seq_image(**t, before.seqs[0]), before.text[0]);
 }
 
 // A pack whose full planes the pool cannot hold is refused before any

@@ -53,9 +53,10 @@ struct ReadOptions {
   // The store of a thin pack's chunks (required for thin packs).
   const ChunkStore* store = nullptr;
   // Refuse packs whose rows would take more host memory than this: all of
-  // them for read_pack and restore_pack into a cache, the largest group of
-  // planes read at once for restore_pack into a store. The memory this
-  // process may use (its cgroup's limit) bounds it too.
+  // them for read_pack and restore_pack into a cache. restore_pack into a
+  // store reads its groups of planes no larger than this (down to one
+  // plane a group) and refuses only a plane longer than it. The memory
+  // this process may use (its cgroup's limit) bounds it too.
   std::int64_t max_row_bytes = std::numeric_limits<std::int64_t>::max();
 };
 
@@ -166,11 +167,13 @@ Status restore_pack(const PackSource& source, const ReadOptions& options, KvCach
 // (check_restorable), a free slot, and the pool blocks the sequence takes
 // (blocks_to_restore; kResourceExhausted). The planes are then read,
 // verified and installed a group of consecutive planes at a time (as many
-// as fit in the larger of 64 MiB of rows and the longest plane), so host
-// memory holds one group, not the sequence, into a detached sequence
-// (KvStore::add_detached_sequence) that no reader sees and that becomes
-// live once every plane is in. On any error it is removed: the store's
-// sequences, their rows, its free slots and free blocks are as they were.
+// as fit in the larger of the longest plane and 64 MiB of rows, or
+// max_row_bytes where that is less), so host memory holds one group, not
+// the sequence, into a detached sequence (KvStore::add_detached_sequence)
+// that no reader sees and that becomes live once every plane is in. On
+// any error, and on an exception out of the chunk store, it is removed:
+// the store's sequences, their rows, its free slots and free blocks are as
+// they were.
 // `manifest` as above.
 Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target,
                            Manifest* manifest = nullptr);

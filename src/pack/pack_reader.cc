@@ -687,9 +687,15 @@ std::int64_t memory_limit_bytes() {
 
 // The rows a read holds in host memory at once, against the smaller of
 // ReadOptions::max_row_bytes and the memory this process may use.
+// The most bytes of rows a read may hold: the caller's limit and the
+// memory this process may use.
+std::int64_t row_memory_limit(const ReadOptions& options) {
+  return std::min(options.max_row_bytes, memory_limit_bytes());
+}
+
 Status check_row_memory(const PackSource& src, const ReadOptions& options, std::int64_t need,
                         const std::string& what) {
-  const std::int64_t limit = std::min(options.max_row_bytes, memory_limit_bytes());
+  const std::int64_t limit = row_memory_limit(options);
   if (need > limit)
     return make_error(ErrorCode::kCapacityExceeded,
                       src.name() + ": " + what + num(need) + " bytes of memory, over the limit of " + num(limit));
@@ -942,18 +948,31 @@ Result<SeqId> pack_internal::restore_pack_in_groups(const PackSource& source, co
     rings.push_back(*ring);
   }
   KVRING_RETURN_IF_ERROR(need_store(source, *m, options.store));
-  const PlaneGroups groups = group_planes(m->header, group_bytes);
+  // A row limit under the group size makes the groups smaller: only a
+  // plane longer than the limit is refused.
+  const PlaneGroups groups = group_planes(m->header, std::min(group_bytes, row_memory_limit(options)));
   KVRING_RETURN_IF_ERROR(check_row_memory(source, options, groups.most * m->header.config.kv_dim() * 2 * 2,
                                           "the pack's rows, a group of planes at a time, need "));
   KVRING_RETURN_IF_ERROR(check_before_rows(source, *m, options.store));
   // The rows go into a detached sequence, which no reader sees, and it
-  // becomes live only once every plane is in; any error removes it.
+  // becomes live only once every plane is in; any error, or an exception
+  // on the way, removes it.
   auto seq = target.add_detached_sequence();
   if (!seq) return named(seq.error());
-  if (Status st = install_in_groups(source, *m, options, groups, rings, target, *seq); !st.ok()) {
-    (void)target.remove_sequence(*seq);
-    return st.error();
+  struct RemoveUnlessLive {
+    KvStore& store;
+    SeqId seq;
+    bool live = false;
+    ~RemoveUnlessLive() {
+      if (!live) (void)store.remove_sequence(seq);
+    }
+  } guard{target, *seq};
+  try {
+    KVRING_RETURN_IF_ERROR(install_in_groups(source, *m, options, groups, rings, target, *seq));
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kIOError, source.name() + ": out of memory while reading the pack's chunks");
   }
+  guard.live = true;
   if (manifest) *manifest = std::move(*m);
   return *seq;
 }
