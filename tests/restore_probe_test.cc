@@ -270,11 +270,13 @@ TEST(RestoreProbe, APackRestoresIntoAStoreAGroupOfPlanesAtATime) {
     EXPECT_NE(r.error().message.find("bad.kvpack: chunk "), std::string::npos) << r.error().to_string();
     EXPECT_TRUE(image(*t) == before) << "changed by: " << r.error().to_string();
     EXPECT_EQ(t->sequence_count(), 1);
+    const std::string next_name = seq_name(*make_target()->add_sequence());
     // The largest group exactly: the rows restore, bit for bit, beside the
     // neighbour as it was.
     Manifest manifest;
     r = pack_internal::restore_pack_in_groups(*pack, {.max_row_bytes = group_need}, *t, &manifest, group_bytes);
     ASSERT_TRUE(r.ok()) << r.error().to_string();
+    EXPECT_EQ(seq_name(*r), next_name);  // the damaged restore's handle never left
     EXPECT_EQ(manifest.header.token_count, 150);
     restored_rows_match(*t, *r);
     EXPECT_EQ(seq_image(*t, before.seqs[0]), before.text[0]);
@@ -366,15 +368,25 @@ TEST(RestoreProbe, AnExceptionFromTheChunkStoreLeavesTheStoreAsItWas) {
   ASSERT_TRUE(neighbour.ok());
   ASSERT_TRUE(fill_seq(**t, *neighbour, 0, 70, 9).ok());
   const Image before = image(**t);
+  // The handle a sequence added now would get.
+  std::string next_name;
+  {
+    auto twin = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
+    ASSERT_TRUE(twin.ok());
+    ASSERT_TRUE((*twin)->add_sequence().ok());
+    next_name = seq_name(*(*twin)->add_sequence());
+  }
   ThrowingStore throwing(**chunks, reads);
   EXPECT_THROW((void)pack_internal::restore_pack_in_groups(**pack, {.store = &throwing}, **t, nullptr, 1),
                std::runtime_error);
   EXPECT_TRUE(image(**t) == before);
   EXPECT_EQ((*t)->sequence_count(), 1);
-  // The slot is free again: the good restore takes it.
+  // The slot is free again, and its next handle is the one it had: the
+  // good restore takes it.
   ThrowingStore fine(**chunks, 0);
   auto r = pack_internal::restore_pack_in_groups(**pack, {.store = &fine}, **t, nullptr, 1);
   ASSERT_TRUE(r.ok()) << r.error().to_string();
+  EXPECT_EQ(seq_name(*r), next_name);
   EXPECT_EQ((*t)->sequence_count(), 2);
   EXPECT_EQ(seq_image(**t, before.seqs[0]), before.text[0]);
 }

@@ -1378,6 +1378,47 @@ TEST(Store, AFailedForkLeavesNoRowsToTheNextSequence) {
   EXPECT_EQ(std::count(v.begin(), v.end(), 0), static_cast<std::ptrdiff_t>(n));
 }
 
+// A fork whose table mirror fails gives back the slot and the blocks it
+// took, and its handle, which never left the store: the next sequence added
+// gets the handle it would have had without the failed fork. So does a
+// restore into a new sequence whose rows fail to land.
+TEST(Store, AFailedForkOrRestoreLeavesTheNextHandleAsItWas) {
+  const ModelConfig c = small_config();
+  const StoreOptions o = *resolve_store_options(c, {.max_sequences = 2, .slack = 4, .block_rows = 16});
+  auto filled = [&](FailingStore& s) {
+    EXPECT_TRUE(s.allocate().ok());
+    const SeqId a = *s.add_sequence();
+    Outputs out;
+    run_batch(s, {{1, SeqSpan{a, 0, 40}}}, out);
+    return a;
+  };
+  FailingStore twin(c, o);
+  (void)filled(twin);
+  const std::string next_name = seq_name(*twin.add_sequence());
+
+  FailingStore s(c, o);
+  const SeqId a = filled(s);
+  const std::int64_t free_blocks = s.free_blocks(), free_slots = s.free_slots();
+  s.fail_mirror = true;
+  const auto fork = s.fork_sequence(a);
+  s.fail_mirror = false;
+  ASSERT_FALSE(fork.ok());
+  EXPECT_EQ(fork.error().code, ErrorCode::kCuda);
+  EXPECT_EQ(s.free_blocks(), free_blocks);
+  EXPECT_EQ(s.free_slots(), free_slots);
+  EXPECT_EQ(s.sequence_count(), 1);
+  auto snap = take_snapshot(s, a);
+  ASSERT_TRUE(snap.ok());
+  s.fail_copy_in = true;
+  const auto restored = restore_new_sequence(*snap, s);
+  s.fail_copy_in = false;
+  ASSERT_FALSE(restored.ok());
+  EXPECT_EQ(restored.error().code, ErrorCode::kCuda);
+  EXPECT_EQ(s.free_blocks(), free_blocks);
+  EXPECT_EQ(s.sequence_count(), 1);
+  EXPECT_EQ(seq_name(*s.add_sequence()), next_name);
+}
+
 // The resident pages of this process.
 std::int64_t resident_bytes() {
   std::ifstream statm("/proc/self/statm");

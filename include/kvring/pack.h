@@ -172,8 +172,8 @@ Status restore_pack(const PackSource& source, const ReadOptions& options, KvCach
 // the sequence, into a detached sequence (KvStore::add_detached_sequence)
 // that no reader sees and that becomes live once every plane is in. On
 // any error, and on an exception out of the chunk store, it is removed:
-// the store's sequences, their rows, its free slots and free blocks are as
-// they were.
+// the store's sequences, their rows, its free slots and free blocks, and
+// the handle its next sequence gets, are as they were.
 // `manifest` as above.
 Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target,
                            Manifest* manifest = nullptr);

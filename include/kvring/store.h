@@ -22,8 +22,8 @@
 // land (they take the slots of its oldest live ones; an error before that,
 // such as an allocation, changes no ring). The sequences concerned are
 // refused (kCuda) by every call on them but reset_sequence,
-// remove_sequence, contains, is_detached, next_position, ring and
-// blocks_held, until they are reset or removed; the store's other
+// remove_sequence, contains, is_detached, next_position, ring,
+// blocks_held and blocks_held_alone, until they are reset or removed; the store's other
 // sequences are not affected. (A failed install leaves its plane empty
 // instead, which needs no mirror.)
 #pragma once
@@ -181,6 +181,10 @@ struct StoreOptions {
 };
 
 // ---- The store ------------------------------------------------------------
+
+namespace detail {
+struct StoreAccess;
+}
 
 class KvStore {
  public:
@@ -689,11 +693,18 @@ class KvStore {
                           std::vector<BatchPlacement>* placements = nullptr) const;
   void release_table(std::vector<std::int32_t>& table);
   void release_tables(Sequence& s);
+  // Frees a slot's sequence: its blocks, its rings. With `retire_handle`
+  // its generation moves on, so its handle names nothing from then on;
+  // without, the slot's next sequence gets the same handle, which only a
+  // sequence whose handle never left the library may do.
+  void vacate(std::int32_t slot, bool retire_handle);
   RingState fresh_ring(std::int64_t layer) const;
 
   // Reaches the slots' generations, which only 2^32 sequences through one
   // slot could otherwise move; defined by the tests alone.
   friend struct KvStoreTestAccess;
+  // The library's own restores and handoffs (src/core/store_access.h).
+  friend struct detail::StoreAccess;
   // kResourceExhausted's message when no slot is free, naming the retired.
   std::string slots_taken() const;
 

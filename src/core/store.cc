@@ -1,6 +1,7 @@
 #include "kvring/store.h"
 
 #include "kvring/cache.h"
+#include "core/store_access.h"
 
 #include <algorithm>
 #include <cmath>
@@ -604,15 +605,26 @@ void KvStore::release_tables(Sequence& s) {
 Status KvStore::remove_sequence(SeqId seq) {
   auto slot = find_slot(seq, true);
   if (!slot) return slot.error();
-  Sequence& s = slots_[static_cast<std::size_t>(*slot)];
+  vacate(*slot, true);
+  return Status::Ok();
+}
+
+void KvStore::vacate(std::int32_t slot, bool retire_handle) {
+  Sequence& s = slots_[static_cast<std::size_t>(slot)];
   release_tables(s);
   s.live = false;
-  free_from_ = std::min(free_from_, static_cast<std::size_t>(*slot));
+  free_from_ = std::min(free_from_, static_cast<std::size_t>(slot));
   s.detached = false;
   s.stale = Sequence::Stale::kNo;
   s.rings.clear();
   s.written.clear();
-  ++s.generation;
+  if (retire_handle) ++s.generation;
+}
+
+Status detail::StoreAccess::discard(KvStore& store, SeqId seq) {
+  auto slot = store.find_slot(seq, true);
+  if (!slot) return slot.error();
+  store.vacate(*slot, false);
   return Status::Ok();
 }
 
@@ -664,12 +676,12 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
     if (!t.empty())
       changes.push_back(TableChange{to, fi, t.data(), 0, static_cast<std::int64_t>(t.size())});
   }
-  const SeqId id = handle(i, dst.generation);
   if (Status st = tables_changed(changes, nullptr); !st.ok()) {
-    (void)remove_sequence(id);
+    // The fork's handle never left: the slot keeps its generation.
+    vacate(to, false);
     return st.error();
   }
-  return id;
+  return handle(i, dst.generation);
 }
 
 Status KvStore::truncate_sequence(SeqId seq, std::int64_t tokens) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "checks.h"
+#include "core/store_access.h"
 #include "device.h"
 #include "kvring/footprint.h"
 #include "kvring/handoff.h"
@@ -267,7 +268,8 @@ void StoreTarget::abort() {
     // Nothing in flight may land in blocks the store hands out again.
     if (slots_) (void)slots_->finish();
     if (device_stream_ != nullptr) (void)store_.synchronize(device_stream_);
-    (void)store_.remove_sequence(*seq_);
+    // The sequence's handle never left (sequence() answers after commit).
+    (void)detail::StoreAccess::discard(store_, *seq_);
   }
   if (!committed_) seq_.reset();
   device_stream_ = nullptr;

@@ -26,6 +26,7 @@
 
 #include "coding.h"
 #include "core/file_read.h"
+#include "core/store_access.h"
 #include "cpu/parallel.h"
 #include "file_io.h"
 #include "kvring/pack.h"
@@ -964,7 +965,7 @@ Result<SeqId> pack_internal::restore_pack_in_groups(const PackSource& source, co
     SeqId seq;
     bool live = false;
     ~RemoveUnlessLive() {
-      if (!live) (void)store.remove_sequence(seq);
+      if (!live) (void)detail::StoreAccess::discard(store, seq);
     }
   } guard{target, *seq};
   try {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/store_access.h"
 #include "cpu/host_pages.h"
 #include "cpu/parallel.h"
 #include "kvring/backend.h"
@@ -490,13 +491,14 @@ Status check_restorable_as_new(const Snapshot& header, const KvStore& target) {
 
 Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
   KVRING_RETURN_IF_ERROR(validate_snapshot(snapshot));
-  // Checked before the sequence is added, so a refusal leaves even the next
-  // handle as it was.
+  // Checked before the sequence is added; a restore that fails after it
+  // discards it (its handle never left), so any refusal leaves even the
+  // next handle as it was.
   KVRING_RETURN_IF_ERROR(check_restorable_as_new(snapshot, target));
   auto seq = target.add_sequence();
   if (!seq) return seq.error();
   if (Status s = restore(snapshot, target, *seq); !s.ok()) {
-    (void)target.remove_sequence(*seq);
+    (void)detail::StoreAccess::discard(target, *seq);
     return s.error();
   }
   return *seq;
