@@ -141,6 +141,12 @@ class Hostile : public ::testing::Test {
     store_ = std::move(*to);
     other_ = prefill_in(*model_, *store_, seeded_tokens(kPrompt, 64, 5));
     free_before_ = store_->free_blocks();
+    // A store whose slots go as store_'s: its next handle is the one
+    // store_'s next sequence must get.
+    auto twin = make_store(BackendKind::kCpu, config_, {.max_sequences = 2, .block_rows = 16});
+    ASSERT_TRUE(twin.ok());
+    twin_ = std::move(*twin);
+    ASSERT_TRUE(twin_->add_sequence().ok());
   }
 
   // A plan of few large messages (4 MiB each), for paced sends.
@@ -165,13 +171,23 @@ class Hostile : public ::testing::Test {
     while (a->recv_message(in, deadline_in(0.01), 1 << 30).ok()) r.replies.push_back(in);
     return r;
   }
-  // Runs `msgs` into a StoreTarget of store_ and checks the store is as it was on failure.
+  // Runs `msgs` into a StoreTarget of store_ and checks the store is as it
+  // was on failure, down to the handle its next sequence gets.
   Replay into_store(const std::vector<Msg>& msgs, ReceiveOptions ro = {.timeout_s = 1}) {
     StoreTarget target(*store_, {.expect = config_});
     Replay r = replay(msgs, target, ro);
     if (r.received.ok()) {
       EXPECT_TRUE(target.sequence().has_value());
       EXPECT_TRUE(store_->remove_sequence(*target.sequence()).ok());
+      EXPECT_TRUE(twin_->remove_sequence(*twin_->add_sequence()).ok());
+    } else {
+      const auto mine = store_->add_sequence();
+      const auto twins = twin_->add_sequence();
+      EXPECT_TRUE(mine.ok() && twins.ok());
+      if (mine.ok() && twins.ok()) {
+        EXPECT_EQ(seq_name(*mine), seq_name(*twins)) << "the refused handoff moved the next handle";
+        EXPECT_TRUE(store_->remove_sequence(*mine).ok() && twin_->remove_sequence(*twins).ok());
+      }
     }
     EXPECT_EQ(store_->sequence_count(), 1);
     EXPECT_EQ(store_->free_blocks(), free_before_);
@@ -224,6 +240,7 @@ class Hostile : public ::testing::Test {
   Timeline timeline_;
   std::vector<Msg> stream_;
   std::int64_t free_before_ = 0;
+  std::unique_ptr<KvStore> twin_;
 };
 
 #define EXPECT_REFUSED(r, needle)                                                                  \

@@ -171,9 +171,10 @@ Status restore_pack(const PackSource& source, const ReadOptions& options, KvCach
 // max_row_bytes where that is less), so host memory holds one group, not
 // the sequence, into a detached sequence (KvStore::add_detached_sequence)
 // that no reader sees and that becomes live once every plane is in. On
-// any error, and on an exception out of the chunk store, it is removed:
-// the store's sequences, their rows, its free slots and free blocks, and
-// the handle its next sequence gets, are as they were.
+// any error, and on an exception out of the chunk store (which reaches the
+// caller; std::bad_alloc comes back as kIOError), it is removed: the
+// store's sequences, their rows, its free slots and free blocks, and the
+// handle its next sequence gets, are as they were.
 // `manifest` as above.
 Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options, KvStore& target,
                            Manifest* manifest = nullptr);

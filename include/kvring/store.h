@@ -182,10 +182,6 @@ struct StoreOptions {
 
 // ---- The store ------------------------------------------------------------
 
-namespace detail {
-struct StoreAccess;
-}
-
 class KvStore {
  public:
   virtual ~KvStore();
@@ -704,7 +700,7 @@ class KvStore {
   // slot could otherwise move; defined by the tests alone.
   friend struct KvStoreTestAccess;
   // The library's own restores and handoffs (src/core/store_access.h).
-  friend struct detail::StoreAccess;
+  friend struct KvStoreAccess;
   // kResourceExhausted's message when no slot is free, naming the retired.
   std::string slots_taken() const;
 

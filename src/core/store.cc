@@ -621,7 +621,7 @@ void KvStore::vacate(std::int32_t slot, bool retire_handle) {
   if (retire_handle) ++s.generation;
 }
 
-Status detail::StoreAccess::discard(KvStore& store, SeqId seq) {
+Status KvStoreAccess::discard(KvStore& store, SeqId seq) {
   auto slot = store.find_slot(seq, true);
   if (!slot) return slot.error();
   store.vacate(*slot, false);

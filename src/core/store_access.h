@@ -4,9 +4,9 @@
 #include "kvring/status.h"
 #include "kvring/store.h"
 
-namespace kvring::detail {
+namespace kvring {
 
-struct StoreAccess {
+struct KvStoreAccess {
   // Removes a sequence whose handle never left the library (a restore or a
   // handoff refused part-way, into a detached sequence it added): its slot
   // and blocks are free again, and the slot's next sequence gets the handle
@@ -14,4 +14,4 @@ struct StoreAccess {
   static Status discard(KvStore& store, SeqId seq);
 };
 
-}  // namespace kvring::detail
+}  // namespace kvring

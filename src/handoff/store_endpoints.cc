@@ -269,7 +269,7 @@ void StoreTarget::abort() {
     if (slots_) (void)slots_->finish();
     if (device_stream_ != nullptr) (void)store_.synchronize(device_stream_);
     // The sequence's handle never left (sequence() answers after commit).
-    (void)detail::StoreAccess::discard(store_, *seq_);
+    (void)KvStoreAccess::discard(store_, *seq_);
   }
   if (!committed_) seq_.reset();
   device_stream_ = nullptr;

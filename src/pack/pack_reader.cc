@@ -686,10 +686,8 @@ std::int64_t memory_limit_bytes() {
   return limit;
 }
 
-// The rows a read holds in host memory at once, against the smaller of
+// The most bytes of rows a read may hold: the smaller of
 // ReadOptions::max_row_bytes and the memory this process may use.
-// The most bytes of rows a read may hold: the caller's limit and the
-// memory this process may use.
 std::int64_t row_memory_limit(const ReadOptions& options) {
   return std::min(options.max_row_bytes, memory_limit_bytes());
 }
@@ -964,14 +962,20 @@ Result<SeqId> pack_internal::restore_pack_in_groups(const PackSource& source, co
     KvStore& store;
     SeqId seq;
     bool live = false;
+    // Its handle never left; freeing its blocks may itself run out of
+    // memory, which a destructor must not throw.
     ~RemoveUnlessLive() {
-      if (!live) (void)detail::StoreAccess::discard(store, seq);
+      if (live) return;
+      try {
+        (void)KvStoreAccess::discard(store, seq);
+      } catch (...) {
+      }
     }
   } guard{target, *seq};
   try {
     KVRING_RETURN_IF_ERROR(install_in_groups(source, *m, options, groups, rings, target, *seq));
   } catch (const std::bad_alloc&) {
-    return make_error(ErrorCode::kIOError, source.name() + ": out of memory while reading the pack's chunks");
+    return make_error(ErrorCode::kIOError, source.name() + ": out of memory while restoring the pack's planes");
   }
   guard.live = true;
   if (manifest) *manifest = std::move(*m);

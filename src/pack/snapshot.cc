@@ -498,7 +498,7 @@ Result<SeqId> restore_new_sequence(const Snapshot& snapshot, KvStore& target) {
   auto seq = target.add_sequence();
   if (!seq) return seq.error();
   if (Status s = restore(snapshot, target, *seq); !s.ok()) {
-    (void)detail::StoreAccess::discard(target, *seq);
+    (void)KvStoreAccess::discard(target, *seq);
     return s.error();
   }
   return *seq;
