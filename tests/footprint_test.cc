@@ -79,8 +79,11 @@ TEST(Footprint, EqualsTheCpuBackendsAllocation) {
     const std::int64_t after = testing::proc_status_bytes("VmSize");
     ASSERT_GT(before, 0);
     EXPECT_EQ((*cache)->allocated_bytes(), f->slot_bytes) << context;
-    EXPECT_GE(after - before, f->slot_bytes) << context;
-    EXPECT_LT(after - before, f->slot_bytes + (1 << 20)) << context;  // page rounding and bookkeeping only
+    // The address space grows by the planes, within what the rest of the
+    // process maps or gives back meanwhile (the C library trims its heap
+    // by a few pages at times): page rounding and bookkeeping only.
+    EXPECT_GE(after - before, f->slot_bytes - (1 << 16)) << context;
+    EXPECT_LT(after - before, f->slot_bytes + (1 << 20)) << context;
   }
 }
 
