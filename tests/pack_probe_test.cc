@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cstring>
 #include <random>
 #include <string>
@@ -87,6 +86,8 @@ TEST(PackProbe, ShortSlidingRingPastTheContextIsRefusedByTheReader) {
 namespace kvring {
 namespace {
 
+using testing::CountingStore;
+
 // The header of a thin pack whose every chunk record names the same chunk.
 std::string thin_head_naming(const HostilePack& spec, const Digest& name) {
   std::int64_t payload = 0;
@@ -103,31 +104,6 @@ std::string thin_head_naming(const HostilePack& spec, const Digest& name) {
   testing::reseal(&head);
   return head;
 }
-
-// Counts what a reader asks a store.
-class CountingStore final : public ChunkStore {
- public:
-  explicit CountingStore(const ChunkStore& inner) : inner_(inner) {}
-  std::string spec() const override { return inner_.spec(); }
-  Status put(std::span<const ChunkData>) override { return Status::Ok(); }
-  Result<bool> contains(const Digest& name) const override { return inner_.contains(name); }
-  Status check_stored(const Digest& name, std::int64_t bytes) const override {
-    ++checks;
-    return inner_.check_stored(name, bytes);
-  }
-  Status erase(const Digest&) override { return Status::Ok(); }
-  Result<StoreStats> stats() const override { return inner_.stats(); }
-  mutable std::atomic<int> checks{0}, reads{0};
-
- protected:
-  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
-    ++reads;
-    return inner_.get(name, dst);
-  }
-
- private:
-  const ChunkStore& inner_;
-};
 
 // Every chunk record of a thin pack names one sparse file planted in a
 // directory store, which check_stored hashes whole (in pieces) each time it

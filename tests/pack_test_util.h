@@ -3,18 +3,48 @@
 // on loopback for the store tests.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "kvring/cache.h"
+#include "kvring/chunk_store.h"
 #include "kvring/config.h"
 #include "kvring/pack.h"
 #include "kvring/snapshot.h"
 #include "test_util.h"
 
 namespace kvring::testing {
+
+// A chunk store over `inner` that counts what a reader asks it, and throws
+// from its `throw_at`-th read (counting from 1; 0: never).
+class CountingStore final : public ChunkStore {
+ public:
+  explicit CountingStore(const ChunkStore& inner, int throw_at = 0) : inner_(inner), throw_at_(throw_at) {}
+  std::string spec() const override { return inner_.spec(); }
+  Status put(std::span<const ChunkData>) override { return Status::Ok(); }
+  Result<bool> contains(const Digest& name) const override { return inner_.contains(name); }
+  Status check_stored(const Digest& name, std::int64_t bytes) const override {
+    ++checks;
+    return inner_.check_stored(name, bytes);
+  }
+  Status erase(const Digest&) override { return Status::Ok(); }
+  Result<StoreStats> stats() const override { return inner_.stats(); }
+  mutable std::atomic<int> checks{0}, reads{0};
+
+ protected:
+  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
+    if (++reads == throw_at_) throw std::runtime_error("the chunk store broke");
+    return inner_.get(name, dst);
+  }
+
+ private:
+  const ChunkStore& inner_;
+  const int throw_at_;
+};
 
 // K and V rows of (layer, position) drawn from a generator seeded by
 // (seed, layer, position) alone: two sessions with the same seed hold the

@@ -4,7 +4,6 @@
 // bit, or fails leaving every sequence of the store as it was.
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 #include <random>
@@ -311,32 +310,6 @@ TEST(RestoreProbe, APackRestoresIntoAStoreAGroupOfPlanesAtATime) {
   EXPECT_EQ((*et)->sequence_count(), 1);
 }
 
-// A chunk store that throws from its read_raw on the `throw_at`-th read
-// (counting from 1; 0: never), and counts the reads.
-class ThrowingStore final : public ChunkStore {
- public:
-  ThrowingStore(const ChunkStore& inner, int throw_at) : inner_(inner), throw_at_(throw_at) {}
-  std::string spec() const override { return inner_.spec(); }
-  Status put(std::span<const ChunkData>) override { return Status::Ok(); }
-  Result<bool> contains(const Digest& name) const override { return inner_.contains(name); }
-  Status check_stored(const Digest& name, std::int64_t bytes) const override {
-    return inner_.check_stored(name, bytes);
-  }
-  Status erase(const Digest&) override { return Status::Ok(); }
-  Result<StoreStats> stats() const override { return inner_.stats(); }
-  mutable std::atomic<int> reads{0};
-
- protected:
-  Status read_raw(const Digest& name, std::span<std::uint8_t> dst) const override {
-    if (++reads == throw_at_) throw std::runtime_error("the chunk store broke");
-    return inner_.get(name, dst);
-  }
-
- private:
-  const ChunkStore& inner_;
-  const int throw_at_;
-};
-
 // An exception out of a caller's chunk store, thrown while restore_pack
 // reads the last group of planes into a store, after the groups before it
 // went in, reaches the caller with the store as it was: the detached
@@ -351,44 +324,41 @@ TEST(RestoreProbe, AnExceptionFromTheChunkStoreLeavesTheStoreAsItWas) {
   ASSERT_TRUE(write_pack(*snap, dir + "/thin.kvpack", {.chunk_tokens = 16, .store = chunks->get()}).ok());
   auto pack = open_pack_file(dir + "/thin.kvpack");
   ASSERT_TRUE(pack.ok());
+  auto new_store = [&] {
+    auto t = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
+    EXPECT_TRUE(t.ok());
+    return std::move(*t);
+  };
   // How many reads a restore of one plane a group makes.
   int reads = 0;
   {
-    auto t = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
-    ASSERT_TRUE(t.ok());
-    ThrowingStore counting(**chunks, 0);
-    auto r = pack_internal::restore_pack_in_groups(**pack, {.store = &counting}, **t, nullptr, 1);
+    testing::CountingStore counting(**chunks);
+    auto r = pack_internal::restore_pack_in_groups(**pack, {.store = &counting}, *new_store(), nullptr, 1);
     ASSERT_TRUE(r.ok()) << r.error().to_string();
     reads = counting.reads;
     ASSERT_GT(reads, 1);
   }
-  auto t = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
-  ASSERT_TRUE(t.ok());
-  auto neighbour = (*t)->add_sequence();
+  auto t = new_store();
+  auto neighbour = t->add_sequence();
   ASSERT_TRUE(neighbour.ok());
-  ASSERT_TRUE(fill_seq(**t, *neighbour, 0, 70, 9).ok());
-  const Image before = image(**t);
+  ASSERT_TRUE(fill_seq(*t, *neighbour, 0, 70, 9).ok());
+  const Image before = image(*t);
   // The handle a sequence added now would get.
-  std::string next_name;
-  {
-    auto twin = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 256, .block_rows = 16});
-    ASSERT_TRUE(twin.ok());
-    ASSERT_TRUE((*twin)->add_sequence().ok());
-    next_name = seq_name(*(*twin)->add_sequence());
-  }
-  ThrowingStore throwing(**chunks, reads);
-  EXPECT_THROW((void)pack_internal::restore_pack_in_groups(**pack, {.store = &throwing}, **t, nullptr, 1),
+  auto twin = new_store();
+  ASSERT_TRUE(twin->add_sequence().ok());
+  const std::string next_name = seq_name(*twin->add_sequence());
+  testing::CountingStore throwing(**chunks, reads);
+  EXPECT_THROW((void)pack_internal::restore_pack_in_groups(**pack, {.store = &throwing}, *t, nullptr, 1),
                std::runtime_error);
-  EXPECT_TRUE(image(**t) == before);
-  EXPECT_EQ((*t)->sequence_count(), 1);
+  EXPECT_TRUE(image(*t) == before);
+  EXPECT_EQ(t->sequence_count(), 1);
   // The slot is free again, and its next handle is the one it had: the
   // good restore takes it.
-  ThrowingStore fine(**chunks, 0);
-  auto r = pack_internal::restore_pack_in_groups(**pack, {.store = &fine}, **t, nullptr, 1);
+  auto r = pack_internal::restore_pack_in_groups(**pack, {.store = chunks->get()}, *t, nullptr, 1);
   ASSERT_TRUE(r.ok()) << r.error().to_string();
   EXPECT_EQ(seq_name(*r), next_name);
-  EXPECT_EQ((*t)->sequence_count(), 2);
-  EXPECT_EQ(seq_image(**t, before.seqs[0]), before.text[0]);
+  EXPECT_EQ(t->sequence_count(), 2);
+  EXPECT_EQ(seq_image(*t, before.seqs[0]), before.text[0]);
 }
 
 // A pack whose full planes the pool cannot hold is refused before any

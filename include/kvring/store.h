@@ -22,9 +22,9 @@
 // land (they take the slots of its oldest live ones; an error before that,
 // such as an allocation, changes no ring). The sequences concerned are
 // refused (kCuda) by every call on them but reset_sequence,
-// remove_sequence, contains, is_detached, next_position, ring,
-// blocks_held and blocks_held_alone, until they are reset or removed; the store's other
-// sequences are not affected. (A failed install leaves its plane empty
+// remove_sequence, contains, is_detached, next_position, ring, blocks_held
+// and blocks_held_alone, until they are reset or removed; the store's
+// other sequences are not affected. (A failed install leaves its plane empty
 // instead, which needs no mirror.)
 #pragma once
 
