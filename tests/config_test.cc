@@ -201,7 +201,12 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
   EXPECT_EQ(upper->count(LayerKind::kSlidingRope), 2);
   EXPECT_EQ(upper->sliding_window, 512);
   expect_error(base + R"("sliding_window": 512, "max_window_layers": 2})", "use_sliding_window");
-  expect_error(base + R"("sliding_window": 512, "use_sliding_window": true, "max_window_layers": 9})",
+  // Past the last layer (the Qwen2.5-VL 3B file names 70 of its 36): no
+  // layer slides, as in Hugging Face's classes.
+  auto past = parse_hf_config(base + R"("sliding_window": 512, "use_sliding_window": true, "max_window_layers": 9})");
+  ASSERT_TRUE(past.ok()) << past.error().to_string();
+  EXPECT_EQ(past->count(LayerKind::kFullNope), 4);
+  expect_error(base + R"("sliding_window": 512, "use_sliding_window": true, "max_window_layers": -1})",
                "max_window_layers");
 
   // Qwen's classes take use_sliding_window = false when it is absent, and
@@ -230,8 +235,80 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
     ASSERT_TRUE(c.ok()) << every << ": " << c.error().to_string();
     EXPECT_EQ(c->count(LayerKind::kSlidingRope), 4) << every;
   }
+  auto phimoe = parse_hf_config(base + R"("model_type": "phimoe", "sliding_window": 2048})");
+  ASSERT_TRUE(phimoe.ok()) << phimoe.error().to_string();
+  EXPECT_EQ(phimoe->count(LayerKind::kSlidingRope), 4);
   expect_error(base + R"("model_type": "llama", "sliding_window": 4096})", "which layers slide");
   expect_error(base + R"("sliding_window": 4096, "use_sliding_window": "yes"})", "use_sliding_window = \"yes\"");
+}
+
+// Mistral's and Qwen's classes give a file without a window one of 4096:
+// Mistral slides every layer by it, Qwen the layers from max_window_layers
+// on where use_sliding_window is true. A window given as null is none.
+TEST(HfConfig, MistralAndQwenTakeTheirClassesWindow) {
+  const std::string base = R"({"num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 64, "max_position_embeddings": 32768, )";
+  auto mistral = parse_hf_config(base + R"("model_type": "mistral"})");
+  ASSERT_TRUE(mistral.ok()) << mistral.error().to_string();
+  EXPECT_EQ(mistral->count(LayerKind::kSlidingRope), 30);
+  EXPECT_EQ(mistral->sliding_window, 4096);
+  auto no_window = parse_hf_config(base + R"("model_type": "mistral", "sliding_window": null})");
+  ASSERT_TRUE(no_window.ok()) << no_window.error().to_string();
+  EXPECT_EQ(no_window->count(LayerKind::kFullNope), 30);
+  EXPECT_EQ(no_window->sliding_window, 0);
+  for (const char* type : {"qwen2", "qwen3", "qwen2_moe"}) {
+    auto on = parse_hf_config(base + R"("model_type": ")" + type + R"(", "use_sliding_window": true})");
+    ASSERT_TRUE(on.ok()) << type << ": " << on.error().to_string();
+    EXPECT_EQ(on->kind(27), LayerKind::kFullNope) << type;
+    EXPECT_EQ(on->kind(28), LayerKind::kSlidingRope) << type;
+    EXPECT_EQ(on->sliding_window, 4096) << type;
+    auto off = parse_hf_config(base + R"("model_type": ")" + type + R"("})");
+    ASSERT_TRUE(off.ok()) << type << ": " << off.error().to_string();
+    EXPECT_EQ(off->count(LayerKind::kFullNope), 30) << type;
+    auto null_on = parse_hf_config(base + R"("model_type": ")" + type +
+                                   R"(", "use_sliding_window": true, "sliding_window": null})");
+    ASSERT_TRUE(null_on.ok()) << type << ": " << null_on.error().to_string();
+    EXPECT_EQ(null_on->count(LayerKind::kFullNope), 30) << type;
+  }
+  // A refusal says which fields took the class's default.
+  auto bad = parse_hf_config(base + R"("model_type": "mistral", "num_key_value_heads": 3})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("defaults: sliding_window"), std::string::npos) << bad.error().message;
+}
+
+// Falcon counts its KV heads its own way: one (multi_query, the class's
+// default), else num_kv_heads (n_head_kv in older files) under the new
+// decoder architecture or without multi_query; another model naming its KV
+// heads by those fields is refused rather than given one per query head.
+TEST(HfConfig, FalconCountsItsKvHeadsItsOwnWay) {
+  const std::string base = R"({"model_type": "falcon", "num_hidden_layers": 4, "num_attention_heads": 32,
+    "hidden_size": 4096, "max_position_embeddings": 8192, )";
+  struct Case {
+    const char* fields;
+    std::int64_t kv_heads;
+  };
+  for (const Case& c : {Case{R"("new_decoder_architecture": true, "num_kv_heads": 8})", 8},
+                        Case{R"("new_decoder_architecture": true, "n_head_kv": 4})", 4},
+                        Case{R"("new_decoder_architecture": true})", 32},
+                        Case{R"("multi_query": true, "num_kv_heads": 8})", 1},
+                        Case{R"("alibi": false})", 1},
+                        Case{R"("multi_query": false})", 32},
+                        Case{R"("multi_query": false, "num_kv_heads": 16})", 16}}) {
+    auto f = parse_hf_config(base + c.fields);
+    ASSERT_TRUE(f.ok()) << c.fields << ": " << f.error().to_string();
+    EXPECT_EQ(f->n_kv_heads, c.kv_heads) << c.fields;
+    EXPECT_EQ(f->head_dim, 128) << c.fields;
+  }
+  expect_error(base + R"("alibi": true})", "alibi = true");
+  expect_error(base + R"("new_decoder_architecture": "yes"})", "new_decoder_architecture");
+  expect_error(base + R"("new_decoder_architecture": true, "num_kv_heads": 5})", "num_key_value_heads");
+  const std::string other = R"({"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 32,
+    "head_dim": 128, "max_position_embeddings": 8192, )";
+  for (const char* field : {"num_kv_heads", "n_head_kv", "multi_query_group_num"})
+    expect_error(other + "\"" + field + R"(": 8})", field);
+  auto plain = parse_hf_config(other + R"("num_key_value_heads": 8, "num_kv_heads": 8})");
+  ASSERT_TRUE(plain.ok()) << plain.error().to_string();
+  EXPECT_EQ(plain->n_kv_heads, 8);
 }
 
 // Gemma's head_dim is never derived from hidden_size (Gemma 3 12B's would
@@ -316,16 +393,36 @@ TEST(HfConfig, Gemma2) {
 TEST(HfConfig, AttentionOfOtherModels) {
   const std::string base = R"({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
     "head_dim": 128, "max_position_embeddings": 4096, )";
-  expect_error(base + R"("global_head_dim": 512})", "global_head_dim = 512");
-  expect_error(base + R"("num_global_key_value_heads": 1})", "num_global_key_value_heads = 1");
-  expect_error(base + R"("num_kv_shared_layers": 2})", "num_kv_shared_layers = 2");
-  expect_error(base + R"("dense_attention_every_n_layers": 2})", "dense_attention_every_n_layers = 2");
-  expect_error(base + R"("full_attention_interval": 4})", "full_attention_interval = 4");
-  expect_error(base + R"("attn_layer_period": 8, "attn_layer_offset": 4})", "attn_layer_period = 8");
-  expect_error(base + R"("use_bidirectional_attention": true})", "use_bidirectional_attention = true");
+  struct Refused {
+    const char* fields;
+    const char* names;
+  };
+  for (const Refused& r : {Refused{R"("global_head_dim": 512)", "global_head_dim = 512"},
+                           Refused{R"("num_global_key_value_heads": 1)", "num_global_key_value_heads = 1"},
+                           Refused{R"("num_kv_shared_layers": 2)", "num_kv_shared_layers = 2"},
+                           Refused{R"("dense_attention_every_n_layers": 2)", "dense_attention_every_n_layers = 2"},
+                           Refused{R"("full_attention_interval": 4)", "full_attention_interval = 4"},
+                           Refused{R"("attn_layer_period": 8, "attn_layer_offset": 4)", "attn_layer_period = 8"},
+                           Refused{R"("use_bidirectional_attention": true)", "use_bidirectional_attention = true"},
+                           Refused{R"("cross_attention_layers": [3, 8])", "cross_attention_layers"},
+                           Refused{R"("block_configs": [{}, {}, {}, {}])", "block_configs"},
+                           Refused{R"("attn_layer_indices": [1, 3])", "attn_layer_indices"},
+                           Refused{R"("full_attn_idxs": [2])", "full_attn_idxs"},
+                           Refused{R"("global_attn_every_n_layers": 3, "local_attention": 128)",
+                                   "global_attn_every_n_layers"},
+                           Refused{R"("is_encoder_decoder": true)", "is_encoder_decoder"}})
+    expect_error(base + r.fields + "}", r.names);
+  for (const char* encoder : {"bert", "roberta", "modernbert"})
+    expect_error(base + R"("model_type": ")" + encoder + R"("})", "an encoder's attention");
+  // Granite 4's layer_types name an attention layer "attention".
+  auto attention = parse_hf_config(base + R"("layer_types": ["attention", "attention", "attention", "attention"]})");
+  ASSERT_TRUE(attention.ok()) << attention.error().to_string();
+  EXPECT_EQ(attention->count(LayerKind::kFullNope), 4);
+  expect_error(base + R"("layer_types": ["attention", "mamba", "attention", "attention"]})", "layer_types[1]");
   for (const char* fine : {R"("global_head_dim": 128, "num_global_key_value_heads": 2, "num_kv_shared_layers": 0,
                              "use_bidirectional_attention": false})",
-                           R"("attention_multiplier": 0.0078125})"}) {
+                           R"("attention_multiplier": 0.0078125})",
+                           R"("cross_attention_layers": [], "alibi": false, "is_encoder_decoder": false})"}) {
     auto c = parse_hf_config(base + fine);
     EXPECT_TRUE(c.ok()) << fine << ": " << c.error().to_string();
   }
@@ -375,6 +472,15 @@ TEST(HfConfig, MalformedJsonIsQuotedEscaped) {
   }
   auto bad = parse_hf_config("{\"\xff\": 1}");
   EXPECT_NE(bad.error().message.find("\\xff"), std::string::npos) << bad.error().message;
+  // Text after a NUL byte is not dropped: the whole text is refused.
+  const std::string good = R"({"num_hidden_layers": 2, "num_attention_heads": 8, "head_dim": 4,
+    "max_position_embeddings": 9})";
+  ASSERT_TRUE(parse_hf_config(good).ok());
+  const std::string nul = good + std::string(1, '\0') + R"( {"num_hidden_layers": 999)";
+  auto after = parse_hf_config(nul);
+  ASSERT_FALSE(after.ok());
+  EXPECT_NE(after.error().message.find("NUL byte at byte " + std::to_string(good.size())), std::string::npos)
+      << after.error().message;
 }
 
 TEST(HfConfig, ErrorsNameTheField) {

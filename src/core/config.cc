@@ -217,7 +217,7 @@ std::int64_t qwen_max_window_layers(const json& root, const json& j) {
 // Models whose sliding_window, given alone, applies to every layer.
 bool every_layer_slides(const json& root, const json& j) {
   const std::string type = model_type(root, j);
-  return type == "mistral" || type == "mixtral" || type == "phi3" || type == "starcoder2";
+  return type == "mistral" || type == "mixtral" || type == "phi3" || type == "phimoe" || type == "starcoder2";
 }
 
 // The field is in the object with a value other than null.
@@ -267,44 +267,129 @@ Status check_attention_features(const json& j, std::int64_t head_dim, std::int64
       !(j["use_bidirectional_attention"].is_boolean() && !j["use_bidirectional_attention"].get<bool>()))
     return config_error("use_bidirectional_attention = " + describe(j["use_bidirectional_attention"]) +
                         ": the store's attention is causal");
+  // ALiBi (Falcon's option): a bias by distance added to every score.
+  if (given(j, "alibi") && !(j["alibi"].is_boolean() && !j["alibi"].get<bool>()))
+    return config_error("alibi = " + describe(j["alibi"]) +
+                        ": the store's attention adds no position bias to the scores");
+  // Llama 3.2 Vision: layers that attend over the image's K and V.
+  if (given(j, "cross_attention_layers") &&
+      !(j["cross_attention_layers"].is_array() && j["cross_attention_layers"].empty()))
+    return config_error("cross_attention_layers = " + describe(j["cross_attention_layers"]) +
+                        ": layers that attend over an image's K and V are not the store's planes");
+  // Nemotron-NAS (DeciLM): each layer its own head count, or no attention.
+  for (const char* f : {"block_configs", "num_key_value_heads_per_layer"})
+    if (given(j, f))
+      return config_error(std::string(f) + " = " + describe(j[f]) +
+                          ": layers of their own head counts are not the store's planes (its layers share one)");
+  // ModernBERT: an encoder, its attention both ways.
+  for (const char* f : {"global_attn_every_n_layers", "local_attention"})
+    if (given(j, f))
+      return config_error(std::string(f) + " = " + describe(j[f]) +
+                          ": an encoder's attention sees the sequence both ways; the store's is causal");
+  if (given(j, "is_encoder_decoder") &&
+      !(j["is_encoder_decoder"].is_boolean() && !j["is_encoder_decoder"].get<bool>()))
+    return config_error("is_encoder_decoder = " + describe(j["is_encoder_decoder"]) +
+                        ": the store caches a decoder's self-attention, not an encoder's or cross-attention");
   // Phi-3-small: block-sparse attention on every other layer.
   for (const char* f : {"dense_attention_every_n_layers", "blocksparse_vert_stride", "blocksparse_num_local_blocks"})
     if (given(j, f))
       return config_error(std::string(f) + " = " + describe(j[f]) +
                           ": the store has no block-sparse attention (its layers are sliding or full)");
-  // Hybrids whose other layers are linear attention or state-space mixers
-  // (Qwen3-Next, Jamba, MiniMax-01, Nemotron-H, Zamba, Kimi Linear,
-  // RecurrentGemma): their configs name them by these fields, not by
-  // layer_types, and the store would cache every layer as attention.
+  // Hybrids whose other layers are linear attention, convolutions or
+  // state-space mixers (Qwen3-Next, Jamba, MiniMax-01, Nemotron-H, Zamba,
+  // Kimi Linear, RecurrentGemma, Bamba, LFM2): their configs name them by
+  // these fields, not by layer_types, and the store would cache every layer
+  // as attention.
   for (const char* f : {"full_attention_interval", "attn_layer_period", "attn_layer_offset", "attn_type_list",
-                        "hybrid_override_pattern", "layers_block_type", "linear_attn_config", "block_types"})
+                        "hybrid_override_pattern", "layers_block_type", "linear_attn_config", "block_types",
+                        "attn_layer_indices", "full_attn_idxs"})
     if (given(j, f))
       return config_error(std::string(f) + " = " + describe(j[f]) +
                           ": the model has layers other than attention, which the store does not cache");
   return Status::Ok();
 }
 
+// A boolean field; absent or null -> `fallback`.
+Result<bool> bool_field(const json& j, const char* field, bool fallback) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_boolean())
+    return config_error("field '" + std::string(field) + "' must be true or false, got " + describe(*it));
+  return it->get<bool>();
+}
+
+// The KV heads a layer caches. num_key_value_heads where given, else the
+// query heads, but for Falcon, whose classes count them their own way: one
+// (multi_query, its default) unless new_decoder_architecture or
+// multi_query false, then num_kv_heads (n_head_kv in older files; the
+// query heads when absent). Another model that names its KV heads by one
+// of Falcon's fields, or ChatGLM's, is refused rather than given one per
+// query head.
+Result<std::int64_t> kv_head_count(const json& root, const json& j, std::int64_t n_heads) {
+  static constexpr const char* kOtherNames[] = {"num_kv_heads", "n_head_kv", "multi_query",
+                                                "multi_query_attention", "multi_query_group_num"};
+  if (model_type(root, j) == "falcon" && !given(j, "num_key_value_heads")) {
+    auto new_arch = bool_field(j, "new_decoder_architecture", false);
+    if (!new_arch.ok()) return new_arch.error();
+    auto multi_query = bool_field(j, "multi_query", true);
+    if (!multi_query.ok()) return multi_query.error();
+    if (!*new_arch && *multi_query) return std::int64_t{1};
+    const char* field = given(j, "num_kv_heads") || !given(j, "n_head_kv") ? "num_kv_heads" : "n_head_kv";
+    return int_field(j, field, false, n_heads);
+  }
+  if (!given(j, "num_key_value_heads"))
+    for (const char* f : kOtherNames)
+      if (given(j, f))
+        return config_error(std::string(f) + " = " + describe(j[f]) + " without num_key_value_heads: the " +
+                            "KV heads are counted by a field this reader takes only from a falcon config; " +
+                            "give num_key_value_heads");
+  return int_field(j, "num_key_value_heads", false, n_heads);
+}
+
+// Encoders: their attention sees the whole sequence both ways, and their
+// configs look like a decoder's.
+Status check_decoder(const json& root, const json& j) {
+  const std::string type = model_type(root, j);
+  for (const char* t : {"bert", "roberta", "xlm-roberta", "camembert", "albert", "electra", "deberta", "deberta-v2",
+                        "mpnet", "ernie", "nomic_bert", "modernbert", "distilbert", "xlnet"})
+    if (type == t)
+      return config_error("model_type = \"" + type +
+                          "\": an encoder's attention sees the sequence both ways; the store's is causal");
+  return Status::Ok();
+}
+
 // Hugging Face's class defaults for the fields a model's own config.json may
 // leave out: the multimodal Gemma 3 checkpoints (4B, 12B, 27B) name only a
-// few fields of their text_config, and Gemma3TextConfig fills the rest.
-// Only absent fields take a default; a field given as null is the class's
-// None, which these classes cannot build a model from (refused, by
-// parse_hf_config), but for attn_logit_softcapping (None: no capping).
+// few fields of their text_config, and Gemma3TextConfig fills the rest;
+// Mistral's and Qwen's classes give a window of 4096 to a file without
+// one (Mistral slides every layer by it; Qwen only where use_sliding_window
+// is true). Only absent fields take a default. A field given as null is the
+// class's None: a window of None is no window, and an
+// attn_logit_softcapping of None no capping; from any other None these
+// classes cannot build a model (refused, by parse_hf_config).
 // sliding_window_pattern stands for the class's layer pattern: every 6th
 // layer full for Gemma 3, every 2nd for Gemma 2.
-const json* class_defaults(const json& root, const json& j) {
-  static const json gemma3_text = {
-      {"num_hidden_layers", 26},         {"num_attention_heads", 8},       {"num_key_value_heads", 4},
-      {"head_dim", 256},                 {"max_position_embeddings", 131072}, {"query_pre_attn_scalar", 256},
-      {"sliding_window", 4096},          {"sliding_window_pattern", 6},    {"rope_theta", 1000000.0}};
-  static const json gemma2 = {
-      {"num_hidden_layers", 26},         {"num_attention_heads", 8},       {"num_key_value_heads", 4},
-      {"head_dim", 256},                 {"max_position_embeddings", 8192}, {"query_pre_attn_scalar", 256},
-      {"sliding_window", 4096},          {"sliding_window_pattern", 2},    {"rope_theta", 10000.0},
-      {"attn_logit_softcapping", 50.0}};
+struct ClassDefaults {
+  json values;
+  std::vector<std::string> nullable;
+};
+const ClassDefaults* class_defaults(const json& root, const json& j) {
+  static const ClassDefaults gemma3_text = {
+      {{"num_hidden_layers", 26},         {"num_attention_heads", 8},       {"num_key_value_heads", 4},
+       {"head_dim", 256},                 {"max_position_embeddings", 131072}, {"query_pre_attn_scalar", 256},
+       {"sliding_window", 4096},          {"sliding_window_pattern", 6},    {"rope_theta", 1000000.0}},
+      {"attn_logit_softcapping"}};
+  static const ClassDefaults gemma2 = {
+      {{"num_hidden_layers", 26},         {"num_attention_heads", 8},       {"num_key_value_heads", 4},
+       {"head_dim", 256},                 {"max_position_embeddings", 8192}, {"query_pre_attn_scalar", 256},
+       {"sliding_window", 4096},          {"sliding_window_pattern", 2},    {"rope_theta", 10000.0},
+       {"attn_logit_softcapping", 50.0}},
+      {"attn_logit_softcapping"}};
+  static const ClassDefaults window_4096 = {{{"sliding_window", 4096}}, {"sliding_window"}};
   const std::string type = model_type(root, j);
   if (type == "gemma3_text" || (type == "gemma3" && &j != &root)) return &gemma3_text;
   if (type == "gemma2") return &gemma2;
+  if (type == "mistral" || qwen_max_window_layers(root, j) > 0) return &window_4096;
   return nullptr;
 }
 
@@ -332,7 +417,7 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
   c.n_heads = *heads;
   KVRING_RETURN_IF_ERROR(check_range("num_hidden_layers", c.n_layers, 1, kMaxLayers));
   KVRING_RETURN_IF_ERROR(check_range("num_attention_heads", c.n_heads, 1, kMaxHeads));
-  auto kv_heads = int_field(j, "num_key_value_heads", false, c.n_heads);
+  auto kv_heads = kv_head_count(root, j, c.n_heads);
   if (!kv_heads) return kv_heads.error();
   c.n_kv_heads = *kv_heads;
 
@@ -371,6 +456,7 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
   }
 
   KVRING_RETURN_IF_ERROR(check_range("num_key_value_heads", c.n_kv_heads, 1, kMaxHeads));
+  KVRING_RETURN_IF_ERROR(check_decoder(root, j));
   KVRING_RETURN_IF_ERROR(check_attention_features(j, c.head_dim, c.n_kv_heads));
   if (given(j, "use_sliding_window") && !j["use_sliding_window"].is_boolean())
     return config_error("use_sliding_window = " + describe(j["use_sliding_window"]) + " must be true or false");
@@ -421,7 +507,7 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
       std::string s = t.is_string() ? t.get<std::string>() : describe(t);
       if (s == "sliding_attention" || s == "sliding" || s == "local")
         c.layer_kinds.push_back(LayerKind::kSlidingRope);
-      else if (s == "full_attention" || s == "full" || s == "global")
+      else if (s == "full_attention" || s == "full" || s == "global" || s == "attention")
         c.layer_kinds.push_back(LayerKind::kFullNope);
       else
         return config_error("layer_types[" + std::to_string(i) + "] = " + describe(t) +
@@ -448,13 +534,15 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
     if (sliding != Sliding::kOn)
       return config_error("max_window_layers is set but 'use_sliding_window' is not true");
     // Qwen: layers from max_window_layers on slide, those before are full;
-    // without the field, the model type's default (a model of no more
-    // layers than it slides nowhere).
+    // without the field, the model type's default. A model of no more
+    // layers than that slides nowhere, as in Hugging Face's classes (the
+    // Qwen2.5-VL 3B file names 70 of its 36).
     std::int64_t first = qwen_first;
     if (given(j, "max_window_layers")) {
       auto field = int_field(j, "max_window_layers", true);
       if (!field) return field.error();
-      KVRING_RETURN_IF_ERROR(check_range("max_window_layers", *field, 0, c.n_layers));
+      KVRING_RETURN_IF_ERROR(
+          check_range("max_window_layers", *field, 0, std::numeric_limits<std::int32_t>::max()));
       first = *field;
     }
     for (std::int64_t l = 0; l < c.n_layers; ++l)
@@ -486,6 +574,10 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
 constexpr int kMaxConfigDepth = 32;
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
+  // JSON text has no NUL byte; the parser would end the input at one and
+  // take the text before it as the whole config.
+  if (const auto nul = json_text.find('\0'); nul != std::string_view::npos)
+    return config_error("a NUL byte at byte " + std::to_string(nul) + ": a config is JSON text");
   // Bounded before it is parsed: a parse of deeply nested text takes tens of
   // bytes of memory for each of its bytes.
   if (const int depth = json_depth(json_text); depth > kMaxConfigDepth)
@@ -504,27 +596,25 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
   }
   if (!root.is_object()) return config_error("config is not a JSON object");
   // Multimodal Gemma 3 configs nest the language model under text_config.
-  const json& text = (root.contains("text_config") && root["text_config"].is_object())
-                         ? root["text_config"]
-                         : root;
-  // The class's defaults for what the file leaves out (Gemma 2 and 3); a
+  json& text = (root.contains("text_config") && root["text_config"].is_object()) ? root["text_config"] : root;
+  // The class's defaults for what the file leaves out, put in place (a
+  // copy of a hostile file's tree would double the parse's memory); a
   // refusal names the fields that took one.
-  json filled;
   std::string defaulted;
-  if (const json* d = class_defaults(root, text)) {
-    filled = text;
-    for (const auto& [key, value] : d->items()) {
-      if (!filled.contains(key)) {
-        filled[key] = value;
+  if (const ClassDefaults* d = class_defaults(root, text)) {
+    const std::string type = model_type(root, text);
+    for (const auto& [key, value] : d->values.items()) {
+      if (!text.contains(key)) {
+        text[key] = value;
         defaulted += (defaulted.empty() ? "" : ", ") + key;
-      } else if (filled[key].is_null() && key != "attn_logit_softcapping") {
-        return config_error("field '" + key + "' is null: a " + model_type(root, text) +
+      } else if (text[key].is_null() && std::find(d->nullable.begin(), d->nullable.end(), key) == d->nullable.end()) {
+        return config_error("field '" + key + "' is null: a " + type +
                             " config gives it a value or leaves it out (Hugging Face's default: " + value.dump() +
                             ")");
       }
     }
   }
-  auto r = parse_text_config(root, filled.is_null() ? text : filled, std::move(name));
+  auto r = parse_text_config(root, text, std::move(name));
   if (!r && !defaulted.empty()) {
     Error e = r.error();
     e.message += " (fields absent from the file took Hugging Face's " + model_type(root, text) +
