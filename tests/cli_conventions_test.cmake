@@ -52,6 +52,14 @@ expect(0 "store gc dir:PATH" help store gc)
 expect(0 "pack inspect FILE.*pack verify FILE" help pack)
 expect(0 "commands:.*footprint.*run.*store gc.*exit status" --help)
 expect(2 "no help for 'frob'" help frob)
+# -h as an option's value is that value (a file named -h), not a request
+# for help; after a flag, or as --option=VALUE's neighbour, it asks for help.
+expect(2 "cannot read config file -h" config --config -h)
+expect(2 "cannot read config file -h" footprint --config -h)
+expect(2 "cannot read config file -h" handoff plan --tokens 8 --config -h)
+expect(0 "usage: kvring footprint" footprint --json -h)
+expect(0 "usage: kvring config" config --config=-h -h)
+expect(0 "usage: kvring run" run --save --help)
 
 # --- Exit codes ----------------------------------------------------------------
 expect(2 "usage: kvring COMMAND")

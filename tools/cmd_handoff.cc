@@ -39,10 +39,11 @@ std::string pct(std::int64_t part, std::int64_t whole) {
   return b;
 }
 
+const std::set<std::string> kPlanOptions = {"model", "config", "tokens", "schedule", "rate", "chunk",
+                                            "credits", "message", "prefill-tps", "context", "ack-latency-us"};
+
 int cmd_plan(const std::vector<std::string>& argv) {
-  auto a = Args::parse(argv, {"json"},
-                       {"model", "config", "tokens", "schedule", "rate", "chunk", "credits", "message",
-                        "prefill-tps", "context", "ack-latency-us"});
+  auto a = Args::parse(argv, {"json"}, kPlanOptions);
   if (!a) return fail(a.error());
   if (!a->positional().empty()) return fail("handoff plan: unexpected argument '" + a->positional()[0] + "'");
   if (!a->has("tokens")) return fail("handoff plan needs --tokens N (the prompt length)");
@@ -289,9 +290,11 @@ class ServeTarget final : public handoff::HandoffTarget {
 };
 
 // The receiver: one session, decoded greedily to --tokens.
+const std::set<std::string> kServeOptions = {"listen", "tokens", "backend", "model", "config", "timeout",
+                                             "credits", "max-mib", "max-keep", "min-rate", "port-file"};
+
 int cmd_serve(const std::vector<std::string>& argv) {
-  auto a = Args::parse(argv, {"json", "no-progress"},
-                       {"listen", "tokens", "backend", "model", "config", "timeout", "credits", "max-mib", "max-keep", "min-rate", "port-file"});
+  auto a = Args::parse(argv, {"json", "no-progress"}, kServeOptions);
   if (!a) return fail(a.error());
   if (!a->positional().empty()) return fail("handoff serve: unexpected argument '" + a->positional()[0] + "'");
   if (!a->has("listen"))
@@ -546,10 +549,10 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
 }
 
 int cmd_handoff(const std::vector<std::string>& argv) {
-  if (wants_help(argv)) {
-    const bool sub = !argv.empty() && (argv[0] == "plan" || argv[0] == "serve");
-    return print_help(sub ? "handoff " + argv[0] : "handoff");
-  }
+  const bool plan = !argv.empty() && argv[0] == "plan";
+  const bool serve = !argv.empty() && argv[0] == "serve";
+  if (wants_help(argv, plan ? kPlanOptions : serve ? kServeOptions : std::set<std::string>{}))
+    return print_help(plan || serve ? "handoff " + argv[0] : "handoff");
   if (argv.empty()) return fail("handoff needs a subcommand: plan or serve");
   const std::vector<std::string> rest(argv.begin() + 1, argv.end());
   if (argv[0] == "plan") return cmd_plan(rest);

@@ -133,8 +133,9 @@ int cmd_pack(const std::vector<std::string>& argv) {
   }
   const std::string sub = argv[0];
   if (sub == "help" || sub == "--help" || sub == "-h") return print_help("pack");
-  if ((sub == "inspect" || sub == "verify") && wants_help(argv)) return print_help("pack " + sub);
-  auto args = Args::parse({argv.begin() + 1, argv.end()}, {}, {"store"});
+  static const std::set<std::string> kOptions = {"store"};
+  if ((sub == "inspect" || sub == "verify") && wants_help(argv, kOptions)) return print_help("pack " + sub);
+  auto args = Args::parse({argv.begin() + 1, argv.end()}, {}, kOptions);
   if (!args) return fail(args.error());
   if (sub != "inspect" && sub != "verify") {
     std::fputs(kPackUsage, stderr);

@@ -50,12 +50,13 @@ class Progress {
 };
 
 
+const std::set<std::string> kRunOptions = {
+    "model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden", "vocab", "backend",
+    "context", "save", "resume", "store", "handoff-to", "handoff-schedule", "handoff-rate",
+    "handoff-timeout", "handoff-message", "handoff-min-rate", "sequences", "attention"};
+
 Result<RunOptions> parse(const std::vector<std::string>& argv) {
-  auto a = Args::parse(argv, {"json", "no-progress"},
-                       {"model", "config", "tokens", "prompt-tokens", "seed", "chunk", "hidden",
-                        "vocab", "backend", "context", "save", "resume", "store", "handoff-to",
-                        "handoff-schedule", "handoff-rate", "handoff-timeout", "handoff-message",
-                        "handoff-min-rate", "sequences", "attention"});
+  auto a = Args::parse(argv, {"json", "no-progress"}, kRunOptions);
   if (!a) return a.error();
   if (!a->positional().empty())
     return invalid_argument("run: unexpected argument '" + a->positional()[0] + "'");
@@ -144,7 +145,7 @@ Result<RunOptions> parse(const std::vector<std::string>& argv) {
 }  // namespace
 
 int cmd_run(const std::vector<std::string>& argv) {
-  if (wants_help(argv)) return print_help("run");
+  if (wants_help(argv, kRunOptions)) return print_help("run");
   auto opts = parse(argv);
   if (!opts) return fail(opts.error());
   RunOptions& o = *opts;

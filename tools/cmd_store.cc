@@ -36,8 +36,10 @@ std::string not_a_dir_store(const std::string& spec) {
   return "store gc: the store has no scheme this tool knows" + tail;
 }
 
+const std::set<std::string> kGcOptions = {"min-age"};
+
 int gc(const std::vector<std::string>& argv) {
-  auto args = Args::parse(argv, {}, {"min-age"});
+  auto args = Args::parse(argv, {}, kGcOptions);
   if (!args) return fail(args.error());
   if (args->positional().size() != 1)
     return fail("store gc takes one store (dir:PATH), got " + std::to_string(args->positional().size()));
@@ -68,7 +70,7 @@ int cmd_store(const std::vector<std::string>& argv) {
     std::fputs(kStoreUsage, stderr);
     return fail("unknown store command '" + sub + "' (gc)");
   }
-  if (wants_help(argv)) return print_help("store gc");
+  if (wants_help(argv, kGcOptions)) return print_help("store gc");
   return gc({argv.begin() + 1, argv.end()});
 }
 

@@ -2,6 +2,7 @@
 // and returns the process exit code.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -22,8 +23,10 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitVerifyFailed = 1;
 inline constexpr int kExitUsage = 2;
 
-// True when argv asks for help (--help or -h anywhere).
-bool wants_help(const std::vector<std::string>& argv);
+// True when argv asks for help: --help or -h anywhere but as the value of
+// one of `options` (those that take a value, as Args::parse reads them:
+// `--save -h` saves to the file -h).
+bool wants_help(const std::vector<std::string>& argv, const std::set<std::string>& options = {});
 // Prints the help of `command` ("run", "pack verify"; "pack" prints every
 // pack command) to stdout and returns 0.
 int print_help(const std::string& command);

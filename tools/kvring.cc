@@ -29,9 +29,15 @@ int fail(const std::string& message) {
 }
 int fail(const Error& e) { return fail(e.to_string()); }
 
-bool wants_help(const std::vector<std::string>& argv) {
-  for (const std::string& a : argv)
+bool wants_help(const std::vector<std::string>& argv, const std::set<std::string>& options) {
+  for (std::size_t i = 0; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
     if (a == "--help" || a == "-h") return true;
+    // The next argument is this option's value, unless it is an option.
+    if (a.starts_with("--") && a.find('=') == std::string::npos && options.count(a.substr(2)) > 0 &&
+        i + 1 < argv.size() && !argv[i + 1].starts_with("--"))
+      ++i;
+  }
   return false;
 }
 
@@ -271,10 +277,10 @@ int print_help(const std::string& command) {
 }
 
 int cmd_footprint(const std::vector<std::string>& argv) {
-  if (wants_help(argv)) return print_help("footprint");
-  auto args = Args::parse(argv, {"json"},
-                          {"model", "config", "context", "slots", "fit", "length", "block-rows",
-                           "slack"});
+  static const std::set<std::string> kOptions = {"model", "config", "context", "slots",
+                                                 "fit", "length", "block-rows", "slack"};
+  if (wants_help(argv, kOptions)) return print_help("footprint");
+  auto args = Args::parse(argv, {"json"}, kOptions);
   if (!args) return fail(args.error());
   if (!args->positional().empty()) return fail("footprint: unexpected argument '" + args->positional()[0] + "'");
   auto config = resolve_config(args->str("model"), args->str("config"));
@@ -334,8 +340,9 @@ int cmd_footprint(const std::vector<std::string>& argv) {
 }
 
 int cmd_config(const std::vector<std::string>& argv) {
-  if (wants_help(argv)) return print_help("config");
-  auto args = Args::parse(argv, {}, {"model", "config"});
+  static const std::set<std::string> kOptions = {"model", "config"};
+  if (wants_help(argv, kOptions)) return print_help("config");
+  auto args = Args::parse(argv, {}, kOptions);
   if (!args) return fail(args.error());
   if (!args->positional().empty()) return fail("config: unexpected argument '" + args->positional()[0] + "'");
   auto c = resolve_config(args->str("model"), args->str("config"));
