@@ -238,6 +238,7 @@ TEST_P(ThinPackTest, RoundTrips) {
   EXPECT_TRUE(testing::same_rows(*back, snap_));
   ASSERT_TRUE(restore_pack(*src_, {.store = store_.get()}, *target_).ok());
   EXPECT_TRUE(image(*target_) == image(*live_));
+  EXPECT_TRUE(check_pack_backed(*src_, {.store = store_.get()}).ok());
   auto v = verify_pack(*src_, store_.get());
   ASSERT_TRUE(v.ok());
   EXPECT_EQ(v->bad_chunks, 0);
@@ -249,6 +250,14 @@ TEST_P(ThinPackTest, MissingChunkIsNamed) {
   ASSERT_TRUE(store_->erase(victim.name).ok());
   expect_restore_fails(ErrorCode::kNotFound, "s.kvpack: chunk 5 (layer " + std::to_string(victim.layer) +
                                                  ", positions [" + std::to_string(victim.first_position));
+  // Found before any row is allocated, and without a store at all.
+  const Status backed = check_pack_backed(*src_, {.store = store_.get()});
+  ASSERT_FALSE(backed.ok());
+  EXPECT_EQ(backed.error().code, ErrorCode::kNotFound);
+  EXPECT_NE(backed.error().message.find("s.kvpack: chunk 5 "), std::string::npos) << backed.error().message;
+  const Status no_store = check_pack_backed(*src_);
+  ASSERT_FALSE(no_store.ok());
+  EXPECT_NE(no_store.error().message.find("is a thin pack"), std::string::npos) << no_store.error().message;
   auto v = verify_pack(*src_, store_.get());
   ASSERT_TRUE(v.ok());
   EXPECT_EQ(v->bad_chunks, 1);

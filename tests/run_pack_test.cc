@@ -42,6 +42,56 @@ TEST(RunPack, ResumeRefusesRunRecordsOutOfRange) {
   }
 }
 
+// A resumed run reads its pack's rows straight into the run's store; the
+// rows are the saved session's. A pack replaced after its record was read
+// (another session at the same path) is refused and leaves no sequence.
+TEST(RunPack, APackIsRestoredAsItsRecordWasRead) {
+  const ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);
+  const ModelOptions options{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 4};
+  auto model = ReferenceModel::create(c, options);
+  ASSERT_TRUE(model.ok());
+  auto session = [&](std::int64_t tokens) {
+    auto cache = make_cpu_cache(c);
+    EXPECT_TRUE(cache.ok());
+    Session s(*model, std::move(*cache));
+    EXPECT_TRUE(s.feed(seeded_tokens(tokens, 50, 1), 7).ok());
+    return s;
+  };
+  const Session a = session(40), b = session(45);
+  const std::string path = ::testing::TempDir() + "/run_pack_replaced.kvpack";
+  RunRecord r{c.name, c.rope_theta, options, 1, 40, 7, a.last_logits()};
+  ASSERT_TRUE(save_run(a, r, path, "").ok());
+  auto pack = open_run_pack(path, "");
+  ASSERT_TRUE(pack.ok()) << pack.error().to_string();
+  auto store = make_store(BackendKind::kCpu, c, {.max_sequences = 2});
+  ASSERT_TRUE(store.ok());
+  auto seq = restore_run_pack(*pack, **store);
+  ASSERT_TRUE(seq.ok()) << seq.error().to_string();
+  const std::int64_t kv = c.kv_dim();
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const RingState ring = a.cache().ring(l);
+    const std::int64_t n = ring.len();
+    std::vector<std::uint16_t> want_k(n * kv), want_v(n * kv), got_k(n * kv), got_v(n * kv);
+    ASSERT_TRUE(a.cache().store().read_rows(a.cache().seq(), l, ring.origin_logical(), n, want_k.data(),
+                                            want_v.data()).ok());
+    ASSERT_TRUE((*store)->read_rows(*seq, l, ring.origin_logical(), n, got_k.data(), got_v.data()).ok());
+    EXPECT_EQ(got_k, want_k) << "layer " << l;
+    EXPECT_EQ(got_v, want_v) << "layer " << l;
+  }
+  ASSERT_TRUE((*store)->remove_sequence(*seq).ok());
+  const std::int64_t free_blocks = (*store)->free_blocks();
+
+  r.last_logits = b.last_logits();
+  ASSERT_TRUE(save_run(b, r, path, "").ok());
+  auto replaced = restore_run_pack(*pack, **store);
+  ASSERT_FALSE(replaced.ok());
+  EXPECT_EQ(replaced.error().code, ErrorCode::kMismatch);
+  EXPECT_NE(replaced.error().message.find("changed after its run record was read"), std::string::npos)
+      << replaced.error().message;
+  EXPECT_EQ((*store)->sequence_count(), 0);
+  EXPECT_EQ((*store)->free_blocks(), free_blocks);
+}
+
 // The attention numeric travels in the record: absent (records written
 // before it existed) it is f32, and a name this build does not know is
 // refused with the field named.

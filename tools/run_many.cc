@@ -56,23 +56,23 @@ int run_many(const RunOptions& o, BackendKind backend) {
   ModelOptions model_options = o.model;
   std::int64_t chunk = o.chunk;
   AttentionNumeric attention = o.attention;
-  std::vector<Snapshot> resumed;
+  // The packs of a resumed run, their headers checked; their rows are read
+  // straight into the run's store, a group of planes at a time.
+  std::vector<RunPack> resumed;
   if (!o.resume.empty()) {
-    // Every pack of the run resumes on the CPU, then moves into the store.
     for (std::int64_t i = 0; i < n; ++i) {
       const std::string path = indexed_path(o.resume, i);
-      auto r = resume_run(path, o.store, BackendKind::kCpu, o.context);
+      auto r = open_run_pack(path, o.store);
       if (!r) return fail(r.error());
       Member& m = members[static_cast<std::size_t>(i)];
       if (i == 0) {
-        config = r->session.model().config();
+        config = r->config;
         model_options = r->record.options;
         chunk = r->record.chunk;
         attention = r->record.attention;
-      } else if (r->session.model().config().fingerprint() != config.fingerprint() ||
-                 r->session.model().config().rope_theta != config.rope_theta ||
-                 r->session.model().config().query_pre_attn_scalar != config.query_pre_attn_scalar ||
-                 r->session.model().config().attention_sinks != config.attention_sinks ||
+      } else if (r->config.fingerprint() != config.fingerprint() || r->config.rope_theta != config.rope_theta ||
+                 r->config.query_pre_attn_scalar != config.query_pre_attn_scalar ||
+                 r->config.attention_sinks != config.attention_sinks ||
                  r->record.options.hidden != model_options.hidden ||
                  r->record.options.vocab != model_options.vocab ||
                  r->record.options.mlp != model_options.mlp ||
@@ -85,14 +85,12 @@ int run_many(const RunOptions& o, BackendKind backend) {
       }
       m.seed = r->record.seed;
       m.prompt_tokens = r->record.prompt_tokens;
-      m.tokens = r->session.tokens();
-      m.last_logits = r->session.last_logits();
+      m.tokens = r->manifest.header.token_ids;
+      m.last_logits = r->record.last_logits;
       const auto held = static_cast<std::int64_t>(m.tokens.size());
       m.generated.assign(m.tokens.begin() + std::min(m.prompt_tokens, held), m.tokens.end());
       m.target = o.tokens_given ? std::max(target_of(o, i, m.prompt_tokens), held) : held;
-      auto snap = take_snapshot(r->session.cache());
-      if (!snap) return fail(snap.error());
-      resumed.push_back(std::move(*snap));
+      resumed.push_back(std::move(*r));
     }
   } else {
     auto c = resolve_config(o.model_name, o.config_path);
@@ -100,7 +98,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
     config = *c;
   }
   const std::int64_t context =
-      !resumed.empty() ? (o.context == 0 ? resumed[0].context : o.context)
+      !resumed.empty() ? (o.context == 0 ? resumed[0].manifest.header.context : o.context)
                        : (o.context == 0 ? config.max_context : o.context);
   if (context > config.max_context)
     return fail("--context = " + std::to_string(context) + " exceeds the model's maximum " +
@@ -127,10 +125,9 @@ int run_many(const RunOptions& o, BackendKind backend) {
   for (std::int64_t i = 0; i < n; ++i) {
     Member& m = members[static_cast<std::size_t>(i)];
     if (!resumed.empty()) {
-      auto seq = restore_new_sequence(resumed[static_cast<std::size_t>(i)], kv);
+      auto seq = restore_run_pack(resumed[static_cast<std::size_t>(i)], kv);
       if (!seq) return fail(seq.error());
       m.seq = *seq;
-      resumed[static_cast<std::size_t>(i)] = Snapshot{};
     } else {
       auto seq = kv.add_sequence();
       if (!seq) return fail(seq.error());

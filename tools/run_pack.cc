@@ -261,8 +261,13 @@ Result<std::string> save_sequence(const KvStore& kv, SeqId seq, const std::vecto
   return line;
 }
 
-Result<ResumedRun> resume_run(const std::string& path, const std::string& store_spec, BackendKind backend,
-                              std::int64_t context) {
+Error RunPack::named(const Error& e) const {
+  Error out = e;
+  out.message = path + ": model '" + printable(record.model) + "': " + e.message;
+  return out;
+}
+
+Result<RunPack> open_run_pack(const std::string& path, const std::string& store_spec) {
   auto src = open_pack_file(path);
   if (!src) return src.error();
   auto m = read_manifest(**src);
@@ -290,32 +295,57 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
       return invalid_argument(path + ": tokens: token id " + std::to_string(ids[i]) + " at position " +
                               std::to_string(i) + " is outside the vocabulary [0, " +
                               std::to_string(record->options.vocab) + ") of " + model_name);
-  auto store = store_to_read(store_spec, **src);
-  if (!store) return store.error();
-  auto snapshot = read_pack(**src, {.store = store->get()});
-  if (!snapshot) return snapshot.error();
+  // The rows the header claims are backed (a thin pack's chunks in their
+  // store) before the run sizes a store by it.
+  auto chunks = store_to_read(store_spec, **src);
+  if (!chunks) return chunks.error();
+  KVRING_RETURN_IF_ERROR(check_pack_backed(**src, {.store = chunks->get()}));
   // The geometry comes from the pack; the name, RoPE base, score scale and
-  // sinks, which the fingerprint does not cover, from the run record.
+  // sinks from the run record.
   ModelConfig config = m->header.config;
   config.name = record->model;
   config.rope_theta = record->rope_theta;
   config.query_pre_attn_scalar = record->query_pre_attn_scalar;
   config.attention_sinks = record->attention_sinks;
-  auto named = [&](const Error& e) -> Error {
-    Error out = e;
-    out.message = path + ": " + model_name + ": " + e.message;
-    return out;
-  };
-  auto model = ReferenceModel::create(config, record->options);
-  if (!model) return named(model.error());
-  // The snapshot's geometry with the record's name (what the restore says
-  // of the model names it) and score scale (the cache attends with it).
-  snapshot->config = config;
-  auto cache = restore_detached(*snapshot, backend, context, record->attention);
-  if (!cache) return named(cache.error());
-  auto session = Session::resume(*model, std::move(*cache), snapshot->token_ids, record->last_logits);
-  if (!session) return named(session.error());
-  return ResumedRun{std::move(*record), std::move(*session)};
+  return RunPack{path, store_spec, std::move(*record), std::move(*m), std::move(config)};
+}
+
+Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store) {
+  auto src = open_pack_file(pack.path);
+  if (!src) return pack.named(src.error());
+  auto chunks = store_to_read(pack.store_spec, **src);
+  if (!chunks) return pack.named(chunks.error());
+  Manifest read;
+  auto seq = restore_pack(**src, {.store = chunks->get()}, store, &read);
+  if (!seq) return pack.named(seq.error());
+  if (read.digest != pack.manifest.digest) {
+    (void)store.remove_sequence(*seq);
+    return pack.named(make_error(ErrorCode::kMismatch, "the pack changed after its run record was read"));
+  }
+  return *seq;
+}
+
+Result<ResumedRun> resume_run(const std::string& path, const std::string& store_spec, BackendKind backend,
+                              std::int64_t context) {
+  auto pack = open_run_pack(path, store_spec);
+  if (!pack) return pack.error();
+  auto model = ReferenceModel::create(pack->config, pack->record.options);
+  if (!model) return pack->named(model.error());
+  // A store of one slot with the run's config (what the restore says of the
+  // model names it; the cache attends with its score scale). The restore's
+  // install writes or clears every row a reader sees, so the store is not
+  // zero-filled first.
+  auto store = make_store(backend, pack->config,
+                          {.max_sequences = 1, .context = context == 0 ? pack->manifest.header.context : context,
+                           .zero_fill = false, .attention = pack->record.attention});
+  if (!store) return pack->named(store.error());
+  auto seq = restore_run_pack(*pack, **store);
+  if (!seq) return seq.error();
+  auto cache = KvCache::adopt(std::move(*store), *seq);
+  if (!cache) return pack->named(cache.error());
+  auto session = Session::resume(*model, std::move(*cache), pack->manifest.header.token_ids, pack->record.last_logits);
+  if (!session) return pack->named(session.error());
+  return ResumedRun{std::move(pack->record), std::move(*session)};
 }
 
 }  // namespace kvring::cli

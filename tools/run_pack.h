@@ -76,15 +76,37 @@ std::string indexed_path(const std::string& path, std::int64_t i);
 // nothing computed is lost and nothing is made for a run refused anyway.
 Status check_save(const std::string& save, std::int64_t sequences, const std::string& store_spec);
 
+// A pack written by save_run, its manifest and run record read and checked
+// (token ids inside the vocabulary among them) and its rows backed
+// (check_pack_backed), no row read yet. It holds no file or chunk store
+// open, so a run may check thousands.
+struct RunPack {
+  std::string path;
+  std::string store_spec;  // the chunk store of a thin pack's rows
+  RunRecord record;
+  Manifest manifest;
+  // The pack's geometry with the record's name, RoPE base, score scale and
+  // sinks, which the fingerprint does not cover.
+  ModelConfig config;
+  // `e` with the pack and its model named.
+  Error named(const Error& e) const;
+};
+Result<RunPack> open_run_pack(const std::string& path, const std::string& store_spec);
+// Reads the pack's rows into a new sequence of `store` (restore_pack: a
+// group of planes at a time in host memory, not the session), opening the
+// pack and its chunk store again. A pack whose manifest is no longer the
+// one open_run_pack read is refused and leaves no sequence. Errors are
+// named.
+Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store);
+
 struct ResumedRun {
   RunRecord record;
   Session session;
 };
 // Reads a pack written by save_run and restores it into a new cache on
-// `backend` (context: the pack's when 0) through the detached install path.
-// The manifest and the run record are checked (token ids inside the
-// vocabulary among them) before rows are read or the model is built; errors
-// after the record is read name its model.
+// `backend` (context: the pack's when 0). The manifest and the run record
+// are checked before rows are read or the model is built; errors after the
+// record is read name its model.
 Result<ResumedRun> resume_run(const std::string& path, const std::string& store_spec,
                               BackendKind backend, std::int64_t context);
 

@@ -982,6 +982,13 @@ Result<SeqId> pack_internal::restore_pack_in_groups(const PackSource& source, co
   return *seq;
 }
 
+Status check_pack_backed(const PackSource& source, const ReadOptions& options) {
+  auto m = read_manifest(source);
+  if (!m) return m.error();
+  KVRING_RETURN_IF_ERROR(need_store(source, *m, options.store));
+  return check_before_rows(source, *m, options.store);
+}
+
 Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* store) {
   auto m = read_manifest(source);
   if (!m) return m.error();
