@@ -276,10 +276,12 @@ TEST(HfConfig, MistralAndQwenTakeTheirClassesWindow) {
   EXPECT_NE(bad.error().message.find("defaults: sliding_window"), std::string::npos) << bad.error().message;
 }
 
-// Falcon counts its KV heads its own way: one (multi_query, the class's
-// default), else num_kv_heads (n_head_kv in older files) under the new
-// decoder architecture or without multi_query; another model naming its KV
-// heads by those fields is refused rather than given one per query head.
+// Falcon counts its KV heads its own way: one under multi_query (the
+// class's default when absent; null is false), else num_kv_heads (the query
+// heads when absent) under the new decoder architecture or without
+// multi_query; a count its class does not read is refused, and so is
+// another model naming its KV heads only by those fields. Its class holds
+// 2048 positions where the file does not say.
 TEST(HfConfig, FalconCountsItsKvHeadsItsOwnWay) {
   const std::string base = R"({"model_type": "falcon", "num_hidden_layers": 4, "num_attention_heads": 32,
     "hidden_size": 4096, "max_position_embeddings": 8192, )";
@@ -288,10 +290,10 @@ TEST(HfConfig, FalconCountsItsKvHeadsItsOwnWay) {
     std::int64_t kv_heads;
   };
   for (const Case& c : {Case{R"("new_decoder_architecture": true, "num_kv_heads": 8})", 8},
-                        Case{R"("new_decoder_architecture": true, "n_head_kv": 4})", 4},
                         Case{R"("new_decoder_architecture": true})", 32},
                         Case{R"("multi_query": true, "num_kv_heads": 8})", 1},
                         Case{R"("alibi": false})", 1},
+                        Case{R"("multi_query": null, "num_kv_heads": 4})", 4},
                         Case{R"("multi_query": false})", 32},
                         Case{R"("multi_query": false, "num_kv_heads": 16})", 16}}) {
     auto f = parse_hf_config(base + c.fields);
@@ -301,7 +303,15 @@ TEST(HfConfig, FalconCountsItsKvHeadsItsOwnWay) {
   }
   expect_error(base + R"("alibi": true})", "alibi = true");
   expect_error(base + R"("new_decoder_architecture": "yes"})", "new_decoder_architecture");
-  expect_error(base + R"("new_decoder_architecture": true, "num_kv_heads": 5})", "num_key_value_heads");
+  expect_error(base + R"("new_decoder_architecture": true, "num_kv_heads": 5})", "num_kv_heads = 5");
+  expect_error(base + R"("new_decoder_architecture": true, "num_kv_heads": 0})", "num_kv_heads");
+  expect_error(base + R"("new_decoder_architecture": true, "n_head_kv": 4})", "n_head_kv = 4");
+  expect_error(base + R"("num_key_value_heads": 1})", "num_key_value_heads = 1");
+  auto seven_b = parse_hf_config(R"({"model_type": "falcon", "num_hidden_layers": 32, "num_attention_heads": 71,
+    "hidden_size": 4544, "multi_query": true})");
+  ASSERT_TRUE(seven_b.ok()) << seven_b.error().to_string();
+  EXPECT_EQ(seven_b->max_context, 2048);
+  EXPECT_EQ(seven_b->n_kv_heads, 1);
   const std::string other = R"({"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 32,
     "head_dim": 128, "max_position_embeddings": 8192, )";
   for (const char* field : {"num_kv_heads", "n_head_kv", "multi_query_group_num"})
@@ -414,6 +424,9 @@ TEST(HfConfig, AttentionOfOtherModels) {
     expect_error(base + r.fields + "}", r.names);
   for (const char* encoder : {"bert", "roberta", "modernbert"})
     expect_error(base + R"("model_type": ")" + encoder + R"("})", "an encoder's attention");
+  // Llama 3.2 Vision's class gives a text config without the field its
+  // cross-attention layers.
+  expect_error(base + R"("model_type": "mllama_text_model"})", "cross-attention layers");
   // Granite 4's layer_types name an attention layer "attention".
   auto attention = parse_hf_config(base + R"("layer_types": ["attention", "attention", "attention", "attention"]})");
   ASSERT_TRUE(attention.ok()) << attention.error().to_string();

@@ -85,7 +85,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
       }
       m.seed = r->record.seed;
       m.prompt_tokens = r->record.prompt_tokens;
-      m.tokens = r->manifest.header.token_ids;
+      m.tokens = r->token_ids;
       m.last_logits = r->record.last_logits;
       const auto held = static_cast<std::int64_t>(m.tokens.size());
       m.generated.assign(m.tokens.begin() + std::min(m.prompt_tokens, held), m.tokens.end());
@@ -98,7 +98,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
     config = *c;
   }
   const std::int64_t context =
-      !resumed.empty() ? (o.context == 0 ? resumed[0].manifest.header.context : o.context)
+      !resumed.empty() ? (o.context == 0 ? resumed[0].context : o.context)
                        : (o.context == 0 ? config.max_context : o.context);
   if (context > config.max_context)
     return fail("--context = " + std::to_string(context) + " exceeds the model's maximum " +

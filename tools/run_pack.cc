@@ -307,20 +307,28 @@ Result<RunPack> open_run_pack(const std::string& path, const std::string& store_
   config.rope_theta = record->rope_theta;
   config.query_pre_attn_scalar = record->query_pre_attn_scalar;
   config.attention_sinks = record->attention_sinks;
-  return RunPack{path, store_spec, std::move(*record), std::move(*m), std::move(config)};
+  return RunPack{path, store_spec, std::move(*record), m->digest, m->header.context,
+                 std::move(m->header.token_ids), std::move(config)};
 }
 
 Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store) {
+  const Error changed{ErrorCode::kMismatch, pack.path + ": the pack changed after its run record was read"};
   auto src = open_pack_file(pack.path);
-  if (!src) return pack.named(src.error());
+  if (!src) return src.error();
+  // Compared before any row is read, and again on the manifest the restore
+  // itself read (the file may be replaced between the two reads).
+  auto m = read_manifest(**src);
+  if (!m) return m.error();
+  if (m->digest != pack.digest) return changed;
   auto chunks = store_to_read(pack.store_spec, **src);
-  if (!chunks) return pack.named(chunks.error());
+  if (!chunks) return chunks.error();
+  // restore_pack's errors name the pack.
   Manifest read;
   auto seq = restore_pack(**src, {.store = chunks->get()}, store, &read);
-  if (!seq) return pack.named(seq.error());
-  if (read.digest != pack.manifest.digest) {
+  if (!seq) return seq.error();
+  if (read.digest != pack.digest) {
     (void)store.remove_sequence(*seq);
-    return pack.named(make_error(ErrorCode::kMismatch, "the pack changed after its run record was read"));
+    return changed;
   }
   return *seq;
 }
@@ -336,14 +344,14 @@ Result<ResumedRun> resume_run(const std::string& path, const std::string& store_
   // install writes or clears every row a reader sees, so the store is not
   // zero-filled first.
   auto store = make_store(backend, pack->config,
-                          {.max_sequences = 1, .context = context == 0 ? pack->manifest.header.context : context,
+                          {.max_sequences = 1, .context = context == 0 ? pack->context : context,
                            .zero_fill = false, .attention = pack->record.attention});
   if (!store) return pack->named(store.error());
   auto seq = restore_run_pack(*pack, **store);
   if (!seq) return seq.error();
   auto cache = KvCache::adopt(std::move(*store), *seq);
   if (!cache) return pack->named(cache.error());
-  auto session = Session::resume(*model, std::move(*cache), pack->manifest.header.token_ids, pack->record.last_logits);
+  auto session = Session::resume(*model, std::move(*cache), pack->token_ids, pack->record.last_logits);
   if (!session) return pack->named(session.error());
   return ResumedRun{std::move(pack->record), std::move(*session)};
 }

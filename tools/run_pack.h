@@ -84,7 +84,11 @@ struct RunPack {
   std::string path;
   std::string store_spec;  // the chunk store of a thin pack's rows
   RunRecord record;
-  Manifest manifest;
+  // Of the manifest (not kept whole: its chunk table may be large): its
+  // digest, the session's context and token ids.
+  Digest digest{};
+  std::int64_t context = 0;
+  std::vector<std::int32_t> token_ids;
   // The pack's geometry with the record's name, RoPE base, score scale and
   // sinks, which the fingerprint does not cover.
   ModelConfig config;
@@ -95,8 +99,7 @@ Result<RunPack> open_run_pack(const std::string& path, const std::string& store_
 // Reads the pack's rows into a new sequence of `store` (restore_pack: a
 // group of planes at a time in host memory, not the session), opening the
 // pack and its chunk store again. A pack whose manifest is no longer the
-// one open_run_pack read is refused and leaves no sequence. Errors are
-// named.
+// one open_run_pack read is refused (kMismatch) and leaves no sequence.
 Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store);
 
 struct ResumedRun {

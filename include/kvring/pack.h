@@ -182,9 +182,9 @@ Result<SeqId> restore_pack(const PackSource& source, const ReadOptions& options,
 // What read_pack and restore_pack make sure of before they allocate any
 // rows: a thin pack's chunks each in options.store at their lengths (none
 // read), and a self-contained pack's chunks verified where its file holds
-// fewer bytes than it claims (a sparse file). A caller that sizes a store
-// from a pack's header (a tool resuming a saved session) asks this first,
-// so that a header claiming rows nothing backs costs no allocation.
+// fewer bytes than it claims (a sparse file). A caller that makes a store
+// for a pack's rows (a tool resuming a saved session) asks this first, so
+// that rows nothing backs are refused before that store is made.
 Status check_pack_backed(const PackSource& source, const ReadOptions& options = {});
 
 struct VerifyReport {

@@ -319,26 +319,39 @@ Result<bool> bool_field(const json& j, const char* field, bool fallback) {
 }
 
 // The KV heads a layer caches. num_key_value_heads where given, else the
-// query heads, but for Falcon, whose classes count them their own way: one
-// (multi_query, its default) unless new_decoder_architecture or
-// multi_query false, then num_kv_heads (n_head_kv in older files; the
-// query heads when absent). Another model that names its KV heads by one
-// of Falcon's fields, or ChatGLM's, is refused rather than given one per
-// query head.
+// query heads, but for Falcon, whose class counts them its own way (and
+// reads no num_key_value_heads): one under multi_query (its default when
+// absent; null is false), else num_kv_heads (the query heads when absent)
+// under new_decoder_architecture or without multi_query. A Falcon file
+// that names another count (num_key_value_heads, or the n_head_kv of
+// older code) is refused rather than read one way here and another there,
+// and so is another model that names its KV heads only by Falcon's fields
+// or ChatGLM's. Where the count came from a field other than
+// num_key_value_heads, its range and its fit with the query heads are
+// checked here, naming that field.
 Result<std::int64_t> kv_head_count(const json& root, const json& j, std::int64_t n_heads) {
-  static constexpr const char* kOtherNames[] = {"num_kv_heads", "n_head_kv", "multi_query",
-                                                "multi_query_attention", "multi_query_group_num"};
-  if (model_type(root, j) == "falcon" && !given(j, "num_key_value_heads")) {
+  if (model_type(root, j) == "falcon") {
+    for (const char* f : {"num_key_value_heads", "n_head_kv"})
+      if (given(j, f))
+        return config_error(std::string(f) + " = " + describe(j[f]) +
+                            ": a falcon config counts its KV heads by multi_query, new_decoder_architecture "
+                            "and num_kv_heads, and Hugging Face's class reads no " + f);
     auto new_arch = bool_field(j, "new_decoder_architecture", false);
     if (!new_arch.ok()) return new_arch.error();
-    auto multi_query = bool_field(j, "multi_query", true);
+    // Absent: the class's default, true; null: None, which tests false.
+    auto multi_query = bool_field(j, "multi_query", !j.contains("multi_query"));
     if (!multi_query.ok()) return multi_query.error();
     if (!*new_arch && *multi_query) return std::int64_t{1};
-    const char* field = given(j, "num_kv_heads") || !given(j, "n_head_kv") ? "num_kv_heads" : "n_head_kv";
-    return int_field(j, field, false, n_heads);
+    auto kv = int_field(j, "num_kv_heads", false, n_heads);
+    if (!kv) return kv.error();
+    KVRING_RETURN_IF_ERROR(check_range("num_kv_heads", *kv, 1, kMaxHeads));
+    if (n_heads % *kv != 0)
+      return config_error("num_attention_heads = " + std::to_string(n_heads) + " is not a multiple of num_kv_heads = " +
+                          std::to_string(*kv));
+    return *kv;
   }
   if (!given(j, "num_key_value_heads"))
-    for (const char* f : kOtherNames)
+    for (const char* f : {"num_kv_heads", "n_head_kv", "multi_query", "multi_query_attention", "multi_query_group_num"})
       if (given(j, f))
         return config_error(std::string(f) + " = " + describe(j[f]) + " without num_key_value_heads: the " +
                             "KV heads are counted by a field this reader takes only from a falcon config; " +
@@ -347,9 +360,13 @@ Result<std::int64_t> kv_head_count(const json& root, const json& j, std::int64_t
 }
 
 // Encoders: their attention sees the whole sequence both ways, and their
-// configs look like a decoder's.
+// configs look like a decoder's. Llama 3.2 Vision (mllama): its class gives
+// a text config without cross_attention_layers eight of them.
 Status check_decoder(const json& root, const json& j) {
   const std::string type = model_type(root, j);
+  if (type == "mllama" || type == "mllama_text_model")
+    return config_error("model_type = \"" + type +
+                        "\": its cross-attention layers attend over an image's K and V, not the store's planes");
   for (const char* t : {"bert", "roberta", "xlm-roberta", "camembert", "albert", "electra", "deberta", "deberta-v2",
                         "mpnet", "ernie", "nomic_bert", "modernbert", "distilbert", "xlnet"})
     if (type == t)
@@ -363,8 +380,9 @@ Status check_decoder(const json& root, const json& j) {
 // few fields of their text_config, and Gemma3TextConfig fills the rest;
 // Mistral's and Qwen's classes give a window of 4096 to a file without
 // one (Mistral slides every layer by it; Qwen only where use_sliding_window
-// is true). Only absent fields take a default. A field given as null is the
-// class's None: a window of None is no window, and an
+// is true); Falcon's class holds 2048 positions where the file (Falcon-7B's,
+// Falcon-40B's) does not say. Only absent fields take a default. A field
+// given as null is the class's None: a window of None is no window, and an
 // attn_logit_softcapping of None no capping; from any other None these
 // classes cannot build a model (refused, by parse_hf_config).
 // sliding_window_pattern stands for the class's layer pattern: every 6th
@@ -386,10 +404,12 @@ const ClassDefaults* class_defaults(const json& root, const json& j) {
        {"attn_logit_softcapping", 50.0}},
       {"attn_logit_softcapping"}};
   static const ClassDefaults window_4096 = {{{"sliding_window", 4096}}, {"sliding_window"}};
+  static const ClassDefaults falcon = {{{"max_position_embeddings", 2048}}, {}};
   const std::string type = model_type(root, j);
   if (type == "gemma3_text" || (type == "gemma3" && &j != &root)) return &gemma3_text;
   if (type == "gemma2") return &gemma2;
   if (type == "mistral" || qwen_max_window_layers(root, j) > 0) return &window_4096;
+  if (type == "falcon") return &falcon;
   return nullptr;
 }
 
