@@ -243,6 +243,18 @@ TEST(Store, AHandleOfAnotherStoreIsRefused) {
   }
   for (std::size_t i = 0; i < many.size(); ++i)
     for (std::size_t j = 0; j < many.size(); ++j) ASSERT_EQ(many[i]->contains(firsts[j]), i == j) << i << " " << j;
+  // A live store keeps its tag to itself however many stores come and go
+  // after it: of a whole turn of 4095 stores made (and dropped) one after
+  // another, none takes a live store's tag, so each refuses their handles.
+  for (int i = 0; i < 4095; ++i) {
+    auto later = cpu_store(small_config(), {.max_sequences = 1});
+    auto first = later->add_sequence();
+    ASSERT_TRUE(first.ok()) << first.error().to_string();
+    for (std::size_t j = 0; j < many.size(); ++j) {
+      ASSERT_FALSE(later->contains(firsts[j])) << i << " " << j;
+      ASSERT_FALSE(many[j]->contains(*first)) << i << " " << j;
+    }
+  }
 }
 
 TEST(Store, OptionsAreChecked) {

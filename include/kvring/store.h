@@ -104,8 +104,9 @@ MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t col
 
 // A sequence's handle: its slot, the slot's generation and its store's tag,
 // so a handle of a removed sequence is refused even after its slot is
-// reused, and a handle of another store (of any 4095 made in turn) is
-// refused too (kNotFound).
+// reused, and a handle of another store is refused too (kNotFound): stores
+// alive at once hold distinct tags (up to 4095 of them), and a dropped
+// store's tag comes back only after the other 4094 have each been taken.
 enum class SeqId : std::uint64_t {};
 std::string seq_name(SeqId seq);
 

@@ -87,12 +87,36 @@ std::uint32_t generation_part(SeqId s) {
   return static_cast<std::uint32_t>(static_cast<std::uint64_t>(s) >> kGenerationShift);
 }
 
-// Each store takes the next tag in turn, so of any 4095 stores made one
-// after another no two share one, and a handle of one is refused by the
-// others.
+// How many live stores hold each tag, and where the next search starts.
+struct StoreTags {
+  std::mutex mu;
+  std::vector<std::uint32_t> live = std::vector<std::uint32_t>(kTags + 1, 0);
+  std::uint32_t next = 1;
+};
+StoreTags& store_tags() {
+  static StoreTags* tags = new StoreTags;  // never destroyed: stores may outlive static destruction
+  return *tags;
+}
+
+// Each store takes the next tag in turn that no live store holds: stores
+// alive at once (up to 4095 of them) never share one, and a store's tag
+// comes back only once the turn has gone round every other, so a handle of
+// one store is refused by every other live store and by the thousands made
+// after it. Past 4095 live stores a new one shares the next in turn.
 std::uint32_t next_store_tag() {
-  static std::atomic<std::uint32_t> count{0};
-  return count.fetch_add(1, std::memory_order_relaxed) % kTags + 1;
+  StoreTags& t = store_tags();
+  const std::lock_guard<std::mutex> lock(t.mu);
+  std::uint32_t tag = t.next;
+  for (std::uint32_t i = 0; i < kTags && t.live[tag] > 0; ++i) tag = tag % kTags + 1;
+  ++t.live[tag];
+  t.next = tag % kTags + 1;
+  return tag;
+}
+
+void release_store_tag(std::uint32_t tag) {
+  StoreTags& t = store_tags();
+  const std::lock_guard<std::mutex> lock(t.mu);
+  --t.live[tag];
 }
 
 // Store-wide bounds: far above any model, far below what overflows 64-bit
@@ -394,7 +418,7 @@ Status KvStore::check_sinks(std::int64_t layer) const {
                         " has attention sinks and none are set for this layer (set_attention_sinks)");
 }
 
-KvStore::~KvStore() = default;
+KvStore::~KvStore() { release_store_tag(tag_); }
 
 Layout KvStore::layout(std::int64_t layer) const {
   if (!check_layer(layer).ok()) return Layout::kTokenMajor;
