@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <type_traits>
+#include <utility>
+#include <variant>
 
 namespace kvring {
 namespace {
@@ -54,6 +56,40 @@ TEST(Status, AResultOfBoolDoesNotTestAsItsValue) {
   EXPECT_FALSE(*absent);
   const Result<bool> failed = Error{ErrorCode::kIOError, "no answer"};
   EXPECT_FALSE(failed.ok());
+}
+
+// Taking the value of a Result that holds an error (a skipped check)
+// throws the error's code and words, not an exception without them; so
+// does asking a Result that holds a value for its error.
+TEST(Status, AValueTakenFromAnErrorThrowsItsWords) {
+  Result<std::string> failed = invalid_argument("odd 3");
+  auto expect_words = [](auto&& take, const char* words, ErrorCode code) {
+    try {
+      take();
+      ADD_FAILURE() << "no exception for " << words;
+    } catch (const BadResultAccess& e) {
+      EXPECT_STREQ(e.what(), words);
+      EXPECT_EQ(e.error().code, code);
+      const std::bad_variant_access& base = e;  // what the storage throws
+      EXPECT_STREQ(base.what(), words);
+    }
+  };
+  expect_words([&] { (void)failed.value(); }, "InvalidArgument: odd 3", ErrorCode::kInvalidArgument);
+  expect_words([&] { (void)*std::as_const(failed); }, "InvalidArgument: odd 3", ErrorCode::kInvalidArgument);
+  expect_words([&] { (void)failed->size(); }, "InvalidArgument: odd 3", ErrorCode::kInvalidArgument);
+  expect_words([&] { (void)*std::move(failed); }, "InvalidArgument: odd 3", ErrorCode::kInvalidArgument);
+  const Result<int> held = half_of(8);
+  EXPECT_EQ(*held, 4);
+  expect_words([&] { (void)held.error(); }, "Internal: error() of a Result that holds a value",
+               ErrorCode::kInternal);
+  // A copy of the exception shares its words.
+  try {
+    (void)half_of(5).value();
+    ADD_FAILURE() << "no exception";
+  } catch (const BadResultAccess& e) {
+    const BadResultAccess copy = e;
+    EXPECT_STREQ(copy.what(), "InvalidArgument: odd 5");
+  }
 }
 
 TEST(Status, DiscontinuityCarriesItsFields) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -74,6 +75,25 @@ class [[nodiscard]] Status {
   bool ok_ = true;
 };
 
+// Thrown by Result::value(), operator* and operator-> on a Result that
+// holds an error, and by Result::error() on one that holds a value. what()
+// is "<code name>: <message>" of the error held (or of the kInternal error
+// that says a value was held), so an engine that skips a check learns
+// what failed. A std::bad_variant_access, as the Result's storage throws.
+class BadResultAccess : public std::bad_variant_access {
+ public:
+  explicit BadResultAccess(Error error)
+      : error_(std::make_shared<const Error>(std::move(error))),
+        text_(std::make_shared<const std::string>(error_->to_string())) {}
+  const char* what() const noexcept override { return text_->c_str(); }
+  const Error& error() const noexcept { return *error_; }
+
+ private:
+  // Shared, so that copying the exception never throws.
+  std::shared_ptr<const Error> error_;
+  std::shared_ptr<const std::string> text_;
+};
+
 // Result<T>: a T, or an Error.
 template <class T>
 class [[nodiscard]] Result {
@@ -94,15 +114,29 @@ class [[nodiscard]] Result {
   {
     return ok();
   }
-  T& value() & { return std::get<0>(v_); }
-  const T& value() const& { return std::get<0>(v_); }
-  T&& value() && { return std::get<0>(std::move(v_)); }
+  // The value; BadResultAccess, carrying the error, where none is held.
+  T& value() & {
+    if (!ok()) throw BadResultAccess(error());
+    return *std::get_if<0>(&v_);
+  }
+  const T& value() const& {
+    if (!ok()) throw BadResultAccess(error());
+    return *std::get_if<0>(&v_);
+  }
+  T&& value() && {
+    if (!ok()) throw BadResultAccess(error());
+    return std::move(*std::get_if<0>(&v_));
+  }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
   T&& operator*() && { return std::move(*this).value(); }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
-  const Error& error() const { return std::get<1>(v_); }
+  // The error; BadResultAccess where a value is held.
+  const Error& error() const {
+    if (ok()) throw BadResultAccess(Error{ErrorCode::kInternal, "error() of a Result that holds a value"});
+    return *std::get_if<1>(&v_);
+  }
   Status status() const { return ok() ? Status() : Status(error()); }
 
  private:
