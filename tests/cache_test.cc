@@ -132,6 +132,10 @@ TEST(CpuCache, APoolPastTheAddressSpaceIsAnError) {
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.error().code, ErrorCode::kIOError);
   EXPECT_NE(store.error().message.find("out of host memory"), std::string::npos) << store.error().message;
+  // It names the plane and its size: 2^30 blocks of 32 MiB, 2^55 bytes.
+  EXPECT_NE(store.error().message.find("block pool: the host refused a mapping of 36028797018963968 bytes"),
+            std::string::npos)
+      << store.error().message;
 }
 
 // One token at a time and batches of many sizes, across several wraps; the

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "attention_cpu.h"
@@ -33,12 +34,12 @@ class CpuStore : public KvStore {
         continue;
       }
       Plane p{alloc(ring_elems), alloc(ring_elems)};
-      if (!p.k || !p.v) return out_of_memory();
+      if (!p.k || !p.v) return out_of_memory("sliding rings of layer " + std::to_string(l), ring_elems * 2);
       rings_.push_back(std::move(p));
     }
     const auto pool_elems = static_cast<std::size_t>(pool_blocks() * block_elems());
     pool_ = Plane{alloc(pool_elems), alloc(pool_elems)};
-    if (!pool_.k || !pool_.v) return out_of_memory();
+    if (!pool_.k || !pool_.v) return out_of_memory("block pool", pool_elems * 2);
     rings_made_zero();
     return Status::Ok();
   }
@@ -220,8 +221,12 @@ class CpuStore : public KvStore {
     Buffer k, v;
   };
 
-  static Status out_of_memory() {
-    return make_error(ErrorCode::kIOError, "out of host memory allocating the store's planes");
+  // A plane is mapped whole at creation and backed as rows land; a mapping
+  // the host refuses (past what it may commit) refuses the store.
+  static Status out_of_memory(const std::string& what, std::size_t plane_bytes) {
+    return make_error(ErrorCode::kIOError, "out of host memory allocating the store's " + what +
+                                               ": the host refused a mapping of " +
+                                               std::to_string(plane_bytes) + " bytes (one of its K and V planes)");
   }
   std::int64_t ring_elems_one() const { return ring_rows() * config_.kv_dim(); }
   std::int64_t block_elems() const { return options_.block_rows * config_.kv_dim(); }
