@@ -373,8 +373,8 @@ TEST_F(RedisHostile, AnErrorReplyNeverShiftsLaterAnswers) {
   }
   {
     // The same for stats(): its pipelined STRLENs.
-    const std::string key = "$77\r\nkvpack:chunk:" + std::string(64, 'a') + "\r\n";
-    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", "*2\r\n$1\r\n0\r\n*2\r\n" + key + key,
+    auto key = [](char c) { return "$77\r\nkvpack:chunk:" + std::string(64, c) + "\r\n"; };
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", "*2\r\n$1\r\n0\r\n*2\r\n" + key('a') + key('b'),
                                                   loading + ":5\r\n", ":1\r\n"});
     ASSERT_TRUE(server);
     auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
@@ -472,6 +472,50 @@ TEST_F(RedisHostile, StatsRefusesImpossibleSizes) {
   ASSERT_TRUE(stats.ok()) << stats.error().to_string();
   EXPECT_EQ(stats->chunks, 1);  // the other was deleted since the SCAN
   EXPECT_EQ(stats->bytes, 10);
+}
+
+// SCAN may return a key twice (while the server rehashes): stats counts
+// each key once and asks STRLEN of it once. The server here answers one
+// STRLEN on the second page, so a second STRLEN of b would wait it out.
+TEST_F(RedisHostile, StatsCountsAKeyScanRepeatsOnce) {
+  auto key = [](char c) { return "$77\r\nkvpack:chunk:" + std::string(64, c) + "\r\n"; };
+  const std::string page1 = "*2\r\n$1\r\n7\r\n*3\r\n" + key('a') + key('b') + key('a');
+  const std::string page2 = "*2\r\n$1\r\n0\r\n*2\r\n" + key('b') + key('c');
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", page1, ":10\r\n:20\r\n", page2, ":30\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  auto stats = (*store)->stats();
+  ASSERT_TRUE(stats.ok()) << stats.error().to_string();
+  EXPECT_EQ(stats->chunks, 3);
+  EXPECT_EQ(stats->bytes, 60);
+}
+
+// AUTH is answered OK and PING PONG; any other answer (here from a
+// server that is not what the spec names) refuses the store, naming the
+// reply and never the password.
+TEST_F(RedisHostile, OnlyOkAuthenticatesAndOnlyPongAnswersPing) {
+  for (const std::string& reply : {std::string(":0\r\n"), std::string("+PONG\r\n"), std::string("$2\r\nOK\r\n")}) {
+    SCOPED_TRACE(reply);
+    auto server = FakeServer::start("127.0.0.1", {reply, "+PONG\r\n"});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://:s3cret@" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_FALSE(store.ok());
+    EXPECT_NE(store.error().message.find("unexpected reply to AUTH"), std::string::npos) << store.error().to_string();
+    EXPECT_EQ(store.error().message.find("s3cret"), std::string::npos) << store.error().to_string();
+  }
+  for (const std::string& reply : {std::string("+OK\r\n"), std::string(":1\r\n")}) {
+    SCOPED_TRACE(reply);
+    auto server = FakeServer::start("127.0.0.1", {reply});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_FALSE(store.ok());
+    EXPECT_NE(store.error().message.find("unexpected reply to PING"), std::string::npos) << store.error().to_string();
+  }
+  auto server = FakeServer::start("127.0.0.1", {"+OK\r\n", "+PONG\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://:s3cret@" + loopback(*server) + "?timeout_ms=2000");
+  EXPECT_TRUE(store.ok()) << store.error().to_string();
 }
 
 // The userinfo runs to the last '@': a password may hold '/', '?' or '@'

@@ -30,7 +30,9 @@
 #include <mutex>
 #include <string_view>
 #include <system_error>
+#include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "core/text.h"
@@ -363,7 +365,7 @@ class RedisStore final : public ChunkStore {
   Status connect_check() const {
     auto c = acquire();
     if (!c) return c.error();
-    Status s = command(**c, "PING", {"PING"});
+    Status s = status_command(**c, "PING", {"PING"}, "PONG");
     release(std::move(*c));
     return s;
   }
@@ -492,9 +494,14 @@ class RedisStore final : public ChunkStore {
     return io_error(spec() + ": unexpected reply to EXISTS: " + reply_kind(r));
   }
 
-  // SCAN over the chunk keys, then STRLEN of each, pipelined.
+  // SCAN over the chunk keys, then STRLEN of each, pipelined. SCAN may
+  // return a key more than once (while the server rehashes), so each key
+  // counts once: those seen are kept, as many as the SCAN replies of the
+  // operation's deadline brought.
   Result<StoreStats> stats_on(Conn& c) const {
     StoreStats stats;
+    std::unordered_set<std::string> seen;
+    std::vector<std::string_view> fresh;
     std::string cursor = "0";
     const std::string pattern = std::string(kKeyPrefix) + "*";
     const std::string count = std::to_string(kScanCount);
@@ -515,10 +522,15 @@ class RedisStore final : public ChunkStore {
       }
       cursor.assign(reply->element[0]->str, reply->element[0]->len);
       const redisReply* keys = reply->element[1];
-      for (std::size_t i = 0; i < keys->elements; ++i)
-        c.queue({"STRLEN", {keys->element[i]->str, keys->element[i]->len}});
-      KVRING_RETURN_IF_ERROR(send(c, kControlLimits, "STRLEN"));
+      fresh.clear();
       for (std::size_t i = 0; i < keys->elements; ++i) {
+        const std::string_view key(keys->element[i]->str, keys->element[i]->len);
+        if (seen.emplace(key).second) fresh.push_back(key);
+      }
+      if (fresh.empty()) continue;
+      for (std::string_view key : fresh) c.queue({"STRLEN", key});
+      KVRING_RETURN_IF_ERROR(send(c, kControlLimits, "STRLEN"));
+      for (std::size_t i = 0; i < fresh.size(); ++i) {
         auto len = receive(c, "STRLEN");
         if (!len) return len.error();
         const redisReply& l = **len;
@@ -632,8 +644,8 @@ class RedisStore final : public ChunkStore {
       return io_error(spec() + ": cannot make the connection non-blocking: " + std::strerror(errno));
     if (!o_.password.empty()) {
       // The reply is the server's; the message never repeats what was sent.
-      Status s = o_.user.empty() ? command(*c, "AUTH", {"AUTH", o_.password})
-                                 : command(*c, "AUTH", {"AUTH", o_.user, o_.password});
+      Status s = o_.user.empty() ? status_command(*c, "AUTH", {"AUTH", o_.password}, "OK")
+                                 : status_command(*c, "AUTH", {"AUTH", o_.user, o_.password}, "OK");
       if (!s.ok()) return s.error();
     }
     return c;
@@ -744,6 +756,21 @@ class RedisStore final : public ChunkStore {
     c.queue(args);
     KVRING_RETURN_IF_ERROR(send(c, kControlLimits, what));
     return receive(c, what).status();
+  }
+
+  // A command whose one answer is the status `expected` (PING's PONG,
+  // AUTH's OK): any other reply is an error naming it, and the connection
+  // is dropped.
+  Status status_command(Conn& c, const char* what, std::initializer_list<std::string_view> args,
+                        std::string_view expected) const {
+    c.queue(args);
+    KVRING_RETURN_IF_ERROR(send(c, kControlLimits, what));
+    auto r = receive(c, what);
+    if (!r) return r.error();
+    const redisReply& reply = **r;
+    if (reply.type == REDIS_REPLY_STATUS && std::string_view(reply.str, reply.len) == expected) return Status::Ok();
+    c.broken = true;
+    return io_error(spec() + ": unexpected reply to " + what + ": " + reply_kind(reply));
   }
 
   Status put_batch(std::span<const ChunkData> chunks) const {
