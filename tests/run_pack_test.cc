@@ -6,11 +6,25 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../tools/handoff_cli.h"
 #include "kvring/cache.h"
 #include "test_util.h"
 
 namespace kvring::cli {
 namespace {
+
+// serve's default bound on what a sender may make it hold (its store and
+// the reference model its run names): half the host's memory, within
+// [1 MiB, 64 GiB]; 64 GiB where the host's memory is unknown.
+TEST(HandoffServe, TheDefaultLimitIsHalfTheHostsMemory) {
+  constexpr std::int64_t kGiB = std::int64_t{1} << 30;
+  EXPECT_EQ(serve_default_max_mib(24 * kGiB), 12 * 1024);
+  EXPECT_EQ(serve_default_max_mib(23 * kGiB + 123456789), (23 * kGiB + 123456789) / 2 / (1 << 20));
+  EXPECT_EQ(serve_default_max_mib(256 * kGiB), 64 * 1024);
+  EXPECT_EQ(serve_default_max_mib(std::int64_t{1} << 20), 1);
+  EXPECT_EQ(serve_default_max_mib(0), 64 * 1024);
+  EXPECT_EQ(serve_default_max_mib(-1), 64 * 1024);
+}
 
 TEST(RunPack, ResumeRefusesRunRecordsOutOfRange) {
   const ModelConfig c = testing::small_config(32, 256, 4, 4, 2, 16);

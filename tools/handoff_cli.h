@@ -2,6 +2,7 @@
 // session to `kvring handoff serve` instead of decoding it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -38,5 +39,16 @@ inline constexpr double kMaxTokensPerS = 1e12;
 inline constexpr double kMaxAckLatencyUs = 1e9;     // 1000 s
 Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero,
                                      double most = std::numeric_limits<double>::max());
+
+// serve's default --max-mib: half the host's physical memory
+// (`physical_bytes`; 0 or less where unknown: no host bound), at most the
+// 64 GiB of ReceiveOptions, at least 1 MiB. A sender chooses the store and
+// the reference model serve builds; by default neither may take more than
+// the host can hold beside the other.
+inline std::int64_t serve_default_max_mib(std::int64_t physical_bytes) {
+  constexpr std::int64_t kMiB = std::int64_t{1} << 20, kCap = std::int64_t{64} << 10;
+  if (physical_bytes <= 0) return kCap;
+  return std::max<std::int64_t>(1, std::min(kCap, physical_bytes / 2 / kMiB));
+}
 
 }  // namespace kvring::cli
