@@ -4,9 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <nlohmann/json.hpp>
 
 #include "../tools/handoff_cli.h"
+#include "core/file_read.h"
 #include "kvring/cache.h"
 #include "test_util.h"
 
@@ -14,8 +17,8 @@ namespace kvring::cli {
 namespace {
 
 // serve's default bound on what a sender may make it hold (its store and
-// the reference model its run names): half the host's memory, within
-// [1 MiB, 64 GiB]; 64 GiB where the host's memory is unknown.
+// the reference model its run names): half the memory the process may
+// use, within [1 MiB, 64 GiB]; 64 GiB where that is unknown.
 TEST(HandoffServe, TheDefaultLimitIsHalfTheHostsMemory) {
   constexpr std::int64_t kGiB = std::int64_t{1} << 30;
   EXPECT_EQ(serve_default_max_mib(24 * kGiB), 12 * 1024);
@@ -24,6 +27,11 @@ TEST(HandoffServe, TheDefaultLimitIsHalfTheHostsMemory) {
   EXPECT_EQ(serve_default_max_mib(std::int64_t{1} << 20), 1);
   EXPECT_EQ(serve_default_max_mib(0), 64 * 1024);
   EXPECT_EQ(serve_default_max_mib(-1), 64 * 1024);
+  EXPECT_EQ(serve_default_max_mib(std::numeric_limits<std::int64_t>::max()), 64 * 1024);
+  // This process's own bound is at most its host's memory.
+  const std::int64_t here = file_internal::memory_limit_bytes();
+  EXPECT_GT(here, 0);
+  EXPECT_LE(serve_default_max_mib(here), 64 * 1024);
 }
 
 TEST(RunPack, ResumeRefusesRunRecordsOutOfRange) {

@@ -11,10 +11,10 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
-#include <unistd.h>
 
 #include "args.h"
 #include "commands.h"
+#include "core/file_read.h"
 #include "handoff_cli.h"
 #include "kvring/backend.h"
 #include "kvring/footprint.h"
@@ -33,13 +33,6 @@ constexpr std::int64_t kIntMax = std::numeric_limits<std::int32_t>::max();
 // The metadata key that carries the prompt's last token, which the receiver
 // feeds itself.
 constexpr const char* kNextTokenKey = "handoff_next_token";
-
-// The host's physical memory in bytes; 0 where the system does not say.
-std::int64_t physical_memory_bytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0 || pages > std::numeric_limits<std::int64_t>::max() / page) return 0;
-  return static_cast<std::int64_t>(pages) * page;
-}
 
 std::string pct(std::int64_t part, std::int64_t whole) {
   char b[32];
@@ -333,7 +326,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
   }
   handoff::DetachedCacheTarget::Options to;
   to.backend = *backend;
-  auto max_mib = a->integer("max-mib", serve_default_max_mib(physical_memory_bytes()), 1, std::int64_t{1} << 30);
+  auto max_mib = a->integer("max-mib", serve_default_max_mib(file_internal::memory_limit_bytes()), 1, std::int64_t{1} << 30);
   if (!max_mib) return fail(max_mib.error());
   to.max_row_bytes = *max_mib * kMiB;
   if (a->has("model") || a->has("config")) {

@@ -40,15 +40,16 @@ inline constexpr double kMaxAckLatencyUs = 1e9;     // 1000 s
 Result<double> parse_positive_double(const std::string& option, const std::string& value, bool allow_zero,
                                      double most = std::numeric_limits<double>::max());
 
-// serve's default --max-mib: half the host's physical memory
-// (`physical_bytes`; 0 or less where unknown: no host bound), at most the
-// 64 GiB of ReceiveOptions, at least 1 MiB. A sender chooses the store and
-// the reference model serve builds; by default neither may take more than
-// the host can hold beside the other.
-inline std::int64_t serve_default_max_mib(std::int64_t physical_bytes) {
+// serve's default --max-mib: half the memory the process may use
+// (`memory_bytes`, the host's or its cgroup's limit; 0 or less where
+// unknown: no such bound), at most the 64 GiB of ReceiveOptions, at least
+// 1 MiB. A sender chooses the store and the reference model serve builds;
+// by default neither may take more than the process can hold beside the
+// other. A CUDA store's rows count against it too; --max-mib sets more.
+inline std::int64_t serve_default_max_mib(std::int64_t memory_bytes) {
   constexpr std::int64_t kMiB = std::int64_t{1} << 20, kCap = std::int64_t{64} << 10;
-  if (physical_bytes <= 0) return kCap;
-  return std::max<std::int64_t>(1, std::min(kCap, physical_bytes / 2 / kMiB));
+  if (memory_bytes <= 0) return kCap;
+  return std::max<std::int64_t>(1, std::min(kCap, memory_bytes / 2 / kMiB));
 }
 
 }  // namespace kvring::cli

@@ -116,8 +116,8 @@ const CommandHelp kHelp[] = {
              with --model/--config, a session of another geometry or
              score scale is refused;
              a session whose store, or the model its run names, would
-             take more than M MiB (default half this host's memory,
-             at most 65536) is refused, and one
+             take more than M MiB (default half the memory this
+             process may use, at most 65536) is refused, and one
              whose sender keeps the link alive with no rows for S seconds
              (default 300; 0: no limit), which must outlast the sender's
              prefill under swa-first, is ended;

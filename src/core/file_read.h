@@ -38,4 +38,13 @@ Result<OpenedFile> open_regular_file(const std::string& path, const std::string&
 Result<std::string> read_small_file(const std::string& path, const std::string& what,
                                     std::int64_t max_bytes);
 
+// The memory this process may use, in bytes: the machine's physical
+// memory, or less where its cgroup (v2 memory.max, v1
+// memory.limit_in_bytes, of its group or any group above it) says so; the
+// largest int64 where neither is known. A container's limit is usually far
+// below the host's memory, and past it the kernel kills the process instead
+// of failing an allocation, so what a hostile input may make the process
+// hold is bounded by it.
+std::int64_t memory_limit_bytes();
+
 }  // namespace kvring::file_internal

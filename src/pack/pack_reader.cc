@@ -622,74 +622,10 @@ Status need_store(const PackSource& src, const Manifest& m, const ChunkStore* st
   return Status::Ok();
 }
 
-std::int64_t physical_memory_bytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page = ::sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return std::numeric_limits<std::int64_t>::max();
-  return static_cast<std::int64_t>(pages) * page;
-}
-
-// The first line of a small file as a byte count, or none ("max", absent,
-// unreadable).
-std::optional<std::int64_t> read_limit(const std::string& path) {
-  auto text = file_internal::read_small_file(path, "cgroup limit", 8192);
-  if (!text) return std::nullopt;
-  std::int64_t v = 0;
-  const char* b = text->data();
-  const char* e = b + text->size();
-  while (e > b && (e[-1] == '\n' || e[-1] == ' ')) --e;
-  auto [end, ec] = std::from_chars(b, e, v);
-  if (ec != std::errc() || end != e || v <= 0) return std::nullopt;
-  return v;
-}
-
-// The memory this process may use: the machine's, or less where its
-// cgroup (v2 memory.max, v1 memory.limit_in_bytes, of its group or any
-// group above it) says so. A container's limit is usually far below the
-// host's memory, and past it the kernel kills the process instead of
-// failing an allocation, so rows are held against it.
-std::int64_t memory_limit_bytes() {
-  std::int64_t limit = physical_memory_bytes();
-  auto self = file_internal::read_small_file("/proc/self/cgroup", "cgroup list", 64 << 10);
-  if (!self) return limit;
-  std::size_t at = 0;
-  while (at < self->size()) {
-    std::size_t nl = self->find('\n', at);
-    if (nl == std::string::npos) nl = self->size();
-    const std::string line = self->substr(at, nl - at);
-    at = nl + 1;
-    // "ID:CONTROLLERS:PATH": v2 has ID 0 and no controllers.
-    const auto c1 = line.find(':');
-    const auto c2 = c1 == std::string::npos ? std::string::npos : line.find(':', c1 + 1);
-    if (c2 == std::string::npos) continue;
-    const std::string controllers = "," + line.substr(c1 + 1, c2 - c1 - 1) + ",";
-    std::string path = line.substr(c2 + 1);
-    std::string base, file;
-    if (line.compare(0, c1, "0") == 0 && controllers == ",,") {
-      base = "/sys/fs/cgroup";
-      file = "memory.max";
-    } else if (controllers.find(",memory,") != std::string::npos) {
-      base = "/sys/fs/cgroup/memory";
-      file = "memory.limit_in_bytes";
-    } else {
-      continue;
-    }
-    if (path.find("/..") != std::string::npos) continue;
-    for (;;) {
-      while (path.size() > 1 && path.back() == '/') path.pop_back();
-      if (auto v = read_limit(base + (path == "/" ? "" : path) + "/" + file)) limit = std::min(limit, *v);
-      if (path.empty() || path == "/") break;
-      const auto slash = path.find_last_of('/');
-      path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
-    }
-  }
-  return limit;
-}
-
 // The most bytes of rows a read may hold: the smaller of
 // ReadOptions::max_row_bytes and the memory this process may use.
 std::int64_t row_memory_limit(const ReadOptions& options) {
-  return std::min(options.max_row_bytes, memory_limit_bytes());
+  return std::min(options.max_row_bytes, file_internal::memory_limit_bytes());
 }
 
 Status check_row_memory(const PackSource& src, const ReadOptions& options, std::int64_t need,
