@@ -92,6 +92,48 @@ TEST(Status, AValueTakenFromAnErrorThrowsItsWords) {
   }
 }
 
+// A moved-from BadResultAccess keeps its words (a move is a copy), and a
+// Result left empty by an assignment that threw says so, from value() and
+// error() alike.
+struct ThrowsOnCopy {
+  static inline bool armed = false;
+  ThrowsOnCopy() = default;
+  ThrowsOnCopy(const ThrowsOnCopy&) {
+    if (armed) throw 7;
+  }
+  ThrowsOnCopy& operator=(const ThrowsOnCopy&) {
+    if (armed) throw 7;
+    return *this;
+  }
+};
+
+TEST(Status, AnEmptyResultAndAMovedExceptionKeepTheirWords) {
+  try {
+    (void)half_of(7).value();
+    ADD_FAILURE() << "no exception";
+  } catch (BadResultAccess& e) {
+    const BadResultAccess moved = std::move(e);
+    EXPECT_STREQ(moved.what(), "InvalidArgument: odd 7");
+    EXPECT_STREQ(e.what(), "InvalidArgument: odd 7");
+    EXPECT_EQ(e.error().message, "odd 7");
+  }
+  Result<ThrowsOnCopy> r = Error{ErrorCode::kIOError, "no answer"};
+  const Result<ThrowsOnCopy> other = ThrowsOnCopy{};
+  ThrowsOnCopy::armed = true;
+  EXPECT_THROW(r = other, int);
+  ThrowsOnCopy::armed = false;
+  ASSERT_FALSE(r.ok());
+  for (int accessor = 0; accessor < 2; ++accessor) {
+    try {
+      if (accessor == 0) (void)r.value();
+      else (void)r.error();
+      ADD_FAILURE() << "no exception from accessor " << accessor;
+    } catch (const BadResultAccess& e) {
+      EXPECT_STREQ(e.what(), "Internal: a Result left empty by an assignment that threw");
+    }
+  }
+}
+
 TEST(Status, DiscontinuityCarriesItsFields) {
   Error e = cache_discontinuity(5, 10, 12);
   EXPECT_EQ(e.code, ErrorCode::kCacheDiscontinuity);

@@ -80,19 +80,36 @@ class [[nodiscard]] Status {
 // is "<code name>: <message>" of the error held (or of the kInternal error
 // that says a value was held), so an engine that skips a check learns
 // what failed. A std::bad_variant_access, as the Result's storage throws.
+// Copies (moves too) share the words and never throw. Built without
+// exceptions, those accessors print the words and abort instead.
 class BadResultAccess : public std::bad_variant_access {
  public:
-  explicit BadResultAccess(Error error)
-      : error_(std::make_shared<const Error>(std::move(error))),
-        text_(std::make_shared<const std::string>(error_->to_string())) {}
-  const char* what() const noexcept override { return text_->c_str(); }
-  const Error& error() const noexcept { return *error_; }
+  explicit BadResultAccess(Error error) : held_(std::make_shared<const Held>(std::move(error))) {}
+  BadResultAccess(const BadResultAccess&) noexcept = default;
+  BadResultAccess& operator=(const BadResultAccess&) noexcept = default;
+  const char* what() const noexcept override { return held_->text.c_str(); }
+  const Error& error() const noexcept { return held_->error; }
 
  private:
-  // Shared, so that copying the exception never throws.
-  std::shared_ptr<const Error> error_;
-  std::shared_ptr<const std::string> text_;
+  struct Held {
+    explicit Held(Error e) : error(std::move(e)), text(error.to_string()) {}
+    Error error;
+    std::string text;
+  };
+  std::shared_ptr<const Held> held_;  // never null: moves are copies
 };
+static_assert(std::is_nothrow_copy_constructible_v<BadResultAccess>);
+
+namespace detail {
+[[noreturn]] void abort_bad_result_access(const Error& error);
+[[noreturn]] inline void throw_bad_result_access(Error error) {
+#if defined(__cpp_exceptions) || defined(__EXCEPTIONS)
+  throw BadResultAccess(std::move(error));
+#else
+  abort_bad_result_access(error);
+#endif
+}
+}  // namespace detail
 
 // Result<T>: a T, or an Error.
 template <class T>
@@ -116,26 +133,30 @@ class [[nodiscard]] Result {
   }
   // The value; BadResultAccess, carrying the error, where none is held.
   T& value() & {
-    if (!ok()) throw BadResultAccess(error());
-    return *std::get_if<0>(&v_);
+    if (!ok()) detail::throw_bad_result_access(error());
+    return std::get<0>(v_);
   }
   const T& value() const& {
-    if (!ok()) throw BadResultAccess(error());
-    return *std::get_if<0>(&v_);
+    if (!ok()) detail::throw_bad_result_access(error());
+    return std::get<0>(v_);
   }
   T&& value() && {
-    if (!ok()) throw BadResultAccess(error());
-    return std::move(*std::get_if<0>(&v_));
+    if (!ok()) detail::throw_bad_result_access(error());
+    return std::get<0>(std::move(v_));
   }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
   T&& operator*() && { return std::move(*this).value(); }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
-  // The error; BadResultAccess where a value is held.
+  // The error; BadResultAccess where a value is held, or where neither is
+  // (an assignment that threw left the Result empty).
   const Error& error() const {
-    if (ok()) throw BadResultAccess(Error{ErrorCode::kInternal, "error() of a Result that holds a value"});
-    return *std::get_if<1>(&v_);
+    if (ok()) detail::throw_bad_result_access(Error{ErrorCode::kInternal, "error() of a Result that holds a value"});
+    if (v_.valueless_by_exception())
+      detail::throw_bad_result_access(
+          Error{ErrorCode::kInternal, "a Result left empty by an assignment that threw"});
+    return std::get<1>(v_);
   }
   Status status() const { return ok() ? Status() : Status(error()); }
 

@@ -1,6 +1,15 @@
 #include "kvring/status.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace kvring {
+
+void detail::abort_bad_result_access(const Error& error) {
+  std::fprintf(stderr, "kvring: a Result's value was taken where it holds an error, or its error where it "
+                       "holds a value: %s\n", error.to_string().c_str());
+  std::abort();
+}
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
