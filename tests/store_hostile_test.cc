@@ -475,12 +475,15 @@ TEST_F(RedisHostile, StatsRefusesImpossibleSizes) {
 }
 
 // SCAN may return a key twice (while the server rehashes): stats counts
-// each key once and asks STRLEN of it once. The server here answers one
-// STRLEN on the second page, so a second STRLEN of b would wait it out.
+// each key once and asks STRLEN of it once. A key that names no chunk
+// (other than key_of's 64 lowercase hex digits) is not counted. The server
+// here answers one STRLEN on the second page, so a STRLEN of b or of
+// either other key would wait it out.
 TEST_F(RedisHostile, StatsCountsAKeyScanRepeatsOnce) {
   auto key = [](char c) { return "$77\r\nkvpack:chunk:" + std::string(64, c) + "\r\n"; };
   const std::string page1 = "*2\r\n$1\r\n7\r\n*3\r\n" + key('a') + key('b') + key('a');
-  const std::string page2 = "*2\r\n$1\r\n0\r\n*2\r\n" + key('b') + key('c');
+  const std::string page2 = "*2\r\n$1\r\n0\r\n*4\r\n" + key('b') + key('c') + key('C') +
+                            "$15\r\nkvpack:chunk:zz\r\n";
   auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", page1, ":10\r\n:20\r\n", page2, ":30\r\n"});
   ASSERT_TRUE(server);
   auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");

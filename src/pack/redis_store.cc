@@ -21,6 +21,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -28,9 +29,10 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <system_error>
-#include <string>
 #include <thread>
 #include <unordered_set>
 #include <vector>
@@ -76,6 +78,32 @@ constexpr std::size_t kMaxShownBytes = 200;
 constexpr std::size_t kKeptSendBytes = 64 << 10;
 
 std::string key_of(const Digest& name) { return kKeyPrefix + to_hex(name); }
+
+// stats() keeps the chunks it has counted, to count a key SCAN repeats
+// once: at most this many (some 200 MB of them; 4M chunks of the default
+// size hold some 256 GiB, past what one Redis server keeps in memory).
+constexpr std::size_t kMaxStatsChunks = std::size_t{1} << 22;
+
+// A chunk key's first 16 digest bytes, from its hex digits as key_of
+// writes them; none for a key that names no chunk.
+using ChunkId = std::array<std::uint64_t, 2>;
+struct ChunkIdHash {
+  std::size_t operator()(const ChunkId& id) const {
+    return static_cast<std::size_t>(id[0] ^ (id[1] * 0x9E3779B97F4A7C15u));
+  }
+};
+std::optional<ChunkId> chunk_id(std::string_view key) {
+  const std::string_view prefix = kKeyPrefix;
+  if (key.size() != prefix.size() + 64 || key.substr(0, prefix.size()) != prefix) return std::nullopt;
+  ChunkId id{};
+  for (std::size_t i = 0; i < 64; ++i) {
+    const char c = key[prefix.size() + i];
+    const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (v < 0) return std::nullopt;
+    if (i < 32) id[i / 16] = id[i / 16] << 4 | static_cast<std::uint64_t>(v);
+  }
+  return id;
+}
 
 std::string_view as_text(std::span<const std::uint8_t> s) {
   return {reinterpret_cast<const char*>(s.data()), s.size()};
@@ -494,13 +522,13 @@ class RedisStore final : public ChunkStore {
     return io_error(spec() + ": unexpected reply to EXISTS: " + reply_kind(r));
   }
 
-  // SCAN over the chunk keys, then STRLEN of each, pipelined. SCAN may
-  // return a key more than once (while the server rehashes), so each key
-  // counts once: those seen are kept, as many as the SCAN replies of the
-  // operation's deadline brought.
+  // SCAN over the chunk keys, then STRLEN of each, pipelined. Only keys
+  // that name a chunk (key_of's form) count. SCAN may return a key more
+  // than once (while the server rehashes), so each counts once: the ones
+  // counted are kept, up to kMaxStatsChunks.
   Result<StoreStats> stats_on(Conn& c) const {
     StoreStats stats;
-    std::unordered_set<std::string> seen;
+    std::unordered_set<ChunkId, ChunkIdHash> seen;
     std::vector<std::string_view> fresh;
     std::string cursor = "0";
     const std::string pattern = std::string(kKeyPrefix) + "*";
@@ -525,7 +553,13 @@ class RedisStore final : public ChunkStore {
       fresh.clear();
       for (std::size_t i = 0; i < keys->elements; ++i) {
         const std::string_view key(keys->element[i]->str, keys->element[i]->len);
-        if (seen.emplace(key).second) fresh.push_back(key);
+        const std::optional<ChunkId> id = chunk_id(key);
+        if (!id || !seen.insert(*id).second) continue;
+        if (seen.size() > kMaxStatsChunks)
+          return make_error(ErrorCode::kCapacityExceeded,
+                            spec() + ": more than " + std::to_string(kMaxStatsChunks) +
+                                " chunks, the most stats() counts");
+        fresh.push_back(key);
       }
       if (fresh.empty()) continue;
       for (std::string_view key : fresh) c.queue({"STRLEN", key});
