@@ -326,7 +326,8 @@ int cmd_serve(const std::vector<std::string>& argv) {
   }
   handoff::DetachedCacheTarget::Options to;
   to.backend = *backend;
-  auto max_mib = a->integer("max-mib", serve_default_max_mib(file_internal::memory_limit_bytes()), 1, std::int64_t{1} << 30);
+  auto max_mib =
+      a->integer("max-mib", serve_default_max_mib(file_internal::memory_limit_bytes()), 1, std::int64_t{1} << 30);
   if (!max_mib) return fail(max_mib.error());
   to.max_row_bytes = *max_mib * kMiB;
   if (a->has("model") || a->has("config")) {

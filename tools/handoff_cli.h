@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kvring/config.h"
+#include "kvring/handoff.h"
 #include "kvring/model.h"
 
 namespace kvring::cli {
@@ -42,14 +43,16 @@ Result<double> parse_positive_double(const std::string& option, const std::strin
 
 // serve's default --max-mib: half the memory the process may use
 // (`memory_bytes`, the host's or its cgroup's limit; 0 or less where
-// unknown: no such bound), at most the 64 GiB of ReceiveOptions, at least
-// 1 MiB. A sender chooses the store and the reference model serve builds;
-// by default neither may take more than the process can hold beside the
-// other. A CUDA store's rows count against it too; --max-mib sets more.
+// unknown: no such bound), at most the receiving target's own default
+// (DetachedCacheTarget::Options::max_row_bytes), at least 1 MiB. A sender
+// chooses the store and the reference model serve builds; by default
+// neither may take more than the process can hold beside the other. A
+// CUDA store's rows count against it too; --max-mib sets more.
 inline std::int64_t serve_default_max_mib(std::int64_t memory_bytes) {
-  constexpr std::int64_t kMiB = std::int64_t{1} << 20, kCap = std::int64_t{64} << 10;
-  if (memory_bytes <= 0) return kCap;
-  return std::max<std::int64_t>(1, std::min(kCap, memory_bytes / 2 / kMiB));
+  constexpr std::int64_t kMiB = std::int64_t{1} << 20;
+  const std::int64_t most = handoff::DetachedCacheTarget::Options{}.max_row_bytes / kMiB;
+  if (memory_bytes <= 0) return most;
+  return std::max<std::int64_t>(1, std::min(most, memory_bytes / 2 / kMiB));
 }
 
 }  // namespace kvring::cli

@@ -152,7 +152,8 @@ class [[nodiscard]] Result {
   // The error; BadResultAccess where a value is held, or where neither is
   // (an assignment that threw left the Result empty).
   const Error& error() const {
-    if (ok()) detail::throw_bad_result_access(Error{ErrorCode::kInternal, "error() of a Result that holds a value"});
+    if (ok())
+      detail::throw_bad_result_access(Error{ErrorCode::kInternal, "error() of a Result that holds a value"});
     if (v_.valueless_by_exception())
       detail::throw_bad_result_access(
           Error{ErrorCode::kInternal, "a Result left empty by an assignment that threw"});

@@ -29,13 +29,6 @@ namespace {
 using namespace pack_internal;
 using file_internal::file_type_name;
 
-bool is_chunk_name(const char* name) {
-  std::size_t n = 0;
-  for (; name[n] != '\0'; ++n)
-    if (!((name[n] >= '0' && name[n] <= '9') || (name[n] >= 'a' && name[n] <= 'f'))) return false;
-  return n == 2 * kDigestBytes;
-}
-
 constexpr const char* kTempPrefix = ".tmp-";
 constexpr const char* kQuarantinePrefix = ".quarantine-";
 constexpr const char* kProbeName = "probe";
@@ -53,8 +46,8 @@ bool is_unique_name(std::string_view name, std::string_view prefix, bool probe_t
   name.remove_prefix(prefix.size());
   const std::size_t dash = name.find('-');
   if (dash == std::string_view::npos) return false;
-  const std::string what(name.substr(0, dash));
-  if (!is_chunk_name(what.c_str()) && !(probe_too && what == kProbeName)) return false;
+  const std::string_view what = name.substr(0, dash);
+  if (!is_chunk_name(what) && !(probe_too && what == kProbeName)) return false;
   name.remove_prefix(dash + 1);
   for (int field = 0; field < 3; ++field) {
     const std::size_t end = field < 2 ? name.find('-') : name.size();

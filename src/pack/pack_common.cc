@@ -71,6 +71,11 @@ void decode_values(Encoding encoding, const std::uint8_t* src, std::int64_t n, s
 
 std::string short_name(const Digest& name) { return to_hex(name.data(), 8); }
 
+bool is_chunk_name(std::string_view text) {
+  auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+  return text.size() == 2 * kDigestBytes && std::all_of(text.begin(), text.end(), hex);
+}
+
 Status first_error(const std::vector<Status>& statuses) {
   for (const Status& s : statuses) KVRING_RETURN_IF_ERROR(s);
   return Status::Ok();

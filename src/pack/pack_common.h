@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvring/pack.h"
@@ -42,6 +43,10 @@ std::uint16_t narrow_f32_bits(std::uint32_t bits);
 
 // "1dc0b8211f55ab66": enough of a name to find it in a listing.
 std::string short_name(const Digest& name);
+
+// Whether `text` is a chunk's name as to_hex writes it: 2 * kDigestBytes
+// lowercase hex digits (a directory store's file, a Redis key's tail).
+bool is_chunk_name(std::string_view text);
 
 // Statuses of independent tasks; the first failure in task order is the one
 // reported, whichever thread finished first.

@@ -94,13 +94,11 @@ struct ChunkIdHash {
 };
 std::optional<ChunkId> chunk_id(std::string_view key) {
   const std::string_view prefix = kKeyPrefix;
-  if (key.size() != prefix.size() + 64 || key.substr(0, prefix.size()) != prefix) return std::nullopt;
+  if (!key.starts_with(prefix) || !pack_internal::is_chunk_name(key.substr(prefix.size()))) return std::nullopt;
   ChunkId id{};
-  for (std::size_t i = 0; i < 64; ++i) {
+  for (std::size_t i = 0; i < 32; ++i) {
     const char c = key[prefix.size() + i];
-    const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-    if (v < 0) return std::nullopt;
-    if (i < 32) id[i / 16] = id[i / 16] << 4 | static_cast<std::uint64_t>(v);
+    id[i / 16] = id[i / 16] << 4 | static_cast<std::uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
   }
   return id;
 }
