@@ -644,6 +644,110 @@ TEST(CudaBatch, ItemsInTheLaunchOrUploadedGiveTheSoloBits) {
   }
 }
 
+// A decode of one query on a full plane carries the block of each split's
+// first row in its parameters, read from the host's table as it is
+// enqueued (LaunchPolicy::first_blocks), outside a capture only. Its bits
+// are those of the same decode reading every block from the table on the
+// device: over sequences whose blocks interleave in the pool, and over a
+// fork whose last block, shared with its source, was copied on write and
+// holds the first row of the fork's last split. A decode captured into a
+// graph carries none, and its replays give the uncaptured bits.
+TEST(CudaBatch, ADecodeCarriesItsSplitsFirstBlocksWithTheTablesBits) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const Case cs = cases()[0];  // head_dim 128, blocks of 16 rows
+  const ModelConfig& c = cs.config;
+  const std::int64_t width = c.n_heads * c.head_dim;
+  // The source holds rows [0, 643); the fork stores row 643, in the block
+  // of rows [640, 656) where its last split (of 128 rows) begins.
+  const std::int64_t filled = 643;
+  ASSERT_EQ(cuda::attend_split_rows(filled + 1), 128);
+  const std::vector<testing::SeqInputs> seqs = inputs(c, 41, 3, filled + 1);
+  std::vector<testing::SeqInputs> lengths = seqs;
+  lengths[0].len = filled;
+  const std::vector<testing::Step> plan = testing::random_plan(lengths, 7, 64);
+  const std::vector<float> qs = testing::random_floats(static_cast<std::size_t>(4 * c.n_layers * width), 9);
+
+  struct Run {
+    testing::Outputs outs;
+    std::vector<std::vector<float>> solos;  // (layer, sequence) in order
+    cuda::AttendStats stats;
+  };
+  auto run = [&](bool carried, Run& r) {
+    cuda::LaunchPolicy policy = cuda::device_launch_policy();
+    policy.first_blocks = carried;
+    policy.stats = &r.stats;
+    auto store = testing::new_cuda_store(c, {.max_sequences = 4, .context = 1024, .block_rows = cs.block_rows}, policy);
+    ASSERT_TRUE(store);
+    std::vector<SeqId> ids;
+    for (int i = 0; i < 3; ++i) ids.push_back(*store->add_sequence());
+    testing::run_plan(*store, ids, seqs, plan, r.outs, true);
+    const auto fork = store->fork_sequence(ids[0]);
+    ASSERT_TRUE(fork.ok()) << fork.error().to_string();
+    std::vector<std::int64_t> at = {filled};
+    testing::Outputs fork_outs;
+    testing::run_plan(*store, {*fork}, {seqs[0]}, {{true, {{0, 1}}}}, fork_outs, true, nullptr, &at);
+    for (std::int64_t l = 0; l < c.n_layers; ++l) r.outs[{3, l, filled}] = fork_outs.at({0, l, filled});
+    // Each sequence and the fork at its last row, alone.
+    const std::vector<SeqQuery> queries = {{ids[0], filled - 1}, {ids[1], seqs[1].len - 1}, {ids[2], seqs[2].len - 1},
+                                           {*fork, filled}};
+    testing::DeviceArray<float> q(qs), out(static_cast<std::size_t>(width));
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      for (std::size_t i = 0; i < queries.size(); ++i) {
+        out.poison();
+        const float* qi = q.get() + (l * 4 + static_cast<std::int64_t>(i)) * width;
+        ASSERT_TRUE(store->attend_decode(l, std::span(&queries[i], 1), testing::device_in(qi, 1, width),
+                                         device_view(out.get(), 1, width)).ok());
+        ASSERT_TRUE(store->synchronize().ok());
+        r.solos.push_back(out.download());
+      }
+    if (!carried) return;
+    // The fork's decode on a full layer, captured: no launch carries blocks,
+    // and each replay gives the bits of the decode enqueued directly.
+    std::int64_t full = 0;
+    while (store->layout(full) == Layout::kTokenMajor) ++full;
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    const long before = r.stats.first_blocks;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    out.poison();
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    const Status captured = store->attend_decode(full, std::span(&queries[3], 1),
+                                                 testing::device_in(q.get() + (full * 4 + 3) * width, 1, width),
+                                                 device_view(out.get(), 1, width), stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(captured.ok()) << captured.to_string();
+    EXPECT_EQ(r.stats.first_blocks, before) << "a captured decode carried its blocks";
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    const std::vector<float>& direct = r.solos[static_cast<std::size_t>(full * 4 + 3)];
+    for (int replay = 0; replay < 2; ++replay) {
+      out.poison();
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_TRUE(same_bits(out.download(), direct)) << "replay " << replay;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  };
+  Run carried, read;
+  run(true, carried);
+  run(false, read);
+  EXPECT_GT(carried.stats.first_blocks, 0);
+  EXPECT_EQ(read.stats.first_blocks, 0);
+  ASSERT_EQ(carried.outs.size(), read.outs.size());
+  for (const auto& [key, o] : read.outs) {
+    ASSERT_TRUE(std::isfinite(o[0]));
+    EXPECT_TRUE(same_bits(carried.outs.at(key), o))
+        << "sequence " << std::get<0>(key) << " layer " << std::get<1>(key) << " position " << std::get<2>(key);
+  }
+  ASSERT_EQ(carried.solos.size(), read.solos.size());
+  for (std::size_t i = 0; i < read.solos.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(read.solos[i][0]));
+    EXPECT_TRUE(same_bits(carried.solos[i], read.solos[i])) << "layer " << i / 4 << ", decode " << i % 4;
+  }
+}
+
 // Decode steps (each layer's one-token store, then its decode) enqueued
 // back to back with no wait between them, then a step captured in a CUDA
 // graph and replayed, give the bits of the same steps run with a wait after

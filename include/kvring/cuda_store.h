@@ -123,6 +123,8 @@ class CudaStore final : public KvStore {
   // chunk rows; a launch's queries, outputs, chunk and geometry (its
   // queries from q0 on, n of them).
   void plane_of(const AttendBatch& batch, const AttendItem& item, cuda::AttendQueryItem& d) const;
+  // P.first_blocks of a launch of one decode query on a full plane, outside a capture.
+  void first_blocks(const AttendBatch& batch, cudaStream_t stream, cuda::AttendParams& P) const;
   void launch_params(const AttendBatch& batch, const float* q, std::int64_t q_stride, float* out,
                      std::int64_t out_stride, const std::uint16_t* chunk, std::int64_t q0,
                      std::int64_t n, cuda::AttendParams& P) const;

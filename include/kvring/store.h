@@ -526,6 +526,9 @@ class KvStore {
   // (fresh anonymous mappings): every ring is known zero.
   void rings_made_zero();
 
+  // The block of `slot`'s full plane `fi` that holds `position`; -1 when
+  // the table does not reach it.
+  std::int32_t block_at(std::int32_t slot, std::int64_t fi, std::int64_t position) const;
   std::int64_t full_index(std::int64_t layer) const {
     return full_index_[static_cast<std::size_t>(layer)];
   }
@@ -630,9 +633,6 @@ class KvStore {
                          std::int64_t cols) const;
   Status check_out_view(const char* what, const MutView& v, std::int64_t rows,
                         std::int64_t cols) const;
-  // The block of `slot`'s full plane `fi` that holds `position`; -1 when
-  // the table does not reach it.
-  std::int32_t block_at(std::int32_t slot, std::int64_t fi, std::int64_t position) const;
   // copies[i]: whether span i copies the block its first row falls in on
   // full plane `fi`. A block other sequences hold too is written in place
   // only when every holder writes into it in the same call, and then only

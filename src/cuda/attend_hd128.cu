@@ -405,8 +405,14 @@ __device__ __forceinline__ void attend_hd128_cta(const Args& A) {
   // (from the run's first row on, one in kAttendWarps of its
   // kAttendTile-row tiles) hold it.
   const bool stores_own_row = P.own_rows && b > r.p && ((r.p - a) / kAttendTile) % kAttendWarps == warp;
+  HeadRows rows(P, r, HD, hs.kv_head);
+  if (r.split < P.first_blocks_n && rows.table != nullptr) {
+    std::int64_t physical = a + rows.shift;
+    if (physical >= rows.capacity) physical -= rows.capacity;
+    rows.known_index = physical >> rows.block_shift;
+    rows.known_block = P.first_blocks[r.split];
+  }
   a += warp * kAttendTile;
-  const HeadRows rows(P, r, HD, hs.kv_head);
   const unsigned area = static_cast<unsigned>(__cvta_generic_to_shared(S.area[warp]));
   const TileCopy tc = tile_copy(area, kTileBytes, lane, tile_policy(F.read_once != 0));
   r.n_splits = split_count(r);

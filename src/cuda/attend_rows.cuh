@@ -181,6 +181,9 @@ struct HeadRows {
   std::int64_t row_stride, head_offset, chunk_offset;
   std::int64_t block_elems, block_mask;
   int block_shift;
+  // A block whose entry the launch carries: block index known_index is block known_block.
+  std::int64_t known_index = -1;
+  std::int32_t known_block = 0;
   __device__ HeadRows(const AttendParams& P, const QueryRange& r, int head_dim, int kv_head)
       : k(r.plane_k),
         v(r.plane_v),
@@ -199,8 +202,9 @@ struct HeadRows {
   // Offset of plane row `physical` of the head, in k and v.
   __device__ __forceinline__ std::int64_t plane_offset(std::int64_t physical) const {
     if (table == nullptr) return physical * row_stride + head_offset;
-    return static_cast<std::int64_t>(table[physical >> block_shift]) * block_elems + head_offset +
-           (physical & block_mask) * row_stride;
+    const std::int64_t index = physical >> block_shift;
+    const std::int32_t block = index == known_index ? known_block : table[index];
+    return static_cast<std::int64_t>(block) * block_elems + head_offset + (physical & block_mask) * row_stride;
   }
 };
 

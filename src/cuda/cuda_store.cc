@@ -1090,6 +1090,32 @@ void CudaStore::plane_of(const AttendBatch& b, const AttendItem& it, cuda::Atten
   d.chunk_row = it.chunk_row;
 }
 
+void CudaStore::first_blocks(const AttendBatch& b, cudaStream_t s, cuda::AttendParams& P) const {
+  const std::int64_t fi = full_index(b.layer);
+  const AttendItem& it = b.items[0];
+  if (!impl_->policy.first_blocks || fi < 0 || it.n_queries != 1 || P.items != nullptr ||
+      config_.head_dim != cuda::kTensorHeadDim)
+    return;
+  cudaStreamCaptureStatus c = cudaStreamCaptureStatusActive;
+  if (cudaStreamIsCapturing(s, &c) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  if (c != cudaStreamCaptureStatusNone) return;
+  const std::int64_t p = it.first_position, n = p + 1;
+  const std::int64_t split_rows = cuda::attend_split_rows(n);
+  const std::int64_t splits = (n + split_rows - 1) / split_rows;
+  const std::int64_t shift = P.single.shift, capacity = P.single.capacity;
+  for (std::int64_t i = 0; i < splits; ++i) {
+    std::int64_t physical = i * split_rows + shift;
+    if (physical >= capacity) physical -= capacity;
+    const std::int32_t block = block_at(it.plane.slot, fi, physical);
+    if (block < 0) return;
+    P.first_blocks[i] = block;
+  }
+  P.first_blocks_n = static_cast<std::int32_t>(splits);
+}
+
 void CudaStore::launch_params(const AttendBatch& b, const float* dq, std::int64_t q_stride, float* dout,
                               std::int64_t out_stride, const std::uint16_t* chunk, std::int64_t q0,
                               std::int64_t n, cuda::AttendParams& P) const {
@@ -1213,6 +1239,7 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
       inline_items = &items[L.first];
     else
       P.single = items[L.first];
+    if (launches.size() == 1 && b.items.size() == 1) first_blocks(b, s, P);
     P.n_items = static_cast<std::int32_t>(L.count);
     launch_params(b, dq, q_stride, dout, out_stride, chunk, L.q0, L.queries, P);
     P.ws_o = im.ws;

@@ -305,6 +305,11 @@ struct AttendParams {
   const AttendQueryItem* items = nullptr;
   AttendQueryItem single{};
   std::int32_t n_items = 0;
+  // The block of the first row of each of the first first_blocks_n splits
+  // of the launch's one query, as its table held it when the launch was
+  // enqueued (0: none).
+  std::int32_t first_blocks_n = 0;
+  std::int32_t first_blocks[kAttendMaxSplits] = {};
   std::int32_t full = 0;  // the layer's planes are block tables
   PoolGeometry pool;
   // The chunk's rows, f16 [rows, kv_dim] (null in decode).

@@ -449,6 +449,7 @@ cudaError_t launch_attend(const AttendParams& params, const LaunchPolicy& policy
     const std::int64_t ctas = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
     if (takes_warp_splits(params, policy, s, grid))
       return launch_warp_splits(params, policy, grid, inline_items, stream);
+    if (params.first_blocks_n > 0 && policy.stats != nullptr) ++policy.stats->first_blocks;
     return launch(kTensorKernels, cluster_limit, policy.cluster_wave(params.head_dim),
                   policy.resident_limit(params.head_dim), query_major,
                   policy.split_run_for(ctas, params.max_splits, params.least_splits,

@@ -33,6 +33,9 @@ struct AttendStats {
   // Launches of several items that carried them in their parameters
   // (LaunchPolicy::inline_items).
   long inline_items = 0;
+  // Tensor-core launches of one query on a full plane that carried the
+  // blocks of its splits' first rows (LaunchPolicy::first_blocks).
+  long first_blocks = 0;
 };
 
 // When a last-arrival launch of several queries runs query-major (grid.x
@@ -102,6 +105,12 @@ struct LaunchPolicy {
   // they go to the device in a descriptor upload before it, a copy-engine
   // step the kernel waits for (docs/CUDA.md, "Items in the launch").
   bool inline_items = true;
+  // Whether a launch of one query on a full plane, enqueued outside a
+  // capture, carries the block of each split's first row from the host's
+  // table (AttendParams::first_blocks), so that its CTAs' first copies do
+  // not wait for a table entry; else every block comes from the table on
+  // the device.
+  bool first_blocks = true;
   // The device's L2 in bytes (0: unknown, so kPastL2 never holds).
   std::int64_t l2_bytes = 0;
   QueryMajor query_major = QueryMajor::kPastL2;
