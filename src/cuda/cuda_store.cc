@@ -1093,8 +1093,7 @@ void CudaStore::plane_of(const AttendBatch& b, const AttendItem& it, cuda::Atten
 void CudaStore::first_blocks(const AttendBatch& b, cudaStream_t s, cuda::AttendParams& P) const {
   const std::int64_t fi = full_index(b.layer);
   const AttendItem& it = b.items[0];
-  if (!impl_->policy.first_blocks || fi < 0 || it.n_queries != 1 || P.items != nullptr ||
-      config_.head_dim != cuda::kTensorHeadDim)
+  if (!impl_->policy.first_blocks || fi < 0 || it.n_queries != 1 || config_.head_dim != cuda::kTensorHeadDim)
     return;
   cudaStreamCaptureStatus c = cudaStreamCaptureStatusActive;
   if (cudaStreamIsCapturing(s, &c) != cudaSuccess) {
@@ -1102,14 +1101,12 @@ void CudaStore::first_blocks(const AttendBatch& b, cudaStream_t s, cuda::AttendP
     return;
   }
   if (c != cudaStreamCaptureStatusNone) return;
-  const std::int64_t p = it.first_position, n = p + 1;
-  const std::int64_t split_rows = cuda::attend_split_rows(n);
-  const std::int64_t splits = (n + split_rows - 1) / split_rows;
-  const std::int64_t shift = P.single.shift, capacity = P.single.capacity;
+  // A full plane's query at p sees rows [0, p]: split i starts at logical
+  // row i x split_rows.
+  const std::int64_t n = it.first_position + 1;
+  const std::int64_t split_rows = cuda::attend_split_rows(n), splits = cuda::attend_splits(n);
   for (std::int64_t i = 0; i < splits; ++i) {
-    std::int64_t physical = i * split_rows + shift;
-    if (physical >= capacity) physical -= capacity;
-    const std::int32_t block = block_at(it.plane.slot, fi, physical);
+    const std::int32_t block = block_at(it.plane.slot, fi, it.ring.physical(i * split_rows));
     if (block < 0) return;
     P.first_blocks[i] = block;
   }
