@@ -34,8 +34,9 @@ class KvCache {
   static Result<std::unique_ptr<KvCache>> create(BackendKind kind, const ModelConfig& config,
                                                  CacheOptions options = {});
   // A cache over a store of one slot and its live sequence `seq` (say, one
-  // a handoff installed into).
-  static Result<std::unique_ptr<KvCache>> adopt(std::unique_ptr<KvStore> store, SeqId seq);
+  // a handoff installed into). It takes the store only when it accepts: on a
+  // refusal (kInvalidArgument) `store` still holds it, unchanged.
+  static Result<std::unique_ptr<KvCache>> adopt(std::unique_ptr<KvStore>&& store, SeqId seq);
 
   BackendKind backend() const { return store_->backend(); }
   const ModelConfig& config() const { return store_->config(); }

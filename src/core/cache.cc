@@ -29,7 +29,7 @@ Result<std::unique_ptr<KvCache>> KvCache::create(BackendKind kind, const ModelCo
   return std::unique_ptr<KvCache>(new KvCache(std::move(*store), *seq));
 }
 
-Result<std::unique_ptr<KvCache>> KvCache::adopt(std::unique_ptr<KvStore> store, SeqId seq) {
+Result<std::unique_ptr<KvCache>> KvCache::adopt(std::unique_ptr<KvStore>&& store, SeqId seq) {
   if (!store) return invalid_argument("adopt: no store");
   if (store->options().max_sequences != 1 || !store->contains(seq))
     return invalid_argument("adopt: a cache is a store of one slot and its live sequence");
