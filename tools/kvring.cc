@@ -80,9 +80,9 @@ const CommandHelp kHelp[] = {
              N sessions in one store, prefilled and decoded in batches:
              sequence i uses seed S+i, prefills max(1, P-3i) tokens and runs
              to max(its prompt, T-2i) tokens (T: --tokens); one summary per
-             sequence (each equal to a solo run's), then the aggregate tokens
-             per second; --save F / --resume F use F with .i before its
-             extension
+             sequence (its tokens, generated ids and last logits those of a
+             solo run), then the aggregate tokens per second; --save F /
+             --resume F use F with .i before its extension
   run        --resume FILE [--tokens N] [--store STORE] [--save FILE] [--json]
              continues a saved session to N tokens, bit for bit as if it had
              never stopped
@@ -96,7 +96,7 @@ const CommandHelp kHelp[] = {
              2 x the timeout + the payload at --handoff-min-rate (default
              0.000065536 GB/s, 64 KiB/s; 0: no bound) fails the send
 )"},
-    {"handoff plan", R"(  handoff plan (--model NAME | --config FILE) --tokens N
+    {"handoff plan", R"(  handoff plan [--model NAME | --config FILE] --tokens N
              [--schedule swa-first|paced] [--rate GB/s] [--chunk C]
              [--credits MiB] [--message MiB] [--prefill-tps T]
              [--context N] [--ack-latency-us U] [--json]
@@ -349,7 +349,7 @@ int cmd_config(const std::vector<std::string>& argv) {
   auto c = resolve_config(args->str("model"), args->str("config"));
   if (!c) return fail(c.error());
   std::printf("model        %s\n", c->name.c_str());
-  std::printf("layers       %lld (%lld sliding RoPE, %lld full NoPE)\n",
+  std::printf("layers       %lld (%lld sliding, %lld full)\n",
               static_cast<long long>(c->n_layers),
               static_cast<long long>(c->count(LayerKind::kSlidingRope)),
               static_cast<long long>(c->count(LayerKind::kFullNope)));

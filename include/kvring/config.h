@@ -12,10 +12,12 @@
 
 namespace kvring {
 
-// The numeric values are part of the kvpack format; never reuse one.
+// The numeric values are part of the kvpack format; never reuse one. The
+// names are those of the reference model's layers (RoPE on sliding layers,
+// none on full ones); the store keeps K as a model gives it, rotated or not.
 enum class LayerKind : std::uint8_t {
-  kSlidingRope = 0,  // sliding-window attention with RoPE: a fixed ring
-  kFullNope = 1,     // full attention without RoPE: a growing plane
+  kSlidingRope = 0,  // sliding-window attention: a fixed ring
+  kFullNope = 1,     // full attention: a growing plane
 };
 
 const char* layer_kind_name(LayerKind kind);

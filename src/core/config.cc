@@ -320,9 +320,9 @@ Result<bool> bool_field(const json& j, const char* field, bool fallback) {
 
 // The KV heads a layer caches. num_key_value_heads where given, else the
 // query heads, but for Falcon, whose class counts them its own way (and
-// reads no num_key_value_heads): one under multi_query (its default when
-// absent; null is false), else num_kv_heads (the query heads when absent)
-// under new_decoder_architecture or without multi_query. A Falcon file
+// reads no num_key_value_heads): one under multi_query without
+// new_decoder_architecture (multi_query is its default when absent; null is
+// false), else num_kv_heads (the query heads when absent). A Falcon file
 // that names another count (num_key_value_heads, or the n_head_kv of
 // older code) is refused rather than read one way here and another there,
 // and so is another model that names its KV heads only by Falcon's fields
