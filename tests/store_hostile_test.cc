@@ -898,6 +898,35 @@ TEST_F(DirStoreHostile, CheckWritableRefusesAStoreThatCannotBeWritten) {
   EXPECT_NE(s.error().message.find("dir:/proc: cannot write into the store"), std::string::npos) << s.to_string();
 }
 
+TEST_F(DirStoreHostile, CheckWritableRefusesARootTooLongForAChunksNames) {
+  // Nested directories to a root of PATH_MAX - 60 bytes: the probe's name
+  // (".tmp-probe-" and three numbers) fits under PATH_MAX, a chunk's
+  // temporary (".tmp-", 64 digits and three numbers) does not.
+  const std::size_t target = PATH_MAX - 60;
+  std::string root = root_, first;
+  while (root.size() < target) {
+    const std::size_t left = target - root.size() - 1;
+    root.append(1, '/').append(left >= 202 ? 200 : left, 'd');
+    ASSERT_EQ(::mkdir(root.c_str(), 0755), 0) << root.size();
+    if (first.empty()) first = root;
+  }
+  ASSERT_EQ(root.size(), target);
+  auto store = open_dir_store(root);
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  const Status s = (*store)->check_writable();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::kIOError);
+  EXPECT_NE(s.error().message.find("system's path limit"), std::string::npos) << s.to_string();
+  // What check_writable guards against: the put it refuses would fail.
+  const ChunkData chunk = chunk_of("a chunk");
+  EXPECT_FALSE((*store)->put({&chunk, 1}).ok());
+  // A shorter root, with room for every name, is writable and takes a put.
+  auto shorter = open_dir_store(first);
+  ASSERT_TRUE(shorter.ok());
+  EXPECT_TRUE((*shorter)->check_writable().ok());
+  EXPECT_TRUE((*shorter)->put({&chunk, 1}).ok());
+}
+
 void age(const std::string& path, int seconds) {
   const timespec t[2] = {{::time(nullptr) - seconds, 0}, {::time(nullptr) - seconds, 0}};
   ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), t, AT_SYMLINK_NOFOLLOW), 0);

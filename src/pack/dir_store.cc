@@ -15,6 +15,8 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <climits>
+#include <string>
 
 #include "core/file_read.h"
 #include "cpu/parallel.h"
@@ -32,6 +34,10 @@ using file_internal::file_type_name;
 constexpr const char* kTempPrefix = ".tmp-";
 constexpr const char* kQuarantinePrefix = ".quarantine-";
 constexpr const char* kProbeName = "probe";
+// The longest name a put creates in the root (unique_name's): the longer
+// prefix, a chunk's 64-digit name, then '-' and the pid, counter and clock
+// at their widest (10, 20 and 10 digits).
+constexpr std::size_t kLongestOwnName = std::char_traits<char>::length(kQuarantinePrefix) + 64 + 3 + 10 + 20 + 10;
 
 bool all_digits(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
@@ -157,6 +163,12 @@ class DirStore final : public ChunkStore {
   }
 
   Status check_writable() const override {
+    // Past PATH_MAX the kernel refuses a put's names however writable the
+    // directory is.
+    if (root_.size() + 1 + kLongestOwnName >= PATH_MAX)
+      return io_error(spec() + ": cannot write into the store: its path is " + std::to_string(root_.size()) +
+                      " bytes, and a chunk's temporary name in it would pass the system's path limit of " +
+                      std::to_string(PATH_MAX) + " bytes");
     const std::string probe = unique_name(root_, kTempPrefix, kProbeName);
     const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd < 0) return io_error(spec() + ": cannot write into the store: " + errno_text(errno));
