@@ -636,6 +636,71 @@ TEST_F(RedisHostile, PasswordsAuthenticateAndStaySecret) {
   }
 }
 
+// A server that refuses writes refuses check_writable's probe, naming why;
+// one that takes it answers OK to its SET and then its DEL.
+TEST_F(RedisHostile, CheckWritableTriesAWrite) {
+  for (const std::string& refusal : {std::string("-NOPERM this user has no permissions to run the 'set' command\r\n"),
+                                     std::string("-OOM command not allowed when used memory > 'maxmemory'.\r\n"),
+                                     std::string("-READONLY You can't write against a read only replica.\r\n")}) {
+    SCOPED_TRACE(refusal);
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", refusal});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    const Status s = (*store)->check_writable();
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kIOError);
+    EXPECT_NE(s.error().message.find("SET refused: " + refusal.substr(1, refusal.find(' ') - 1)), std::string::npos)
+        << s.to_string();
+  }
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", "+OK\r\n", ":1\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  EXPECT_TRUE((*store)->check_writable().ok());
+}
+
+// One command sent to a server as RESP, its first reply line returned.
+std::string raw_command(int port, const std::vector<std::string>& args) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  std::string line;
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    std::string req = "*" + std::to_string(args.size()) + "\r\n";
+    for (const std::string& s : args)
+      req.append("$").append(std::to_string(s.size())).append("\r\n").append(s).append("\r\n");
+    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char c = 0;
+      while (::recv(fd, &c, 1, 0) == 1 && c != '\n') line += c;
+    }
+  }
+  if (fd >= 0) ::close(fd);
+  return line;
+}
+
+// On a real server: the probe leaves no key; once maxmemory is reached
+// (noeviction, the default policy), the probe is refused as a put would be.
+TEST_F(RedisHostile, CheckWritableOnARealServer) {
+  auto redis = start_redis("", false);
+  if (!redis) GTEST_SKIP() << "redis-server is not available";
+  auto store = open_chunk_store(redis->spec());
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  ASSERT_TRUE((*store)->check_writable().ok());
+  EXPECT_EQ(raw_command(redis->port(), {"DBSIZE"}), ":0\r");
+  ASSERT_EQ(raw_command(redis->port(), {"CONFIG", "SET", "maxmemory", "1"}), "+OK\r");
+  const Status s = (*store)->check_writable();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message.find("SET refused: OOM"), std::string::npos) << s.to_string();
+  const std::vector<ChunkData> chunks = {chunk_of("a chunk past maxmemory")};
+  EXPECT_FALSE((*store)->put(chunks).ok());
+  ASSERT_EQ(raw_command(redis->port(), {"CONFIG", "SET", "maxmemory", "0"}), "+OK\r");
+  EXPECT_TRUE((*store)->check_writable().ok());
+  EXPECT_TRUE((*store)->put(chunks).ok());
+}
+
 bool ipv6_loopback() {
   auto s = FakeServer::start("::1", {});
   return s != nullptr;

@@ -65,8 +65,10 @@ class ChunkStore {
 
   // Fails when a put would fail for want of access (a directory store that
   // is read-only, say, or whose path leaves no room under PATH_MAX for a
-  // chunk's temporary name), so that a caller can refuse work whose result
-  // it could not store before doing it. Writes nothing that stays.
+  // chunk's temporary name; a Redis server that refuses this user's SET,
+  // or every write at its maxmemory), so that a caller can refuse work
+  // whose result it could not store before doing it. Writes nothing that
+  // stays.
   virtual Status check_writable() const { return Status::Ok(); }
 
   // Stores every chunk under its name. Precondition: each name is the SHA-256

@@ -19,9 +19,11 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -393,6 +395,24 @@ class RedisStore final : public ChunkStore {
     if (!c) return c.error();
     Status s = status_command(**c, "PING", {"PING"}, "PONG");
     release(std::move(*c));
+    return s;
+  }
+
+  // A put's SET, tried on a probe key: under the chunks' prefix, so that an
+  // ACL that lets this user write chunks lets it write the probe, and never
+  // a chunk's name (stats and readers never count it); it expires within a
+  // minute should its DEL not arrive. So a server that would refuse the put
+  // (a read-only user, a replica, maxmemory reached under noeviction)
+  // refuses here, before the work whose result it could not store.
+  Status check_writable() const override {
+    static std::atomic<std::uint64_t> counter{0};
+    const std::string probe = std::string(kKeyPrefix) + "probe-" + std::to_string(::getpid()) + "-" +
+                              std::to_string(counter.fetch_add(1));
+    auto conn = acquire();
+    if (!conn) return conn.error();
+    Status s = status_command(**conn, "SET", {"SET", probe, "1", "PX", "60000"}, "OK");
+    if (s.ok()) s = command(**conn, "DEL", {"DEL", probe});
+    release(std::move(*conn));
     return s;
   }
 
