@@ -1080,6 +1080,53 @@ TEST_F(HostileReceiver, BadAcceptsAndErrors) {
   }).sent.ok());
 }
 
+// Credits of no bytes, or past 2^63, are no receiver's: refused at the
+// ACCEPT as the peer's fault. Credits a later message exceeds are refused
+// there too, before any rows go out, not once the sender reaches it.
+TEST_F(HostileReceiver, CreditsAreCheckedAtTheAccept) {
+  for (const std::int64_t credits : {std::int64_t{0}, std::int64_t{-1}}) {
+    const SendRun r = send_against([credits](Transport& t) {
+      Msg in;
+      (void)t.recv_message(in, deadline_in(1), 1 << 30);
+      send(t, accept(credits));
+      (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    });
+    ASSERT_FALSE(r.sent.ok());
+    EXPECT_EQ(r.sent.error().code, ErrorCode::kCorruption) << r.sent.error().to_string();
+    EXPECT_NE(r.sent.error().message.find("accepted with " + std::to_string(static_cast<std::uint64_t>(credits)) +
+                                          " B of credits"),
+              std::string::npos)
+        << r.sent.error().to_string();
+  }
+  // Swa-first, one message a layer: the sliding rings (32 rows) go before
+  // the full plane's 100.
+  PlanOptions o;
+  o.schedule = Schedule::kSwaFirst;
+  o.chunk_tokens = kChunk;
+  o.message_bytes = 1 << 20;
+  timeline_ = *plan_handoff(config_, kPrompt, o);
+  std::int64_t largest = 0;
+  for (const PlannedMessage& m : timeline_.messages) largest = std::max(largest, m.bytes);
+  const std::int64_t first = timeline_.messages.front().bytes;
+  ASSERT_LT(first, largest);  // so rows could go out before the message that does not fit
+  Msg after_accept;
+  const SendRun r = send_against([&](Transport& t) {
+    Msg in;
+    (void)t.recv_message(in, deadline_in(1), 1 << 30);
+    send(t, accept(first));
+    (void)t.recv_message(after_accept, deadline_in(1), 1 << 30);
+    while (t.recv_message(in, deadline_in(0.2), 1 << 30).ok()) {
+    }
+  });
+  ASSERT_FALSE(r.sent.ok());
+  EXPECT_NE(r.sent.error().message.find("a message of " + std::to_string(largest) +
+                                        " B exceeds the receiver's credits of " + std::to_string(first) + " B"),
+            std::string::npos)
+      << r.sent.error().to_string();
+  ASSERT_FALSE(after_accept.empty());
+  EXPECT_EQ(after_accept[0], 7) << "the first message after the ACCEPT is the ABORT (7), not rows (4)";
+}
+
 // A sender that aborts (here: its first message exceeds the receiver's
 // credits) waits for the receiver's ERROR past only the ACKs it is owed:
 // a receiver that answers with ACKs, each just within the timeout, holds

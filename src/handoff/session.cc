@@ -561,7 +561,12 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
   }
   if (in[0] != kAccept || in.size() != 9) return wire_error(who + " sent message type " + std::to_string(in[0]) + " instead of accepting");
   Reader r{in.data() + 1, in.data() + in.size()};
-  report.credit_bytes = static_cast<std::int64_t>(r.u(8));
+  const std::uint64_t credits = r.u(8);
+  // A receiver hands out at least a byte of credits (ReceiveOptions), and
+  // no count past 2^63 fits the accounting.
+  if (credits < 1 || credits > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+    return wire_error(who + " accepted with " + std::to_string(credits) + " B of credits");
+  report.credit_bytes = static_cast<std::int64_t>(credits);
   counting = true;
 
   std::int64_t sent = 0, acked = 0;
@@ -644,6 +649,13 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
     const std::uint8_t keep = kKeep;
     return on_receiver([&](Deadline d) { return transport.send_message(&keep, 1, d); }, true);
   };
+  // A message past the receiver's credits could never be sent (and the
+  // wait for credits below would never end): refused at the acceptance,
+  // not once the prefill reaches it.
+  for (const PlannedMessage& m : timeline.messages)
+    if (m.bytes > report.credit_bytes)
+      return abort_with(invalid_argument("a message of " + std::to_string(m.bytes) + " B exceeds the receiver's credits of " +
+                                         std::to_string(report.credit_bytes) + " B"));
   auto allowed_at = Clock::now();
   for (const PlannedMessage& m : timeline.messages) {
     if (Status s = check_planned(source.header(), m); !s.ok()) return abort_with(s.error());
@@ -653,9 +665,6 @@ Result<SendReport> send_session(Transport& transport, HandoffSource& source, con
       if (*ready) break;
       KVRING_RETURN_IF_ERROR(keep_alive());
     }
-    if (m.bytes > report.credit_bytes)
-      return abort_with(invalid_argument("a message of " + std::to_string(m.bytes) + " B exceeds the receiver's credits of " +
-                                         std::to_string(report.credit_bytes) + " B"));
     while (sent - acked + m.bytes > report.credit_bytes) KVRING_RETURN_IF_ERROR(read_reply());
     if (options.rate_bytes_per_s > 0) {
       // The pacing wait keeps the link alive as a prefill wait does: the
