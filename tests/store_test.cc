@@ -1607,6 +1607,37 @@ TEST(Store, AFusedProjectionIsReadThroughColumnViews) {
   }
 }
 
+// host_view(nullptr, ...) and device_view(nullptr, ...) name one function
+// each (a MutView, which serves as a ConstView); a call with rows refuses
+// the null view, and an empty batch takes it.
+TEST(Store, NullViewsNameOneFunctionAndAreRefusedWithRows) {
+  const MutView h = host_view(nullptr, 0, 8);
+  EXPECT_TRUE(h.data == nullptr && h.space == MemorySpace::kHost && h.dtype == DType::kF32 && h.rows == 0 &&
+              h.cols == 8 && h.row_stride == 8);
+  const MutView d = device_view(nullptr, DType::kF16, 3, 8, 16);
+  EXPECT_TRUE(d.data == nullptr && d.space == MemorySpace::kDevice && d.dtype == DType::kF16 && d.rows == 3 &&
+              d.cols == 8 && d.row_stride == 16);
+  EXPECT_EQ(host_view(nullptr, DType::kBF16, 2, 4, 4).dtype, DType::kBF16);
+  EXPECT_EQ(device_view(nullptr, 1, 4).space, MemorySpace::kDevice);
+
+  const ModelConfig c = small_config();
+  auto s = cpu_store(c, {.max_sequences = 1});
+  const SeqId a = *s->add_sequence();
+  const std::int64_t kv = c.kv_dim();
+  const SeqSpan one{a, 0, 1};
+  for (const std::int64_t rows : {0, 1}) {
+    const Status st = s->store(0, {&one, 1}, host_view(nullptr, rows, kv), host_view(nullptr, rows, kv));
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << st.to_string();
+  }
+  EXPECT_EQ(s->ring(a, 0)->next_position(), 0);
+  // An empty batch takes a null view of no rows, as it takes any view of
+  // no rows, and changes nothing.
+  EXPECT_TRUE(s->store(0, {}, host_view(nullptr, 0, kv), host_view(nullptr, 0, kv)).ok());
+  const std::int64_t width = c.n_heads * c.head_dim;
+  EXPECT_TRUE(s->attend_decode(0, {}, host_view(nullptr, 0, width), host_view(nullptr, 0, width)).ok());
+  EXPECT_EQ(s->ring(a, 0)->next_position(), 0);
+}
+
 TEST(Store, OddViewsAreRefused) {
   const ModelConfig c = small_config();
   auto s = cpu_store(c, {.max_sequences = 2, .block_rows = 16});

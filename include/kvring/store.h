@@ -28,6 +28,7 @@
 // instead, which needs no mirror.)
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -99,6 +100,14 @@ MutView host_view(void* data, DType dtype, std::int64_t rows, std::int64_t cols,
 ConstView device_view(const void* data, DType dtype, std::int64_t rows, std::int64_t cols,
                       std::int64_t row_stride);
 MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride);
+// Views of no data (null): a MutView, which serves as a ConstView too, so
+// that host_view(nullptr, 0, cols) names one function rather than both the
+// const and the mutable one. An empty batch takes one (as any view of no
+// rows); a call with rows refuses it.
+MutView host_view(std::nullptr_t, std::int64_t rows, std::int64_t cols);
+MutView device_view(std::nullptr_t, std::int64_t rows, std::int64_t cols);
+MutView host_view(std::nullptr_t, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride);
+MutView device_view(std::nullptr_t, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride);
 
 // ---- Sequences ------------------------------------------------------------
 

@@ -67,6 +67,18 @@ ConstView device_view(const void* data, DType dtype, std::int64_t rows, std::int
 MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride) {
   return MutView{data, MemorySpace::kDevice, dtype, rows, cols, row_stride};
 }
+MutView host_view(std::nullptr_t, std::int64_t rows, std::int64_t cols) {
+  return MutView{nullptr, MemorySpace::kHost, DType::kF32, rows, cols, cols};
+}
+MutView device_view(std::nullptr_t, std::int64_t rows, std::int64_t cols) {
+  return MutView{nullptr, MemorySpace::kDevice, DType::kF32, rows, cols, cols};
+}
+MutView host_view(std::nullptr_t, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride) {
+  return MutView{nullptr, MemorySpace::kHost, dtype, rows, cols, row_stride};
+}
+MutView device_view(std::nullptr_t, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride) {
+  return MutView{nullptr, MemorySpace::kDevice, dtype, rows, cols, row_stride};
+}
 
 namespace {
 
