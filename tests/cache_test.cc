@@ -218,32 +218,37 @@ TEST(CpuCache, AdoptTakesTheStoreOnlyWhenItAccepts) {
   std::unique_ptr<KvStore> none;
   EXPECT_EQ(KvCache::adopt(std::move(none), SeqId{1}).error().code, ErrorCode::kInvalidArgument);
 
+  // A store of `slots` slots with one sequence added.
+  auto store_of = [&](std::int64_t slots) -> std::pair<std::unique_ptr<KvStore>, SeqId> {
+    auto made = make_store(BackendKind::kCpu, cfg, {.max_sequences = slots, .context = 64});
+    if (!made.ok()) return {};
+    auto seq = (*made)->add_sequence();
+    return {std::move(*made), seq.ok() ? *seq : SeqId{}};
+  };
+
   // A store of two slots: refused, and the caller still holds it.
-  auto two = make_store(BackendKind::kCpu, cfg, {.max_sequences = 2, .context = 64});
-  ASSERT_TRUE(two.ok());
-  auto a = (*two)->add_sequence();
-  ASSERT_TRUE(a.ok());
-  EXPECT_EQ(KvCache::adopt(std::move(*two), *a).error().code, ErrorCode::kInvalidArgument);
-  ASSERT_NE(*two, nullptr);
-  EXPECT_TRUE((*two)->contains(*a));
+  auto [two, a] = store_of(2);
+  ASSERT_NE(two, nullptr);
+  ASSERT_TRUE(two->contains(a));
+  EXPECT_EQ(KvCache::adopt(std::move(two), a).error().code, ErrorCode::kInvalidArgument);
+  ASSERT_NE(two, nullptr);
+  EXPECT_TRUE(two->contains(a));
 
   // A store of one slot and a handle it does not hold: refused, kept; then
   // its live sequence: taken, with the rows stored before.
-  auto one = make_store(BackendKind::kCpu, cfg, {.max_sequences = 1, .context = 64});
-  ASSERT_TRUE(one.ok());
-  auto b = (*one)->add_sequence();
-  ASSERT_TRUE(b.ok());
-  EXPECT_EQ(KvCache::adopt(std::move(*one), *a).error().code, ErrorCode::kInvalidArgument);
-  ASSERT_NE(*one, nullptr);
+  auto [one, b] = store_of(1);
+  ASSERT_NE(one, nullptr);
+  ASSERT_TRUE(one->contains(b));
+  EXPECT_EQ(KvCache::adopt(std::move(one), a).error().code, ErrorCode::kInvalidArgument);
+  ASSERT_NE(one, nullptr);
   Stream s(cfg.kv_dim(), 8, 3);
-  const SeqSpan span{*b, 0, 5};
+  const SeqSpan span{b, 0, 5};
   for (std::int64_t l = 0; l < cfg.n_layers; ++l)
-    ASSERT_TRUE((*one)->store(l, {&span, 1}, host_view(s.krow(0), 5, cfg.kv_dim()),
-                              host_view(s.vrow(0), 5, cfg.kv_dim()))
-                    .ok());
-  auto cache = KvCache::adopt(std::move(*one), *b);
+    ASSERT_TRUE(
+        one->store(l, {&span, 1}, host_view(s.krow(0), 5, cfg.kv_dim()), host_view(s.vrow(0), 5, cfg.kv_dim())).ok());
+  auto cache = KvCache::adopt(std::move(one), b);
   ASSERT_TRUE(cache.ok());
-  EXPECT_EQ(*one, nullptr);
+  EXPECT_EQ(one, nullptr);
   for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
     EXPECT_EQ((*cache)->ring(l).next_position(), 5);
     check_live_rows(**cache, l, s);

@@ -68,16 +68,16 @@ MutView device_view(void* data, DType dtype, std::int64_t rows, std::int64_t col
   return MutView{data, MemorySpace::kDevice, dtype, rows, cols, row_stride};
 }
 MutView host_view(std::nullptr_t, std::int64_t rows, std::int64_t cols) {
-  return MutView{nullptr, MemorySpace::kHost, DType::kF32, rows, cols, cols};
+  return host_view(static_cast<float*>(nullptr), rows, cols);
 }
 MutView device_view(std::nullptr_t, std::int64_t rows, std::int64_t cols) {
-  return MutView{nullptr, MemorySpace::kDevice, DType::kF32, rows, cols, cols};
+  return device_view(static_cast<float*>(nullptr), rows, cols);
 }
 MutView host_view(std::nullptr_t, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride) {
-  return MutView{nullptr, MemorySpace::kHost, dtype, rows, cols, row_stride};
+  return host_view(static_cast<void*>(nullptr), dtype, rows, cols, row_stride);
 }
 MutView device_view(std::nullptr_t, DType dtype, std::int64_t rows, std::int64_t cols, std::int64_t row_stride) {
-  return MutView{nullptr, MemorySpace::kDevice, dtype, rows, cols, row_stride};
+  return device_view(static_cast<void*>(nullptr), dtype, rows, cols, row_stride);
 }
 
 namespace {
