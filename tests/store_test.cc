@@ -1761,6 +1761,61 @@ TEST(Store, InterleavedQueriesAndOutputsOfManyRows) {
   EXPECT_NE(refused.error().message.find("out overlaps q"), std::string::npos) << refused.to_string();
 }
 
+// The CPU backend standing in for one whose views may be managed memory,
+// host and device memory at once: it takes a view of either space.
+class UnifiedStore : public CpuStore {
+ public:
+  using CpuStore::CpuStore;
+
+ protected:
+  Status check_view(const char* what, MemorySpace, DType dtype, const void* data,
+                    std::uint64_t bytes) const override {
+    return CpuStore::check_view(what, MemorySpace::kHost, dtype, data, bytes);
+  }
+};
+
+// An out that shares bytes with the k, v or q a call reads is refused
+// whichever space each is labelled: one buffer of managed memory may be
+// named a host view and a device view at once.
+TEST(Store, OutputsOverInputsAreRefusedAcrossSpaces) {
+  const ModelConfig c = small_config();
+  const StoreOptions o = *resolve_store_options(c, {.max_sequences = 1, .block_rows = 16});
+  UnifiedStore s(c, o);
+  ASSERT_TRUE(s.allocate().ok());
+  const SeqId a = *s.add_sequence();
+  Outputs outs;
+  run_batch(s, {{1, SeqSpan{a, 0, 12}}}, outs);
+  const auto before = live_bytes(s, a);
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, n = 3;
+  std::vector<float> buf = testing::random_floats(static_cast<std::size_t>(n * (width + kv)), 31);
+  const std::vector<float> kept = buf;
+  std::vector<float> other = testing::random_floats(static_cast<std::size_t>(n * width), 32);
+  const SeqSpan span{a, 12, n};
+  const MutView out_dev{buf.data(), MemorySpace::kDevice, DType::kF32, n, width, width};
+  const ConstView rows_host{buf.data() + width, MemorySpace::kHost, DType::kF32, n, kv, kv};
+  const ConstView apart_host{other.data(), MemorySpace::kHost, DType::kF32, n, kv, kv};
+  const ConstView q_host{other.data(), MemorySpace::kHost, DType::kF32, n, width, width};
+  const ConstView q_over{buf.data() + 1, MemorySpace::kHost, DType::kF32, n, width, width};
+  struct Case {
+    const char* what;
+    ConstView k, v, q;
+  };
+  for (const Case& cs : {Case{"k", rows_host, apart_host, q_host}, Case{"v", apart_host, rows_host, q_host},
+                         Case{"q", apart_host, apart_host, q_over}}) {
+    const Status st = s.prefill(1, {&span, 1}, cs.k, cs.v, cs.q, out_dev);
+    ASSERT_FALSE(st.ok()) << cs.what;
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << cs.what;
+    EXPECT_NE(st.error().message.find(std::string("out overlaps ") + cs.what), std::string::npos) << st.to_string();
+  }
+  const SeqQuery last{a, 11};
+  const Status decode = s.attend_decode(1, {&last, 1}, ConstView{buf.data() + 1, MemorySpace::kHost, DType::kF32, 1, width, width},
+                                        MutView{buf.data(), MemorySpace::kDevice, DType::kF32, 1, width, width});
+  EXPECT_NE(decode.to_string().find("out overlaps q"), std::string::npos) << decode.to_string();
+  EXPECT_EQ(live_bytes(s, a), before);
+  EXPECT_EQ(*s.next_position(a), 12);
+  EXPECT_EQ(buf, kept);
+}
+
 // Extreme positions and layers get errors or defined values, never
 // arithmetic past 64 bits (the sanitizer builds check that).
 TEST(Store, ExtremePositionsAndLayers) {
