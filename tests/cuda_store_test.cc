@@ -911,5 +911,141 @@ TEST(CudaStore, ViewsPastTheirAllocationsAreRefused) {
   EXPECT_EQ(gk, gv);
 }
 
+// A caller's stream of another GPU is refused (kInvalidArgument) before
+// the store changes: launched there, the store's kernels would fail after
+// the call began to write rows, and a sequence whose sliding rings are
+// full would be refused until reset.
+TEST(CudaStore, AStreamOfAnotherGpuIsRefused) {
+  KVRING_SKIP_WITHOUT_GPU();
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs";
+  const ModelConfig c = config();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto s = testing::new_store(BackendKind::kCuda, c, options());
+  ASSERT_TRUE(s);
+  const SeqId a = *s->add_sequence();
+  const auto in = testing::seq_inputs(c, 40, 71);  // past the 32-row rings
+  testing::Outputs o;
+  testing::run_plan(*s, {a}, {in}, {{false, {{0, 40}}}}, o);
+  const auto before = seq_image(*s, a);
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  DeviceArray<float> k(random_floats(static_cast<std::size_t>(kv), 72)),
+      q(random_floats(static_cast<std::size_t>(width), 73)), out(static_cast<std::size_t>(width));
+  const SeqSpan next{a, 40, 1};
+  const SeqQuery last{a, 39};
+  auto refused = [&](const Status& st, const char* what, std::int64_t l) {
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << what << " " << l << ": " << st.to_string();
+    EXPECT_NE(st.to_string().find("GPU 1"), std::string::npos) << what << " " << l << ": " << st.to_string();
+  };
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    refused(s->store(l, std::span(&next, 1), testing::device_in(k.get(), 1, kv), testing::device_in(k.get(), 1, kv),
+                     other),
+            "store", l);
+    refused(s->prefill(l, std::span(&next, 1), testing::device_in(k.get(), 1, kv), testing::device_in(k.get(), 1, kv),
+                       testing::device_in(q.get(), 1, width), device_view(out.get(), 1, width), other),
+            "prefill", l);
+    refused(s->attend_decode(l, std::span(&last, 1), testing::device_in(q.get(), 1, width),
+                             device_view(out.get(), 1, width), other),
+            "attend_decode", l);
+  }
+  EXPECT_TRUE(seq_image(*s, a) == before);
+  // Nothing was lost: the same rows on the store's own stream are taken.
+  for (std::int64_t l = 0; l < c.n_layers; ++l) {
+    const Status st = s->store(l, std::span(&next, 1), testing::device_in(k.get(), 1, kv),
+                               testing::device_in(k.get(), 1, kv));
+    EXPECT_TRUE(st.ok()) << l << ": " << st.to_string();
+  }
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
+// Managed memory is host and device memory at once: an out labelled
+// device over the K a prefill reads labelled host is refused as any
+// overlap of out with k is (the prefill stores K after it writes out).
+TEST(CudaStore, ManagedOutputOverHostLabelledRowsIsRefused) {
+  KVRING_SKIP_WITHOUT_GPU();
+  int managed = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&managed, cudaDevAttrManagedMemory, 0), cudaSuccess);
+  if (managed == 0) GTEST_SKIP() << "no managed memory";
+  const ModelConfig c = config();
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, n = 8;
+  auto s = testing::new_store(BackendKind::kCuda, c, options());
+  ASSERT_TRUE(s);
+  const SeqId a = *s->add_sequence();
+  const auto in = testing::seq_inputs(c, 40, 74);
+  testing::Outputs o;
+  testing::run_plan(*s, {a}, {in}, {{false, {{0, 40}}}}, o);
+  const auto before = seq_image(*s, a);
+  const std::vector<float> fill = random_floats(static_cast<std::size_t>(n * width), 75);
+  float* m = nullptr;
+  ASSERT_EQ(cudaMallocManaged(reinterpret_cast<void**>(&m), fill.size() * sizeof(float)), cudaSuccess);
+  std::memcpy(m, fill.data(), fill.size() * sizeof(float));
+  DeviceArray<float> q(random_floats(static_cast<std::size_t>(n * width), 76));
+  const SeqSpan span{a, 40, n};
+  const ConstView host_k{m, MemorySpace::kHost, DType::kF32, n, kv, kv};
+  for (const std::int64_t l : {std::int64_t{0}, std::int64_t{1}}) {
+    const Status st = s->prefill(l, std::span(&span, 1), host_k, host_k, testing::device_in(q.get(), n, width),
+                                 device_view(m, n, width));
+    EXPECT_EQ(st.error().code, ErrorCode::kInvalidArgument) << l << ": " << st.to_string();
+    EXPECT_NE(st.to_string().find("out overlaps k"), std::string::npos) << l << ": " << st.to_string();
+  }
+  EXPECT_TRUE(seq_image(*s, a) == before);
+  EXPECT_EQ(0, std::memcmp(m, fill.data(), fill.size() * sizeof(float)));
+  EXPECT_EQ(cudaFree(m), cudaSuccess);
+}
+
+// The f16 numeric's CUDA attention takes positions below 2^31 x
+// kF16AttendSplitRows; a query past them is refused (kUnsupported) before
+// any device work, where the CPU backend takes it.
+TEST(CudaStore, F16AttentionPastItsPositionsIsRefused) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = make_hybrid_config("sliding-only", 2, 0, 4, 2, 16, 24, 1024);
+  const StoreOptions o{.max_sequences = 1, .context = 512, .slack = 8, .attention = AttentionNumeric::kF16};
+  auto g = testing::new_store(BackendKind::kCuda, c, o);
+  if (!g) GTEST_SKIP() << "no f16 numeric on this device";
+  auto h = testing::new_store(BackendKind::kCpu, c, o);
+  ASSERT_TRUE(h);
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim;
+  const std::int64_t limit = (std::int64_t{std::numeric_limits<std::int32_t>::max()} + 1) * kF16AttendSplitRows;
+  const std::int64_t cap = g->capacity(0);
+  std::vector<std::uint16_t> k(static_cast<std::size_t>(cap * kv)), v(k.size());
+  const std::vector<float> kf = random_floats(k.size() * 2, 77);
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = f32_to_f16(kf[i]);
+    v[i] = f32_to_f16(kf[k.size() + i]);
+  }
+  const std::vector<float> q = random_floats(static_cast<std::size_t>(width), 78);
+  // Rings full to the position before `end`.
+  for (const std::int64_t end : {limit - 1, limit, limit + 5}) {
+    auto ring = RingState::from_parts(cap, true, cap, end - cap, (end - cap) % cap);
+    ASSERT_TRUE(ring.ok()) << ring.status().to_string();
+    std::vector<float> go(q.size()), ho(q.size());
+    std::vector<Status> got;
+    for (KvStore* s : {g.get(), h.get()}) {
+      const SeqId d = *s->add_detached_sequence();
+      for (std::int64_t l = 0; l < c.n_layers; ++l) ASSERT_TRUE(s->install(d, l, *ring, k.data(), v.data()).ok());
+      ASSERT_TRUE(s->attach_sequence(d).ok());
+      const auto before = seq_image(*s, d);
+      const SeqQuery last{d, end - 1};
+      got.push_back(s->attend_decode(0, std::span(&last, 1), host_view(q.data(), 1, width),
+                                     host_view((s == g.get() ? go : ho).data(), 1, width)));
+      EXPECT_TRUE(seq_image(*s, d) == before) << end;
+      ASSERT_TRUE(s->remove_sequence(d).ok());
+    }
+    EXPECT_TRUE(got[1].ok()) << end << ": " << got[1].to_string();
+    if (end - 1 < limit) {
+      ASSERT_TRUE(got[0].ok()) << end << ": " << got[0].to_string();
+      for (std::size_t i = 0; i < go.size(); ++i) EXPECT_NEAR(go[i], ho[i], 1e-3f) << end << " " << i;
+    } else {
+      EXPECT_EQ(got[0].error().code, ErrorCode::kUnsupported) << end << ": " << got[0].to_string();
+      EXPECT_NE(got[0].to_string().find(std::to_string(limit)), std::string::npos) << got[0].to_string();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvring

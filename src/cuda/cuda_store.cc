@@ -306,9 +306,32 @@ struct CudaStore::Impl {
     return c != cudaStreamCaptureStatusNone;
   }
 
-  // Before enqueuing on `s`: work of the previous hook on another stream
-  // comes first (a device-side wait).
+  // A caller's stream belongs to the store's device: work enqueued on
+  // another device's stream fails at its launch, after the call began to
+  // change the store. The legacy and per-thread handles name the current
+  // device, the store's during a call.
+  Status check_stream(cudaStream_t s) const {
+#if CUDART_VERSION >= 12080
+    if (s == stream || s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return Status::Ok();
+    int d = -1;
+    if (const cudaError_t e = cudaStreamGetDevice(s, &d); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return invalid_argument(std::string("the stream given is not a CUDA stream this process can use (") +
+                              cudaGetErrorString(e) + ")");
+    }
+    if (d != device)
+      return invalid_argument("the stream given belongs to GPU " + std::to_string(d) + "; the store is on GPU " +
+                              std::to_string(device));
+#else
+    (void)s;
+#endif
+    return Status::Ok();
+  }
+
+  // Before enqueuing on `s`: a caller's stream is checked, and work of the
+  // previous hook on another stream comes first (a device-side wait).
   Status enter(cudaStream_t s) {
+    KVRING_RETURN_IF_ERROR(check_stream(s));
     if (!chained || capturing(s)) return Status::Ok();
     unsigned long long id = 0;
     KVRING_CUDA_CHECK("cudaStreamGetId", cudaStreamGetId(s, &id));
@@ -670,7 +693,9 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
       Status st = alloc(&k, bytes, "sliding rings");
       if (st.ok()) st = alloc(&v, bytes, "sliding rings");
       if (!st.ok()) {
+        // alloc keeps an allocation whose zero fill failed.
         cudaFree(k);
+        cudaFree(v);
         return st.error();
       }
     }
@@ -958,6 +983,16 @@ Status CudaStore::attend(const AttendBatch& b) {
     n_queries += it.n_queries;
   }
   if (n_queries == 0) return Status::Ok();
+  // The f16 numeric's tiles name their first split as a 32-bit index;
+  // refused before any device work.
+  if (options_.attention == AttentionNumeric::kF16) {
+    constexpr std::int64_t kLimit = (std::int64_t{std::numeric_limits<std::int32_t>::max()} + 1) * kF16AttendSplitRows;
+    for (const AttendItem& it : b.items)
+      if (it.first_position + it.n_queries - 1 >= kLimit)
+        return make_error(ErrorCode::kUnsupported, "the f16 numeric's CUDA attention takes positions below " +
+                                                       std::to_string(kLimit) + "; this call reaches " +
+                                                       std::to_string(it.first_position + it.n_queries - 1));
+  }
 
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(b.stream);
@@ -1067,7 +1102,6 @@ Status CudaStore::attend_and_store(const AttendBatch& b, std::span<const RowWrit
   if (!one_launch) return KvStore::attend_and_store(b, writes);
   AttendBatch own = b;
   own.store_chunk = true;
-  rows_written_ = true;  // the launch stores as it attends
   return attend(own);
 }
 
@@ -1253,6 +1287,10 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
       P.tagged_ctas = im.tagged_ctas;
       P.clock = reinterpret_cast<cuda::ResidentClock*>(im.tagged + 2 * im.tagged_half);
     }
+    // A launch that stores its chunks may write rows from here on; an
+    // error before it (a device switch, a descriptor chunk, an upload)
+    // changed no ring.
+    if (b.store_chunk) rows_written_ = true;
     const cudaError_t e = cuda::launch_attend(P, im.policy, s, inline_items);
     if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
   }
@@ -1285,13 +1323,6 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
   // The most splits of any query (the workspace's stride) and of any tile
   // (the grid).
   std::int64_t query_splits = 1;
-  // A tile names its first split as a 32-bit index.
-  for (const AttendItem& it : b.items)
-    if ((it.first_position + it.n_queries - 1) / R > std::numeric_limits<std::int32_t>::max())
-      return make_error(ErrorCode::kUnsupported,
-                        "the f16 numeric's CUDA attention takes positions below " +
-                            std::to_string((std::int64_t{std::numeric_limits<std::int32_t>::max()} + 1) * R) +
-                            "; this call reaches " + std::to_string(it.first_position + it.n_queries - 1));
   for (const AttendItem& it : b.items) {
     cuda::AttendQueryItem d{};
     plane_of(b, it, d);
@@ -1430,10 +1461,12 @@ Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
-  KVRING_CUDA_CHECK("cudaMemsetAsync",
-                    cudaMemsetAsync(im.ring_k[l] + slot * im.ring_elems, 0, bytes, s));
-  KVRING_CUDA_CHECK("cudaMemsetAsync",
-                    cudaMemsetAsync(im.ring_v[l] + slot * im.ring_elems, 0, bytes, s));
+  // A failure after the first enqueue waits for it (fail): no copy of
+  // this call lands after the call returned its error.
+  cudaError_t e = cudaSuccess;
+  for (auto* ring : {im.ring_k[l], im.ring_v[l]})
+    if (e == cudaSuccess) e = cudaMemsetAsync(ring + slot * im.ring_elems, 0, bytes, s);
+  if (e != cudaSuccess) return im.fail(cuda_error("clearing a ring", e), s);
   return im.leave(s);
 }
 
@@ -1447,10 +1480,11 @@ Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t lay
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
   const auto l = static_cast<std::size_t>(layer);
+  cudaError_t e = cudaSuccess;
   for (auto* ring : {im.ring_k[l], im.ring_v[l]})
-    KVRING_CUDA_CHECK("cudaMemcpyAsync",
-                      cudaMemcpyAsync(ring + to * im.ring_elems, ring + from * im.ring_elems, bytes,
-                                      cudaMemcpyDeviceToDevice, s));
+    if (e == cudaSuccess)
+      e = cudaMemcpyAsync(ring + to * im.ring_elems, ring + from * im.ring_elems, bytes, cudaMemcpyDeviceToDevice, s);
+  if (e != cudaSuccess) return im.fail(cuda_error("copying a ring", e), s);
   return im.leave(s);
 }
 
@@ -1462,10 +1496,12 @@ Status CudaStore::copy_block(std::int32_t from, std::int32_t to, cudaStream_t st
   KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::size_t bytes = static_cast<std::size_t>(im.block_elems) * 2;
+  cudaError_t e = cudaSuccess;
   for (auto* pool : {im.pool_k, im.pool_v})
-    KVRING_CUDA_CHECK("cudaMemcpyAsync",
-                      cudaMemcpyAsync(pool + to * im.block_elems, pool + from * im.block_elems,
-                                      bytes, cudaMemcpyDeviceToDevice, s));
+    if (e == cudaSuccess)
+      e = cudaMemcpyAsync(pool + to * im.block_elems, pool + from * im.block_elems, bytes, cudaMemcpyDeviceToDevice,
+                          s);
+  if (e != cudaSuccess) return im.fail(cuda_error("copying a block", e), s);
   return im.leave(s);
 }
 
@@ -1483,7 +1519,7 @@ Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStrea
   // mirror with one launch: a batched operation changes many tables.
   const std::size_t bytes = entries * sizeof(cuda::TableWrite);
   auto chunk = im.take_chunk(bytes, s);
-  if (!chunk) return chunk.error();
+  if (!chunk) return im.fail(chunk.status(), s);
   auto* w = reinterpret_cast<cuda::TableWrite*>((*chunk)->host);
   for (const TableChange& c : changes) {
     const std::int64_t row = (c.slot * im.n_full + c.full_index) * im.max_blocks;
