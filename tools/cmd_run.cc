@@ -184,11 +184,11 @@ int cmd_run(const std::vector<std::string>& argv) {
   // Under --handoff-to the prompt alone sizes the session (no --tokens).
   if (o.tokens > context && !o.handoff_to.empty())
     return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
-                std::to_string(context) + " of model '" + printable(config->name) + "'");
+                std::to_string(context) + " of model '" + printable(config->name, false) + "'");
   if (o.tokens > context)
     return fail("--tokens = " + std::to_string(o.tokens) + (o.tokens_given ? "" : " (the default)") +
                 " exceeds the cache context " + std::to_string(context) + " of model '" +
-                printable(config->name) + "'" + (o.tokens_given ? "" : "; give --tokens"));
+                printable(config->name, false) + "'" + (o.tokens_given ? "" : "; give --tokens"));
   if (!o.save.empty())
     if (Status s = check_save(o.save, 0, o.store); !s.ok()) return fail(s.error());
   std::optional<Session> fresh;
@@ -283,9 +283,11 @@ int print_run_report(const RunReport& r) {
     std::printf("%s\n", j.dump(-1, ' ', /*ensure_ascii=*/true).c_str());
     return 0;
   }
+  // A config's name is already printable (load_hf_config escapes its
+  // path, backslashes too): escaped again it would double them.
   std::printf("kvring run: model %s on %s, %lld tokens (%lld prompt, %zu generated), chunk %lld, "
               "attention %s\n",
-              printable(config->name).c_str(), backend_name(c.backend()),
+              printable(config->name, false).c_str(), backend_name(c.backend()),
               static_cast<long long>(session.position()), static_cast<long long>(r.prompt_tokens),
               generated.size(), static_cast<long long>(r.chunk),
               attention_numeric_name(c.store().options().attention));

@@ -254,7 +254,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
   }
   std::printf("kvring run: %lld sequences of model %s on %s, %lld tokens in %.3f s: %.1f tokens/s "
               "(prefill %.3f s, decode %.3f s); store %s\n",
-              static_cast<long long>(n), printable(config.name).c_str(), backend_name(backend),
+              static_cast<long long>(n), printable(config.name, false).c_str(), backend_name(backend),
               static_cast<long long>(total_tokens), wall_s, tokens_per_s, prefill_s, decode_s,
               format_bytes(kv.allocated_bytes()).c_str());
   return 0;
