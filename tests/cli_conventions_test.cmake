@@ -111,6 +111,17 @@ foreach(fit "" "--fit;1GiB;--length;100")
   endif()
 endforeach()
 expect(0 "\"model\":\"q\\\\\"uote" run --config "q\"uote\\${byte_ff}.json" --hidden 16 --vocab 32 --tokens 20 --no-progress --json)
+# A backend the build or the host lacks (as run finds it) is refused
+# before serve listens.
+execute_process(COMMAND ${KVRING} run ${small} --backend cuda WORKING_DIRECTORY ${WORK} TIMEOUT 60
+                RESULT_VARIABLE got ERROR_VARIABLE run_err OUTPUT_QUIET)
+if(run_err MATCHES "has no CUDA backend|needs a GPU; none is visible")
+  execute_process(COMMAND ${KVRING} handoff serve --listen unix:${WORK}/no-cuda.sock --tokens 40 --backend cuda
+                          --timeout 3 WORKING_DIRECTORY ${WORK} TIMEOUT 60 RESULT_VARIABLE got ERROR_VARIABLE err)
+  if(NOT got EQUAL 2 OR err MATCHES "listening" OR NOT err MATCHES "has no CUDA backend|needs a GPU; none is visible")
+    message(FATAL_ERROR "handoff serve --backend cuda where run refuses it: exit ${got}: ${err}")
+  endif()
+endif()
 # The text summary names the model as `config` does: the path escaped once.
 foreach(cmd "config;--config" "run;--hidden;16;--vocab;32;--tokens;20;--no-progress;--config")
   expect(0 "model +q\"uote\\\\x5c\\\\xff\\.json[ :\n]" ${cmd} "q\"uote\\${byte_ff}.json")

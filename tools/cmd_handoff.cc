@@ -305,6 +305,10 @@ int cmd_serve(const std::vector<std::string>& argv) {
   if (!tokens) return fail(tokens.error());
   auto backend = parse_backend(a->str("backend", "auto"));
   if (!backend) return fail(backend.error());
+  // Refused before listening: a sender would prefill for nothing.
+  if (*backend == BackendKind::kCuda && !cuda_device_available())
+    return fail(cuda_compiled() ? "--backend cuda: the CUDA backend needs a GPU; none is visible"
+                                : "--backend cuda: this build has no CUDA backend (nvcc was not found)");
   double timeout_s = 30;
   if (a->has("timeout")) {
     auto t = parse_positive_double("timeout", a->str("timeout"), false);
