@@ -196,8 +196,12 @@ for f in pf.fifo pf.dir pf.link; do
   "$K" handoff serve --listen 127.0.0.1:0 --port-file "$f" --tokens 40 --timeout 1 2>pf.err && fail "--port-file $f"
   grep -q "not a regular file" pf.err || fail "--port-file $f: $(cat pf.err)"
 done
-"$K" handoff serve --listen 127.0.0.1:0 --port-file pf --tokens 40 --timeout 1 2>pf.err  # nobody connects
+"$K" handoff serve --listen 127.0.0.1:0 --port-file pf --tokens 40 --timeout 2 2>pf.err &  # nobody connects
+pf_pid=$!
+await -s pf || fail "--port-file pf: no port written"
 [ -f pf ] && [ ! -L pf ] && grep -qE '^[0-9]+$' pf || fail "--port-file pf: $(cat pf 2>&1)"
+wait $pf_pid && fail "serve with nobody connecting succeeded"
+[ ! -e pf ] || fail "--port-file pf stays after serve gave up: $(cat pf)"
 [ "$(cat pf.victim)" = keep ] || fail "a link at the port file's temporary name was followed"
 
 # The pair equals one run, for both schedules and two chunkings.

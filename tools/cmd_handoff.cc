@@ -372,6 +372,14 @@ int cmd_serve(const std::vector<std::string>& argv) {
   if (!a->flag("json")) std::fprintf(stderr, "kvring handoff serve: listening on %s\n", where.c_str());
   auto link = unix_listener ? unix_listener->accept(handoff::deadline_in(timeout_s))
                             : ucx_listener->accept(handoff::deadline_in(timeout_s));
+  // The port file names a port only while serve listens: once a sender
+  // came, or none did in time, it goes (unless another process has
+  // written it since).
+  if (a->has("port-file")) {
+    const std::string path = a->str("port-file");
+    auto now = file_internal::read_small_file(path, "--port-file", 64);
+    if (now && *now == std::to_string(ucx_listener->port()) + "\n") std::remove(path.c_str());
+  }
   if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);
   ServeTarget serve_target(target, *tokens, to.expect, to.max_row_bytes);

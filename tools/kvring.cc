@@ -112,7 +112,8 @@ const CommandHelp kHelp[] = {
              [--min-rate GB/s] [--port-file F] [--json]
              receives one session (UCX on HOST:PORT, or a Unix socket at
              PATH), decodes it greedily to N tokens and prints the summary
-             of `run`; port 0 picks a free port (--port-file F gets it);
+             of `run`; port 0 picks a free port (--port-file F gets it
+             while serve listens);
              with --model/--config, a session of another geometry or
              score scale is refused;
              a session whose store, or the model its run names, would
