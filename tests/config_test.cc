@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 
 namespace kvring {
 namespace {
@@ -192,6 +193,19 @@ TEST(HfConfig, TheWindowCoversTheLayersTheConfigSays) {
     EXPECT_FALSE(make_hybrid_config("made", 4, 1, 8, 2, 64, bad, 32768).validate().ok()) << bad;
     EXPECT_FALSE(make_hybrid_config("made", 4, 2, 8, 2, 64, bad, 32768).validate().ok()) << bad;
   }
+  // A layer count past kMaxLayers makes no layer kinds (none allocated for
+  // it) and is refused by validate(); full_every <= 0 makes no full layer.
+  for (const std::int64_t layers : {kMaxLayers + 1, std::int64_t{1} << 40, std::numeric_limits<std::int64_t>::max()}) {
+    const ModelConfig huge = make_hybrid_config("made", layers, 2, 8, 2, 64, 512, 32768);
+    EXPECT_TRUE(huge.layer_kinds.empty()) << layers;
+    const Status refused = huge.validate();
+    ASSERT_FALSE(refused.ok()) << layers;
+    EXPECT_NE(refused.to_string().find("num_hidden_layers"), std::string::npos) << refused.to_string();
+  }
+  EXPECT_EQ(make_hybrid_config("made", kMaxLayers, 2, 8, 2, 64, 512, 32768).layer_kinds.size(),
+            static_cast<std::size_t>(kMaxLayers));
+  for (const std::int64_t every : {std::int64_t{0}, std::int64_t{-3}})
+    EXPECT_EQ(make_hybrid_config("made", 4, every, 8, 2, 64, 512, 32768).count(LayerKind::kFullNope), 0) << every;
 
   auto upper = parse_hf_config(base + R"("sliding_window": 512, "use_sliding_window": true,
     "max_window_layers": 2})");

@@ -100,8 +100,10 @@ std::vector<std::string> preset_names();
 
 // A hybrid geometry where layer l is full when l % full_every == full_every-1
 // (every layer when full_every is 1, and then the window, which no layer
-// uses, is 0, as parse_hf_config makes it; a window outside [0, kMaxContext]
-// is kept, so that validate() refuses it).
+// uses, is 0, as parse_hf_config makes it; no layer when full_every <= 0).
+// Fields outside their ranges are kept, so that validate() refuses them: a
+// window outside [0, kMaxContext], and n_layers outside [1, kMaxLayers],
+// for which no layer kinds are made (layer_kinds stays empty).
 ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
                                std::int64_t full_every, std::int64_t n_heads,
                                std::int64_t n_kv_heads, std::int64_t head_dim,

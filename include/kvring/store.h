@@ -390,8 +390,9 @@ class KvStore {
   // from the pool, rows some removed sequence left there). attach_sequence
   // makes it live once it is whole: every layer's plane ends at one
   // position and an install wrote every one of its live rows (else
-  // kInvalidArgument, and it stays detached); remove_sequence frees it and
-  // everything it took instead.
+  // kInvalidArgument, and it stays detached; with nothing installed it is
+  // whole, an empty sequence); remove_sequence frees it and everything it
+  // took instead.
   // Errors: kResourceExhausted when every slot is taken.
   Result<SeqId> add_detached_sequence();
   Status attach_sequence(SeqId seq);
@@ -416,6 +417,8 @@ class KvStore {
   // and a sliding ring holds at least the rows a ring without slack holds
   // at its end (origin_logical <= max(0, next_position - (capacity -
   // slack))), as truncate_sequence keeps them; else kInvalidArgument.
+  // A snapshot's plane gives such a state through restore_ring
+  // (snapshot.h), which places it in this store's capacity.
   // Should the backend fail while copying, the plane is left empty.
   Status install(SeqId seq, std::int64_t layer, const RingState& ring, const std::uint16_t* k,
                  const std::uint16_t* v, MemorySpace space = MemorySpace::kHost,

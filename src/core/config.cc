@@ -120,7 +120,9 @@ ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
   c.head_dim = head_dim;
   c.sliding_window = sliding_window;
   c.max_context = max_context;
-  for (std::int64_t l = 0; l < n_layers; ++l)
+  // No kinds for a layer count validate() refuses: a count from a caller
+  // must not size an allocation before it is checked.
+  for (std::int64_t l = 0; n_layers <= kMaxLayers && l < n_layers; ++l)
     c.layer_kinds.push_back(full_every > 0 && l % full_every == full_every - 1
                                 ? LayerKind::kFullNope
                                 : LayerKind::kSlidingRope);

@@ -470,7 +470,11 @@ Result<std::int32_t> KvStore::find_slot(SeqId seq, bool detached_ok) const {
   if (tag_part(seq) != tag_)
     return make_error(ErrorCode::kNotFound,
                       seq_name(seq) + " is not in this store (" +
-                          (tag_part(seq) == 0 ? "no store made this handle" : "a handle of another store") + ")");
+                          (tag_part(seq) == 0 ? std::string("no store made this handle")
+                                              : "a handle of another store: its tag is " +
+                                                    std::to_string(tag_part(seq)) + ", this store's " +
+                                                    std::to_string(tag_)) +
+                          ")");
   const std::uint32_t slot = slot_part(seq);
   if (slot >= slots_.size() || !slots_[slot].live ||
       slots_[slot].generation != generation_part(seq))
@@ -797,8 +801,11 @@ Result<std::int64_t> KvStore::next_position(SeqId seq) const {
   if (rings.empty()) return invalid_argument("the store has no layers");
   const std::int64_t next = rings[0].next_position();
   for (std::size_t l = 1; l < rings.size(); ++l)
-    if (rings[l].next_position() != next)
-      return cache_discontinuity(static_cast<std::int64_t>(l), next, rings[l].next_position());
+    if (rings[l].next_position() != next) {
+      Error e = cache_discontinuity(static_cast<std::int64_t>(l), next, rings[l].next_position());
+      e.message = seq_name(seq) + ": " + e.message;
+      return e;
+    }
   return next;
 }
 
