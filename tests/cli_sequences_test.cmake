@@ -119,6 +119,16 @@ execute_process(COMMAND ${KVRING} run --resume ${WORK}/f16.kvpack --sequences 3 
 if(rc EQUAL 0 OR NOT err MATCHES "f16.1.kvpack ran under the f32 attention numeric")
   message(FATAL_ERROR "a pack of another numeric in the batch: exit ${rc}: ${err}")
 endif()
+# So is a pack of another prefill chunk: one run takes one.
+run_lines(c5 --config ${config} --hidden 32 --vocab 64 --chunk 5 --backend cpu --sequences 2 --seed 11
+          --prompt-tokens 40 --tokens 50 --save ${WORK}/c5.kvpack)
+file(COPY_FILE ${WORK}/batch.0.kvpack ${WORK}/mixed.0.kvpack)
+file(COPY_FILE ${WORK}/c5.1.kvpack ${WORK}/mixed.1.kvpack)
+execute_process(COMMAND ${KVRING} run --resume ${WORK}/mixed.kvpack --sequences 2 --backend cpu
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT err MATCHES "mixed.1.kvpack ran with prefill chunks of 5 tokens, .*mixed.0.kvpack with 7")
+  message(FATAL_ERROR "a pack of another prefill chunk in the batch: exit ${rc}: ${err}")
+endif()
 
 # A pack of a model with another RoPE base in the batch is refused (the
 # geometry's fingerprint leaves rope_theta out).

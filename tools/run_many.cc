@@ -82,6 +82,10 @@ int run_many(const RunOptions& o, BackendKind backend) {
         return fail(path + " ran under the " + attention_numeric_name(r->record.attention) +
                     " attention numeric, " + indexed_path(o.resume, 0) + " under " +
                     attention_numeric_name(attention));
+      } else if (r->record.chunk != chunk) {
+        // One run takes one prefill chunk, recorded in every pack it saves.
+        return fail(path + " ran with prefill chunks of " + std::to_string(r->record.chunk) + " tokens, " +
+                    indexed_path(o.resume, 0) + " with " + std::to_string(chunk));
       }
       m.seed = r->record.seed;
       m.prompt_tokens = r->record.prompt_tokens;
