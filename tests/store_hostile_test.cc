@@ -570,6 +570,8 @@ TEST_F(RedisHostile, SpecsAreParsedAndPasswordsNeverShown) {
            {"redis://h?timeout_ms=0", "timeout_ms = '0' is not in"},
            {"redis://h?deadline_ms=soon", "deadline_ms = 'soon'"},
            {"redis://h?retries=3", "unknown option 'retries'"},
+           {"redis://h?timeout_ms=1&timeout_ms=2", "timeout_ms is given twice"},
+           {"redis://h?deadline_ms=9&timeout_ms=1&deadline_ms=9", "deadline_ms is given twice"},
            {"redis://u:s3cret-pw%zz@h", "malformed %XX"},
            {"redis://u:s3cret-pw@h:99999", "port '99999'"},
            {"redis://u:s3cret-pw@h/2", "database paths"},

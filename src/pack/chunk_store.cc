@@ -143,6 +143,7 @@ Result<RedisOptions> parse_redis_spec(std::string_view spec) {
     if (!parse_int(port, 1, 65535, &p)) return bad("port '" + std::string(port) + "' is not in [1, 65535]");
     o.port = static_cast<int>(p);
   }
+  bool seen_timeout = false, seen_deadline = false;
   while (!query.empty()) {
     const auto amp = query.find('&');
     const std::string_view item = query.substr(0, amp);
@@ -154,6 +155,11 @@ Result<RedisOptions> parse_redis_spec(std::string_view spec) {
     std::int64_t ms = 0;
     const bool number = parse_int(value, 1, 86400000, &ms);
     if (key == "timeout_ms" || key == "deadline_ms") {
+      // A key given twice is refused, as the tool refuses an option given
+      // twice: which one holds would be a guess.
+      bool& seen = key == "timeout_ms" ? seen_timeout : seen_deadline;
+      if (seen) return bad(std::string(key) + " is given twice");
+      seen = true;
       if (!number) return bad(std::string(key) + " = '" + std::string(value) + "' is not in [1, 86400000]");
       (key == "timeout_ms" ? o.timeout : o.deadline) = std::chrono::milliseconds(ms);
     } else {
