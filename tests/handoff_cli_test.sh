@@ -164,7 +164,7 @@ for variant in "scaled.json scores_q_._k_/_sqrt(16),_this_receiver's_model_q_._k
       2>scale_send.err && fail "serve --config $cfg took the session"
     wait "$SERVE_PID" && fail "serve --config $cfg decoded the session"
     grep -qF "$says" scale_send.err || fail "--config $cfg: the sender did not hear '$says': $(cat scale_send.err)"
-    grep -q "intact" scale_send.err || fail "the sender's error does not say its session is intact"
+    grep -q "prefilled tokens are not kept" scale_send.err || fail "the sender's error does not say its prefilled tokens are lost"
   else
     "$K" run "${common[@]}" --prompt-tokens 100 --chunk 7 --handoff-to "unix:$W/scale.sock" >scale_send.out \
       2>scale_send.err || fail "serve --config $cfg refused the run: $(cat scale_send.err)"
@@ -228,14 +228,14 @@ grep -q "differs from this store" geometry.err || fail "the receiver did not nam
 
 # A receiver that could not decode the session to its --tokens (below the
 # prompt, past the context) refuses it at the header: the sender hears why
-# and fails, its session intact, and no row moves.
+# and fails, saying its prefilled tokens are not kept, and no row moves.
 for tok in 90 5000; do
   start_serve short --tokens "$tok" --timeout 20
   "$K" run "${common[@]}" --prompt-tokens 100 --handoff-to "127.0.0.1:$PORT" >short.out 2>short_send.err &&
     fail "a session serve could not decode to --tokens $tok was handed over"
   wait "$SERVE_PID" && fail "serve --tokens $tok decoded a session it could not"
   grep -q "refused the session: --tokens = $tok" short_send.err || fail "sender, --tokens $tok: $(cat short_send.err)"
-  grep -q "intact" short_send.err || fail "the sender's error does not say its session is intact"
+  grep -q "prefilled tokens are not kept" short_send.err || fail "the sender's error does not say its prefilled tokens are lost"
 done
 
 # A slow stream of small messages (about 6 s), to kill either side midway.
@@ -252,7 +252,7 @@ start=$SECONDS
 wait "$send_pid" && fail "the sender did not notice the receiver's death"
 [ $((SECONDS - start)) -le 15 ] || fail "the sender took $((SECONDS - start)) s to notice"
 grep -q "receiver" rkill_send.err || fail "the sender's error does not name the receiver"
-grep -q "intact" rkill_send.err || fail "the sender's error does not say its session is intact"
+grep -q "prefilled tokens are not kept" rkill_send.err || fail "the sender's error does not say its prefilled tokens are lost"
 
 # The sender dies: the receiver reports it, installs nothing, and exits.
 start_serve skill --tokens 700 --timeout 5

@@ -531,8 +531,8 @@ int run_handoff_send(Session& session, const ModelConfig& config, const HandoffS
   (*link)->close();
   if (!prefill.ok()) return fail(prefill.error());
   if (!sent->ok())
-    return fail("handoff to " + o.to + " failed: " + sent->error().to_string() + " (the prefilled session of " +
-                std::to_string(session.position()) + " tokens is intact here)");
+    return fail("handoff to " + o.to + " failed: " + sent->error().to_string() + " (the session's " +
+                std::to_string(session.position()) + " prefilled tokens are not kept)");
   const handoff::SendReport& r = **sent;
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   if (o.json) {

@@ -83,9 +83,12 @@ const CommandHelp kHelp[] = {
              sequence (its tokens, generated ids and last logits those of a
              solo run), then the aggregate tokens per second; --save F /
              --resume F use F with .i before its extension
-  run        --resume FILE [--tokens N] [--store STORE] [--save FILE] [--json]
+  run        --resume FILE [--tokens N] [--store STORE] [--save FILE]
+             [--context N] [--backend cpu|cuda|auto] [--sequences N]
+             [--json] [--no-progress]
              continues a saved session to N tokens, bit for bit as if it had
-             never stopped
+             never stopped (--context: the resumed store's, default the
+             saved one's; what shaped the session comes from the pack)
   run        ... --handoff-to HOST:PORT|unix:PATH
              [--handoff-schedule swa-first|paced] [--handoff-rate GB/s]
              [--handoff-timeout S] [--handoff-message KiB]
@@ -109,7 +112,7 @@ const CommandHelp kHelp[] = {
     {"handoff serve", R"(  handoff serve --listen HOST:PORT|unix:PATH --tokens N
              [--model NAME | --config FILE] [--backend cpu|cuda|auto]
              [--timeout S] [--credits MiB] [--max-mib M] [--max-keep S]
-             [--min-rate GB/s] [--port-file F] [--json]
+             [--min-rate GB/s] [--port-file F] [--json] [--no-progress]
              receives one session (UCX on HOST:PORT, or a Unix socket at
              PATH), decodes it greedily to N tokens and prints the summary
              of `run`; port 0 picks a free port (--port-file F gets it
@@ -124,7 +127,8 @@ const CommandHelp kHelp[] = {
              prefill under swa-first, is ended;
              a session not done S + the timeout + its rows at --min-rate
              (default 0.000065536 GB/s, 64 KiB/s; 0, or --max-keep 0: no
-             bound) after it was accepted is ended
+             bound) after it was accepted is ended; --no-progress is taken
+             as run takes it (serve prints no progress)
 )"},
     {"config", R"(  config     [--model NAME | --config FILE]
              the geometry, layer kinds and fingerprint of a model
@@ -272,7 +276,9 @@ int print_help(const std::string& command) {
   std::printf("usage: kvring %s [options]\n\n", command.c_str());
   for (const CommandHelp& h : kHelp)
     if (names(h)) std::fputs(h.text, stdout);
-  if (command != "config" && command != "footprint" && command != "help" && command != "pack inspect")
+  // The stores' forms, for the commands that take a store.
+  if (command == "run" || command == "pack" || command == "pack verify" || command == "store" ||
+      command == "store gc")
     std::fputs(kStores, stdout);
   std::fputs(kTail, stdout);
   return 0;

@@ -208,7 +208,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
       // (a thin pack's chunks stay in the store, named by their content).
       for (std::int64_t j = 0; j < i; ++j) ::unlink(indexed_path(o.save, j).c_str());
       const std::string removed =
-          i == 0 ? "" : "; the " + std::to_string(i) + " pack" + (i == 1 ? "" : "s") + " saved before it were removed";
+          i == 0 ? "" : "; the " + std::to_string(i) + " pack" + (i == 1 ? " saved before it was" : "s saved before it were") + " removed";
       return fail(line.error().to_string() + removed);
     }
     saved.push_back(*line);
