@@ -18,6 +18,7 @@
 #include "cpu/parallel.h"
 #include "kvring/chunk_store.h"
 #include "kvring/pack.h"
+#include "pack/file_io.h"
 #include "pack_test_util.h"
 #include "test_util.h"
 
@@ -584,6 +585,50 @@ TEST(ChunkStoreSpec, BadSpecsAndLocations) {
     EXPECT_NE(refused.error().message.find("redis://127.0.0.1:1: cannot connect"), std::string::npos)
         << refused.error().to_string();
   }
+  testing::remove_tree(dir);
+}
+
+// What the tool's signal handler runs: the temporaries of files still
+// being written go; a committed file, and a file whose writer is gone, are
+// no longer listed. Past kTrackedTemporaries files at once the rest are not
+// listed, and nothing fails.
+TEST(AtomicFiles, LiveTemporariesAreRemovedOnRequest) {
+  namespace fs = std::filesystem;
+  const std::string dir = testing::make_temp_dir("atomic");
+  const std::vector<std::uint8_t> bytes(4096, 0x5a);
+  auto open = [&](const std::string& name) {
+    auto f = pack_internal::AtomicFile::create(dir + "/" + name, {});
+    EXPECT_TRUE(f.ok()) << f.status().to_string();
+    EXPECT_TRUE((*f)->write_at(0, bytes).ok());
+    return std::move(*f);
+  };
+  auto live = open("live.kvpack");
+  auto done = open("done.kvpack");
+  ASSERT_TRUE(done->commit().ok());
+  const std::string temp = live->temp_path();
+  ASSERT_TRUE(fs::exists(temp));
+  pack_internal::remove_live_temporaries();
+  EXPECT_FALSE(fs::exists(temp));
+  EXPECT_EQ(fs::file_size(dir + "/done.kvpack"), bytes.size());
+  EXPECT_FALSE(live->commit().ok());  // its temporary is gone: no partial file appears
+  EXPECT_FALSE(fs::exists(dir + "/live.kvpack"));
+  live.reset();
+  done.reset();
+
+  std::vector<std::unique_ptr<pack_internal::AtomicFile>> many;
+  const int extra = 5;
+  for (int i = 0; i < pack_internal::kTrackedTemporaries + extra; ++i)
+    many.push_back(open("many-" + std::to_string(i)));
+  auto temporaries = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().starts_with(".tmp-");
+    return n;
+  };
+  EXPECT_EQ(temporaries(), pack_internal::kTrackedTemporaries + extra);
+  pack_internal::remove_live_temporaries();
+  EXPECT_EQ(temporaries(), extra);
+  many.clear();
+  EXPECT_EQ(temporaries(), 0);
   testing::remove_tree(dir);
 }
 

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
+#include <signal.h>
 #include <cstring>
 #include <cstdio>
 #include <iostream>
@@ -18,6 +19,7 @@
 #include "kvring/config.h"
 #include "kvring/footprint.h"
 #include "kvring/store.h"
+#include "pack/file_io.h"
 
 namespace kvring::cli {
 
@@ -414,6 +416,13 @@ int dispatch(int argc, char** argv) {
 
 }  // namespace
 
+// Async-signal-safe: unlink, signal and raise only.
+extern "C" void end_on_signal(int sig) {
+  kvring::pack_internal::remove_live_temporaries();
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
 int main(int argc, char** argv) {
   // A peer that hangs up (a chunk store's server, a handoff's, a reader of
   // stdout that exits) makes a write fail with EPIPE, not end the process
@@ -424,6 +433,18 @@ int main(int argc, char** argv) {
   // and a message, and the writer removes its temporary, instead of the
   // process ending with SIGXFSZ part-way through a file.
   std::signal(SIGXFSZ, SIG_IGN);
+  // An interrupt or a termination first removes the temporaries of the
+  // files being written (an interrupted --save leaves no partial file
+  // behind), then ends the tool as the signal would; a signal the tool was
+  // started ignoring stays ignored.
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction now {};
+    if (::sigaction(sig, nullptr, &now) == 0 && now.sa_handler == SIG_IGN) continue;
+    struct sigaction on {};
+    on.sa_handler = end_on_signal;
+    sigemptyset(&on.sa_mask);
+    ::sigaction(sig, &on, nullptr);
+  }
   const int rc = dispatch(argc, argv);
   std::cout.flush();
   errno = 0;

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <utility>
 
 #include "core/file_read.h"
 
@@ -99,7 +100,51 @@ std::string temp_name_for(const std::string& path) {
          std::to_string(counter.fetch_add(1)) + "-" + std::to_string(ticks % 1000000007u);
 }
 
+// The live temporaries' names, readable from a signal handler: a slot's
+// name is written while its state is kWriting, after its generation moved
+// on; the handler reads the generation, then the state (kLive), copies the
+// name and uses it only if both are unchanged (a slot freed, or freed and
+// taken again, meanwhile is skipped).
+constexpr std::size_t kTrackedPathBytes = 4096;
+enum : int { kFree = 0, kWriting = 1, kLive = 2 };
+struct TrackedTemporary {
+  std::atomic<int> state{kFree};
+  std::atomic<std::uint64_t> generation{0};
+  char path[kTrackedPathBytes] = {};
+};
+TrackedTemporary g_tracked[kTrackedTemporaries];
+
+int track_temporary(const std::string& temp) {
+  if (temp.size() >= kTrackedPathBytes) return -1;
+  for (int i = 0; i < kTrackedTemporaries; ++i) {
+    TrackedTemporary& t = g_tracked[i];
+    int expected = kFree;
+    if (!t.state.compare_exchange_strong(expected, kWriting, std::memory_order_acq_rel)) continue;
+    t.generation.fetch_add(1, std::memory_order_acq_rel);
+    std::memcpy(t.path, temp.c_str(), temp.size() + 1);
+    t.state.store(kLive, std::memory_order_release);
+    return i;
+  }
+  return -1;
+}
+
+void untrack_temporary(int slot) {
+  if (slot >= 0) g_tracked[slot].state.store(kFree, std::memory_order_release);
+}
+
 }  // namespace
+
+void remove_live_temporaries() noexcept {
+  char path[kTrackedPathBytes];
+  for (TrackedTemporary& t : g_tracked) {
+    const std::uint64_t g = t.generation.load(std::memory_order_acquire);
+    if (t.state.load(std::memory_order_acquire) != kLive) continue;
+    std::memcpy(path, t.path, sizeof path);
+    path[sizeof path - 1] = '\0';
+    if (t.state.load(std::memory_order_acquire) == kLive && t.generation.load(std::memory_order_acquire) == g)
+      ::unlink(path);
+  }
+}
 
 Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
                                                        const IoOptions& io) {
@@ -124,10 +169,13 @@ Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
   KVRING_RETURN_IF_ERROR(inject(io, IoStep::kOpen, temp));
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return io_error("creating " + temp + " (for " + path + "): " + errno_text(errno));
-  return std::unique_ptr<AtomicFile>(new AtomicFile(path, temp, fd, io));
+  std::unique_ptr<AtomicFile> f(new AtomicFile(path, temp, fd, io));
+  f->tracked_ = track_temporary(temp);
+  return f;
 }
 
 AtomicFile::~AtomicFile() {
+  untrack_temporary(tracked_);
   if (fd_ >= 0) ::close(fd_);
   if (!committed_) ::unlink(temp_.c_str());
 }
@@ -147,6 +195,7 @@ Status AtomicFile::commit(bool sync_dir) {
   if (::rename(temp_.c_str(), path_.c_str()) != 0)
     return io_error("renaming " + temp_ + " to " + path_ + ": " + errno_text(errno));
   committed_ = true;
+  untrack_temporary(std::exchange(tracked_, -1));
   if (sync_dir) return fsync_dir(parent_dir(path_), io_);
   return Status::Ok();
 }

@@ -56,6 +56,15 @@ class AtomicFile {
   int fd_ = -1;
   bool committed_ = false;
   IoOptions io_;
+  int tracked_ = -1;  // its slot among the live temporaries, or -1
 };
+
+// Removes the temporaries of the AtomicFiles not yet committed or
+// destroyed (up to kTrackedTemporaries at once; more go untracked, and a
+// directory store's gc finds those): async-signal-safe, for a program's
+// handler of a signal that ends it (the tool's SIGINT, SIGTERM, SIGHUP),
+// so that an interrupted save leaves no partial file behind.
+inline constexpr int kTrackedTemporaries = 32;
+void remove_live_temporaries() noexcept;
 
 }  // namespace kvring::pack_internal
