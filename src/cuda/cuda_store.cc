@@ -309,7 +309,8 @@ struct CudaStore::Impl {
   // A caller's stream belongs to the store's device: work enqueued on
   // another device's stream fails at its launch, after the call began to
   // change the store. The legacy and per-thread handles name the current
-  // device, the store's during a call.
+  // device, the store's during a call. A stream being captured is not
+  // asked (the query ends its capture); its graph's launch fails instead.
   Status check_stream(cudaStream_t s) const {
 #if CUDART_VERSION >= 12080
     if (s == stream || s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return Status::Ok();
@@ -331,8 +332,9 @@ struct CudaStore::Impl {
   // Before enqueuing on `s`: a caller's stream is checked, and work of the
   // previous hook on another stream comes first (a device-side wait).
   Status enter(cudaStream_t s) {
-    KVRING_RETURN_IF_ERROR(check_stream(s));
-    if (!chained || capturing(s)) return Status::Ok();
+    const bool captured = capturing(s);
+    if (!captured) KVRING_RETURN_IF_ERROR(check_stream(s));
+    if (!chained || captured) return Status::Ok();
     unsigned long long id = 0;
     KVRING_CUDA_CHECK("cudaStreamGetId", cudaStreamGetId(s, &id));
     if (id != last_id) KVRING_CUDA_CHECK("cudaStreamWaitEvent", cudaStreamWaitEvent(s, chain, 0));
