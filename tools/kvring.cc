@@ -446,8 +446,9 @@ int main(int argc, char** argv) {
     ::sigaction(sig, &on, nullptr);
   }
   const int rc = dispatch(argc, argv);
-  std::cout.flush();
+  // errno from the first flush that fails (cout's flushes stdout too).
   errno = 0;
+  std::cout.flush();
   if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
     std::fprintf(stderr, "kvring: writing the output failed%s%s\n", errno != 0 ? ": " : "",
                  errno != 0 ? std::strerror(errno) : "");
