@@ -23,7 +23,6 @@ endfunction()
 
 # Output that cannot be written fails the command (exit 2, a message with
 # the reason), never a silent success.
-# a silent success.
 if(EXISTS /dev/full)
   execute_process(COMMAND ${KVRING} config --model muse-glimmer WORKING_DIRECTORY ${WORK} TIMEOUT 60
                   RESULT_VARIABLE got OUTPUT_FILE /dev/full ERROR_VARIABLE err)
