@@ -696,7 +696,8 @@ TEST_F(RedisHostile, CheckWritableOnARealServer) {
   const Status s = (*store)->check_writable();
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.error().message.find("SET refused: OOM"), std::string::npos) << s.to_string();
-  const std::vector<ChunkData> chunks = {chunk_of("a chunk past maxmemory")};
+  const std::string past = "a chunk past maxmemory";  // chunk_of views its bytes
+  const std::vector<ChunkData> chunks = {chunk_of(past)};
   EXPECT_FALSE((*store)->put(chunks).ok());
   ASSERT_EQ(raw_command(redis->port(), {"CONFIG", "SET", "maxmemory", "0"}), "+OK\r");
   EXPECT_TRUE((*store)->check_writable().ok());

@@ -263,7 +263,7 @@ Result<std::string> save_sequence(const KvStore& kv, SeqId seq, const std::vecto
 
 Error RunPack::named(const Error& e) const {
   Error out = e;
-  out.message = path + ": model '" + printable(record.model) + "': " + e.message;
+  out.message = path + ": model '" + printable(record.model, false) + "': " + e.message;
   return out;
 }
 
@@ -276,7 +276,7 @@ Result<RunPack> open_run_pack(const std::string& path, const std::string& store_
   // any rows are read or any model is built.
   auto record = decode_run_record(m->header.metadata, path);
   if (!record) return record.error();
-  const std::string model_name = "model '" + printable(record->model) + "'";
+  const std::string model_name = "model '" + printable(record->model, false) + "'";
   if (static_cast<std::int64_t>(m->header.token_ids.size()) != m->header.token_count || m->header.token_count == 0)
     return invalid_argument(path + ": a run's pack must hold the token ids of its " +
                             std::to_string(m->header.token_count) + " tokens");

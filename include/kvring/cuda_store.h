@@ -7,7 +7,8 @@
 //
 // Device views are read and written in place; their calls are enqueued on
 // the given stream (null: the store's own; a stream of another GPU is
-// refused) and never wait for the device.
+// refused where the build's CUDA is 12.8 or later and the stream is not
+// being captured) and never wait for the device.
 // Host views are staged through pinned buffers, and such a call waits for
 // its copies before it returns. The store orders its own work across
 // streams: a call on another stream than the previous call's first waits

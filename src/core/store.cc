@@ -971,8 +971,8 @@ std::int64_t floor_div(std::int64_t a, std::int64_t b) {  // b > 0
   const std::int64_t q = a / b;
   return q * b > a ? q - 1 : q;
 }
-// Whether a row of `a` shares a byte with a row of `b` (rows > 0 each, in
-// one memory space). Where the views' extents meet: views of one row
+// Whether a row of `a` shares a byte with a row of `b` (rows > 0 each; one
+// address space holds host and device memory). Where the views' extents meet: views of one row
 // stride (rows of out beside rows of q in each row of one buffer) are
 // answered exactly by one division; otherwise each row of the view of
 // fewer rows finds by division the other's rows it could meet, up to

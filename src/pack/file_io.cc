@@ -141,6 +141,9 @@ void remove_live_temporaries() noexcept {
     if (t.state.load(std::memory_order_acquire) != kLive) continue;
     std::memcpy(path, t.path, sizeof path);
     path[sizeof path - 1] = '\0';
+    // The copy's reads complete before the state and generation are read
+    // again.
+    std::atomic_thread_fence(std::memory_order_acquire);
     if (t.state.load(std::memory_order_acquire) == kLive && t.generation.load(std::memory_order_acquire) == g)
       ::unlink(path);
   }
@@ -167,17 +170,24 @@ Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,
                             " bytes, more than the " + std::to_string(most) + " its directory takes");
   const std::string temp = temp_name_for(path);
   KVRING_RETURN_IF_ERROR(inject(io, IoStep::kOpen, temp));
+  // Listed before it exists and until after it is gone, so a signal
+  // between never leaves it.
+  const int tracked = track_temporary(temp);
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return io_error("creating " + temp + " (for " + path + "): " + errno_text(errno));
+  if (fd < 0) {
+    const int err = errno;
+    untrack_temporary(tracked);
+    return io_error("creating " + temp + " (for " + path + "): " + errno_text(err));
+  }
   std::unique_ptr<AtomicFile> f(new AtomicFile(path, temp, fd, io));
-  f->tracked_ = track_temporary(temp);
+  f->tracked_ = tracked;
   return f;
 }
 
 AtomicFile::~AtomicFile() {
-  untrack_temporary(tracked_);
   if (fd_ >= 0) ::close(fd_);
   if (!committed_) ::unlink(temp_.c_str());
+  untrack_temporary(tracked_);
 }
 
 Status AtomicFile::write_at(std::int64_t offset, std::span<const std::uint8_t> bytes) const {

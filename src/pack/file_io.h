@@ -60,8 +60,8 @@ class AtomicFile {
 };
 
 // Removes the temporaries of the AtomicFiles not yet committed or
-// destroyed (up to kTrackedTemporaries at once; more go untracked, and a
-// directory store's gc finds those): async-signal-safe, for a program's
+// destroyed (up to kTrackedTemporaries at once; more go untracked; a
+// directory store's chunks are written otherwise, and its gc finds those): async-signal-safe, for a program's
 // handler of a signal that ends it (the tool's SIGINT, SIGTERM, SIGHUP),
 // so that an interrupted save leaves no partial file behind.
 inline constexpr int kTrackedTemporaries = 32;
