@@ -122,13 +122,19 @@ endif()
 # So is a pack of another prefill chunk: one run takes one.
 run_lines(c5 --config ${config} --hidden 32 --vocab 64 --chunk 5 --backend cpu --sequences 2 --seed 11
           --prompt-tokens 40 --tokens 50 --save ${WORK}/c5.kvpack)
-file(COPY_FILE ${WORK}/batch.0.kvpack ${WORK}/mixed.0.kvpack)
-file(COPY_FILE ${WORK}/c5.1.kvpack ${WORK}/mixed.1.kvpack)
-execute_process(COMMAND ${KVRING} run --resume ${WORK}/mixed.kvpack --sequences 2 --backend cpu
-                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-if(rc EQUAL 0 OR NOT err MATCHES "mixed.1.kvpack ran with prefill chunks of 5 tokens, .*mixed.0.kvpack with 7")
-  message(FATAL_ERROR "a pack of another prefill chunk in the batch: exit ${rc}: ${err}")
-endif()
+# mixed.kvpack: batch.0 beside `second` as pack 1; its resume is refused
+# with `pattern`.
+function(expect_mixed_refused second pattern what)
+  file(COPY_FILE ${WORK}/batch.0.kvpack ${WORK}/mixed.0.kvpack)
+  file(COPY_FILE ${second} ${WORK}/mixed.1.kvpack)
+  execute_process(COMMAND ${KVRING} run --resume ${WORK}/mixed.kvpack --sequences 2 --backend cpu
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT err MATCHES "${pattern}")
+    message(FATAL_ERROR "${what} in the batch: exit ${rc}: ${err}")
+  endif()
+endfunction()
+expect_mixed_refused(${WORK}/c5.1.kvpack "mixed.1.kvpack ran with prefill chunks of 5 tokens, .*mixed.0.kvpack with 7"
+                     "a pack of another prefill chunk")
 
 # A pack of a model with another RoPE base in the batch is refused (the
 # geometry's fingerprint leaves rope_theta out).
@@ -140,13 +146,8 @@ file(WRITE ${theta_config} [=[
 ]=])
 run_lines(theta_half --config ${theta_config} --hidden 32 --vocab 64 --chunk 7 --backend cpu
           --sequences 2 --seed 11 --prompt-tokens 40 --tokens 50 --save ${WORK}/theta.kvpack)
-file(COPY_FILE ${WORK}/batch.0.kvpack ${WORK}/mixed.0.kvpack)
-file(COPY_FILE ${WORK}/theta.1.kvpack ${WORK}/mixed.1.kvpack)
-execute_process(COMMAND ${KVRING} run --resume ${WORK}/mixed.kvpack --sequences 2 --backend cpu
-                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-if(rc EQUAL 0 OR NOT err MATCHES "mixed.1.kvpack holds a session of another model")
-  message(FATAL_ERROR "a pack of another RoPE base in the batch: exit ${rc}: ${err}")
-endif()
+expect_mixed_refused(${WORK}/theta.1.kvpack "mixed.1.kvpack holds a session of another model"
+                     "a pack of another RoPE base")
 
 # Refusals: a count out of range, a missing pack of the batch.
 foreach(bad 0 -1 4097 x)
