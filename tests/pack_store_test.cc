@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <atomic>
 #include <chrono>
 #include <thread>
 #include <mutex>
@@ -526,6 +527,35 @@ TEST_F(DirStoreFaults, CrashBeforeRenameLeavesNoChunk) {
   ASSERT_TRUE(stats.ok());
   auto m = read_manifest(**open_pack_file(dir_ + "/p.kvpack"));
   EXPECT_EQ(stats->chunks, static_cast<std::int64_t>(m->chunks.size()));  // temporaries not counted
+}
+
+// A directory store's chunk temporaries are listed while written, as a
+// pack file's are: remove_live_temporaries (the tool's signal handler)
+// unlinks one whose writer is between its write and its rename, and that
+// write then fails; no temporary and no pack are left.
+TEST_F(DirStoreFaults, ChunkTemporariesAreRemovedOnRequest) {
+  std::atomic<int> removed{0}, existed{0};
+  std::atomic<bool> once{false};
+  IoOptions io;
+  io.fault = [&](IoStep s, const std::string& path) {
+    if (s == IoStep::kFsync && path.rfind(root_ + "/.tmp-", 0) == 0 && !once.exchange(true)) {
+      existed = ::access(path.c_str(), F_OK) == 0;
+      pack_internal::remove_live_temporaries();
+      removed = ::access(path.c_str(), F_OK) == 0 ? 2 : 1;
+    }
+    return Status::Ok();
+  };
+  auto store = open_dir_store(root_, io);
+  ASSERT_TRUE(store.ok());
+  WriteOptions o{.chunk_tokens = 8, .store = store->get()};
+  o.io = io;
+  const Status st = write_pack(snap_, dir_ + "/p.kvpack", o);
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(existed.load(), 1);
+  EXPECT_EQ(removed.load(), 1);  // 2: the temporary was still there
+  for (const std::string& d : {dir_, root_})
+    for (const std::string& n : testing::list_dir(d)) EXPECT_NE(n.rfind(".tmp-", 0), 0u) << d << "/" << n;
+  expect_only_valid_chunks();
 }
 
 TEST_F(DirStoreFaults, FailedStepsAreNamedAndLeaveNoPack) {

@@ -285,8 +285,15 @@ class DirStore final : public ChunkStore {
   Status write_chunk(const std::string& path, const ChunkData& c) const {
     const std::string temp = unique_name(root_, kTempPrefix, path.substr(root_.size() + 1));
     KVRING_RETURN_IF_ERROR(inject(io_, IoStep::kOpen, temp));
+    // Listed before it exists and until after it is renamed or gone, so a
+    // signal that ends the program removes it (file_io.h).
+    const int tracked = track_temporary(temp);
     const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd < 0) return io_error("creating " + temp + " (for " + path + "): " + errno_text(errno));
+    if (fd < 0) {
+      const int err = errno;
+      untrack_temporary(tracked);
+      return io_error("creating " + temp + " (for " + path + "): " + errno_text(err));
+    }
     bool renamed = false;
     auto step = [&]() -> Status {
       if (::flock(fd, LOCK_EX | LOCK_NB) != 0)
@@ -305,6 +312,7 @@ class DirStore final : public ChunkStore {
     };
     const Status s = step();
     if (!renamed) ::unlink(temp.c_str());
+    untrack_temporary(tracked);
     if (::close(fd) != 0 && s.ok()) return io_error("closing " + path + ": " + errno_text(errno));
     return s;
   }

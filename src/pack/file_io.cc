@@ -114,6 +114,8 @@ struct TrackedTemporary {
 };
 TrackedTemporary g_tracked[kTrackedTemporaries];
 
+}  // namespace
+
 int track_temporary(const std::string& temp) {
   if (temp.size() >= kTrackedPathBytes) return -1;
   for (int i = 0; i < kTrackedTemporaries; ++i) {
@@ -131,8 +133,6 @@ int track_temporary(const std::string& temp) {
 void untrack_temporary(int slot) {
   if (slot >= 0) g_tracked[slot].state.store(kFree, std::memory_order_release);
 }
-
-}  // namespace
 
 void remove_live_temporaries() noexcept {
   char path[kTrackedPathBytes];

@@ -59,12 +59,18 @@ class AtomicFile {
   int tracked_ = -1;  // its slot among the live temporaries, or -1
 };
 
-// Removes the temporaries of the AtomicFiles not yet committed or
-// destroyed (up to kTrackedTemporaries at once; more go untracked; a
-// directory store's chunks are written otherwise, and its gc finds those): async-signal-safe, for a program's
-// handler of a signal that ends it (the tool's SIGINT, SIGTERM, SIGHUP),
-// so that an interrupted save leaves no partial file behind.
+// The temporaries being written (an AtomicFile's, a directory store's
+// chunk's), listed so that remove_live_temporaries can unlink them:
+// async-signal-safe, for a program's handler of a signal that ends it (the
+// tool's SIGINT, SIGTERM, SIGHUP), so that an interrupted save leaves no
+// partial file behind. Up to kTrackedTemporaries at once; more go unlisted
+// (a directory store's gc finds its own). A writer lists its temporary
+// before creating it and unlists it after the rename or unlink.
 inline constexpr int kTrackedTemporaries = 32;
+// The temporary's slot, or -1 where none is free (or the name is too long).
+int track_temporary(const std::string& temp);
+// Unlists a slot track_temporary returned; -1 is ignored.
+void untrack_temporary(int slot);
 void remove_live_temporaries() noexcept;
 
 }  // namespace kvring::pack_internal
