@@ -203,6 +203,24 @@ await -s pf || fail "--port-file pf: no port written"
 wait $pf_pid && fail "serve with nobody connecting succeeded"
 [ ! -e pf ] || fail "--port-file pf stays after serve gave up: $(cat pf)"
 [ "$(cat pf.victim)" = keep ] || fail "a link at the port file's temporary name was followed"
+# A serve ended by a signal removes its port file too, unless another
+# process has written it since.
+for other in "" other; do
+  "$K" handoff serve --listen 127.0.0.1:0 --port-file pf --tokens 40 --timeout 60 2>pf.err &
+  pf_pid=$!
+  await -s pf || fail "--port-file pf: no port written"
+  [ -z "$other" ] || echo "$other" >pf
+  kill -TERM $pf_pid
+  wait $pf_pid
+  rc=$?
+  [ $rc -eq 143 ] || fail "serve ended by SIGTERM exits $rc: $(cat pf.err)"
+  if [ -z "$other" ]; then
+    [ ! -e pf ] || fail "--port-file pf stays after SIGTERM: $(cat pf)"
+  else
+    [ "$(cat pf)" = other ] || fail "another's port file was removed on SIGTERM"
+    rm -f pf
+  fi
+done
 
 # The pair equals one run, for both schedules and two chunkings.
 for variant in "paced 7" "swa-first 512" "paced 1"; do

@@ -659,6 +659,32 @@ TEST(AtomicFiles, LiveTemporariesAreRemovedOnRequest) {
   EXPECT_EQ(temporaries(), extra);
   many.clear();
   EXPECT_EQ(temporaries(), 0);
+
+  // A file listed with its text goes only while it holds exactly that.
+  auto put = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name, std::ios::binary) << text;
+  };
+  put("same", "4242\n");
+  put("changed", "4242\n");
+  put("longer", "4242\n");
+  const int same = pack_internal::track_file_holding(dir + "/same", "4242\n");
+  const int changed = pack_internal::track_file_holding(dir + "/changed", "4242\n");
+  const int longer = pack_internal::track_file_holding(dir + "/longer", "4242\n");
+  EXPECT_EQ(pack_internal::track_file_holding(dir + "/big", std::string(pack_internal::kTrackedTextBytes + 1, 'x')),
+            -1);
+  put("changed", "4243\n");
+  put("longer", "4242\n4242\n");
+  pack_internal::remove_live_temporaries();
+  EXPECT_FALSE(fs::exists(dir + "/same"));
+  EXPECT_TRUE(fs::exists(dir + "/changed"));
+  EXPECT_TRUE(fs::exists(dir + "/longer"));
+  for (const int slot : {same, changed, longer}) {
+    EXPECT_GE(slot, 0);
+    pack_internal::untrack_temporary(slot);
+  }
+  put("changed", "4242\n");  // holds the text again, but no longer listed
+  pack_internal::remove_live_temporaries();
+  EXPECT_TRUE(fs::exists(dir + "/changed"));
   testing::remove_tree(dir);
 }
 

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "args.h"
 #include "commands.h"
@@ -357,15 +358,23 @@ int cmd_serve(const std::vector<std::string>& argv) {
     ucx_listener = std::move(*l);
     where = handoff::parse_host_port(listen)->first + ":" + std::to_string(ucx_listener->port());
   }
+  int port_file_slot = -1;
+  const struct Unlist {
+    int& slot;
+    ~Unlist() { pack_internal::untrack_temporary(slot); }
+  } unlist{port_file_slot};
   if (a->has("port-file")) {
     // Written whole under a fresh temporary name, then renamed over a
     // regular file or nothing (never a device, a FIFO or a directory, and
     // never through a link): a reader never sees half a number, and a
     // failure leaves no temporary behind.
+    // Listed before it is renamed into place, so that a signal ending
+    // serve removes it too (while it still holds the port).
     const std::string path = a->str("port-file"), text = std::to_string(ucx_listener->port()) + "\n";
     auto f = pack_internal::AtomicFile::create(path, {});
     Status st = f.ok() ? (*f)->write_at(0, {reinterpret_cast<const std::uint8_t*>(text.data()), text.size()})
                        : f.error();
+    port_file_slot = pack_internal::track_file_holding(path, text);
     if (st.ok()) st = (*f)->commit(false);
     if (!st.ok()) return fail("cannot write --port-file " + path + ": " + st.error().message);
   }
@@ -376,6 +385,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
   // came, or none did in time, it goes (unless another process has
   // written it since).
   if (a->has("port-file")) {
+    pack_internal::untrack_temporary(std::exchange(port_file_slot, -1));
     const std::string path = a->str("port-file");
     auto now = file_internal::read_small_file(path, "--port-file", 64);
     if (now && *now == std::to_string(ucx_listener->port()) + "\n") std::remove(path.c_str());

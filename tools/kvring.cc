@@ -416,7 +416,7 @@ int dispatch(int argc, char** argv) {
 
 }  // namespace
 
-// Async-signal-safe: unlink, signal and raise only.
+// Async-signal-safe: open, read, close, unlink, signal and raise only.
 extern "C" void end_on_signal(int sig) {
   kvring::pack_internal::remove_live_temporaries();
   std::signal(sig, SIG_DFL);
@@ -435,8 +435,8 @@ int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   // An interrupt or a termination first removes the temporaries of the
   // files being written (an interrupted --save leaves no partial file
-  // behind), then ends the tool as the signal would; a signal the tool was
-  // started ignoring stays ignored.
+  // behind) and a listening serve's --port-file, then ends the tool as the
+  // signal would; a signal the tool was started ignoring stays ignored.
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
     struct sigaction now {};
     if (::sigaction(sig, nullptr, &now) == 0 && now.sa_handler == SIG_IGN) continue;

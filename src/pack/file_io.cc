@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -105,48 +106,84 @@ std::string temp_name_for(const std::string& path) {
 // on; the handler reads the generation, then the state (kLive), copies the
 // name and uses it only if both are unchanged (a slot freed, or freed and
 // taken again, meanwhile is skipped).
+// A slot's `text`, where `holds` is set, is what the file must hold to be
+// removed (track_file_holding).
 constexpr std::size_t kTrackedPathBytes = 4096;
 enum : int { kFree = 0, kWriting = 1, kLive = 2 };
 struct TrackedTemporary {
   std::atomic<int> state{kFree};
   std::atomic<std::uint64_t> generation{0};
   char path[kTrackedPathBytes] = {};
+  bool holds = false;
+  std::size_t text_bytes = 0;
+  char text[kTrackedTextBytes] = {};
 };
 TrackedTemporary g_tracked[kTrackedTemporaries];
 
-}  // namespace
-
-int track_temporary(const std::string& temp) {
-  if (temp.size() >= kTrackedPathBytes) return -1;
+int track(const std::string& path, const std::string_view* text) {
+  if (path.size() >= kTrackedPathBytes || (text != nullptr && text->size() > kTrackedTextBytes)) return -1;
   for (int i = 0; i < kTrackedTemporaries; ++i) {
     TrackedTemporary& t = g_tracked[i];
     int expected = kFree;
     if (!t.state.compare_exchange_strong(expected, kWriting, std::memory_order_acq_rel)) continue;
     t.generation.fetch_add(1, std::memory_order_acq_rel);
-    std::memcpy(t.path, temp.c_str(), temp.size() + 1);
+    std::memcpy(t.path, path.c_str(), path.size() + 1);
+    t.holds = text != nullptr;
+    t.text_bytes = text != nullptr ? text->size() : 0;
+    if (text != nullptr) std::memcpy(t.text, text->data(), text->size());
     t.state.store(kLive, std::memory_order_release);
     return i;
   }
   return -1;
 }
 
+// Whether the file at `path` holds exactly `text`: open, read and close
+// only (async-signal-safe); a link is not followed.
+bool file_holds(const char* path, const char* text, std::size_t bytes) {
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return false;
+  char got[kTrackedTextBytes + 1];
+  std::size_t n = 0;
+  while (n < sizeof got) {
+    const ssize_t r = ::read(fd, got + n, sizeof got - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    n += static_cast<std::size_t>(r);
+  }
+  ::close(fd);
+  return n == bytes && std::memcmp(got, text, bytes) == 0;
+}
+
+}  // namespace
+
+int track_temporary(const std::string& temp) { return track(temp, nullptr); }
+
+int track_file_holding(const std::string& path, std::string_view text) { return track(path, &text); }
+
 void untrack_temporary(int slot) {
   if (slot >= 0) g_tracked[slot].state.store(kFree, std::memory_order_release);
 }
 
 void remove_live_temporaries() noexcept {
+  const int saved_errno = errno;
   char path[kTrackedPathBytes];
+  char text[kTrackedTextBytes];
   for (TrackedTemporary& t : g_tracked) {
     const std::uint64_t g = t.generation.load(std::memory_order_acquire);
     if (t.state.load(std::memory_order_acquire) != kLive) continue;
     std::memcpy(path, t.path, sizeof path);
     path[sizeof path - 1] = '\0';
+    const bool holds = t.holds;
+    const std::size_t text_bytes = std::min(t.text_bytes, sizeof text);
+    std::memcpy(text, t.text, sizeof text);
     // The copy's reads complete before the state and generation are read
     // again.
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (t.state.load(std::memory_order_acquire) == kLive && t.generation.load(std::memory_order_acquire) == g)
-      ::unlink(path);
+    if (t.state.load(std::memory_order_acquire) != kLive || t.generation.load(std::memory_order_acquire) != g)
+      continue;
+    if (!holds || file_holds(path, text, text_bytes)) ::unlink(path);
   }
+  errno = saved_errno;
 }
 
 Result<std::unique_ptr<AtomicFile>> AtomicFile::create(const std::string& path,

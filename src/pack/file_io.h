@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "kvring/chunk_store.h"
 #include "kvring/status.h"
@@ -69,6 +70,11 @@ class AtomicFile {
 inline constexpr int kTrackedTemporaries = 32;
 // The temporary's slot, or -1 where none is free (or the name is too long).
 int track_temporary(const std::string& temp);
+// A file that a signal ending the program removes only while it holds
+// exactly `text` (at most kTrackedTextBytes; a file another process has
+// written since stays): serve's --port-file. Its slot, or -1.
+inline constexpr std::size_t kTrackedTextBytes = 64;
+int track_file_holding(const std::string& path, std::string_view text);
 // Unlists a slot track_temporary returned; -1 is ignored.
 void untrack_temporary(int slot);
 void remove_live_temporaries() noexcept;
