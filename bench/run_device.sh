@@ -29,8 +29,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 lib=${LIB_DIR:-$bin/../lib}
 [ -d "$lib" ] && export LD_LIBRARY_PATH="$(cd "$lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
-# The sweep over 2^32 inputs has no memory traffic to check; sanitizers skip it.
-san_filter='--gtest_filter=-*F16ConversionMatchesTheSharedFunctionOnEveryInput*'
+# The sweep over 2^32 inputs has no memory traffic to check, and the test
+# that spends the device's memory makes every cudaMalloc fail on purpose
+# (each an API error to the sanitizer); sanitizers skip both.
+san_filter='--gtest_filter=-*F16ConversionMatchesTheSharedFunctionOnEveryInput*:*WhenMemoryIsSpent*'
 for step in $steps; do
   echo "=== $step"
   case $step in

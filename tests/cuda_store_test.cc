@@ -1,15 +1,18 @@
 // The CUDA store: creation and its refusals, the f16 conversion, zero fill,
 // stores of any batch and every layer at once (by every way a store's
 // descriptors travel), fork and truncate, device
-// views (f32, f16 and bf16, strided) on a user stream, snapshots, and
-// refusals that leave the store as it was.
+// views (f32, f16 and bf16, strided) on a user stream, snapshots,
+// refusals that leave the store as it was, and descriptor uploads with the
+// device's memory spent.
 #include <gtest/gtest.h>
 
 #include <cuda.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "cuda/allocation.h"
 #include "cuda/testing.h"
@@ -1048,6 +1051,82 @@ TEST(CudaStore, F16AttentionPastItsPositionsIsRefused) {
       EXPECT_EQ(got[0].error().code, ErrorCode::kUnsupported) << end << ": " << got[0].to_string();
       EXPECT_NE(got[0].to_string().find(std::to_string(limit)), std::string::npos) << got[0].to_string();
     }
+  }
+}
+
+// The device's free memory, taken in pieces down to 4 KiB while it lives.
+class MemorySpent {
+ public:
+  MemorySpent() {
+    for (std::size_t piece = std::size_t{1} << 30; piece >= 4096; piece /= 2) {
+      void* p = nullptr;
+      while (cudaMalloc(&p, piece) == cudaSuccess) held_.push_back(p);
+      (void)cudaGetLastError();
+    }
+  }
+  ~MemorySpent() {
+    for (void* p : held_) EXPECT_EQ(cudaFree(p), cudaSuccess);
+  }
+  MemorySpent(const MemorySpent&) = delete;
+  MemorySpent& operator=(const MemorySpent&) = delete;
+
+ private:
+  std::vector<void*> held_;
+};
+
+// With the device's memory spent and every descriptor buffer still read by
+// enqueued work, a call that uploads descriptors waits for a busy buffer
+// instead of failing, and block tables too large for any buffer go up in
+// pieces: forks (each mirrors its tables through them) go on, as does a
+// rollback's mirror restore after an out-of-memory failure.
+TEST(CudaStore, DescriptorUploadsWaitForABusyBufferWhenMemoryIsSpent) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = make_hybrid_config("store-test", 4, 2, 4, 2, 16, 24, 65536);
+  const std::int64_t kv = c.kv_dim(), forks = 6;  // more forks than the store's first buffers
+  // 60 rows: a fork's tables fit one buffer; 33000: 2 full layers x 2063
+  // blocks of 16 rows, 66 KB of table entries, more than any buffer holds.
+  for (const std::int64_t n : {std::int64_t{60}, std::int64_t{33000}}) {
+    const StoreOptions o{.max_sequences = forks + 1, .context = n + 16, .slack = 8, .block_rows = 16};
+    auto s = testing::new_store(BackendKind::kCuda, c, o);
+    ASSERT_TRUE(s);
+    const SeqId a = *s->add_sequence();
+    DeviceArray<float> k(random_floats(static_cast<std::size_t>(n * kv), 81)),
+        v(random_floats(static_cast<std::size_t>(n * kv), 82));
+    const SeqSpan first{a, 0, n - 1}, last{a, n - 1, 1};
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      ASSERT_TRUE(s->store(l, std::span(&first, 1), testing::device_in(k.get(), n - 1, kv),
+                           testing::device_in(v.get(), n - 1, kv))
+                      .ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaStream_t side = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<SeqId> made;
+    {
+      const MemorySpent spent;
+      void* probe = nullptr;
+      ASSERT_NE(cudaMalloc(&probe, std::size_t{64} << 10), cudaSuccess) << "the device's memory was not spent";
+      (void)cudaGetLastError();
+      // The last row lands on `side` behind a host function that sleeps,
+      // and the store's later work, on its own stream, waits for it: each
+      // fork's descriptor buffers stay busy until the sleep ends.
+      ASSERT_EQ(cudaLaunchHostFunc(
+                    side, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr),
+                cudaSuccess);
+      for (std::int64_t l = 0; l < c.n_layers; ++l)
+        ASSERT_TRUE(s->store(l, std::span(&last, 1), testing::device_in(k.get() + (n - 1) * kv, 1, kv),
+                             testing::device_in(v.get() + (n - 1) * kv, 1, kv), side)
+                        .ok());
+      for (std::int64_t i = 0; i < forks; ++i) {
+        auto f = s->fork_sequence(a);
+        ASSERT_TRUE(f.ok()) << n << " rows, fork " << i << ": " << f.error().to_string();
+        made.push_back(*f);
+      }
+      ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+    }
+    const auto want = seq_image(*s, a);
+    EXPECT_EQ(want.rings[0].next_position(), n);
+    for (const SeqId f : made) EXPECT_TRUE(seq_image(*s, f) == want) << n;
+    EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
   }
 }
 

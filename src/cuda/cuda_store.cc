@@ -370,7 +370,9 @@ struct CudaStore::Impl {
   }
 
   // A descriptor buffer of at least `bytes` that no enqueued work still
-  // reads; never waits for the device (a new one is made when all are busy).
+  // reads. A new one is made when all are busy; only when that fails (the
+  // device's memory is spent) does it wait for a busy one, so that a
+  // rollback's mirror restore after an out-of-memory failure still lands.
   Result<Chunk*> take_chunk(std::size_t bytes, cudaStream_t s) {
     const bool capture = capturing(s);
     if (!capture) {
@@ -387,9 +389,22 @@ struct CudaStore::Impl {
       }
     }
     auto c = new_chunk(bytes);
-    if (!c) return c.error();
-    (*c)->permanent = capture;
-    return *c;
+    if (c) {
+      (*c)->permanent = capture;
+      return *c;
+    }
+    if (!capture) {
+      for (Chunk& b : chunks) {
+        if (b.permanent || b.bytes < bytes || !b.busy) continue;
+        if (cudaEventSynchronize(b.done) != cudaSuccess) {
+          (void)cudaGetLastError();
+          continue;
+        }
+        b.busy = false;
+        return &b;
+      }
+    }
+    return c.error();
   }
   // The chunk's host part [0, bytes) to its device part, on `s`.
   Status upload_chunk(const Chunk& c, std::size_t bytes, cudaStream_t s) {
@@ -1518,26 +1533,54 @@ Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStrea
   KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   // Every entry of every change goes up in one copy and lands in the
-  // mirror with one launch: a batched operation changes many tables.
-  const std::size_t bytes = entries * sizeof(cuda::TableWrite);
-  auto chunk = im.take_chunk(bytes, s);
+  // mirror with one launch: a batched operation changes many tables. When
+  // no descriptor buffer that large can be had (the device's memory spent),
+  // they go in pieces of kChunkBytes, each through a buffer take_chunk
+  // finds or waits for, in stream order.
+  std::size_t piece = entries;
+  auto chunk = im.take_chunk(entries * sizeof(cuda::TableWrite), s);
+  if (!chunk && entries * sizeof(cuda::TableWrite) > kChunkBytes) {
+    piece = kChunkBytes / sizeof(cuda::TableWrite);
+    chunk = im.take_chunk(kChunkBytes, s);
+  }
   if (!chunk) return im.fail(chunk.status(), s);
-  auto* w = reinterpret_cast<cuda::TableWrite*>((*chunk)->host);
-  for (const TableChange& c : changes) {
-    const std::int64_t row = (c.slot * im.n_full + c.full_index) * im.max_blocks;
-    for (std::int64_t i = c.first; i < c.first + c.count; ++i) *w++ = {row + i, c.table[i], 0};
-  }
-  Status st = im.upload_chunk(**chunk, bytes, s);
-  if (st.ok()) {
-    const cudaError_t e = cuda::launch_table_writes(
-        reinterpret_cast<const cuda::TableWrite*>((*chunk)->dev), static_cast<std::int64_t>(entries),
-        im.tables, s);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      st = cuda_error("block table upload", e);
+  std::size_t next_change = 0;
+  std::int64_t next_entry = changes.empty() ? 0 : changes[0].first;
+  Status st = Status::Ok();
+  for (std::size_t sent = 0; st.ok() && sent < entries;) {
+    if (sent > 0) {
+      chunk = im.take_chunk(piece * sizeof(cuda::TableWrite), s);
+      if (!chunk) {
+        st = chunk.status();
+        break;
+      }
     }
+    const std::size_t n = std::min(piece, entries - sent);
+    auto* w = reinterpret_cast<cuda::TableWrite*>((*chunk)->host);
+    for (std::size_t k = 0; k < n;) {
+      const TableChange& c = changes[next_change];
+      if (c.count <= 0 || next_entry >= c.first + c.count) {
+        ++next_change;
+        if (next_change < changes.size()) next_entry = changes[next_change].first;
+        continue;
+      }
+      const std::int64_t row = (c.slot * im.n_full + c.full_index) * im.max_blocks;
+      *w++ = {row + next_entry, c.table[next_entry], 0};
+      ++next_entry;
+      ++k;
+    }
+    st = im.upload_chunk(**chunk, n * sizeof(cuda::TableWrite), s);
+    if (st.ok()) {
+      const cudaError_t e = cuda::launch_table_writes(reinterpret_cast<const cuda::TableWrite*>((*chunk)->dev),
+                                                      static_cast<std::int64_t>(n), im.tables, s);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        st = cuda_error("block table upload", e);
+      }
+    }
+    if (st.ok()) st = im.release_chunk(*chunk, s);
+    sent += n;
   }
-  if (st.ok()) st = im.release_chunk(*chunk, s);
   if (st.ok()) st = im.leave(s);
   if (!st.ok()) return im.fail(st, s);
   return Status::Ok();
