@@ -137,6 +137,34 @@ if(EXISTS ${WORK}/never-made)
   message(FATAL_ERROR "a refused run made its store's directory")
 endif()
 run_fail("weights would take" --hidden 16384 --vocab 1048576)
+# The reference model a config file or a pack's run record chooses is bounded
+# by half the memory the process may use, here its address space (ulimit -v
+# 2 GiB): the geometry below takes 1.16 GB of weights at hidden 256. Run,
+# saved and resumed without the limit; refused under it, before any weight
+# is made.
+set(wide ${WORK}/wide.json)
+file(WRITE ${wide} [=[
+{"num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 128,
+ "sliding_window": 32, "max_position_embeddings": 256, "sliding_window_pattern": 4}
+]=])
+set(wide_run --config ${wide} --vocab 64 --tokens 4 --prompt-tokens 2 --no-progress)
+execute_process(COMMAND ${KVRING} run ${wide_run} --save ${WORK}/wide.kvpack
+                RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "the wide model's run: exit ${rc}: ${err}")
+endif()
+foreach(args "${wide_run}" "--resume;${WORK}/wide.kvpack;--no-progress")
+  execute_process(COMMAND bash -c "ulimit -v 2097152 && exec \"$0\" \"$@\"" ${KVRING} run ${args}
+                  RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+  if(NOT rc EQUAL 2 OR NOT err MATCHES "would take 1,157,955,584 B .*more than half the 2,147,483,648 B")
+    message(FATAL_ERROR "run ${args} under ulimit -v: exit ${rc}: ${err}")
+  endif()
+endforeach()
+execute_process(COMMAND ${KVRING} run --resume ${WORK}/wide.kvpack --no-progress
+                RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "the wide model's resume: exit ${rc}: ${err}")
+endif()
 run_fail("use smaller chunks" --vocab 1048576 --hidden 8 --prompt-tokens 4000 --tokens 4000 --chunk 4000 --context 4096)
 run_fail("--tokens = 0 is outside" --tokens 0)
 run_fail("--prompt-tokens = 9 exceeds --tokens = 8" --tokens 8 --prompt-tokens 9)

@@ -409,7 +409,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
   config.attention_sinks = record->attention_sinks;
   auto cache = target.take();
   const std::int64_t context = cache->context();
-  auto model = ReferenceModel::create(config, record->options);
+  auto model = create_run_model(config, record->options);
   if (!model) return fail(model.error());
   auto session = Session::resume(*model, std::move(cache), header.token_ids,
                                  std::vector<float>(static_cast<std::size_t>(record->options.vocab), 0.0f));

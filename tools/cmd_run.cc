@@ -193,7 +193,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     if (Status s = check_save(o.save, 0, o.store); !s.ok()) return fail(s.error());
   std::optional<Session> fresh;
   if (!resumed) {
-    auto model = ReferenceModel::create(*config, o.model);
+    auto model = create_run_model(*config, o.model);
     if (!model) return fail(model.error());
     auto cache = make_cache(*backend, *config, {.context = context, .attention = o.attention});
     if (!cache) return fail(cache.error());

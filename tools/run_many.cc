@@ -121,7 +121,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
 
   if (!o.save.empty())
     if (Status s = check_save(o.save, n, o.store); !s.ok()) return fail(s.error());
-  auto model = ReferenceModel::create(config, model_options);
+  auto model = create_run_model(config, model_options);
   if (!model) return fail(model.error());
   auto store = make_store(backend, config, {.max_sequences = n, .context = context, .attention = attention});
   if (!store) return fail(store.error());

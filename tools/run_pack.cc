@@ -1,10 +1,12 @@
 #include "run_pack.h"
 
-#include <cmath>
+#include <sys/resource.h>
 
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "core/file_read.h"
 #include "kvring/chunk_store.h"
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
@@ -333,11 +335,30 @@ Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store) {
   return *seq;
 }
 
+Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig& config,
+                                                               const ModelOptions& options) {
+  KVRING_RETURN_IF_ERROR(ReferenceModel::check(config, options));
+  std::int64_t limit = file_internal::memory_limit_bytes();
+  struct rlimit as {};
+  if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&
+      as.rlim_cur < static_cast<rlim_t>(limit))
+    limit = static_cast<std::int64_t>(as.rlim_cur);
+  const double weights = ReferenceModel::weight_bytes(config, options);
+  if (weights > static_cast<double>(limit / 2))
+    return make_error(ErrorCode::kCapacityExceeded,
+                      "the reference model (hidden " + std::to_string(options.hidden) + ", vocab " +
+                          std::to_string(options.vocab) + ", " + std::to_string(config.n_layers) +
+                          " layers) would take " + format_bytes(static_cast<std::int64_t>(weights)) +
+                          ", more than half the " + format_bytes(limit) +
+                          " this process may use (a smaller hidden size or vocabulary, or fewer layers or heads, would fit)");
+  return ReferenceModel::create(config, options);
+}
+
 Result<ResumedRun> resume_run(const std::string& path, const std::string& store_spec, BackendKind backend,
                               std::int64_t context) {
   auto pack = open_run_pack(path, store_spec);
   if (!pack) return pack.error();
-  auto model = ReferenceModel::create(pack->config, pack->record.options);
+  auto model = create_run_model(pack->config, pack->record.options);
   if (!model) return pack->named(model.error());
   // A store of one slot with the run's config (what the restore says of the
   // model names it; the cache attends with its score scale). The restore's

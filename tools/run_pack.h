@@ -46,6 +46,16 @@ struct RunRecord {
   bool attention_sinks = false;
 };
 
+// The reference model a run decodes with. A pack's run record or a config
+// file chooses its size (hidden, vocabulary, mlp; the layers and heads), so
+// a small file could have it take up to ReferenceModel's own limit; it is
+// refused (kCapacityExceeded, naming the sizes) where its weights alone
+// would take more than half the memory this process may use: its cgroup's
+// or the machine's (as serve's --max-mib default), and its address-space
+// limit (ulimit -v) where one is set.
+Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig& config,
+                                                               const ModelOptions& options);
+
 std::string encode_run_record(const RunRecord& record);
 // Errors name the pack and the field. Checks each field's type and bounds
 // and the fields against one another (one last logit per vocabulary entry)
