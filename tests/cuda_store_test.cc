@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cuda/allocation.h"
+#include "cuda/kernels.h"
 #include "cuda/testing.h"
 #include "cuda_test_util.h"
 #include "kvring/backend.h"
@@ -1077,26 +1078,47 @@ class MemorySpent {
 // With the device's memory spent and every descriptor buffer still read by
 // enqueued work, a call that uploads descriptors waits for a busy buffer
 // instead of failing, and block tables too large for any buffer go up in
-// pieces: forks (each mirrors its tables through them) go on, as does a
-// rollback's mirror restore after an out-of-memory failure.
+// pieces: forks (each mirrors its tables through them) go on, and a failed
+// prefill's rollback restores the mirror, so its sequence is not stale.
 TEST(CudaStore, DescriptorUploadsWaitForABusyBufferWhenMemoryIsSpent) {
   KVRING_SKIP_WITHOUT_GPU();
   const ModelConfig c = make_hybrid_config("store-test", 4, 2, 4, 2, 16, 24, 65536);
-  const std::int64_t kv = c.kv_dim(), forks = 6;  // more forks than the store's first buffers
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, more = 16;
+  const std::int64_t forks = cuda::kInitialDescriptorChunks + 2;
+  std::int64_t full = -1;
+  for (std::int64_t l = 0; l < c.n_layers && full < 0; ++l)
+    if (c.kind(l) == LayerKind::kFullNope) full = l;
+  ASSERT_GE(full, 0);
+  auto sleep_on = [](cudaStream_t side) {
+    return cudaLaunchHostFunc(
+        side, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr);
+  };
   // 60 rows: a fork's tables fit one buffer; 33000: 2 full layers x 2063
   // blocks of 16 rows, 66 KB of table entries, more than any buffer holds.
   for (const std::int64_t n : {std::int64_t{60}, std::int64_t{33000}}) {
-    const StoreOptions o{.max_sequences = forks + 1, .context = n + 16, .slack = 8, .block_rows = 16};
+    const StoreOptions o{.max_sequences = forks + 1, .context = n + more, .slack = 8, .block_rows = 16};
     auto s = testing::new_store(BackendKind::kCuda, c, o);
     ASSERT_TRUE(s);
     const SeqId a = *s->add_sequence();
     DeviceArray<float> k(random_floats(static_cast<std::size_t>(n * kv), 81)),
-        v(random_floats(static_cast<std::size_t>(n * kv), 82));
+        v(random_floats(static_cast<std::size_t>(n * kv), 82)),
+        q(random_floats(static_cast<std::size_t>(width), 83)), out(static_cast<std::size_t>(width));
     const SeqSpan first{a, 0, n - 1}, last{a, n - 1, 1};
     for (std::int64_t l = 0; l < c.n_layers; ++l)
       ASSERT_TRUE(s->store(l, std::span(&first, 1), testing::device_in(k.get(), n - 1, kv),
                            testing::device_in(v.get(), n - 1, kv))
                       .ok());
+    // Every kernel the spent part launches is loaded first (a lazily
+    // loaded module needs device memory).
+    {
+      auto warm = s->fork_sequence(a);
+      ASSERT_TRUE(warm.ok()) << warm.error().to_string();
+      ASSERT_TRUE(s->remove_sequence(*warm).ok());
+      const SeqQuery at{a, n - 2};
+      ASSERT_TRUE(s->attend_decode(full, std::span(&at, 1), testing::device_in(q.get(), 1, width),
+                                   device_view(out.get(), 1, width))
+                      .ok());
+    }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     cudaStream_t side = nullptr;
     ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
@@ -1109,9 +1131,7 @@ TEST(CudaStore, DescriptorUploadsWaitForABusyBufferWhenMemoryIsSpent) {
       // The last row lands on `side` behind a host function that sleeps,
       // and the store's later work, on its own stream, waits for it: each
       // fork's descriptor buffers stay busy until the sleep ends.
-      ASSERT_EQ(cudaLaunchHostFunc(
-                    side, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr),
-                cudaSuccess);
+      ASSERT_EQ(sleep_on(side), cudaSuccess);
       for (std::int64_t l = 0; l < c.n_layers; ++l)
         ASSERT_TRUE(s->store(l, std::span(&last, 1), testing::device_in(k.get() + (n - 1) * kv, 1, kv),
                              testing::device_in(v.get() + (n - 1) * kv, 1, kv), side)
@@ -1126,6 +1146,40 @@ TEST(CudaStore, DescriptorUploadsWaitForABusyBufferWhenMemoryIsSpent) {
     const auto want = seq_image(*s, a);
     EXPECT_EQ(want.rings[0].next_position(), n);
     for (const SeqId f : made) EXPECT_TRUE(seq_image(*s, f) == want) << n;
+    if (n == 60) {
+      // One fork takes one buffer here. All buffers but one busy; a prefill
+      // of host rows at a block's edge takes the last to mirror its new
+      // block, then fails to stage its rows; its rollback finds every
+      // buffer busy and no memory for another.
+      for (const SeqId f : made) ASSERT_TRUE(s->remove_sequence(f).ok());
+      const std::vector<float> hk = random_floats(static_cast<std::size_t>(more * kv), 84),
+                               hq = random_floats(static_cast<std::size_t>(more * width), 85);
+      std::vector<float> hout(static_cast<std::size_t>(more * width));
+      const SeqSpan next{a, n, more};
+      Status failed;
+      {
+        const MemorySpent spent;
+        ASSERT_EQ(sleep_on(side), cudaSuccess);
+        const SeqQuery at{a, n - 1};
+        ASSERT_TRUE(s->attend_decode(full, std::span(&at, 1), testing::device_in(q.get(), 1, width),
+                                     device_view(out.get(), 1, width), side)
+                        .ok());
+        for (int i = 0; i + 1 < cuda::kInitialDescriptorChunks; ++i) {
+          auto f = s->fork_sequence(a);
+          ASSERT_TRUE(f.ok()) << "fork " << i << ": " << f.error().to_string();
+        }
+        failed = s->prefill(full, std::span(&next, 1), host_view(hk.data(), more, kv), host_view(hk.data(), more, kv),
+                            host_view(hq.data(), more, width), host_view(hout.data(), more, width));
+        ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+      }
+      EXPECT_FALSE(failed.ok()) << "the prefill staged its rows with the device's memory spent";
+      EXPECT_TRUE(seq_image(*s, a) == want);
+      // With memory again, the same prefill lands.
+      const Status st = s->prefill(full, std::span(&next, 1), host_view(hk.data(), more, kv),
+                                   host_view(hk.data(), more, kv), host_view(hq.data(), more, width),
+                                   host_view(hout.data(), more, width));
+      EXPECT_TRUE(st.ok()) << st.to_string();
+    }
     EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
   }
 }

@@ -57,8 +57,8 @@ constexpr std::int64_t kMaxQueriesPerLaunch = 65535;  // grid.z
 // where one tile of queries takes more: a launch holds a tile at least.
 constexpr std::int64_t kF16WorkspaceBudget = std::int64_t{512} << 20;
 // Descriptor buffers made at creation, and the smallest one made later.
-constexpr int kInitialChunks = 4;
-constexpr std::size_t kChunkBytes = std::size_t{64} << 10;
+constexpr int kInitialChunks = cuda::kInitialDescriptorChunks;
+constexpr std::size_t kChunkBytes = cuda::kDescriptorChunkBytes;
 
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 // Rows the store kernels may read 16 bytes at a time: an aligned start and

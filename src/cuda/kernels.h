@@ -117,6 +117,11 @@ inline constexpr std::size_t kMaxKernelParamBytes = 32764;
 // writes (from writes_at) and the block lists (from ids_at); a.spans,
 // a.table_writes and a.block_ids are set by the kernel.
 constexpr std::size_t kStoreInlineBytes = 30 * 1024;
+
+// The store's descriptor buffers: made at creation, each of at least
+// kDescriptorChunkBytes; more are made while all are busy.
+inline constexpr int kInitialDescriptorChunks = 4;
+inline constexpr std::size_t kDescriptorChunkBytes = std::size_t{64} << 10;
 struct StoreInline {
   StoreLaunch a;
   std::int64_t writes_at = 0;
