@@ -150,9 +150,12 @@ file(WRITE ${wide} [=[
 set(wide_run --config ${wide} --vocab 64 --tokens 4 --prompt-tokens 2 --no-progress)
 execute_process(COMMAND ${KVRING} run ${wide_run} --save ${WORK}/wide.kvpack
                 RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
-if(NOT rc EQUAL 0)
+if(rc EQUAL 2 AND err MATCHES "more than half the .* this process may use")
+  # A machine (or cgroup) under 2.3 GB: the bound itself refused the run.
+  message(STATUS "the wide model does not fit this machine, its ulimit cases skipped: ${err}")
+elseif(NOT rc EQUAL 0)
   message(FATAL_ERROR "the wide model's run: exit ${rc}: ${err}")
-endif()
+else()
 foreach(args "${wide_run}" "--resume;${WORK}/wide.kvpack;--no-progress")
   execute_process(COMMAND bash -c "ulimit -v 2097152 && exec \"$0\" \"$@\"" ${KVRING} run ${args}
                   RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
@@ -164,6 +167,7 @@ execute_process(COMMAND ${KVRING} run --resume ${WORK}/wide.kvpack --no-progress
                 RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "the wide model's resume: exit ${rc}: ${err}")
+endif()
 endif()
 run_fail("use smaller chunks" --vocab 1048576 --hidden 8 --prompt-tokens 4000 --tokens 4000 --chunk 4000 --context 4096)
 run_fail("--tokens = 0 is outside" --tokens 0)

@@ -146,6 +146,32 @@ start_unix_serve big big --tokens 140 --json --timeout 20 --max-mib 1
 wait "$SERVE_PID" && fail "serve --max-mib 1 exited 0"
 grep -q "reference model (hidden 256, vocab 1024) takes .* (--max-mib)" big.err || fail "big model: $(cat big.err)"
 grep -q "refused the session" big_send.err || fail "big model, sender: $(cat big_send.err)"
+# It is bounded by the memory serve may use too (here ulimit -v 2 GiB, of
+# which half may go to weights), at the header though --max-mib would take
+# it: 1.16 GB of weights. On the CPU only: a CUDA context wants more
+# address space than that. (A sender on a machine too small for the model
+# is refused by the same bound before it connects.)
+cat >heavy.json <<'EOF'
+{"num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 128,
+ "sliding_window": 32, "max_position_embeddings": 256, "sliding_window_pattern": 4}
+EOF
+if [ "$B" = cpu ]; then
+  rm -f heavy.sock
+  bash -c 'ulimit -v 2097152 && exec "$0" "$@"' "$K" handoff serve --listen "unix:$W/heavy.sock" --tokens 4 \
+    --timeout 20 --max-mib 4096 >heavy.out 2>heavy.err &
+  SERVE_PID=$!
+  pids+=("$SERVE_PID")
+  await -S heavy.sock || fail "heavy: no socket"
+  "$K" run --config heavy.json --vocab 64 --no-progress --prompt-tokens 2 \
+    --handoff-to "unix:$W/heavy.sock" >heavy_send.out 2>heavy_send.err && fail "serve under ulimit -v took a 1.16 GB model"
+  if grep -q "refused the session" heavy_send.err; then
+    wait "$SERVE_PID" && fail "serve under ulimit -v exited 0"
+    grep -q "would take 1,157,955,584 B .*more than half the 2,147,483,648 B" heavy.err || fail "heavy model: $(cat heavy.err)"
+  else
+    grep -q "this process may use" heavy_send.err || fail "heavy model, sender: $(cat heavy_send.err)"
+    kill "$SERVE_PID" 2>/dev/null
+  fi
+fi
 # A receiver whose model has the session's geometry and another score scale
 # refuses it, naming both scales; one of another geometry (whose default
 # scale differs too) names the geometry; the sender hears why and keeps its
@@ -208,6 +234,7 @@ wait $pf_pid && fail "serve with nobody connecting succeeded"
 for other in "" other; do
   "$K" handoff serve --listen 127.0.0.1:0 --port-file pf --tokens 40 --timeout 60 2>pf.err &
   pf_pid=$!
+  pids+=("$pf_pid")
   await -s pf || fail "--port-file pf: no port written"
   [ -z "$other" ] || echo "$other" >pf
   kill -TERM $pf_pid

@@ -221,8 +221,8 @@ Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens, 
   // The model serve builds to decode is the sender's choice (hidden, vocab,
   // mlp): refused at the header where it could not be built, and bounded by
   // the receiver's --max-mib like the store, before any row is taken.
-  if (Status s = ReferenceModel::check(header.config, record->options); !s.ok())
-    return make_error(s.error().code, "the handed-off run's reference model cannot be built: " + s.error().message);
+  if (Status s = check_run_model(header.config, record->options); !s.ok())
+    return make_error(s.error().code, "the handed-off run's reference model cannot be built here: " + s.error().message);
   if (const double weights = ReferenceModel::weight_bytes(header.config, record->options);
       weights > static_cast<double>(max_bytes))
     return make_error(ErrorCode::kCapacityExceeded,
@@ -374,7 +374,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
     auto f = pack_internal::AtomicFile::create(path, {});
     Status st = f.ok() ? (*f)->write_at(0, {reinterpret_cast<const std::uint8_t*>(text.data()), text.size()})
                        : f.error();
-    port_file_slot = pack_internal::track_file_holding(path, text);
+    if (st.ok()) port_file_slot = pack_internal::track_file_holding(path, text);
     if (st.ok()) st = (*f)->commit(false);
     if (!st.ok()) return fail("cannot write --port-file " + path + ": " + st.error().message);
   }

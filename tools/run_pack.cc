@@ -335,8 +335,7 @@ Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store) {
   return *seq;
 }
 
-Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig& config,
-                                                               const ModelOptions& options) {
+Status check_run_model(const ModelConfig& config, const ModelOptions& options) {
   KVRING_RETURN_IF_ERROR(ReferenceModel::check(config, options));
   std::int64_t limit = file_internal::memory_limit_bytes();
   struct rlimit as {};
@@ -351,6 +350,12 @@ Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig
                           " layers) would take " + format_bytes(static_cast<std::int64_t>(weights)) +
                           ", more than half the " + format_bytes(limit) +
                           " this process may use (a smaller hidden size or vocabulary, or fewer layers or heads, would fit)");
+  return Status::Ok();
+}
+
+Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig& config,
+                                                               const ModelOptions& options) {
+  KVRING_RETURN_IF_ERROR(check_run_model(config, options));
   return ReferenceModel::create(config, options);
 }
 

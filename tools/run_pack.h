@@ -53,6 +53,8 @@ struct RunRecord {
 // would take more than half the memory this process may use: its cgroup's
 // or the machine's (as serve's --max-mib default), and its address-space
 // limit (ulimit -v) where one is set.
+Status check_run_model(const ModelConfig& config, const ModelOptions& options);
+// check_run_model, then the model.
 Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig& config,
                                                                const ModelOptions& options);
 

@@ -126,7 +126,10 @@ int track(const std::string& path, const std::string_view* text) {
     TrackedTemporary& t = g_tracked[i];
     int expected = kFree;
     if (!t.state.compare_exchange_strong(expected, kWriting, std::memory_order_acq_rel)) continue;
-    t.generation.fetch_add(1, std::memory_order_acq_rel);
+    t.generation.fetch_add(1, std::memory_order_relaxed);
+    // The new generation is seen before any byte written below (a reader
+    // that copies them sees the generation moved on).
+    std::atomic_thread_fence(std::memory_order_release);
     std::memcpy(t.path, path.c_str(), path.size() + 1);
     t.holds = text != nullptr;
     t.text_bytes = text != nullptr ? text->size() : 0;
