@@ -358,6 +358,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
     ucx_listener = std::move(*l);
     where = handoff::parse_host_port(listen)->first + ":" + std::to_string(ucx_listener->port());
   }
+  std::string port_text;  // what --port-file holds while serve listens
   int port_file_slot = -1;
   const struct Unlist {
     int& slot;
@@ -370,11 +371,13 @@ int cmd_serve(const std::vector<std::string>& argv) {
     // failure leaves no temporary behind.
     // Listed before it is renamed into place, so that a signal ending
     // serve removes it too (while it still holds the port).
-    const std::string path = a->str("port-file"), text = std::to_string(ucx_listener->port()) + "\n";
+    const std::string path = a->str("port-file");
+    port_text = std::to_string(ucx_listener->port()) + "\n";
     auto f = pack_internal::AtomicFile::create(path, {});
-    Status st = f.ok() ? (*f)->write_at(0, {reinterpret_cast<const std::uint8_t*>(text.data()), text.size()})
+    Status st = f.ok() ? (*f)->write_at(0, {reinterpret_cast<const std::uint8_t*>(port_text.data()),
+                                            port_text.size()})
                        : f.error();
-    if (st.ok()) port_file_slot = pack_internal::track_file_holding(path, text);
+    if (st.ok()) port_file_slot = pack_internal::track_file_holding(path, port_text);
     if (st.ok()) st = (*f)->commit(false);
     if (!st.ok()) return fail("cannot write --port-file " + path + ": " + st.error().message);
   }
@@ -386,9 +389,7 @@ int cmd_serve(const std::vector<std::string>& argv) {
   // written it since).
   if (a->has("port-file")) {
     pack_internal::untrack_temporary(std::exchange(port_file_slot, -1));
-    const std::string path = a->str("port-file");
-    auto now = file_internal::read_small_file(path, "--port-file", 64);
-    if (now && *now == std::to_string(ucx_listener->port()) + "\n") std::remove(path.c_str());
+    pack_internal::remove_file_holding(a->str("port-file"), port_text);
   }
   if (!link) return fail("handoff on " + where + " failed, nothing installed: " + link.error().to_string());
   handoff::DetachedCacheTarget target(to);

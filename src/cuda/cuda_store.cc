@@ -56,9 +56,6 @@ constexpr std::int64_t kMaxQueriesPerLaunch = 65535;  // grid.z
 // Bytes of f16-numeric partials one launch may take (attend_f16), but
 // where one tile of queries takes more: a launch holds a tile at least.
 constexpr std::int64_t kF16WorkspaceBudget = std::int64_t{512} << 20;
-// Descriptor buffers made at creation, and the smallest one made later.
-constexpr int kInitialChunks = cuda::kInitialDescriptorChunks;
-constexpr std::size_t kChunkBytes = cuda::kDescriptorChunkBytes;
 
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 // Rows the store kernels may read 16 bytes at a time: an aligned start and
@@ -351,7 +348,7 @@ struct CudaStore::Impl {
 
   Result<Chunk*> new_chunk(std::size_t bytes) {
     Chunk c;
-    c.bytes = std::max(bytes, kChunkBytes);
+    c.bytes = std::max(bytes, cuda::kDescriptorChunkBytes);
     KVRING_CUDA_CHECK("cudaHostAlloc of descriptors",
                       cudaHostAlloc(reinterpret_cast<void**>(&c.host), c.bytes, cudaHostAllocDefault));
     if (cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&c.dev), c.bytes); e != cudaSuccess) {
@@ -764,8 +761,8 @@ Result<std::unique_ptr<CudaStore>> CudaStore::create(const ModelConfig& config,
       }
     }
   }
-  for (int i = 0; i < kInitialChunks; ++i) {
-    auto c = im.new_chunk(kChunkBytes);
+  for (int i = 0; i < cuda::kInitialDescriptorChunks; ++i) {
+    auto c = im.new_chunk(cuda::kDescriptorChunkBytes);
     if (!c) return c.error();
   }
   KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(im.stream));
@@ -1535,25 +1532,22 @@ Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStrea
   // Every entry of every change goes up in one copy and lands in the
   // mirror with one launch: a batched operation changes many tables. When
   // no descriptor buffer that large can be had (the device's memory spent),
-  // they go in pieces of kChunkBytes, each through a buffer take_chunk
-  // finds or waits for, in stream order.
+  // they go in pieces of kDescriptorChunkBytes, each through a buffer
+  // take_chunk finds or waits for, in stream order.
   std::size_t piece = entries;
   auto chunk = im.take_chunk(entries * sizeof(cuda::TableWrite), s);
-  if (!chunk && entries * sizeof(cuda::TableWrite) > kChunkBytes) {
-    piece = kChunkBytes / sizeof(cuda::TableWrite);
-    chunk = im.take_chunk(kChunkBytes, s);
+  if (!chunk && entries * sizeof(cuda::TableWrite) > cuda::kDescriptorChunkBytes) {
+    piece = cuda::kDescriptorChunkBytes / sizeof(cuda::TableWrite);
+    chunk = im.take_chunk(cuda::kDescriptorChunkBytes, s);
   }
-  if (!chunk) return im.fail(chunk.status(), s);
   std::size_t next_change = 0;
   std::int64_t next_entry = changes.empty() ? 0 : changes[0].first;
   Status st = Status::Ok();
   for (std::size_t sent = 0; st.ok() && sent < entries;) {
-    if (sent > 0) {
-      chunk = im.take_chunk(piece * sizeof(cuda::TableWrite), s);
-      if (!chunk) {
-        st = chunk.status();
-        break;
-      }
+    if (sent > 0) chunk = im.take_chunk(piece * sizeof(cuda::TableWrite), s);
+    if (!chunk) {
+      st = chunk.status();
+      break;
     }
     const std::size_t n = std::min(piece, entries - sent);
     auto* w = reinterpret_cast<cuda::TableWrite*>((*chunk)->host);

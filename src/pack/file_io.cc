@@ -167,6 +167,11 @@ void untrack_temporary(int slot) {
   if (slot >= 0) g_tracked[slot].state.store(kFree, std::memory_order_release);
 }
 
+void remove_file_holding(const std::string& path, std::string_view text) {
+  if (text.size() <= kTrackedTextBytes && file_holds(path.c_str(), text.data(), text.size()))
+    ::unlink(path.c_str());
+}
+
 void remove_live_temporaries() noexcept {
   const int saved_errno = errno;
   char path[kTrackedPathBytes];

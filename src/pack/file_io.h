@@ -77,6 +77,9 @@ inline constexpr std::size_t kTrackedTextBytes = 64;
 int track_file_holding(const std::string& path, std::string_view text);
 // Unlists a slot track_temporary returned; -1 is ignored.
 void untrack_temporary(int slot);
+// Removes the file at `path` if it holds exactly `text` (a link is not
+// followed); what track_file_holding's slot does on a signal.
+void remove_file_holding(const std::string& path, std::string_view text);
 void remove_live_temporaries() noexcept;
 
 }  // namespace kvring::pack_internal
