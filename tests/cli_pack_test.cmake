@@ -37,6 +37,21 @@ function(summary out_var json)
   set(${out_var} "${stripped}" PARENT_SCOPE)
 endfunction()
 
+# A resumed run (its --json output and its saved pack) against one that
+# never stopped: the same summary outside timing, byte-identical packs.
+function(same_as_straight resumed straight resumed_pack straight_pack what)
+  summary(resumed_s "${resumed}")
+  summary(straight_s "${straight}")
+  if(NOT resumed_s STREQUAL straight_s)
+    message(FATAL_ERROR "${what}: the resumed run differs from the run that never stopped:\n${resumed_s}\n${straight_s}")
+  endif()
+  file(SHA256 ${WORK}/${resumed_pack} resumed_sha)
+  file(SHA256 ${WORK}/${straight_pack} straight_sha)
+  if(NOT resumed_sha STREQUAL straight_sha)
+    message(FATAL_ERROR "${what}: the resumed session's pack differs from the never-stopped session's pack")
+  endif()
+endfunction()
+
 function(flip_byte file offset)
   file(SHA256 ${file} before)
   foreach(value "\\377" "\\001")
@@ -72,19 +87,11 @@ endif()
 kvring(first 0 run ${session} --tokens 300 --json --save a.kvpack)
 kvring(resumed 0 run ${on_backend} --resume a.kvpack --tokens 600 --json --save b.kvpack)
 kvring(straight 0 run ${session} --tokens 600 --json --save c.kvpack)
-summary(resumed_s "${resumed}")
+same_as_straight("${resumed}" "${straight}" b.kvpack c.kvpack "self-contained")
 summary(straight_s "${straight}")
-if(NOT resumed_s STREQUAL straight_s)
-  message(FATAL_ERROR "resumed run differs from the run that never stopped:\n${resumed_s}\n${straight_s}")
-endif()
 string(JSON tokens GET "${resumed}" tokens)
 if(NOT tokens EQUAL 600)
   message(FATAL_ERROR "resumed run ended at ${tokens} tokens")
-endif()
-file(SHA256 ${WORK}/b.kvpack b_sha)
-file(SHA256 ${WORK}/c.kvpack c_sha)
-if(NOT b_sha STREQUAL c_sha)
-  message(FATAL_ERROR "the resumed session's pack differs from the never-stopped session's pack")
 endif()
 # Resuming without going further reproduces the saved summary.
 kvring(again 0 run ${on_backend} --resume a.kvpack --json)
@@ -95,6 +102,31 @@ if(NOT again_s STREQUAL first_s)
 endif()
 kvring(text 0 run ${on_backend} --resume a.kvpack --tokens 320)
 expect_match("${text}" "last logits sha256 [0-9a-f]+" "resume text summary")
+
+# --- A model of sliding layers alone runs past its context ---------------------
+# Its rings hold their window (32 rows of 32), so its sequences never stop:
+# saved at 100 of a context of 64, resumed to 200, it matches a run that
+# never stopped. A ring shorter than its window (64 rows of 72) stops at
+# the context, as a full plane does.
+file(WRITE ${WORK}/sliding.json [=[
+{"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 32, "max_position_embeddings": 1024,
+ "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention"]}
+]=])
+set(sliding --config sliding.json --context 64 --hidden 32 --vocab 64 --prompt-tokens 80 --chunk 7 --no-progress ${on_backend})
+kvring(out 0 run ${sliding} --tokens 100 --save s1.kvpack)
+kvring(s_resumed 0 run ${on_backend} --resume s1.kvpack --tokens 200 --json --save s2.kvpack)
+kvring(s_straight 0 run ${sliding} --tokens 200 --json --save s3.kvpack)
+same_as_straight("${s_resumed}" "${s_straight}" s2.kvpack s3.kvpack "sliding-only, past its context")
+kvring(out 0 run ${sliding} --tokens 150 --sequences 2)
+expect_match("${out}" "sequence 0: seed 1, 150 tokens \\(80 prompt, 70 generated\\)" "sliding-only sequences past the context")
+kvring(out 2 run ${session} --context 64 --tokens 100)
+expect_match("${out}" "--tokens = 100 exceeds the cache context 64" "a full plane stops at the context")
+file(READ ${WORK}/sliding.json short_ring)
+string(REPLACE "\"sliding_window\": 32" "\"sliding_window\": 72" short_ring "${short_ring}")
+file(WRITE ${WORK}/short_ring.json "${short_ring}")
+kvring(out 2 run --config short_ring.json --context 64 --hidden 32 --vocab 64 --prompt-tokens 40 --tokens 65 --no-progress ${on_backend})
+expect_match("${out}" "--tokens = 65 exceeds the cache context 64" "a ring shorter than its window stops at the context")
 
 # --- Thin packs over a directory store --------------------------------------
 kvring(thin_first 0 run ${session} --tokens 300 --json --save ta.kvpack --store dir:store)

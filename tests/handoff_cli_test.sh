@@ -126,6 +126,19 @@ start_unix_serve serve unix --tokens 140 --json --timeout 20
 wait "$SERVE_PID" || fail "handoff serve on unix: exited $?"
 [ "$(fields unix.out)" = "$(fields uref.json)" ] || fail "unix: summaries differ: $(fields unix.out) vs $(fields uref.json)"
 [ -e serve.sock ] && fail "serve left its socket file"
+# A model of sliding layers alone, whose rings hold their window, hands off
+# and decodes past its context as one run does.
+cat >sliding.json <<'JSON'
+{"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "sliding_window": 32, "max_position_embeddings": 1024,
+ "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention"]}
+JSON
+sl=(--config sliding.json --context 64 --hidden 32 --vocab 64 --seed 3 --backend "$B" --no-progress --prompt-tokens 80 --chunk 7)
+"$K" run "${sl[@]}" --tokens 150 --json >sref.json 2>sref.err || fail "sliding-only reference run"
+start_unix_serve sserve sliding --tokens 150 --json --timeout 20
+"$K" run "${sl[@]}" --handoff-to "unix:$W/sserve.sock" >ssend.out 2>ssend.err || fail "sliding-only run --handoff-to"
+wait "$SERVE_PID" || fail "sliding-only serve exited $?"
+[ "$(fields sliding.out)" = "$(fields sref.json)" ] || fail "sliding-only: $(fields sliding.out) vs $(fields sref.json)"
 # Many small messages (3,000 of 1 KiB) under serve's default 64 MiB of credits: the
 # sender reads acknowledgements as it goes, so neither end blocks on a
 # full socket (it used to time out at both ends).

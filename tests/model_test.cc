@@ -153,6 +153,26 @@ TEST(ExactnessGate, PositionsPastTheCacheAreRefusedWhole) {
             ErrorCode::kCapacityExceeded);
 }
 
+// A cache whose rings hold their window (32 rows of 32) and no full plane:
+// its sequences go on past the context, and their bits are those of a
+// cache sized for more positions (the rings are the same size).
+TEST(ExactnessGate, RingsThatHoldTheirWindowRunPastTheContext) {
+  const ModelConfig c = make_hybrid_config("all-sliding", 2, 0, 4, 2, 16, 32, 256);
+  EXPECT_FALSE(c.sequence_stops_at_context(40));
+  const ModelOptions options{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 4};
+  gate(c, options, 40, {39, 40, 150});
+  auto model = ReferenceModel::create(c, options);
+  ASSERT_TRUE(model.ok());
+  const auto tokens = seeded_tokens(151, 50, 9);
+  const ModelRun past = run_model(*model, tokens, 151, 7, 40);
+  const ModelRun within = run_model(*model, tokens, 151, 7, 256);
+  EXPECT_TRUE(same_bits(past.logits.data(), within.logits.data(), past.logits.size()));
+  EXPECT_TRUE(past.planes == within.planes);
+  // A full plane, or a ring shorter than its window, stops at the context.
+  EXPECT_TRUE(make_hybrid_config("hybrid", 4, 4, 4, 2, 16, 32, 256).sequence_stops_at_context(256));
+  EXPECT_TRUE(make_hybrid_config("all-sliding", 2, 0, 4, 2, 16, 64, 256).sequence_stops_at_context(40));
+}
+
 // The index of the largest finite logit, the first of equals, written out
 // independently of argmax.
 std::int32_t first_max(const std::vector<float>& logits) {

@@ -183,7 +183,8 @@ int cmd_plan(const std::vector<std::string>& argv) {
 
 // What serve needs of a session before it takes any row, from its header
 // alone: a run record it can decode with, the prompt's last token, and
-// --tokens within the prompt and the session's context.
+// --tokens within the prompt and, where its sequence stops there, the
+// session's context.
 struct ServedSession {
   RunRecord record;
   std::int32_t next_token = 0;
@@ -204,7 +205,7 @@ Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens, 
   if (tokens < record->prompt_tokens)
     return invalid_argument("--tokens = " + std::to_string(tokens) + " is below the prompt's " +
                             std::to_string(record->prompt_tokens) + " tokens");
-  if (tokens > header.context)
+  if (tokens > header.context && header.config.sequence_stops_at_context(header.context))
     return invalid_argument("--tokens = " + std::to_string(tokens) + " exceeds the session's context " +
                             std::to_string(header.context));
   // The session is decoded with its token ids (Session::resume takes one a

@@ -181,11 +181,13 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (context > config->max_context)
     return fail("--context = " + std::to_string(context) + " exceeds the model's maximum " +
                 std::to_string(config->max_context));
-  // Under --handoff-to the prompt alone sizes the session (no --tokens).
-  if (o.tokens > context && !o.handoff_to.empty())
+  // Under --handoff-to the prompt alone sizes the session (no --tokens). A
+  // model of rings that hold their window runs past the context.
+  const bool stops = config->sequence_stops_at_context(context);
+  if (stops && o.tokens > context && !o.handoff_to.empty())
     return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
                 std::to_string(context) + " of model '" + printable(config->name, false) + "'");
-  if (o.tokens > context)
+  if (stops && o.tokens > context)
     return fail("--tokens = " + std::to_string(o.tokens) + (o.tokens_given ? "" : " (the default)") +
                 " exceeds the cache context " + std::to_string(context) + " of model '" +
                 printable(config->name, false) + "'" + (o.tokens_given ? "" : "; give --tokens"));

@@ -113,7 +113,7 @@ int run_many(const RunOptions& o, BackendKind backend) {
     m.prompt_tokens = prompt_of(o, i);
     m.target = target_of(o, i, m.prompt_tokens);
   }
-  for (std::int64_t i = 0; i < n; ++i)
+  for (std::int64_t i = 0; i < n && config.sequence_stops_at_context(context); ++i)
     if (members[static_cast<std::size_t>(i)].target > context)
       return fail("sequence " + std::to_string(i) + " runs to " +
                   std::to_string(members[static_cast<std::size_t>(i)].target) +

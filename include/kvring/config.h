@@ -80,6 +80,11 @@ struct ModelConfig {
   // evict rows a later query still sees), so no cache of that context holds
   // a position past it.
   bool ring_stops_at_context(std::int64_t layer, std::int64_t context) const;
+  // Whether a sequence of a cache sized for `context` stops at the context:
+  // a full plane, or a ring that stops there, is among its layers. Where
+  // none is, every ring holds its window and a sequence goes on past the
+  // context (to KvStore::kNoPositionLimit).
+  bool sequence_stops_at_context(std::int64_t context) const;
 
   // Checks every field; the error names the field.
   Status validate() const;

@@ -82,7 +82,9 @@ struct Payload {
 };
 
 // The payload of an `prompt_tokens`-token prompt (>= 1) on a cache of
-// `context` positions (0: the model's max_context).
+// `context` positions (0: the model's max_context), within the context
+// unless the model's sequences run past it
+// (ModelConfig::sequence_stops_at_context).
 Result<Payload> payload_for(const ModelConfig& config, std::int64_t prompt_tokens,
                             std::int64_t context = 0);
 

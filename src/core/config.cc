@@ -41,6 +41,12 @@ bool ModelConfig::ring_stops_at_context(std::int64_t layer, std::int64_t context
   return kind(layer) == LayerKind::kSlidingRope && plane_capacity(layer, context) < sliding_window;
 }
 
+bool ModelConfig::sequence_stops_at_context(std::int64_t context) const {
+  for (LayerKind k : layer_kinds)
+    if (k == LayerKind::kFullNope || plane_capacity(k, context) < sliding_window) return true;
+  return false;
+}
+
 std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position) {
   if (kind == LayerKind::kFullNope || position < config.sliding_window) return 0;
   return position - config.sliding_window + 1;

@@ -39,7 +39,7 @@ Result<Payload> payload_for(const ModelConfig& config, std::int64_t prompt_token
   if (!ctx) return ctx.error();
   if (prompt_tokens < 1)
     return invalid_argument("a handoff needs a prompt of at least 1 token, got " + std::to_string(prompt_tokens));
-  if (prompt_tokens > *ctx)
+  if (prompt_tokens > *ctx && config.sequence_stops_at_context(*ctx))
     return invalid_argument("a prompt of " + std::to_string(prompt_tokens) + " tokens exceeds the context " +
                             std::to_string(*ctx) + " of model '" + config.name + "'");
   Payload p;

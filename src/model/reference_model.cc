@@ -226,12 +226,15 @@ Status ReferenceModel::check_tokens(const KvStore& store, std::span<const SeqSpa
                                                 store.config().name + ", not " + c.name + ")");
   if (spans.empty()) return invalid_argument("forward: no sequences");
   if (tokens == nullptr) return invalid_argument("forward: null buffer");
-  // A store serves the positions it was sized for: past them a sliding
-  // ring smaller than the window would have lost rows a query needs.
+  // A store serves the positions it was sized for where a full plane or a
+  // sliding ring smaller than the window stops there (past them the ring
+  // would have lost rows a query needs); a store of rings that hold their
+  // window goes on past its context (ModelConfig::sequence_stops_at_context).
+  const bool stops = c.sequence_stops_at_context(store.context());
   std::int64_t n = 0;
   for (const SeqSpan& sp : spans) {
     if (sp.count < 1) return invalid_argument("forward: " + std::to_string(sp.count) + " tokens");
-    if (sp.start < 0 || sp.count > store.context() - sp.start)
+    if (sp.start < 0 || (stops && sp.count > store.context() - sp.start))
       return make_error(ErrorCode::kCapacityExceeded,
                         std::to_string(sp.count) + " positions from " + std::to_string(sp.start) +
                             " exceed the store's " + std::to_string(store.context()) +
