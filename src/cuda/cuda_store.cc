@@ -222,8 +222,10 @@ struct CudaStore::Impl {
     cudaEvent_t done = nullptr;
     bool busy = false;
     bool permanent = false;  // captured into a graph: never reused
+    std::uint64_t released = 0;  // release_chunk's count when it last ran
   };
   std::vector<Chunk> chunks;
+  std::uint64_t releases = 0;
 
   // The order of the store's work across streams: `last_id` is the
   // previous hook's stream, by the runtime's stream id (unique for the
@@ -390,16 +392,21 @@ struct CudaStore::Impl {
       (*c)->permanent = capture;
       return *c;
     }
-    if (!capture) {
-      for (Chunk& b : chunks) {
-        if (b.permanent || b.bytes < bytes || !b.busy) continue;
-        if (cudaEventSynchronize(b.done) != cudaSuccess) {
-          (void)cudaGetLastError();
-          continue;
-        }
-        b.busy = false;
-        return &b;
+    // The busy buffer released first: work on one stream finishes in the
+    // order it was enqueued, so its wait is the shortest.
+    while (!capture) {
+      Chunk* oldest = nullptr;
+      for (Chunk& b : chunks)
+        if (!b.permanent && b.bytes >= bytes && b.busy && (oldest == nullptr || b.released < oldest->released))
+          oldest = &b;
+      if (oldest == nullptr) break;
+      if (cudaEventSynchronize(oldest->done) == cudaSuccess) {
+        oldest->busy = false;
+        return oldest;
       }
+      // An event that reports an error is never waited on again.
+      (void)cudaGetLastError();
+      oldest->permanent = true;
     }
     return c.error();
   }
@@ -409,12 +416,20 @@ struct CudaStore::Impl {
                       cudaMemcpyAsync(c.dev, c.host, bytes, cudaMemcpyHostToDevice, s));
     return Status::Ok();
   }
-  // Work that reads the chunk is enqueued on `s`.
-  Status release_chunk(Chunk* c, cudaStream_t s) {
-    if (c->permanent) return Status::Ok();
-    KVRING_CUDA_CHECK("cudaEventRecord", cudaEventRecord(c->done, s));
+  // Work that reads the chunk is enqueued on `s`: called for every chunk a
+  // call took (none: nothing) once anything that reads it may have been
+  // enqueued, whether or not the call failed after that. Its error becomes
+  // the call's where the call has none yet.
+  void release_chunk(Chunk* c, cudaStream_t s, Status& st) {
+    if (c == nullptr || c->permanent) return;
     c->busy = true;
-    return Status::Ok();
+    c->released = ++releases;
+    if (cudaError_t e = cudaEventRecord(c->done, s); e != cudaSuccess) {
+      // Without its event nothing tells when the enqueued work is done.
+      (void)cudaGetLastError();
+      c->permanent = true;
+      if (st.ok()) st = cuda_error("cudaEventRecord", e);
+    }
   }
 
   // A host view as a device view of the same dtype (packed rows), copied
@@ -954,7 +969,7 @@ Status CudaStore::write_rows(std::span<const TableChange> changes,
     }
   }
   if (st.ok() && e != cudaSuccess) st = cuda_error("store kernel launch", e);
-  if (st.ok() && chunk != nullptr) st = im.release_chunk(chunk, s);
+  im.release_chunk(chunk, s, st);
   if (st.ok()) st = im.leave(s);
   if (!st.ok()) return im.fail(st, s);
   if (host) KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
@@ -1308,7 +1323,7 @@ Status CudaStore::attend_f32(const AttendBatch& b, const float* dq, std::int64_t
     const cudaError_t e = cuda::launch_attend(P, im.policy, s, inline_items);
     if (e != cudaSuccess) st = cuda_error("attention kernel launch", e);
   }
-  if (desc != nullptr && st.ok()) st = im.release_chunk(desc, s);
+  im.release_chunk(desc, s, st);
   return st;
 }
 
@@ -1428,7 +1443,7 @@ Status CudaStore::attend_f16(const AttendBatch& b, const float* dq, std::int64_t
     const cudaError_t e = cudaFreeAsync(ws, s);
     if (e != cudaSuccess && st.ok()) st = cuda_error("cudaFreeAsync", e);
   }
-  if (desc != nullptr && st.ok()) st = im.release_chunk(desc, s);
+  im.release_chunk(desc, s, st);
   return st;
 }
 
@@ -1572,7 +1587,7 @@ Status CudaStore::tables_changed(std::span<const TableChange> changes, cudaStrea
         st = cuda_error("block table upload", e);
       }
     }
-    if (st.ok()) st = im.release_chunk(*chunk, s);
+    im.release_chunk(*chunk, s, st);
     sent += n;
   }
   if (st.ok()) st = im.leave(s);
