@@ -122,6 +122,14 @@ kvring(out 0 run ${sliding} --tokens 150 --sequences 2)
 expect_match("${out}" "sequence 0: seed 1, 150 tokens \\(80 prompt, 70 generated\\)" "sliding-only sequences past the context")
 kvring(out 2 run ${session} --context 64 --tokens 100)
 expect_match("${out}" "--tokens = 100 exceeds the cache context 64" "a full plane stops at the context")
+# Below a context of 32 a full plane holds its 32 least rows, and a run
+# takes them.
+set(tiny --config small.json --context 8 --hidden 32 --vocab 64 --prompt-tokens 20 --no-progress ${on_backend})
+kvring(out 0 run ${tiny} --tokens 32 --save f32.kvpack)
+kvring(out 0 run ${on_backend} --resume f32.kvpack)
+kvring(out 2 run ${tiny} --tokens 33)
+expect_match("${out}" "--tokens = 33 exceeds the cache context 8 \\(32 positions on its full planes\\)"
+             "a full plane of 32 rows at a context of 8")
 file(READ ${WORK}/sliding.json short_ring)
 string(REPLACE "\"sliding_window\": 32" "\"sliding_window\": 72" short_ring "${short_ring}")
 file(WRITE ${WORK}/short_ring.json "${short_ring}")

@@ -133,12 +133,17 @@ cat >sliding.json <<'JSON'
  "sliding_window": 32, "max_position_embeddings": 1024,
  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention"]}
 JSON
-sl=(--config sliding.json --context 64 --hidden 32 --vocab 64 --seed 3 --backend "$B" --no-progress --prompt-tokens 80 --chunk 7)
-"$K" run "${sl[@]}" --tokens 150 --json >sref.json 2>sref.err || fail "sliding-only reference run"
+sl=(--config sliding.json --context 64 --hidden 32 --vocab 64 --seed 3 --backend "$B" --no-progress --chunk 7)
+"$K" run "${sl[@]}" --prompt-tokens 80 --tokens 150 --json >sref.json 2>sref.err || fail "sliding-only reference run"
 start_unix_serve sserve sliding --tokens 150 --json --timeout 20
-"$K" run "${sl[@]}" --handoff-to "unix:$W/sserve.sock" >ssend.out 2>ssend.err || fail "sliding-only run --handoff-to"
+"$K" run "${sl[@]}" --prompt-tokens 80 --handoff-to "unix:$W/sserve.sock" >ssend.out 2>ssend.err || fail "sliding-only run --handoff-to"
 wait "$SERVE_PID" || fail "sliding-only serve exited $?"
 [ "$(fields sliding.out)" = "$(fields sref.json)" ] || fail "sliding-only: $(fields sliding.out) vs $(fields sref.json)"
+# Its header carries the prompt's token ids: at most 2^24 of them.
+"$K" run "${sl[@]}" --prompt-tokens 16777217 --handoff-to "unix:$W/none.sock" 2>bound.err && fail "a prompt past 2^24"
+grep -q -- "--prompt-tokens = 16777217 exceeds the 16777216 a handoff carries" bound.err || fail "2^24: $(cat bound.err)"
+"$K" handoff plan --config sliding.json --context 64 --tokens 16777217 2>bound.err && fail "a plan past 2^24"
+grep -q "a prompt of 16777217 tokens exceeds the 16777216 a handoff carries" bound.err || fail "plan 2^24: $(cat bound.err)"
 # Many small messages (3,000 of 1 KiB) under serve's default 64 MiB of credits: the
 # sender reads acknowledgements as it goes, so neither end blocks on a
 # full socket (it used to time out at both ends).

@@ -153,24 +153,65 @@ TEST(ExactnessGate, PositionsPastTheCacheAreRefusedWhole) {
             ErrorCode::kCapacityExceeded);
 }
 
+// n seeded tokens fed in chunks of 7 on caches of contexts a and b: the
+// same logits, bit for bit (and the same planes where both are the same
+// size).
+void expect_same_runs(const ModelConfig& c, const ModelOptions& options, std::int64_t n, std::int64_t a,
+                      std::int64_t b, bool same_planes) {
+  auto model = ReferenceModel::create(c, options);
+  ASSERT_TRUE(model.ok());
+  const auto tokens = seeded_tokens(n, options.vocab, 9);
+  const ModelRun ra = run_model(*model, tokens, n, 7, a);
+  const ModelRun rb = run_model(*model, tokens, n, 7, b);
+  EXPECT_TRUE(same_bits(ra.logits.data(), rb.logits.data(), ra.logits.size()));
+  if (same_planes) {
+    EXPECT_TRUE(ra.planes == rb.planes);
+  }
+}
+
 // A cache whose rings hold their window (32 rows of 32) and no full plane:
 // its sequences go on past the context, and their bits are those of a
 // cache sized for more positions (the rings are the same size).
 TEST(ExactnessGate, RingsThatHoldTheirWindowRunPastTheContext) {
   const ModelConfig c = make_hybrid_config("all-sliding", 2, 0, 4, 2, 16, 32, 256);
-  EXPECT_FALSE(c.sequence_stops_at_context(40));
+  EXPECT_EQ(c.sequence_position_limit(40), kNoPositionLimit);
   const ModelOptions options{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 4};
   gate(c, options, 40, {39, 40, 150});
+  expect_same_runs(c, options, 151, 40, 256, true);
+  // A count past any buffer is refused before a token id is read.
   auto model = ReferenceModel::create(c, options);
   ASSERT_TRUE(model.ok());
-  const auto tokens = seeded_tokens(151, 50, 9);
-  const ModelRun past = run_model(*model, tokens, 151, 7, 40);
-  const ModelRun within = run_model(*model, tokens, 151, 7, 256);
-  EXPECT_TRUE(same_bits(past.logits.data(), within.logits.data(), past.logits.size()));
-  EXPECT_TRUE(past.planes == within.planes);
-  // A full plane, or a ring shorter than its window, stops at the context.
-  EXPECT_TRUE(make_hybrid_config("hybrid", 4, 4, 4, 2, 16, 32, 256).sequence_stops_at_context(256));
-  EXPECT_TRUE(make_hybrid_config("all-sliding", 2, 0, 4, 2, 16, 64, 256).sequence_stops_at_context(40));
+  auto cache = make_cpu_cache(c, {.context = 40});
+  ASSERT_TRUE(cache.ok());
+  std::vector<float> logits(50);
+  const std::int32_t one = 1;
+  EXPECT_EQ((*model)->forward(**cache, 0, &one, std::int64_t{1} << 32, logits.data()).error().code,
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(*(*cache)->next_position(), 0);
+}
+
+// Below a context of 32 a full plane holds 32 positions (its least rows),
+// and the model takes them all; a ring shorter than its window stops at
+// the context.
+TEST(ExactnessGate, ASequenceStopsWhereItsPlanesDo) {
+  const ModelConfig c = make_hybrid_config("hybrid", 2, 2, 4, 2, 16, 16, 256);
+  EXPECT_EQ(c.sequence_position_limit(8), 32);
+  EXPECT_EQ(c.sequence_position_limit(256), 256);
+  EXPECT_EQ(make_hybrid_config("short-ring", 2, 0, 4, 2, 16, 64, 256).sequence_position_limit(40), 40);
+  const ModelOptions options{.hidden = 32, .vocab = 50, .mlp = 0, .seed = 5};
+  expect_same_runs(c, options, 32, 8, 256, false);
+  auto model = ReferenceModel::create(c, options);
+  ASSERT_TRUE(model.ok());
+  const auto tokens = seeded_tokens(32, 50, 10);
+  auto cache = make_cpu_cache(c, {.context = 8});
+  ASSERT_TRUE(cache.ok());
+  Session s(*model, std::move(*cache));
+  ASSERT_TRUE(s.feed(tokens, 7).ok());
+  const testing::CacheImage before = testing::image(s.cache());
+  auto t = s.step();
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.error().code, ErrorCode::kCapacityExceeded);
+  EXPECT_TRUE(testing::image(s.cache()) == before);
 }
 
 // The index of the largest finite logit, the first of equals, written out

@@ -181,16 +181,20 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (context > config->max_context)
     return fail("--context = " + std::to_string(context) + " exceeds the model's maximum " +
                 std::to_string(config->max_context));
-  // Under --handoff-to the prompt alone sizes the session (no --tokens). A
-  // model of rings that hold their window runs past the context.
-  const bool stops = config->sequence_stops_at_context(context);
-  if (stops && o.tokens > context && !o.handoff_to.empty())
-    return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds the cache context " +
-                std::to_string(context) + " of model '" + printable(config->name, false) + "'");
-  if (stops && o.tokens > context)
-    return fail("--tokens = " + std::to_string(o.tokens) + (o.tokens_given ? "" : " (the default)") +
-                " exceeds the cache context " + std::to_string(context) + " of model '" +
-                printable(config->name, false) + "'" + (o.tokens_given ? "" : "; give --tokens"));
+  // Under --handoff-to the prompt alone sizes the session (no --tokens),
+  // and a handoff carries at most kMaxHandoffPrompt. A model of rings that
+  // hold their window runs past the context.
+  const std::int64_t limit = config->sequence_position_limit(context);
+  if (o.tokens > limit && !o.handoff_to.empty())
+    return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds " + cache_context_text(*config, context) +
+                " of model '" + printable(config->name, false) + "'");
+  if (o.tokens > handoff::kMaxHandoffPrompt && !o.handoff_to.empty())
+    return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds the " +
+                std::to_string(handoff::kMaxHandoffPrompt) + " a handoff carries");
+  if (o.tokens > limit)
+    return fail("--tokens = " + std::to_string(o.tokens) + (o.tokens_given ? "" : " (the default)") + " exceeds " +
+                cache_context_text(*config, context) + " of model '" + printable(config->name, false) + "'" +
+                (o.tokens_given ? "" : "; give --tokens"));
   if (!o.save.empty())
     if (Status s = check_save(o.save, 0, o.store); !s.ok()) return fail(s.error());
   std::optional<Session> fresh;

@@ -113,11 +113,11 @@ int run_many(const RunOptions& o, BackendKind backend) {
     m.prompt_tokens = prompt_of(o, i);
     m.target = target_of(o, i, m.prompt_tokens);
   }
-  for (std::int64_t i = 0; i < n && config.sequence_stops_at_context(context); ++i)
-    if (members[static_cast<std::size_t>(i)].target > context)
+  for (std::int64_t i = 0; i < n; ++i)
+    if (members[static_cast<std::size_t>(i)].target > config.sequence_position_limit(context))
       return fail("sequence " + std::to_string(i) + " runs to " +
-                  std::to_string(members[static_cast<std::size_t>(i)].target) +
-                  " tokens, past the store's context " + std::to_string(context));
+                  std::to_string(members[static_cast<std::size_t>(i)].target) + " tokens, past " +
+                  cache_context_text(config, context));
 
   if (!o.save.empty())
     if (Status s = check_save(o.save, n, o.store); !s.ok()) return fail(s.error());

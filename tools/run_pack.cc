@@ -335,6 +335,14 @@ Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store) {
   return *seq;
 }
 
+std::string cache_context_text(const ModelConfig& config, std::int64_t context) {
+  const std::int64_t limit = config.sequence_position_limit(context);
+  return "the cache context " + std::to_string(context) +
+         (limit > context && limit < kNoPositionLimit
+              ? " (" + std::to_string(limit) + " positions on its full planes)"
+              : "");
+}
+
 Status check_run_model(const ModelConfig& config, const ModelOptions& options) {
   KVRING_RETURN_IF_ERROR(ReferenceModel::check(config, options));
   std::int64_t limit = file_internal::memory_limit_bytes();

@@ -58,6 +58,12 @@ Status check_run_model(const ModelConfig& config, const ModelOptions& options);
 Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig& config,
                                                                const ModelOptions& options);
 
+// A cache of `context` positions as messages about positions past it name
+// it: "the cache context C", and the positions its full planes hold where
+// they hold more (below a context of 32); the limit is
+// ModelConfig::sequence_position_limit.
+std::string cache_context_text(const ModelConfig& config, std::int64_t context);
+
 std::string encode_run_record(const RunRecord& record);
 // Errors name the pack and the field. Checks each field's type and bounds
 // and the fields against one another (one last logit per vocabulary entry)

@@ -28,6 +28,8 @@ inline constexpr std::int64_t kMaxLayers = 1024;
 inline constexpr std::int64_t kMaxHeads = 1024;
 inline constexpr std::int64_t kMaxHeadDim = 1024;
 inline constexpr std::int64_t kMaxContext = std::int64_t{1} << 24;
+// Positions stay below it (RingState::plan_batch's bound).
+inline constexpr std::int64_t kNoPositionLimit = std::int64_t{1} << 62;
 // n_kv_heads * head_dim: one row of K (or V) of one layer, 256 KiB in f32.
 inline constexpr std::int64_t kMaxKvDim = 65536;
 // Fields of a config.json that kvring reads but keeps no geometry for:
@@ -80,11 +82,11 @@ struct ModelConfig {
   // evict rows a later query still sees), so no cache of that context holds
   // a position past it.
   bool ring_stops_at_context(std::int64_t layer, std::int64_t context) const;
-  // Whether a sequence of a cache sized for `context` stops at the context:
-  // a full plane, or a ring that stops there, is among its layers. Where
-  // none is, every ring holds its window and a sequence goes on past the
-  // context (to KvStore::kNoPositionLimit).
-  bool sequence_stops_at_context(std::int64_t context) const;
+  // The positions a sequence of a cache sized for `context` may reach on
+  // every layer: a full plane's capacity, max(32, context); the context,
+  // where a ring stops there; kNoPositionLimit where every layer is a ring
+  // that holds its window (KvStore::position_limit, layer by layer).
+  std::int64_t sequence_position_limit(std::int64_t context) const;
 
   // Checks every field; the error names the field.
   Status validate() const;

@@ -81,10 +81,16 @@ struct Payload {
   std::int64_t full_bytes = 0, sliding_bytes = 0, payload_bytes = 0;
 };
 
+// The longest prompt a handoff carries: its header holds the prompt's
+// token ids, and kMaxContext of them (the longest context a model may
+// have) fit a receiver's default message bound with room to spare. Only a
+// model whose sequences run past their context (every layer a ring that
+// holds its window) reaches it past the context.
+inline constexpr std::int64_t kMaxHandoffPrompt = kMaxContext;
+
 // The payload of an `prompt_tokens`-token prompt (>= 1) on a cache of
-// `context` positions (0: the model's max_context), within the context
-// unless the model's sequences run past it
-// (ModelConfig::sequence_stops_at_context).
+// `context` positions (0: the model's max_context): at most
+// ModelConfig::sequence_position_limit(context) and kMaxHandoffPrompt.
 Result<Payload> payload_for(const ModelConfig& config, std::int64_t prompt_tokens,
                             std::int64_t context = 0);
 

@@ -214,8 +214,7 @@ class KvStore {
   // plane stops at capacity(layer) and a ring that holds its window never
   // stops, and for both this returns kNoPositionLimit (2^62).
   std::int64_t position_limit(std::int64_t layer) const;
-  // Positions stay below it (RingState::plan_batch's bound).
-  static constexpr std::int64_t kNoPositionLimit = std::int64_t{1} << 62;
+  static constexpr std::int64_t kNoPositionLimit = kvring::kNoPositionLimit;
 
   // Bytes of plane storage: every slot's rings plus the whole pool.
   std::int64_t allocated_bytes() const;

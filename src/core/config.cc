@@ -41,10 +41,13 @@ bool ModelConfig::ring_stops_at_context(std::int64_t layer, std::int64_t context
   return kind(layer) == LayerKind::kSlidingRope && plane_capacity(layer, context) < sliding_window;
 }
 
-bool ModelConfig::sequence_stops_at_context(std::int64_t context) const {
-  for (LayerKind k : layer_kinds)
-    if (k == LayerKind::kFullNope || plane_capacity(k, context) < sliding_window) return true;
-  return false;
+std::int64_t ModelConfig::sequence_position_limit(std::int64_t context) const {
+  std::int64_t limit = kNoPositionLimit;
+  for (LayerKind k : layer_kinds) {
+    if (k == LayerKind::kFullNope) limit = std::min(limit, plane_capacity(k, context));
+    else if (plane_capacity(k, context) < sliding_window) limit = std::min(limit, context);
+  }
+  return limit;
 }
 
 std::int64_t visible_begin(const ModelConfig& config, LayerKind kind, std::int64_t position) {

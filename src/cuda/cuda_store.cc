@@ -221,7 +221,7 @@ struct CudaStore::Impl {
     std::size_t bytes = 0;
     cudaEvent_t done = nullptr;
     bool busy = false;
-    bool permanent = false;  // captured into a graph: never reused
+    bool permanent = false;  // captured into a graph, or its event failed: never reused
     std::uint64_t released = 0;  // release_chunk's count when it last ran
   };
   std::vector<Chunk> chunks;
@@ -380,8 +380,11 @@ struct CudaStore::Impl {
         if (c.busy) {
           const cudaError_t e = cudaEventQuery(c.done);
           if (e == cudaErrorNotReady) continue;
-          (void)cudaGetLastError();
-          if (e != cudaSuccess) continue;
+          if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            c.permanent = true;
+            continue;
+          }
         }
         c.busy = false;
         return &c;

@@ -39,9 +39,14 @@ Result<Payload> payload_for(const ModelConfig& config, std::int64_t prompt_token
   if (!ctx) return ctx.error();
   if (prompt_tokens < 1)
     return invalid_argument("a handoff needs a prompt of at least 1 token, got " + std::to_string(prompt_tokens));
-  if (prompt_tokens > *ctx && config.sequence_stops_at_context(*ctx))
+  if (const std::int64_t limit = config.sequence_position_limit(*ctx); prompt_tokens > limit)
     return invalid_argument("a prompt of " + std::to_string(prompt_tokens) + " tokens exceeds the context " +
-                            std::to_string(*ctx) + " of model '" + config.name + "'");
+                            std::to_string(*ctx) +
+                            (limit > *ctx ? " (" + std::to_string(limit) + " positions on its full planes)" : "") +
+                            " of model '" + config.name + "'");
+  if (prompt_tokens > kMaxHandoffPrompt)
+    return invalid_argument("a prompt of " + std::to_string(prompt_tokens) + " tokens exceeds the " +
+                            std::to_string(kMaxHandoffPrompt) + " a handoff carries");
   Payload p;
   p.prompt_tokens = prompt_tokens;
   p.rows_tokens = prompt_tokens - 1;

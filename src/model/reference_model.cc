@@ -226,26 +226,28 @@ Status ReferenceModel::check_tokens(const KvStore& store, std::span<const SeqSpa
                                                 store.config().name + ", not " + c.name + ")");
   if (spans.empty()) return invalid_argument("forward: no sequences");
   if (tokens == nullptr) return invalid_argument("forward: null buffer");
-  // A store serves the positions it was sized for where a full plane or a
-  // sliding ring smaller than the window stops there (past them the ring
-  // would have lost rows a query needs); a store of rings that hold their
-  // window goes on past its context (ModelConfig::sequence_stops_at_context).
-  const bool stops = c.sequence_stops_at_context(store.context());
+  // A store serves the positions its planes hold: a full plane's capacity,
+  // the context where a sliding ring smaller than the window stops (past it
+  // the ring would have lost rows a query needs); a store of rings that
+  // hold their window goes on (ModelConfig::sequence_position_limit).
+  const std::int64_t limit = c.sequence_position_limit(store.context());
   std::int64_t n = 0;
   for (const SeqSpan& sp : spans) {
     if (sp.count < 1) return invalid_argument("forward: " + std::to_string(sp.count) + " tokens");
-    if (sp.start < 0 || (stops && sp.count > store.context() - sp.start))
+    if (sp.start < 0 || sp.count > limit - sp.start)
       return make_error(ErrorCode::kCapacityExceeded,
                         std::to_string(sp.count) + " positions from " + std::to_string(sp.start) +
-                            " exceed the store's " + std::to_string(store.context()) +
-                            " positions");
+                            " exceed the store's " + std::to_string(limit) + " positions");
+    // The rows' activations bound a call before its token ids are read (n
+    // stays far below 2^62 before each span's count, at most 2^62, adds).
+    n += sp.count;
+    KVRING_RETURN_IF_ERROR(check_chunk(n));
     for (std::int64_t l = 0; l < c.n_layers; ++l) {
       auto ring = store.ring(sp.seq, l);
       if (!ring) return ring.error();
       auto plan = ring->plan_batch(l, sp.start, sp.count);
       if (!plan) return plan.error();
     }
-    n += sp.count;
   }
   auto blocks = store.blocks_to_store(spans);
   if (!blocks) return blocks.error();
