@@ -283,3 +283,26 @@ TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
 
 }  // namespace
 }  // namespace kvring
+
+// Self-contained packs over files with holes (sparse files).
+namespace kvring {
+namespace {
+
+TEST(PackZeros, AreHashedOnceAtEveryLength) {
+  const std::vector<std::int64_t> lengths = {0, 1, 55, 56, 63, 64, 65, 1 << 20, (1 << 20) + 1, 3 << 20};
+  const std::vector<Digest> got = pack_internal::sha256_of_zeros(lengths);
+  ASSERT_EQ(got.size(), lengths.size());
+  for (std::size_t j = 0; j < lengths.size(); ++j) {
+    const std::string zeros(static_cast<std::size_t>(lengths[j]), '\0');
+    EXPECT_EQ(to_hex(got[j]), to_hex(sha256(zeros.data(), zeros.size()))) << lengths[j] << " zero bytes";
+  }
+  // Hashing goes on after a digest is taken.
+  Sha256 h;
+  h.update("kv", 2);
+  EXPECT_EQ(h.digest_so_far(), sha256("kv", 2));
+  h.update("ring", 4);
+  EXPECT_EQ(h.finish(), sha256("kvring", 6));
+}
+
+}  // namespace
+}  // namespace kvring

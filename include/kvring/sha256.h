@@ -22,6 +22,8 @@ class Sha256 {
   Sha256(const Sha256&) = delete;
   Sha256& operator=(const Sha256&) = delete;
   void update(const void* data, std::size_t size);
+  // The digest of the bytes given so far; hashing may go on after it.
+  Digest digest_so_far() const;
   Digest finish();
 
  private:

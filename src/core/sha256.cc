@@ -37,6 +37,19 @@ void Sha256::update(const void* data, std::size_t size) {
   EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), data, size);
 }
 
+Digest Sha256::digest_so_far() const {
+  EVP_MD_CTX* copy = EVP_MD_CTX_new();
+  Digest d{};
+  unsigned int n = 0;
+  const bool ok = copy != nullptr &&
+                  EVP_MD_CTX_copy_ex(copy, static_cast<const EVP_MD_CTX*>(ctx_)) == 1 &&
+                  EVP_DigestFinal_ex(copy, d.data(), &n) == 1 && n == 32;
+  EVP_MD_CTX_free(copy);
+  // Only an allocation failure inside OpenSSL gets here.
+  if (!ok) throw std::runtime_error("OpenSSL SHA-256 copy failed");
+  return d;
+}
+
 Digest Sha256::finish() {
   Digest d{};
   unsigned int n = 0;

@@ -81,9 +81,13 @@ Status first_error(const std::vector<Status>& statuses) {
   return Status::Ok();
 }
 
+namespace {
+// The most bytes a streamed hash holds in its buffer.
+constexpr std::int64_t kPiece = std::int64_t{1} << 20;
+}  // namespace
+
 Result<Digest> sha256_in_pieces(std::int64_t bytes,
                                 const std::function<Status(std::int64_t, std::int64_t, std::uint8_t*)>& read) {
-  constexpr std::int64_t kPiece = std::int64_t{1} << 20;
   std::vector<std::uint8_t> buf(static_cast<std::size_t>(std::min(bytes, kPiece)));
   Sha256 h;
   for (std::int64_t done = 0; done < bytes;) {
@@ -93,6 +97,24 @@ Result<Digest> sha256_in_pieces(std::int64_t bytes,
     done += n;
   }
   return h.finish();
+}
+
+std::vector<Digest> sha256_of_zeros(const std::vector<std::int64_t>& lengths) {
+  const std::vector<std::uint8_t> zeros(
+      static_cast<std::size_t>(lengths.empty() ? 0 : std::min(lengths.back(), kPiece)));
+  std::vector<Digest> digests;
+  digests.reserve(lengths.size());
+  Sha256 h;
+  std::int64_t done = 0;
+  for (const std::int64_t length : lengths) {
+    while (done < length) {
+      const std::int64_t n = std::min(length - done, kPiece);
+      h.update(zeros.data(), static_cast<std::size_t>(n));
+      done += n;
+    }
+    digests.push_back(h.digest_so_far());
+  }
+  return digests;
 }
 
 PlaneGroups group_planes(const Snapshot& header, std::int64_t group_bytes) {

@@ -57,6 +57,12 @@ Status first_error(const std::vector<Status>& statuses);
 Result<Digest> sha256_in_pieces(std::int64_t bytes,
                                 const std::function<Status(std::int64_t, std::int64_t, std::uint8_t*)>& read);
 
+// SHA-256 of `lengths[j]` zero bytes for each j, the lengths ascending
+// and none negative: one pass over as many zeros as the last of them, the
+// digest taken at each length on the way, through a buffer of at most
+// 1 MiB.
+std::vector<Digest> sha256_of_zeros(const std::vector<std::int64_t>& lengths);
+
 // Consecutive planes of `header` in groups: as many as fit in the larger
 // of `group_bytes` of rows (K and V) and the longest plane, so that a
 // group's rows fit one buffer however long the sequence. Per layer: the end
