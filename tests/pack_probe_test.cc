@@ -5,6 +5,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -284,9 +289,89 @@ TEST(PackProbe, WhatTheReaderTakesIsValidAndRestores) {
 }  // namespace
 }  // namespace kvring
 
-// Self-contained packs over files with holes (sparse files).
+// Self-contained packs over files with holes (sparse files). A chunk whose
+// bytes lie wholly in a hole reads as zeros; verify gives it the verdict a
+// read gives, without reading it, so its time follows the bytes the file
+// holds, not the size it claims.
 namespace kvring {
 namespace {
+
+// A pack source over another that counts the bytes read through it within
+// [watch_begin, watch_end).
+class WatchedSource final : public PackSource {
+ public:
+  WatchedSource(const PackSource& inner, std::int64_t watch_begin, std::int64_t watch_end)
+      : inner_(inner), begin_(watch_begin), end_(watch_end) {}
+  const std::string& name() const override { return inner_.name(); }
+  std::int64_t size() const override { return inner_.size(); }
+  std::int64_t stored_bytes() const override { return inner_.stored_bytes(); }
+  Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const override {
+    watched_read += std::max<std::int64_t>(0, std::min(offset + n, end_) - std::max(offset, begin_));
+    return inner_.read_at(offset, n, dst);
+  }
+  bool in_hole(std::int64_t offset, std::int64_t n) const override { return inner_.in_hole(offset, n); }
+  mutable std::atomic<std::int64_t> watched_read{0};
+
+ private:
+  const PackSource& inner_;
+  const std::int64_t begin_, end_;
+};
+
+// The alignment the tests give a chunk they punch into a hole: a multiple
+// of any block size the probe accepts.
+constexpr std::int64_t kHoleAlign = std::int64_t{64} << 10;
+
+// Whether files in `dir` keep holes and lseek(SEEK_DATA) reports them (with
+// `punch`, holes punched with fallocate too), in blocks that divide
+// kHoleAlign; `why` says what is missing where not.
+bool reports_holes(const std::string& dir, bool punch, std::string* why) {
+  const std::string path = dir + "/hole-probe";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) {
+    *why = "cannot create a probe file";
+    return false;
+  }
+  const auto probe = [&]() -> std::string {
+    // Data in the first kHoleAlign bytes, a hole from there to 16 MiB.
+    const std::vector<char> data(static_cast<std::size_t>(kHoleAlign), 'x');
+    if (::pwrite(fd, data.data(), data.size(), 0) != static_cast<ssize_t>(data.size()) ||
+        ::ftruncate(fd, std::int64_t{16} << 20) != 0)
+      return "the file system refuses a probe file's data or its extension by ftruncate";
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || kHoleAlign % st.st_blksize != 0)
+      return "the file system's blocks do not divide " + std::to_string(kHoleAlign) + " bytes";
+    if (!(::lseek(fd, std::int64_t{8} << 20, SEEK_DATA) < 0 && errno == ENXIO) || ::lseek(fd, 0, SEEK_DATA) != 0)
+      return "lseek(SEEK_DATA) does not report a file's holes here";
+    if (punch && (::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, kHoleAlign) != 0 ||
+                  !(::lseek(fd, 0, SEEK_DATA) < 0 && errno == ENXIO)))
+      return "fallocate(FALLOC_FL_PUNCH_HOLE) makes no hole here";
+    return "";
+  };
+  *why = probe();
+  ::close(fd);
+  ::unlink(path.c_str());
+  return why->empty();
+}
+
+// SHA-256 of n zero bytes, a MiB at a time.
+Digest zeros_digest(std::int64_t n) {
+  const std::vector<std::uint8_t> zeros(std::size_t{1} << 20);
+  Sha256 h;
+  for (std::int64_t done = 0; done < n; done += static_cast<std::int64_t>(zeros.size()))
+    h.update(zeros.data(), static_cast<std::size_t>(std::min<std::int64_t>(n - done, zeros.size())));
+  return h.finish();
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+class PackHoles : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = testing::make_temp_dir("holes"); }
+  void TearDown() override { testing::remove_tree(dir_); }
+  std::string dir_;
+};
 
 TEST(PackZeros, AreHashedOnceAtEveryLength) {
   const std::vector<std::int64_t> lengths = {0, 1, 55, 56, 63, 64, 65, 1 << 20, (1 << 20) + 1, 3 << 20};
@@ -302,6 +387,223 @@ TEST(PackZeros, AreHashedOnceAtEveryLength) {
   EXPECT_EQ(h.digest_so_far(), sha256("kv", 2));
   h.update("ring", 4);
   EXPECT_EQ(h.finish(), sha256("kvring", 6));
+}
+
+// A manifest that claims 4096 chunks of 256 MiB (all but the last), a
+// TiB, over a file extended by ftruncate: every chunk lies in a hole.
+// Named otherwise, every chunk is bad, and verify says so in seconds; named
+// by the hash of their zeros, every chunk is good, and verify and the
+// check before a resume say so in seconds too.
+TEST_F(PackHoles, ATebibyteOfHolesIsVerifiedInSeconds) {
+  std::string why;
+  if (!reports_holes(dir_, /*punch=*/false, &why)) GTEST_SKIP() << why;
+  // One full layer of kv_dim 8192 in F32Le: 64 KiB a token, 4096-token
+  // chunks of 256 MiB, up to the most positions a geometry has.
+  HostilePack spec;
+  spec.config = make_hybrid_config("holes", 1, 1, 8, 8, 1024, 0, kMaxContext);
+  spec.context = kMaxContext;
+  spec.token_count = kMaxContext - 1000;  // the last chunk shorter
+  spec.chunk_tokens = 4096;
+  spec.encoding = Encoding::kF32Le;
+  const std::int64_t chunk_bytes = std::int64_t{256} << 20, last_bytes = (4096 - 1000) * (std::int64_t{64} << 10);
+  const Digest zeros = zeros_digest(chunk_bytes), last_zeros = zeros_digest(last_bytes);
+  for (const bool named_by_zeros : {false, true}) {
+    SCOPED_TRACE(named_by_zeros ? "chunks named by their zeros" : "chunks named otherwise");
+    std::int64_t payload = 0;
+    const std::string head =
+        named_by_zeros
+            ? testing::hostile_pack_head(spec, &payload,
+                                         [&](std::uint32_t, std::int64_t n) { return n == chunk_bytes ? zeros : last_zeros; })
+            : testing::hostile_pack_head(spec, &payload);
+    ASSERT_EQ(payload, 4095 * chunk_bytes + last_bytes);
+    const std::string path = dir_ + "/tib.kvpack";
+    {
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ASSERT_GE(fd, 0);
+      const bool written = ::write(fd, head.data(), head.size()) == static_cast<ssize_t>(head.size());
+      const int extended = ::ftruncate(fd, static_cast<off_t>(head.size()) + payload);
+      const int err = errno;
+      ::close(fd);
+      ASSERT_TRUE(written);
+      if (extended != 0) GTEST_SKIP() << "ftruncate to a TiB: " << std::strerror(err);
+    }
+    auto src = open_pack_file(path);
+    ASSERT_TRUE(src.ok()) << src.error().to_string();
+    ASSERT_LT((*src)->stored_bytes(), std::int64_t{64} << 20) << "a TiB of holes";
+
+    const auto t0 = std::chrono::steady_clock::now();
+    auto v = verify_pack(**src);
+    const double verify_s = seconds_since(t0);
+    ASSERT_TRUE(v.ok()) << v.error().to_string();
+    EXPECT_EQ(v->chunks, 4096);
+    EXPECT_EQ(v->bytes, payload);
+    EXPECT_LT(verify_s, 60.0) << "verify of a TiB of holes";
+    std::printf("verify of %lld chunks over %.3f TiB of holes: %.2f s\n", static_cast<long long>(v->chunks),
+                static_cast<double>(payload) / (std::int64_t{1} << 40), verify_s);
+    if (named_by_zeros) {
+      EXPECT_EQ(v->bad_chunks, 0) << v->first_error.to_string();
+      const auto t1 = std::chrono::steady_clock::now();
+      EXPECT_TRUE(check_pack_backed(**src).ok());
+      EXPECT_LT(seconds_since(t1), 60.0) << "the check before a resume of a TiB of holes";
+    } else {
+      EXPECT_EQ(v->bad_chunks, 4096);
+      const std::string& e = v->first_error.error().message;
+      EXPECT_EQ(v->first_error.error().code, ErrorCode::kCorruption);
+      EXPECT_NE(e.find("tib.kvpack: chunk 0 (layer 0, positions [0, 4096), "), std::string::npos) << e;
+      EXPECT_NE(e.find(": its bytes hash to " + pack_internal::short_name(zeros) + "..., not to its name "),
+                std::string::npos)
+          << e;
+    }
+  }
+}
+
+// A pack of seeded rows, two full layers among sliding ones, in 64 KiB
+// chunks; full layer 1's chunk 1 starts at a multiple of kHoleAlign (the
+// metadata padded to put it there), so that a hole can cover exactly it.
+struct AlignedPack {
+  Snapshot snap;
+  Manifest manifest;
+  std::int64_t chunk = 0;  // layer 1's chunk 1
+  std::int64_t offset = 0, length = 0;
+};
+
+AlignedPack write_aligned_pack(const std::string& path, bool zero_the_chunk) {
+  const ModelConfig cfg = make_hybrid_config("holes", 4, 2, 4, 2, 16, 32, 2048);
+  auto cache = testing::filled_cache(cfg, 2048, 2000, 41);
+  AlignedPack a;
+  a.snap = testing::snapshot_with_extras(*cache, 5);
+  const std::int64_t kv = cfg.kv_dim();
+  if (zero_the_chunk) {
+    PlaneSnapshot& p = a.snap.planes[1];
+    std::fill(p.k.begin() + 512 * kv, p.k.begin() + 1024 * kv, std::uint16_t{0});
+    std::fill(p.v.begin() + 512 * kv, p.v.begin() + 1024 * kv, std::uint16_t{0});
+  }
+  const WriteOptions options{.chunk_tokens = 512};
+  for (int pass = 0; pass < 2; ++pass) {
+    EXPECT_TRUE(write_pack(a.snap, path, options).ok());
+    auto src = open_pack_file(path);
+    auto m = src.ok() ? read_manifest(**src) : Result<Manifest>(src.error());
+    EXPECT_TRUE(m.ok());
+    if (!m.ok()) return a;
+    a.manifest = *m;
+    a.chunk = a.manifest.planes[1].first_chunk + 1;
+    const PackChunk& ch = a.manifest.chunks[static_cast<std::size_t>(a.chunk)];
+    a.offset = ch.offset;
+    a.length = ch.byte_length;
+    a.snap.metadata += std::string(static_cast<std::size_t>((kHoleAlign - a.offset % kHoleAlign) % kHoleAlign), ' ');
+  }
+  EXPECT_EQ(a.offset % kHoleAlign, 0);
+  EXPECT_EQ(a.length, kHoleAlign);
+  return a;
+}
+
+bool punch(const std::string& path, std::int64_t offset, std::int64_t length) {
+  const int fd = ::open(path.c_str(), O_WRONLY);
+  const bool ok = fd >= 0 && ::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) == 0;
+  if (fd >= 0) ::close(fd);
+  return ok;
+}
+
+// A legitimate pack whose chunk of all-zero K and V became a hole (as a
+// sparse copy, cp --sparse=always, makes it) verifies as good, that chunk
+// unread, and reads back bit for bit.
+TEST_F(PackHoles, AZeroChunkInAHoleIsGood) {
+  std::string why;
+  if (!reports_holes(dir_, /*punch=*/true, &why)) GTEST_SKIP() << why;
+  const std::string path = dir_ + "/zero.kvpack";
+  const AlignedPack a = write_aligned_pack(path, /*zero_the_chunk=*/true);
+  ASSERT_EQ(a.offset % kHoleAlign, 0);
+  ASSERT_TRUE(punch(path, a.offset, a.length));
+  auto src = open_pack_file(path);
+  ASSERT_TRUE(src.ok());
+  ASSERT_TRUE((*src)->in_hole(a.offset, a.length));
+  EXPECT_FALSE((*src)->in_hole(a.offset - 1, a.length)) << "the chunk before holds data";
+  EXPECT_FALSE((*src)->in_hole(a.offset, a.length + 1)) << "the chunk after holds data";
+  EXPECT_LT((*src)->stored_bytes(), (*src)->size());
+
+  WatchedSource watched(**src, a.offset, a.offset + a.length);
+  auto v = verify_pack(watched);
+  ASSERT_TRUE(v.ok()) << v.error().to_string();
+  EXPECT_EQ(v->chunks, static_cast<std::int64_t>(a.manifest.chunks.size()));
+  EXPECT_EQ(v->bad_chunks, 0) << v->first_error.to_string();
+  EXPECT_EQ(watched.watched_read.load(), 0) << "verify read the chunk in the hole";
+  // The same bytes in memory, where no hole is known: the chunk is read,
+  // and good.
+  std::string bytes(static_cast<std::size_t>((*src)->size()), '\0');
+  ASSERT_TRUE((*src)->read_at(0, (*src)->size(), reinterpret_cast<std::uint8_t*>(bytes.data())).ok());
+  const auto memory = memory_pack_source(bytes.data(), (*src)->size());
+  EXPECT_FALSE(memory->in_hole(a.offset, a.length));
+  WatchedSource read_whole(*memory, a.offset, a.offset + a.length);
+  auto from_memory = verify_pack(read_whole);
+  ASSERT_TRUE(from_memory.ok()) << from_memory.error().to_string();
+  EXPECT_EQ(from_memory->bad_chunks, 0) << from_memory->first_error.to_string();
+  EXPECT_EQ(read_whole.watched_read.load(), a.length);
+
+  auto back = read_pack(**src);
+  ASSERT_TRUE(back.ok()) << back.error().to_string();
+  EXPECT_TRUE(testing::same_rows(*back, a.snap));
+  auto cache = make_cpu_cache(a.snap.config, {.context = a.snap.context});
+  ASSERT_TRUE(cache.ok());
+  ASSERT_TRUE(restore_pack(**src, {}, **cache).ok());
+  auto restored = take_snapshot(**cache);
+  ASSERT_TRUE(restored.ok());
+  Snapshot want = a.snap;
+  want.token_ids.clear();
+  want.metadata.clear();
+  EXPECT_TRUE(testing::same_rows(*restored, want));
+}
+
+// A hole punched into a chunk of seeded rows among chunks of data: verify
+// counts exactly that chunk bad, unread, with the message reading its
+// zeros gives (the same bytes written as zeros, no hole), and a read
+// refuses it with that message too.
+TEST_F(PackHoles, ADataChunkPunchedIntoAHoleIsBadAsItsZerosAre) {
+  std::string why;
+  if (!reports_holes(dir_, /*punch=*/true, &why)) GTEST_SKIP() << why;
+  const std::string path = dir_ + "/punched.kvpack";
+  const AlignedPack a = write_aligned_pack(path, /*zero_the_chunk=*/false);
+  ASSERT_EQ(a.offset % kHoleAlign, 0);
+
+  // The chunk's bytes overwritten with zeros: read, and bad.
+  {
+    const std::vector<char> zeros(static_cast<std::size_t>(a.length), 0);
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pwrite(fd, zeros.data(), zeros.size(), a.offset), static_cast<ssize_t>(zeros.size()));
+    ::close(fd);
+  }
+  auto written = open_pack_file(path);
+  ASSERT_TRUE(written.ok());
+  ASSERT_FALSE((*written)->in_hole(a.offset, a.length)) << "zeros written are data";
+  auto read = verify_pack(**written);
+  ASSERT_TRUE(read.ok()) << read.error().to_string();
+  ASSERT_EQ(read->bad_chunks, 1);
+  const std::string message = read->first_error.error().message;
+  EXPECT_NE(message.find("punched.kvpack: chunk " + std::to_string(a.chunk) + " (layer 1, positions [512, 1024)"),
+            std::string::npos)
+      << message;
+  auto refused = read_pack(**written);
+  ASSERT_FALSE(refused.ok());
+
+  // The same range a hole: the same verdict and message, the chunk unread.
+  ASSERT_TRUE(punch(path, a.offset, a.length));
+  auto src = open_pack_file(path);
+  ASSERT_TRUE(src.ok());
+  ASSERT_TRUE((*src)->in_hole(a.offset, a.length));
+  WatchedSource watched(**src, a.offset, a.offset + a.length);
+  auto v = verify_pack(watched);
+  ASSERT_TRUE(v.ok()) << v.error().to_string();
+  EXPECT_EQ(v->chunks, read->chunks);
+  EXPECT_EQ(v->bad_chunks, 1);
+  EXPECT_EQ(v->first_error.error().code, read->first_error.error().code);
+  EXPECT_EQ(v->first_error.error().message, message);
+  EXPECT_EQ(watched.watched_read.load(), 0) << "verify read the chunk in the hole";
+  auto r = read_pack(**src);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().to_string(), refused.error().to_string());
+  EXPECT_NE(r.error().message.find("its bytes hash to " + pack_internal::short_name(zeros_digest(a.length))),
+            std::string::npos)
+      << r.error().to_string();
 }
 
 }  // namespace

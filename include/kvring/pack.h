@@ -102,6 +102,10 @@ class PackSource {
   virtual std::int64_t stored_bytes() const { return size(); }
   // Reads exactly n bytes at offset (within size()).
   virtual Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const = 0;
+  // Whether bytes [offset, offset + n), within size(), are known to lie
+  // wholly in a hole of a sparse file (they hold no data and read as
+  // zeros). False where that is not known: the bytes are then read.
+  virtual bool in_hole(std::int64_t /*offset*/, std::int64_t /*n*/) const { return false; }
 };
 // Refuses anything but a regular file (a FIFO, a device) without blocking.
 Result<std::unique_ptr<PackSource>> open_pack_file(const std::string& path);
@@ -190,7 +194,7 @@ Status check_pack_backed(const PackSource& source, const ReadOptions& options = 
 struct VerifyReport {
   bool thin = false;            // the chunks were read from the store
   std::int64_t chunks = 0;      // checked
-  std::int64_t bytes = 0;       // payload bytes hashed
+  std::int64_t bytes = 0;       // payload bytes verified
   std::int64_t bad_chunks = 0;  // missing or not matching their names
   Status first_error;           // the first bad chunk in table order, or ok
 };

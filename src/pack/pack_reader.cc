@@ -9,12 +9,16 @@
 // pack's chunks are looked up in the store before anything is read, and a
 // self-contained pack whose file holds fewer bytes than its size (a sparse
 // file) has every chunk verified, streamed through bounded buffers, before
-// its rows are allocated.
+// its rows are allocated. A chunk wholly in a hole of the file reads as
+// zeros and is checked against their hash unread (check_holes), so a
+// verify takes the time of the file's data, not of the size it claims.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <condition_variable>
 #include <functional>
@@ -61,6 +65,18 @@ class FileSource final : public PackSource {
   std::int64_t stored_bytes() const override { return stored_; }
   Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const override {
     return pread_all(fd_, dst, n, offset, name_);
+  }
+  // SEEK_DATA from `offset` finds the next byte that holds data: at or past
+  // the range's end, or nowhere (ENXIO), the range is all hole. A file
+  // system that does not track holes reports data everywhere. The file
+  // must still hold the range: one cut short after it was opened ends in
+  // ENXIO too, and reading it fails.
+  bool in_hole(std::int64_t offset, std::int64_t n) const override {
+    if (offset < 0 || n <= 0 || offset > size_ - n) return false;
+    const off_t data = ::lseek(fd_, static_cast<off_t>(offset), SEEK_DATA);
+    if (data >= 0) return data >= offset + n;
+    struct stat st {};
+    return errno == ENXIO && ::fstat(fd_, &st) == 0 && st.st_size >= offset + n;
   }
 
  private:
@@ -567,6 +583,43 @@ Status verify_streamed(const PackSource& src, const Manifest& m, std::int64_t i)
   return check_name(src, m, i, *got);
 }
 
+// Verifies chunk i of a self-contained pack (verify_streamed), unless its
+// bytes lie wholly in a hole of the file: that chunk is marked in `hole`
+// instead, for check_holes, and nothing of it is read.
+Status verify_unless_hole(const PackSource& src, const Manifest& m, std::int64_t i, std::vector<char>& hole) {
+  const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+  if (src.in_hole(ch.offset, ch.byte_length)) {
+    hole[static_cast<std::size_t>(i)] = 1;
+    return Status::Ok();
+  }
+  return verify_streamed(src, m, i);
+}
+
+// Gives each chunk i of a self-contained pack marked in `hole` the verdict
+// reading it gives, in status[i]: its bytes read as byte_length zeros, so
+// they hash to the SHA-256 of that many zero bytes, and check_name compares
+// that with its name. One pass over zeros as long as the longest of these
+// chunks hashes every distinct length (sha256_of_zeros); no chunk is
+// longer than kMaxChunkBytes, as parse_cache holds chunk_tokens to
+// max_chunk_tokens and parse_chunks each byte_length to its rows.
+void check_holes(const PackSource& src, const Manifest& m, const std::vector<char>& hole,
+                 std::vector<Status>& status) {
+  std::vector<std::int64_t> lengths;
+  for (std::size_t i = 0; i < hole.size(); ++i)
+    if (hole[i]) lengths.push_back(m.chunks[i].byte_length);
+  std::sort(lengths.begin(), lengths.end());
+  lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());
+  const std::vector<Digest> zeros = sha256_of_zeros(lengths);
+  // The verdicts on all cores, a message's work a chunk at most.
+  const auto n = static_cast<std::int64_t>(hole.size());
+  cpu::parallel_for(n, n * 1024, [&](std::int64_t i) {
+    const auto c = static_cast<std::size_t>(i);
+    if (!hole[c]) return;
+    const auto at = std::lower_bound(lengths.begin(), lengths.end(), m.chunks[c].byte_length) - lengths.begin();
+    status[c] = check_name(src, m, i, zeros[static_cast<std::size_t>(at)]);
+  });
+}
+
 // Chunk i of a thin pack is in the store with the size the pack gives it
 // (kNotFound or kCorruption, naming the chunk and the store, otherwise).
 // Nothing is read or allocated for it.
@@ -597,13 +650,16 @@ Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkSt
   for (std::size_t i = 0; i < m.chunks.size(); ++i)
     if (!m.thin || first[i] == static_cast<std::int64_t>(i)) todo.push_back(static_cast<std::int64_t>(i));
   std::vector<Status> status(todo.size());
+  // A self-contained pack's every chunk is a task (t is i); those wholly
+  // in holes are checked after the others, together (check_holes).
+  std::vector<char> hole(m.thin ? 0 : m.chunks.size(), 0);
   std::atomic<std::int64_t> first_bad{std::numeric_limits<std::int64_t>::max()};
   cpu::parallel_for(static_cast<std::int64_t>(todo.size()), m.payload_bytes, [&](std::int64_t t) {
     // Tasks before the first failure so far still run, so the failure
     // reported is the first in table order.
     if (t > first_bad.load(std::memory_order_relaxed)) return;
     const std::int64_t i = todo[static_cast<std::size_t>(t)];
-    Status s = m.thin ? check_present(src, m, *store, i) : verify_streamed(src, m, i);
+    Status s = m.thin ? check_present(src, m, *store, i) : verify_unless_hole(src, m, i, hole);
     if (!s.ok()) {
       std::int64_t seen = first_bad.load(std::memory_order_relaxed);
       while (t < seen && !first_bad.compare_exchange_weak(seen, t, std::memory_order_relaxed)) {
@@ -611,6 +667,7 @@ Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkSt
     }
     status[static_cast<std::size_t>(t)] = std::move(s);
   });
+  if (!m.thin) check_holes(src, m, hole, status);
   return first_error(status);
 }
 
@@ -933,14 +990,18 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
   // chunks are hashed in bounded pieces.
   // A thin pack's chunk named by several records is checked once, at its
   // first record, and each record counts its verdict.
+  // A self-contained pack's chunks that lie wholly in holes of the file
+  // are checked after the others, together (check_holes): its time follows
+  // the chunks the file holds data for, not the size it claims.
   std::vector<Status> status(m->chunks.size());
   const auto n = static_cast<std::int64_t>(m->chunks.size());
   const std::vector<std::int64_t> first = m->thin ? first_of_each_chunk(*m, 0, n) : std::vector<std::int64_t>();
+  std::vector<char> hole(m->thin ? 0 : m->chunks.size(), 0);
   ByteBudget budget(kChunkBufferBudget);
   cpu::parallel_for(static_cast<std::int64_t>(m->chunks.size()), m->payload_bytes, [&](std::int64_t i) {
     Status& s = status[static_cast<std::size_t>(i)];
     if (!m->thin) {
-      s = verify_streamed(source, *m, i);
+      s = verify_unless_hole(source, *m, i, hole);
       return;
     }
     if (first[static_cast<std::size_t>(i)] != i) return;
@@ -949,6 +1010,8 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
   });
   if (m->thin)
     for (std::size_t i = 0; i < status.size(); ++i) status[i] = status[static_cast<std::size_t>(first[i])];
+  else
+    check_holes(source, *m, hole, status);
   VerifyReport r;
   r.thin = m->thin;
   r.chunks = static_cast<std::int64_t>(m->chunks.size());
