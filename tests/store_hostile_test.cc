@@ -45,6 +45,8 @@ std::span<const std::uint8_t> bytes_of(const std::string& s) {
 ChunkData chunk_of(const std::string& bytes) {
   return ChunkData{sha256(bytes.data(), bytes.size()), bytes_of(bytes), {}};
 }
+// A chunk views its bytes: a temporary would be gone before the chunk is used.
+ChunkData chunk_of(std::string&&) = delete;
 std::span<std::uint8_t> span_of(std::string& s) {
   return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
 }
@@ -986,7 +988,8 @@ TEST_F(DirStoreHostile, CheckWritableRefusesARootTooLongForAChunksNames) {
   EXPECT_EQ(s.error().code, ErrorCode::kIOError);
   EXPECT_NE(s.error().message.find("system's path limit"), std::string::npos) << s.to_string();
   // What check_writable guards against: the put it refuses would fail.
-  const ChunkData chunk = chunk_of("a chunk");
+  const std::string bytes = "a chunk";
+  const ChunkData chunk = chunk_of(bytes);
   EXPECT_FALSE((*store)->put({&chunk, 1}).ok());
   // A shorter root, with room for every name, is writable and takes a put.
   auto shorter = open_dir_store(first);
