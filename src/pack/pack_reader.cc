@@ -583,6 +583,34 @@ Status verify_streamed(const PackSource& src, const Manifest& m, std::int64_t i)
   return check_name(src, m, i, *got);
 }
 
+// The verdicts of chunks checked in parallel: which failed, a byte each,
+// and the failure of the lowest index, kept whole. Other failures' messages
+// are dropped as they come, so memory follows the chunk count alone, however
+// many chunks fail.
+class Verdicts {
+ public:
+  explicit Verdicts(std::size_t n) : bad_(n, 0) {}
+  void put(std::int64_t i, Status s) {
+    if (s.ok()) return;
+    bad_[static_cast<std::size_t>(i)] = 1;
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (i < first_.load(std::memory_order_relaxed)) {
+      first_.store(i, std::memory_order_relaxed);
+      error_ = std::move(s);
+    }
+  }
+  bool bad(std::int64_t i) const { return bad_[static_cast<std::size_t>(i)] != 0; }
+  // The lowest index that failed so far (read while others put).
+  std::int64_t first_bad() const { return first_.load(std::memory_order_relaxed); }
+  const Status& first_error() const { return error_; }
+
+ private:
+  std::vector<char> bad_;
+  std::mutex mu_;
+  std::atomic<std::int64_t> first_{std::numeric_limits<std::int64_t>::max()};
+  Status error_ = Status::Ok();
+};
+
 // Verifies chunk i of a self-contained pack (verify_streamed), unless its
 // bytes lie wholly in a hole of the file: that chunk is marked in `hole`
 // instead, for check_holes, and nothing of it is read.
@@ -596,14 +624,13 @@ Status verify_unless_hole(const PackSource& src, const Manifest& m, std::int64_t
 }
 
 // Gives each chunk i of a self-contained pack marked in `hole` the verdict
-// reading it gives, in status[i]: its bytes read as byte_length zeros, so
+// reading it gives, as verdict i: its bytes read as byte_length zeros, so
 // they hash to the SHA-256 of that many zero bytes, and check_name compares
 // that with its name. One pass over zeros as long as the longest of these
 // chunks hashes every distinct length (sha256_of_zeros); no chunk is
 // longer than kMaxChunkBytes, as parse_cache holds chunk_tokens to
 // max_chunk_tokens and parse_chunks each byte_length to its rows.
-void check_holes(const PackSource& src, const Manifest& m, const std::vector<char>& hole,
-                 std::vector<Status>& status) {
+void check_holes(const PackSource& src, const Manifest& m, const std::vector<char>& hole, Verdicts& verdicts) {
   std::vector<std::int64_t> lengths;
   for (std::size_t i = 0; i < hole.size(); ++i)
     if (hole[i]) lengths.push_back(m.chunks[i].byte_length);
@@ -616,7 +643,7 @@ void check_holes(const PackSource& src, const Manifest& m, const std::vector<cha
     const auto c = static_cast<std::size_t>(i);
     if (!hole[c]) return;
     const auto at = std::lower_bound(lengths.begin(), lengths.end(), m.chunks[c].byte_length) - lengths.begin();
-    status[c] = check_name(src, m, i, zeros[static_cast<std::size_t>(at)]);
+    verdicts.put(i, check_name(src, m, i, zeros[static_cast<std::size_t>(at)]));
   });
 }
 
@@ -649,26 +676,19 @@ Status check_before_rows(const PackSource& src, const Manifest& m, const ChunkSt
   const std::vector<std::int64_t> first = m.thin ? first_of_each_chunk(m, 0, n) : std::vector<std::int64_t>();
   for (std::size_t i = 0; i < m.chunks.size(); ++i)
     if (!m.thin || first[i] == static_cast<std::int64_t>(i)) todo.push_back(static_cast<std::int64_t>(i));
-  std::vector<Status> status(todo.size());
+  Verdicts verdicts(todo.size());
   // A self-contained pack's every chunk is a task (t is i); those wholly
   // in holes are checked after the others, together (check_holes).
   std::vector<char> hole(m.thin ? 0 : m.chunks.size(), 0);
-  std::atomic<std::int64_t> first_bad{std::numeric_limits<std::int64_t>::max()};
   cpu::parallel_for(static_cast<std::int64_t>(todo.size()), m.payload_bytes, [&](std::int64_t t) {
     // Tasks before the first failure so far still run, so the failure
     // reported is the first in table order.
-    if (t > first_bad.load(std::memory_order_relaxed)) return;
+    if (t > verdicts.first_bad()) return;
     const std::int64_t i = todo[static_cast<std::size_t>(t)];
-    Status s = m.thin ? check_present(src, m, *store, i) : verify_unless_hole(src, m, i, hole);
-    if (!s.ok()) {
-      std::int64_t seen = first_bad.load(std::memory_order_relaxed);
-      while (t < seen && !first_bad.compare_exchange_weak(seen, t, std::memory_order_relaxed)) {
-      }
-    }
-    status[static_cast<std::size_t>(t)] = std::move(s);
+    verdicts.put(t, m.thin ? check_present(src, m, *store, i) : verify_unless_hole(src, m, i, hole));
   });
-  if (!m.thin) check_holes(src, m, hole, status);
-  return first_error(status);
+  if (!m.thin) check_holes(src, m, hole, verdicts);
+  return verdicts.first_error();
 }
 
 Status need_store(const PackSource& src, const Manifest& m, const ChunkStore* store) {
@@ -993,33 +1013,31 @@ Result<VerifyReport> verify_pack(const PackSource& source, const ChunkStore* sto
   // A self-contained pack's chunks that lie wholly in holes of the file
   // are checked after the others, together (check_holes): its time follows
   // the chunks the file holds data for, not the size it claims.
-  std::vector<Status> status(m->chunks.size());
+  // The first failing record in table order is the first record of its
+  // chunk, so the lowest failing index is the first error either way.
   const auto n = static_cast<std::int64_t>(m->chunks.size());
+  Verdicts verdicts(m->chunks.size());
   const std::vector<std::int64_t> first = m->thin ? first_of_each_chunk(*m, 0, n) : std::vector<std::int64_t>();
   std::vector<char> hole(m->thin ? 0 : m->chunks.size(), 0);
   ByteBudget budget(kChunkBufferBudget);
-  cpu::parallel_for(static_cast<std::int64_t>(m->chunks.size()), m->payload_bytes, [&](std::int64_t i) {
-    Status& s = status[static_cast<std::size_t>(i)];
+  cpu::parallel_for(n, m->payload_bytes, [&](std::int64_t i) {
     if (!m->thin) {
-      s = verify_unless_hole(source, *m, i, hole);
+      verdicts.put(i, verify_unless_hole(source, *m, i, hole));
       return;
     }
     if (first[static_cast<std::size_t>(i)] != i) return;
-    s = check_present(source, *m, *store, i);
+    Status s = check_present(source, *m, *store, i);
     if (s.ok()) s = read_chunk(source, *m, store, i, nullptr, nullptr, budget);
+    verdicts.put(i, std::move(s));
   });
-  if (m->thin)
-    for (std::size_t i = 0; i < status.size(); ++i) status[i] = status[static_cast<std::size_t>(first[i])];
-  else
-    check_holes(source, *m, hole, status);
+  if (!m->thin) check_holes(source, *m, hole, verdicts);
   VerifyReport r;
   r.thin = m->thin;
-  r.chunks = static_cast<std::int64_t>(m->chunks.size());
+  r.chunks = n;
   r.bytes = m->payload_bytes;
-  for (const Status& s : status) {
-    if (s.ok()) continue;
-    if (r.bad_chunks++ == 0) r.first_error = s;
-  }
+  for (std::int64_t i = 0; i < n; ++i)
+    r.bad_chunks += verdicts.bad(m->thin ? first[static_cast<std::size_t>(i)] : i) ? 1 : 0;
+  r.first_error = verdicts.first_error();
   return r;
 }
 
