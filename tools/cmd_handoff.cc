@@ -205,9 +205,9 @@ Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens, 
   if (tokens < record->prompt_tokens)
     return invalid_argument("--tokens = " + std::to_string(tokens) + " is below the prompt's " +
                             std::to_string(record->prompt_tokens) + " tokens");
-  if (tokens > header.config.sequence_position_limit(header.context))
+  if (const std::int64_t limit = header.config.sequence_position_limit(header.context); tokens > limit)
     return invalid_argument("--tokens = " + std::to_string(tokens) + " exceeds " +
-                            cache_context_text(header.config, header.context) + " of the session");
+                            cache_context_text(limit, header.context) + " of the session");
   // The session is decoded with its token ids (Session::resume takes one a
   // position), as a saved run is (resume_run): checked here, not after
   // every row arrived and the sender heard DONE.

@@ -186,14 +186,14 @@ int cmd_run(const std::vector<std::string>& argv) {
   // hold their window runs past the context.
   const std::int64_t limit = config->sequence_position_limit(context);
   if (o.tokens > limit && !o.handoff_to.empty())
-    return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds " + cache_context_text(*config, context) +
+    return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds " + cache_context_text(limit, context) +
                 " of model '" + printable(config->name, false) + "'");
   if (o.tokens > handoff::kMaxHandoffPrompt && !o.handoff_to.empty())
     return fail("--prompt-tokens = " + std::to_string(o.tokens) + " exceeds the " +
                 std::to_string(handoff::kMaxHandoffPrompt) + " a handoff carries");
   if (o.tokens > limit)
     return fail("--tokens = " + std::to_string(o.tokens) + (o.tokens_given ? "" : " (the default)") + " exceeds " +
-                cache_context_text(*config, context) + " of model '" + printable(config->name, false) + "'" +
+                cache_context_text(limit, context) + " of model '" + printable(config->name, false) + "'" +
                 (o.tokens_given ? "" : "; give --tokens"));
   if (!o.save.empty())
     if (Status s = check_save(o.save, 0, o.store); !s.ok()) return fail(s.error());

@@ -113,11 +113,12 @@ int run_many(const RunOptions& o, BackendKind backend) {
     m.prompt_tokens = prompt_of(o, i);
     m.target = target_of(o, i, m.prompt_tokens);
   }
+  const std::int64_t limit = config.sequence_position_limit(context);
   for (std::int64_t i = 0; i < n; ++i)
-    if (members[static_cast<std::size_t>(i)].target > config.sequence_position_limit(context))
+    if (members[static_cast<std::size_t>(i)].target > limit)
       return fail("sequence " + std::to_string(i) + " runs to " +
                   std::to_string(members[static_cast<std::size_t>(i)].target) + " tokens, past " +
-                  cache_context_text(config, context));
+                  cache_context_text(limit, context));
 
   if (!o.save.empty())
     if (Status s = check_save(o.save, n, o.store); !s.ok()) return fail(s.error());

@@ -335,8 +335,7 @@ Result<SeqId> restore_run_pack(const RunPack& pack, KvStore& store) {
   return *seq;
 }
 
-std::string cache_context_text(const ModelConfig& config, std::int64_t context) {
-  const std::int64_t limit = config.sequence_position_limit(context);
+std::string cache_context_text(std::int64_t limit, std::int64_t context) {
   return "the cache context " + std::to_string(context) +
          (limit > context && limit < kNoPositionLimit
               ? " (" + std::to_string(limit) + " positions on its full planes)"

@@ -58,11 +58,11 @@ Status check_run_model(const ModelConfig& config, const ModelOptions& options);
 Result<std::shared_ptr<const ReferenceModel>> create_run_model(const ModelConfig& config,
                                                                const ModelOptions& options);
 
-// A cache of `context` positions as messages about positions past it name
-// it: "the cache context C", and the positions its full planes hold where
-// they hold more (below a context of 32); the limit is
-// ModelConfig::sequence_position_limit.
-std::string cache_context_text(const ModelConfig& config, std::int64_t context);
+// A cache of `context` positions as messages about positions past its
+// `limit` (ModelConfig::sequence_position_limit) name it: "the cache
+// context C", and the positions its full planes hold where they hold more
+// (below a context of 32).
+std::string cache_context_text(std::int64_t limit, std::int64_t context);
 
 std::string encode_run_record(const RunRecord& record);
 // Errors name the pack and the field. Checks each field's type and bounds

@@ -613,10 +613,11 @@ class Verdicts {
 
 // Verifies chunk i of a self-contained pack (verify_streamed), unless its
 // bytes lie wholly in a hole of the file: that chunk is marked in `hole`
-// instead, for check_holes, and nothing of it is read.
+// instead, for check_holes, and nothing of it is read. Only a source that
+// stores fewer bytes than its size is asked where its holes are.
 Status verify_unless_hole(const PackSource& src, const Manifest& m, std::int64_t i, std::vector<char>& hole) {
   const PackChunk& ch = m.chunks[static_cast<std::size_t>(i)];
-  if (src.in_hole(ch.offset, ch.byte_length)) {
+  if (src.stored_bytes() < src.size() && src.in_hole(ch.offset, ch.byte_length)) {
     hole[static_cast<std::size_t>(i)] = 1;
     return Status::Ok();
   }
