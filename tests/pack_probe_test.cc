@@ -507,6 +507,69 @@ TEST_F(PackHoles, ATebibyteOfHolesIsVerifiedInSeconds) {
   }
 }
 
+// A thin pack of 4096 chunks of 256 MiB (a TiB) whose every chunk file in
+// the directory store is a hole of its size, planted by ftruncate. Chunk 0
+// is named by the hash of its zeros and is good; the others, named
+// otherwise, are bad, each with the message that hashing its file gives.
+// The store hashes the zeros of each length once, not each file: verify
+// takes seconds, not the hours a TiB of zeros takes.
+TEST_F(PackHoles, AThinPackOverATebibyteOfPlantedHolesIsVerifiedInSeconds) {
+  std::string why;
+  if (!reports_holes(dir_, /*punch=*/false, &why)) GTEST_SKIP() << why;
+  auto store = open_dir_store(dir_ + "/store");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  HostilePack spec;
+  spec.config = make_hybrid_config("holes", 1, 1, 8, 8, 1024, 0, kMaxContext);
+  spec.context = kMaxContext;
+  spec.token_count = kMaxContext - 1000;
+  spec.chunk_tokens = 4096;
+  spec.encoding = Encoding::kF32Le;
+  spec.thin = true;
+  const std::int64_t chunk_bytes = std::int64_t{256} << 20;
+  const Digest zeros = zeros_digest(chunk_bytes);
+  std::vector<std::pair<Digest, std::int64_t>> planted;
+  std::int64_t payload = 0;
+  const std::string head = testing::hostile_pack_head(spec, &payload, [&](std::uint32_t j, std::int64_t n) {
+    const Digest name = j == 0 ? zeros : sha256(&j, sizeof j);
+    planted.emplace_back(name, n);
+    return name;
+  });
+  ASSERT_EQ(planted.size(), 4096u);
+  for (const auto& [name, n] : planted) {
+    const std::string path = dir_ + "/store/" + to_hex(name);
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ASSERT_GE(fd, 0) << path;
+    const int extended = ::ftruncate(fd, static_cast<off_t>(n));
+    const int err = errno;
+    ::close(fd);
+    if (extended != 0) GTEST_SKIP() << "ftruncate to " << n << " bytes: " << std::strerror(err);
+  }
+  auto src = memory_pack_source(head.data(), static_cast<std::int64_t>(head.size()), "thin-tib");
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto v = verify_pack(*src, store->get());
+  const double verify_s = seconds_since(t0);
+  ASSERT_TRUE(v.ok()) << v.error().to_string();
+  EXPECT_EQ(v->chunks, 4096);
+  EXPECT_EQ(v->bad_chunks, 4095);
+  EXPECT_LT(verify_s, 60.0) << "verify of a thin pack over a TiB of planted holes";
+  std::printf("verify of a thin pack over %lld planted chunk files of holes: %.2f s\n",
+              static_cast<long long>(v->chunks), verify_s);
+  const Status& e = v->first_error;
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.error().code, ErrorCode::kCorruption);
+  EXPECT_NE(e.error().message.find("thin-tib: chunk 1 (layer 0"), std::string::npos) << e.to_string();
+  EXPECT_NE(e.error().message.find("is a file with holes whose bytes hash to " + to_hex(zeros) + " (damaged or planted)"),
+            std::string::npos)
+      << e.to_string();
+
+  // Chunk 0's file alone: the check a read makes before its rows passes.
+  const Status good = (*store)->check_stored(zeros, chunk_bytes);
+  EXPECT_TRUE(good.ok()) << good.to_string();
+  const Status backed = check_pack_backed(*src, {.store = store->get()});
+  EXPECT_EQ(backed.error().message, e.error().message);
+}
+
 // A pack of seeded rows, two full layers among sliding ones, in 64 KiB
 // chunks; full layer 1's chunk 1 starts at a multiple of kHoleAlign (the
 // metadata padded to put it there), so that a hole can cover exactly it.

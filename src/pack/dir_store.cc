@@ -16,7 +16,10 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/file_read.h"
 #include "cpu/parallel.h"
@@ -143,8 +146,10 @@ class DirStore final : public ChunkStore {
   // A file with holes (fewer blocks on disk than its size) costs whoever
   // planted it nothing for the bytes it claims, and a reader sizes its rows
   // by this answer: such a file is hashed here, through a bounded buffer,
-  // and answers kCorruption unless its bytes are the chunk. (A filesystem
-  // that compresses may show chunk files so too; they are then read twice.)
+  // and answers kCorruption unless its bytes are the chunk. A file wholly a
+  // hole reads as zeros and is not read: its bytes hash to the SHA-256 of
+  // that many zeros (zeros_digest). (A filesystem that compresses may show
+  // chunk files so too; they are then read twice.)
   Status check_stored(const Digest& name, std::int64_t bytes) const override {
     struct stat st {};
     if (::lstat(path_of(name).c_str(), &st) != 0) {
@@ -232,11 +237,12 @@ class DirStore final : public ChunkStore {
     struct stat st {};
     Status s = ::fstat(fd, &st) != 0 ? io_error(spec() + ": chunk " + to_hex(name) + ": " + errno_text(errno))
                                      : check_file(name, st, bytes);
-    Result<Digest> got = s.ok() ? sha256_in_pieces(bytes,
-                                                   [&](std::int64_t at, std::int64_t n, std::uint8_t* dst) {
-                                                     return pread_all(fd, dst, n, at, path);
-                                                   })
-                                : Result<Digest>(s);
+    Result<Digest> got = !s.ok()                     ? Result<Digest>(s)
+                         : range_in_hole(fd, 0, bytes) ? Result<Digest>(zeros_digest(bytes))
+                                                       : sha256_in_pieces(bytes, [&](std::int64_t at, std::int64_t n,
+                                                                                     std::uint8_t* dst) {
+                                                           return pread_all(fd, dst, n, at, path);
+                                                         });
     ::close(fd);
     if (!got) return got.error();
 #if !defined(FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION)
@@ -245,6 +251,21 @@ class DirStore final : public ChunkStore {
                         to_hex(*got) + " (damaged or planted)");
 #endif
     return Status::Ok();
+  }
+
+  // The SHA-256 of `bytes` zero bytes. The last kZeroLengthsKept lengths'
+  // digests are kept, and one is computed under the lock, so checks of many
+  // chunk files of holes (a verify's, on every core) hash each length's
+  // zeros once, not once a file: a chunk's length follows from its rows,
+  // and a pack's chunks have few lengths.
+  Digest zeros_digest(std::int64_t bytes) const {
+    const std::lock_guard<std::mutex> lock(zeros_mu_);
+    for (const auto& [n, digest] : zeros_)
+      if (n == bytes) return digest;
+    const Digest digest = sha256_of_zeros({bytes}).front();
+    if (zeros_.size() == kZeroLengthsKept) zeros_.erase(zeros_.begin());
+    zeros_.emplace_back(bytes, digest);
+    return digest;
   }
 
   // A chunk file is a regular file of the chunk's size.
@@ -317,8 +338,12 @@ class DirStore final : public ChunkStore {
     return s;
   }
 
+  static constexpr std::size_t kZeroLengthsKept = 16;
+
   std::string root_;
   IoOptions io_;
+  mutable std::mutex zeros_mu_;
+  mutable std::vector<std::pair<std::int64_t, Digest>> zeros_;
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "core/file_read.h"
@@ -71,6 +72,14 @@ Status pwrite_all(int fd, const std::uint8_t* src, std::int64_t n, std::int64_t 
     done += r;
   }
   return Status::Ok();
+}
+
+bool range_in_hole(int fd, std::int64_t offset, std::int64_t n) {
+  if (offset < 0 || n <= 0 || offset > std::numeric_limits<std::int64_t>::max() - n) return false;
+  const off_t data = ::lseek(fd, static_cast<off_t>(offset), SEEK_DATA);
+  if (data >= 0) return data >= offset + n;
+  struct stat st {};
+  return errno == ENXIO && ::fstat(fd, &st) == 0 && st.st_size >= offset + n;
 }
 
 Status fsync_dir(const std::string& dir, const IoOptions& io) {

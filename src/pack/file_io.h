@@ -28,6 +28,13 @@ Status pread_all(int fd, std::uint8_t* dst, std::int64_t n, std::int64_t offset,
 // size limit) is kIOError naming how far it got.
 Status pwrite_all(int fd, const std::uint8_t* src, std::int64_t n, std::int64_t offset,
                   const std::string& path);
+// True when bytes [offset, offset + n) of the open file `fd` lie wholly in a
+// hole, so they read as zeros: lseek(SEEK_DATA) from `offset` finds data
+// only at or past the range's end, or nowhere (ENXIO). A file system that
+// does not track holes reports data everywhere (false). The file must
+// still hold the range: one cut short finds no data either (ENXIO), and is
+// not a hole. An empty or negative range is not one.
+bool range_in_hole(int fd, std::int64_t offset, std::int64_t n);
 Status fsync_dir(const std::string& dir, const IoOptions& io);
 
 // A file written under a temporary name beside its destination and renamed

@@ -66,17 +66,10 @@ class FileSource final : public PackSource {
   Status read_at(std::int64_t offset, std::int64_t n, std::uint8_t* dst) const override {
     return pread_all(fd_, dst, n, offset, name_);
   }
-  // SEEK_DATA from `offset` finds the next byte that holds data: at or past
-  // the range's end, or nowhere (ENXIO), the range is all hole. A file
-  // system that does not track holes reports data everywhere. The file
-  // must still hold the range: one cut short after it was opened ends in
-  // ENXIO too, and reading it fails.
+  // The range must lie within the size the file had when opened
+  // (range_in_hole, file_io.h, says the rest).
   bool in_hole(std::int64_t offset, std::int64_t n) const override {
-    if (offset < 0 || n <= 0 || offset > size_ - n) return false;
-    const off_t data = ::lseek(fd_, static_cast<off_t>(offset), SEEK_DATA);
-    if (data >= 0) return data >= offset + n;
-    struct stat st {};
-    return errno == ENXIO && ::fstat(fd_, &st) == 0 && st.st_size >= offset + n;
+    return offset >= 0 && n > 0 && offset <= size_ - n && range_in_hole(fd_, offset, n);
   }
 
  private:
