@@ -107,6 +107,19 @@ done
 "$K" run "${common[@]}" --prompt-tokens 20 --handoff-to "unix:$W/none.sock" --handoff-rate 1e-300 2>bound.err &&
   fail "run --handoff-rate 1e-300"
 grep -q "past the 1e+12 s a plan may take" bound.err || fail "run --handoff-rate 1e-300: $(cat bound.err)"
+# plan --json writes its messages as it goes: a plan of 524,288 messages
+# (1,024 layers of 512 one-MiB messages) prints its 121 MB of JSON in
+# 512 MiB of address space; as one JSON tree it took 800 MB, and a refused
+# allocation ended the tool with an abort, not a message.
+cat > plan_wide.json <<'JSON'
+{"num_hidden_layers": 1024, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 1024,
+ "max_position_embeddings": 4096}
+JSON
+bash -c 'ulimit -v 524288 && exec "$0" "$@"' "$K" handoff plan --config plan_wide.json --tokens 2049 --message 1 \
+  --credits 1 --json >plan_wide.json.out 2>plan_wide.err || fail "plan of 524,288 messages under ulimit -v: exit $?"
+[ "$(grep -o '"ack_s"' plan_wide.json.out | wc -l)" = 524288 ] || fail "plan of 524,288 messages: not every message"
+tail -c 2 plan_wide.json.out | grep -q '^}$' || fail "plan of 524,288 messages: the JSON does not end"
+rm -f plan_wide.json.out
 # The sender's bound on the receiver: a rate of at least 0, with --handoff-to.
 "$K" run "${common[@]}" --prompt-tokens 20 --handoff-to "unix:$W/none.sock" --handoff-min-rate -1 2>bound.err &&
   fail "run --handoff-min-rate -1"

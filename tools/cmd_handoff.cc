@@ -120,15 +120,41 @@ int cmd_plan(const std::vector<std::string>& argv) {
     j["layers"] = nlohmann::json::array();
     for (const auto& l : p.layers)
       j["layers"].push_back({{"layer", l.layer}, {"kind", layer_kind_name(l.kind)}, {"rows", l.rows}, {"bytes", l.bytes}});
-    j["messages"] = nlohmann::json::array();
-    for (const auto& m : t->messages)
-      j["messages"].push_back({{"layer", m.layer}, {"first_row", m.first_row}, {"rows", m.rows}, {"bytes", m.bytes},
-                               {"final_s", m.final_s}, {"release_s", m.release_s}, {"start_s", m.start_s},
-                               {"end_s", m.end_s}, {"ack_s", m.ack_s}});
-    j["in_flight"] = nlohmann::json::array();
-    std::int64_t f = 0;
-    for (auto& [time, d] : events) j["in_flight"].push_back({time, f += d});
-    std::printf("%s\n", j.dump().c_str());
+    // The messages and the bytes in flight (up to kMaxPlannedMessages and
+    // twice that) are written an element at a time: as one JSON tree they
+    // took about seven times the text they print. The object's keys come
+    // in the order dump() gives them (sorted), so the text is the same.
+    j["messages"] = nullptr;
+    j["in_flight"] = nullptr;
+    std::fputc('{', stdout);
+    bool first_key = true;
+    for (const auto& [key, value] : j.items()) {
+      if (!first_key) std::fputc(',', stdout);
+      first_key = false;
+      std::fputs(nlohmann::json(key).dump().append(":").c_str(), stdout);
+      if (key == "messages") {
+        std::fputc('[', stdout);
+        for (std::size_t i = 0; i < t->messages.size(); ++i) {
+          const auto& m = t->messages[i];
+          const nlohmann::json e = {{"layer", m.layer},     {"first_row", m.first_row}, {"rows", m.rows},
+                                    {"bytes", m.bytes},     {"final_s", m.final_s},     {"release_s", m.release_s},
+                                    {"start_s", m.start_s}, {"end_s", m.end_s},         {"ack_s", m.ack_s}};
+          std::fputs(e.dump().insert(0, i == 0 ? "" : ",").c_str(), stdout);
+        }
+        std::fputc(']', stdout);
+      } else if (key == "in_flight") {
+        std::fputc('[', stdout);
+        std::int64_t f = 0;
+        for (std::size_t i = 0; i < events.size(); ++i) {
+          const nlohmann::json e = {events[i].first, f += events[i].second};
+          std::fputs(e.dump().insert(0, i == 0 ? "" : ",").c_str(), stdout);
+        }
+        std::fputc(']', stdout);
+      } else {
+        std::fputs(value.dump().c_str(), stdout);
+      }
+    }
+    std::fputs("}\n", stdout);
     return 0;
   }
   const std::int64_t n_full = config->count(LayerKind::kFullNope), n_sliding = config->count(LayerKind::kSlidingRope);
