@@ -540,5 +540,63 @@ TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
   EXPECT_LT(s, 1.5);
 }
 
+
+// Credits past what a message of the receiver's max_message_bytes carries:
+// the receiver hands out only what it takes in one message, so a sender
+// whose message is larger refuses it at the acceptance, before any row
+// moves (it used to be sent, then refused by its size, and the sender
+// heard only that the link broke), and one whose messages fit is taken.
+TEST(HandoffBounds, CreditsStayWithinTheMessageBound) {
+  const ModelConfig config = testing::small_config(32, 256);
+  auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
+  ASSERT_TRUE(m.ok());
+  const auto prompt = seeded_tokens(100, 64, 7);
+  auto from = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  ASSERT_TRUE(from.ok());
+  const SeqId seq = testing::prefill_in(**m, **from, prompt, 128);
+  const std::vector<std::int32_t> ids(prompt.begin(), prompt.end() - 1);
+  constexpr std::int64_t kMaxMessage = 8 << 10;  // the header fits; the full plane's 99 rows (12,672 B) do not
+  const std::int64_t granted = kMaxMessage - static_cast<std::int64_t>(testing::kRowsFixed);
+  const ReceiveOptions ro{.timeout_s = 3, .credit_bytes = 1 << 20, .max_message_bytes = kMaxMessage};
+  auto to = make_store(BackendKind::kCpu, config, {.max_sequences = 1});
+  ASSERT_TRUE(to.ok());
+  const std::int64_t free_before = (*to)->free_blocks();
+  for (const std::int64_t message_bytes : {std::int64_t{4} << 20, std::int64_t{4} << 10}) {
+    PlanOptions o;
+    o.chunk_tokens = 128;
+    o.message_bytes = message_bytes;
+    auto t = plan_handoff(config, 100, o);
+    ASSERT_TRUE(t.ok()) << t.error().to_string();
+    std::int64_t largest = 0;
+    for (const PlannedMessage& pm : t->messages) largest = std::max(largest, pm.bytes);
+    auto src = StoreSource::create(**from, seq, *t, ids, "");
+    ASSERT_TRUE(src.ok());
+    StoreTarget target(**to);
+    Result<SendReport> sent = io_error("not run");
+    const auto received = over_unix("credits", target, ro,
+                                    [&](Transport& link) { sent = send_session(link, **src, *t, {.timeout_s = 3}); });
+    if (largest > granted) {
+      ASSERT_FALSE(sent.ok());
+      EXPECT_EQ(sent.error().code, ErrorCode::kInvalidArgument) << sent.error().to_string();
+      EXPECT_NE(sent.error().message.find(std::string("a message of ")
+                                              .append(std::to_string(largest))
+                                              .append(" B exceeds the receiver's credits of ")
+                                              .append(std::to_string(granted))),
+                std::string::npos)
+          << sent.error().to_string();
+      ASSERT_FALSE(received.ok());
+      EXPECT_NE(received.error().message.find("aborted"), std::string::npos) << received.error().to_string();
+      EXPECT_EQ((*to)->sequence_count(), 0);
+      EXPECT_EQ((*to)->free_blocks(), free_before);
+    } else {
+      ASSERT_TRUE(sent.ok()) << sent.error().to_string();
+      ASSERT_TRUE(received.ok()) << received.error().to_string();
+      EXPECT_EQ(sent->credit_bytes, granted);
+      ASSERT_TRUE(target.sequence().has_value());
+      EXPECT_EQ(testing::live_bytes(**to, *target.sequence()), testing::live_bytes(**from, seq));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvring::handoff

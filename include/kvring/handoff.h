@@ -654,7 +654,9 @@ struct ReceiveOptions {
   // sends (docs/DESIGN.md, "Faults"). 0, or max_keep_s 0: no bound.
   double min_bytes_per_s = 64 << 10;
   // Row bytes the sender may send unacknowledged; no message after the
-  // header may carry more rows than this.
+  // header may carry more rows than this. Handed out as at most the rows a
+  // message of max_message_bytes carries (its 61-byte head aside, at
+  // least 1 B), so a sender refuses a larger message at the acceptance.
   std::int64_t credit_bytes = std::int64_t{64} << 20;
   // The largest message taken (the header's token ids and metadata).
   std::int64_t max_message_bytes = std::int64_t{256} << 20;

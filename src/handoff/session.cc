@@ -812,16 +812,20 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
                            std::to_string(expected_bytes) + " B"));
   begun = true;
   if (Status s = target.begin(h); !s.ok()) return fail(s.error());
+  // The credits handed out: at most the rows a message of max_message_bytes
+  // carries (at least a byte), so that a sender refuses at the acceptance
+  // a message this end would refuse by its size.
+  const auto fixed = static_cast<std::int64_t>(kRowsFixed);
+  const std::int64_t credits = std::max<std::int64_t>(1, std::min(options.credit_bytes, options.max_message_bytes - fixed));
   {
     std::string accept;
     put_fixed8(&accept, kAccept);
-    put_fixed64(&accept, options.credit_bytes);
+    put_fixed64(&accept, credits);
     if (Status s = transport.send_message(accept.data(), accept.size(), deadline_in(options.timeout_s)); !s.ok())
       return fail(peer_lost(s, who));
     // (At least what an ABORT or an END takes, whatever the credits.)
-    const auto fixed = static_cast<std::int64_t>(kRowsFixed);
-    if (options.credit_bytes < options.max_message_bytes - fixed)
-      limit = std::max<std::int64_t>(options.credit_bytes + fixed, 2 * kStatusTextBytes);
+    if (credits < options.max_message_bytes - fixed)
+      limit = std::max<std::int64_t>(credits + fixed, 2 * kStatusTextBytes);
     limit = std::min(limit, options.max_message_bytes);
   }
   const std::int64_t kv = h.config.kv_dim();
@@ -882,9 +886,9 @@ Result<ReceiveReport> receive_session(Transport& transport, HandoffTarget& targe
       if (rows < 1 || rows > options.max_message_bytes / (kv * 4) ||
           size != kRowsFixed + static_cast<std::size_t>(rows * kv * 4))
         return fail(wire_error(at + std::to_string(size) + " B for " + std::to_string(rows) + " rows"));
-      if (rows * kv * 4 > options.credit_bytes)
+      if (rows * kv * 4 > credits)
         return fail(wire_error(at + std::to_string(rows * kv * 4) + " B of rows, past the credits of " +
-                               std::to_string(options.credit_bytes) + " B"));
+                               std::to_string(credits) + " B"));
       const PlaneSnapshot& p = h.planes[static_cast<std::size_t>(layer)];
       std::int64_t& next = next_row[static_cast<std::size_t>(layer)];
       if (first != next || first + rows > p.ring.next_position())
