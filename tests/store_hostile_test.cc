@@ -664,6 +664,34 @@ TEST_F(RedisHostile, CheckWritableTriesAWrite) {
   EXPECT_TRUE((*store)->check_writable().ok());
 }
 
+// Only +OK answers a put's SET: another status (QUEUED, or PONG, a reply
+// meant for another command) fails the put, naming it, and the connection
+// is dropped.
+TEST_F(RedisHostile, OnlyOkAnswersAPutsSet) {
+  const std::string a = "a chunk to put", b = "another chunk to put";
+  const std::vector<ChunkData> chunks = {chunk_of(a), chunk_of(b)};
+  for (const auto& [reply, named] :
+       {std::pair<std::string, std::string>("+QUEUED\r\n+QUEUED\r\n", "the status 'QUEUED'"),
+        {"+OK\r\n+PONG\r\n", "the status 'PONG'"}}) {
+    SCOPED_TRACE(reply);
+    auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", reply});
+    ASSERT_TRUE(server);
+    auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+    ASSERT_TRUE(store.ok()) << store.error().to_string();
+    const Status s = (*store)->put(chunks);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.error().code, ErrorCode::kIOError);
+    EXPECT_NE(s.error().message.find(std::string("unexpected reply to SET: ").append(named)), std::string::npos)
+        << s.to_string();
+  }
+  auto server = FakeServer::start("127.0.0.1", {"+PONG\r\n", "+OK\r\n+OK\r\n"});
+  ASSERT_TRUE(server);
+  auto store = open_chunk_store("redis://" + loopback(*server) + "?timeout_ms=2000");
+  ASSERT_TRUE(store.ok()) << store.error().to_string();
+  const Status s = (*store)->put(chunks);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
 // One command sent to a server as RESP, its first reply line returned.
 std::string raw_command(int port, const std::vector<std::string>& args) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);

@@ -835,14 +835,16 @@ class RedisStore final : public ChunkStore {
 
   // Every chunk is SET, also when its key exists: a content-addressed value
   // is only ever replaced by the same bytes, and a damaged or planted value
-  // under the name must not stop the true bytes from being stored.
+  // under the name must not stop the true bytes from being stored. Only
+  // +OK answers a SET: any other status (QUEUED, or PONG, a reply meant for
+  // another command) stored nothing the put can vouch for.
   Status put_batch_on(Conn& c, std::span<const ChunkData> chunks) const {
     for (const ChunkData& ch : chunks) c.queue_set(key_of(ch.name), as_text(ch.part1), as_text(ch.part2));
     KVRING_RETURN_IF_ERROR(send(c, kControlLimits, "SET"));
     Status s;
     for (std::size_t i = 0; i < chunks.size() && !c.broken; ++i) {
       auto r = receive(c, "SET");
-      if (r && (*r)->type != REDIS_REPLY_STATUS) {
+      if (r && ((*r)->type != REDIS_REPLY_STATUS || std::string_view((*r)->str, (*r)->len) != "OK")) {
         c.broken = true;
         r = io_error(spec() + ": unexpected reply to SET: " + reply_kind(**r));
       }
