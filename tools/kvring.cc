@@ -158,7 +158,8 @@ stores (STORE):
   redis://[[USER]:PASSWORD@]HOST[:PORT][?timeout_ms=N&deadline_ms=N]
              HOST a name, an IPv4 address or [IPv6]; PORT 6379 by default;
              timeout_ms bounds each wait for the server (default 5000),
-             deadline_ms the whole command's use of it (default 600000);
+             deadline_ms each opening of it (default 600000; a command
+             opens it to check it, then for each pack it saves or reads);
              the password never appears in messages
 )";
 
