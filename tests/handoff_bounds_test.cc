@@ -540,7 +540,6 @@ TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
   EXPECT_LT(s, 1.5);
 }
 
-
 // Credits past what a message of the receiver's max_message_bytes carries:
 // the receiver hands out only what it takes in one message, so a sender
 // whose message is larger refuses it at the acceptance, before any row

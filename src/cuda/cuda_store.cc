@@ -1034,32 +1034,36 @@ Status CudaStore::attend(const AttendBatch& b) {
   const bool host_out = out.space == MemorySpace::kHost;
   bool host = host_out || q.space == MemorySpace::kHost;
 
+  // Every failure from here on waits for the stream (Impl::fail), so that
+  // no copy or kernel still reads or writes the caller's rows after it.
+  const std::size_t staged_bytes = static_cast<std::size_t>(n_queries * width) * 4;
   // Queries: device f32 rows, or host rows staged as f32.
   const float* dq = static_cast<const float*>(q.data);
   std::int64_t q_stride = q.row_stride;
-  if (q.space == MemorySpace::kHost) {
-    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
-    KVRING_RETURN_IF_ERROR(im.pin.reserve(bytes));
-    KVRING_RETURN_IF_ERROR(im.stage_q.reserve(bytes, "attention queries"));
-    for (std::int64_t r = 0; r < n_queries; ++r)
-      detail::row_to_f32(q, r, reinterpret_cast<float*>(im.pin.data()) + r * width);
-    KVRING_CUDA_CHECK("host-to-device copy",
-                      cudaMemcpyAsync(im.stage_q.as<void>(), im.pin.data(), bytes,
-                                      cudaMemcpyHostToDevice, s));
-    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
-    dq = im.stage_q.as<float>();
-    q_stride = width;
-  }
   float* dout = static_cast<float*>(out.data);
   std::int64_t out_stride = out.row_stride;
-  if (host_out) {
-    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
-    KVRING_RETURN_IF_ERROR(im.stage_out.reserve(bytes, "attention output"));
-    // Poison: an element the kernels fail to write reads back as NaN.
-    KVRING_CUDA_CHECK("cudaMemsetAsync", cudaMemsetAsync(im.stage_out.as<void>(), 0xff, bytes, s));
-    dout = im.stage_out.as<float>();
-    out_stride = width;
-  }
+  const Status staged = [&]() -> Status {
+    if (q.space == MemorySpace::kHost) {
+      KVRING_RETURN_IF_ERROR(im.pin.reserve(staged_bytes));
+      KVRING_RETURN_IF_ERROR(im.stage_q.reserve(staged_bytes, "attention queries"));
+      for (std::int64_t r = 0; r < n_queries; ++r)
+        detail::row_to_f32(q, r, reinterpret_cast<float*>(im.pin.data()) + r * width);
+      KVRING_CUDA_CHECK("host-to-device copy", cudaMemcpyAsync(im.stage_q.as<void>(), im.pin.data(), staged_bytes,
+                                                               cudaMemcpyHostToDevice, s));
+      KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+      dq = im.stage_q.as<float>();
+      q_stride = width;
+    }
+    if (host_out) {
+      KVRING_RETURN_IF_ERROR(im.stage_out.reserve(staged_bytes, "attention output"));
+      // Poison: an element the kernels fail to write reads back as NaN.
+      KVRING_CUDA_CHECK("cudaMemsetAsync", cudaMemsetAsync(im.stage_out.as<void>(), 0xff, staged_bytes, s));
+      dout = im.stage_out.as<float>();
+      out_stride = width;
+    }
+    return Status::Ok();
+  }();
+  if (!staged.ok()) return im.fail(staged, s);
 
   // The chunk's rows exactly as the store will hold them (f16), in
   // stream-ordered scratch.
@@ -1094,11 +1098,14 @@ Status CudaStore::attend(const AttendBatch& b) {
   if (st.ok()) st = im.leave(s);
   if (!st.ok()) return im.fail(st, s);
   if (host_out) {
-    const std::size_t bytes = static_cast<std::size_t>(n_queries * width) * 4;
-    KVRING_RETURN_IF_ERROR(im.pin.reserve(bytes));
-    KVRING_CUDA_CHECK("device-to-host copy",
-                      cudaMemcpyAsync(im.pin.data(), dout, bytes, cudaMemcpyDeviceToHost, s));
-    KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+    const Status copied = [&]() -> Status {
+      KVRING_RETURN_IF_ERROR(im.pin.reserve(staged_bytes));
+      KVRING_CUDA_CHECK("device-to-host copy",
+                        cudaMemcpyAsync(im.pin.data(), dout, staged_bytes, cudaMemcpyDeviceToHost, s));
+      KVRING_CUDA_CHECK("cudaStreamSynchronize", cudaStreamSynchronize(s));
+      return Status::Ok();
+    }();
+    if (!copied.ok()) return im.fail(copied, s);
     for (std::int64_t r = 0; r < n_queries; ++r)
       std::memcpy(static_cast<float*>(out.data) + r * out.row_stride,
                   reinterpret_cast<const float*>(im.pin.data()) + r * width,
