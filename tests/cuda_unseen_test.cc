@@ -25,51 +25,29 @@
 #include "cuda/allocation.h"
 #include "cuda/kernels.h"
 #include "cuda/launch_policy.h"
+#include "cuda_geometry_check.h"
 #include "cuda_test_util.h"
 #include "kvring/f16.h"
 
 namespace kvring {
 namespace {
 
+using testing::check_against_cpu;
 using testing::DeviceArray;
+using testing::edge_plan;
+using testing::Geometry;
+using testing::geometry;
+using testing::last_arrival_policy;
 using testing::Outputs;
-using testing::SeqInputs;
 using testing::random_floats;
+using testing::resident_policy;
+using testing::same_bits;
 using testing::seq_image;
+using testing::SeqInputs;
 
 constexpr double kTolerance = 1e-5;
 constexpr double kF16Tolerance = 1e-3;
 
-bool same_bits(const Outputs& a, const Outputs& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [key, x] : a) {
-    const auto it = b.find(key);
-    if (it == b.end() || it->second.size() != x.size() ||
-        std::memcmp(x.data(), it->second.data(), x.size() * 4) != 0)
-      return false;
-  }
-  return true;
-}
-
-// Policies that force the combine paths (as cuda_geometry_test.cc's).
-cuda::LaunchPolicy resident_policy() {
-  cuda::LaunchPolicy p = cuda::device_launch_policy();
-  p.hd128_cluster = 1;
-  p.general_cluster = 1;
-  p.warp_splits = cuda::WarpSplits::kNever;
-  p.f16_stages = 2;
-  return p;
-}
-cuda::LaunchPolicy last_arrival_policy() {
-  cuda::LaunchPolicy p = cuda::device_launch_policy();
-  p.hd128_resident = 0;
-  p.hd128_cluster = 1;
-  p.general_cluster = 1;
-  p.query_major = cuda::QueryMajor::kAlways;
-  p.warp_splits = cuda::WarpSplits::kAlways;
-  p.f16_stages = 3;
-  return p;
-}
 // Last arrival in runs of 4 splits a CTA, items uploaded, no first blocks.
 cuda::LaunchPolicy runs_policy() {
   cuda::LaunchPolicy p = cuda::device_launch_policy();
@@ -82,56 +60,6 @@ cuda::LaunchPolicy runs_policy() {
   p.first_blocks = false;
   p.query_major = cuda::QueryMajor::kNever;
   return p;
-}
-
-struct Geometry {
-  ModelConfig config;
-  StoreOptions options;
-  std::vector<std::int64_t> lengths;
-  std::int64_t max_chunk;
-};
-Geometry geometry(std::string name, std::int64_t layers, std::int64_t full_every, std::int64_t heads,
-                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t window, std::int64_t context,
-                  std::int64_t block_rows, std::vector<std::int64_t> lengths, std::int64_t max_chunk,
-                  std::int64_t slack = 0) {
-  Geometry g{make_hybrid_config(std::move(name), layers, full_every, heads, kv_heads, head_dim, window, context),
-             {}, std::move(lengths), max_chunk};
-  g.options = {.max_sequences = static_cast<std::int64_t>(g.lengths.size()) + 3, .context = context,
-               .slack = slack, .block_rows = block_rows};
-  return g;
-}
-
-std::vector<SeqInputs> inputs(const ModelConfig& c, const std::vector<std::int64_t>& lengths, std::uint64_t seed) {
-  std::vector<SeqInputs> s;
-  for (std::size_t i = 0; i < lengths.size(); ++i) s.push_back(testing::seq_inputs(c, lengths[i], seed * 1000 + i));
-  return s;
-}
-
-// Random batches up to each sequence's last two tokens, then a step of
-// one-token prefills of every sequence and a step of decodes of every one.
-std::vector<testing::Step> edge_plan(const std::vector<SeqInputs>& seqs, std::uint64_t seed, std::int64_t max_chunk) {
-  std::vector<SeqInputs> head(seqs.size());
-  for (std::size_t i = 0; i < seqs.size(); ++i) head[i].len = seqs[i].len - 2;
-  std::vector<testing::Step> plan = testing::random_plan(head, seed, max_chunk);
-  for (const bool decode : {false, true}) {
-    testing::Step st;
-    st.decode = decode;
-    for (std::size_t i = 0; i < seqs.size(); ++i) st.chunks.emplace_back(static_cast<int>(i), 1);
-    plan.push_back(st);
-  }
-  return plan;
-}
-
-// add_with_churn where every plane takes its fillers' rows, else plain adds.
-std::vector<SeqId> add(KvStore& s, int n, std::uint64_t seed, bool churn) {
-  if (churn) return testing::add_with_churn(s, n, seed);
-  std::vector<SeqId> ids;
-  for (int i = 0; i < n; ++i) {
-    auto id = s.add_sequence();
-    EXPECT_TRUE(id.ok());
-    if (id.ok()) ids.push_back(*id);
-  }
-  return ids;
 }
 
 // Like run_plan's device branch, but every attention call's out is its q
@@ -198,54 +126,6 @@ void run_plan_in_place(KvStore& store, const std::vector<SeqId>& ids, const std:
       }
     }
     for (const auto& [i, n] : st.chunks) at[static_cast<std::size_t>(i)] += n;
-  }
-}
-
-// The geometry's sequences through a CPU store (host views), a CUDA store
-// on the device's policy (host views) and one under `policy` (device
-// views): outputs within `tolerance` of the CPU's, the two CUDA stores'
-// bits equal, every plane image and live row the CPU's.
-void check_against_cpu(const Geometry& g, std::uint64_t seed, double tolerance, const cuda::LaunchPolicy& policy,
-                       bool churn = true) {
-  const ModelConfig& c = g.config;
-  const int n = static_cast<int>(g.lengths.size());
-  const auto seqs = inputs(c, g.lengths, seed);
-  const auto plan = edge_plan(seqs, seed * 3, g.max_chunk);
-  auto cpu = testing::new_store(BackendKind::kCpu, c, g.options);
-  auto gpu = testing::new_store(BackendKind::kCuda, c, g.options);
-  auto forced = testing::new_cuda_store(c, g.options, policy);
-  ASSERT_TRUE(cpu && gpu && forced);
-  const auto cids = add(*cpu, n, seed * 5, churn);
-  const auto gids = add(*gpu, n, seed * 7, churn);
-  const auto fids = add(*forced, n, seed * 11, churn);
-  ASSERT_EQ(static_cast<int>(cids.size()), n);
-  ASSERT_EQ(static_cast<int>(gids.size()), n);
-  ASSERT_EQ(static_cast<int>(fids.size()), n);
-  Outputs c_out, g_out, f_out;
-  testing::run_plan(*cpu, cids, seqs, plan, c_out);
-  ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  testing::run_plan(*gpu, gids, seqs, plan, g_out);
-  ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  testing::run_plan(*forced, fids, seqs, plan, f_out, true);
-  ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  std::int64_t positions = 0;
-  for (const std::int64_t len : g.lengths) positions += len;
-  ASSERT_EQ(c_out.size(), static_cast<std::size_t>(positions * c.n_layers));
-  const double worst = testing::worst_difference(g_out, c_out);
-  EXPECT_LE(worst, tolerance);
-  EXPECT_TRUE(same_bits(g_out, f_out)) << "host views on the device's policy and device views on another differ";
-  std::printf("  %s: CUDA vs CPU worst %.2e over %zu outputs\n", c.name.c_str(), worst, c_out.size());
-  for (int i = 0; i < n; ++i) {
-    const auto k = static_cast<std::size_t>(i);
-    const testing::SeqImage image = seq_image(*cpu, cids[k]);
-    EXPECT_TRUE(seq_image(*gpu, gids[k]) == image) << "sequence " << i << ": planes differ from the CPU's";
-    EXPECT_TRUE(seq_image(*forced, fids[k]) == image) << "sequence " << i << ": planes differ from the CPU's";
-    for (std::int64_t l = 0; l < c.n_layers; ++l) {
-      const auto rows = testing::live_rows(*cpu, cids[k], l);
-      EXPECT_TRUE(testing::live_rows(*gpu, gids[k], l) == rows) << "sequence " << i << " layer " << l;
-      EXPECT_TRUE(testing::live_rows(*forced, fids[k], l) == rows) << "sequence " << i << " layer " << l;
-    }
-    if (::testing::Test::HasFailure()) return;
   }
 }
 
@@ -495,16 +375,16 @@ TEST(CudaUnseen, OutputsOverTheirOwnQueriesOnEveryPath) {
     SCOPED_TRACE(g.config.name);
     const ModelConfig& c = g.config;
     const int n = static_cast<int>(g.lengths.size());
-    const auto seqs = inputs(c, g.lengths, seed);
+    const auto seqs = testing::inputs_of_lengths(c, g.lengths, seed);
     const auto plan = edge_plan(seqs, seed * 3, g.max_chunk);
     Outputs c_out, apart;
     {
       auto cpu = testing::new_store(BackendKind::kCpu, c, g.options);
       auto gpu = testing::new_store(BackendKind::kCuda, c, g.options);
       ASSERT_TRUE(cpu && gpu);
-      testing::run_plan(*cpu, add(*cpu, n, seed, false), seqs, plan, c_out);
+      testing::run_plan(*cpu, testing::add_sequences(*cpu, n, seed, false), seqs, plan, c_out);
       ASSERT_FALSE(HasFatalFailure());
-      testing::run_plan(*gpu, add(*gpu, n, seed, false), seqs, plan, apart, true);
+      testing::run_plan(*gpu, testing::add_sequences(*gpu, n, seed, false), seqs, plan, apart, true);
       ASSERT_FALSE(HasFatalFailure());
       EXPECT_LE(testing::worst_difference(apart, c_out), kTolerance);
     }
@@ -516,7 +396,7 @@ TEST(CudaUnseen, OutputsOverTheirOwnQueriesOnEveryPath) {
         auto gpu = testing::new_cuda_store(c, g.options, policy);
         ASSERT_TRUE(gpu);
         Outputs got;
-        run_plan_in_place(*gpu, add(*gpu, n, seed, false), seqs, plan, got, interleaved);
+        run_plan_in_place(*gpu, testing::add_sequences(*gpu, n, seed, false), seqs, plan, got, interleaved);
         ASSERT_FALSE(HasFatalFailure());
         EXPECT_TRUE(same_bits(got, apart)) << "outputs differ from those of q and out apart";
         EXPECT_LE(testing::worst_difference(got, c_out), kTolerance);
@@ -542,15 +422,15 @@ TEST(CudaUnseen, F16OutputsOverTheirOwnQueries) {
   }
   const ModelConfig& c = g.config;
   const int n = static_cast<int>(g.lengths.size());
-  const auto seqs = inputs(c, g.lengths, 901);
+  const auto seqs = testing::inputs_of_lengths(c, g.lengths, 901);
   const auto plan = edge_plan(seqs, 903, g.max_chunk);
   auto cpu = testing::new_store(BackendKind::kCpu, c, g.options);
   auto gpu = testing::new_store(BackendKind::kCuda, c, g.options);
   ASSERT_TRUE(cpu && gpu);
   Outputs c_out, apart;
-  testing::run_plan(*cpu, add(*cpu, n, 1, false), seqs, plan, c_out);
+  testing::run_plan(*cpu, testing::add_sequences(*cpu, n, 1, false), seqs, plan, c_out);
   ASSERT_FALSE(HasFatalFailure());
-  testing::run_plan(*gpu, add(*gpu, n, 1, false), seqs, plan, apart, true);
+  testing::run_plan(*gpu, testing::add_sequences(*gpu, n, 1, false), seqs, plan, apart, true);
   ASSERT_FALSE(HasFatalFailure());
   EXPECT_LE(testing::worst_difference(apart, c_out), kF16Tolerance);
   for (const int stages : {2, 3}) {
@@ -562,7 +442,7 @@ TEST(CudaUnseen, F16OutputsOverTheirOwnQueries) {
       auto s = testing::new_cuda_store(c, g.options, p);
       ASSERT_TRUE(s);
       Outputs got;
-      run_plan_in_place(*s, add(*s, n, 1, false), seqs, plan, got, interleaved);
+      run_plan_in_place(*s, testing::add_sequences(*s, n, 1, false), seqs, plan, got, interleaved);
       ASSERT_FALSE(HasFatalFailure());
       EXPECT_TRUE(same_bits(got, apart)) << "outputs differ from those of q and out apart";
       EXPECT_LE(testing::worst_difference(got, c_out), kF16Tolerance);
