@@ -191,9 +191,13 @@ TEST(CudaUnseen, WindowsAndContextsAroundTheThirtyTwoRowMinimum) {
     const StoreOptions o{.max_sequences = 3, .context = cs.context, .slack = cs.slack};
     auto probe = testing::new_store(BackendKind::kCpu, c, o);
     ASSERT_TRUE(probe);
-    // The furthest position every layer takes, and a sequence short of it.
+    // The furthest position every layer takes (a full plane's capacity, a
+    // ring's position_limit), and a sequence short of it.
+    const auto stop = [](const KvStore& s, std::int64_t l) {
+      return s.layout(l) == Layout::kHeadMajor ? s.capacity(l) : s.position_limit(l);
+    };
     std::int64_t limit = KvStore::kNoPositionLimit;
-    for (std::int64_t l = 0; l < c.n_layers; ++l) limit = std::min(limit, probe->position_limit(l));
+    for (std::int64_t l = 0; l < c.n_layers; ++l) limit = std::min(limit, stop(*probe, l));
     ASSERT_LT(limit, KvStore::kNoPositionLimit);
     Geometry g{c, o, {limit, std::max<std::int64_t>(3, limit / 3)}, 7};
     check_against_cpu(g, seed, kTolerance, seed % 2 == 0 ? last_arrival_policy() : resident_policy(), false);
@@ -223,7 +227,7 @@ TEST(CudaUnseen, WindowsAndContextsAroundTheThirtyTwoRowMinimum) {
     for (std::int64_t l = 0; l < c.n_layers; ++l) {
       // Layers that stop at `limit`; the others (rings that hold their
       // window) would take the position.
-      if (cpu->position_limit(l) != limit) continue;
+      if (stop(*cpu, l) != limit) continue;
       ++refused_layers;
       const Status a = cpu->store(l, std::span(&cnext, 1), testing::host_in(k.data(), 1, c.kv_dim()),
                                   testing::host_in(k.data(), 1, c.kv_dim()));
