@@ -543,8 +543,8 @@ TEST(HandoffBounds, SlowAcksAreBoundedOverTheSession) {
 // Credits past what a message of the receiver's max_message_bytes carries:
 // the receiver hands out only what it takes in one message, so a sender
 // whose message is larger refuses it at the acceptance, before any row
-// moves (it used to be sent, then refused by its size, and the sender
-// heard only that the link broke), and one whose messages fit is taken.
+// moves, with the receiver's figure (not a broken link after the receiver
+// refused the message by its size), and one whose messages fit is taken.
 TEST(HandoffBounds, CreditsStayWithinTheMessageBound) {
   const ModelConfig config = testing::small_config(32, 256);
   auto m = ReferenceModel::create(config, {.hidden = 32, .vocab = 64});
