@@ -17,6 +17,7 @@
 #include "cuda/allocation.h"
 #include "cuda/kernels.h"
 #include "cuda/testing.h"
+#include "cuda_mapped_pieces.h"
 #include "cuda_test_util.h"
 #include "kvring/backend.h"
 #include "kvring/cache.h"
@@ -714,79 +715,6 @@ TEST(CudaStore, RefusalsLeaveTheStoreUnchanged) {
   ASSERT_TRUE(s->synchronize().ok());
 }
 
-// A driver function (the tests link no driver library); a test fails where
-// the driver has none.
-template <class Fn>
-Fn driver_fn(const char* name) {
-  const Fn fn = cuda::driver_function<Fn>(name);
-  EXPECT_NE(fn, nullptr) << name;
-  return fn;
-}
-
-// Two physical allocations mapped back to back into a reserved virtual
-// range of three (as a growing caching allocator maps its segments): the
-// driver reports each alone, yet a view may run across the seam; the third
-// stays unmapped, so nothing the driver knows follows the second.
-class BackToBack {
- public:
-  BackToBack() = default;
-  // Reserves and maps; a failure is the test's (ASSERT).
-  void map_both() {
-    auto granularity = driver_fn<CUresult (*)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags)>(
-        "cuMemGetAllocationGranularity");
-    auto create = driver_fn<CUresult (*)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
-                                         unsigned long long)>("cuMemCreate");
-    auto reserve = driver_fn<CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long)>(
-        "cuMemAddressReserve");
-    auto map = driver_fn<CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long)>(
-        "cuMemMap");
-    auto access = driver_fn<CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t)>("cuMemSetAccess");
-    unmap_ = driver_fn<CUresult (*)(CUdeviceptr, size_t)>("cuMemUnmap");
-    release_ = driver_fn<CUresult (*)(CUmemGenericAllocationHandle)>("cuMemRelease");
-    free_ = driver_fn<CUresult (*)(CUdeviceptr, size_t)>("cuMemAddressFree");
-    ASSERT_TRUE(granularity && create && reserve && map && access && unmap_ && release_ && free_);
-    int device = 0;
-    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-    ASSERT_EQ(cudaFree(nullptr), cudaSuccess);  // the primary context, current
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device;
-    ASSERT_EQ(granularity(&piece_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), CUDA_SUCCESS);
-    ASSERT_EQ(reserve(&base_, 3 * piece_, 0, 0, 0), CUDA_SUCCESS);
-    for (int i = 0; i < 2; ++i) {
-      ASSERT_EQ(create(&handle_[i], piece_, &prop, 0), CUDA_SUCCESS);
-      ASSERT_EQ(map(base_ + i * piece_, piece_, 0, handle_[i], 0), CUDA_SUCCESS);
-      mapped_[i] = true;
-    }
-    CUmemAccessDesc desc{};
-    desc.location = prop.location;
-    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    ASSERT_EQ(access(base_, 2 * piece_, &desc, 1), CUDA_SUCCESS);
-  }
-  ~BackToBack() {
-    for (int i = 0; i < 2; ++i) {
-      if (mapped_[i]) (void)unmap_(base_ + i * piece_, piece_);
-      if (handle_[i] != 0) (void)release_(handle_[i]);
-    }
-    if (base_ != 0) (void)free_(base_, 3 * piece_);
-  }
-  BackToBack(const BackToBack&) = delete;
-  BackToBack& operator=(const BackToBack&) = delete;
-  char* seam() const { return reinterpret_cast<char*>(static_cast<std::uintptr_t>(base_ + piece_)); }
-  // The first byte past the second allocation.
-  char* end() const { return reinterpret_cast<char*>(static_cast<std::uintptr_t>(base_ + 2 * piece_)); }
-
- private:
-  size_t piece_ = 0;
-  CUdeviceptr base_ = 0;
-  CUmemGenericAllocationHandle handle_[2] = {0, 0};
-  bool mapped_[2] = {false, false};
-  CUresult (*unmap_)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*release_)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*free_)(CUdeviceptr, size_t) = nullptr;
-};
-
 // A device view that runs past the memory that holds it is refused before
 // anything is read or written (a kernel past it would fault, and the GPU's
 // context would be lost), and leaves the store as it was; views that fill
@@ -807,14 +735,14 @@ TEST(CudaStore, ViewsPastTheirAllocationsAreRefused) {
   const std::int64_t n = 8;
   const std::int64_t full_layer = 1;
   ASSERT_EQ(c.kind(full_layer), LayerKind::kFullNope);
-  BackToBack b2b;
-  b2b.map_both();
+  testing::MappedPieces b2b(2);  // two pieces back to back
+  b2b.map();
   if (::testing::Test::HasFatalFailure()) return;
   const std::vector<float> fill = random_floats(static_cast<std::size_t>(1024 * width), 6);
   ASSERT_EQ(cudaMemcpy(b2b.end() - fill.size() * sizeof(float), fill.data(), fill.size() * sizeof(float),
                        cudaMemcpyHostToDevice),
             cudaSuccess);
-  for (char* at : {b2b.seam() - fill.size() * sizeof(float), b2b.seam()})
+  for (char* at : {b2b.at(1) - fill.size() * sizeof(float), b2b.at(1)})
     ASSERT_EQ(cudaMemcpy(at, fill.data(), fill.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
   // The copies land before the store's streams, which do not wait for the
   // legacy stream, read them.
@@ -900,7 +828,7 @@ TEST(CudaStore, ViewsPastTheirAllocationsAreRefused) {
   // Rows across the seam between the two allocations are taken, and read
   // the values on both sides.
   const std::int64_t take = 400;
-  const float* src = reinterpret_cast<const float*>(b2b.seam()) - (take / 2) * kv;
+  const float* src = reinterpret_cast<const float*>(b2b.at(1)) - (take / 2) * kv;
   auto b = *s->add_sequence();
   const SeqSpan across{b, 0, take};
   ASSERT_TRUE(s->store(full_layer, std::span(&across, 1), testing::device_in(src, take, kv),

@@ -26,6 +26,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch_policy.h"
 #include "cuda_geometry_check.h"
+#include "cuda_mapped_pieces.h"
 #include "cuda_test_util.h"
 #include "kvring/f16.h"
 
@@ -626,69 +627,6 @@ TEST(CudaUnseen, SixteenBitHostQueriesOfOddStrides) {
 
 // ---- Hostile arguments ----------------------------------------------------------------
 
-// One reserved virtual range of two pieces of which only the first is
-// mapped: a view that runs past the first piece's end runs into memory no
-// allocation holds.
-class MappedPiece {
- public:
-  template <class Fn>
-  static Fn fn(const char* name) {
-    const Fn f = cuda::driver_function<Fn>(name);
-    EXPECT_NE(f, nullptr) << name;
-    return f;
-  }
-  void map() {
-    auto granularity = fn<CUresult (*)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags)>(
-        "cuMemGetAllocationGranularity");
-    auto create = fn<CUresult (*)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
-                                  unsigned long long)>("cuMemCreate");
-    auto reserve = fn<CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long)>(
-        "cuMemAddressReserve");
-    auto mapf = fn<CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long)>(
-        "cuMemMap");
-    auto access = fn<CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t)>("cuMemSetAccess");
-    unmap_ = fn<CUresult (*)(CUdeviceptr, size_t)>("cuMemUnmap");
-    release_ = fn<CUresult (*)(CUmemGenericAllocationHandle)>("cuMemRelease");
-    free_ = fn<CUresult (*)(CUdeviceptr, size_t)>("cuMemAddressFree");
-    ASSERT_TRUE(granularity && create && reserve && mapf && access && unmap_ && release_ && free_);
-    int device = 0;
-    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-    ASSERT_EQ(cudaFree(nullptr), cudaSuccess);
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device;
-    ASSERT_EQ(granularity(&piece_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), CUDA_SUCCESS);
-    ASSERT_EQ(reserve(&base_, 2 * piece_, 0, 0, 0), CUDA_SUCCESS);
-    ASSERT_EQ(create(&handle_, piece_, &prop, 0), CUDA_SUCCESS);
-    ASSERT_EQ(mapf(base_, piece_, 0, handle_, 0), CUDA_SUCCESS);
-    mapped_ = true;
-    CUmemAccessDesc desc{};
-    desc.location = prop.location;
-    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    ASSERT_EQ(access(base_, piece_, &desc, 1), CUDA_SUCCESS);
-  }
-  MappedPiece() = default;
-  MappedPiece(const MappedPiece&) = delete;
-  MappedPiece& operator=(const MappedPiece&) = delete;
-  ~MappedPiece() {
-    if (mapped_) (void)unmap_(base_, piece_);
-    if (handle_ != 0) (void)release_(handle_);
-    if (base_ != 0) (void)free_(base_, 2 * piece_);
-  }
-  char* end() const { return reinterpret_cast<char*>(static_cast<std::uintptr_t>(base_ + piece_)); }
-  std::size_t bytes() const { return piece_; }
-
- private:
-  size_t piece_ = 0;
-  CUdeviceptr base_ = 0;
-  CUmemGenericAllocationHandle handle_ = 0;
-  bool mapped_ = false;
-  CUresult (*unmap_)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*release_)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*free_)(CUdeviceptr, size_t) = nullptr;
-};
-
 // Hostile calls on every entry point, each made on a CPU store (host
 // buffers) and a CUDA store (device buffers of the same layout): null
 // views of rows, outputs over part of their queries, over their queries
@@ -897,15 +835,15 @@ TEST(CudaUnseen, HostileArgumentsAreRefusedAsTheCpuRefusesThem) {
           "prefill: out off 16 bytes", "16-byte");
 
   // Views past their allocation.
-  MappedPiece piece;
+  testing::MappedPieces piece(1);
   piece.map();
   if (HasFatalFailure()) return;
-  std::vector<float> fill(piece.bytes() / sizeof(float));
+  std::vector<float> fill(piece.piece_bytes() / sizeof(float));
   {
     const auto f = random_floats(fill.size(), 1205, 2.0f);
     fill = f;
   }
-  ASSERT_EQ(cudaMemcpy(piece.end() - piece.bytes(), fill.data(), piece.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(piece.end() - piece.piece_bytes(), fill.data(), piece.piece_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   // `floats` ending `over` floats past the end.
   auto at_end = [&](std::int64_t floats, std::int64_t over) {
