@@ -8,6 +8,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -1108,6 +1109,87 @@ TEST(CudaStore, DescriptorUploadsWaitForABusyBufferWhenMemoryIsSpent) {
                                    host_view(hout.data(), more, width));
       EXPECT_TRUE(st.ok()) << st.to_string();
     }
+    EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
+  }
+}
+
+// An attention that cannot stage its host queries or its host output (the
+// device's memory spent) fails with the buffer it could not make, and
+// returns only once the caller's stream has drained, as every failure after
+// the call's first enqueue does: nothing of the call still runs behind the
+// error. The store is unchanged, and with memory again the same call gives
+// the bits of the same attention on device views.
+TEST(CudaStore, AttentionThatCannotStageFailsCleanlyWhenMemoryIsSpent) {
+  KVRING_SKIP_WITHOUT_GPU();
+  const ModelConfig c = make_hybrid_config("store-test", 2, 2, 4, 2, 16, 24, 4096);
+  const std::int64_t kv = c.kv_dim(), width = c.n_heads * c.head_dim, n = 300, seqs = 3;
+  const std::int64_t full = 1;
+  ASSERT_EQ(c.kind(full), LayerKind::kFullNope);
+  const std::vector<float> hq = random_floats(static_cast<std::size_t>(seqs * width), 91, 2.0f);
+  DeviceArray<float> k(random_floats(static_cast<std::size_t>(n * kv), 92)),
+      v(random_floats(static_cast<std::size_t>(n * kv), 93)), q(hq),
+      out(static_cast<std::size_t>(seqs * width));
+  // Case 0 stages host queries, case 1 a host output. Before the memory is
+  // spent each store makes the pinned buffer and the other case's staging,
+  // so that the one buffer the failing call lacks is the one named.
+  for (const int host_q : {1, 0}) {
+    SCOPED_TRACE(host_q ? "host queries" : "host output");
+    auto s = testing::new_store(BackendKind::kCuda, c, {.max_sequences = seqs, .context = n, .block_rows = 16});
+    ASSERT_TRUE(s);
+    std::vector<SeqQuery> at;
+    for (std::int64_t i = 0; i < seqs; ++i) {
+      const SeqId a = *s->add_sequence();
+      const SeqSpan span{a, 0, n - i};
+      for (std::int64_t l = 0; l < c.n_layers; ++l)
+        ASSERT_TRUE(s->store(l, std::span(&span, 1), testing::device_in(k.get(), n - i, kv),
+                             testing::device_in(v.get(), n - i, kv))
+                        .ok());
+      at.push_back({a, n - i - 1});
+    }
+    std::vector<float> hout(hq.size(), 0.0f);
+    const auto h_q = host_view(hq.data(), seqs, width);
+    const auto h_out = host_view(hout.data(), seqs, width);
+    const auto d_q = testing::device_in(q.get(), seqs, width);
+    const auto d_out = device_view(out.get(), seqs, width);
+    // The reference (device views), which also loads the kernels; then the
+    // other case's staging.
+    ASSERT_TRUE(s->attend_decode(full, at, d_q, d_out).ok());
+    std::vector<float> want(hq.size());
+    ASSERT_EQ(cudaMemcpy(want.data(), out.get(), want.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_TRUE(s->attend_decode(full, at, host_q ? d_q : h_q, host_q ? h_out : d_out).ok());
+    std::vector<decltype(seq_image(*s, at[0].seq))> before;
+    for (const SeqQuery& a : at) before.push_back(seq_image(*s, a.seq));
+    cudaStream_t side = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+    Status failed;
+    cudaError_t drained = cudaErrorUnknown;
+    {
+      const MemorySpent spent;
+      ASSERT_EQ(cudaLaunchHostFunc(
+                    side, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr),
+                cudaSuccess);
+      failed = s->attend_decode(full, at, host_q ? h_q : d_q, host_q ? d_out : h_out, side);
+      drained = cudaStreamQuery(side);
+      ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+    }
+    ASSERT_FALSE(failed.ok()) << "the call staged with the device's memory spent";
+    EXPECT_NE(failed.to_string().find(host_q ? "attention queries" : "attention output"), std::string::npos)
+        << failed.to_string();
+    EXPECT_EQ(drained, cudaSuccess) << "the failed call returned before the stream's earlier work ended";
+    for (std::size_t i = 0; i < at.size(); ++i) EXPECT_TRUE(seq_image(*s, at[i].seq) == before[i]) << i;
+    // With memory again, the same call, into zeroed outputs.
+    ASSERT_EQ(cudaMemset(out.get(), 0, hq.size() * 4), cudaSuccess);
+    std::fill(hout.begin(), hout.end(), 0.0f);
+    const Status again = s->attend_decode(full, at, host_q ? h_q : d_q, host_q ? d_out : h_out, side);
+    ASSERT_TRUE(again.ok()) << again.to_string();
+    ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+    std::vector<float> got(hq.size());
+    if (host_q) {
+      ASSERT_EQ(cudaMemcpy(got.data(), out.get(), got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    } else {
+      got = hout;
+    }
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
     EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
   }
 }
