@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -116,6 +117,47 @@ TEST(F16, RowConversionMatchesTheScalarOnEveryInput) {
     detail::f32_to_f16_row(in.data() + kBlock - 3, fast.data() + kBlock - 3, 3);
     detail::f32_to_f16_row_scalar(in.data(), slow.data(), kBlock);
     ASSERT_EQ(fast, slow) << "inputs from " << base;
+  }
+}
+
+// The streamed row writes (non-temporal where the row is whole 64-byte
+// lines) give the bits of the plain ones, at line starts and off them, for
+// lengths of whole lines and not; every NaN still becomes 0x7fff.
+TEST(F16, StreamedRowsEqualThePlainOnes) {
+  constexpr std::size_t kMax = 4096;
+  std::vector<float> in(kMax);
+  std::mt19937 rng(20261207);
+  for (float& x : in) {
+    const std::uint32_t u = rng();
+    std::memcpy(&x, &u, 4);
+  }
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                            65504.0f, 65520.0f, -0.0f, 5.96e-8f};
+  for (std::size_t i = 0; i < kMax; i += 61) in[i] = specials[(i / 61) % 6];
+  std::vector<std::uint16_t> src16(kMax);
+  detail::f32_to_f16_row_scalar(in.data(), src16.data(), kMax);
+  // 64-byte aligned storage with room for an offset.
+  std::vector<std::uint16_t> store(kMax + 64), want(kMax);
+  auto* line = reinterpret_cast<std::uint16_t*>((reinterpret_cast<std::uintptr_t>(store.data()) + 63) & ~std::uintptr_t{63});
+  for (const std::int64_t n : {32, 64, 128, 4064, 24, 100}) {
+    for (const std::int64_t offset : {0, 8, 1}) {
+      SCOPED_TRACE(std::to_string(n) + " values at +" + std::to_string(offset));
+      std::uint16_t* dst = line + offset;
+      std::fill(store.begin(), store.end(), 0x1234);
+      detail::f32_to_f16_row_stream(in.data(), dst, n);
+      detail::stream_fence();
+      detail::f32_to_f16_row_scalar(in.data(), want.data(), n);
+      EXPECT_EQ(std::memcmp(dst, want.data(), static_cast<std::size_t>(n) * 2), 0);
+      EXPECT_EQ(dst[n], 0x1234) << "written past the row";
+      std::fill(store.begin(), store.end(), 0x1234);
+      detail::copy_f16_row_stream(src16.data() + 3, dst, n);
+      detail::stream_fence();
+      EXPECT_EQ(std::memcmp(dst, src16.data() + 3, static_cast<std::size_t>(n) * 2), 0);
+      EXPECT_EQ(dst[n], 0x1234) << "written past the row";
+      if (offset > 0) {
+        EXPECT_EQ(dst[-1], 0x1234) << "written before the row";
+      }
+    }
   }
 }
 

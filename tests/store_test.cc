@@ -2150,5 +2150,75 @@ TEST_F(StoreDetached, ADetachedSequenceIsAttachedOnlyWhole) {
   EXPECT_EQ(live_bytes(*s, e), a_bytes);
 }
 
+// A call that writes at least CpuStore::kStreamBytes of K and V streams its
+// rows (non-temporal stores where a head's row fills whole 64-byte lines).
+// Its planes hold the bits of the same rows written by calls below that
+// size: f32 (NaNs, infinities and values past the f16 range among them),
+// f16 and bf16 inputs at a row stride past their width, head rows of whole
+// lines (head_dim 128) and of part lines (24), rings that wrap and full
+// planes.
+TEST(Store, StreamedWritesHoldTheBitsOfSmallOnes) {
+  for (const std::int64_t head_dim : {128, 24}) {
+    SCOPED_TRACE(head_dim);
+    const ModelConfig c = make_hybrid_config("stream", 4, 2, 8, 4, head_dim, 64, 16384);
+    const std::int64_t kv = c.kv_dim(), stride = kv + 8, L = c.n_layers, seqs = 2, full = 2;
+    // Each sequence's n rows land whole in the two full layers; the rings
+    // keep their last few dozen.
+    const std::int64_t n = (CpuStore::kStreamBytes / (full * seqs * kv * 4) + 1) * 3 / 2;
+    ASSERT_LE(n, c.max_context);
+    const std::int64_t chunk = n / 8;  // a small call: one layer, one chunk
+    ASSERT_LT(chunk * kv * 4, CpuStore::kStreamBytes);
+    const auto elems = static_cast<std::size_t>(L * seqs * n * stride);
+    std::vector<float> k = testing::random_floats(elems, 61, 4.0f), v = testing::random_floats(elems, 62, 4.0f);
+    const float specials[] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity(),
+                              65520.0f, -0.0f, 1e-8f, 70000.0f};
+    for (std::size_t i = 0; i < elems; i += 997) k[i] = specials[(i / 997) % 6];
+    std::vector<std::uint16_t> k16(elems), v16(elems), kb(elems), vb(elems);
+    for (std::size_t i = 0; i < elems; ++i) {
+      k16[i] = f32_to_f16(k[i]);
+      v16[i] = f32_to_f16(v[i]);
+      std::uint32_t u;
+      std::memcpy(&u, &k[i], 4);
+      kb[i] = static_cast<std::uint16_t>(u >> 16);
+      std::memcpy(&u, &v[i], 4);
+      vb[i] = static_cast<std::uint16_t>(u >> 16);
+    }
+    struct Input {
+      DType dtype;
+      const void* k;
+      const void* v;
+    };
+    for (const Input in : {Input{DType::kF32, k.data(), v.data()}, Input{DType::kF16, k16.data(), v16.data()},
+                           Input{DType::kBF16, kb.data(), vb.data()}}) {
+      SCOPED_TRACE(dtype_name(in.dtype));
+      const std::size_t bytes = dtype_bytes(in.dtype);
+      // Row r of the inputs: layer r / (seqs * n), then sequence, then position.
+      auto rows_at = [&](const void* base, std::int64_t r, std::int64_t count) {
+        return host_view(static_cast<const char*>(base) + static_cast<std::size_t>(r * stride) * bytes, in.dtype,
+                         count, kv, stride);
+      };
+      auto big = cpu_store(c, {.max_sequences = seqs, .context = n});
+      auto small = cpu_store(c, {.max_sequences = seqs, .context = n});
+      std::vector<SeqSpan> spans;
+      for (std::int64_t s = 0; s < seqs; ++s) spans.push_back({*big->add_sequence(), 0, n});
+      ASSERT_TRUE(big->store_all_layers(spans, rows_at(in.k, 0, L * seqs * n), rows_at(in.v, 0, L * seqs * n)).ok());
+      for (std::int64_t s = 0; s < seqs; ++s) {
+        const SeqId id = *small->add_sequence();
+        for (std::int64_t p = 0; p < n; p += chunk) {
+          const std::int64_t count = std::min(chunk, n - p);
+          const SeqSpan span{id, p, count};
+          for (std::int64_t l = 0; l < L; ++l) {
+            const std::int64_t r = (l * seqs + s) * n + p;
+            ASSERT_TRUE(small->store(l, {&span, 1}, rows_at(in.k, r, count), rows_at(in.v, r, count)).ok());
+          }
+        }
+        for (std::int64_t l = 0; l < L; ++l)
+          EXPECT_TRUE(testing::plane_bytes(*big, spans[static_cast<std::size_t>(s)].seq, l) == testing::plane_bytes(*small, id, l))
+              << "sequence " << s << ", layer " << l;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvring

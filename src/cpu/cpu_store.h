@@ -22,6 +22,10 @@ class CpuStore : public KvStore {
  public:
   CpuStore(ModelConfig config, StoreOptions o) : KvStore(std::move(config), o) {}
 
+  // Calls that write at least this many bytes of K and V rows write them
+  // with non-temporal stores (write_rows).
+  static constexpr std::int64_t kStreamBytes = std::int64_t{4} << 20;
+
   Status allocate() {
     // Zero-filled on purpose: no row ever exposes uninitialized storage.
     // The mapping's pages are zero and mapped on first touch, so a pool
@@ -79,6 +83,11 @@ class CpuStore : public KvStore {
     for (const RowWrite& w : writes) rows += w.placement.live_rows;
     const std::int64_t tasks = std::clamp<std::int64_t>(rows / kRowsPerTask, 1, n);
     const bool f32 = k.dtype == DType::kF32 && v.dtype == DType::kF32;
+    // A call that writes at least kStreamBytes of K and V streams them
+    // (detail::f32_to_f16_row_stream): rows that many are read back from
+    // memory, not cache, and a plain store would first read every line it
+    // overwrites (docs/PERFORMANCE.md, "Streamed row writes").
+    const bool stream = rows * kv_dim * 4 >= kStreamBytes;
     cpu::parallel_for(tasks, rows * kv_dim * 8, [&](std::int64_t t) {
       thread_local std::vector<std::uint16_t> rk, rv;
       rk.resize(static_cast<std::size_t>(kv_dim));
@@ -95,15 +104,16 @@ class CpuStore : public KvStore {
             if (f32) {
               // f32 rows convert straight into the plane, head by head.
               put_row(pv, pk, pvv, span.physical_first + r, static_cast<const float*>(k.data) + src * k.row_stride,
-                      static_cast<const float*>(v.data) + src * v.row_stride);
+                      static_cast<const float*>(v.data) + src * v.row_stride, stream);
               continue;
             }
             detail::row_to_f16(k, src, rk.data());
             detail::row_to_f16(v, src, rv.data());
-            put_row(pv, pk, pvv, span.physical_first + r, rk.data(), rv.data());
+            put_row(pv, pk, pvv, span.physical_first + r, rk.data(), rv.data(), stream);
           }
         }
       }
+      if (stream) detail::stream_fence();
     });
     return Status::Ok();
   }
@@ -245,25 +255,36 @@ class CpuStore : public KvStore {
                           config_.kv_dim(), config_.head_dim, p.blocks, options_.block_rows};
   }
 
-  // One token's row (f16 [kv_dim]) to a physical row of a plane.
+  // One token's row (f16 [kv_dim]) to a physical row of a plane; `stream`:
+  // through non-temporal stores where a head's row fills whole lines.
   void put_row(const cpu::PlaneView& pv, std::uint16_t* pk, std::uint16_t* pvv,
-               std::int64_t physical, const std::uint16_t* k, const std::uint16_t* v) const {
+               std::int64_t physical, const std::uint16_t* k, const std::uint16_t* v, bool stream = false) const {
     const std::int64_t hd = config_.head_dim;
     for (std::int64_t h = 0; h < config_.n_kv_heads; ++h) {
       const std::int64_t dst = cpu::head_row_offset(pv, physical, h);
-      std::memcpy(pk + dst, k + h * hd, static_cast<std::size_t>(hd) * 2);
-      std::memcpy(pvv + dst, v + h * hd, static_cast<std::size_t>(hd) * 2);
+      if (stream) {
+        detail::copy_f16_row_stream(k + h * hd, pk + dst, hd);
+        detail::copy_f16_row_stream(v + h * hd, pvv + dst, hd);
+      } else {
+        std::memcpy(pk + dst, k + h * hd, static_cast<std::size_t>(hd) * 2);
+        std::memcpy(pvv + dst, v + h * hd, static_cast<std::size_t>(hd) * 2);
+      }
     }
   }
   // The same from f32 [kv_dim] rows, each value rounded to f16 as
   // detail::row_to_f16 rounds it.
   void put_row(const cpu::PlaneView& pv, std::uint16_t* pk, std::uint16_t* pvv,
-               std::int64_t physical, const float* k, const float* v) const {
+               std::int64_t physical, const float* k, const float* v, bool stream) const {
     const std::int64_t hd = config_.head_dim;
     for (std::int64_t h = 0; h < config_.n_kv_heads; ++h) {
       const std::int64_t dst = cpu::head_row_offset(pv, physical, h);
-      detail::f32_to_f16_row(k + h * hd, pk + dst, hd);
-      detail::f32_to_f16_row(v + h * hd, pvv + dst, hd);
+      if (stream) {
+        detail::f32_to_f16_row_stream(k + h * hd, pk + dst, hd);
+        detail::f32_to_f16_row_stream(v + h * hd, pvv + dst, hd);
+      } else {
+        detail::f32_to_f16_row(k + h * hd, pk + dst, hd);
+        detail::f32_to_f16_row(v + h * hd, pvv + dst, hd);
+      }
     }
   }
 
