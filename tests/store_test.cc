@@ -2150,6 +2150,109 @@ TEST_F(StoreDetached, ADetachedSequenceIsAttachedOnlyWhole) {
   EXPECT_EQ(live_bytes(*s, e), a_bytes);
 }
 
+// Under zero_fill a new or reset sequence's rings read as zeros, and the
+// clear reaches only the rows some write reached since the slot's last
+// clear: 40 rows stored into 65536-row rings leave the rest of the rings'
+// pages unmapped through the next sequence's add and its reset; rows of a
+// wrap, of a rollback and rewrite, of an install at another origin and of
+// a fork are cleared all the same.
+TEST(Store, ClearsReachOnlyTheRowsWritten) {
+  {
+    const ModelConfig c = small_config(65536, 65536, 2, 8, 8, 64);
+    ASSERT_EQ(c.kind(0), LayerKind::kSlidingRope);
+    ASSERT_EQ(c.kind(1), LayerKind::kSlidingRope);
+    auto s = cpu_store(c, {.max_sequences = 1});
+    const std::int64_t kv = c.kv_dim(), cap = s->capacity(0);
+    const std::int64_t rings_bytes = cap * kv * 2 * 2 * 2;  // K and V of both layers
+    ASSERT_GE(rings_bytes, std::int64_t{256} << 20);
+    const std::vector<float> forty = testing::random_floats(static_cast<std::size_t>(2 * 40 * kv), 71);
+    const SeqSpan first{*s->add_sequence(), 0, 40};
+    const ConstView both = host_view(forty.data(), 80, kv);  // 40 rows, each of the two layers
+    ASSERT_TRUE(s->store_all_layers({&first, 1}, both, both).ok());
+    ASSERT_TRUE(s->remove_sequence(first.seq).ok());
+    const std::int64_t before = resident_bytes();
+    const SeqSpan next{*s->add_sequence(), 0, 40};
+    ASSERT_TRUE(s->store_all_layers({&next, 1}, both, both).ok());
+    ASSERT_TRUE(s->reset_sequence(next.seq).ok());
+    EXPECT_LT(resident_bytes() - before, rings_bytes / 8) << "the clears wrote over whole rings";
+    for (std::int64_t l : {0, 1}) {
+      const testing::PlaneBytes b = testing::plane_bytes(*s, next.seq, l);
+      EXPECT_EQ(std::count(b.k.begin(), b.k.end(), 0), static_cast<std::ptrdiff_t>(b.k.size())) << l;
+      EXPECT_EQ(std::count(b.v.begin(), b.v.end(), 0), static_cast<std::ptrdiff_t>(b.v.size())) << l;
+    }
+  }
+  const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
+  const std::int64_t kv = c.kv_dim();
+  auto s = cpu_store(c, {.max_sequences = 2, .slack = 4});
+  const std::int64_t cap = s->capacity(0);
+  const std::vector<float> rows = testing::random_floats(static_cast<std::size_t>(3 * cap * kv), 72, 2.0f);
+  auto write = [&](SeqId seq, std::int64_t from, std::int64_t count) {
+    const SeqSpan span{seq, from, count};
+    for (std::int64_t l = 0; l < c.n_layers; ++l)
+      ASSERT_TRUE(s->store(l, {&span, 1}, host_view(rows.data(), count, kv), host_view(rows.data(), count, kv)).ok());
+  };
+  auto all_zero = [&](SeqId seq, const char* what) {
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      if (c.kind(l) == LayerKind::kFullNope) continue;
+      const testing::PlaneBytes b = testing::plane_bytes(*s, seq, l);
+      const auto zeros = static_cast<std::ptrdiff_t>(b.k.size());
+      EXPECT_EQ(std::count(b.k.begin(), b.k.end(), 0), zeros) << what << ", layer " << l;
+      EXPECT_EQ(std::count(b.v.begin(), b.v.end(), 0), zeros) << what << ", layer " << l;
+    }
+  };
+  // A few rows; a wrap; a rollback and a rewrite; each then removed, or
+  // reset, and the slot's next sequence (or the reset one) read whole.
+  for (const bool reset : {false, true}) {
+    SCOPED_TRACE(reset ? "reset" : "removed and added");
+    auto renew = [&](SeqId seq) {
+      if (reset) {
+        EXPECT_TRUE(s->reset_sequence(seq).ok());
+        return seq;
+      }
+      EXPECT_TRUE(s->remove_sequence(seq).ok());
+      return *s->add_sequence();
+    };
+    SeqId a = *s->add_sequence();
+    write(a, 0, 5);
+    a = renew(a);
+    all_zero(a, "5 rows");
+    write(a, 0, cap + 7);
+    a = renew(a);
+    all_zero(a, "a wrap");
+    write(a, 0, 20);
+    ASSERT_TRUE(s->truncate_sequence(a, 12).ok());
+    write(a, 8, 3);
+    a = renew(a);
+    all_zero(a, "a rollback");
+    // A fork of 9 rows, both then removed.
+    write(a, 0, 9);
+    const SeqId f = *s->fork_sequence(a);
+    ASSERT_TRUE(s->remove_sequence(f).ok());
+    a = renew(a);
+    all_zero(a, "a fork's source");
+    const SeqId g = *s->add_sequence();
+    all_zero(g, "a fork's slot");
+    ASSERT_TRUE(s->remove_sequence(g).ok());
+    ASSERT_TRUE(s->remove_sequence(a).ok());
+  }
+  // Installs: a full ring whose origin has moved, and a partial one.
+  const std::vector<std::uint16_t> ones(static_cast<std::size_t>(cap * kv), 0x3c00);
+  for (const std::int64_t len : {cap, std::int64_t{6}}) {
+    const SeqId d = *s->add_detached_sequence();
+    const RingState state = len == cap ? *RingState::from_parts(cap, true, cap, 2 * cap + 3, (2 * cap + 3) % cap)
+                                       : *RingState::sequential(cap, true, len);
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      if (c.kind(l) == LayerKind::kFullNope) continue;
+      const Status st = s->install(d, l, state, ones.data(), ones.data());
+      ASSERT_TRUE(st.ok()) << st.to_string();
+    }
+    ASSERT_TRUE(s->remove_sequence(d).ok());
+    const SeqId e = *s->add_sequence();
+    all_zero(e, len == cap ? "a full install at a moved origin" : "a partial install");
+    ASSERT_TRUE(s->remove_sequence(e).ok());
+  }
+}
+
 // A call that writes at least CpuStore::kStreamBytes of K and V streams its
 // rows (non-temporal stores where a head's row fills whole 64-byte lines).
 // Its planes hold the bits of the same rows written by calls below that

@@ -525,6 +525,12 @@ class KvStore {
   virtual Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
                            std::uint16_t* v) const = 0;
   virtual Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) = 0;
+  // Zeros the ring's physical rows [0, rows) at least; by default the whole
+  // ring (clear_ring).
+  virtual Status clear_ring_rows(std::int32_t slot, std::int64_t layer, std::int64_t rows, cudaStream_t stream) {
+    (void)rows;
+    return clear_ring(slot, layer, stream);
+  }
   virtual Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer,
                            cudaStream_t stream) = 0;
   virtual Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) = 0;
@@ -580,25 +586,33 @@ class KvStore {
       std::int64_t rows = 0;
     };
     std::vector<Written> written;
-    // [n_layers]: the slot's sliding ring of the layer holds only zeros (as
-    // created or cleared, not written since), so an install need not clear
-    // it. A char each: installs of different layers set theirs at once.
-    std::vector<char> ring_zero;
+    // [n_layers]: how many physical rows of the slot's sliding ring of the
+    // layer, from its first, may hold other than zeros: 0 when it holds
+    // only zeros (as created or cleared, not written since), so that an
+    // install need not clear it and a clear need clear only those rows.
+    // One each: installs of different layers set theirs at once.
+    std::vector<std::int64_t> ring_dirty;
   };
   // Every write into slot `slot`'s sliding rings of `layer` (all layers
-  // when -1) goes through these: before a write, after a clear or a copy.
-  void ring_written(std::int32_t slot, std::int64_t layer);
+  // when -1) goes through these: before a write (of the physical rows
+  // below `rows`; -1: anywhere), after a clear or a copy.
+  void ring_written(std::int32_t slot, std::int64_t layer, std::int64_t rows = -1);
   void ring_cleared(std::int32_t slot, std::int64_t layer) {
     slot_rings_known(slot);
-    slots_[static_cast<std::size_t>(slot)].ring_zero[static_cast<std::size_t>(layer)] = 1;
+    slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)] = 0;
   }
-  // A slot's ring_zero is made when a sequence first takes the slot (empty
+  bool ring_zero(std::int32_t slot, std::int64_t layer) const {
+    return slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)] == 0;
+  }
+  // Clears the rows of the ring that may hold other than zeros.
+  Status clear_dirty_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream);
+  // A slot's ring_dirty is made when a sequence first takes the slot (empty
   // before: every ring as the store made it, zero where rings_zero_), so
   // that the bookkeeping grows with the slots used, not with max_sequences
   // x n_layers. Calls that may run concurrently (installs) find it made.
   void slot_rings_known(std::int32_t slot) {
-    std::vector<char>& z = slots_[static_cast<std::size_t>(slot)].ring_zero;
-    if (z.empty()) z.assign(static_cast<std::size_t>(config_.n_layers), rings_zero_ ? 1 : 0);
+    std::vector<std::int64_t>& z = slots_[static_cast<std::size_t>(slot)].ring_dirty;
+    if (z.empty()) z.assign(static_cast<std::size_t>(config_.n_layers), rings_zero_ ? 0 : ring_rows());
   }
   bool rings_zero_ = false;
   struct Txn;

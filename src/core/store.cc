@@ -82,6 +82,16 @@ MutView device_view(std::nullptr_t, DType dtype, std::int64_t rows, std::int64_t
 
 namespace {
 
+// The physical row past the last one a placement writes.
+std::int64_t rows_end(const BatchPlacement& p) {
+  std::int64_t end = 0;
+  for (int i = 0; i < p.n_spans; ++i) {
+    const PhysicalSpan& span = p.spans[static_cast<std::size_t>(i)];
+    end = std::max(end, span.physical_first + span.rows);
+  }
+  return end;
+}
+
 // A handle's bits: the slot (below 2^20, kMaxSequences), the store's tag
 // (12 bits) and the slot's generation (32 bits).
 constexpr unsigned kSlotBits = 20, kTagBits = 12, kGenerationShift = kSlotBits + kTagBits;
@@ -387,16 +397,27 @@ KvStore::KvStore(ModelConfig config, StoreOptions o)
 
 void KvStore::rings_made_zero() {
   rings_zero_ = true;
-  for (Sequence& s : slots_) std::fill(s.ring_zero.begin(), s.ring_zero.end(), 1);
+  for (Sequence& s : slots_) std::fill(s.ring_dirty.begin(), s.ring_dirty.end(), 0);
 }
 
-void KvStore::ring_written(std::int32_t slot, std::int64_t layer) {
+void KvStore::ring_written(std::int32_t slot, std::int64_t layer, std::int64_t rows) {
   slot_rings_known(slot);
-  std::vector<char>& z = slots_[static_cast<std::size_t>(slot)].ring_zero;
-  if (layer < 0)
-    std::fill(z.begin(), z.end(), 0);
-  else
-    z[static_cast<std::size_t>(layer)] = 0;
+  std::vector<std::int64_t>& z = slots_[static_cast<std::size_t>(slot)].ring_dirty;
+  const std::int64_t end = rows < 0 ? ring_rows() : std::min(rows, ring_rows());
+  if (layer < 0) {
+    for (std::int64_t& d : z) d = std::max(d, end);
+  } else {
+    std::int64_t& d = z[static_cast<std::size_t>(layer)];
+    d = std::max(d, end);
+  }
+}
+
+Status KvStore::clear_dirty_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) {
+  KVRING_RETURN_IF_ERROR(
+      clear_ring_rows(slot, layer, slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)],
+                      stream));
+  ring_cleared(slot, layer);
+  return Status::Ok();
 }
 
 Status KvStore::set_attention_sinks(std::int64_t layer, std::span<const float> sinks) {
@@ -615,10 +636,7 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   // reached since they were made or cleared are cleared.
   if (options_.zero_fill)
     for (std::int64_t l = 0; l < n_layers(); ++l)
-      if (full_index(l) < 0 && !slots_[i].ring_zero[static_cast<std::size_t>(l)]) {
-        KVRING_RETURN_IF_ERROR(clear_ring(slot, l, nullptr));
-        ring_cleared(slot, l);
-      }
+      if (full_index(l) < 0 && !ring_zero(slot, l)) KVRING_RETURN_IF_ERROR(clear_dirty_ring(slot, l, nullptr));
   Sequence& s = slots_[i];
   s.live = true;
   s.detached = detached;
@@ -682,8 +700,8 @@ Status KvStore::reset_sequence(SeqId seq) {
   if (options_.zero_fill)
     for (std::int64_t l = 0; l < n_layers(); ++l)
       if (full_index(l) < 0) {
-        Status z = clear_ring(*slot, l, nullptr);
-        if (z.ok()) ring_cleared(*slot, l);
+        slot_rings_known(*slot);
+        Status z = clear_dirty_ring(*slot, l, nullptr);
         if (st.ok() && !z.ok()) st = std::move(z);
       }
   return st;
@@ -1225,7 +1243,7 @@ Status KvStore::finish_store(Txn& txn, std::vector<RowWrite>& writes, const Cons
   Status st = copy_blocks(txn, stream);
   if (st.ok()) {
     txn.mirrored = !txn.changes.empty();
-    for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer);
+    for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer, rows_end(w.placement));
     st = write_rows(txn.changes, writes, k, v, stream);
   }
   return settle(txn, st, writes);
@@ -1396,7 +1414,7 @@ Status KvStore::prefill(std::int64_t layer, std::span<const SeqSpan> chunks, con
   }
   rows_written_ = false;
   Status st = apply_blocks(txn, stream);
-  for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer);
+  for (const RowWrite& w : writes) ring_written(w.plane.slot, w.plane.layer, rows_end(w.placement));
   if (st.ok()) st = attend_and_store(AttendBatch{layer, items, &q, &out, &k, &v, stream}, writes);
   return settle(txn, st, writes);
 }
@@ -1553,11 +1571,8 @@ Status KvStore::ready_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
   // Rows the install does not overwrite read as in a fresh ring: a ring
   // that holds only zeros already is left untouched (a fresh store's pages
   // stay unmapped until rows land).
-  if (full_index(layer) < 0 && state.len() < state.capacity() &&
-      !slots_[static_cast<std::size_t>(slot)].ring_zero[static_cast<std::size_t>(layer)]) {
-    KVRING_RETURN_IF_ERROR(clear_ring(slot, layer, stream));
-    ring_cleared(slot, layer);
-  }
+  if (full_index(layer) < 0 && state.len() < state.capacity() && !ring_zero(slot, layer))
+    KVRING_RETURN_IF_ERROR(clear_dirty_ring(slot, layer, stream));
   return Status::Ok();
 }
 

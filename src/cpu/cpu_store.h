@@ -198,8 +198,11 @@ class CpuStore : public KvStore {
     return Status::Ok();
   }
 
-  Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t) override {
-    const auto n = static_cast<std::size_t>(ring_elems_one());
+  Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) override {
+    return clear_ring_rows(slot, layer, ring_rows(), stream);
+  }
+  Status clear_ring_rows(std::int32_t slot, std::int64_t layer, std::int64_t rows, cudaStream_t) override {
+    const auto n = static_cast<std::size_t>(std::clamp<std::int64_t>(rows, 0, ring_rows()) * config_.kv_dim());
     std::memset(ring_k(slot, layer), 0, n * 2);
     std::memset(ring_v(slot, layer), 0, n * 2);
     return Status::Ok();
