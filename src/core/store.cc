@@ -413,6 +413,7 @@ void KvStore::ring_written(std::int32_t slot, std::int64_t layer, std::int64_t r
 }
 
 Status KvStore::clear_dirty_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) {
+  slot_rings_known(slot);
   KVRING_RETURN_IF_ERROR(
       clear_ring_rows(slot, layer, slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)],
                       stream));
@@ -700,7 +701,6 @@ Status KvStore::reset_sequence(SeqId seq) {
   if (options_.zero_fill)
     for (std::int64_t l = 0; l < n_layers(); ++l)
       if (full_index(l) < 0) {
-        slot_rings_known(*slot);
         Status z = clear_dirty_ring(*slot, l, nullptr);
         if (st.ok() && !z.ok()) st = std::move(z);
       }
