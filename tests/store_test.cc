@@ -1048,9 +1048,10 @@ class FailingStore : public CpuStore {
     if (fail_mirror) return make_error(ErrorCode::kCuda, "the table upload failed (injected)");
     return CpuStore::tables_changed(changes, stream);
   }
-  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, cudaStream_t stream) override {
+  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
+                   cudaStream_t stream) override {
     if (layer == fail_copy_at_layer) return make_error(ErrorCode::kCuda, "the ring copy failed (injected)");
-    return CpuStore::copy_ring(from, to, layer, stream);
+    return CpuStore::copy_ring(from, to, layer, rows, stream);
   }
   Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k, const std::uint16_t* v,
                  MemorySpace space, cudaStream_t stream) override {
@@ -2153,15 +2154,17 @@ TEST_F(StoreDetached, ADetachedSequenceIsAttachedOnlyWhole) {
 // Under zero_fill a new or reset sequence's rings read as zeros, and the
 // clear reaches only the rows some write reached since the slot's last
 // clear: 40 rows stored into 65536-row rings leave the rest of the rings'
-// pages unmapped through the next sequence's add and its reset; rows of a
-// wrap, of a rollback and rewrite, of an install at another origin and of
-// a fork are cleared all the same.
+// pages unmapped through the next sequence's add, its fork and its reset;
+// rows of a wrap, of a rollback and rewrite, of an install at another
+// origin and of a fork are cleared all the same. A fork into a slot whose
+// last sequence wrote further than the source clears those rows, so its
+// rings equal the source's whole.
 TEST(Store, ClearsReachOnlyTheRowsWritten) {
   {
     const ModelConfig c = small_config(65536, 65536, 2, 8, 8, 64);
     ASSERT_EQ(c.kind(0), LayerKind::kSlidingRope);
     ASSERT_EQ(c.kind(1), LayerKind::kSlidingRope);
-    auto s = cpu_store(c, {.max_sequences = 1});
+    auto s = cpu_store(c, {.max_sequences = 2});
     const std::int64_t kv = c.kv_dim(), cap = s->capacity(0);
     const std::int64_t rings_bytes = cap * kv * 2 * 2 * 2;  // K and V of both layers
     ASSERT_GE(rings_bytes, std::int64_t{256} << 20);
@@ -2173,12 +2176,22 @@ TEST(Store, ClearsReachOnlyTheRowsWritten) {
     const std::int64_t before = resident_bytes();
     const SeqSpan next{*s->add_sequence(), 0, 40};
     ASSERT_TRUE(s->store_all_layers({&next, 1}, both, both).ok());
+    auto rows_of = [&](SeqId seq, std::int64_t l) {
+      testing::PlaneBytes b{std::vector<std::uint16_t>(static_cast<std::size_t>(40 * kv)),
+                            std::vector<std::uint16_t>(static_cast<std::size_t>(40 * kv))};
+      const Status st = s->read_rows(seq, l, 0, 40, b.k.data(), b.v.data());
+      EXPECT_TRUE(st.ok()) << st.to_string();
+      return b;
+    };
+    const testing::PlaneBytes held[] = {rows_of(next.seq, 0), rows_of(next.seq, 1)};
+    const SeqId fork = *s->fork_sequence(next.seq);
     ASSERT_TRUE(s->reset_sequence(next.seq).ok());
-    EXPECT_LT(resident_bytes() - before, rings_bytes / 8) << "the clears wrote over whole rings";
+    EXPECT_LT(resident_bytes() - before, rings_bytes / 8) << "the clears or the fork's copy reached whole rings";
     for (std::int64_t l : {0, 1}) {
       const testing::PlaneBytes b = testing::plane_bytes(*s, next.seq, l);
       EXPECT_EQ(std::count(b.k.begin(), b.k.end(), 0), static_cast<std::ptrdiff_t>(b.k.size())) << l;
       EXPECT_EQ(std::count(b.v.begin(), b.v.end(), 0), static_cast<std::ptrdiff_t>(b.v.size())) << l;
+      EXPECT_TRUE(rows_of(fork, l) == held[l]) << "the fork's rows, layer " << l;
     }
   }
   const ModelConfig c = small_config(/*window=*/32, /*max_context=*/256, /*n_layers=*/4);
@@ -2234,6 +2247,24 @@ TEST(Store, ClearsReachOnlyTheRowsWritten) {
     all_zero(g, "a fork's slot");
     ASSERT_TRUE(s->remove_sequence(g).ok());
     ASSERT_TRUE(s->remove_sequence(a).ok());
+  }
+  // A fork of 9 rows into the slot a wrap left.
+  {
+    const SeqId wide = *s->add_sequence();
+    write(wide, 0, cap + 7);
+    const SeqId src = *s->add_sequence();
+    ASSERT_TRUE(s->remove_sequence(wide).ok());
+    write(src, 0, 9);
+    const SeqId f = *s->fork_sequence(src);
+    for (std::int64_t l = 0; l < c.n_layers; ++l) {
+      if (c.kind(l) == LayerKind::kFullNope) continue;
+      const testing::PlaneBytes want = testing::plane_bytes(*s, src, l), got = testing::plane_bytes(*s, f, l);
+      EXPECT_GE(std::count(want.k.begin(), want.k.end(), 0), static_cast<std::ptrdiff_t>(want.k.size() - 9 * kv))
+          << "the source's rings hold their 9 rows and zeros, layer " << l;
+      EXPECT_TRUE(got.k == want.k && got.v == want.v) << "the fork's rings differ from its source's, layer " << l;
+    }
+    ASSERT_TRUE(s->remove_sequence(f).ok());
+    ASSERT_TRUE(s->remove_sequence(src).ok());
   }
   // Installs: a full ring whose origin has moved, and a partial one.
   const std::vector<std::uint16_t> ones(static_cast<std::size_t>(cap * kv), 0x3c00);

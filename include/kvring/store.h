@@ -524,14 +524,13 @@ class KvStore {
   // The whole storage of a slot's ring (token-major, [ring rows * kv_dim]).
   virtual Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
                            std::uint16_t* v) const = 0;
-  virtual Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) = 0;
-  // Zeros the ring's physical rows [0, rows) at least; by default the whole
-  // ring (clear_ring).
-  virtual Status clear_ring_rows(std::int32_t slot, std::int64_t layer, std::int64_t rows, cudaStream_t stream) {
-    (void)rows;
-    return clear_ring(slot, layer, stream);
-  }
-  virtual Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer,
+  // Zeros the physical rows [begin, end) of a slot's ring (0 <= begin <=
+  // end <= ring rows; empty: nothing).
+  virtual Status clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t begin, std::int64_t end,
+                            cudaStream_t stream) = 0;
+  // Copies the physical rows [0, rows) of slot `from`'s ring to slot `to`'s
+  // (rows <= ring rows).
+  virtual Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
                            cudaStream_t stream) = 0;
   virtual Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) = 0;
   virtual Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream);

@@ -415,8 +415,8 @@ void KvStore::ring_written(std::int32_t slot, std::int64_t layer, std::int64_t r
 Status KvStore::clear_dirty_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) {
   slot_rings_known(slot);
   KVRING_RETURN_IF_ERROR(
-      clear_ring_rows(slot, layer, slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)],
-                      stream));
+      clear_ring(slot, layer, 0, slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)],
+                 stream));
   ring_cleared(slot, layer);
   return Status::Ok();
 }
@@ -714,12 +714,25 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   if (i == slots_.size())
     return make_error(ErrorCode::kResourceExhausted, "cannot fork " + seq_name(source) + ": " + slots_taken());
   const auto to = static_cast<std::int32_t>(i);
-  // The slot holds the source's rows from the first copy on: a copy that
-  // fails part-way leaves its rings written, for the next add to zero
-  // (zero_fill).
-  ring_written(to, -1);
-  for (std::int64_t l = 0; l < n_layers(); ++l)
-    if (full_index(l) < 0) KVRING_RETURN_IF_ERROR(copy_ring(*from, to, l, nullptr));
+  // Each ring takes the source's rows that may be other than zero; under
+  // zero_fill the rows past them that the slot's last writes reached are
+  // cleared, so the ring equals the source's whole. The extent covers both
+  // before the copy: a copy that fails part-way leaves the slot's rings
+  // written, for the next add to zero.
+  slot_rings_known(*from);
+  slot_rings_known(to);
+  for (std::int64_t l = 0; l < n_layers(); ++l) {
+    if (full_index(l) >= 0) continue;
+    const std::int64_t rows = slots_[static_cast<std::size_t>(*from)].ring_dirty[static_cast<std::size_t>(l)];
+    std::int64_t& dirty = slots_[i].ring_dirty[static_cast<std::size_t>(l)];
+    const std::int64_t was = dirty;
+    dirty = std::max(was, rows);
+    KVRING_RETURN_IF_ERROR(copy_ring(*from, to, l, rows, nullptr));
+    if (options_.zero_fill && was > rows) {
+      KVRING_RETURN_IF_ERROR(clear_ring(to, l, rows, was, nullptr));
+      dirty = rows;
+    }
+  }
   const Sequence& src = slots_[static_cast<std::size_t>(*from)];
   Sequence& dst = slots_[i];
   dst.live = true;

@@ -198,19 +198,18 @@ class CpuStore : public KvStore {
     return Status::Ok();
   }
 
-  Status clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) override {
-    return clear_ring_rows(slot, layer, ring_rows(), stream);
-  }
-  Status clear_ring_rows(std::int32_t slot, std::int64_t layer, std::int64_t rows, cudaStream_t) override {
-    const auto n = static_cast<std::size_t>(std::clamp<std::int64_t>(rows, 0, ring_rows()) * config_.kv_dim());
-    std::memset(ring_k(slot, layer), 0, n * 2);
-    std::memset(ring_v(slot, layer), 0, n * 2);
+  Status clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t begin, std::int64_t end,
+                    cudaStream_t) override {
+    const auto at = static_cast<std::size_t>(begin * config_.kv_dim());
+    const auto n = static_cast<std::size_t>((end - begin) * config_.kv_dim());
+    std::memset(ring_k(slot, layer) + at, 0, n * 2);
+    std::memset(ring_v(slot, layer) + at, 0, n * 2);
     return Status::Ok();
   }
 
-  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer,
+  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
                    cudaStream_t) override {
-    const auto n = static_cast<std::size_t>(ring_elems_one());
+    const auto n = static_cast<std::size_t>(rows * config_.kv_dim());
     std::memcpy(ring_k(to, layer), ring_k(from, layer), n * 2);
     std::memcpy(ring_v(to, layer), ring_v(from, layer), n * 2);
     return Status::Ok();

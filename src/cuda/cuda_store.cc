@@ -1491,25 +1491,28 @@ Status CudaStore::read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t
   return im.leave(s);
 }
 
-Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) {
+Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t begin, std::int64_t end,
+                             cudaStream_t stream) {
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
   const DeviceScope scope(im.device);
   KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
-  const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
+  const std::int64_t kv_dim = config_.kv_dim();
+  const std::size_t bytes = static_cast<std::size_t>((end - begin) * kv_dim) * 2;
   const auto l = static_cast<std::size_t>(layer);
   // A failure after the first enqueue waits for it (fail): no copy of
   // this call lands after the call returned its error.
   cudaError_t e = cudaSuccess;
-  for (auto* ring : {im.ring_k[l], im.ring_v[l]})
-    if (e == cudaSuccess) e = cudaMemsetAsync(ring + slot * im.ring_elems, 0, bytes, s);
+  if (bytes > 0)
+    for (auto* ring : {im.ring_k[l], im.ring_v[l]})
+      if (e == cudaSuccess) e = cudaMemsetAsync(ring + slot * im.ring_elems + begin * kv_dim, 0, bytes, s);
   if (e != cudaSuccess) return im.fail(cuda_error("clearing a ring", e), s);
   return im.leave(s);
 }
 
-Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer,
+Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
                             cudaStream_t stream) {
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
@@ -1517,12 +1520,13 @@ Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t lay
   const DeviceScope scope(im.device);
   KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
-  const std::size_t bytes = static_cast<std::size_t>(im.ring_elems) * 2;
+  const std::size_t bytes = static_cast<std::size_t>(rows * config_.kv_dim()) * 2;
   const auto l = static_cast<std::size_t>(layer);
   cudaError_t e = cudaSuccess;
-  for (auto* ring : {im.ring_k[l], im.ring_v[l]})
-    if (e == cudaSuccess)
-      e = cudaMemcpyAsync(ring + to * im.ring_elems, ring + from * im.ring_elems, bytes, cudaMemcpyDeviceToDevice, s);
+  if (bytes > 0)
+    for (auto* ring : {im.ring_k[l], im.ring_v[l]})
+      if (e == cudaSuccess)
+        e = cudaMemcpyAsync(ring + to * im.ring_elems, ring + from * im.ring_elems, bytes, cudaMemcpyDeviceToDevice, s);
   if (e != cudaSuccess) return im.fail(cuda_error("copying a ring", e), s);
   return im.leave(s);
 }
