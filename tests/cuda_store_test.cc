@@ -102,6 +102,56 @@ TEST(CudaStore, ZeroFilledAtCreationAndOnAdd) {
     for (std::size_t i = 0; i < im.k[l].size(); ++i) ASSERT_TRUE(im.k[l][i] == 0 && im.v[l][i] == 0);
 }
 
+// An add, a reset and a fork set the rows of every ring of their slot in
+// one call: with 600 sliding rings (1200 planes' ranges a clear, 2400 a
+// fork into a slot a wrap left), rows of 34 bytes (ranges at addresses
+// that are not 16-byte aligned) and of 128, the CUDA store's planes equal
+// the CPU store's after the same calls.
+TEST(CudaStore, ClearsAndForksOfManyRingsEqualTheCpuStore) {
+  KVRING_SKIP_WITHOUT_GPU();
+  for (const std::int64_t head_dim : {17, 64}) {
+    SCOPED_TRACE(head_dim);
+    const ModelConfig c = make_hybrid_config("rings", 700, 7, 2, 1, head_dim, 24, 64);
+    const StoreOptions o{.max_sequences = 3, .context = 64, .slack = 4, .block_rows = 16};
+    const std::int64_t kv = c.kv_dim(), cap = 36;  // 32 rows at the least, and the slack
+    const auto x = random_floats(static_cast<std::size_t>((cap + 7) * kv * c.n_layers), 31);
+    std::vector<testing::SeqImage> images[2];
+    for (const BackendKind kind : {BackendKind::kCpu, BackendKind::kCuda}) {
+      auto s = testing::new_store(kind, c, o);
+      ASSERT_TRUE(s);
+      ASSERT_EQ(s->capacity(0), cap);
+      auto write = [&](SeqId seq, std::int64_t count) {
+        const SeqSpan span{seq, 0, count};
+        const ConstView view = host_view(x.data(), count * c.n_layers, kv);
+        ASSERT_TRUE(s->store_all_layers(std::span(&span, 1), view, view).ok());
+      };
+      std::vector<testing::SeqImage>& im = images[kind == BackendKind::kCuda];
+      const SeqId a = *s->add_sequence();
+      write(a, cap + 7);
+      const SeqId b = *s->add_sequence();
+      write(b, 9);
+      ASSERT_TRUE(s->remove_sequence(a).ok());
+      const SeqId f = *s->fork_sequence(b);  // into a's slot: 9 rows copied, the rest cleared
+      im.push_back(seq_image(*s, f));
+      im.push_back(seq_image(*s, b));
+      ASSERT_TRUE(s->reset_sequence(b).ok());
+      im.push_back(seq_image(*s, b));
+      write(b, 5);
+      const SeqId g = *s->fork_sequence(b);  // into a fresh slot: copies only
+      im.push_back(seq_image(*s, g));
+      ASSERT_TRUE(s->remove_sequence(f).ok());
+      const SeqId h = *s->add_sequence();  // f's slot, cleared
+      im.push_back(seq_image(*s, h));
+    }
+    ASSERT_EQ(images[0].size(), images[1].size());
+    EXPECT_TRUE(images[0][0] == images[0][1]) << "the CPU fork differs from its source";
+    EXPECT_FALSE(images[0][0] == images[0][2]) << "the source held only zeros";
+    const char* what[] = {"the fork into a wrapped slot", "its source", "the source reset", "a fork into a fresh slot",
+                          "an add into the fork's slot"};
+    for (std::size_t i = 0; i < images[0].size(); ++i) EXPECT_TRUE(images[0][i] == images[1][i]) << what[i];
+  }
+}
+
 // store_all_layers of a batch equals per-layer stores, on any slots, and the
 // CPU backend's bytes.
 TEST(CudaStore, AllLayersBatchEqualsPerLayerStoresAndTheCpu) {

@@ -1033,7 +1033,7 @@ class FailingStore : public CpuStore {
   bool fail_writes = false;
   bool fail_after_writing = false;
   bool fail_mirror = false;
-  std::int64_t fail_copy_at_layer = -1;  // copy_ring of this layer fails
+  std::int64_t fail_copy_at_layer = -1;  // a ring copy of this layer fails, after those before it
   bool fail_copy_in = false;             // row copies write their K rows, then fail
 
  protected:
@@ -1048,10 +1048,13 @@ class FailingStore : public CpuStore {
     if (fail_mirror) return make_error(ErrorCode::kCuda, "the table upload failed (injected)");
     return CpuStore::tables_changed(changes, stream);
   }
-  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
-                   cudaStream_t stream) override {
-    if (layer == fail_copy_at_layer) return make_error(ErrorCode::kCuda, "the ring copy failed (injected)");
-    return CpuStore::copy_ring(from, to, layer, rows, stream);
+  Status set_ring_rows(std::span<const RingRows> rows, cudaStream_t stream) override {
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      if (rows[i].from >= 0 && rows[i].layer == fail_copy_at_layer) {
+        KVRING_RETURN_IF_ERROR(CpuStore::set_ring_rows(rows.first(i), stream));
+        return make_error(ErrorCode::kCuda, "the ring copy failed (injected)");
+      }
+    return CpuStore::set_ring_rows(rows, stream);
   }
   Status copy_in(const PlaneRef& plane, const LiveSpans& spans, const std::uint16_t* k, const std::uint16_t* v,
                  MemorySpace space, cudaStream_t stream) override {

@@ -107,10 +107,7 @@ class CudaStore final : public KvStore {
                  const std::uint16_t* v, MemorySpace space, cudaStream_t stream) override;
   Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
                    std::uint16_t* v) const override;
-  Status clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t begin, std::int64_t end,
-                    cudaStream_t stream) override;
-  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
-                   cudaStream_t stream) override;
+  Status set_ring_rows(std::span<const RingRows> rows, cudaStream_t stream) override;
   Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) override;
   Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream) override;
   Status sinks_changed(std::int64_t layer, std::span<const float> sinks) override;

@@ -524,14 +524,19 @@ class KvStore {
   // The whole storage of a slot's ring (token-major, [ring rows * kv_dim]).
   virtual Status read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t* k,
                            std::uint16_t* v) const = 0;
-  // Zeros the physical rows [begin, end) of a slot's ring (0 <= begin <=
-  // end <= ring rows; empty: nothing).
-  virtual Status clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t begin, std::int64_t end,
-                            cudaStream_t stream) = 0;
-  // Copies the physical rows [0, rows) of slot `from`'s ring to slot `to`'s
-  // (rows <= ring rows).
-  virtual Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
-                           cudaStream_t stream) = 0;
+  // The physical rows [begin, end) of slot `to`'s ring of `layer`: zeros
+  // (from < 0), or the same rows of slot `from`'s ring.
+  struct RingRows {
+    std::int32_t to = 0;
+    std::int32_t from = -1;
+    std::int64_t layer = 0;
+    std::int64_t begin = 0;
+    std::int64_t end = 0;
+  };
+  // Sets every range of `rows` (0 <= begin < end <= ring rows, sliding
+  // layers, no two overlapping): an add, a reset or a fork hands over every
+  // ring of its slot in one call.
+  virtual Status set_ring_rows(std::span<const RingRows> rows, cudaStream_t stream) = 0;
   virtual Status copy_block(std::int32_t from, std::int32_t to, cudaStream_t stream) = 0;
   virtual Status tables_changed(std::span<const TableChange> changes, cudaStream_t stream);
   // A layer's sinks are about to become `sinks` (checked; empty: none):
@@ -593,18 +598,14 @@ class KvStore {
     std::vector<std::int64_t> ring_dirty;
   };
   // Every write into slot `slot`'s sliding rings of `layer` (all layers
-  // when -1) goes through these: before a write (of the physical rows
-  // below `rows`; -1: anywhere), after a clear or a copy.
+  // when -1) goes through this before it lands (of the physical rows below
+  // `rows`; -1: anywhere); clears (clear_dirty_rings) and forks set the
+  // extents themselves.
   void ring_written(std::int32_t slot, std::int64_t layer, std::int64_t rows = -1);
-  void ring_cleared(std::int32_t slot, std::int64_t layer) {
-    slot_rings_known(slot);
-    slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)] = 0;
-  }
-  bool ring_zero(std::int32_t slot, std::int64_t layer) const {
-    return slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)] == 0;
-  }
-  // Clears the rows of the ring that may hold other than zeros.
-  Status clear_dirty_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream);
+  // Clears the rows of the slot's ring of `layer` (every sliding layer
+  // when -1) that may hold other than zeros; after an error the extents
+  // are as they were.
+  Status clear_dirty_rings(std::int32_t slot, std::int64_t layer, cudaStream_t stream);
   // A slot's ring_dirty is made when a sequence first takes the slot (empty
   // before: every ring as the store made it, zero where rings_zero_), so
   // that the bookkeeping grows with the slots used, not with max_sequences

@@ -412,12 +412,17 @@ void KvStore::ring_written(std::int32_t slot, std::int64_t layer, std::int64_t r
   }
 }
 
-Status KvStore::clear_dirty_ring(std::int32_t slot, std::int64_t layer, cudaStream_t stream) {
+Status KvStore::clear_dirty_rings(std::int32_t slot, std::int64_t layer, cudaStream_t stream) {
   slot_rings_known(slot);
-  KVRING_RETURN_IF_ERROR(
-      clear_ring(slot, layer, 0, slots_[static_cast<std::size_t>(slot)].ring_dirty[static_cast<std::size_t>(layer)],
-                 stream));
-  ring_cleared(slot, layer);
+  std::vector<std::int64_t>& dirty = slots_[static_cast<std::size_t>(slot)].ring_dirty;
+  std::vector<RingRows> rows;
+  const std::int64_t first = layer < 0 ? 0 : layer, end = layer < 0 ? n_layers() : layer + 1;
+  for (std::int64_t l = first; l < end; ++l)
+    if (full_index(l) < 0 && dirty[static_cast<std::size_t>(l)] > 0)
+      rows.push_back(RingRows{slot, -1, l, 0, dirty[static_cast<std::size_t>(l)]});
+  if (rows.empty()) return Status::Ok();
+  KVRING_RETURN_IF_ERROR(set_ring_rows(rows, stream));
+  for (const RingRows& r : rows) dirty[static_cast<std::size_t>(r.layer)] = 0;
   return Status::Ok();
 }
 
@@ -635,9 +640,7 @@ Result<SeqId> KvStore::add_slot(bool detached) {
   slot_rings_known(slot);
   // Under zero_fill a new sequence's rings are zero: those some write
   // reached since they were made or cleared are cleared.
-  if (options_.zero_fill)
-    for (std::int64_t l = 0; l < n_layers(); ++l)
-      if (full_index(l) < 0 && !ring_zero(slot, l)) KVRING_RETURN_IF_ERROR(clear_dirty_ring(slot, l, nullptr));
+  if (options_.zero_fill) KVRING_RETURN_IF_ERROR(clear_dirty_rings(slot, -1, nullptr));
   Sequence& s = slots_[i];
   s.live = true;
   s.detached = detached;
@@ -691,20 +694,13 @@ Status KvStore::reset_sequence(SeqId seq) {
   auto slot = find_slot(seq, false);
   if (!slot) return slot.error();
   // The rows are forgotten first, so a ring whose zeroing fails holds no
-  // row the store still names; the first failure is reported. Empty
+  // row the store still names; a failed clear is reported. Empty
   // tables read no entry of the device's copy, so a stale one is over.
   Sequence& s = slots_[static_cast<std::size_t>(*slot)];
   release_tables(s);
   s.stale = Sequence::Stale::kNo;
   for (std::int64_t l = 0; l < n_layers(); ++l) s.rings[static_cast<std::size_t>(l)] = fresh_ring(l);
-  Status st = Status::Ok();
-  if (options_.zero_fill)
-    for (std::int64_t l = 0; l < n_layers(); ++l)
-      if (full_index(l) < 0) {
-        Status z = clear_dirty_ring(*slot, l, nullptr);
-        if (st.ok() && !z.ok()) st = std::move(z);
-      }
-  return st;
+  return options_.zero_fill ? clear_dirty_rings(*slot, -1, nullptr) : Status::Ok();
 }
 
 Result<SeqId> KvStore::fork_sequence(SeqId source) {
@@ -716,23 +712,25 @@ Result<SeqId> KvStore::fork_sequence(SeqId source) {
   const auto to = static_cast<std::int32_t>(i);
   // Each ring takes the source's rows that may be other than zero; under
   // zero_fill the rows past them that the slot's last writes reached are
-  // cleared, so the ring equals the source's whole. The extent covers both
-  // before the copy: a copy that fails part-way leaves the slot's rings
-  // written, for the next add to zero.
+  // cleared, so the ring equals the source's whole. The extents cover both
+  // until the call succeeds: a call that fails part-way leaves the slot's
+  // rings written, for the next add to zero.
   slot_rings_known(*from);
   slot_rings_known(to);
+  const std::vector<std::int64_t>& from_dirty = slots_[static_cast<std::size_t>(*from)].ring_dirty;
+  std::vector<std::int64_t>& dirty = slots_[i].ring_dirty;
+  std::vector<RingRows> rows;
   for (std::int64_t l = 0; l < n_layers(); ++l) {
     if (full_index(l) >= 0) continue;
-    const std::int64_t rows = slots_[static_cast<std::size_t>(*from)].ring_dirty[static_cast<std::size_t>(l)];
-    std::int64_t& dirty = slots_[i].ring_dirty[static_cast<std::size_t>(l)];
-    const std::int64_t was = dirty;
-    dirty = std::max(was, rows);
-    KVRING_RETURN_IF_ERROR(copy_ring(*from, to, l, rows, nullptr));
-    if (options_.zero_fill && was > rows) {
-      KVRING_RETURN_IF_ERROR(clear_ring(to, l, rows, was, nullptr));
-      dirty = rows;
-    }
+    const std::int64_t had = from_dirty[static_cast<std::size_t>(l)];
+    std::int64_t& d = dirty[static_cast<std::size_t>(l)];
+    if (had > 0) rows.push_back(RingRows{to, *from, l, 0, had});
+    if (options_.zero_fill && d > had) rows.push_back(RingRows{to, -1, l, had, d});
+    d = std::max(d, had);
   }
+  if (!rows.empty()) KVRING_RETURN_IF_ERROR(set_ring_rows(rows, nullptr));
+  for (const RingRows& r : rows)
+    if (r.from < 0) dirty[static_cast<std::size_t>(r.layer)] = r.begin;
   const Sequence& src = slots_[static_cast<std::size_t>(*from)];
   Sequence& dst = slots_[i];
   dst.live = true;
@@ -1584,8 +1582,8 @@ Status KvStore::ready_plane(Txn& txn, std::int32_t slot, std::int64_t layer,
   // Rows the install does not overwrite read as in a fresh ring: a ring
   // that holds only zeros already is left untouched (a fresh store's pages
   // stay unmapped until rows land).
-  if (full_index(layer) < 0 && state.len() < state.capacity() && !ring_zero(slot, layer))
-    KVRING_RETURN_IF_ERROR(clear_dirty_ring(slot, layer, stream));
+  if (full_index(layer) < 0 && state.len() < state.capacity())
+    KVRING_RETURN_IF_ERROR(clear_dirty_rings(slot, layer, stream));
   return Status::Ok();
 }
 

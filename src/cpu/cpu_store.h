@@ -198,20 +198,18 @@ class CpuStore : public KvStore {
     return Status::Ok();
   }
 
-  Status clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t begin, std::int64_t end,
-                    cudaStream_t) override {
-    const auto at = static_cast<std::size_t>(begin * config_.kv_dim());
-    const auto n = static_cast<std::size_t>((end - begin) * config_.kv_dim());
-    std::memset(ring_k(slot, layer) + at, 0, n * 2);
-    std::memset(ring_v(slot, layer) + at, 0, n * 2);
-    return Status::Ok();
-  }
-
-  Status copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
-                   cudaStream_t) override {
-    const auto n = static_cast<std::size_t>(rows * config_.kv_dim());
-    std::memcpy(ring_k(to, layer), ring_k(from, layer), n * 2);
-    std::memcpy(ring_v(to, layer), ring_v(from, layer), n * 2);
+  Status set_ring_rows(std::span<const RingRows> rows, cudaStream_t) override {
+    for (const RingRows& r : rows) {
+      const auto at = static_cast<std::size_t>(r.begin * config_.kv_dim());
+      const auto n = static_cast<std::size_t>((r.end - r.begin) * config_.kv_dim()) * 2;
+      if (r.from < 0) {
+        std::memset(ring_k(r.to, r.layer) + at, 0, n);
+        std::memset(ring_v(r.to, r.layer) + at, 0, n);
+      } else {
+        std::memcpy(ring_k(r.to, r.layer) + at, ring_k(r.from, r.layer) + at, n);
+        std::memcpy(ring_v(r.to, r.layer) + at, ring_v(r.from, r.layer) + at, n);
+      }
+    }
     return Status::Ok();
   }
 

@@ -1491,8 +1491,7 @@ Status CudaStore::read_ring(std::int32_t slot, std::int64_t layer, std::uint16_t
   return im.leave(s);
 }
 
-Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t begin, std::int64_t end,
-                             cudaStream_t stream) {
+Status CudaStore::set_ring_rows(std::span<const RingRows> rows, cudaStream_t stream) {
   Impl& im = *impl_;
   const std::lock_guard<std::recursive_mutex> lock(im.mu);
   const cudaStream_t s = im.pick(stream);
@@ -1500,34 +1499,21 @@ Status CudaStore::clear_ring(std::int32_t slot, std::int64_t layer, std::int64_t
   KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::int64_t kv_dim = config_.kv_dim();
-  const std::size_t bytes = static_cast<std::size_t>((end - begin) * kv_dim) * 2;
-  const auto l = static_cast<std::size_t>(layer);
-  // A failure after the first enqueue waits for it (fail): no copy of
-  // this call lands after the call returned its error.
+  // One memset or copy per range and plane. A failure after the first
+  // enqueue waits for it (fail): nothing of this call lands after it
+  // returned its error.
   cudaError_t e = cudaSuccess;
-  if (bytes > 0)
-    for (auto* ring : {im.ring_k[l], im.ring_v[l]})
-      if (e == cudaSuccess) e = cudaMemsetAsync(ring + slot * im.ring_elems + begin * kv_dim, 0, bytes, s);
-  if (e != cudaSuccess) return im.fail(cuda_error("clearing a ring", e), s);
-  return im.leave(s);
-}
-
-Status CudaStore::copy_ring(std::int32_t from, std::int32_t to, std::int64_t layer, std::int64_t rows,
-                            cudaStream_t stream) {
-  Impl& im = *impl_;
-  const std::lock_guard<std::recursive_mutex> lock(im.mu);
-  const cudaStream_t s = im.pick(stream);
-  const DeviceScope scope(im.device);
-  KVRING_CUDA_CHECK("making the store's device current", scope.error());
-  KVRING_RETURN_IF_ERROR(im.enter(s));
-  const std::size_t bytes = static_cast<std::size_t>(rows * config_.kv_dim()) * 2;
-  const auto l = static_cast<std::size_t>(layer);
-  cudaError_t e = cudaSuccess;
-  if (bytes > 0)
-    for (auto* ring : {im.ring_k[l], im.ring_v[l]})
+  for (const RingRows& r : rows) {
+    const auto l = static_cast<std::size_t>(r.layer);
+    const std::int64_t at = r.begin * kv_dim;
+    const auto bytes = static_cast<std::size_t>((r.end - r.begin) * kv_dim) * 2;
+    for (std::uint16_t* ring : {im.ring_k[l], im.ring_v[l]})
       if (e == cudaSuccess)
-        e = cudaMemcpyAsync(ring + to * im.ring_elems, ring + from * im.ring_elems, bytes, cudaMemcpyDeviceToDevice, s);
-  if (e != cudaSuccess) return im.fail(cuda_error("copying a ring", e), s);
+        e = r.from < 0 ? cudaMemsetAsync(ring + r.to * im.ring_elems + at, 0, bytes, s)
+                       : cudaMemcpyAsync(ring + r.to * im.ring_elems + at, ring + r.from * im.ring_elems + at, bytes,
+                                         cudaMemcpyDeviceToDevice, s);
+  }
+  if (e != cudaSuccess) return im.fail(cuda_error("setting rings' rows", e), s);
   return im.leave(s);
 }
 
