@@ -509,9 +509,9 @@ TEST(ConfigFuzzRegressions, EveryInputParsesOrIsRefused) {
 
 // --- Run records ----------------------------------------------------------------
 
-TEST_F(HostileFiles, RecordWithHugeModelAndFewLogitsFailsBeforeTheBuild) {
-  // vocabulary 2^20 and hidden 1024 would build 8 GiB of weights; the record
-  // holds 64 logits, which the vocabulary contradicts.
+// The head of a thin pack of 4 positions of a one-layer model whose
+// metadata is `record` (its chunks are in no store).
+std::string thin_record_pack(std::string record) {
   HostilePack p;
   p.config = make_hybrid_config("m", 1, 1, 2, 2, 16, 0, 64);
   p.context = 64;
@@ -519,15 +519,60 @@ TEST_F(HostileFiles, RecordWithHugeModelAndFewLogitsFailsBeforeTheBuild) {
   p.chunk_tokens = 16;
   p.thin = true;
   p.token_ids.assign(4, 1);
-  p.metadata = record_for(4, /*vocab=*/std::int64_t{1} << 20, /*hidden=*/1024);
+  p.metadata = std::move(record);
   std::int64_t payload = 0;
-  write_file(dir_ + "/big.kvpack", hostile_pack_head(p, &payload));
+  return hostile_pack_head(p, &payload);
+}
+
+TEST_F(HostileFiles, RecordWithHugeModelAndFewLogitsFailsBeforeTheBuild) {
+  // vocabulary 2^20 and hidden 1024 would build 8 GiB of weights; the record
+  // holds 64 logits, which the vocabulary contradicts.
+  write_file(dir_ + "/big.kvpack", thin_record_pack(record_for(4, /*vocab=*/std::int64_t{1} << 20, /*hidden=*/1024)));
   const Ran r = run_tool({"run", "--resume", "big.kvpack", "--store", "dir:store", "--no-progress"}, dir_,
                          kToolAddressSpace);
   EXPECT_EQ(r.rc, 2) << describe(r);
   EXPECT_NE(r.err.find("field 'last_logits_f32le' holds 512 hex digits; field 'vocab' = 1048576 needs 8388608"),
             std::string::npos)
       << describe(r);
+}
+
+// JSON text at its size cap whose tree outgrows the memory the tool may
+// use: at every limit the tool exits (0 or 2, the memory named), never
+// aborts while freeing the tree (a container's destructor allocates in the
+// JSON library), and some limits take each outcome.
+TEST_F(HostileFiles, JsonTreesPastTheMemoryLimitFailCleanly) {
+  const std::string head =
+      R"({"num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "max_position_embeddings": 256,)";
+  std::string flat = head + R"( "pad": [1)", nested = head + R"( "pad": [[[1]])";
+  while (flat.size() < (std::size_t{4} << 20) - 16) flat += ",1";
+  while (nested.size() < (std::size_t{4} << 20) - 16) nested += ",[[1]]";
+  write_file(dir_ + "/flat.json", flat + "]}");
+  write_file(dir_ + "/nested.json", nested + "]}");
+  // A run record at its cap: 8 MiB of a flat array beside its fields.
+  std::string record = record_for(4);
+  record.pop_back();
+  record += R"(,"pad":[1)";
+  while (static_cast<std::int64_t>(record.size()) < cli::kMaxRunRecordBytes - 16) record += ",1";
+  write_file(dir_ + "/record.kvpack", thin_record_pack(record + "]}"));
+  ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
+
+  struct Case {
+    std::vector<std::string> args;
+    int done;  // the exit once the tree is built and freed
+  };
+  for (const Case& c : {Case{{"config", "--config", "flat.json"}, 0}, Case{{"config", "--config", "nested.json"}, 0},
+                        Case{{"run", "--resume", "record.kvpack", "--store", "dir:store", "--no-progress"}, 2}}) {
+    int out_of_memory = 0, finished = 0;
+    for (const std::int64_t mib : {24, 48, 64, 80, 96, 112, 128, 160, 192, 256, 384}) {
+      const Ran r = run_tool(c.args, dir_, mib << 20, 30);
+      const bool named = r.err.find("out of host memory") != std::string::npos;
+      EXPECT_TRUE((r.rc == 2 && named) || (r.rc == c.done && !named)) << c.args[2] << " at " << mib << " MiB: " << describe(r);
+      out_of_memory += named;
+      finished += !named;
+    }
+    EXPECT_GT(out_of_memory, 0) << c.args[2];
+    EXPECT_GT(finished, 0) << c.args[2];
+  }
 }
 
 // A session of 40 tokens over vocabulary 50, and a pack of it whose record

@@ -16,6 +16,7 @@
 #include "args.h"
 #include "commands.h"
 #include "core/file_read.h"
+#include "core/json_tree.h"
 #include "handoff_cli.h"
 #include "kvring/backend.h"
 #include "kvring/footprint.h"
@@ -218,7 +219,9 @@ struct ServedSession {
 Result<ServedSession> check_served(const Snapshot& header, std::int64_t tokens, std::int64_t max_bytes) {
   auto record = decode_run_record(header.metadata, "the handed-off session");
   if (!record) return record.error();
-  auto meta = nlohmann::json::parse(header.metadata, nullptr, false);
+  JsonTree tree;  // decode_run_record parsed the same text
+  tree.parse(header.metadata);
+  const nlohmann::json& meta = tree.root();
   if (!meta.is_object() || !meta.contains(kNextTokenKey) || !meta[kNextTokenKey].is_number_integer())
     return invalid_argument("the handed-off session does not name the prompt's last token");
   const auto next = meta[kNextTokenKey].get<std::int64_t>();

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_read.h"
+#include "core/json_tree.h"
 #include "kvring/chunk_store.h"
 #include "kvring/footprint.h"
 #include "kvring/pack.h"
@@ -123,9 +124,12 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
   if (const int depth = json_depth(metadata); depth > kMaxRunRecordDepth)
     return invalid_argument(where + "arrays and objects nested " + std::to_string(depth) +
                             " deep; a run record nests at most " + std::to_string(kMaxRunRecordDepth));
-  nlohmann::json j;
+  // The tree comes down without allocating, should the memory run out
+  // during the parse or after it (core/json_tree.h).
+  JsonTree tree;
+  nlohmann::json& j = tree.root();
   try {
-    j = nlohmann::json::parse(metadata);
+    tree.parse(metadata);
   } catch (const nlohmann::json::parse_error& e) {
     // A record that starts like kvring's but does not parse is a damaged
     // record: name the field the error falls in, not the writer.

@@ -117,7 +117,9 @@ ModelConfig make_hybrid_config(std::string name, std::int64_t n_layers,
                                std::int64_t sliding_window,
                                std::int64_t max_context);
 
-// Hugging Face style config.json (Gemma 3, Cohere 2, gpt-oss shapes).
+// Hugging Face style config.json (Gemma 3, Cohere 2, gpt-oss shapes). Host
+// memory that runs out while the text is parsed (its tree takes up to
+// about 30 bytes for each byte of text) is a kIOError, never an abort.
 Result<ModelConfig> parse_hf_config(std::string_view json_text,
                                     std::string name = "config");
 // The config is named by its path, non-printable bytes and invalid UTF-8

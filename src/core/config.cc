@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/file_read.h"
+#include "core/json_tree.h"
 #include "core/text.h"
 #include "kvring/sha256.h"
 
@@ -598,33 +599,9 @@ Result<ModelConfig> parse_text_config(const json& root, const json& j, std::stri
   return c;
 }
 
-}  // namespace
-
-// The deepest nesting a config.json may have (a model's configs nest a
-// handful of levels: text_config, rope_scaling and their lists).
-constexpr int kMaxConfigDepth = 32;
-
-Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
-  // JSON text has no NUL byte; the parser would end the input at one and
-  // take the text before it as the whole config.
-  if (const auto nul = json_text.find('\0'); nul != std::string_view::npos)
-    return config_error("a NUL byte at byte " + std::to_string(nul) + ": a config is JSON text");
-  // Bounded before it is parsed: a parse of deeply nested text takes tens of
-  // bytes of memory for each of its bytes.
-  if (const int depth = json_depth(json_text); depth > kMaxConfigDepth)
-    return config_error("arrays and objects nested " + std::to_string(depth) + " deep; a config nests at most " +
-                        std::to_string(kMaxConfigDepth));
-  json root;
-  try {
-    root = json::parse(json_text.begin(), json_text.end());
-  } catch (const json::parse_error& e) {
-    // The parser's message quotes the input's last bytes as they are.
-    return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + printable(e.what()));
-  } catch (const json::exception& e) {
-    // The parser throws other errors too: a number too large for a double
-    // (out_of_range 406) among them.
-    return config_error("malformed JSON: " + printable(e.what()));
-  }
+// The geometry of a parsed config file `root`: its text config, with the
+// class's defaults put in place for what it leaves out.
+Result<ModelConfig> config_from_tree(json& root, std::string name) {
   if (!root.is_object()) return config_error("config is not a JSON object");
   // Multimodal Gemma 3 configs nest the language model under text_config.
   json& text = (root.contains("text_config") && root["text_config"].is_object()) ? root["text_config"] : root;
@@ -653,6 +630,49 @@ Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name
     return e;
   }
   return r;
+}
+
+}  // namespace
+
+// The deepest nesting a config.json may have (a model's configs nest a
+// handful of levels: text_config, rope_scaling and their lists).
+constexpr int kMaxConfigDepth = 32;
+
+Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string name) {
+  // JSON text has no NUL byte; the parser would end the input at one and
+  // take the text before it as the whole config.
+  if (const auto nul = json_text.find('\0'); nul != std::string_view::npos)
+    return config_error("a NUL byte at byte " + std::to_string(nul) + ": a config is JSON text");
+  // Bounded before it is parsed: a parse of deeply nested text takes tens of
+  // bytes of memory for each of its bytes.
+  if (const int depth = json_depth(json_text); depth > kMaxConfigDepth)
+    return config_error("arrays and objects nested " + std::to_string(depth) + " deep; a config nests at most " +
+                        std::to_string(kMaxConfigDepth));
+  // A 4 MiB file's tree takes about 30 bytes for each byte of its text, and
+  // the memory may run out on the way: an error, with the tree freed
+  // without allocating (core/json_tree.h).
+  const auto out_of_memory = [&] {
+    return make_error(ErrorCode::kIOError,
+                      "out of host memory for a config of " + std::to_string(json_text.size()) + " bytes");
+  };
+  JsonTree tree;
+  try {
+    tree.parse(json_text);
+  } catch (const json::parse_error& e) {
+    // The parser's message quotes the input's last bytes as they are.
+    return config_error("malformed JSON at byte " + std::to_string(e.byte) + ": " + printable(e.what()));
+  } catch (const json::exception& e) {
+    // The parser throws other errors too: a number too large for a double
+    // (out_of_range 406) among them.
+    return config_error("malformed JSON: " + printable(e.what()));
+  } catch (const std::bad_alloc&) {
+    return out_of_memory();
+  }
+  try {
+    return config_from_tree(tree.root(), std::move(name));
+  } catch (const std::bad_alloc&) {
+    return out_of_memory();
+  }
 }
 
 Result<ModelConfig> load_hf_config(const std::string& path) {
