@@ -198,6 +198,8 @@ struct CudaStore::Impl {
   std::int64_t ring_elems = 0, block_elems = 0, max_blocks = 0, n_full = 0;
   cuda::Shape shape;
   cuda::PoolGeometry pool;
+  // set_ring_rows' launch parameters (under mu).
+  cuda::FillLaunch fill;
 
   // Attention: the launch policy, workspace slots (attend_slot_floats
   // floats each, o then ml), arrival counters (zero between launches),
@@ -1499,20 +1501,26 @@ Status CudaStore::set_ring_rows(std::span<const RingRows> rows, cudaStream_t str
   KVRING_CUDA_CHECK("making the store's device current", scope.error());
   KVRING_RETURN_IF_ERROR(im.enter(s));
   const std::int64_t kv_dim = config_.kv_dim();
-  // One memset or copy per range and plane. A failure after the first
-  // enqueue waits for it (fail): nothing of this call lands after it
-  // returned its error.
+  // K's and V's rows of each range are a segment each; one launch takes
+  // cuda::kFillSegments of them. A failure after the first launch waits
+  // for it (fail): nothing of this call lands after it returned its error.
+  cuda::FillLaunch* launch = &im.fill;
+  launch->n = 0;
   cudaError_t e = cudaSuccess;
   for (const RingRows& r : rows) {
     const auto l = static_cast<std::size_t>(r.layer);
     const std::int64_t at = r.begin * kv_dim;
-    const auto bytes = static_cast<std::size_t>((r.end - r.begin) * kv_dim) * 2;
-    for (std::uint16_t* ring : {im.ring_k[l], im.ring_v[l]})
-      if (e == cudaSuccess)
-        e = r.from < 0 ? cudaMemsetAsync(ring + r.to * im.ring_elems + at, 0, bytes, s)
-                       : cudaMemcpyAsync(ring + r.to * im.ring_elems + at, ring + r.from * im.ring_elems + at, bytes,
-                                         cudaMemcpyDeviceToDevice, s);
+    for (std::uint16_t* ring : {im.ring_k[l], im.ring_v[l]}) {
+      launch->segments[launch->n++] = cuda::FillSegment{ring + r.to * im.ring_elems + at,
+                                                         r.from < 0 ? nullptr : ring + r.from * im.ring_elems + at,
+                                                         (r.end - r.begin) * kv_dim};
+      if (launch->n == cuda::kFillSegments) {
+        if (e == cudaSuccess) e = cuda::launch_fill_segments(*launch, s);
+        launch->n = 0;
+      }
+    }
   }
+  if (e == cudaSuccess) e = cuda::launch_fill_segments(*launch, s);
   if (e != cudaSuccess) return im.fail(cuda_error("setting rings' rows", e), s);
   return im.leave(s);
 }

@@ -145,6 +145,25 @@ cudaError_t launch_convert_kv(SourceRows k, SourceRows v, std::int64_t rows, std
 cudaError_t launch_table_writes(const TableWrite* writes, std::int64_t n, std::int32_t* tables,
                                 cudaStream_t stream);
 
+// ---- Ring rows -----------------------------------------------------------------
+
+// `elems` f16 elements at `dst`: zeros when `src` is null, else those at
+// `src` (which do not overlap them).
+struct FillSegment {
+  std::uint16_t* dst = nullptr;
+  const std::uint16_t* src = nullptr;
+  std::int64_t elems = 0;
+};
+inline constexpr int kFillSegments = 1024;
+struct FillLaunch {
+  std::int32_t n = 0;
+  FillSegment segments[kFillSegments];
+};
+static_assert(sizeof(FillLaunch) <= kMaxKernelParamBytes, "a launch's parameters take at most 32764 bytes");
+// Segments [0, launch.n) in one launch: each block moves 16 bytes a thread
+// where the segment's addresses and length allow, else 2.
+cudaError_t launch_fill_segments(const FillLaunch& launch, cudaStream_t stream);
+
 // ---- Snapshot copies ----------------------------------------------------------
 
 // Logical rows of a plane as (at most) two physical spans: row j of the

@@ -169,6 +169,21 @@ __global__ void __launch_bounds__(kThreads) copy_rows_kernel(CopyRows a) {
 
 cudaError_t launched() { return cudaGetLastError(); }
 
+// Block (x, y) takes segment y's units x, x + gridDim.x, ... a thread each.
+__global__ void __launch_bounds__(kThreads) fill_segments_kernel(const __grid_constant__ FillLaunch a) {
+  const FillSegment& g = a.segments[blockIdx.y];
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
+  const std::int64_t first = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x;
+  if (((reinterpret_cast<std::uintptr_t>(g.dst) | reinterpret_cast<std::uintptr_t>(g.src)) & 15u) == 0 &&
+      g.elems % 8 == 0) {
+    auto* d = reinterpret_cast<uint4*>(g.dst);
+    const auto* s = reinterpret_cast<const uint4*>(g.src);
+    for (std::int64_t i = first; i < g.elems / 8; i += stride) d[i] = s != nullptr ? s[i] : make_uint4(0, 0, 0, 0);
+  } else {
+    for (std::int64_t i = first; i < g.elems; i += stride) g.dst[i] = g.src != nullptr ? g.src[i] : 0;
+  }
+}
+
 // Applies the table writes with a grid-stride loop.
 __global__ void __launch_bounds__(kThreads)
     table_writes_kernel(const TableWrite* writes, std::int64_t n, std::int32_t* tables) {
@@ -226,6 +241,18 @@ cudaError_t launch_table_writes(const TableWrite* writes, std::int64_t n, std::i
                                 cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   table_writes_kernel<<<blocks_for(n), kThreads, 0, stream>>>(writes, n, tables);
+  return launched();
+}
+
+cudaError_t launch_fill_segments(const FillLaunch& a, cudaStream_t stream) {
+  if (a.n <= 0) return cudaSuccess;
+  std::int64_t most = 0;
+  for (int i = 0; i < a.n; ++i) most = std::max(most, a.segments[i].elems);
+  // Blocks enough for four 16-byte units a thread of the longest segment,
+  // up to kMaxBlocks / n a segment (the loops are grid-stride).
+  const std::int64_t per = std::max<std::int64_t>(1, kMaxBlocks / a.n);
+  const auto x = static_cast<unsigned>(std::clamp<std::int64_t>((most / 8 + 4 * kThreads - 1) / (4 * kThreads), 1, per));
+  fill_segments_kernel<<<dim3(x, static_cast<unsigned>(a.n)), kThreads, 0, stream>>>(a);
   return launched();
 }
 
