@@ -575,6 +575,51 @@ TEST_F(HostileFiles, JsonTreesPastTheMemoryLimitFailCleanly) {
   }
 }
 
+// A key given twice whose first value is a large array: the last value
+// wins (as before the tree, and as in Python's json), and the array it
+// replaces comes down while the text is still being parsed. At every limit
+// the tool exits (0 or 2, the memory named), never aborts while freeing
+// that array (a container's destructor allocates in the JSON library), and
+// some limits take each outcome.
+TEST_F(HostileFiles, DuplicateKeysPastTheMemoryLimitFailCleanly) {
+  const std::string head =
+      R"({"num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "max_position_embeddings": 256,)";
+  auto last = parse_hf_config(head + R"( "num_attention_heads": {"x": [1]}, "num_attention_heads": 1})");
+  ASSERT_TRUE(last.ok()) << last.error().message;
+  EXPECT_EQ(last->n_heads, 1);
+  // Just under 2^21 elements: the array's storage is about full, and
+  // freeing it the library's way asks for as much again, more than its
+  // growth ever held at once.
+  std::string pad = R"("pad": [1)";
+  for (int i = 1; i < (1 << 21) - 256; ++i) pad += ",1";
+  pad += R"(], "pad": 0})";
+  write_file(dir_ + "/dup.json", head + " " + pad);
+  std::string record = record_for(4);
+  record.back() = ',';
+  write_file(dir_ + "/dup.kvpack", thin_record_pack(record + pad));
+  ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
+
+  struct Case {
+    std::vector<std::string> args;
+    int done;  // the exit once the tree is built and freed
+  };
+  for (const Case& c : {Case{{"config", "--config", "dup.json"}, 0},
+                        Case{{"run", "--resume", "dup.kvpack", "--store", "dir:store", "--no-progress"}, 2}}) {
+    int out_of_memory = 0, finished = 0;
+    // Steps of 8 MiB: the limits at which only that freeing runs out span
+    // more than that.
+    for (std::int64_t mib = 24; mib <= 192; mib += 8) {
+      const Ran r = run_tool(c.args, dir_, mib << 20, 30);
+      const bool named = r.err.find("out of host memory") != std::string::npos;
+      EXPECT_TRUE((r.rc == 2 && named) || (r.rc == c.done && !named)) << c.args[2] << " at " << mib << " MiB: " << describe(r);
+      out_of_memory += named;
+      finished += !named;
+    }
+    EXPECT_GT(out_of_memory, 0) << c.args[2];
+    EXPECT_GT(finished, 0) << c.args[2];
+  }
+}
+
 // A session of 40 tokens over vocabulary 50, and a pack of it whose record
 // and token ids a test may edit.
 struct SavedSession {

@@ -97,6 +97,10 @@ class JsonTree {
     bool start_object(std::size_t) { return enter(nlohmann::json::value_t::object); }
     bool key(std::string& k) {
       member = &open.back()->get_ref<nlohmann::json::object_t&>()[k];
+      // A key the object already holds: the last value wins (as in
+      // nlohmann::json's own parse and Python's json), and the earlier one
+      // is emptied first, so that replacing it frees without allocating.
+      release(*member);
       return true;
     }
     bool end_object() { return open.pop_back(), true; }
