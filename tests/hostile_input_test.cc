@@ -699,6 +699,15 @@ TEST_F(HostileFiles, RecordFieldsThatFailToParseAreNamed) {
   EXPECT_NE(r.error().message.find("p: metadata: the run record does not parse: "), std::string::npos)
       << r.error().message;
   EXPECT_NE(r.error().message.find("number overflow parsing '1e692'"), std::string::npos) << r.error().message;
+  // A NUL byte ends JSON text nowhere: a whole record before one, with
+  // anything after it, is refused, naming the byte.
+  std::string nul = good;
+  nul.append(1, '\0').append("junk");
+  r = cli::decode_run_record(nul, "p");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("p: metadata: a NUL byte at byte " + std::to_string(good.size())),
+            std::string::npos)
+      << r.error().message;
   // Metadata that is not a run record at all still says so.
   r = cli::decode_run_record("{\"x\": 1}", "p");
   ASSERT_FALSE(r.ok());

@@ -121,6 +121,10 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
     return invalid_argument(where + std::to_string(metadata.size()) + " bytes, more than a run record's " +
                             std::to_string(kMaxRunRecordBytes) + " (the last logits of a " +
                             std::to_string(kMaxRunVocab) + "-entry vocabulary and its other fields)");
+  // JSON text has no NUL byte; the parser would end the input at one and
+  // take the record before it, whatever follows.
+  if (const auto nul = metadata.find('\0'); nul != std::string::npos)
+    return invalid_argument(where + "a NUL byte at byte " + std::to_string(nul) + ": a run record is JSON text");
   if (const int depth = json_depth(metadata); depth > kMaxRunRecordDepth)
     return invalid_argument(where + "arrays and objects nested " + std::to_string(depth) +
                             " deep; a run record nests at most " + std::to_string(kMaxRunRecordDepth));
