@@ -104,43 +104,66 @@ TEST(CudaStore, ZeroFilledAtCreationAndOnAdd) {
 
 // An add, a reset and a fork set the rows of every ring of their slot in
 // one call: with 600 sliding rings (1200 planes' ranges a clear, 2400 a
-// fork into a slot a wrap left), rows of 34 bytes (ranges at addresses
-// that are not 16-byte aligned) and of 128, the CUDA store's planes equal
-// the CPU store's after the same calls.
+// fork into a slot a wrap left, so two and three launches), rows of 34
+// bytes (ranges at addresses that are not 16-byte aligned) and of 128, and
+// with rings of 64 Ki elements a plane (many blocks a range), the CUDA
+// store's planes equal the CPU store's after the same calls. Each call
+// runs with an error of the caller's pending on the thread (a failed
+// cudaMalloc): the calls succeed and leave it for the caller to read.
 TEST(CudaStore, ClearsAndForksOfManyRingsEqualTheCpuStore) {
   KVRING_SKIP_WITHOUT_GPU();
-  for (const std::int64_t head_dim : {17, 64}) {
-    SCOPED_TRACE(head_dim);
-    const ModelConfig c = make_hybrid_config("rings", 700, 7, 2, 1, head_dim, 24, 64);
-    const StoreOptions o{.max_sequences = 3, .context = 64, .slack = 4, .block_rows = 16};
-    const std::int64_t kv = c.kv_dim(), cap = 36;  // 32 rows at the least, and the slack
+  const ModelConfig configs[] = {make_hybrid_config("rings", 700, 7, 2, 1, 17, 24, 64),
+                                 make_hybrid_config("rings", 700, 7, 2, 1, 64, 24, 64),
+                                 make_hybrid_config("wide-rings", 4, 2, 4, 2, 128, 500, 1024)};
+  for (const ModelConfig& c : configs) {
+    SCOPED_TRACE(c.name + " head_dim " + std::to_string(c.head_dim));
+    const StoreOptions o{.max_sequences = 3, .context = c.max_context, .slack = 4, .block_rows = 16};
+    const std::int64_t kv = c.kv_dim(), cap = testing::new_store(BackendKind::kCpu, c, o)->capacity(0);
+    ASSERT_GE(cap, c.sliding_window);
     const auto x = random_floats(static_cast<std::size_t>((cap + 7) * kv * c.n_layers), 31);
     std::vector<testing::SeqImage> images[2];
     for (const BackendKind kind : {BackendKind::kCpu, BackendKind::kCuda}) {
       auto s = testing::new_store(kind, c, o);
       ASSERT_TRUE(s);
-      ASSERT_EQ(s->capacity(0), cap);
+      const bool cuda = kind == BackendKind::kCuda;
+      // The call `f` succeeds with a caller's error pending, which stays.
+      auto pending = [&](auto f) {
+        if (cuda) testing::leave_pending_error();
+        f();
+        if (cuda) {
+          EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation) << "the caller's error was consumed";
+        }
+      };
       auto write = [&](SeqId seq, std::int64_t count) {
         const SeqSpan span{seq, 0, count};
         const ConstView view = host_view(x.data(), count * c.n_layers, kv);
-        ASSERT_TRUE(s->store_all_layers(std::span(&span, 1), view, view).ok());
+        pending([&] { ASSERT_TRUE(s->store_all_layers(std::span(&span, 1), view, view).ok()); });
       };
-      std::vector<testing::SeqImage>& im = images[kind == BackendKind::kCuda];
-      const SeqId a = *s->add_sequence();
+      auto add = [&](auto call) {
+        SeqId id{};
+        pending([&] {
+          auto r = call();
+          ASSERT_TRUE(r.ok()) << r.error().to_string();
+          id = *r;
+        });
+        return id;
+      };
+      std::vector<testing::SeqImage>& im = images[cuda];
+      const SeqId a = add([&] { return s->add_sequence(); });
       write(a, cap + 7);
-      const SeqId b = *s->add_sequence();
+      const SeqId b = add([&] { return s->add_sequence(); });
       write(b, 9);
       ASSERT_TRUE(s->remove_sequence(a).ok());
-      const SeqId f = *s->fork_sequence(b);  // into a's slot: 9 rows copied, the rest cleared
+      const SeqId f = add([&] { return s->fork_sequence(b); });  // into a's slot: 9 rows copied, the rest cleared
       im.push_back(seq_image(*s, f));
       im.push_back(seq_image(*s, b));
-      ASSERT_TRUE(s->reset_sequence(b).ok());
+      pending([&] { ASSERT_TRUE(s->reset_sequence(b).ok()); });
       im.push_back(seq_image(*s, b));
       write(b, 5);
-      const SeqId g = *s->fork_sequence(b);  // into a fresh slot: copies only
+      const SeqId g = add([&] { return s->fork_sequence(b); });  // into a fresh slot: copies only
       im.push_back(seq_image(*s, g));
       ASSERT_TRUE(s->remove_sequence(f).ok());
-      const SeqId h = *s->add_sequence();  // f's slot, cleared
+      const SeqId h = add([&] { return s->add_sequence(); });  // f's slot, cleared
       im.push_back(seq_image(*s, h));
     }
     ASSERT_EQ(images[0].size(), images[1].size());

@@ -68,6 +68,13 @@ class DeviceArray {
   std::size_t n_;
 };
 
+// Leaves an error pending on this thread's runtime, as an engine's failed
+// cudaMalloc whose error it handled but never read with cudaGetLastError.
+inline void leave_pending_error() {
+  void* p = nullptr;
+  ASSERT_EQ(cudaMalloc(&p, std::size_t{1} << 60), cudaErrorMemoryAllocation);
+}
+
 // Read-only views of test buffers.
 inline ConstView host_in(const float* p, std::int64_t rows, std::int64_t cols) {
   return host_view(p, rows, cols);

@@ -51,6 +51,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -141,13 +142,21 @@ enum class Geometry { kFixed, kRandom };
 
 class Harness {
  public:
-  Harness(BackendKind backend, Geometry geometry, std::uint64_t seed, Stats& stats)
-      : backend_(backend), geometry_(geometry), seed_(seed), rng_(seed), stats_(stats) {}
+  Harness(BackendKind backend, Geometry geometry, std::uint64_t seed, Stats& stats,
+          std::function<void()> before_step = {})
+      : backend_(backend),
+        geometry_(geometry),
+        seed_(seed),
+        rng_(seed),
+        stats_(stats),
+        before_step_(std::move(before_step)) {}
 
-  // Runs `ops` operations; false after the first mismatch (reported).
+  // Runs `ops` operations, each after `before_step` where given; false
+  // after the first mismatch (reported).
   bool run(std::int64_t ops) {
     if (!setup()) return false;
     for (op_ = 0; op_ < ops && ok_; ++op_) {
+      if (before_step_) before_step_();
       step();
       if (ok_) check_model();
     }
@@ -1706,6 +1715,7 @@ class Harness {
   std::mt19937_64 rng_;
   std::mt19937_64 check_rng_{seed_ ^ 0x9e3779b97f4a7c15ull};
   Stats& stats_;
+  std::function<void()> before_step_;
   ModelConfig cfg_;
   StoreOptions opt_;
   std::unique_ptr<KvStore> store_, ref_;
@@ -1725,8 +1735,9 @@ class Harness {
 // Runs the harness over seeds (KVRING_MODEL_FIRST_SEED on, default 1;
 // KVRING_MODEL_SEEDS of them, default `seeds`; KVRING_MODEL_OPS operations
 // each, default `ops`), stops after three failing seeds, and prints what
-// the run exercised.
-inline void run_seeds(BackendKind backend, Geometry geometry, std::uint64_t seeds, std::int64_t ops) {
+// the run exercised. `before_step` runs before each operation.
+inline void run_seeds(BackendKind backend, Geometry geometry, std::uint64_t seeds, std::int64_t ops,
+                      const std::function<void()>& before_step = {}) {
   seeds = env_or("KVRING_MODEL_SEEDS", seeds);
   ops = static_cast<std::int64_t>(env_or("KVRING_MODEL_OPS", static_cast<std::uint64_t>(ops)));
   const std::uint64_t first = env_or("KVRING_MODEL_FIRST_SEED", 1);
@@ -1734,7 +1745,7 @@ inline void run_seeds(BackendKind backend, Geometry geometry, std::uint64_t seed
   std::int64_t total = 0;
   int failed = 0;
   for (std::uint64_t seed = first; seed < first + seeds; ++seed) {
-    Harness h(backend, geometry, seed, stats);
+    Harness h(backend, geometry, seed, stats, before_step);
     if (!h.run(ops)) ++failed;
     total += h.ops_done();
     if (env_or("KVRING_MODEL_PROGRESS", 0) != 0)

@@ -6,6 +6,7 @@
 
 #include "core/digest64.h"
 #include "digest.h"
+#include "launch_plain.cuh"
 
 namespace kvring::cuda {
 namespace {
@@ -72,13 +73,8 @@ cudaError_t launch_digest_words(const void* data, std::size_t bytes, std::uint32
   const std::uint64_t units = std::max<std::uint64_t>(1, bytes / (unit == 16 ? 16 : 8));
   const auto blocks =
       static_cast<unsigned>(std::min<std::uint64_t>((units + kThreads - 1) / kThreads, kMaxBlocks));
-  if (unit == 16)
-    digest_kernel<16><<<blocks, kThreads, 0, stream>>>(p, bytes, seed, sum);
-  else if (unit == 8)
-    digest_kernel<8><<<blocks, kThreads, 0, stream>>>(p, bytes, seed, sum);
-  else
-    digest_kernel<1><<<blocks, kThreads, 0, stream>>>(p, bytes, seed, sum);
-  return cudaGetLastError();
+  auto* kernel = unit == 16 ? digest_kernel<16> : unit == 8 ? digest_kernel<8> : digest_kernel<1>;
+  return launch_plain(kernel, blocks, kThreads, 0, stream, p, bytes, seed, sum);
 }
 
 }  // namespace kvring::cuda

@@ -11,6 +11,7 @@
 #include "attend_hd128.cuh"
 #include "attend_rows.cuh"
 #include "kernels.h"
+#include "launch_plain.cuh"
 #include "launch_policy.h"
 
 namespace kvring::cuda {
@@ -472,19 +473,15 @@ cudaError_t launch_attend_f16(const F16Params& params, const LaunchPolicy& polic
   // which read the same rows, so those come from L2 for all but the first.
   const dim3 grid(static_cast<unsigned>(params.n_tiles), static_cast<unsigned>(params.P.n_kv_heads),
                   static_cast<unsigned>(params.max_splits));
-  if (policy.f16_deep_for(params.ctas)) {
-    attend_f16_deep_kernel<<<grid, kF16Threads, f16_smem_bytes(3), stream>>>(params);
-  } else {
-    attend_f16_kernel<<<grid, kF16Threads, f16_smem_bytes(2), stream>>>(params);
-  }
-  e = cudaGetLastError();
+  const bool deep = policy.f16_deep_for(params.ctas);
+  e = launch_plain(deep ? attend_f16_deep_kernel : attend_f16_kernel, grid, kF16Threads, f16_smem_bytes(deep ? 3 : 2),
+                   stream, params);
   if (e != cudaSuccess || params.ws == nullptr) return e;
   // The combine: a warp per (query, head) of a tile.
   const int pairs = f16_tile_queries(params.P.n_heads / params.P.n_kv_heads) * params.P.n_heads;
   constexpr int kWarps = kF16Threads / 32;
   const dim3 combine(static_cast<unsigned>(params.n_tiles), static_cast<unsigned>((pairs + kWarps - 1) / kWarps));
-  attend_f16_combine_kernel<<<combine, kF16Threads, 0, stream>>>(params);
-  return cudaGetLastError();
+  return launch_plain(attend_f16_combine_kernel, combine, kF16Threads, 0, stream, params);
 }
 
 }  // namespace kvring::cuda

@@ -6,6 +6,7 @@
 
 #include "f16_device.cuh"
 #include "kernels.h"
+#include "launch_plain.cuh"
 #include "ptx.cuh"
 
 namespace kvring::cuda {
@@ -167,15 +168,20 @@ __global__ void __launch_bounds__(kThreads) copy_rows_kernel(CopyRows a) {
   });
 }
 
-cudaError_t launched() { return cudaGetLastError(); }
+// Whether a segment moves 16 bytes a unit (its addresses and length allow)
+// or 2.
+__host__ __device__ bool wide_segment(const FillSegment& g) {
+  return ((reinterpret_cast<std::uintptr_t>(g.dst) | reinterpret_cast<std::uintptr_t>(g.src)) & 15u) == 0 &&
+         g.elems % 8 == 0;
+}
+std::int64_t segment_units(const FillSegment& g) { return wide_segment(g) ? g.elems / 8 : g.elems; }
 
 // Block (x, y) takes segment y's units x, x + gridDim.x, ... a thread each.
 __global__ void __launch_bounds__(kThreads) fill_segments_kernel(const __grid_constant__ FillLaunch a) {
   const FillSegment& g = a.segments[blockIdx.y];
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
   const std::int64_t first = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x;
-  if (((reinterpret_cast<std::uintptr_t>(g.dst) | reinterpret_cast<std::uintptr_t>(g.src)) & 15u) == 0 &&
-      g.elems % 8 == 0) {
+  if (wide_segment(g)) {
     auto* d = reinterpret_cast<uint4*>(g.dst);
     const auto* s = reinterpret_cast<const uint4*>(g.src);
     for (std::int64_t i = first; i < g.elems / 8; i += stride) d[i] = s != nullptr ? s[i] : make_uint4(0, 0, 0, 0);
@@ -231,29 +237,26 @@ cudaError_t launch_convert_kv(SourceRows k, SourceRows v, std::int64_t rows, std
                               bool vector, std::uint16_t* dst, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (vector && cols % 8 == 0)
-    convert_kv_kernel<8><<<blocks_for(2 * rows * cols / 8), kThreads, 0, stream>>>(k, v, rows, cols, dst);
-  else
-    convert_kv_kernel<1><<<blocks_for(2 * rows * cols), kThreads, 0, stream>>>(k, v, rows, cols, dst);
-  return launched();
+    return launch_plain(convert_kv_kernel<8>, blocks_for(2 * rows * cols / 8), kThreads, 0, stream, k, v, rows, cols,
+                        dst);
+  return launch_plain(convert_kv_kernel<1>, blocks_for(2 * rows * cols), kThreads, 0, stream, k, v, rows, cols, dst);
 }
 
 cudaError_t launch_table_writes(const TableWrite* writes, std::int64_t n, std::int32_t* tables,
                                 cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  table_writes_kernel<<<blocks_for(n), kThreads, 0, stream>>>(writes, n, tables);
-  return launched();
+  return launch_plain(table_writes_kernel, blocks_for(n), kThreads, 0, stream, writes, n, tables);
 }
 
 cudaError_t launch_fill_segments(const FillLaunch& a, cudaStream_t stream) {
   if (a.n <= 0) return cudaSuccess;
   std::int64_t most = 0;
-  for (int i = 0; i < a.n; ++i) most = std::max(most, a.segments[i].elems);
-  // Blocks enough for four 16-byte units a thread of the longest segment,
-  // up to kMaxBlocks / n a segment (the loops are grid-stride).
+  for (int i = 0; i < a.n; ++i) most = std::max(most, segment_units(a.segments[i]));
+  // Blocks enough for four units a thread of the longest segment, up to
+  // kMaxBlocks / n a segment (the loops are grid-stride).
   const std::int64_t per = std::max<std::int64_t>(1, kMaxBlocks / a.n);
-  const auto x = static_cast<unsigned>(std::clamp<std::int64_t>((most / 8 + 4 * kThreads - 1) / (4 * kThreads), 1, per));
-  fill_segments_kernel<<<dim3(x, static_cast<unsigned>(a.n)), kThreads, 0, stream>>>(a);
-  return launched();
+  const auto x = static_cast<unsigned>(std::clamp<std::int64_t>((most + 4 * kThreads - 1) / (4 * kThreads), 1, per));
+  return launch_plain(fill_segments_kernel, dim3(x, static_cast<unsigned>(a.n)), kThreads, 0, stream, a);
 }
 
 cudaError_t launch_gather_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, SpanMap map,
@@ -262,10 +265,8 @@ cudaError_t launch_gather_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, S
   if (rows <= 0) return cudaSuccess;
   const CopyRows a{plane, shape, pool, map, first, rows, out};
   if (vector_rows(shape) && aligned16(out))
-    copy_rows_kernel<8, true><<<blocks_for(rows * shape.kv_dim / 8), kThreads, 0, stream>>>(a);
-  else
-    copy_rows_kernel<1, true><<<blocks_for(rows * shape.kv_dim), kThreads, 0, stream>>>(a);
-  return launched();
+    return launch_plain(copy_rows_kernel<8, true>, blocks_for(rows * shape.kv_dim / 8), kThreads, 0, stream, a);
+  return launch_plain(copy_rows_kernel<1, true>, blocks_for(rows * shape.kv_dim), kThreads, 0, stream, a);
 }
 
 cudaError_t launch_scatter_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, SpanMap map,
@@ -275,10 +276,8 @@ cudaError_t launch_scatter_rows(PlaneBuf plane, Shape shape, PoolGeometry pool, 
   // The kernel only reads through `buf` when scattering.
   const CopyRows a{plane, shape, pool, map, first, rows, const_cast<std::uint16_t*>(in)};
   if (vector_rows(shape) && aligned16(in))
-    copy_rows_kernel<8, false><<<blocks_for(rows * shape.kv_dim / 8), kThreads, 0, stream>>>(a);
-  else
-    copy_rows_kernel<1, false><<<blocks_for(rows * shape.kv_dim), kThreads, 0, stream>>>(a);
-  return launched();
+    return launch_plain(copy_rows_kernel<8, false>, blocks_for(rows * shape.kv_dim / 8), kThreads, 0, stream, a);
+  return launch_plain(copy_rows_kernel<1, false>, blocks_for(rows * shape.kv_dim), kThreads, 0, stream, a);
 }
 
 }  // namespace kvring::cuda
