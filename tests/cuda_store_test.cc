@@ -1227,6 +1227,7 @@ TEST(CudaStore, AttentionThatCannotStageFailsCleanlyWhenMemoryIsSpent) {
     // The reference (device views), which also loads the kernels; then the
     // other case's staging.
     ASSERT_TRUE(s->attend_decode(full, at, d_q, d_out).ok());
+    ASSERT_TRUE(s->synchronize().ok());  // the store's stream does not block the copy's
     std::vector<float> want(hq.size());
     ASSERT_EQ(cudaMemcpy(want.data(), out.get(), want.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_TRUE(s->attend_decode(full, at, host_q ? d_q : h_q, host_q ? h_out : d_out).ok());
@@ -1252,6 +1253,7 @@ TEST(CudaStore, AttentionThatCannotStageFailsCleanlyWhenMemoryIsSpent) {
     for (std::size_t i = 0; i < at.size(); ++i) EXPECT_TRUE(seq_image(*s, at[i].seq) == before[i]) << i;
     // With memory again, the same call, into zeroed outputs.
     ASSERT_EQ(cudaMemset(out.get(), 0, hq.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the call on `side`, which does not wait for it
     std::fill(hout.begin(), hout.end(), 0.0f);
     const Status again = s->attend_decode(full, at, host_q ? h_q : d_q, host_q ? d_out : h_out, side);
     ASSERT_TRUE(again.ok()) << again.to_string();

@@ -51,8 +51,11 @@ class DeviceArray {
               cudaSuccess);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
+  // After every stream's work: the store's streams do not wait for the
+  // legacy default stream's copies, nor these for them.
   std::vector<T> download() const {
     std::vector<T> h(n_);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return h;
   }
