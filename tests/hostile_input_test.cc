@@ -708,10 +708,14 @@ TEST_F(HostileFiles, RecordFieldsThatFailToParseAreNamed) {
   EXPECT_NE(r.error().message.find("p: metadata: a NUL byte at byte " + std::to_string(good.size())),
             std::string::npos)
       << r.error().message;
-  // Metadata that is not a run record at all still says so.
-  r = cli::decode_run_record("{\"x\": 1}", "p");
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.error().message.find("p was not written by kvring run --save"), std::string::npos);
+  // Metadata that is not a run record at all still says so, NUL or none.
+  const std::string plain = "{\"x\": 1}";
+  for (const std::string& other : {plain, std::string(plain).append(1, '\0').append("bin")}) {
+    r = cli::decode_run_record(other, "p");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.error().message.find("p was not written by kvring run --save"), std::string::npos)
+        << r.error().message;
+  }
   r = cli::decode_run_record("", "p");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message.find("its metadata is empty"), std::string::npos);

@@ -123,8 +123,11 @@ Result<RunRecord> decode_run_record(const std::string& metadata, const std::stri
                             std::to_string(kMaxRunVocab) + "-entry vocabulary and its other fields)");
   // JSON text has no NUL byte; the parser would end the input at one and
   // take the record before it, whatever follows.
-  if (const auto nul = metadata.find('\0'); nul != std::string::npos)
+  if (const auto nul = metadata.find('\0'); nul != std::string::npos) {
+    if (metadata.find("\"kvring_run\"") == std::string::npos)
+      return invalid_argument(not_ours + " (its metadata is not a JSON run record)");
     return invalid_argument(where + "a NUL byte at byte " + std::to_string(nul) + ": a run record is JSON text");
+  }
   if (const int depth = json_depth(metadata); depth > kMaxRunRecordDepth)
     return invalid_argument(where + "arrays and objects nested " + std::to_string(depth) +
                             " deep; a run record nests at most " + std::to_string(kMaxRunRecordDepth));
