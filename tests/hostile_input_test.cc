@@ -524,6 +524,28 @@ std::string thin_record_pack(std::string record) {
   return hostile_pack_head(p, &payload);
 }
 
+// A small config's fields, open for more (JSON text up to its last comma).
+constexpr const char* kConfigHead =
+    R"({"num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "max_position_embeddings": 256,)";
+
+// Runs the tool with `args` in `dir` under each address-space limit of
+// `mib`: every run exits `done` or 2 naming host memory (never an abort),
+// and some runs take each outcome.
+void expect_memory_named_or_done(const std::vector<std::string>& args, int done, const std::string& dir,
+                                 const std::vector<std::int64_t>& mib) {
+  int out_of_memory = 0, finished = 0;
+  for (const std::int64_t limit : mib) {
+    const Ran r = run_tool(args, dir, limit << 20, 30);
+    const bool named = r.err.find("out of host memory") != std::string::npos;
+    EXPECT_TRUE((r.rc == 2 && named) || (r.rc == done && !named))
+        << args[2] << " at " << limit << " MiB: " << describe(r);
+    out_of_memory += named;
+    finished += !named;
+  }
+  EXPECT_GT(out_of_memory, 0) << args[2];
+  EXPECT_GT(finished, 0) << args[2];
+}
+
 TEST_F(HostileFiles, RecordWithHugeModelAndFewLogitsFailsBeforeTheBuild) {
   // vocabulary 2^20 and hidden 1024 would build 8 GiB of weights; the record
   // holds 64 logits, which the vocabulary contradicts.
@@ -541,8 +563,7 @@ TEST_F(HostileFiles, RecordWithHugeModelAndFewLogitsFailsBeforeTheBuild) {
 // aborts while freeing the tree (a container's destructor allocates in the
 // JSON library), and some limits take each outcome.
 TEST_F(HostileFiles, JsonTreesPastTheMemoryLimitFailCleanly) {
-  const std::string head =
-      R"({"num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "max_position_embeddings": 256,)";
+  const std::string head = kConfigHead;
   std::string flat = head + R"( "pad": [1)", nested = head + R"( "pad": [[[1]])";
   while (flat.size() < (std::size_t{4} << 20) - 16) flat += ",1";
   while (nested.size() < (std::size_t{4} << 20) - 16) nested += ",[[1]]";
@@ -556,23 +577,13 @@ TEST_F(HostileFiles, JsonTreesPastTheMemoryLimitFailCleanly) {
   write_file(dir_ + "/record.kvpack", thin_record_pack(record + "]}"));
   ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
 
-  struct Case {
-    std::vector<std::string> args;
-    int done;  // the exit once the tree is built and freed
-  };
-  for (const Case& c : {Case{{"config", "--config", "flat.json"}, 0}, Case{{"config", "--config", "nested.json"}, 0},
-                        Case{{"run", "--resume", "record.kvpack", "--store", "dir:store", "--no-progress"}, 2}}) {
-    int out_of_memory = 0, finished = 0;
-    for (const std::int64_t mib : {24, 48, 64, 80, 96, 112, 128, 160, 192, 256, 384}) {
-      const Ran r = run_tool(c.args, dir_, mib << 20, 30);
-      const bool named = r.err.find("out of host memory") != std::string::npos;
-      EXPECT_TRUE((r.rc == 2 && named) || (r.rc == c.done && !named)) << c.args[2] << " at " << mib << " MiB: " << describe(r);
-      out_of_memory += named;
-      finished += !named;
-    }
-    EXPECT_GT(out_of_memory, 0) << c.args[2];
-    EXPECT_GT(finished, 0) << c.args[2];
-  }
+  // The exit once the tree is built and freed: 0, or 2 for the pack, whose
+  // chunks are in no store.
+  const std::vector<std::int64_t> mib{24, 48, 64, 80, 96, 112, 128, 160, 192, 256, 384};
+  expect_memory_named_or_done({"config", "--config", "flat.json"}, 0, dir_, mib);
+  expect_memory_named_or_done({"config", "--config", "nested.json"}, 0, dir_, mib);
+  expect_memory_named_or_done({"run", "--resume", "record.kvpack", "--store", "dir:store", "--no-progress"}, 2, dir_,
+                              mib);
 }
 
 // A key given twice whose first value is a large array: the last value
@@ -582,8 +593,7 @@ TEST_F(HostileFiles, JsonTreesPastTheMemoryLimitFailCleanly) {
 // that array (a container's destructor allocates in the JSON library), and
 // some limits take each outcome.
 TEST_F(HostileFiles, DuplicateKeysPastTheMemoryLimitFailCleanly) {
-  const std::string head =
-      R"({"num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "max_position_embeddings": 256,)";
+  const std::string head = kConfigHead;
   auto last = parse_hf_config(head + R"( "num_attention_heads": {"x": [1]}, "num_attention_heads": 1})");
   ASSERT_TRUE(last.ok()) << last.error().message;
   EXPECT_EQ(last->n_heads, 1);
@@ -599,25 +609,12 @@ TEST_F(HostileFiles, DuplicateKeysPastTheMemoryLimitFailCleanly) {
   write_file(dir_ + "/dup.kvpack", thin_record_pack(record + pad));
   ASSERT_TRUE(open_dir_store(dir_ + "/store").ok());
 
-  struct Case {
-    std::vector<std::string> args;
-    int done;  // the exit once the tree is built and freed
-  };
-  for (const Case& c : {Case{{"config", "--config", "dup.json"}, 0},
-                        Case{{"run", "--resume", "dup.kvpack", "--store", "dir:store", "--no-progress"}, 2}}) {
-    int out_of_memory = 0, finished = 0;
-    // Steps of 8 MiB: the limits at which only that freeing runs out span
-    // more than that.
-    for (std::int64_t mib = 24; mib <= 192; mib += 8) {
-      const Ran r = run_tool(c.args, dir_, mib << 20, 30);
-      const bool named = r.err.find("out of host memory") != std::string::npos;
-      EXPECT_TRUE((r.rc == 2 && named) || (r.rc == c.done && !named)) << c.args[2] << " at " << mib << " MiB: " << describe(r);
-      out_of_memory += named;
-      finished += !named;
-    }
-    EXPECT_GT(out_of_memory, 0) << c.args[2];
-    EXPECT_GT(finished, 0) << c.args[2];
-  }
+  // Steps of 8 MiB: the limits at which only that freeing runs out span
+  // more than that.
+  std::vector<std::int64_t> mib;
+  for (std::int64_t limit = 24; limit <= 192; limit += 8) mib.push_back(limit);
+  expect_memory_named_or_done({"config", "--config", "dup.json"}, 0, dir_, mib);
+  expect_memory_named_or_done({"run", "--resume", "dup.kvpack", "--store", "dir:store", "--no-progress"}, 2, dir_, mib);
 }
 
 // A session of 40 tokens over vocabulary 50, and a pack of it whose record
